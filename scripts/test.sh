@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The README's test command: set up, lint, type-check, run the whole test suite.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit 1
+. .venv/bin/activate
+echo "== ruff"; ruff check spotnb tests benchmarks || exit 1
+echo "== mypy"; mypy || exit 1
+echo "== pytest"
+python -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "pytest ran no test: that is a failure here" >&2
+  exit 1
+fi
+exit "$rc"

@@ -1,0 +1,39 @@
+"""spotnb: train in Jupyter on cheap spot GPU instances, and survive interruptions.
+
+The Python API (the magics are a thin layer over it)::
+
+    import spotnb
+    handle = spotnb.submit(code, instance_types=["g5.xlarge"], outputs=["model"])
+    result = handle.wait()
+
+Inside the cell, on the instance: ``from spotnb import runtime as spot``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from spotnb.jobs import (
+    Attempt,
+    JobHandle,
+    JobInfo,
+    JobNotFound,
+    JobResult,
+    attach,
+    jobs,
+    submit,
+)
+from spotnb.spec import SpecError
+
+__all__ = [
+    "Attempt",
+    "JobHandle",
+    "JobInfo",
+    "JobNotFound",
+    "JobResult",
+    "SpecError",
+    "__version__",
+    "attach",
+    "jobs",
+    "submit",
+]

@@ -1,0 +1,540 @@
+"""The Python API: submit a job, follow it, wait for its result. No IPython needed.
+
+The magics call these functions; so can scripts and tests::
+
+    handle = spotnb.submit(code, instance_types=["g5.xlarge"], outputs=["model"])
+    for event in handle.events():   # follows until the job ends
+        ...
+    result = handle.wait()          # JobResult: status, outputs, attempts, cost
+
+Everything is read back from the job's store prefix, so :func:`attach` in another
+process (after a kernel restart) sees exactly what the submitting process saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import cloudpickle
+
+from spotnb import __version__, layout
+from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, EventReader
+from spotnb.providers import Provider, get_provider
+from spotnb.spec import CheckpointEvery, JobSpec, Policy, Resources, SpecError, parse_duration
+from spotnb.store import NotFound, Store, open_store
+
+__all__ = [
+    "Attempt",
+    "JobHandle",
+    "JobInfo",
+    "JobNotFound",
+    "JobResult",
+    "attach",
+    "jobs",
+    "submit",
+    "summarize",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INSTANCE_TYPES = ("g4dn.xlarge",)
+# Inputs travel inside the job's prefix; past this they belong in the store or in the
+# cell's own loading code.
+MAX_INPUT_BYTES = 1 << 30
+# How long a stop waits for the agent to wind down before the group is deleted.
+STOP_GRACE_SECONDS = 30.0
+# A result file without the agent's closing events: the agent died in between.
+RESULT_WITHOUT_EVENTS_GRACE = 5.0
+POLL_SECONDS = 0.25
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class JobNotFound(LookupError):
+    """No job with that id in the store."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One attempt: an agent's run under one lease epoch, on one instance."""
+
+    number: int
+    instance_id: str | None
+    instance_type: str | None
+    pool: str | None
+    start: float
+    end: float | None
+    end_reason: str
+    spot_price: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """How a job ended (or where it stands, for a job still running)."""
+
+    job_id: str
+    name: str
+    status: str
+    reason: str
+    attempts: tuple[Attempt, ...]
+    interruptions: int
+    cost_usd: float
+    ondemand_cost_usd: float
+    metrics: dict[str, float]
+    duration: float
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: dict[str, Any] | None = None
+
+    @property
+    def savings_pct(self) -> float | None:
+        """Savings versus on-demand in percent (None before any cost)."""
+        if self.ondemand_cost_usd <= 0:
+            return None
+        return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, without the outputs (they are arbitrary objects)."""
+        out = dataclasses.asdict(self)
+        out.pop("outputs")
+        out["output_names"] = sorted(self.outputs)
+        out["savings_pct"] = self.savings_pct
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class JobInfo:
+    """A row of :func:`jobs`."""
+
+    job_id: str
+    name: str
+    status: str
+    attempts: int
+    interruptions: int
+    cost_usd: float
+    created: float
+
+
+# -- submitting ----------------------------------------------------------------------
+
+def submit(
+    code: str,
+    *,
+    provider: str = "local",
+    instance_types: Sequence[str] | str = DEFAULT_INSTANCE_TYPES,
+    region: str = "us-east-1",
+    max_price: float | None = None,
+    name: str | None = None,
+    inputs: Mapping[str, Any] | None = None,
+    outputs: Sequence[str] | None = None,
+    checkpoint_every: float | str = "60s",
+    max_restarts_on_error: int = 0,
+    budget_usd: float | None = None,
+    max_duration: float | str | None = None,
+    keep_checkpoints: int = 3,
+    simulate_interruptions: int | Sequence[float] | None = None,
+    store: str | None = None,
+) -> JobHandle:
+    """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
+
+    Everything is checked before anything starts; bad input raises
+    :class:`~spotnb.spec.SpecError` with the fix. ``inputs`` maps names to values that
+    are defined in the remote namespace before the code runs; ``outputs`` names
+    variables whose values :meth:`JobHandle.wait` brings back. ``checkpoint_every`` is
+    a time (``"5m"``) or a step count (``"500 steps"``) for ``Checkpoint.maybe_save``.
+    ``simulate_interruptions`` (local cloud): a count, or seconds after launch.
+    """
+    _check_code(code)
+    prov = get_provider(provider)
+    types = _instance_types(instance_types)
+    if max_price is not None and not max_price > 0:
+        raise SpecError(f"max_price must be above 0 USD/hour, not {max_price!r}; "
+                        "leave it unset to cap at the on-demand price")
+    if budget_usd is not None and not budget_usd > 0:
+        raise SpecError(f"budget_usd must be above 0, not {budget_usd!r}")
+    if max_restarts_on_error < 0:
+        raise SpecError("max_restarts_on_error must be 0 or more")
+    if keep_checkpoints < 1:
+        raise SpecError("keep_checkpoints must be at least 1")
+    out_names = tuple(outputs or ())
+    for out in out_names:
+        if not _NAME.match(out):
+            raise SpecError(f"output {out!r} is not a variable name")
+    payload = _pickle_inputs(inputs or {})
+    job_id = _new_job_id()
+    root = open_store(store or layout.default_store_root())
+    job_store = root.child(f"jobs/{job_id}")
+    spec = JobSpec(
+        job_id=job_id,
+        name=name or "job",
+        code=code,
+        provider=provider,
+        resources=Resources(instance_types=types, region=region, max_price=max_price),
+        policy=Policy(
+            checkpoint_every=CheckpointEvery.parse(checkpoint_every),
+            max_restarts_on_error=max_restarts_on_error,
+            budget_usd=budget_usd,
+            max_duration=(parse_duration(max_duration, "max_duration")
+                          if max_duration is not None else None),
+            keep_checkpoints=keep_checkpoints,
+        ),
+        store_uri=job_store.uri,
+        created=time.time(),
+        inputs=tuple(sorted(inputs or ())),
+        outputs=out_names,
+        simulate_interruptions=_simulation(simulate_interruptions, provider),
+        spotnb_version=__version__,
+    )
+    prov.validate(spec)
+    # Inputs first: an agent that can read spec.json can read everything it names.
+    job_store.put(layout.INPUTS, payload)
+    job_store.put(layout.SPEC, spec.to_json().encode())
+    try:
+        prov.launch(spec)
+    except BaseException:
+        job_store.put_if_absent(layout.RESULT, json.dumps(
+            {"status": "failed", "reason": "the capacity group could not be created",
+             "time": time.time()}).encode())
+        raise
+    log.info("submitted job %s (%s) to %s", job_id, spec.name, provider)
+    return JobHandle(job_store, spec, prov)
+
+
+def _check_code(code: str) -> None:
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    if not code.strip():
+        raise SpecError("the cell is empty: put the training code below the magic line")
+    try:
+        python = TransformerManager().transform_cell(code)
+        compile(python, "<cell>", "exec")
+    except SyntaxError as err:
+        line = (err.text or "").rstrip()
+        raise SpecError(
+            f"the cell does not compile: line {err.lineno}: {err.msg}"
+            + (f"\n    {line}" if line else "")
+            + "\nFix the line and run the cell again; nothing was started."
+        ) from None
+
+
+def _instance_types(value: Sequence[str] | str) -> tuple[str, ...]:
+    types = [value] if isinstance(value, str) else list(value)
+    types = [t.strip() for item in types for t in item.split(",") if t.strip()]
+    if not types:
+        raise SpecError("give at least one instance type, e.g. instance_types=['g5.xlarge']")
+    return tuple(dict.fromkeys(types))
+
+
+def _pickle_inputs(inputs: Mapping[str, Any]) -> bytes:
+    values = {}
+    for key, value in inputs.items():
+        if not _NAME.match(key):
+            raise SpecError(f"input {key!r} is not a variable name")
+        try:
+            blob = cloudpickle.dumps(value)
+        except Exception as err:
+            raise SpecError(
+                f"input {key!r} ({type(value).__name__}) cannot be pickled: {err}. "
+                f"Create it inside the cell instead, or leave it out of the inputs."
+            ) from None
+        if len(blob) > MAX_INPUT_BYTES:
+            raise SpecError(
+                f"input {key!r} is {len(blob) / 2**20:,.0f} MiB pickled, over the "
+                f"{MAX_INPUT_BYTES / 2**20:,.0f} MiB limit: load it inside the cell "
+                "(from a file or a bucket) instead of shipping it."
+            )
+        values[key] = blob
+    return cloudpickle.dumps(values)
+
+
+def _simulation(value: int | Sequence[float] | None, provider: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if provider != "local":
+        raise SpecError("simulate_interruptions works on the local cloud only "
+                        "(provider='local'); use interrupt() on a running job elsewhere")
+    if isinstance(value, bool):
+        raise SpecError("simulate_interruptions is a count or a list of seconds")
+    if isinstance(value, int):
+        if value < 0:
+            raise SpecError("simulate_interruptions must be 0 or more")
+        return {"count": value} if value else None
+    schedule = sorted(float(v) for v in value)
+    if any(v < 0 for v in schedule):
+        raise SpecError("simulate_interruptions times are seconds after launch, >= 0")
+    return {"schedule": schedule}
+
+
+def _new_job_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+# -- following -----------------------------------------------------------------------
+
+class JobHandle:
+    """A submitted job. Cheap to create; everything is read from the store."""
+
+    def __init__(self, store: Store, spec: JobSpec, provider: Provider | None = None) -> None:
+        self.store = store
+        self.spec = spec
+        self._provider = provider
+
+    def __repr__(self) -> str:
+        return f"<JobHandle {self.job_id} {self.spec.name!r}>"
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    @property
+    def provider(self) -> Provider:
+        if self._provider is None:
+            self._provider = get_provider(self.spec.provider)
+        return self._provider
+
+    def result_record(self) -> dict[str, Any] | None:
+        """``result.json`` as written by the agent, or None while the job runs."""
+        try:
+            return dict(json.loads(self.store.get(layout.RESULT)))
+        except NotFound:
+            return None
+
+    @property
+    def status(self) -> str:
+        """The job's state (see :data:`spotnb.events.STATES`)."""
+        return _status(EventReader(self.store).poll(), self.result_record())[0]
+
+    def events(self, follow: bool = True, timeout: float | None = None) -> Iterator[Event]:
+        """Every event from the start; with ``follow``, then new ones until the job ends."""
+        reader = EventReader(self.store)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        result_seen_at: float | None = None
+        while True:
+            batch = reader.poll()
+            yield from batch
+            if not follow:
+                return
+            if any(e.type == "result" for e in batch):
+                yield from reader.poll()
+                return
+            if result_seen_at is None and self.store.exists(layout.RESULT):
+                result_seen_at = time.monotonic()
+            if result_seen_at is not None and \
+                    time.monotonic() - result_seen_at > RESULT_WITHOUT_EVENTS_GRACE:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            time.sleep(POLL_SECONDS)
+
+    def wait(self, timeout: float | None = None) -> JobResult:
+        """Block until the job ends; its :class:`JobResult` (with outputs).
+
+        Raises ``TimeoutError`` if ``timeout`` seconds pass first; the job keeps going.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.store.exists(layout.RESULT):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {self.job_id} still runs after {timeout}s; it keeps running: "
+                    f"wait again, or stop it with spotnb.attach({self.job_id!r}).stop()")
+            time.sleep(POLL_SECONDS)
+        # The agent writes its closing events right after result.json.
+        end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
+        while time.monotonic() < end:
+            if any(e.type == "result" for e in EventReader(self.store).poll()):
+                break
+            time.sleep(POLL_SECONDS)
+        return self.summary(with_outputs=True)
+
+    def summary(self, with_outputs: bool = False) -> JobResult:
+        """Where the job stands now, from its full event history."""
+        events = EventReader(self.store).poll()
+        result = summarize(self.spec, events, self.result_record())
+        if with_outputs and result.status == "completed" and self.spec.outputs:
+            outputs = cloudpickle.loads(self.store.get(layout.OUTPUTS))
+            result = dataclasses.replace(result, outputs=dict(outputs))
+        return result
+
+    def metrics(self) -> dict[str, list[tuple[int, float]]]:
+        """Every logged metric as (step, value) pairs, in logging order."""
+        series: dict[str, list[tuple[int, float]]] = {}
+        for event in EventReader(self.store).poll():
+            if event.type == "metric":
+                for key, value in event.data["values"].items():
+                    series.setdefault(key, []).append((event.data["step"], value))
+        return series
+
+    def interrupt(self) -> None:
+        """Deliver a spot interruption notice to the job's instance now."""
+        if self.store.exists(layout.RESULT):
+            raise SpecError(f"job {self.job_id} has ended; there is no instance to interrupt")
+        self.provider.interrupt(self.job_id)
+
+    def stop(self, reason: str = "requested") -> None:
+        """Stop the job: the cell is interrupted, the capacity group deleted."""
+        self.store.put_if_absent(layout.STOP, json.dumps(
+            {"reason": reason, "time": time.time()}).encode())
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        while not self.store.exists(layout.RESULT) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        self.provider.terminate(self.job_id)
+        self.store.put_if_absent(layout.RESULT, json.dumps(
+            {"status": "stopped", "reason": f"stop requested ({reason})",
+             "time": time.time()}).encode())
+
+
+def _open_job(job_id: str, store: str | None = None) -> tuple[Store, JobSpec]:
+    root = open_store(store or layout.default_store_root())
+    job_store = root.child(f"jobs/{job_id}")
+    try:
+        spec = JobSpec.from_json(job_store.get(layout.SPEC))
+    except NotFound:
+        raise JobNotFound(
+            f"no job {job_id!r} in {root.uri}; list jobs with `spotnb jobs`") from None
+    return job_store, spec
+
+
+def attach(job_id: str, store: str | None = None) -> JobHandle:
+    """A handle on an existing job (after a kernel restart, from another process)."""
+    job_store, spec = _open_job(job_id, store)
+    return JobHandle(job_store, spec)
+
+
+def jobs(store: str | None = None) -> list[JobInfo]:
+    """Every job in the store, oldest first."""
+    root = open_store(store or layout.default_store_root())
+    rows = []
+    for job_id in root.list_children("jobs"):
+        try:
+            job_store, spec = _open_job(job_id, store)
+        except JobNotFound:
+            continue
+        s = JobHandle(job_store, spec).summary()
+        rows.append(JobInfo(job_id=job_id, name=spec.name, status=s.status,
+                            attempts=len(s.attempts), interruptions=s.interruptions,
+                            cost_usd=s.cost_usd, created=spec.created))
+    return sorted(rows, key=lambda r: r.created)
+
+
+# -- summarising ---------------------------------------------------------------------
+
+def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
+              now: float | None = None) -> JobResult:
+    """A :class:`JobResult` from the event history (and ``result.json`` if any).
+
+    Cost: each instance is billed per second from launch to termination at its pool's
+    spot price, which changes when ``price`` events say so; the on-demand equivalent
+    bills the same seconds at the on-demand price.
+    """
+    now = time.time() if now is None else now
+    final = result is not None
+    end_of_job = max((e.time for e in events), default=now) if final else now
+
+    # Instances, from the group's stream.
+    launched: dict[str, dict[str, Any]] = {}
+    prices: dict[str, list[tuple[float, float]]] = {}
+    interruptions = 0
+    for e in events:
+        if e.attempt != GROUP_STREAM:
+            continue
+        if e.type == "instance" and e.data.get("action") == "launched":
+            launched[e.data["instance_id"]] = {**e.data, "start": e.time, "end": None}
+            if e.data.get("price") is not None:
+                prices.setdefault(e.data.get("pool", ""), []).append((e.time, e.data["price"]))
+        elif e.type == "instance" and e.data.get("action") == "terminated":
+            if e.data.get("instance_id") in launched:
+                launched[e.data["instance_id"]]["end"] = e.time
+        elif e.type == "instance" and e.data.get("action") == "notice":
+            interruptions += 1
+        elif e.type == "price":
+            prices.setdefault(e.data.get("pool", ""), []).append((e.time, e.data["price"]))
+
+    cost = ondemand = 0.0
+    for inst in launched.values():
+        start, stop = inst["start"], inst["end"] or end_of_job
+        series = sorted(prices.get(inst.get("pool", ""), []))
+        cost += _integrate(series, start, stop, inst.get("price") or 0.0)
+        ondemand += (inst.get("ondemand") or 0.0) * max(0.0, stop - start) / 3600.0
+
+    # Attempts, from the agents' streams.
+    by_attempt: dict[int, list[Event]] = {}
+    for e in events:
+        if e.attempt != GROUP_STREAM:
+            by_attempt.setdefault(e.attempt, []).append(e)
+    attempts = []
+    metrics: dict[str, float] = {}
+    error = None
+    for number in sorted(by_attempt):
+        evs = by_attempt[number]
+        boot = next((e for e in evs if e.type == "status" and e.data.get("state") == "booting"),
+                    evs[0])
+        instance = launched.get(boot.instance or "", {})
+        end_reason = "running"
+        for e in evs:
+            if e.type == "metric":
+                metrics.update(e.data["values"])
+            elif e.type == "notice" and e.data.get("kind") == "instance-action":
+                end_reason = "interrupted"
+            elif e.type == "error":
+                error = {k: e.data.get(k) for k in ("ename", "evalue", "traceback")}
+                end_reason = "error (retried)" if e.data.get("retrying") else "error"
+            elif e.type == "result":
+                end_reason = e.data.get("status", end_reason)
+        if end_reason == "running" and (final or number < max(by_attempt)):
+            end_reason = "lost"  # the instance went away without a notice
+        attempts.append(Attempt(
+            number=number,
+            instance_id=boot.instance,
+            instance_type=boot.data.get("instance_type") or instance.get("instance_type"),
+            pool=instance.get("pool"),
+            start=boot.time,
+            end=evs[-1].time if end_reason != "running" else None,
+            end_reason=end_reason,
+            spot_price=instance.get("price"),
+        ))
+    if not launched:
+        # No capacity group stream (an agent started by hand): count agent notices.
+        interruptions = sum(1 for a in attempts if a.end_reason == "interrupted")
+
+    status, reason = _status(events, result)
+    start = min((e.time for e in events), default=spec.created)
+    return JobResult(
+        job_id=spec.job_id, name=spec.name, status=status, reason=reason,
+        attempts=tuple(attempts), interruptions=interruptions,
+        cost_usd=cost, ondemand_cost_usd=ondemand, metrics=metrics,
+        duration=max(0.0, end_of_job - min(start, spec.created)),
+        error=(result or {}).get("error") or (error if status == "failed" else None),
+    )
+
+
+def _status(events: list[Event], result: dict[str, Any] | None) -> tuple[str, str]:
+    if result is not None:
+        return str(result["status"]), str(result.get("reason", ""))
+    state, detail = "submitted", ""
+    for e in events:
+        if e.type == "status" and e.data.get("state") not in FINAL_STATES:
+            state, detail = e.data["state"], e.data.get("detail", "")
+    return state, detail
+
+
+def _integrate(series: list[tuple[float, float]], start: float, stop: float,
+               initial: float) -> float:
+    """USD for [start, stop] under a step function of USD/hour changes."""
+    if stop <= start:
+        return 0.0
+    total, price, t = 0.0, initial, start
+    for when, value in series:
+        if when <= start:
+            price = value
+            continue
+        if when >= stop:
+            break
+        total += price * (when - t)
+        price, t = value, when
+    total += price * (stop - t)
+    return total / 3600.0

@@ -1,0 +1,50 @@
+"""Where things live: ``SPOTNB_HOME`` on this machine and the keys of a job's prefix.
+
+Job prefix (in the store, one per job)::
+
+    spec.json                   the JobSpec (written once)
+    inputs.pkl                  cloudpickled {name: value} of captured inputs
+    lease.json                  who runs the job: {"epoch", "holder", "heartbeat", ...}
+    events/<stream>/<seq>.jsonl the event log (see spotnb.events)
+    checkpoints/<id>/...        checkpoint data, then checkpoints/<id>/MANIFEST.json
+    checkpoints/LATEST          pointer to the newest complete checkpoint
+    sync/<name>/...             spot.sync_dir snapshots (same protocol as checkpoints)
+    control/stop.json           a stop request (from the notebook or the CLI)
+    outputs.pkl                 cloudpickled {name: value} of the job's outputs
+    result.json                 the final result, written once by the agent
+
+``SPOTNB_HOME`` (default ``~/.spotnb``)::
+
+    store/jobs/<job_id>/        the default local store's job prefixes
+    cloud/                      the local cloud's state (groups, instances)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SPEC = "spec.json"
+INPUTS = "inputs.pkl"
+LEASE = "lease.json"
+CHECKPOINTS = "checkpoints"
+SYNC = "sync"
+STOP = "control/stop.json"
+OUTPUTS = "outputs.pkl"
+RESULT = "result.json"
+
+
+def home() -> Path:
+    """The directory for spotnb's local state (``$SPOTNB_HOME``, default ``~/.spotnb``)."""
+    env = os.environ.get("SPOTNB_HOME")
+    return Path(env).expanduser().absolute() if env else Path.home() / ".spotnb"
+
+
+def default_store_root() -> Path:
+    """The default local store: job prefixes live under ``jobs/`` in it."""
+    return home() / "store"
+
+
+def cloud_dir() -> Path:
+    """The local cloud's state directory."""
+    return home() / "cloud"

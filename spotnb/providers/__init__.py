@@ -1,0 +1,92 @@
+"""Providers: where capacity comes from. One contract, several implementations.
+
+A provider creates one *capacity group* per job: a group that keeps one instance of
+the job's ranked instance types running, and replaces an interrupted instance by
+itself, whether or not the notebook is open (local cloud: a supervisor process; AWS:
+an Auto Scaling group). Every instance runs the same agent
+(``python -m spotnb.kernel_remote --job <store-uri>``) with an instance-metadata
+endpoint (IMDSv2) that announces interruptions.
+
+The contract, which every implementation follows (implementations say "see the
+contract" rather than repeat it):
+
+``validate(spec)``
+    Raise :class:`spotnb.spec.SpecError` (message names the fix) if the provider
+    cannot run the spec: unknown instance type, bad region, missing credentials.
+    Starts nothing.
+``launch(spec)``
+    Create the capacity group. Returns once the group exists (not once an instance
+    runs). If a step fails, release what was already created, then raise.
+``interrupt(job_id)``
+    Deliver a spot interruption notice to the job's current instance now; it is
+    terminated after the notice period, and the group replaces it.
+``terminate(job_id)``
+    Delete the capacity group and its instances. Idempotent; called on completion,
+    failure, stop, budget and deadline (DESIGN invariant 6).
+``cleanup(dry_run)``
+    Find leftovers of this provider (groups whose job ended, orphan instances) and,
+    unless ``dry_run``, remove them. Returns a description of each.
+``prices(instance_type, region)``
+    The on-demand and current spot prices (USD/hour) and where they come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+
+from spotnb.spec import JobSpec, SpecError
+
+__all__ = ["PROVIDERS", "PoolPrice", "Provider", "get_provider"]
+
+PROVIDERS = ("local",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPrice:
+    """Prices of one instance type in one place, USD per instance-hour."""
+
+    instance_type: str
+    region: str
+    az: str | None
+    spot: float | None
+    ondemand: float | None
+    source: str
+
+
+class Provider(ABC):
+    """The provider contract; see the module docstring."""
+
+    name: str
+
+    @abstractmethod
+    def validate(self, spec: JobSpec) -> None: ...
+
+    @abstractmethod
+    def launch(self, spec: JobSpec) -> None: ...
+
+    @abstractmethod
+    def interrupt(self, job_id: str) -> None: ...
+
+    @abstractmethod
+    def terminate(self, job_id: str) -> None: ...
+
+    @abstractmethod
+    def cleanup(self, dry_run: bool = False) -> list[str]: ...
+
+    @abstractmethod
+    def prices(self, instance_type: str, region: str) -> PoolPrice: ...
+
+
+def get_provider(name: str) -> Provider:
+    """The provider called ``name``; raises :class:`SpecError` naming the valid ones."""
+    if name == "local":
+        from spotnb.providers.local import LocalProvider
+
+        return LocalProvider()
+    if name == "aws":
+        raise SpecError(
+            "the AWS provider is not available in this version of spotnb yet; "
+            "use provider='local' (the default)"
+        )
+    raise SpecError(f"unknown provider {name!r}: choose one of {', '.join(PROVIDERS)}")

@@ -1,0 +1,48 @@
+"""Shared fixtures: an isolated SPOTNB_HOME per test, and no process left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+LEFTOVER_GRACE_SECONDS = 20.0
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def _spotnb_processes(home: Path) -> list[psutil.Process]:
+    """Processes of the local cloud that belong to ``home`` (agents, supervisors, kernels)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "environ"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            env = proc.info["environ"] or {}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if proc.pid == os.getpid():
+            continue
+        if env.get("SPOTNB_HOME") == str(home) and ("spotnb" in cmd or "ipykernel" in cmd):
+            found.append(proc)
+    return found
+
+
+@pytest.fixture
+def spotnb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh SPOTNB_HOME; fails the test if a local-cloud process outlives it."""
+    home = tmp_path / "spotnb-home"
+    home.mkdir()
+    monkeypatch.setenv("SPOTNB_HOME", str(home))
+    yield home
+    # A finished job's group and agent exit by themselves within moments.
+    deadline = time.monotonic() + LEFTOVER_GRACE_SECONDS
+    while (leftovers := _spotnb_processes(home)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for proc in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    assert not leftovers, f"processes outlived the test: {[p.info['cmdline'] for p in leftovers]}"
