@@ -14,12 +14,16 @@ process (after a kernel restart) sees exactly what the submitting process saw.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
+import os
 import re
 import secrets
+import tarfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -138,6 +142,7 @@ def submit(
     max_duration: float | str | None = None,
     keep_checkpoints: int = 3,
     simulate_interruptions: int | Sequence[float] | None = None,
+    files: Mapping[str, str | os.PathLike[str]] | None = None,
     store: str | None = None,
 ) -> JobHandle:
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
@@ -148,6 +153,8 @@ def submit(
     variables whose values :meth:`JobHandle.wait` brings back. ``checkpoint_every`` is
     a time (``"5m"``) or a step count (``"500 steps"``) for ``Checkpoint.maybe_save``.
     ``simulate_interruptions`` (local cloud): a count, or seconds after launch.
+    ``files`` maps paths relative to the remote working directory to local files
+    (helper modules next to the notebook): they are importable in the cell.
     """
     _check_code(code)
     prov = get_provider(provider)
@@ -166,6 +173,7 @@ def submit(
         if not _NAME.match(out):
             raise SpecError(f"output {out!r} is not a variable name")
     payload = _pickle_inputs(inputs or {})
+    archive = _pack_files(files or {})
     job_id = _new_job_id()
     root = open_store(store or layout.default_store_root())
     job_store = root.child(f"jobs/{job_id}")
@@ -193,6 +201,8 @@ def submit(
     prov.validate(spec)
     # Inputs first: an agent that can read spec.json can read everything it names.
     job_store.put(layout.INPUTS, payload)
+    if archive is not None:
+        job_store.put(layout.WORKDIR, archive)
     job_store.put(layout.SPEC, spec.to_json().encode())
     try:
         prov.launch(spec)
@@ -250,6 +260,28 @@ def _pickle_inputs(inputs: Mapping[str, Any]) -> bytes:
             )
         values[key] = blob
     return cloudpickle.dumps(values)
+
+
+def _pack_files(files: Mapping[str, str | os.PathLike[str]]) -> bytes | None:
+    """A gzipped tar of ``files`` ({remote relative path: local path}), or None."""
+    if not files:
+        return None
+    buf = io.BytesIO()
+    total = 0
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for remote, local in sorted(files.items()):
+            parts = Path(remote).parts
+            if Path(remote).is_absolute() or ".." in parts:
+                raise SpecError(f"shipped file {remote!r} must be a relative path below "
+                                "the working directory")
+            if not Path(local).is_file():
+                raise SpecError(f"shipped file {str(local)!r} does not exist")
+            total += Path(local).stat().st_size
+            if total > MAX_INPUT_BYTES:
+                raise SpecError(f"the shipped files pass {MAX_INPUT_BYTES / 2**20:,.0f} MiB; "
+                                "ship code, and load data inside the cell")
+            tar.add(str(local), arcname=str(Path(*parts)))
+    return buf.getvalue()
 
 
 def _simulation(value: int | Sequence[float] | None, provider: str) -> dict[str, Any] | None:

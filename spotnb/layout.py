@@ -4,6 +4,8 @@ Job prefix (in the store, one per job)::
 
     spec.json                   the JobSpec (written once)
     inputs.pkl                  cloudpickled {name: value} of captured inputs
+    workdir.tar.gz              files shipped with the job (helper modules), unpacked
+                                into the kernel's working directory
     lease.json                  who runs the job: {"epoch", "holder", "heartbeat", ...}
     events/<stream>/<seq>.jsonl the event log (see spotnb.events)
     checkpoints/<id>/...        checkpoint data, then checkpoints/<id>/MANIFEST.json
@@ -26,6 +28,7 @@ from pathlib import Path
 
 SPEC = "spec.json"
 INPUTS = "inputs.pkl"
+WORKDIR = "workdir.tar.gz"
 LEASE = "lease.json"
 CHECKPOINTS = "checkpoints"
 SYNC = "sync"

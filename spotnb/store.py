@@ -26,6 +26,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 import urllib.parse
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -38,6 +39,10 @@ __all__ = [
     "StoreError",
     "open_store",
 ]
+
+# The local cloud can simulate an instance's upload bandwidth (MB/s) for uploads of
+# files (checkpoints), so that "an interruption during an upload" can be staged.
+UPLOAD_MBPS_ENV = "SPOTNB_LOCAL_UPLOAD_MBPS"
 
 # Temporary files and lock files carry these markers; listings never show them.
 _TMP_MARK = ".tmp-"
@@ -261,7 +266,11 @@ class LocalStore(Store):
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=_TMP_MARK)
         os.close(fd)
         try:
-            shutil.copyfile(path, tmp)
+            mbps = float(os.environ.get(UPLOAD_MBPS_ENV) or 0)
+            if mbps > 0:
+                _throttled_copy(path, tmp, mbps)
+            else:
+                shutil.copyfile(path, tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, dest)
@@ -292,10 +301,23 @@ class LocalStore(Store):
         return LocalStore(self.root / _check_key(prefix.strip("/")))
 
 
-def open_store(uri: str | os.PathLike[str]) -> Store:
-    """Open a store from its URI: ``file:///abs/path`` or a plain local path.
+def _throttled_copy(src: str | os.PathLike[str], dest: str, mbps: float) -> None:
+    """Copy at ``mbps`` megabytes per second: the local cloud's simulated network."""
+    chunk = 1 << 18
+    start = time.monotonic()
+    done = 0
+    with open(src, "rb") as fin, open(dest, "wb") as fout:
+        while block := fin.read(chunk):
+            fout.write(block)
+            done += len(block)
+            ahead = done / (mbps * 1e6) - (time.monotonic() - start)
+            if ahead > 0:
+                time.sleep(ahead)
 
-    ``s3://bucket/prefix`` comes with the AWS provider.
+
+def open_store(uri: str | os.PathLike[str]) -> Store:
+    """Open a store from its URI: ``file:///abs/path``, a plain local path, or
+    ``s3://bucket/prefix`` (:class:`spotnb.providers.aws.store.S3Store`, needs boto3).
     """
     text = os.fspath(uri)
     parsed = urllib.parse.urlparse(text)
@@ -304,8 +326,7 @@ def open_store(uri: str | os.PathLike[str]) -> Store:
     if parsed.scheme == "":
         return LocalStore(text)
     if parsed.scheme == "s3":
-        raise StoreError(
-            f"S3 stores need the AWS provider, which is not available yet: {text}. "
-            "Use a local directory for the store (the default)."
-        )
+        from spotnb.providers.aws.store import S3Store
+
+        return S3Store.from_uri(text)
     raise StoreError(f"unknown store URI scheme {parsed.scheme!r} in {text!r}: use a local path")

@@ -27,6 +27,7 @@ and watch the store for a stop request.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ import shutil
 import signal
 import socket
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -231,6 +233,7 @@ class Agent:
 
         workdir = Path(os.getcwd()) / "work"
         workdir.mkdir(exist_ok=True)
+        self._unpack_workdir(workdir)
         every = self.spec.policy.checkpoint_every
         env = dict(os.environ)
         env.update({
@@ -255,6 +258,15 @@ class Agent:
         kc.start_channels()
         kc.wait_for_ready(timeout=KERNEL_READY_TIMEOUT)
         return kc
+
+    def _unpack_workdir(self, workdir: Path) -> None:
+        """The files shipped with the job (helper modules), into the kernel's cwd."""
+        try:
+            archive = self.store.get(layout.WORKDIR)
+        except NotFound:
+            return
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+            tar.extractall(workdir, filter="data")
 
     def _shutdown_kernel(self) -> None:
         km, self._km = self._km, None

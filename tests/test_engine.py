@@ -1,0 +1,343 @@
+"""End to end on the local cloud: real supervisor, real agents, real kernels.
+
+Each test submits real training code through the public API and checks what a user
+would notice: the result, the history, the cost, the processes left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+import spotnb
+from spotnb import layout
+from spotnb.events import Event
+from spotnb.spec import SpecError
+
+pytestmark = pytest.mark.slow
+
+TORCH_TRAINING = textwrap.dedent("""
+    import hashlib, time
+    import torch
+    from sklearn.datasets import load_digits
+
+    torch.manual_seed(0)
+    X, y = load_digits(return_X_y=True)
+    X = torch.tensor(X / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
+    ckpt = spot.Checkpoint(model=model, optimizer=opt, scheduler=sched)
+    start = ckpt.restore()
+    for step in range(start, STEPS):
+        idx = torch.randint(0, len(X), (64,))
+        loss = torch.nn.functional.cross_entropy(model(X[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        spot.log(step, loss=loss.item())
+        time.sleep(STEP_SECONDS)
+        ckpt.maybe_save(step)
+    digest = hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    accuracy = (model(X).argmax(1) == y).float().mean().item()
+    print(f"accuracy {accuracy:.3f}")
+""")
+
+PYTHON_TRAINING = textwrap.dedent("""
+    import random, time
+
+    random.seed(1)
+    state = {"w": [0.0] * 8}
+    ckpt = spot.Checkpoint(state=state)
+    start = ckpt.restore()
+    w = state["w"]
+    for step in range(start, STEPS):
+        i = random.randrange(len(w))
+        w[i] += random.gauss(0, 1) * 0.1
+        spot.log(step, norm=sum(x * x for x in w))
+        time.sleep(STEP_SECONDS)
+        ckpt.maybe_save(step)
+    weights = list(w)
+""")
+
+
+@pytest.fixture
+def cloud(spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The local cloud with a short notice period and no simulated hazard."""
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "2")
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    return spotnb_home
+
+
+def follow(handle: spotnb.JobHandle, on_event: Callable[[Event], None],
+           timeout: float = 240) -> list[Event]:
+    """Follow a job's events to the end, calling ``on_event`` for each."""
+    seen = []
+    for event in handle.events(timeout=timeout):
+        seen.append(event)
+        on_event(event)
+    return seen
+
+
+def steps_by_attempt(events: list[Event]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for e in events:
+        if e.type == "metric":
+            out.setdefault(e.attempt, []).append(e.data["step"])
+    return out
+
+
+def live_processes(home: Path) -> list[psutil.Process]:
+    procs = []
+    for p in psutil.process_iter(["environ", "cmdline"]):
+        try:
+            if (p.info["environ"] or {}).get("SPOTNB_HOME") == str(home) \
+                    and p.pid != os.getpid():
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return procs
+
+
+def wait_no_processes(home: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while live_processes(home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not live_processes(home), "the instance or its group outlived the job"
+
+
+class Interrupter:
+    """Delivers notices from the outside at chosen moments of a job."""
+
+    def __init__(self, handle: spotnb.JobHandle) -> None:
+        self.handle = handle
+        self.delivered: list[tuple[int, str]] = []
+
+    def __call__(self, event: Event, why: str) -> None:
+        if any(a == event.attempt for a, _ in self.delivered):
+            return  # one notice per attempt
+        self.delivered.append((event.attempt, why))
+        threading.Thread(target=self.handle.interrupt, daemon=True).start()
+
+
+def test_torch_training_with_three_interruptions_is_bitwise_identical(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulate a slow network so that a checkpoint upload is visibly in flight.
+    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.05")
+    inputs = {"STEPS": 160, "STEP_SECONDS": 0.03}
+    common = dict(instance_types=["g4dn.xlarge"], inputs=inputs,
+                  outputs=["digest", "accuracy"], checkpoint_every="20 steps")
+
+    baseline = spotnb.submit(TORCH_TRAINING, name="baseline", **common).wait(timeout=240)
+    assert baseline.status == "completed", baseline.error
+
+    handle = spotnb.submit(TORCH_TRAINING, name="interrupted", **common)
+    interrupt = Interrupter(handle)
+    in_flight: dict[int, str] = {}
+
+    def on_event(e: Event) -> None:
+        if e.type == "checkpoint" and e.data.get("phase") == "begin":
+            in_flight[e.attempt] = e.data["id"]
+        if e.type == "checkpoint" and e.data.get("phase") == "durable":
+            in_flight.pop(e.attempt, None)
+        if e.type != "metric" or len(interrupt.delivered) >= 3:
+            return
+        if e.attempt == 2 and in_flight.get(2):
+            interrupt(e, "during an upload")
+        elif e.attempt in (1, 3) and e.data["step"] >= 25 * e.attempt:
+            interrupt(e, "between checkpoints")
+
+    events = follow(handle, on_event)
+    result = handle.wait(timeout=60)
+    assert [why for _, why in interrupt.delivered] == [
+        "between checkpoints", "during an upload", "between checkpoints"]
+    assert result.status == "completed", result.error
+    assert result.interruptions == 3
+    assert len(result.attempts) == 4
+    assert [a.end_reason for a in result.attempts] == [
+        "interrupted", "interrupted", "interrupted", "completed"]
+    # Bitwise: the same weights as the run that was never interrupted.
+    assert result.outputs["digest"] == baseline.outputs["digest"]
+    assert result.outputs["accuracy"] == baseline.outputs["accuracy"] > 0.8
+    # With a notice and steps much shorter than it, no step is done twice.
+    steps = [s for attempt in steps_by_attempt(events).values() for s in attempt]
+    assert sorted(steps) == list(range(160))
+    # The notice of attempt 2 landed between a checkpoint's begin and its durability.
+    a2 = [e for e in events if e.attempt == 2 and e.type in ("checkpoint", "notice")]
+    kinds = [(e.type, e.data.get("phase")) for e in a2]
+    notice_at = kinds.index(("notice", None))
+    assert ("checkpoint", "begin") in kinds[:notice_at]
+    assert kinds[notice_at - 1] == ("checkpoint", "begin") or \
+        kinds[:notice_at].count(("checkpoint", "begin")) > \
+        kinds[:notice_at].count(("checkpoint", "durable"))
+    assert result.cost_usd > 0 and result.ondemand_cost_usd > result.cost_usd
+    wait_no_processes(cloud)
+
+
+def test_pure_python_training_survives_interruptions(cloud: Path) -> None:
+    inputs = {"STEPS": 120, "STEP_SECONDS": 0.02}
+    common = dict(inputs=inputs, outputs=["weights"], checkpoint_every="10 steps")
+    baseline = spotnb.submit(PYTHON_TRAINING, **common).wait(timeout=120)
+    handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=2, **common)
+    result = handle.wait(timeout=180)
+    assert result.status == "completed", result.error
+    assert result.interruptions == 2
+    assert result.outputs["weights"] == baseline.outputs["weights"]
+    assert result.metrics["norm"] == baseline.metrics["norm"]
+    wait_no_processes(cloud)
+
+
+def test_hard_kill_redoes_at_most_the_steps_since_the_last_checkpoint(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.05")
+    inputs = {"STEPS": 150, "STEP_SECONDS": 0.03}
+    handle = spotnb.submit(TORCH_TRAINING, inputs=inputs, outputs=["digest"],
+                           checkpoint_every="30 steps")
+    killed: list[int] = []
+    durable: dict[int, int] = {}
+    in_flight: dict[int, bool] = {}
+
+    def on_event(e: Event) -> None:
+        if e.type == "checkpoint" and e.data.get("phase") == "durable":
+            durable[e.attempt] = e.data["step"]
+            in_flight[e.attempt] = False
+        if e.type == "checkpoint" and e.data.get("phase") == "begin":
+            in_flight[e.attempt] = True
+        # Kill the whole instance (agent and kernel, no notice) mid-upload of its
+        # second checkpoint.
+        if not killed and e.attempt == 1 and in_flight.get(1) and 1 in durable:
+            boot = next(x for x in events_so_far if x.attempt == 1
+                        and x.type == "status" and x.data.get("state") == "booting")
+            agent = psutil.Process(boot.data["pid"])
+            for p in [*agent.children(recursive=True), agent]:
+                p.send_signal(signal.SIGKILL)
+            killed.append(durable[1])
+
+    events_so_far: list[Event] = []
+
+    def record(e: Event) -> None:
+        events_so_far.append(e)
+        on_event(e)
+
+    follow(handle, record)
+    result = handle.wait(timeout=60)
+    assert result.status == "completed", result.error
+    assert killed, "the test never found an upload in flight"
+    by_attempt = steps_by_attempt(events_so_far)
+    # The replacement resumed from the last *complete* checkpoint, not the one cut off.
+    assert by_attempt[2][0] == killed[0] + 1
+    redone = set(by_attempt[1]) & set(by_attempt[2])
+    assert len(redone) <= 30 + 1
+    assert [a.end_reason for a in result.attempts] == ["lost", "completed"]
+    wait_no_processes(cloud)
+
+
+SUBMIT_AND_EXIT = """
+import spotnb, sys
+h = spotnb.submit(sys.argv[1], inputs={"STEPS": 80, "STEP_SECONDS": 0.03},
+                  outputs=["weights"], checkpoint_every="10 steps",
+                  simulate_interruptions=1)
+print(h.job_id)
+"""
+
+
+def test_job_completes_after_the_submitting_process_exits(cloud: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", SUBMIT_AND_EXIT, PYTHON_TRAINING],
+                         capture_output=True, text=True, timeout=120, check=True)
+    job_id = out.stdout.strip()
+    result_file = cloud / "store" / "jobs" / job_id / layout.RESULT
+    # Nobody attached: only watch the file the agent writes at the end.
+    deadline = time.monotonic() + 180
+    while not result_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert json.loads(result_file.read_text())["status"] == "completed"
+    handle = spotnb.attach(job_id)
+    events = list(handle.events(follow=False))
+    assert sum(1 for e in events if e.type == "notice"
+               and e.data["kind"] == "instance-action") == 1
+    assert sorted({s for v in steps_by_attempt(events).values() for s in v}) == list(range(80))
+    result = handle.wait(timeout=30)
+    assert result.status == "completed" and len(result.outputs["weights"]) == 8
+    assert [r.job_id for r in spotnb.jobs()] == [job_id]
+    wait_no_processes(cloud)
+
+
+def test_user_error_fails_with_the_remote_traceback_and_no_retry(cloud: Path) -> None:
+    code = "x = 1\ny = 2\nraise ValueError('bad batch size')\n"
+    result = spotnb.submit(code).wait(timeout=120)
+    assert result.status == "failed"
+    assert result.error is not None and result.error["ename"] == "ValueError"
+    tb = "\n".join(result.error["traceback"])
+    assert "bad batch size" in tb and "line 3" in tb
+    assert len(result.attempts) == 1
+    wait_no_processes(cloud)
+
+
+def test_user_error_retried_when_the_policy_allows(cloud: Path) -> None:
+    code = textwrap.dedent("""
+        tries = {"n": 0}
+        ckpt = spot.Checkpoint(tries=tries)
+        ckpt.restore()
+        tries["n"] += 1
+        ckpt.save(0)
+        if tries["n"] < 2:
+            raise RuntimeError("flaky data loader")
+        answer = tries["n"]
+    """)
+    result = spotnb.submit(code, max_restarts_on_error=1, outputs=["answer"]).wait(timeout=120)
+    assert result.status == "completed", result.error
+    assert result.outputs["answer"] == 2
+    assert [a.end_reason for a in result.attempts] == ["error (retried)", "completed"]
+    wait_no_processes(cloud)
+
+
+def test_two_agents_on_one_job_only_one_works(cloud: Path, tmp_path: Path) -> None:
+    from spotnb.spec import JobSpec, Policy, Resources
+    from spotnb.store import LocalStore
+
+    store = LocalStore(tmp_path / "job")
+    spec = JobSpec(job_id="j-two", name="two", code="import time\ntime.sleep(3)\nvalue = 42",
+                   provider="local", resources=Resources(("g4dn.xlarge",)), policy=Policy(),
+                   store_uri=store.uri, created=time.time(), outputs=("value",))
+    store.put(layout.INPUTS, __import__("cloudpickle").dumps({}))
+    store.put(layout.SPEC, spec.to_json().encode())
+    env = {**os.environ, "SPOTNB_IMDS_ENDPOINT": "http://127.0.0.1:9"}  # no IMDS here
+    agents = [subprocess.Popen([sys.executable, "-m", "spotnb.kernel_remote", "--job",
+                                store.uri], cwd=tmp_path, env=env,
+                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    codes = [a.wait(timeout=120) for a in agents]
+    assert codes == [0, 0]
+    assert store.list_children("events/") == ["000001"], "exactly one attempt was written"
+    assert json.loads(store.get(layout.RESULT))["status"] == "completed"
+    assert json.loads(store.get(layout.LEASE))["epoch"] == 1
+
+
+def test_bad_input_is_refused_before_anything_starts(cloud: Path) -> None:
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"code": "for i in range(3)\n    pass"}, "does not compile"),
+        ({"code": "x = 1", "instance_types": ["g9.superlarge"]}, "g9.superlarge"),
+        ({"code": "x = 1", "max_price": 0}, "max_price"),
+        ({"code": "x = 1", "inputs": {"lock": threading.Lock()}}, "'lock'"),
+        ({"code": "x = 1", "provider": "gcp"}, "unknown provider"),
+    ]
+    for kwargs, words in cases:
+        with pytest.raises(SpecError, match=words):
+            spotnb.submit(**kwargs)  # type: ignore[arg-type]
+    assert not (cloud / "store" / "jobs").exists() or \
+        not list((cloud / "store" / "jobs").iterdir())
+    assert not live_processes(cloud)

@@ -1,0 +1,200 @@
+"""The store, the event log and the lease: the protocol every other part stands on."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from spotnb import lease
+from spotnb.events import EventReader, EventWriter
+from spotnb.store import LocalStore, NotFound, open_store
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+def test_put_get_and_etags(store: LocalStore) -> None:
+    etag = store.put("a/b.json", b"one")
+    assert store.get("a/b.json") == b"one"
+    assert store.get_with_etag("a/b.json") == (b"one", etag)
+    assert store.put("a/b.json", b"two") != etag
+    with pytest.raises(NotFound):
+        store.get("a/missing")
+    store.delete("a/missing")  # no error
+
+
+def test_put_if_absent_creates_once(store: LocalStore) -> None:
+    assert store.put_if_absent("k", b"first") is not None
+    assert store.put_if_absent("k", b"second") is None
+    assert store.get("k") == b"first"
+
+
+def test_put_if_match_is_compare_and_swap(store: LocalStore) -> None:
+    etag = store.put("k", b"v1")
+    new = store.put_if_match("k", b"v2", etag)
+    assert new is not None
+    assert store.put_if_match("k", b"v3", etag) is None, "a stale etag must lose"
+    assert store.get("k") == b"v2"
+    assert store.put_if_match("missing", b"x", etag) is None
+
+
+def _race_cas(root: str, n: int, wins: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    s = LocalStore(root)
+    won = 0
+    for _ in range(n):
+        data, etag = s.get_with_etag("counter")
+        if s.put_if_match("counter", str(int(data) + 1).encode(), etag) is not None:
+            won += 1
+    wins.put(won)
+
+
+def test_compare_and_swap_across_processes_loses_no_update(store: LocalStore) -> None:
+    store.put("counter", b"0")
+    wins: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
+    procs = [multiprocessing.Process(target=_race_cas, args=(str(store.root), 200, wins))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    total_wins = sum(wins.get(timeout=5) for _ in procs)
+    assert int(store.get("counter")) == total_wins > 0
+
+
+def test_list_keys_is_sorted_filtered_and_hides_temporaries(store: LocalStore) -> None:
+    for key in ["events/000001/00000002.jsonl", "events/000001/00000001.jsonl",
+                "events/000000/00000000.jsonl", "spec.json"]:
+        store.put(key, b"x")
+    (store.root / "events" / "000001" / ".tmp-half").write_bytes(b"partial")
+    assert store.list_keys("events/000001/") == [
+        "events/000001/00000001.jsonl", "events/000001/00000002.jsonl"]
+    assert store.list_keys("events/000001/", start_after="events/000001/00000001.jsonl") == [
+        "events/000001/00000002.jsonl"]
+    assert store.list_children("events/") == ["000000", "000001"]
+    assert store.list_keys("nothing/") == []
+
+
+def test_readers_never_see_a_half_written_object(store: LocalStore) -> None:
+    big_a, big_b = b"a" * 4_000_000, b"b" * 4_000_000
+    store.put("big", big_a)
+    stop = threading.Event()
+    seen: set[bytes] = set()
+
+    def read() -> None:
+        while not stop.is_set():
+            data = store.get("big")
+            seen.add(data[:1] + data[-1:] + str(len(data)).encode())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for i in range(20):
+        store.put("big", big_b if i % 2 else big_a)
+    stop.set()
+    reader.join()
+    assert seen <= {b"aa4000000", b"bb4000000"}
+
+
+def test_keys_that_escape_the_prefix_are_refused(store: LocalStore) -> None:
+    for bad in ["../x", "/abs", "a//b", "a/./b", ""]:
+        with pytest.raises(ValueError):
+            store.put(bad, b"x")
+
+
+def test_open_store_accepts_paths_and_file_uris(tmp_path: Path) -> None:
+    assert isinstance(open_store(tmp_path), LocalStore)
+    s = open_store(tmp_path.as_uri())
+    s.put("x", b"1")
+    assert (tmp_path / "x").read_bytes() == b"1"
+    assert s.child("jobs/j1").uri == (tmp_path / "jobs" / "j1").as_uri()
+
+
+def test_event_log_round_trip_in_order_across_streams(store: LocalStore) -> None:
+    group = EventWriter(store, 0, flush_seconds=0.05)
+    agent = EventWriter(store, 1, instance="i-1", flush_seconds=0.05)
+    group.emit("instance", action="launched", instance_id="i-1")
+    agent.emit("status", state="booting")
+    agent.emit("metric", step=0, t=time.time(), values={"loss": 1.0})
+    reader = EventReader(store)
+    deadline = time.monotonic() + 5
+    events = []
+    while len(events) < 3 and time.monotonic() < deadline:
+        events += reader.poll()
+        time.sleep(0.05)
+    assert [e.type for e in events] == ["instance", "status", "metric"]
+    assert events[2].attempt == 1 and events[2].instance == "i-1"
+    assert all(e.v == 1 for e in events)
+    agent.emit("metric", step=1, t=time.time(), values={"loss": 0.5})
+    agent.close()
+    group.close()
+    assert [e.data["step"] for e in reader.poll()] == [1], "only the new event"
+    assert len(EventReader(store).poll()) == 4, "a new reader replays everything"
+
+
+def test_event_chunks_are_immutable_and_a_fenced_writer_writes_nothing(
+        store: LocalStore) -> None:
+    writer = EventWriter(store, 1, flush_seconds=60)
+    writer.emit("status", state="running")
+    writer.flush()
+    chunks = store.list_keys("events/000001/")
+    first = store.get(chunks[0])
+    writer.emit("stream", name="stdout", text="hi")
+    writer.flush()
+    assert store.get(chunks[0]) == first
+    assert len(store.list_keys("events/000001/")) == 2
+    writer.stop_writing()
+    writer.emit("stream", name="stdout", text="after the lease was lost")
+    writer.close()
+    assert len(store.list_keys("events/000001/")) == 2
+
+
+def test_a_restarted_writer_continues_the_stream(store: LocalStore) -> None:
+    w = EventWriter(store, 0, flush_seconds=60)
+    w.emit("status", state="launching")
+    w.close()
+    w2 = EventWriter(store, 0, flush_seconds=60)
+    w2.emit("status", state="launching")
+    w2.close()
+    assert len(store.list_keys("events/000000/")) == 2
+    assert len(EventReader(store).poll()) == 2
+
+
+def test_lease_one_holder_then_takeover_after_release_or_ttl(store: LocalStore) -> None:
+    a = lease.acquire(store, "i-a")
+    assert a is not None and a.epoch == 1
+    assert lease.acquire(store, "i-b") is None, "a live holder keeps the lease"
+    a.renew()
+    # Silent for longer than the TTL: presumed dead, the lease can be taken.
+    b = lease.acquire(store, "i-b", now=time.time() + lease.TTL_SECONDS + 1)
+    assert b is not None and b.epoch == 2
+    with pytest.raises(lease.LeaseLost):
+        a.renew()
+    assert not lease.still_holds(store, 1, "i-a")
+    assert lease.still_holds(store, 2, "i-b")
+    b.release()
+    c = lease.acquire(store, "i-c")
+    assert c is not None and c.epoch == 3, "a released lease is free at once"
+
+
+def _grab(root: str, holder: str, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    held = lease.acquire(LocalStore(root), holder)
+    out.put(None if held is None else held.epoch)
+
+
+def test_lease_race_between_processes_has_one_winner(store: LocalStore) -> None:
+    out: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
+    procs = [multiprocessing.Process(target=_grab, args=(str(store.root), f"i-{i}", out))
+             for i in range(6)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    results = [out.get(timeout=5) for _ in procs]
+    assert sorted(results, key=lambda r: r is None) == [1] + [None] * 5
+    assert os.path.exists(store.root / "lease.json")
