@@ -139,7 +139,7 @@ class PriceTrace:
 
 
 def _read_text(name: str) -> str:
-    return resources.files("spotnb").joinpath("data", name).read_text(encoding="utf-8")
+    return resources.files("spotnb").joinpath(f"data/{name}").read_text(encoding="utf-8")
 
 
 def _rows(name: str) -> Iterable[dict[str, str]]:
@@ -407,10 +407,16 @@ def check_instance_type(name: str, region: str = "us-east-1") -> InstanceType:
         )
     types = _catalog()[0]
     if name not in types:
-        close = difflib.get_close_matches(name, list(types), n=3, cutoff=0.6)
-        hint = (f"did you mean {_or(close)}? " if close else
-                "spotnb's catalog covers GPU and accelerator instance types only "
-                f"({', '.join(sorted({t.family for t in types.values()}))}). ")
+        families = sorted({t.family for t in types.values()})
+        # A known family is a typo; an unknown one (m5.large) is probably not a GPU type.
+        known_family = name.split(".")[0] in families
+        close = difflib.get_close_matches(name, list(types), n=3,
+                                          cutoff=0.6 if known_family else 0.85)
+        hint = "" if known_family else (
+            "spotnb's catalog covers GPU and accelerator instance types only "
+            f"(families {', '.join(families)}). ")
+        if close:
+            hint += f"Did you mean {_or(close)}? " if hint else f"did you mean {_or(close)}? "
         raise SpecError(
             f"unknown instance type {name!r}: {hint}See the instance types with "
             "`spotnb catalog`, or pick one with %spot_picker."

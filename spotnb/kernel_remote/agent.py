@@ -352,6 +352,10 @@ class Agent:
         """Wait for the lease; None if the job ended or was stopped meanwhile."""
         while True:
             held = lease.acquire(self.store, holder=instance)
+            if held is not None and self.store.exists(layout.RESULT):
+                # The previous holder finished the job and released the lease.
+                held.release()
+                return None
             if held is not None:
                 return held
             if self.store.exists(layout.RESULT) or self.store.exists(layout.STOP):

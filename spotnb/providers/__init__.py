@@ -28,6 +28,9 @@ contract" rather than repeat it):
     unless ``dry_run``, remove them. Returns a description of each.
 ``prices(instance_type, region)``
     The on-demand and current spot prices (USD/hour) and where they come from.
+``default_store(region)`` (optional)
+    The store URI for jobs submitted without one (AWS: the default bucket); None means
+    spotnb's local default store.
 """
 
 from __future__ import annotations
@@ -37,9 +40,13 @@ from abc import ABC, abstractmethod
 
 from spotnb.spec import JobSpec, SpecError
 
-__all__ = ["PROVIDERS", "PoolPrice", "Provider", "get_provider"]
+__all__ = ["PROVIDERS", "PoolPrice", "Provider", "ProviderError", "get_provider"]
 
-PROVIDERS = ("local",)
+PROVIDERS = ("local", "aws")
+
+
+class ProviderError(RuntimeError):
+    """A provider operation failed after validation; the message says what to do next."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,10 @@ class Provider(ABC):
     @abstractmethod
     def prices(self, instance_type: str, region: str) -> PoolPrice: ...
 
+    def default_store(self, region: str) -> str | None:
+        """The store URI for jobs submitted without one; None: the local default store."""
+        return None
+
 
 def get_provider(name: str) -> Provider:
     """The provider called ``name``; raises :class:`SpecError` naming the valid ones."""
@@ -85,8 +96,7 @@ def get_provider(name: str) -> Provider:
 
         return LocalProvider()
     if name == "aws":
-        raise SpecError(
-            "the AWS provider is not available in this version of spotnb yet; "
-            "use provider='local' (the default)"
-        )
+        from spotnb.providers.aws import AwsProvider
+
+        return AwsProvider()
     raise SpecError(f"unknown provider {name!r}: choose one of {', '.join(PROVIDERS)}")

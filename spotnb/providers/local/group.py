@@ -1,0 +1,577 @@
+"""The local cloud's capacity group: a supervisor process that keeps one instance running.
+
+Run as ``python -m spotnb.providers.local.group --job <store-uri>`` (the provider does
+this, detached). It reads ``spec.json`` from the job's store prefix, writes the group's
+events to stream 0 (``events/000000/``), and loops every :data:`TICK_SECONDS` until the
+job ends. It plays both EC2 (instances, markets, interruptions) and the Auto Scaling
+group (replace what was lost, whether or not anyone is watching).
+
+A job's life, as the supervisor sees it::
+
+    launch: pick a pool -> i-1 launched -> boot delay -> agent process spawned
+    interruption: notice (rebalance + spot/instance-action) -> notice period
+        -> SIGTERM the instance's process group, 1 s, SIGKILL -> terminated
+        -> launch a replacement i-2 (back to "launch")
+    agent exits with result.json in the store -> job-finished -> supervisor exits
+    agent exits without a result -> instance failed -> replace it; the 5th such exit in
+        a row within 30 s of starting -> result "failed" -> supervisor exits
+    control/stop.json (notebook, CLI, or the budget/deadline check here) -> no new
+        instances; the agent has stop_grace (15 s) to finish by itself -> terminate it
+        -> result "stopped" unless the agent wrote one -> supervisor exits
+
+Pools are tried in the spec's order of instance types, cheapest AZ first (at the
+current market price). A pool without simulated capacity, or above ``max_price``, is
+skipped with a ``capacity_error`` event; when no pool can launch the group retries
+every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
+
+Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``); the
+spec's ``simulate_interruptions`` ``{"count": N}`` (reason ``simulated``: once an
+instance's attempt has a durable checkpoint and a later metric, or after
+``interrupt_after`` seconds without any checkpoint) or ``{"schedule": [s, ...]}``
+(reason ``scheduled``, seconds since the first launch); the market price rising above
+``max_price`` (``price``); and the Spot Advisor's interruption rate (``hazard``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from spotnb import catalog
+from spotnb.catalog import Pool
+from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
+from spotnb.layout import RESULT, SPEC, STOP
+from spotnb.providers.local.imds import iso_utc
+from spotnb.providers.local.instance import LocalInstance
+from spotnb.providers.local.market import Market
+from spotnb.providers.local.state import (
+    CONTROL_DIR,
+    GROUP_FILE,
+    ProcessRecord,
+    Settings,
+    az_name,
+    group_dir,
+    write_json,
+)
+from spotnb.spec import JobSpec, SpecError
+from spotnb.store import NotFound, Store, StoreError, open_store
+
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.1
+# The store is read less often than the local control directory: on S3 it costs requests.
+STORE_POLL_SECONDS = 0.5
+CAPACITY_RETRY_SECONDS = 3.0
+# EC2 gives a terminated instance's OS a moment; the local cloud gives the agent 1 s.
+KILL_GRACE_SECONDS = 1.0
+# Five agents in a row that die within 30 s of starting, without a result, is a broken
+# job or agent, not bad luck: give up rather than burn money replacing instances.
+CRASH_LOOP_COUNT = 5
+CRASH_LOOP_SECONDS = 30.0
+# The Spot Advisor's buckets are "per month"; its month is taken as 30 days.
+MONTH_SECONDS = 30 * 86400.0
+# Ticks that may fail in a row (store errors) before the supervisor gives up.
+MAX_FAILED_TICKS = 100
+AGENT_MODULE = ("-m", "spotnb.kernel_remote")
+
+
+@dataclasses.dataclass
+class _Finish:
+    """Why the group is winding down, and until when the agent may finish by itself."""
+
+    kind: str  # "result" (the job ended), "stop" (stop.json) or "failed" (crash loop)
+    deadline: float
+    reason: str = ""
+    detail: str = ""
+
+
+class Supervisor:
+    """Keeps one instance of a job running; see the module docstring."""
+
+    def __init__(self, store: Store, spec: JobSpec, settings: Settings, home: Path) -> None:
+        self.store = store
+        self.spec = spec
+        self.settings = settings
+        self.home = home
+        self.control = home / CONTROL_DIR
+        self.control.mkdir(parents=True, exist_ok=True)
+        self.events = EventWriter(store, attempt=GROUP_STREAM)
+        self.started = time.time()
+        self.markets: dict[str, Market] = {}
+        self.instances: list[LocalInstance] = []
+        self.current: LocalInstance | None = None
+        self.first_launch: float | None = None
+        self.next_launch_at = 0.0
+        self.next_store_poll = 0.0
+        self.reported_pools: set[str] = set()  # capacity errors already reported
+        self.crashes = 0
+        self.finish: _Finish | None = None
+        self.terminate_requested: str | None = None
+        self.interrupt_requested = False
+
+        sim = spec.simulate_interruptions or {}
+        self.sim_count = int(sim.get("count", 0))
+        self.sim_done = 0
+        self.schedule = sorted(float(s) for s in sim.get("schedule", ()))
+        self.schedule_next = 0
+        self.reader = EventReader(store) if self.sim_count else None
+        seed = settings.seed
+        self.rng = random.Random(f"{seed}:{spec.job_id}") if seed is not None else random.Random()
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        """Supervise until the job ends; return the process exit code."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        me = ProcessRecord.of(os.getpid())
+        self._write_group("ready", supervisor=me.to_dict())
+        log.info("capacity group for job %s is up (pid %d)", self.spec.job_id, me.pid)
+        code, failed_ticks = 0, 0
+        try:
+            while True:
+                try:
+                    if not self._tick(time.time()):
+                        break
+                    failed_ticks = 0
+                except (StoreError, OSError):
+                    failed_ticks += 1
+                    log.exception("supervisor tick failed (%d in a row)", failed_ticks)
+                    if failed_ticks >= MAX_FAILED_TICKS:
+                        code = 1
+                        break
+                time.sleep(TICK_SECONDS)
+        except Exception:
+            log.exception("the capacity-group supervisor crashed; ending its instances")
+            code = 1
+        finally:
+            for inst in self.instances:
+                if inst.ended is None:
+                    try:
+                        self._end(inst, time.time(), "group-ended")
+                    except Exception:
+                        log.exception("could not end instance %s", inst.id)
+            self.events.close()
+            self._write_group("exited", supervisor=me.to_dict(), exit_code=code,
+                              cost_usd=round(self.cost(time.time()), 6))
+        log.info("capacity group for job %s exited (cost $%.4f)", self.spec.job_id,
+                 self.cost(time.time()))
+        return code
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.terminate_requested = f"the supervisor received {signal.Signals(signum).name}"
+
+    def _tick(self, now: float) -> bool:
+        """One step of the loop; False when the group is done."""
+        self._read_control()
+        if self.terminate_requested:
+            log.info("terminating the group (%s)", self.terminate_requested)
+            if self.current is not None:
+                self._end(self.current, now, "group-terminated")
+                self.current = None
+            self._write_result("stopped", "the capacity group was terminated",
+                               detail=self.terminate_requested)
+            return False
+        if now >= self.next_store_poll:
+            self.next_store_poll = now + STORE_POLL_SECONDS
+            self._poll_store(now)
+        if self.finish is None:
+            self._check_limits(now)
+        if self.current is not None:
+            self._step(self.current, now)
+        if self.finish is not None:
+            return self._step_finishing(now)
+        if self.current is None and now >= self.next_launch_at:
+            self._launch(now)
+        return True
+
+    def _read_control(self) -> None:
+        try:
+            names = sorted(os.listdir(self.control))
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.startswith("."):
+                continue
+            path = self.control / name
+            kind = name.split("-", 1)[0]
+            if kind == "terminate":
+                self.terminate_requested = "terminated through the provider"
+            elif kind == "interrupt":
+                if self.current is None:
+                    log.warning("interrupt requested, but no instance is running; ignored")
+                else:
+                    self.interrupt_requested = True
+            else:
+                log.warning("ignoring unknown control request %s", name)
+            path.unlink(missing_ok=True)
+
+    def _poll_store(self, now: float) -> None:
+        if self.store.exists(RESULT):
+            if self.finish is None or self.finish.kind == "stop":
+                self.finish = _Finish("result", now + self.settings.stop_grace, "job-finished")
+            return
+        if self.finish is None:
+            stop = self._read_stop()
+            if stop is not None:
+                self._begin_stop(now, stop)
+        if self.reader is not None and self.current is not None:
+            self._track_progress(self.current)
+
+    def _read_stop(self) -> dict[str, Any] | None:
+        try:
+            raw = self.store.get(STOP)
+        except NotFound:
+            return None
+        try:
+            stop = json.loads(raw)
+        except ValueError:
+            stop = {}
+        return stop if isinstance(stop, dict) else {}
+
+    def _begin_stop(self, now: float, stop: dict[str, Any]) -> None:
+        reason = str(stop.get("reason") or "stop requested")
+        self.finish = _Finish("stop", now + self.settings.stop_grace, reason,
+                              str(stop.get("detail") or ""))
+        log.info("stop requested (%s); the agent has %gs to finish", reason,
+                 self.settings.stop_grace)
+
+    # ---------------------------------------------------------------- instances
+
+    def _step(self, inst: LocalInstance, now: float) -> None:
+        # Step 1: boot. The agent starts once the simulated boot delay is over.
+        if inst.proc is None:
+            if inst.terminate_at is None and self.finish is None and now >= inst.boot_until:
+                self._spawn(inst, now)
+                if self.current is not inst:  # the agent could not even be started
+                    return
+        # Step 2: an agent that exited by itself.
+        elif (code := inst.exit_code()) is not None:
+            self._agent_exited(inst, now, code)
+            return
+        # Step 3: the market moves.
+        if inst.next_price_change is not None and now >= inst.next_price_change:
+            price = inst.market.price_at(now)
+            if price != inst.price:
+                inst.price = price
+                self._emit_price(inst)
+            inst.next_price_change = inst.market.next_change_after(now)
+        # Step 4: does EC2 want the instance back?
+        if inst.terminate_at is None and self.finish is None:
+            reason = self._interruption_due(inst, now)
+            if reason is not None:
+                self._notice(inst, now, reason)
+        elif self.interrupt_requested:
+            self.interrupt_requested = False  # already under notice, or winding down
+        # Step 5: the notice period is over.
+        if inst.terminate_at is not None and now >= inst.terminate_at:
+            self._end(inst, now, "spot-interruption")
+            self.current = None
+            self.crashes = 0
+            self.next_launch_at = now
+
+    def _interruption_due(self, inst: LocalInstance, now: float) -> str | None:
+        if self.interrupt_requested:
+            self.interrupt_requested = False
+            return "requested"
+        max_price = self.spec.resources.max_price
+        if max_price is not None and inst.price > max_price:
+            return "price"
+        if (self.schedule_next < len(self.schedule) and self.first_launch is not None
+                and now >= self.first_launch + self.schedule[self.schedule_next]):
+            self.schedule_next += 1
+            return "scheduled"
+        if self.sim_done < self.sim_count and inst.running_since is not None:
+            silent = (inst.durable_at is None
+                      and now - inst.running_since >= self.settings.interrupt_after)
+            if inst.progressed or silent:
+                self.sim_done += 1
+                return "simulated"
+        if inst.hazard_at is not None and now >= inst.hazard_at:
+            return "hazard"
+        return None
+
+    def _track_progress(self, inst: LocalInstance) -> None:
+        """Watch the instance's attempt for a durable checkpoint followed by a metric."""
+        assert self.reader is not None
+        for event in self.reader.poll():
+            if event.instance != inst.id or event.attempt == GROUP_STREAM:
+                continue
+            if (event.type == "checkpoint" and event.data.get("phase") == "durable"
+                    and inst.durable_at is None):
+                inst.durable_at = event.time
+            elif (event.type == "metric" and inst.durable_at is not None
+                  and event.time >= inst.durable_at):
+                inst.progressed = True
+        if self.sim_done >= self.sim_count:
+            self.reader = None  # nothing left to simulate: stop reading the log
+
+    def _notice(self, inst: LocalInstance, now: float, reason: str) -> None:
+        """Interrupt like EC2: the notice now, the termination after the notice period."""
+        inst.notice(now, self.settings.notice_seconds, reason)
+        assert inst.terminate_at is not None
+        log.info("interruption notice for %s (%s); terminating at %s", inst.id, reason,
+                 iso_utc(inst.terminate_at))
+        self._emit("instance", inst.id, action="notice", reason=reason, **inst.describe(),
+                   notice_time=iso_utc(now), termination_time=iso_utc(inst.terminate_at),
+                   price=inst.price)
+
+    def _agent_exited(self, inst: LocalInstance, now: float, code: int | None) -> None:
+        lived = now - (inst.running_since or now)
+        self.current = None
+        self.next_launch_at = now
+        if self.store.exists(RESULT):
+            self._end(inst, now, "job-finished", exit_code=code)
+            self.finish = _Finish("result", now, "job-finished")
+            return
+        if inst.terminate_at is not None:  # gone a little before its termination time
+            self._end(inst, now, "spot-interruption", exit_code=code)
+            self.crashes = 0
+            return
+        if self.finish is not None:
+            self._end(inst, now, "stopped", exit_code=code)
+            return
+        log_path = inst.log_path
+        log.warning("agent on %s exited with code %s after %.1fs without a result; see %s",
+                    inst.id, code, lived, log_path)
+        self._end(inst, now, "agent-exited", exit_code=code)
+        self.crashes = self.crashes + 1 if lived < CRASH_LOOP_SECONDS else 0
+        if self.crashes >= CRASH_LOOP_COUNT:
+            self._write_result(
+                "failed",
+                f"the agent crashed repeatedly ({self.crashes} instances in a row exited "
+                f"within {CRASH_LOOP_SECONDS:g} s without a result); see {log_path}",
+            )
+            self.finish = _Finish("failed", now)
+
+    def _end(self, inst: LocalInstance, now: float, reason: str, **extra: Any) -> None:
+        """Terminate an instance and say so."""
+        cost = inst.terminate(now, KILL_GRACE_SECONDS, reason)
+        log.info("instance %s terminated (%s), cost $%.6f", inst.id, reason, cost)
+        self._emit("instance", inst.id, action="terminated", reason=reason, **inst.describe(),
+                   cost_usd=round(cost, 6), **extra)
+
+    # ------------------------------------------------------------------- launch
+
+    def _market(self, pool: Pool) -> Market:
+        market = self.markets.get(pool.name)
+        if market is None:
+            market = Market(pool, self.started, self.settings.time_scale, seed=self.spec.job_id)
+            self.markets[pool.name] = market
+        return market
+
+    def _candidates(self, now: float) -> list[Pool]:
+        """Pools in launch order: the spec's types in order, cheapest AZ first right now."""
+        ordered = []
+        region = self.spec.resources.region
+        for instance_type in self.spec.resources.instance_types:
+            type_pools = catalog.pools(instance_type, region)
+            ordered += sorted(type_pools, key=lambda p: (self._market(p).price_at(now), p.az))
+        return ordered
+
+    def _launch(self, now: float) -> None:
+        try:  # capacity shortages may be switched on and off while the job runs
+            settings = Settings.load()
+        except SpecError as e:
+            log.warning("keeping the previous local cloud settings: %s", e)
+            settings = self.settings
+        max_price = self.spec.resources.max_price
+        for pool in self._candidates(now):
+            price = self._market(pool).price_at(now)
+            if max_price is not None and price > max_price:
+                self._capacity_error(pool, now, "SpotMaxPriceTooLow", (
+                    f"Your Spot request price of {max_price} is lower than the minimum "
+                    f"required Spot request fulfillment price of {price}."))
+            elif not settings.has_capacity(pool.instance_type, pool.az):
+                self._capacity_error(pool, now, "InsufficientInstanceCapacity", (
+                    f"We currently do not have sufficient {pool.instance_type} capacity in "
+                    f"the Availability Zone you requested ({az_name(pool.region, pool.az)})."))
+            else:
+                self._start_instance(pool, now, settings)
+                return
+        self.next_launch_at = now + CAPACITY_RETRY_SECONDS
+
+    def _capacity_error(self, pool: Pool, now: float, code: str, message: str) -> None:
+        if pool.name in self.reported_pools:
+            return  # reported once per wait; the retries would only repeat it
+        if not self.reported_pools:
+            self._emit("status", None, at=now, state="waiting_for_capacity",
+                       detail=f"no spot capacity in {pool.name} ({code}); trying other pools")
+        self.reported_pools.add(pool.name)
+        log.info("cannot launch in %s: %s", pool.name, code)
+        self._emit("instance", None, at=now, action="capacity_error", reason=code, detail=message,
+                   instance_id=None, instance_type=pool.instance_type, az=pool.az,
+                   pool=pool.name)
+
+    def _start_instance(self, pool: Pool, now: float, settings: Settings) -> None:
+        inst = LocalInstance.create(
+            pool, self._market(pool), index=len(self.instances) + 1, now=now,
+            boot_seconds=settings.boot_seconds, hazard_at=self._hazard_time(pool, now),
+            job_id=self.spec.job_id, store_uri=self.store.uri)
+        self.instances.append(inst)
+        self.current = inst
+        self.reported_pools.clear()
+        if self.first_launch is None:
+            self.first_launch = now
+        replacing = f" (replacement #{inst.index - 1})" if inst.index > 1 else ""
+        # Stamped with the tick's time, like the capacity errors before them: schedules
+        # and budgets count from it, and readers see the events in this order.
+        self._emit("status", None, at=now, state="launching", instance_type=pool.instance_type,
+                   az=pool.az, detail=f"launching {pool.instance_type} in {pool.az}{replacing}")
+        self._emit("instance", inst.id, at=now, action="launched", **inst.describe(),
+                   price=inst.price, ondemand=pool.ondemand, region=pool.region,
+                   az_name=az_name(pool.region, pool.az))
+        self._emit_price(inst)
+        log.info("launched %s in %s at $%.4f/h; %s", inst.id, pool.name, inst.price,
+                 inst.market.source)
+
+    def _hazard_time(self, pool: Pool, now: float) -> float | None:
+        """When the Spot Advisor's interruption rate takes this instance (or None).
+
+        The bucket's upper bound (``<5%`` -> 5, ``>20%`` -> 100) is read as interruptions
+        per month, a constant hazard rate in market time, hence ``time_scale`` faster in
+        real time.
+        """
+        if not self.settings.hazard:
+            return None
+        bucket = catalog.interruption_bucket(pool.instance_type, pool.region)
+        if bucket is None:
+            return None
+        rate = bucket.max_pct / 100.0 / MONTH_SECONDS * self.settings.time_scale
+        return now + self.rng.expovariate(rate)
+
+    def _spawn(self, inst: LocalInstance, now: float) -> None:
+        cmd = [*(self.settings.agent_cmd or (sys.executable, *AGENT_MODULE)),
+               "--job", self.store.uri]
+        try:
+            inst.spawn(cmd, self.spec.job_id, now)
+        except OSError as e:
+            # A missing interpreter or agent: the same outcome as an agent that crashed.
+            log.error("cannot start the agent %s: %s", cmd, e)
+            self._agent_exited(inst, now, 127)
+            return
+        assert inst.proc is not None
+        log.info("agent for %s started (pid %d)", inst.id, inst.proc.pid)
+
+    # ---------------------------------------------------------- stop, limits, end
+
+    def cost(self, now: float) -> float:
+        """USD spent so far: each instance's market price over the time it existed."""
+        return sum(i.market.cost(i.launched, i.ended or now) for i in self.instances)
+
+    def _check_limits(self, now: float) -> None:
+        policy = self.spec.policy
+        if policy.budget_usd is not None:
+            cost = self.cost(now)
+            if cost > policy.budget_usd:
+                self._request_stop(now, "budget", (
+                    f"the job has cost ${cost:.4f}, above its budget of "
+                    f"${policy.budget_usd:.4f}"))
+                return
+        if policy.max_duration is not None and self.first_launch is not None:
+            elapsed = now - self.first_launch
+            if elapsed > policy.max_duration:
+                self._request_stop(now, "deadline", (
+                    f"the job has run {elapsed:.0f} s since its first instance, above its "
+                    f"limit of {policy.max_duration:g} s"))
+
+    def _request_stop(self, now: float, reason: str, detail: str) -> None:
+        log.info("stopping the job: %s", detail)
+        body = {"reason": reason, "detail": detail, "time": now, "by": "local-cloud"}
+        self.store.put_if_absent(STOP, json.dumps(body).encode())
+        # Someone may have asked to stop first: their reason wins.
+        self._begin_stop(now, self._read_stop() or body)
+
+    def _step_finishing(self, now: float) -> bool:
+        assert self.finish is not None
+        inst = self.current
+        if inst is not None:
+            running = inst.proc is not None and inst.exit_code() is None
+            if running and now < self.finish.deadline:
+                return True  # the agent may still finish by itself
+            reason = "job-finished" if self.store.exists(RESULT) else "stopped"
+            if inst.ended is None:
+                self._end(inst, now, reason)
+            self.current = None
+        if self.finish.kind == "stop":
+            self._write_result("stopped", self.finish.reason, detail=self.finish.detail)
+        return False
+
+    def _write_result(self, status: str, reason: str, **extra: Any) -> None:
+        """Write result.json unless the job already has one, and say so in the log."""
+        body = {"status": status, "reason": reason, **extra, "time": time.time(),
+                "by": "local-cloud"}
+        if self.store.put_if_absent(RESULT, json.dumps(body).encode()) is not None:
+            log.info("wrote the job's result: %s (%s)", status, reason)
+            self._emit("result", None, status=status, reason=reason, **extra)
+
+    # ------------------------------------------------------------------- output
+
+    def _emit(self, type: str, instance: str | None, at: float | None = None,
+              **data: Any) -> None:
+        self.events.emit_event(Event(type=type, time=time.time() if at is None else at,
+                                     attempt=GROUP_STREAM, instance=instance, data=data))
+
+    def _emit_price(self, inst: LocalInstance) -> None:
+        self._emit("price", inst.id, pool=inst.pool.name, instance_type=inst.pool.instance_type,
+                   az=inst.pool.az, price=inst.price, ondemand=inst.pool.ondemand)
+
+    def _write_group(self, state: str, **fields: Any) -> None:
+        write_json(self.home / GROUP_FILE, {
+            "job_id": self.spec.job_id, "store_uri": self.store.uri, "state": state,
+            "started": self.started, "log": str(self.home / "supervisor.log"), **fields,
+        })
+
+
+def _detach() -> None:
+    """Fork; the parent exits at once, the child leads a new session.
+
+    The provider waits for the parent, so the supervisor is nobody's child: it outlives
+    the notebook kernel and is never left a zombie there.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m spotnb.providers.local.group",
+        description="The local cloud's capacity-group supervisor for one job.")
+    parser.add_argument("--job", required=True, help="the job's store URI (its prefix)")
+    parser.add_argument("--foreground", action="store_true",
+                        help="do not detach (for debugging)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        store = open_store(args.job)
+        spec = JobSpec.from_json(store.get(SPEC))
+    except (StoreError, SpecError, ValueError, KeyError, TypeError) as e:
+        log.error("cannot read the job's spec.json in %s: %s", args.job, e)
+        return 2
+    try:
+        settings = Settings.load()
+        home = group_dir(spec.job_id)
+    except SpecError as e:
+        log.error("cannot start the capacity group: %s", e)
+        return 2
+    home.mkdir(parents=True, exist_ok=True)
+    if not args.foreground:
+        _detach()
+    return Supervisor(store, spec, settings, home).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

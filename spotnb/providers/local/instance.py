@@ -1,0 +1,155 @@
+"""One local-cloud instance: its metadata service, its agent process, its record on disk.
+
+This is the "EC2" half of the local cloud: it creates, boots, warns and terminates an
+instance. *When* to do which is the capacity group's business (:mod:`.group`).
+
+An instance lives in ``instances/<instance_id>/`` under the cloud directory:
+``meta.json`` (what and where it is, its state), ``pid.json`` (the agent's
+:class:`~.state.ProcessRecord`), ``agent.log`` (the agent's stdout and stderr), and the
+agent's working directory itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import secrets
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from spotnb.catalog import Pool
+from spotnb.providers.local.imds import ImdsServer, InstanceIdentity, iso_utc
+from spotnb.providers.local.market import Market
+from spotnb.providers.local.state import (
+    ProcessRecord,
+    az_name,
+    instance_dir,
+    instance_environment,
+    kill_processes,
+    read_json,
+    write_json,
+)
+
+__all__ = ["LocalInstance"]
+
+log = logging.getLogger(__name__)
+
+AGENT_LOG = "agent.log"
+
+
+@dataclasses.dataclass
+class LocalInstance:
+    """A simulated spot instance (mutable: the group updates it as it lives)."""
+
+    id: str
+    index: int  # 1 for the job's first instance, 2 for its first replacement, ...
+    pool: Pool
+    market: Market
+    imds: ImdsServer
+    dir: Path
+    launched: float
+    boot_until: float
+    price: float
+    next_price_change: float | None
+    hazard_at: float | None
+    proc: subprocess.Popen[bytes] | None = None
+    running_since: float | None = None
+    notice_reason: str | None = None
+    terminate_at: float | None = None
+    ended: float | None = None
+    durable_at: float | None = None  # first durable checkpoint of its attempt
+    progressed: bool = False  # a metric after that checkpoint
+
+    @classmethod
+    def create(cls, pool: Pool, market: Market, index: int, now: float, boot_seconds: float,
+               hazard_at: float | None, **meta: Any) -> LocalInstance:
+        """RunInstances: a new instance id, its directory and its metadata service."""
+        instance_id = "i-" + secrets.token_hex(9)[:17]
+        home = instance_dir(instance_id)
+        home.mkdir(parents=True)
+        identity = InstanceIdentity(
+            instance_id=instance_id, instance_type=pool.instance_type, region=pool.region,
+            az=az_name(pool.region, pool.az), az_id=pool.az,
+            ami_id="ami-" + hashlib.sha256(f"spotnb-local-{pool.region}".encode()).hexdigest()[:17],
+            launched=now,
+        )
+        inst = cls(
+            id=instance_id, index=index, pool=pool, market=market,
+            imds=ImdsServer(identity).start(), dir=home, launched=now,
+            boot_until=now + boot_seconds, price=market.price_at(now),
+            next_price_change=market.next_change_after(now), hazard_at=hazard_at,
+        )
+        write_json(home / "meta.json", {
+            **inst.describe(), **meta, "region": pool.region, "az_name": identity.az,
+            "launched": now, "imds_endpoint": inst.imds.endpoint, "state": "pending",
+            "price_source": market.source,
+        })
+        return inst
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / AGENT_LOG
+
+    def describe(self) -> dict[str, Any]:
+        """The fields every instance event carries."""
+        return {"instance_id": self.id, "instance_type": self.pool.instance_type,
+                "az": self.pool.az, "pool": self.pool.name}
+
+    def spawn(self, cmd: list[str], job_id: str, now: float) -> None:
+        """Boot: start the agent, detached, in the instance directory. Raises OSError."""
+        env = {**os.environ, "SPOTNB_IMDS_ENDPOINT": self.imds.endpoint,
+               **instance_environment(self.id, job_id)}
+        self.running_since = now
+        try:
+            with open(self.log_path, "ab") as out:
+                self.proc = subprocess.Popen(
+                    cmd, cwd=self.dir, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            with open(self.log_path, "a") as out:
+                out.write(f"spotnb local cloud: cannot start the agent {cmd}: {e}\n")
+            raise
+        # If it already exited there is nothing to record; the group sees the exit next tick.
+        with contextlib.suppress(psutil.Error):
+            write_json(self.dir / "pid.json", ProcessRecord.of(self.proc.pid).to_dict())
+        self.update_meta(state="running", pid=self.proc.pid, command=cmd)
+
+    def exit_code(self) -> int | None:
+        """The agent's exit code once it has exited by itself, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def notice(self, now: float, notice_seconds: float, reason: str) -> None:
+        """EC2's interruption notice: rebalance recommendation and instance-action."""
+        self.notice_reason = reason
+        self.terminate_at = now + notice_seconds
+        self.imds.set_rebalance(now)
+        self.imds.set_instance_action(self.terminate_at)
+        self.update_meta(state="marked-for-termination", notice_reason=reason,
+                         termination_time=iso_utc(self.terminate_at))
+
+    def terminate(self, now: float, grace: float, reason: str) -> float:
+        """SIGTERM the agent and its descendants, ``grace`` seconds, SIGKILL; stop the
+        metadata service. Returns what the instance cost."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                family = [psutil.Process(self.proc.pid)]
+                family += family[0].children(recursive=True)
+            except psutil.NoSuchProcess:
+                family = []
+            kill_processes(family, grace)
+        if self.proc is not None:
+            self.proc.wait()  # reap it: the group is its parent
+        self.imds.stop()
+        self.ended = now
+        self.update_meta(state="terminated", reason=reason, ended=now)
+        return self.market.cost(self.launched, now)
+
+    def update_meta(self, **fields: Any) -> None:
+        path = self.dir / "meta.json"
+        write_json(path, {**(read_json(path) or {}), **fields})

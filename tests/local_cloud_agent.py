@@ -1,0 +1,93 @@
+"""A stand-in for the agent (spotnb.kernel_remote), run by the local cloud in its tests.
+
+It behaves towards the capacity group as the real agent must: it learns who it is from
+the instance-metadata service (IMDSv2), takes the job's lease, writes its attempt's
+events with its instance id, polls ``spot/instance-action``, and on a notice releases
+the lease and waits to be terminated. Instead of running user code it logs a metric
+every 0.1 s.
+
+Environment: ``STANDIN_MODE`` ``run`` (default), ``crash`` (exit 3 at once) or
+``ignore-stop`` (never stops by itself); ``STANDIN_STEPS`` (finish with a ``completed``
+result after that many steps; 0 = never); ``STANDIN_CHECKPOINT_AT`` (the step that
+writes a durable checkpoint event). It writes ``identity.json`` and, after a notice,
+``notice.json`` in its working directory (the instance directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from spotnb import lease
+from spotnb.events import EventWriter
+from spotnb.kernel_remote.imds import ImdsClient, ImdsError
+from spotnb.layout import RESULT, STOP
+from spotnb.store import Store, open_store
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", required=True)
+    args = parser.parse_args()
+    mode = os.environ.get("STANDIN_MODE", "run")
+    steps = int(os.environ.get("STANDIN_STEPS", "0"))
+    checkpoint_at = int(os.environ.get("STANDIN_CHECKPOINT_AT", "0"))
+
+    imds = ImdsClient()
+    me = imds.identity()
+    Path("identity.json").write_text(json.dumps({**me, "pid": os.getpid()}))
+    if mode == "crash":
+        print("stand-in agent: crashing on purpose", file=sys.stderr)
+        return 3
+
+    store = open_store(args.job)
+    held = None
+    while held is None:
+        held = lease.acquire(store, me["instance_id"])
+        if held is None:
+            time.sleep(0.1)
+    events = EventWriter(store, attempt=held.epoch, instance=me["instance_id"],
+                         flush_seconds=0.1)
+    events.emit("status", state="running", instance_type=me["instance_type"], az=me["az_id"])
+    step = 0
+    while True:
+        step += 1
+        events.emit("metric", step=step, t=time.time(), values={"loss": 1.0 / step})
+        if step == checkpoint_at:
+            events.emit("checkpoint", phase="durable", id=f"ckpt-{step}", step=step, bytes=1,
+                        seconds=0.0, forced=False)
+        try:
+            action = imds.instance_action()
+        except ImdsError:  # the metadata service is gone (its supervisor died): go on
+            action = None
+        if action is not None:
+            events.emit("notice", kind="instance-action", action=action["action"],
+                        notice_time=action["time"])
+            events.close()
+            held.release()
+            Path("notice.json").write_text(json.dumps({**action, "step": step,
+                                                       "rebalance": imds.rebalance()}))
+            while True:  # parked: the instance is about to be terminated
+                time.sleep(1)
+        if mode != "ignore-stop" and store.exists(STOP):
+            return finish(store, events, "stopped", "stop requested")
+        if steps and step >= steps:
+            return finish(store, events, "completed", "")
+        if step % 10 == 0:
+            held.renew()
+        time.sleep(0.1)
+
+
+def finish(store: Store, events: EventWriter, status: str, reason: str) -> int:
+    events.emit("result", status=status, reason=reason)
+    events.close()
+    store.put_if_absent(RESULT, json.dumps({"status": status, "reason": reason}).encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

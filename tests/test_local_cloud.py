@@ -1,0 +1,467 @@
+"""The local cloud end to end: real supervisor and instance processes, real IMDS, a real
+store. The instances run a stand-in agent (tests/local_cloud_agent.py) that behaves
+towards the group as the real agent does."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+import pytest
+
+from spotnb import catalog
+from spotnb.events import Event, EventReader
+from spotnb.layout import RESULT, STOP
+from spotnb.providers import ProviderError
+from spotnb.providers.local import LocalProvider
+from spotnb.providers.local.market import Market
+from spotnb.providers.local.state import instance_dir
+from spotnb.spec import JobSpec, Policy, Resources, SpecError
+from spotnb.store import LocalStore
+
+AGENT = Path(__file__).with_name("local_cloud_agent.py")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Cloud:
+    home: Path
+    root: Path
+    provider: LocalProvider
+
+    def spec(self, job_id: str = "job-1", types: tuple[str, ...] = ("g4dn.xlarge",),
+             **fields: Any) -> JobSpec:
+        store = LocalStore(self.root / "store" / "jobs" / job_id)
+        resources = Resources(types, "us-east-1", fields.pop("max_price", None))
+        return JobSpec(job_id=job_id, name="test", code="pass", provider="local",
+                       resources=resources, policy=fields.pop("policy", Policy()),
+                       store_uri=store.uri, created=time.time(), **fields)
+
+
+def _our_processes(home: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (proc.environ().get("SPOTNB_HOME") == str(home)
+                    and proc.status() != psutil.STATUS_ZOMBIE):
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.fixture
+def cloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPOTNB_HOME", str(home))
+    for name in list(os.environ):
+        if name.startswith(("SPOTNB_LOCAL_", "STANDIN_", "SPOTNB_IMDS")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SPOTNB_LOCAL_AGENT_CMD", shlex.join([sys.executable, str(AGENT)]))
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "0.5")
+    yield Cloud(home, tmp_path, LocalProvider())
+    leftovers = _our_processes(home)
+    for proc in leftovers:
+        try:
+            proc.kill()
+        except psutil.Error:
+            continue
+    assert not leftovers, f"processes outlived the test: {leftovers}"
+
+
+def wait_until(check: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def group_events(spec: JobSpec, type: str | None = None, **match: Any) -> list[Event]:
+    events = EventReader(LocalStore(spec.store_uri.removeprefix("file://"))).replay()
+    return [e for e in events if e.attempt == 0 and (type is None or e.type == type)
+            and all(e.data.get(k) == v for k, v in match.items())]
+
+
+def store_of(spec: JobSpec) -> LocalStore:
+    return LocalStore(spec.store_uri.removeprefix("file://"))
+
+
+def result_of(spec: JobSpec) -> dict[str, Any] | None:
+    store = store_of(spec)
+    return json.loads(store.get(RESULT)) if store.exists(RESULT) else None
+
+
+def identity_of(instance_id: str) -> dict[str, Any] | None:
+    path = instance_dir(instance_id) / "identity.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def group_gone(cloud: Cloud, spec: JobSpec) -> bool:
+    info = cloud.provider.group(spec.job_id)
+    return info is not None and not info["alive"]
+
+
+def launched(spec: JobSpec, count: int = 1) -> list[Event]:
+    """The group's launched events, once there are at least ``count``."""
+    def enough() -> list[Event] | None:
+        found = group_events(spec, "instance", action="launched")
+        return found if len(found) >= count else None
+
+    return wait_until(enough, f"{count} launched instance(s)")
+
+
+# ---------------------------------------------------------------------- lifecycle
+
+
+def test_interruption_notice_then_termination_then_replacement(cloud: Cloud) -> None:
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    first = launched(spec)[0].data
+    ident = wait_until(lambda: identity_of(first["instance_id"]), "the agent's IMDS identity")
+    # The agent learned who it is from its own IMDS, as on EC2.
+    assert ident["instance_id"] == first["instance_id"]
+    assert ident["instance_type"] == "g4dn.xlarge"
+    assert ident["az_id"] == first["az"] and ident["region"] == "us-east-1"
+    assert first["pool"] == f"g4dn.xlarge@{first['az']}"
+    assert 0 < first["price"] <= first["ondemand"]
+    assert group_events(spec, "price", pool=first["pool"])
+
+    cloud.provider.interrupt(spec.job_id)
+    notice_file = instance_dir(first["instance_id"]) / "notice.json"
+    seen = json.loads(wait_until(
+        lambda: notice_file.read_text() if notice_file.exists() else None,
+        "the agent to see the notice"))
+    assert seen["action"] == "terminate" and seen["rebalance"] is not None
+    notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
+                        "the notice event")[0]
+    assert notice.instance == first["instance_id"] and notice.data["reason"] == "requested"
+
+    second = launched(spec, 2)[1].data
+    assert second["instance_id"] != first["instance_id"]
+    ended = wait_until(lambda: group_events(spec, "instance", action="terminated",
+                                            instance_id=first["instance_id"]),
+                       "the terminated event")[0]
+    assert ended.data["reason"] == "spot-interruption"
+    assert ended.time - notice.time >= 0.45  # the notice period
+    assert not psutil.pid_exists(ident["pid"]) or psutil.Process(
+        ident["pid"]).status() == psutil.STATUS_ZOMBIE
+    # The replacement's agent took the lease at once and works as attempt 2.
+    wait_until(lambda: [e for e in EventReader(store_of(spec)).replay()
+                        if e.attempt == 2 and e.instance == second["instance_id"]],
+               "events of attempt 2")
+
+    cloud.provider.terminate(spec.job_id)
+    result = result_of(spec)
+    assert result is not None and result["status"] == "stopped"
+
+
+def test_no_capacity_falls_back_to_the_next_type(cloud: Cloud,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    g4dn = [p.az for p in catalog.pools("g4dn.xlarge", "us-east-1")]
+    open_az = g4dn[-1]
+    blocked = ["g5.xlarge"] + [f"g4dn.xlarge@{az}" for az in g4dn[:-1]]
+    monkeypatch.setenv("SPOTNB_LOCAL_NO_CAPACITY", ",".join(blocked))
+    spec = cloud.spec(types=("g5.xlarge", "g4dn.xlarge"))
+    cloud.provider.launch(spec)
+    inst = launched(spec)[0]
+    assert (inst.data["instance_type"], inst.data["az"]) == ("g4dn.xlarge", open_az)
+
+    errors = group_events(spec, "instance", action="capacity_error")
+    assert {e.data["reason"] for e in errors} == {"InsufficientInstanceCapacity"}
+    expected = {p.name for p in catalog.pools("g5.xlarge", "us-east-1")} | set(blocked[1:])
+    assert {e.data["pool"] for e in errors} == expected
+    waiting = group_events(spec, "status", state="waiting_for_capacity")
+    assert waiting and waiting[0].time <= inst.time
+    cloud.provider.terminate(spec.job_id)
+
+
+def test_capacity_returns_while_the_job_waits(cloud: Cloud) -> None:
+    config = cloud.home / "cloud" / "config.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"no_capacity": ["g4dn.xlarge"], "boot_seconds": 0.5}))
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    waiting = wait_until(lambda: group_events(spec, "status", state="waiting_for_capacity"),
+                         "the group to wait for capacity")[0]
+    assert not group_events(spec, "instance", action="launched")
+    config.write_text(json.dumps({"no_capacity": [], "boot_seconds": 0.5}))
+    inst = launched(spec)[0]
+    assert inst.time - waiting.time >= 2.5  # the group retries every few seconds
+    # The agent starts after the simulated boot time.
+    wait_until(lambda: identity_of(inst.data["instance_id"]), "the agent")
+    record = cloud.provider.instances(spec.job_id)[0]
+    assert record["state"] == "running"
+    identity_file = instance_dir(inst.data["instance_id"]) / "identity.json"
+    assert identity_file.stat().st_mtime >= inst.time + 0.5
+    cloud.provider.terminate(spec.job_id)
+
+
+def test_a_failed_launch_leaves_nothing_behind(cloud: Cloud) -> None:
+    spec = cloud.spec()
+    store_of(spec).put("spec.json", b"{not json")
+    with pytest.raises(ProviderError, match="could not start the capacity group"):
+        cloud.provider.launch(spec)
+    assert _our_processes(cloud.home) == []
+    assert cloud.provider.group(spec.job_id) is None
+
+
+def test_terminate_leaves_no_process_and_is_idempotent(cloud: Cloud) -> None:
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    instance_id = launched(spec)[0].data["instance_id"]
+    agent_pid = wait_until(lambda: identity_of(instance_id), "the agent")["pid"]
+    group = cloud.provider.group(spec.job_id)
+    assert group is not None and group["alive"]
+    assert len(_our_processes(cloud.home)) == 2  # the supervisor and the agent
+
+    cloud.provider.terminate(spec.job_id)
+    assert _our_processes(cloud.home) == []
+    assert agent_pid not in {p.pid for p in _our_processes(cloud.home)}
+    assert group_gone(cloud, spec)
+    result = result_of(spec)
+    assert result is not None and result["status"] == "stopped"
+    ended = group_events(spec, "instance", action="terminated")
+    assert [e.data["reason"] for e in ended] == ["group-terminated"]
+    cloud.provider.terminate(spec.job_id)  # again: nothing left to do, no error
+    cloud.provider.terminate("never-launched")
+
+
+def test_finished_job_ends_the_group(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_STEPS", "5")
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    assert result_of(spec) == {"status": "completed", "reason": ""}
+    ended = group_events(spec, "instance", action="terminated")
+    assert [e.data["reason"] for e in ended] == ["job-finished"]
+    assert ended[0].data["cost_usd"] > 0
+
+
+def test_stop_request_lets_the_agent_stop_itself(cloud: Cloud) -> None:
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    instance_id = launched(spec)[0].data["instance_id"]
+    wait_until(lambda: identity_of(instance_id), "the agent")
+    store_of(spec).put(STOP, json.dumps({"reason": "user"}).encode())
+    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    assert result_of(spec) == {"status": "stopped", "reason": "stop requested"}  # the agent's
+    ended = group_events(spec, "instance", action="terminated")
+    assert [e.data["reason"] for e in ended] == ["job-finished"]
+    assert len(group_events(spec, "instance", action="launched")) == 1
+
+
+@pytest.mark.parametrize("limit", ["budget", "deadline"])
+def test_budget_and_deadline_stop_an_agent_that_ignores_stop(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
+    monkeypatch.setenv("STANDIN_MODE", "ignore-stop")
+    monkeypatch.setenv("SPOTNB_LOCAL_STOP_GRACE", "0.5")
+    # g4dn.xlarge costs about $0.18/h, $0.00005/s: the budget lasts well under a second.
+    policy = Policy(budget_usd=0.00003) if limit == "budget" else Policy(max_duration=1.0)
+    spec = cloud.spec(policy=policy)
+    cloud.provider.launch(spec)
+    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    stop = json.loads(store_of(spec).get(STOP))
+    assert stop["reason"] == limit and stop["detail"]
+    result = result_of(spec)
+    assert result is not None and (result["status"], result["reason"]) == ("stopped", limit)
+    assert group_events(spec, "result", status="stopped", reason=limit)
+    ended = group_events(spec, "instance", action="terminated")
+    assert [e.data["reason"] for e in ended] == ["stopped"]
+
+
+def test_crash_loop_fails_the_job(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_MODE", "crash")
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    wait_until(lambda: group_gone(cloud, spec), "the group to give up", timeout=20)
+    result = result_of(spec)
+    assert result is not None and result["status"] == "failed"
+    assert "crashed repeatedly" in result["reason"]
+    log_path = result["reason"].rsplit("see ", 1)[1]
+    assert "crashing on purpose" in Path(log_path).read_text()
+    assert len(group_events(spec, "instance", action="launched")) == 5
+    assert {e.data["reason"] for e in group_events(spec, "instance", action="terminated")} == {
+        "agent-exited"}
+
+
+# ---------------------------------------------------------- simulated interruptions
+
+
+def test_simulated_interruption_waits_for_a_checkpoint_and_progress(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_CHECKPOINT_AT", "3")
+    monkeypatch.setenv("STANDIN_STEPS", "15")
+    spec = cloud.spec(simulate_interruptions={"count": 1})
+    cloud.provider.launch(spec)
+    wait_until(lambda: group_gone(cloud, spec), "the job to finish", timeout=20)
+    assert result_of(spec) == {"status": "completed", "reason": ""}
+
+    notices = group_events(spec, "instance", action="notice")
+    assert [n.data["reason"] for n in notices] == ["simulated"]  # one, as asked
+    first = [e for e in EventReader(store_of(spec)).replay() if e.attempt == 1]
+    durable = next(e for e in first if e.type == "checkpoint")
+    assert any(e.type == "metric" and durable.time <= e.time <= notices[0].time for e in first)
+    assert len(group_events(spec, "instance", action="launched")) == 2
+
+
+def test_scheduled_interruption(cloud: Cloud) -> None:
+    spec = cloud.spec(simulate_interruptions={"schedule": [1.0]})
+    cloud.provider.launch(spec)
+    first = launched(spec)[0]
+    launched(spec, 2)
+    notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
+                        "the notice event")[0]
+    assert notice.data["reason"] == "scheduled"
+    assert notice.instance == first.data["instance_id"]
+    assert 1.0 <= notice.time - first.time < 3.0
+    cloud.provider.terminate(spec.job_id)
+
+
+def test_price_above_max_price_interrupts(cloud: Cloud,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    pools = catalog.pools("g4dn.xlarge", "us-east-1")
+    monkeypatch.setenv("SPOTNB_LOCAL_NO_CAPACITY",
+                       ",".join(p.name for p in pools[1:]))
+    # The whole 3-month history replays in about 20 s; the max price is its median.
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "400000")
+    max_price = pools[0].spot
+    spec = cloud.spec(job_id="price-2", max_price=max_price)
+    cloud.provider.launch(spec)
+    notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
+                        "a price interruption", timeout=30)[0]
+    assert notice.data["reason"] == "price" and notice.data["price"] > max_price
+    launch = group_events(spec, "instance", action="launched")[0]
+    assert launch.data["price"] <= max_price
+    assert any(e.data["price"] > max_price for e in group_events(spec, "price"))
+    cloud.provider.terminate(spec.job_id)
+
+
+def test_hazard_interrupts_at_the_advisor_rate(cloud: Cloud,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # p3.2xlarge in us-east-1 is in the ">20%" bucket: read as one interruption a month.
+    # Compressed 2.6 million times, that is about one a second.
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "1")
+    monkeypatch.setenv("SPOTNB_LOCAL_SEED", "7")
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "2600000")
+    spec = cloud.spec(types=("p3.2xlarge",))
+    cloud.provider.launch(spec)
+    notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
+                        "a hazard interruption", timeout=15)[0]
+    assert notice.data["reason"] == "hazard"
+    cloud.provider.terminate(spec.job_id)
+
+
+# ------------------------------------------------------------- provider contract
+
+
+def test_validate_refuses_bad_specs_before_starting_anything(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    provider = cloud.provider
+    with pytest.raises(SpecError, match=r"did you mean 'g5\.xlarge'"):
+        provider.launch(cloud.spec(types=("g5.xlarg",)))
+    with pytest.raises(SpecError, match="max_price must be a positive"):
+        provider.launch(cloud.spec(max_price=0.0))
+    with pytest.raises(SpecError, match="would never start"):
+        provider.launch(cloud.spec(max_price=0.001))
+    with pytest.raises(SpecError, match="simulate_interruptions"):
+        provider.launch(cloud.spec(simulate_interruptions={"count": -1}))
+    with pytest.raises(SpecError, match="job id"):
+        provider.launch(cloud.spec(job_id="../escape"))
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "fast")
+    with pytest.raises(SpecError, match="SPOTNB_LOCAL_TIME_SCALE"):
+        provider.launch(cloud.spec())
+    assert not (cloud.home / "cloud" / "groups").exists()
+    with pytest.raises(ProviderError, match="no running capacity group"):
+        provider.interrupt("job-1")
+
+
+def test_a_job_has_one_group(cloud: Cloud) -> None:
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    with pytest.raises(ProviderError, match="already has a running capacity group"):
+        cloud.provider.launch(spec)
+    cloud.provider.terminate(spec.job_id)
+
+
+def test_cleanup_kills_orphans_of_a_dead_supervisor(cloud: Cloud) -> None:
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    instance_id = launched(spec)[0].data["instance_id"]
+    agent_pid = wait_until(lambda: identity_of(instance_id), "the agent")["pid"]
+    group = cloud.provider.group(spec.job_id)
+    assert group is not None
+    os.kill(group["supervisor"]["pid"], signal.SIGKILL)  # the supervisor dies hard
+    wait_until(lambda: group_gone(cloud, spec), "the supervisor to die")
+
+    planned = cloud.provider.cleanup(dry_run=True)
+    assert any("would remove capacity group job-1" in line for line in planned)
+    assert any(instance_id in line and "would kill" in line for line in planned)
+    assert psutil.pid_exists(agent_pid)  # a dry run changes nothing
+
+    done = cloud.provider.cleanup()
+    assert any(instance_id in line for line in done)
+    assert _our_processes(cloud.home) == []
+    assert not (cloud.home / "cloud" / "groups" / "job-1").exists()
+    assert cloud.provider.cleanup() == []
+
+
+def test_prices_come_from_the_catalog(cloud: Cloud) -> None:
+    price = cloud.provider.prices("g4dn.xlarge", "us-east-1")
+    cheapest = catalog.pools("g4dn.xlarge", "us-east-1")[0]
+    assert (price.az, price.spot, price.ondemand) == (cheapest.az, cheapest.spot, 0.526)
+    assert "catalog" in price.source
+    with pytest.raises(SpecError):
+        cloud.provider.prices("g4dn.xlarge", "mars-1")
+
+
+# ---------------------------------------------------------------------- market
+
+
+def test_market_replays_the_trace_time_compressed() -> None:
+    pool = catalog.pools("p3.2xlarge", "us-east-1")[0]
+    market = Market(pool, start_wall=1000.0, time_scale=60.0, seed="job-a")
+    t = 1000.0
+    prices = []
+    for _ in range(5):
+        change = market.next_change_after(t)
+        assert change is not None and change > t
+        assert market.price_at(change) != market.price_at(change - 1e-3)
+        prices.append(market.price_at(change))
+        t = change
+    trace_prices = {p for _, p in market.trace.points}
+    assert set(prices) <= trace_prices
+    # One cycle later the market repeats itself.
+    cycle = market.period / 60.0
+    assert market.price_at(1234.5 + cycle) == market.price_at(1234.5)
+    # The start in the trace depends on the seed only.
+    same = Market(pool, 1000.0, 60.0, seed="job-a")
+    other = Market(pool, 1000.0, 60.0, seed="job-b")
+    assert same.offset == market.offset != other.offset
+
+
+def test_market_cost_integrates_price_over_time() -> None:
+    pool = catalog.pools("p3.2xlarge", "us-east-1")[0]
+    market = Market(pool, start_wall=0.0, time_scale=60.0, seed="job-a")
+    start = 10.0
+    end = market.next_change_after(start)
+    assert end is not None
+    # Between changes the price holds: cost is price x hours.
+    expected = market.price_at(start) * (end - 1e-3 - start) / 3600
+    assert market.cost(start, end - 1e-3) == pytest.approx(expected, rel=1e-6)
+    # Over a long run the cost is bounded by the cheapest and dearest price.
+    long_run = market.cost(0.0, 7200.0)
+    low, high = (f(p for _, p in market.trace.points) for f in (min, max))
+    assert 2 * low <= long_run <= 2 * high
