@@ -320,8 +320,8 @@ def test_two_agents_on_one_job_only_one_works(cloud: Path, tmp_path: Path) -> No
     agents = [subprocess.Popen([sys.executable, "-m", "spotnb.kernel_remote", "--job",
                                 store.uri], cwd=tmp_path, env=env,
                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    codes = [a.wait(timeout=120) for a in agents]
-    assert codes == [0, 0]
+    logs = [a.communicate(timeout=120)[1] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], logs
     assert store.list_children("events/") == ["000001"], "exactly one attempt was written"
     assert json.loads(store.get(layout.RESULT))["status"] == "completed"
     assert json.loads(store.get(layout.LEASE))["epoch"] == 1

@@ -351,6 +351,9 @@ class Agent:
     def _take_lease(self, instance: str) -> lease.HeldLease | None:
         """Wait for the lease; None if the job ended or was stopped meanwhile."""
         while True:
+            if self.store.exists(layout.RESULT) or self.store.exists(layout.STOP):
+                log.info("job ended while waiting for the lease; exiting without writing")
+                return None
             held = lease.acquire(self.store, holder=instance)
             if held is not None and self.store.exists(layout.RESULT):
                 # The previous holder finished the job and released the lease.
@@ -358,9 +361,6 @@ class Agent:
                 return None
             if held is not None:
                 return held
-            if self.store.exists(layout.RESULT) or self.store.exists(layout.STOP):
-                log.info("job ended while waiting for the lease; exiting without writing")
-                return None
             time.sleep(0.5)
 
     def _heartbeat(self) -> None:

@@ -1,0 +1,160 @@
+"""Cost of ``spot.log`` on the training thread, against TensorBoard and a bare deque.
+
+Run by hand: ``python benchmarks/bench_log.py [calls]``. Every method is measured in
+the same run, in the same way: each call is timed on its own with
+``time.perf_counter_ns`` and the cost of an empty timing (measured here too) is
+subtracted; the medians and means are per call. ``spot.log`` runs against a fake
+agent on a real Unix socket, so its background thread really converts and sends
+the rows while the loop runs (as in a job).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+CALLS = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
+
+
+class SinkAgent:
+    """Accepts the runtime's connection and counts the metric rows it receives."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="snb-")
+        self.path = os.path.join(self.dir, "agent.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(1)
+        self.bytes = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            while data := conn.recv(1 << 20):
+                self.bytes += len(data)
+
+    def close(self) -> None:
+        self.thread.join(timeout=10)
+        self.listener.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def measure(call: Callable[[int], object], calls: int, overhead: float) -> tuple[float, ...]:
+    """ns per call: median, mean and p99 with each call timed alone (timer overhead
+    removed), then the amortised cost: one untimed loop of ``calls`` calls / calls."""
+    clock = time.perf_counter_ns
+    samples = [0] * calls
+    for i in range(calls):
+        t0 = clock()
+        call(i)
+        samples[i] = clock() - t0
+    t0 = clock()
+    for i in range(calls):
+        call(i)
+    loop = (clock() - t0) / calls
+    samples.sort()
+    return (statistics.median(samples) - overhead, statistics.fmean(samples) - overhead,
+            samples[int(len(samples) * 0.99)] - overhead, loop)
+
+
+def timer_overhead(calls: int) -> float:
+    clock = time.perf_counter_ns
+    samples = [0] * calls
+    for i in range(calls):
+        t0 = clock()
+        samples[i] = clock() - t0
+    return statistics.median(samples)
+
+
+def main() -> None:
+    work = tempfile.mkdtemp(prefix="snb-log-")
+    agent = SinkAgent()
+    os.environ.update({
+        "SPOTNB_JOB_URI": os.path.join(work, "store"),
+        "SPOTNB_JOB_ID": "bench",
+        "SPOTNB_ATTEMPT": "1",
+        "SPOTNB_INSTANCE_ID": "i-bench",
+        "SPOTNB_AGENT_SOCKET": agent.path,
+        "SPOTNB_SCRATCH": os.path.join(work, "scratch"),
+    })
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from spotnb import runtime as spot
+
+    spot.log(-1, warmup=0.0)  # connect first: the connection is not the hot path
+    writer = SummaryWriter(log_dir=os.path.join(work, "tb"))
+    rows: collections.deque[object] = collections.deque()
+    append = rows.append
+    loss_t = torch.tensor(0.25)
+    stop = threading.Event()
+
+    def drain_bare() -> None:
+        # Like spot.log's background thread, minus the conversion and the sending.
+        while not stop.wait(0.2):
+            for _ in range(len(rows)):
+                rows.popleft()
+
+    drainer = threading.Thread(target=drain_bare, daemon=True)
+    drainer.start()
+
+    def bare(i: int) -> None:
+        append((i, time.time(), {"loss": 0.25}))
+
+    overhead = timer_overhead(CALLS)
+    results = {
+        "deque.append (bare, drained)": measure(bare, CALLS, overhead),
+        "spot.log(step, loss=float)": measure(lambda i: spot.log(i, loss=0.25), CALLS, overhead),
+        "spot.log(step, loss=tensor)": measure(lambda i: spot.log(i, loss=loss_t), CALLS,
+                                               overhead),
+        "SummaryWriter.add_scalar(float)": measure(
+            lambda i: writer.add_scalar("loss", 0.25, i), CALLS // 4, overhead),
+        "SummaryWriter.add_scalar(tensor)": measure(
+            lambda i: writer.add_scalar("loss", loss_t, i), CALLS // 4, overhead),
+    }
+    # The means above are dominated by the interpreter's cyclic GC (full passes over
+    # the ~500k objects torch creates), common to every method: measure without it.
+    gc.disable()
+    try:
+        results["deque.append (bare, drained), GC off"] = measure(bare, CALLS, overhead)
+        results["spot.log(step, loss=float), GC off"] = measure(
+            lambda i: spot.log(i, loss=0.25), CALLS, overhead)
+    finally:
+        gc.enable()
+    stop.set()
+    drainer.join()
+    spot._finish()
+    writer.close()
+    agent.close()
+    shutil.rmtree(work, ignore_errors=True)
+
+    base = results["deque.append (bare, drained)"]
+    tb = results["SummaryWriter.add_scalar(float)"]
+    print(f"{CALLS} calls per method ({CALLS // 4} for add_scalar); timer overhead "
+          f"{overhead:.0f} ns subtracted; {os.cpu_count()} CPUs, torch {torch.__version__}")
+    print("ns per call; 'loop' = untimed loop / calls; ratios on medians")
+    print(f"{'method':40} {'median':>7} {'mean':>7} {'p99':>7} {'loop':>7} "
+          f"{'x deque':>8} {'add_scalar/it':>14}")
+    for name, (median, mean, p99, loop) in results.items():
+        print(f"{name:40} {median:7.0f} {mean:7.0f} {p99:7.0f} {loop:7.0f} "
+              f"{median / base[0]:8.1f} {tb[0] / median:14.1f}")
+    log = results["spot.log(step, loss=float)"]
+    print(f"\nspot.log median {log[0]:.0f} ns (target < 1000 ns): "
+          f"{'OK' if log[0] < 1000 else 'MISSED'}; add_scalar / spot.log: "
+          f"{tb[0] / log[0]:.1f}x on medians, {tb[1] / log[1]:.1f}x on means, "
+          f"{tb[3] / log[3]:.1f}x on loops (target >= 20x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,500 @@
+"""Checkpoints in the store: a reader never sees a partial one (DESIGN invariant 2).
+
+Layout under a prefix (``checkpoints`` for :class:`spotnb.runtime.Checkpoint`,
+``sync/<name>`` for :func:`spotnb.runtime.sync_dir` snapshots)::
+
+    <prefix>/<id>/<file> ...        the data, written first
+    <prefix>/<id>/MANIFEST.json     id, step, attempt, created, format, metadata, and
+                                    every file with its size and SHA-256, written second
+    <prefix>/LATEST                 {"id", "step"}: the newest complete checkpoint,
+                                    written last, by compare-and-swap
+
+An id is ``f"{step:012d}-a{attempt:04d}-{random hex}"``: ids sort by step, then attempt,
+and two writers never pick the same one.
+
+Writing a checkpoint, step by step (:meth:`CheckpointStore.write`, which is
+:meth:`~CheckpointStore.upload` for steps 1-2, then :meth:`~CheckpointStore.commit`):
+
+1. Upload the data files under a fresh ``<id>/``. Nothing points there yet, so a
+   writer killed here leaves ``LATEST`` on the previous complete checkpoint.
+2. Write ``MANIFEST.json``.
+3. Read ``LATEST`` and its ETag (absent the first time).
+4. Ask the fence (``spotnb.lease.still_holds`` in the runtime): a writer that lost the
+   lease stops here with :class:`FencedOff` and never moves ``LATEST``.
+5. Move ``LATEST`` with ``put_if_match`` on the ETag of step 3 (``put_if_absent`` the
+   first time). If someone else moved it in between, raise :class:`FencedOff` too:
+   only the lease holder writes, so another writer means this one lost the lease.
+6. Prune: keep ``LATEST`` and the ``keep - 1`` newest complete checkpoints below it;
+   delete the rest, and leftovers of dead attempts. Deleting is best effort and
+   tolerates races (a missing key is not an error).
+
+The two halves let a writer upload one checkpoint while the previous one is still
+being committed (the save forced by an interruption notice does), as long as it
+commits them in order.
+
+Reading: :meth:`CheckpointStore.latest` reads ``LATEST`` then the manifest;
+:meth:`CheckpointStore.download` fetches the files and checks every size and SHA-256
+(:class:`CorruptCheckpoint` names the bad file).
+
+Large files are never held in memory: :class:`HashingWriter` hashes while the caller
+serialises to a local file, and verification reads files in chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from spotnb.store import NotFound, Store
+
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "CheckpointError",
+    "CheckpointStore",
+    "CorruptCheckpoint",
+    "FencedOff",
+    "FileEntry",
+    "HashingWriter",
+    "Manifest",
+    "copy_hashing",
+    "hash_file",
+    "new_id",
+]
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+LATEST = "LATEST"
+MANIFEST_SCHEMA = 1
+
+# Files are hashed and copied in chunks of this size: large enough to be fast,
+# small enough never to matter for memory.
+_CHUNK = 4 * 1024 * 1024
+# A reader may race a writer's pruning (LATEST moves and the old id is deleted
+# between reading LATEST and its manifest): re-read LATEST this many times.
+_LATEST_READ_TRIES = 3
+_ID_RE = re.compile(r"^(\d{12})-a(\d{4})-[0-9a-f]+$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written or read."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint file is missing, or its size or SHA-256 differs from the manifest."""
+
+
+class FencedOff(CheckpointError):
+    """This writer lost the lease: ``LATEST`` was not moved."""
+
+
+def new_id(step: int, attempt: int) -> str:
+    """A fresh checkpoint id that sorts by step, then attempt."""
+    if step < 0:
+        raise ValueError(f"a checkpoint step must be >= 0, not {step}")
+    return f"{step:012d}-a{attempt:04d}-{secrets.token_hex(4)}"
+
+
+def _parse_id(name: str) -> tuple[int, int] | None:
+    m = _ID_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _check_name(name: str) -> str:
+    """A file name inside a checkpoint: a relative path without ``..`` (may have ``/``)."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid checkpoint file name {name!r}: use a relative path")
+    if name == MANIFEST:
+        raise ValueError(f"{MANIFEST} is reserved in a checkpoint")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds. Written as ``<id>/MANIFEST.json``."""
+
+    id: str
+    step: int
+    attempt: int
+    created: float
+    files: tuple[FileEntry, ...]
+    format: str = "files"
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    schema: int = MANIFEST_SCHEMA
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        raw = json.loads(text)
+        if raw.get("schema", MANIFEST_SCHEMA) > MANIFEST_SCHEMA:
+            raise CheckpointError(
+                f"checkpoint {raw.get('id')} was written by a newer spotnb (manifest schema "
+                f"{raw['schema']}); upgrade spotnb: pip install -U spotnb"
+            )
+        return cls(
+            id=raw["id"],
+            step=int(raw["step"]),
+            attempt=int(raw["attempt"]),
+            created=float(raw["created"]),
+            files=tuple(FileEntry(f["name"], int(f["size"]), f["sha256"]) for f in raw["files"]),
+            format=raw.get("format", "files"),
+            metadata=raw.get("metadata") or {},
+            schema=int(raw.get("schema", MANIFEST_SCHEMA)),
+        )
+
+    @classmethod
+    def read_local(cls, directory: str | os.PathLike[str]) -> Manifest:
+        """The manifest in a local copy of a checkpoint (``<dir>/MANIFEST.json``)."""
+        return cls.from_json(Path(directory, MANIFEST).read_bytes())
+
+
+class HashingWriter:
+    """A binary file object that hashes (SHA-256) and counts what is written through it.
+
+    ``torch.save`` and ``pickle.dump`` write into it directly, so a large checkpoint is
+    hashed while it is serialised, not read back afterwards.
+    """
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        self.size += view.nbytes
+        self._raw.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+
+def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """Size and hex SHA-256 of a local file, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def copy_hashing(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> tuple[int, str]:
+    """Copy a file in chunks, hashing what was copied; return its size and SHA-256.
+
+    The hash describes the copy, so a source that changes during the copy cannot
+    produce a manifest that disagrees with the uploaded bytes.
+    """
+    with open(src, "rb") as fin, open(dest, "wb") as fout:
+        writer = HashingWriter(fout)
+        while chunk := fin.read(_CHUNK):
+            writer.write(chunk)
+    return writer.size, writer.sha256
+
+
+class CheckpointStore:
+    """Writes and reads checkpoints under ``prefix`` of a store. See the module docstring.
+
+    ``keep`` is how many complete checkpoints survive pruning (at least 1: the one
+    ``LATEST`` points to).
+    """
+
+    def __init__(self, store: Store, prefix: str = "checkpoints", keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        self.store = store
+        self.prefix = prefix.strip("/")
+        self.keep = keep
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.store!r}, prefix={self.prefix!r}, keep={self.keep})"
+
+    def _key(self, *parts: str) -> str:
+        return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
+
+    # -- writing ---------------------------------------------------------------------
+
+    def write(
+        self,
+        step: int,
+        files: Mapping[str, str | os.PathLike[str]],
+        *,
+        attempt: int = 0,
+        fence: Callable[[], bool] | None = None,
+        fmt: str = "files",
+        metadata: Mapping[str, Any] | None = None,
+        digests: Mapping[str, tuple[int, str]] | None = None,
+        checkpoint_id: str | None = None,
+    ) -> Manifest:
+        """Write a checkpoint of local ``files`` ({name in the checkpoint: path}).
+
+        :meth:`upload` then :meth:`commit`; see them. Returns the manifest of the new
+        ``LATEST``.
+        """
+        manifest = self.upload(step, files, attempt=attempt, fmt=fmt, metadata=metadata,
+                               digests=digests, checkpoint_id=checkpoint_id)
+        return self.commit(manifest, fence=fence)
+
+    def upload(
+        self,
+        step: int,
+        files: Mapping[str, str | os.PathLike[str]],
+        *,
+        attempt: int = 0,
+        fmt: str = "files",
+        metadata: Mapping[str, Any] | None = None,
+        digests: Mapping[str, tuple[int, str]] | None = None,
+        checkpoint_id: str | None = None,
+    ) -> Manifest:
+        """Steps 1-2: the data files, then the manifest; ``LATEST`` does not move.
+
+        ``digests`` gives ``(size, sha256)`` of files the caller already hashed (with
+        :class:`HashingWriter`); the others are hashed here, in chunks.
+        """
+        cid = checkpoint_id or new_id(step, attempt)
+        digests = digests or {}
+        # Step 1: the data. Nothing points at <id>/ yet.
+        entries = []
+        for name, path in files.items():
+            _check_name(name)
+            size, sha = digests[name] if name in digests else hash_file(path)
+            self.store.upload_file(self._key(cid, name), path)
+            entries.append(FileEntry(name, size, sha))
+
+        # Step 2: the manifest makes <id>/ complete (but not yet current).
+        manifest = Manifest(
+            id=cid,
+            step=step,
+            attempt=attempt,
+            created=time.time(),
+            files=tuple(entries),
+            format=fmt,
+            metadata=dict(metadata or {}),
+        )
+        self.store.put(self._key(cid, MANIFEST), manifest.to_json().encode())
+        return manifest
+
+    def commit(self, manifest: Manifest, fence: Callable[[], bool] | None = None) -> Manifest:
+        """Steps 3-6: make an uploaded checkpoint current, then prune.
+
+        ``fence`` is asked just before ``LATEST`` moves; if it returns False,
+        :class:`FencedOff` is raised and ``LATEST`` stays.
+        """
+        cid, step = manifest.id, manifest.step
+        # Step 3: the ETag we will compare-and-swap against.
+        try:
+            _, latest_etag = self.store.get_with_etag(self._key(LATEST))
+        except NotFound:
+            latest_etag = None
+
+        # Step 4: fencing. A writer that lost the lease must not move LATEST.
+        if fence is not None and not fence():
+            raise FencedOff(
+                f"checkpoint {cid} (step {step}) was written but not made current: this "
+                "agent lost the job's lease to another one, which carries on with the job"
+            )
+
+        # Step 5: move LATEST by compare-and-swap.
+        pointer = json.dumps({"id": cid, "step": step}).encode()
+        if latest_etag is None:
+            moved = self.store.put_if_absent(self._key(LATEST), pointer)
+        else:
+            moved = self.store.put_if_match(self._key(LATEST), pointer, latest_etag)
+        if moved is None:
+            raise FencedOff(
+                f"checkpoint {cid} (step {step}) was written but not made current: "
+                f"{self._key(LATEST)} was changed by another writer meanwhile (another "
+                "agent holds the job's lease)"
+            )
+        log.debug("checkpoint %s/%s is current (step %d)", self.prefix, cid, step)
+
+        # Step 6: prune, best effort.
+        try:
+            self.prune(current=cid, attempt=manifest.attempt)
+        except Exception:
+            log.warning("pruning old checkpoints under %s failed; will retry next time",
+                        self.prefix, exc_info=True)
+        return manifest
+
+    def ids(self) -> list[str]:
+        """Ids of every checkpoint directory, complete or not, in sort order."""
+        return [n for n in self.store.list_children(self.prefix) if _parse_id(n)]
+
+    def prune(self, current: str | None = None, attempt: int | None = None) -> list[str]:
+        """Delete what ``keep`` no longer covers; return the deleted ids.
+
+        Kept: the checkpoint ``LATEST`` points to (``current``, read if not given) and
+        the ``keep - 1`` newest complete checkpoints that sort below it. Deleted: other
+        ids below it, and ids above it written by an attempt older than ``attempt``
+        (left by a dead writer). Ids above it from this or a newer attempt may be in
+        progress and are left alone.
+        """
+        if current is None:
+            pointer = self._read_pointer()
+            if pointer is None:
+                return []
+            current = pointer[0]
+        ids = self.ids()
+        older = [i for i in ids if i < current]
+        complete_older = [i for i in older if self.store.exists(self._key(i, MANIFEST))]
+        survivors = set(complete_older[max(0, len(complete_older) - (self.keep - 1)):]
+                        if self.keep > 1 else [])
+        doomed = [i for i in older if i not in survivors]
+        if attempt is not None:
+            for i in ids:
+                parsed = _parse_id(i)
+                if i > current and parsed is not None and parsed[1] < attempt:
+                    doomed.append(i)
+        for i in doomed:
+            # The manifest first: a half-deleted checkpoint must not look complete.
+            self.store.delete(self._key(i, MANIFEST))
+            self.store.delete_prefix(self._key(i) + "/")
+        if doomed:
+            log.debug("pruned %d old checkpoint(s) under %s", len(doomed), self.prefix)
+        return doomed
+
+    # -- reading ---------------------------------------------------------------------
+
+    def _read_pointer(self) -> tuple[str, int] | None:
+        try:
+            raw = json.loads(self.store.get(self._key(LATEST)))
+        except NotFound:
+            return None
+        return str(raw["id"]), int(raw["step"])
+
+    def manifest(self, checkpoint_id: str) -> Manifest:
+        """The manifest of one checkpoint; :class:`spotnb.store.NotFound` if incomplete."""
+        return Manifest.from_json(self.store.get(self._key(checkpoint_id, MANIFEST)))
+
+    def latest(self) -> Manifest | None:
+        """The newest complete checkpoint, or None if there is none yet."""
+        for _ in range(_LATEST_READ_TRIES):
+            pointer = self._read_pointer()
+            if pointer is None:
+                return None
+            try:
+                return self.manifest(pointer[0])
+            except NotFound:
+                # Pruned between our two reads: LATEST has moved on; read it again.
+                continue
+        raise CheckpointError(
+            f"{self._key(LATEST)} points to a checkpoint without a manifest; the store was "
+            "changed by hand or another writer is racing. Delete the LATEST object to "
+            "start from scratch."
+        )
+
+    def manifests(self) -> Iterator[Manifest]:
+        """Complete checkpoints, newest first: ``LATEST``'s, then the older survivors.
+
+        Lazy: a reader that is happy with the first one reads nothing more. A restore
+        falls back along it when a checkpoint turns out to be damaged.
+        """
+        latest = self.latest()
+        if latest is None:
+            return
+        yield latest
+        for cid in reversed(self.ids()):
+            if cid < latest.id:
+                try:
+                    yield self.manifest(cid)
+                except NotFound:
+                    continue  # incomplete, or pruned meanwhile
+
+    def download(self, manifest: Manifest, dest_dir: str | os.PathLike[str]) -> dict[str, Path]:
+        """Download a checkpoint's files into ``dest_dir`` and verify them.
+
+        Returns {name: local path}; also writes ``MANIFEST.json`` there. Raises
+        :class:`CorruptCheckpoint` naming the first file that is missing or differs.
+        """
+        dest = Path(dest_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for entry in manifest.files:
+            path = dest / _check_name(entry.name)
+            try:
+                self.store.download_file(self._key(manifest.id, entry.name), path)
+            except NotFound:
+                raise CorruptCheckpoint(
+                    f"checkpoint {manifest.id}: file {entry.name!r} is missing from the store"
+                ) from None
+            _verify(manifest, entry, path, remove_bad=True)
+            paths[entry.name] = path
+        (dest / MANIFEST).write_text(manifest.to_json())
+        return paths
+
+    def verify_local(
+        self, manifest: Manifest, directory: str | os.PathLike[str]
+    ) -> dict[str, Path]:
+        """Check a local copy of a checkpoint (e.g. one an agent prefetched).
+
+        Returns {name: local path}; raises :class:`CorruptCheckpoint` like :meth:`download`.
+        """
+        paths = {}
+        for entry in manifest.files:
+            path = Path(directory) / _check_name(entry.name)
+            _verify(manifest, entry, path, remove_bad=False)
+            paths[entry.name] = path
+        return paths
+
+
+def _verify(manifest: Manifest, entry: FileEntry, path: Path, remove_bad: bool) -> None:
+    # A bad file we downloaded ourselves is removed so that nobody loads it by mistake.
+    try:
+        size, sha = hash_file(path)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(
+            f"checkpoint {manifest.id}: file {entry.name!r} is missing from {path.parent}"
+        ) from None
+    if size != entry.size:
+        if remove_bad:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        raise CorruptCheckpoint(
+            f"checkpoint {manifest.id}: file {entry.name!r} has {size} bytes, the manifest "
+            f"says {entry.size}"
+        )
+    if sha != entry.sha256:
+        if remove_bad:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        raise CorruptCheckpoint(
+            f"checkpoint {manifest.id}: file {entry.name!r} does not match its SHA-256 in "
+            "the manifest (the stored data is damaged)"
+        )

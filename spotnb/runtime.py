@@ -1,0 +1,596 @@
+"""The API a training cell uses: ``from spotnb import runtime as spot``.
+
+On a spot instance the agent starts the user's kernel with the environment described
+in :mod:`spotnb.kernel_remote.channel`, calls :func:`_bootstrap` (connects to the
+agent's socket, loads the cell's inputs, binds ``spot`` in the namespace), runs the
+cell, and calls :func:`_finish` (flushes, waits until every upload is durable). The
+same code also runs in a plain Python or notebook session without that environment,
+for debugging a cell locally: then checkpoints go to ``./.spotnb-local/``, ``job_id``
+is ``"local"``, ``attempt`` is 0, metrics are kept in memory (:func:`history`) and no
+interruption notice ever comes.
+
+A typical cell::
+
+    ckpt = spot.Checkpoint(model=model, optimizer=opt, scheduler=sched)
+    for step in range(ckpt.restore(), total_steps):   # 0, or where the last run stopped
+        loss = train_step()
+        spot.log(step, loss=loss)                      # cheap: no sync, no I/O
+        ckpt.maybe_save(step)                          # by policy, or now on a notice
+
+Public API: :func:`log`, :class:`Checkpoint`, :func:`sync_dir`, :func:`history`, the
+module attributes ``spot.interrupt_pending`` (an ``instance-action`` notice arrived;
+a ``rebalance`` recommendation does not set it), ``spot.job_id`` and ``spot.attempt``,
+and ``spot.tensorboard()`` (:func:`spotnb.tb.tensorboard`).
+
+What happens on an interruption (the ``instance-action`` notice, about two minutes
+before EC2 terminates the instance)::
+
+    agent: notice -> runtime (receiver thread): force the next save, wake sync dirs
+    cell:  ckpt.maybe_save(step) -> save(step) -> wait until durable
+           -> {"op": "parked"} -> hold the cell (sleep) until the instance is gone
+    next attempt: cell re-runs from the top -> ckpt.restore() == step + 1
+
+If an earlier save is still uploading when the notice comes, the forced save does not
+queue behind it: it uploads alongside and is committed (made ``LATEST``) right after
+it, so the final checkpoint costs one upload time, not two. Otherwise each save waits
+for the previous upload. A ``rebalance`` recommendation only forces the next save. A
+save that finds the lease lost (another agent took over the job) never moves
+``LATEST`` and holds the cell too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from spotnb import __version__, layout, snapshot
+from spotnb.checkpoints import (
+    CheckpointError,
+    CheckpointStore,
+    CorruptCheckpoint,
+    FencedOff,
+    HashingWriter,
+    Manifest,
+    new_id,
+)
+from spotnb.session import LOCAL_DIR, ROWS, Session
+from spotnb.spec import parse_duration
+from spotnb.store import NotFound
+from spotnb.syncdir import SyncDir, sync_name
+
+__all__ = ["LOCAL_DIR", "Checkpoint", "OutputError", "SyncDir", "history", "log", "sync_dir"]
+
+_logger = logging.getLogger(__name__)
+
+# The hot path of log(): bound once, so a call is one global lookup each.
+_append = ROWS.append
+_now = time.time
+
+_runtime: Session | None = None
+_runtime_lock = threading.Lock()
+_atexit_registered = False
+
+
+class OutputError(ValueError):
+    """An output variable is missing or cannot be pickled."""
+
+
+def _rt() -> Session:
+    """The process's session, created from the environment on first use."""
+    global _runtime, _atexit_registered
+    rt = _runtime
+    if rt is not None:
+        return rt
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = Session.from_env()
+            if not _atexit_registered:
+                # A plain script must not exit with an upload half done.
+                atexit.register(_finish_at_exit)
+                _atexit_registered = True
+        return _runtime
+
+
+def _forget_in_child() -> None:
+    # A forked child (a DataLoader worker) must not send the parent's rows or use its
+    # threads and socket; if it logs, it opens its own session.
+    global _runtime, _runtime_lock
+    _runtime = None
+    _runtime_lock = threading.Lock()  # another thread may have held it at fork time
+    ROWS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+# -- public API ----------------------------------------------------------------------
+
+
+def log(step: int, **metrics: Any) -> None:
+    """Record metrics for ``step``: ``spot.log(step, loss=loss, lr=lr)``.
+
+    As cheap as a ``deque.append``: the values (numbers, NumPy scalars, one-element
+    tensors) are converted with ``float()`` in a background thread, so logging a CUDA
+    tensor does not wait for the GPU here. A tensor is referenced until it is
+    converted, within about 0.2 s. Values that are not numbers are dropped with a
+    warning; NaN and infinities are kept.
+    """
+    if _runtime is None:
+        _rt()
+    _append((step, _now(), metrics))
+
+
+def history() -> list[tuple[int, float, dict[str, float]]]:
+    """Standalone mode: every row logged so far as ``(step, time, {name: value})``.
+
+    In a job the rows go to the agent and are not kept here (the list stays empty).
+    """
+    rt = _rt()
+    rt.drain()
+    return list(rt.history)
+
+
+def __getattr__(name: str) -> Any:
+    # Module attributes that depend on the environment: read at first use.
+    if name == "interrupt_pending":
+        return _rt().interrupt_pending
+    if name == "job_id":
+        return _rt().job_id
+    if name == "attempt":
+        return _rt().attempt
+    if name == "tensorboard":
+        # spot.tensorboard(): a SummaryWriter on a synced directory (spotnb.tb).
+        from spotnb.tb import tensorboard
+
+        return tensorboard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "interrupt_pending", "job_id", "attempt", "tensorboard"])
+
+
+class _Upload:
+    """One checkpoint being serialised and written by a background thread."""
+
+    def __init__(self, rt: Session, cs: CheckpointStore, cid: str, step: int,
+                 state: dict[str, Any], forced: bool, started: float,
+                 after: _Upload | None = None) -> None:
+        self.rt = rt
+        self.cs = cs
+        self.cid = cid
+        self.step = step
+        self.forced = forced
+        self.started = started
+        self.manifest: Manifest | None = None
+        self.error: BaseException | None = None
+        self._state: dict[str, Any] | None = state
+        # Commit only after this upload is done, so LATEST moves in step order.
+        self._after = after
+        self._serialized = threading.Event()
+        self._done = threading.Event()
+        rt.last_upload = self
+        self._thread = threading.Thread(target=self._run, name=f"spotnb-upload-{step}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _report(self, phase: str, **extra: Any) -> None:
+        self.rt.send({"op": "checkpoint", "phase": phase, "id": self.cid, "step": self.step,
+                      "forced": self.forced, **extra})
+
+    def _run(self) -> None:
+        fmt = "torch" if "torch" in sys.modules else "pickle"
+        name = "state.pt" if fmt == "torch" else "state.pkl"
+        path = self.rt.scratch / f"{self.cid}.{name}"
+        self._report("begin", bytes=0, seconds=0.0)
+        try:
+            with open(path, "wb") as f:
+                writer = HashingWriter(f)
+                snapshot.dump(self._state, writer, fmt)
+            self._state = None  # the host copy is on disk now; its buffers are free
+            self._serialized.set()
+            uploaded = self.cs.upload(
+                self.step, {name: path}, attempt=self.rt.attempt, fmt=fmt,
+                digests={name: (writer.size, writer.sha256)}, checkpoint_id=self.cid,
+                metadata={"spotnb": __version__},
+            )
+            if self._after is not None:
+                self._after.wait()
+                self._after = None
+            self.manifest = self.cs.commit(uploaded, fence=self.rt.fence)
+            self._report("durable", bytes=self.manifest.total_bytes,
+                         seconds=round(time.monotonic() - self.started, 3))
+            _logger.info("checkpoint of step %d is durable (%s, %.1f MB)", self.step,
+                         self.cid, self.manifest.total_bytes / 1e6)
+        except FencedOff as e:
+            self.error = e
+            self.rt.fenced = True
+            self._report("failed", bytes=0, seconds=0.0, error=str(e))
+            _logger.error("%s", e)
+        except Exception as e:
+            self.error = e
+            self._report("failed", bytes=0, seconds=0.0, error=f"{type(e).__name__}: {e}")
+            _logger.exception("the checkpoint of step %d failed; the next save retries",
+                              self.step)
+        finally:
+            self._state = None
+            self._after = None
+            self._serialized.set()
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._done.set()
+
+    def wait_serialized(self) -> None:
+        """Wait until the host copy is written out (its buffers may be reused)."""
+        self._serialized.wait()
+
+    def wait(self) -> Manifest | None:
+        """The manifest once durable, or None if the save failed (already reported)."""
+        self._done.wait()
+        return self.manifest
+
+
+class Checkpoint:
+    """Saves and restores training state: ``spot.Checkpoint(model=m, optimizer=opt)``.
+
+    Register everything the loop needs to continue exactly: objects with
+    ``state_dict()``/``load_state_dict()`` (modules, optimizers, LR schedulers,
+    GradScaler), ``random.Random``/``torch.Generator``/``numpy.random.Generator``,
+    tensors, arrays, dicts and lists are restored in place; any other picklable value
+    is read back as ``ckpt["name"]`` (and updated with ``ckpt["name"] = value``).
+    The global RNG states (``random``, NumPy, torch CPU and CUDA) are always included,
+    so seeded code continues bitwise-identically after an interruption.
+
+    Step convention: ``save(step)`` means "step ``step`` is done", and
+    :meth:`restore` returns ``step + 1``, the first step still to do (0 if there is
+    no checkpoint). So ``for step in range(ckpt.restore(), n)`` resumes correctly.
+
+    Use one ``Checkpoint`` per job. It keeps a host-memory copy of the tensors between
+    saves (that is what makes a save a fast memory copy).
+    """
+
+    def __init__(self, **state: Any) -> None:
+        if not state:
+            raise TypeError("Checkpoint() needs the state to save, e.g. "
+                            "spot.Checkpoint(model=model, optimizer=optimizer)")
+        self._objects: dict[str, Any] = dict(state)
+        rt = _rt()
+        self._store = CheckpointStore(rt.store, layout.CHECKPOINTS, keep=rt.keep)
+        self._pool = snapshot.BufferPool()
+        self._warmed = False
+        self._upload: _Upload | None = None
+        self._last_step = -1
+        self._last_time = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(self._objects)})"
+
+    @property
+    def _rt(self) -> Session:
+        # The current session (a new one after _finish(), e.g. when a cell re-runs).
+        return _rt()
+
+    def __getitem__(self, name: str) -> Any:
+        return self._objects[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._objects[name] = value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._objects
+
+    # -- restore ---------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the latest checkpoint into the registered objects; return the next step.
+
+        Returns 0 when the job has no checkpoint yet, else ``saved_step + 1``.
+        """
+        self.wait()
+        started = time.monotonic()
+        found = self._fetch_newest_intact()
+        if found is None:
+            _logger.info("no checkpoint yet: starting from step 0")
+            return 0
+        manifest, path, downloaded = found
+        try:
+            state = snapshot.load(path, manifest.format)
+        finally:
+            if downloaded:
+                shutil.rmtree(path.parent, ignore_errors=True)
+        saved = state["objects"]
+        for name, obj in list(self._objects.items()):
+            if name not in saved:
+                _logger.warning("%r is not in checkpoint %s (added since?); it keeps its "
+                                "current value", name, manifest.id)
+                continue
+            kind, payload = saved[name]
+            self._objects[name] = snapshot.restore(name, obj, kind, payload)
+        for name in saved.keys() - self._objects.keys():
+            _logger.warning("checkpoint %s also holds %r, which is not registered now; "
+                            "ignored", manifest.id, name)
+        snapshot.restore_rng(state["rng"])
+        del state, saved  # the loaded copy is in the objects now
+        # The state exists in full now (optimizer state too): allocate the host buffers
+        # for the first save in the background, so that save is a memory copy.
+        self._pool.warm_async(snapshot.tensor_specs(self._objects))
+        self._last_step = manifest.step
+        self._last_time = time.monotonic()
+        seconds = time.monotonic() - started
+        self._rt.send({"op": "restored", "id": manifest.id, "step": manifest.step,
+                       "seconds": round(seconds, 3)})
+        _logger.info("restored checkpoint %s in %.1f s: continuing at step %d", manifest.id,
+                     seconds, manifest.step + 1)
+        return manifest.step + 1
+
+    def _fetch_newest_intact(self) -> tuple[Manifest, Path, bool] | None:
+        """The newest checkpoint whose files verify, fetched; None if there is none.
+
+        A damaged checkpoint (its files disagree with its manifest) is skipped for the
+        one before it: redoing some steps beats failing the job.
+        """
+        damaged = []
+        for manifest in self._store.manifests():
+            try:
+                path, downloaded = self._fetch(manifest)
+            except CorruptCheckpoint as e:
+                _logger.error("%s; trying the checkpoint before it", e)
+                damaged.append(manifest.id)
+                continue
+            return manifest, path, downloaded
+        if damaged:
+            raise CorruptCheckpoint(
+                f"every checkpoint of this job is damaged ({', '.join(damaged)}); delete "
+                f"the {layout.CHECKPOINTS}/ prefix of the job's store to start from step 0"
+            )
+        return None
+
+    def _fetch(self, manifest: Manifest) -> tuple[Path, bool]:
+        """The local state file: the agent's prefetch if it is this checkpoint, else
+        a fresh download. The second item says whether we downloaded it."""
+        entry = next((f for f in manifest.files if f.name.startswith("state.")), None)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {manifest.id} has no state file; it was not "
+                                  "written by spot.Checkpoint")
+        restore_dir = self._rt.restore_dir
+        if restore_dir is not None and (restore_dir / "MANIFEST.json").exists():
+            try:
+                local = Manifest.read_local(restore_dir)
+                if local.id == manifest.id:
+                    return self._store.verify_local(manifest, restore_dir)[entry.name], False
+                _logger.info("the prefetched checkpoint %s is not the latest (%s); "
+                             "downloading", local.id, manifest.id)
+            except (CheckpointError, OSError, ValueError, KeyError) as e:
+                _logger.warning("the prefetched checkpoint in %s is unusable (%s); "
+                                "downloading", restore_dir, e)
+        dest = self._rt.scratch / f"runtime-restore-{uuid.uuid4().hex[:8]}"
+        return self._store.download(manifest, dest)[entry.name], True
+
+    # -- save ------------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        """Checkpoint now: "step ``step`` is done". Stalls only to copy state to memory.
+
+        Serialising and uploading happen in the background; the next save (or the end
+        of the job) waits for this one. After an interruption notice the save waits
+        until it is durable and then holds the cell (see the module docstring).
+        """
+        self._save(int(step), forced=False)
+
+    def maybe_save(self, step: int) -> bool:
+        """Save if the policy says so or a notice is pending; return whether it saved.
+
+        The policy (``checkpoint_every`` of the job; 60 s standalone) counts seconds
+        and steps since the last save or restore. Cheap when there is nothing to do.
+        """
+        rt = self._rt
+        if rt.force_save or rt.park_requested or rt.fenced:
+            self._save(int(step), forced=True)
+            return True
+        every = rt.every
+        if (every.steps is not None and step - self._last_step >= every.steps) or (
+            every.seconds is not None and time.monotonic() - self._last_time >= every.seconds
+        ):
+            self._save(int(step), forced=False)
+            return True
+        if not self._warmed:
+            # The first call that does not save: allocate the host buffers now, in the
+            # background, so the first save is a memory copy too (the optimizer state
+            # exists by now, after a first step).
+            self._warmed = True
+            self._pool.warm_async(snapshot.tensor_specs(self._objects))
+        return False
+
+    def wait(self) -> Manifest | None:
+        """Wait for the save in progress; its manifest, or None (none, or it failed)."""
+        upload, self._upload = self._upload, None
+        if upload is None:
+            return None
+        return upload.wait()
+
+    def _save(self, step: int, forced: bool) -> None:
+        rt = self._rt
+        park = rt.park_requested
+        previous = self._upload
+        if park and previous is not None:
+            # The save before termination: do not wait for the previous upload to
+            # finish before uploading this one (two uploads in a row may not fit in
+            # the notice period); only for its buffers, and commit after it.
+            previous.wait_serialized()
+            self._upload = None
+        else:
+            previous = None
+            self.wait()
+        if rt.fenced:
+            rt.hold_fenced()
+        started = time.monotonic()
+        forced = forced or rt.force_save
+        try:
+            state = {
+                "format": 1,
+                "step": step,
+                "objects": snapshot.capture(self._objects, self._pool),
+                "rng": snapshot.capture_rng(),
+            }
+        except BaseException:
+            self._upload = self._upload or previous
+            raise
+        # Only now is the notice served: if the copy raised, it is still pending.
+        rt.force_save = False
+        self._warmed = True
+        cid = new_id(step, rt.attempt)
+        self._upload = _Upload(rt, self._store, cid, step, state, forced, started,
+                               after=previous)
+        self._last_step = step
+        self._last_time = time.monotonic()
+        if park:
+            if self.wait() is not None:
+                rt.park(step)
+            if rt.fenced:
+                rt.hold_fenced()
+            # The save failed for another reason (reported): try again next time.
+            rt.force_save = True
+
+
+# -- directories the user writes to --------------------------------------------------
+
+
+def sync_dir(path: str | os.PathLike[str], every: float | str = "60s") -> SyncDir:
+    """Keep a directory you write your own checkpoint files to in the job's store.
+
+    Before returning, restores the directory's latest snapshot (files of the snapshot
+    are written into it; other files are left alone). Then uploads it every ``every``
+    (``"60s"``, ``"5m"``, or seconds) when something changed, at once on an
+    interruption notice, and a last time at the end of the job. Each upload is a
+    complete snapshot (files, then manifest, then ``LATEST``), so a resume never sees
+    half a directory; write each file atomically (to a temporary name, then rename)
+    so a snapshot never catches a file half-written.
+
+    The snapshot's name comes from ``path`` as written: use the same path, relative
+    to the working directory, on every run.
+    """
+    seconds = parse_duration(every, "sync_dir every")
+    rt = _rt()
+    name = sync_name(path)
+    existing = rt.sync_dirs.get(name)
+    if existing is not None:
+        existing.every = seconds
+        return existing
+    sd = SyncDir(rt, path, seconds)
+    sd.restore()
+    rt.sync_dirs[name] = sd
+    sd.start()
+    return sd
+
+
+# -- hooks the agent calls inside the kernel -----------------------------------------
+
+
+def _user_ns() -> dict[str, Any]:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        shell = None
+    else:
+        shell = get_ipython()
+    if shell is None:
+        raise RuntimeError("spotnb.runtime._bootstrap must run inside an IPython kernel "
+                           "(or be given user_ns); this is a spotnb bug, please report it")
+    ns: dict[str, Any] = shell.user_ns
+    return ns
+
+
+def _bootstrap(user_ns: dict[str, Any] | None = None) -> None:
+    """Called by the agent in the fresh kernel before the cell runs.
+
+    Connects to the agent (``SPOTNB_AGENT_SOCKET``), loads the cell's captured inputs
+    (``inputs.pkl`` in the job store, cloudpickled ``{name: value}``) into the
+    namespace, and binds ``spot`` to this module there.
+    """
+    import cloudpickle
+
+    rt = _rt()
+    ns = _user_ns() if user_ns is None else user_ns
+    try:
+        data = rt.store.get(layout.INPUTS)
+    except NotFound:
+        data = None
+    if data is not None:
+        inputs = cloudpickle.loads(data)
+        ns.update(inputs)
+        _logger.info("loaded inputs: %s", ", ".join(sorted(inputs)) or "none")
+    ns["spot"] = sys.modules[__name__]
+
+
+def _finish() -> None:
+    """Called by the agent after the cell: blocks until everything is sent and durable.
+
+    Flushes metrics, waits for the newest checkpoint upload, uploads every
+    :func:`sync_dir` a last time, and closes the channel. Raises
+    :class:`spotnb.checkpoints.CheckpointError` (after all of that) if the newest
+    checkpoint or a last directory upload is not durable. Safe to call twice; the
+    next use of the API starts afresh.
+    """
+    global _runtime
+    with _runtime_lock:
+        rt, _runtime = _runtime, None
+    if rt is None:
+        return
+    problems = rt.finish()
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+def _finish_at_exit() -> None:
+    try:
+        _finish()
+    except CheckpointError as e:
+        _logger.error("%s", e)
+
+
+def _save_outputs(names: Iterable[str], user_ns: dict[str, Any] | None = None) -> None:
+    """Called by the agent after the cell: cloudpickle the outputs to ``outputs.pkl``.
+
+    Raises :class:`OutputError` naming the variable that is missing or cannot be
+    pickled, and :class:`spotnb.checkpoints.FencedOff` if the lease was lost.
+    """
+    import cloudpickle
+
+    rt = _rt()
+    ns = _user_ns() if user_ns is None else user_ns
+    names = list(names)
+    missing = [name for name in names if name not in ns]
+    if missing:
+        raise OutputError(
+            f"output {missing[0]!r} is not defined when the cell ends: assign it in the "
+            "cell, or remove it from the cell's outputs"
+        )
+    outputs = {name: ns[name] for name in names}
+    try:
+        data = cloudpickle.dumps(outputs)
+    except Exception as whole:
+        # Name the culprit: pickle the values one by one (only on this error path).
+        for name, value in outputs.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception as e:
+                raise OutputError(
+                    f"output {name!r} (a {type(value).__name__}) cannot be pickled: {e}. "
+                    "Return something picklable instead (e.g. model.state_dict() rather "
+                    "than an object holding files, locks or sockets), or remove it from "
+                    "the cell's outputs"
+                ) from e
+        raise OutputError(f"the outputs cannot be pickled together: {whole}") from whole
+    if not rt.fence():
+        raise FencedOff("outputs were not written: this agent lost the job's lease")
+    rt.store.put(layout.OUTPUTS, data)

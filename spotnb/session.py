@@ -1,0 +1,355 @@
+"""The runtime's per-process session: the agent channel, notices, metrics, parking.
+
+One :class:`Session` exists per kernel process (``spotnb.runtime`` creates it on first
+use from the environment that :mod:`spotnb.kernel_remote.channel` describes, or in
+standalone mode without it). It owns:
+
+* the :class:`AgentChannel` to the agent's Unix socket and the receiver thread that
+  turns ``notice`` messages into flags the cell's thread reads (``force_save``,
+  ``park_requested``, ``interrupt_pending``) and wakes the synced directories;
+* the metrics thread that drains :data:`ROWS` (filled by ``spot.log``) every
+  0.2 s, converts the values with ``float()`` and sends them in batches;
+* the uploads in progress and the synced directories, so that :meth:`Session.finish`
+  can wait for all of them;
+* parking: once the save forced by an interruption notice is durable, the cell is
+  held in a sleep loop until the instance is terminated.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+from spotnb import lease as lease_mod
+from spotnb.kernel_remote import channel
+from spotnb.spec import CheckpointEvery
+from spotnb.store import LocalStore, Store, open_store
+
+if TYPE_CHECKING:
+    from spotnb.checkpoints import Manifest
+    from spotnb.syncdir import SyncDir
+
+__all__ = ["LOCAL_DIR", "ROWS", "AgentChannel", "Session"]
+
+_logger = logging.getLogger(__name__)
+
+# The background thread sends metrics this often; the notebook promises ~1 s latency.
+_DRAIN_SECONDS = 0.2
+# At most this many metric rows per channel message, to keep lines reasonably short.
+_ROWS_PER_MESSAGE = 2000
+# The agent listens before it starts the kernel; wait a little in case it is slow.
+_CONNECT_SECONDS = 5.0
+# A parked cell sleeps in steps of this length until the instance is terminated.
+_PARK_SLEEP_SECONDS = 1.0
+# Standalone mode keeps its store here, relative to the working directory.
+LOCAL_DIR = ".spotnb-local"
+
+#: Rows logged by ``spot.log`` and not sent yet: ``(step, time, {name: value})``.
+#: Appending to a deque is atomic under the GIL, so the hot path takes no lock.
+ROWS: collections.deque[tuple[Any, float, dict[str, Any]]] = collections.deque()
+
+
+class Upload(Protocol):
+    """A checkpoint upload (``spotnb.runtime``'s) that :meth:`Session.finish` waits for."""
+
+    step: int
+    error: BaseException | None
+
+    def wait(self) -> Manifest | None: ...
+
+
+class AgentChannel:
+    """The runtime's end of the agent's Unix socket (protocol: kernel_remote.channel)."""
+
+    def __init__(self, path: str, on_message: Any) -> None:
+        self.path = path
+        self._sock = self._connect(path)
+        self._send_lock = threading.Lock()
+        self._broken = False
+        self._reader = threading.Thread(target=self._read, args=(on_message,),
+                                        name="spotnb-channel", daemon=True)
+        self._reader.start()
+
+    @staticmethod
+    def _connect(path: str) -> socket.socket:
+        deadline = time.monotonic() + _CONNECT_SECONDS
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(path)
+                return sock
+            except OSError:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """Send one message; False if the agent is gone (then nothing more is sent)."""
+        data = channel.encode(message)
+        with self._send_lock:
+            if self._broken:
+                return False
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                self._broken = True
+                _logger.warning("lost the connection to the spotnb agent (%s); metrics and "
+                                "checkpoint reports are no longer recorded", e)
+                return False
+        return True
+
+    def _read(self, on_message: Any) -> None:
+        with self._sock.makefile("rb") as f:
+            try:
+                for line in f:
+                    try:
+                        message = channel.decode(line)
+                    except ValueError:
+                        _logger.warning("ignoring a malformed message from the agent: %r", line)
+                        continue
+                    try:
+                        on_message(message)
+                    except Exception:
+                        _logger.exception("handling %s from the agent failed", message)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._send_lock:
+            self._broken = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._reader.join(timeout=5)
+        self._sock.close()
+
+
+class Session:
+    """Per-process state: where the job lives, the channel, notices, background work."""
+
+    def __init__(
+        self,
+        *,
+        remote: bool,
+        job_id: str,
+        attempt: int,
+        instance_id: str,
+        store: Store,
+        every: CheckpointEvery,
+        keep: int,
+        scratch: Path | None,
+        restore_dir: Path | None,
+        socket_path: str | None,
+    ) -> None:
+        self.remote = remote
+        self.job_id = job_id
+        self.attempt = attempt
+        self.instance_id = instance_id
+        self.store = store
+        self.every = every
+        self.keep = keep
+        self._scratch = scratch
+        self._own_scratch = False
+        self.restore_dir = restore_dir
+        # Notice state, written by the receiver thread, read by the cell's thread.
+        self.notice: str | None = None
+        self.interrupt_pending = False
+        self.force_save = False
+        self.park_requested = False
+        self.fenced = False
+        self.history: list[tuple[int, float, dict[str, float]]] = []
+        self.sync_dirs: dict[str, SyncDir] = {}
+        # The newest checkpoint upload: the end of the job waits until it is durable.
+        self.last_upload: Upload | None = None
+        self._drain_lock = threading.Lock()
+        self._bad_metrics: set[str] = set()
+        self._stop = threading.Event()
+        self.channel: AgentChannel | None = None
+        if socket_path:
+            try:
+                self.channel = AgentChannel(socket_path, self._on_message)
+            except OSError as e:
+                _logger.warning("cannot connect to the spotnb agent at %s (%s); metrics and "
+                                "notices are not available in this kernel", socket_path, e)
+            else:
+                self.send({"op": "hello", "pid": os.getpid()})
+        self._drainer = threading.Thread(target=self._drain_loop, name="spotnb-metrics",
+                                         daemon=True)
+        self._drainer.start()
+
+    @classmethod
+    def from_env(cls) -> Session:
+        """A session for this process: a job's if ``SPOTNB_JOB_URI`` is set (then the
+        other variables of :mod:`spotnb.kernel_remote.channel` apply), else standalone."""
+        env = os.environ
+        uri = env.get(channel.ENV_JOB_URI)
+        if not uri:
+            return cls(remote=False, job_id="local", attempt=0, instance_id="local",
+                       store=LocalStore(Path.cwd() / LOCAL_DIR), every=CheckpointEvery(),
+                       keep=3, scratch=None, restore_dir=None, socket_path=None)
+        every = CheckpointEvery()
+        raw_every = env.get(channel.ENV_CHECKPOINT_EVERY)
+        if raw_every:
+            try:
+                parsed = json.loads(raw_every)
+                every = CheckpointEvery(seconds=parsed.get("seconds"), steps=parsed.get("steps"))
+            except (ValueError, TypeError, AttributeError):
+                _logger.warning("ignoring %s=%r: not JSON like {\"seconds\": 60}; saving "
+                                "every 60 s", channel.ENV_CHECKPOINT_EVERY, raw_every)
+        scratch = env.get(channel.ENV_SCRATCH)
+        restore = env.get(channel.ENV_RESTORE_DIR)
+        return cls(
+            remote=True,
+            job_id=env.get(channel.ENV_JOB_ID, "unknown"),
+            attempt=int(env.get(channel.ENV_ATTEMPT, "0")),
+            instance_id=env.get(channel.ENV_INSTANCE_ID, socket.gethostname()),
+            store=open_store(uri),
+            every=every,
+            keep=int(env.get(channel.ENV_KEEP_CHECKPOINTS, "3")),
+            scratch=Path(scratch) if scratch else None,
+            restore_dir=Path(restore) if restore else None,
+            socket_path=env.get(channel.ENV_SOCKET),
+        )
+
+    @property
+    def scratch(self) -> Path:
+        """A local directory for this attempt's temporary files."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="spotnb-scratch-"))
+            self._own_scratch = True
+        self._scratch.mkdir(parents=True, exist_ok=True)
+        return self._scratch
+
+    def fence(self) -> bool:
+        """Whether this attempt still holds the job's lease (always true standalone)."""
+        if not self.remote:
+            return True
+        return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.channel is not None:
+            self.channel.send(message)
+
+    # -- notices ---------------------------------------------------------------------
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        if message["op"] != "notice":
+            _logger.debug("ignoring %s from the agent", message["op"])
+            return
+        kind = message.get("kind")
+        _logger.warning("spot %s notice (%s): saving at the next opportunity",
+                        kind, message.get("action"))
+        self.notice = kind
+        if kind == "instance-action":
+            self.interrupt_pending = True
+            self.park_requested = True
+        self.force_save = True
+        for sd in list(self.sync_dirs.values()):
+            sd.wake()
+
+    def park(self, step: int) -> NoReturn:
+        """Report the forced save durable and hold the cell until the instance is gone."""
+        self.drain()
+        for sd in list(self.sync_dirs.values()):
+            sd.sync_quietly()
+            sd.stop()  # the agent gives the lease up on "parked": no upload after it
+        self.send({"op": "parked", "step": step})
+        _logger.warning("interruption: the checkpoint of step %d is durable; holding the "
+                        "cell until the instance is terminated (the job resumes on a new "
+                        "instance)", step)
+        while True:
+            time.sleep(_PARK_SLEEP_SECONDS)
+
+    def hold_fenced(self) -> NoReturn:
+        """Another agent took the job over: write nothing more, run nothing more."""
+        self.drain()
+        _logger.error("this instance lost the job's lease to another agent; the cell is "
+                      "held and nothing more is written (the other agent carries on)")
+        while True:
+            time.sleep(_PARK_SLEEP_SECONDS)
+
+    # -- metrics ---------------------------------------------------------------------
+
+    def _drain_loop(self) -> None:
+        while not self._stop.wait(_DRAIN_SECONDS):
+            try:
+                self.drain()
+            except Exception:
+                _logger.exception("sending metrics failed; will retry")
+
+    def drain(self) -> None:
+        """Convert the rows logged so far and send them (or keep them, standalone)."""
+        with self._drain_lock:
+            rows = []
+            popleft = ROWS.popleft
+            for _ in range(len(ROWS)):
+                row = self._convert(popleft())
+                if row is not None:
+                    rows.append(row)
+            if not rows:
+                return
+            if self.channel is None:
+                self.history.extend((r[0], r[1], r[2]) for r in rows)
+                return
+            for i in range(0, len(rows), _ROWS_PER_MESSAGE):
+                self.send({"op": "metrics", "rows": rows[i:i + _ROWS_PER_MESSAGE]})
+
+    def _convert(self, row: tuple[Any, float, dict[str, Any]]) -> list[Any] | None:
+        # float() of a 0-d CUDA tensor waits for the GPU: that is why it happens here.
+        step, t, metrics = row
+        try:
+            step = int(step)
+        except Exception:
+            self._warn_bad("step", step)
+            return None
+        values: dict[str, float] = {}
+        for name, value in metrics.items():
+            try:
+                if hasattr(value, "detach"):
+                    value = value.detach()  # float() of a tensor needing grad warns
+                values[name] = float(value)
+            except Exception:
+                self._warn_bad(name, value)
+        return [step, t, values]
+
+    def _warn_bad(self, name: str, value: Any) -> None:
+        if name not in self._bad_metrics:
+            self._bad_metrics.add(name)
+            _logger.warning("spot.log: %s=%r is not a number and was dropped; log a number "
+                            "or a one-element tensor (e.g. loss.item() or loss)",
+                            name, type(value).__name__)
+
+    # -- the end ---------------------------------------------------------------------
+
+    def finish(self) -> list[str]:
+        """Wait until everything is sent and durable, then close; return what failed.
+
+        Waits for the newest checkpoint upload, uploads every synced directory a last
+        time, sends the remaining metrics and closes the channel.
+        """
+        problems = []
+        if self.last_upload is not None and self.last_upload.wait() is None:
+            problems.append(f"the checkpoint of step {self.last_upload.step} could not be "
+                            f"made durable: {self.last_upload.error}")
+        for sd in list(self.sync_dirs.values()):
+            error = sd.close()
+            if error is not None:
+                problems.append(f"the last upload of {sd.path} failed: {error}")
+        self._stop.set()
+        self._drainer.join(timeout=10)
+        self.drain()
+        if self.channel is not None:
+            self.channel.close()
+        if self._own_scratch and self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        return problems

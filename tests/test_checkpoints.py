@@ -1,0 +1,225 @@
+"""The checkpoint protocol on a real local store (DESIGN invariant 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from spotnb.checkpoints import (
+    LATEST,
+    MANIFEST,
+    CheckpointStore,
+    CorruptCheckpoint,
+    FencedOff,
+    HashingWriter,
+    Manifest,
+    hash_file,
+)
+from spotnb.store import LocalStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+def _files(tmp_path: Path, **contents: bytes) -> dict[str, Path]:
+    src = tmp_path / f"src-{time.monotonic_ns()}"
+    src.mkdir()
+    paths = {}
+    for name, data in contents.items():
+        path = src / name
+        path.write_bytes(data)
+        paths[name] = path
+    return paths
+
+
+def test_round_trip(store: LocalStore, tmp_path: Path) -> None:
+    cs = CheckpointStore(store)
+    assert cs.latest() is None
+    files = _files(tmp_path, weights=os.urandom(100_000), extra=b"hello")
+    written = cs.write(7, files, attempt=2, fmt="raw", metadata={"note": "x"})
+
+    latest = cs.latest()
+    assert latest == written
+    assert latest.step == 7 and latest.attempt == 2 and latest.format == "raw"
+    assert latest.id.startswith("000000000007-a0002-")
+    assert latest.metadata == {"note": "x"}
+    assert {f.name: f.size for f in latest.files} == {"weights": 100_000, "extra": 5}
+    assert json.loads(store.get(f"checkpoints/{LATEST}")) == {"id": latest.id, "step": 7}
+
+    paths = cs.download(latest, tmp_path / "out")
+    for name, path in paths.items():
+        assert path.read_bytes() == files[name].read_bytes()
+    assert Manifest.read_local(tmp_path / "out") == latest
+    assert cs.verify_local(latest, tmp_path / "out") == paths
+
+
+def test_nested_names_and_prefix(store: LocalStore, tmp_path: Path) -> None:
+    cs = CheckpointStore(store, prefix="sync/runs-1234")
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"abc")
+    m = cs.write(0, {"files/sub/dir/a.bin": src}, fmt="dir")
+    assert store.exists(f"sync/runs-1234/{m.id}/files/sub/dir/a.bin")
+    paths = cs.download(cs.latest() or m, tmp_path / "d")
+    assert paths["files/sub/dir/a.bin"].read_bytes() == b"abc"
+    with pytest.raises(ValueError, match="invalid checkpoint file name"):
+        cs.write(1, {"../escape": src})
+    with pytest.raises(ValueError, match="reserved"):
+        cs.write(1, {MANIFEST: src})
+
+
+def test_hashing_writer_matches_file_and_torch_save(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "state.pt"
+    with open(path, "wb") as f:
+        writer = HashingWriter(f)
+        torch.save({"w": torch.arange(100_000, dtype=torch.float32), "k": [1, 2]}, writer)
+    assert (writer.size, writer.sha256) == hash_file(path)
+    back = torch.load(path, weights_only=False)
+    assert torch.equal(back["w"], torch.arange(100_000, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_download_catches_corruption(store: LocalStore, tmp_path: Path, damage: str) -> None:
+    cs = CheckpointStore(store)
+    m = cs.write(1, _files(tmp_path, good=b"g" * 1000, bad=os.urandom(4096)))
+    stored = store.root / "checkpoints" / m.id / "bad"
+    if damage == "flip":
+        data = bytearray(stored.read_bytes())
+        data[100] ^= 0xFF
+        stored.write_bytes(bytes(data))
+        match = "'bad' does not match its SHA-256"
+    elif damage == "truncate":
+        stored.write_bytes(stored.read_bytes()[:-1])
+        match = "'bad' has 4095 bytes, the manifest says 4096"
+    else:
+        stored.unlink()
+        match = "'bad' is missing"
+    with pytest.raises(CorruptCheckpoint, match=match):
+        cs.download(m, tmp_path / "out")
+    # The damaged download does not stay around to be loaded by mistake.
+    assert not (tmp_path / "out" / "bad").exists()
+
+
+def test_keep_k_prunes_old_and_dead_attempt_leftovers(store: LocalStore, tmp_path: Path) -> None:
+    cs = CheckpointStore(store, keep=2)
+    # A dead attempt 1 left a partial checkpoint at a high step (no manifest).
+    (store.root / "checkpoints" / "000000000099-a0001-deadbeef").mkdir(parents=True)
+    (store.root / "checkpoints" / "000000000099-a0001-deadbeef" / "state").write_bytes(b"x")
+    ids = [cs.write(step, _files(tmp_path, s=bytes([step])), attempt=2).id
+           for step in range(5)]
+    assert cs.ids() == ids[-2:]
+    assert cs.latest() is not None and cs.latest().id == ids[-1]  # type: ignore[union-attr]
+    # The survivor below LATEST is complete and readable.
+    assert cs.download(cs.manifest(ids[-2]), tmp_path / "prev")["s"].read_bytes() == b"\x03"
+
+
+def test_keep_one(store: LocalStore, tmp_path: Path) -> None:
+    cs = CheckpointStore(store, keep=1)
+    for step in range(3):
+        last = cs.write(step, _files(tmp_path, s=b"x"))
+    assert cs.ids() == [last.id]
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        CheckpointStore(store, keep=0)
+
+
+def test_fenced_writer_does_not_move_latest(store: LocalStore, tmp_path: Path) -> None:
+    cs = CheckpointStore(store)
+    first = cs.write(1, _files(tmp_path, s=b"one"))
+    with pytest.raises(FencedOff, match="lost the job's lease"):
+        cs.write(2, _files(tmp_path, s=b"two"), fence=lambda: False)
+    assert cs.latest() == first
+    assert json.loads(store.get("checkpoints/LATEST"))["id"] == first.id
+
+
+def test_latest_moved_by_another_writer_is_fenced(store: LocalStore, tmp_path: Path) -> None:
+    cs = CheckpointStore(store)
+    cs.write(1, _files(tmp_path, s=b"one"))
+    other = CheckpointStore(store)
+    theirs = []
+
+    def fence() -> bool:
+        # Another agent moves LATEST while this writer is between its reads and its CAS.
+        theirs.append(other.write(5, _files(tmp_path, s=b"theirs"), attempt=3))
+        return True
+
+    with pytest.raises(FencedOff, match="changed by another writer"):
+        cs.write(2, _files(tmp_path, s=b"two"), attempt=2, fence=fence)
+    assert cs.latest() == theirs[0]
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import os, sys
+    from spotnb.checkpoints import CheckpointStore
+    from spotnb.store import LocalStore
+
+    root, work = sys.argv[1], sys.argv[2]
+    cs = CheckpointStore(LocalStore(root))
+    small = os.path.join(work, "small")
+    with open(small, "wb") as f:
+        f.write(b"complete checkpoint")
+    cs.write(1, {"state": small})
+    # A large checkpoint: 64 parts of 4 MB, each uploaded (and fsynced) in turn.
+    parts = {}
+    for i in range(64):
+        parts[f"part{i:02d}"] = path = os.path.join(work, f"part{i:02d}")
+        with open(path, "wb") as f:
+            f.write(os.urandom(4 * 1024 * 1024))
+    print("writing", flush=True)
+    cs.write(2, parts)
+    print("finished", flush=True)
+    """
+)
+
+
+def test_sigkill_mid_write_leaves_previous_checkpoint(store: LocalStore, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(store.root), str(work)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "writing"
+        cs = CheckpointStore(store)
+        deadline = time.monotonic() + 30
+        # Kill once the large checkpoint has some parts in the store, but not all.
+        while time.monotonic() < deadline:
+            partial = [i for i in cs.ids() if i.startswith("000000000002-")]
+            if partial and len(store.list_keys(f"checkpoints/{partial[0]}/")) >= 2:
+                break
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    (partial_id,) = [i for i in cs.ids() if i.startswith("000000000002-")]
+    uploaded = store.list_keys(f"checkpoints/{partial_id}/")
+    assert 2 <= len(uploaded) < 64, "the kill was meant to land mid-write"
+    assert f"checkpoints/{partial_id}/{MANIFEST}" not in uploaded
+
+    latest = cs.latest()
+    assert latest is not None and latest.step == 1
+    assert cs.download(latest, tmp_path / "out")["state"].read_bytes() == b"complete checkpoint"
+
+    # The next attempt writes on; the dead partial checkpoint is pruned.
+    src = tmp_path / "next"
+    src.write_bytes(b"next")
+    cs.write(3, {"state": src}, attempt=1)
+    assert partial_id not in cs.ids()
