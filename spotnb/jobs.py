@@ -175,7 +175,7 @@ def submit(
     payload = _pickle_inputs(inputs or {})
     archive = _pack_files(files or {})
     job_id = _new_job_id()
-    root = open_store(store or layout.default_store_root())
+    root = open_store(store or prov.default_store(region) or layout.default_store_root())
     job_store = root.child(f"jobs/{job_id}")
     spec = JobSpec(
         job_id=job_id,
@@ -258,6 +258,7 @@ def _pickle_inputs(inputs: Mapping[str, Any]) -> bytes:
                 f"{MAX_INPUT_BYTES / 2**20:,.0f} MiB limit: load it inside the cell "
                 "(from a file or a bucket) instead of shipping it."
             )
+        # {name: pickled value} (layout.INPUTS): pickled once, unpickled one by one.
         values[key] = blob
     return cloudpickle.dumps(values)
 

@@ -3,7 +3,7 @@
 Job prefix (in the store, one per job)::
 
     spec.json                   the JobSpec (written once)
-    inputs.pkl                  cloudpickled {name: value} of captured inputs
+    inputs.pkl                  cloudpickled {name: cloudpickled value} of the inputs
     workdir.tar.gz              files shipped with the job (helper modules), unpacked
                                 into the kernel's working directory
     lease.json                  who runs the job: {"epoch", "holder", "heartbeat", ...}

@@ -81,6 +81,10 @@ _runtime_lock = threading.Lock()
 _atexit_registered = False
 
 
+class InputError(RuntimeError):
+    """An input shipped with the job cannot be read on the instance."""
+
+
 class OutputError(ValueError):
     """An output variable is missing or cannot be pickled."""
 
@@ -526,9 +530,18 @@ def _bootstrap(user_ns: dict[str, Any] | None = None) -> None:
     except NotFound:
         data = None
     if data is not None:
-        inputs = cloudpickle.loads(data)
-        ns.update(inputs)
-        _logger.info("loaded inputs: %s", ", ".join(sorted(inputs)) or "none")
+        # Each input is pickled on its own, so one that cannot be read here (its
+        # class lives in a module the instance lacks) is named.
+        for name, blob in cloudpickle.loads(data).items():
+            try:
+                ns[name] = cloudpickle.loads(blob)
+            except Exception as err:
+                raise InputError(
+                    f"input {name!r} could not be unpickled on the instance: "
+                    f"{type(err).__name__}: {err}. Make the module that defines it "
+                    "importable on the instance, or create it inside the cell."
+                ) from err
+        _logger.info("loaded the job's inputs")
     ns["spot"] = sys.modules[__name__]
 
 

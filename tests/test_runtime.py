@@ -658,7 +658,8 @@ def test_sync_dir_restores_and_uploads_on_notice(
 
 
 def test_bootstrap_and_outputs(job: Job) -> None:
-    job.store.put(layout.INPUTS, cloudpickle.dumps({"x": 41, "inc": lambda v: v + 1}))
+    job.store.put(layout.INPUTS, cloudpickle.dumps(
+        {"x": cloudpickle.dumps(41), "inc": cloudpickle.dumps(lambda v: v + 1)}))
     ns: dict[str, Any] = {}
     spot._bootstrap(ns)
     assert ns["x"] == 41 and ns["inc"](1) == 2 and ns["spot"] is spot
