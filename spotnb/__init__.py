@@ -11,6 +11,8 @@ Inside the cell, on the instance: ``from spotnb import runtime as spot``.
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 from spotnb.jobs import (
@@ -25,6 +27,13 @@ from spotnb.jobs import (
 )
 from spotnb.spec import SpecError
 
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext spotnb``: register ``%%spot_train`` and the other magics."""
+    from spotnb.magics import SpotMagics
+
+    ipython.register_magics(SpotMagics)
+
 __all__ = [
     "Attempt",
     "JobHandle",
@@ -35,5 +44,6 @@ __all__ = [
     "__version__",
     "attach",
     "jobs",
+    "load_ipython_extension",
     "submit",
 ]

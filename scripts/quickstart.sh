@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The README's main job: set up .venv, then execute notebooks/quickstart.ipynb head-less
+# on the local cloud (a PyTorch training run that is interrupted twice and resumes),
+# write the executed notebook, and show its accuracy and cost lines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+OUT=notebooks/quickstart.executed.ipynb
+.venv/bin/spotnb run notebooks/quickstart.ipynb -o "$OUT"
+echo
+echo "== from the executed notebook ($OUT)"
+.venv/bin/python - "$OUT" <<'PY'
+import re
+import sys
+
+import nbformat
+
+nb = nbformat.read(sys.argv[1], as_version=4)
+wanted = re.compile(r"^(\[spotnb .*\] spot interruption notice.*|test accuracy .*|"
+                    r"accuracy .* attempts|cost \$.*on-demand.*)$")
+for cell in nb.cells:
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            for line in out["text"].splitlines():
+                if wanted.match(line):
+                    print(line)
+PY
+echo
+echo "Open $OUT in Jupyter to see the whole run; spotnb jobs lists the job."

@@ -1,0 +1,460 @@
+"""The notebook side of following a job: a follow loop and the renderers it drives.
+
+:func:`follow` replays a job's event log from the start and then tails it until the
+job ends, keeping a :class:`JobView` (what a display shows, derived from events only)
+and telling a :class:`Renderer` what to show. It returns a typed outcome:
+:class:`Finished` (with the :class:`~spotnb.jobs.JobResult` and the remote cell's
+last value) or :class:`Detached` (the user interrupted the cell; the job keeps
+running). The loop never prints: rendering is the renderer's job, so the text
+display here and a widget dashboard are interchangeable.
+
+:class:`TextRenderer` is the plain display: one display handle updated in place (the
+status), the remote kernel's stdout/stderr written to the cell's streams, its rich
+outputs re-displayed, and milestones (interruptions, resumes) as lines in the stream,
+where they sit between the output lines they explain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import html
+import re
+import sys
+import time
+from typing import Any, Protocol
+
+from spotnb import layout
+from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, EventReader
+from spotnb.jobs import POLL_SECONDS, RESULT_WITHOUT_EVENTS_GRACE, JobHandle, JobResult, summarize
+
+__all__ = [
+    "Detached",
+    "Finished",
+    "JobView",
+    "RemoteValue",
+    "Renderer",
+    "SpotJobError",
+    "TextRenderer",
+    "detach_text",
+    "follow",
+    "milestone",
+]
+
+# The status display is redrawn at most this often (and on every milestone): often
+# enough for the elapsed time and the cost to tick, rarely enough for a notebook file.
+REFRESH_SECONDS = 1.0
+# Events the cost and attempt summary need (the rest are output, metrics, samples).
+_CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result"})
+
+
+@dataclasses.dataclass
+class JobView:
+    """What a display of a job shows, derived from its events only."""
+
+    job_id: str
+    name: str
+    created: float
+    state: str = "submitted"
+    detail: str = ""
+    attempt: int = 0
+    instance_id: str | None = None
+    instance_type: str | None = None
+    az: str | None = None
+    spot_price: float | None = None
+    ondemand_price: float | None = None
+    step: int | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    interruptions: int = 0
+    cost_usd: float = 0.0
+    ondemand_cost_usd: float = 0.0
+    elapsed: float = 0.0
+    last_milestone: str = ""
+    # The remote cell's last value (an ``execute_result`` MIME bundle), if any.
+    execute_result: dict[str, Any] | None = None
+    outputs: tuple[str, ...] = ()
+    reason: str = ""
+    detached: bool = False
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def savings_pct(self) -> float | None:
+        if self.ondemand_cost_usd <= 0:
+            return None
+        return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+
+    def apply(self, event: Event) -> None:
+        """Update the view with one event."""
+        d = event.data
+        if event.type == "status" and event.attempt != GROUP_STREAM:
+            if d.get("state") == "booting" and event.attempt >= self.attempt:
+                if event.attempt > self.attempt:
+                    self.execute_result = None  # the cell runs again from the top
+                self.attempt = event.attempt
+                self.instance_id = event.instance
+                self.instance_type = d.get("instance_type") or self.instance_type
+                self.az = d.get("az") or self.az
+            if event.attempt >= self.attempt:
+                self.state = str(d.get("state", self.state))
+                self.detail = str(d.get("detail", ""))
+        elif event.type == "status" and (not self.attempt or self.state == "interrupted"):
+            # The group's own states: waiting for capacity, launching a replacement.
+            self.state = str(d.get("state", self.state))
+            self.detail = str(d.get("detail", ""))
+        elif event.type == "instance" and d.get("action") == "launched":
+            self.spot_price = d.get("price", self.spot_price)
+            self.ondemand_price = d.get("ondemand", self.ondemand_price)
+            self.instance_type = d.get("instance_type") or self.instance_type
+        elif event.type == "price" and d.get("instance_type") in (None, self.instance_type):
+            self.spot_price = d.get("price", self.spot_price)
+            self.ondemand_price = d.get("ondemand") or self.ondemand_price
+        elif event.type == "metric":
+            self.step = d.get("step", self.step)
+            self.metrics.update(d.get("values") or {})
+        elif event.type == "display" and d.get("kind") == "execute_result":
+            self.execute_result = {"data": d.get("data") or {},
+                                   "metadata": d.get("metadata") or {}}
+        elif event.type == "result":
+            self.state = str(d.get("status", self.state))
+            self.reason = str(d.get("reason", ""))
+
+    def account(self, result: JobResult) -> None:
+        """Take the cost, interruptions and duration from a summary."""
+        self.cost_usd = result.cost_usd
+        self.ondemand_cost_usd = result.ondemand_cost_usd
+        self.interruptions = result.interruptions
+        self.elapsed = result.duration
+        if result.status in FINAL_STATES:
+            self.state, self.reason = result.status, result.reason
+            self.metrics = {**self.metrics, **result.metrics}
+            self.outputs = tuple(sorted(result.outputs))
+
+
+def milestone(event: Event) -> str | None:
+    """A line for the events a user wants to see in the log: interruptions, resumes,
+    retries, capacity fallbacks. None for every other event."""
+    d = event.data
+    if event.type == "status" and event.attempt != GROUP_STREAM:
+        state, detail = d.get("state"), str(d.get("detail", ""))
+        if state == "booting" and not detail.startswith("retrying"):
+            where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
+            verb = "starting" if event.attempt == 1 else "resuming on a replacement instance"
+            return f"attempt {event.attempt}: {verb}, {where} ({event.instance})"
+        if state == "running" and detail.startswith("restored"):
+            return f"attempt {event.attempt}: {detail}"
+        if state == "interrupted" and not detail.startswith("spot interruption notice"):
+            return f"attempt {event.attempt}: {detail}"
+        if state == "stopped":
+            return detail
+        return None
+    if event.type == "notice":
+        if d.get("kind") == "instance-action":
+            return (f"spot interruption notice for {event.instance}: {d.get('action')} at "
+                    f"{d.get('notice_time')}; saving a checkpoint")
+        return (f"rebalance recommendation for {event.instance}: it is at elevated risk "
+                "of interruption")
+    if event.type == "instance" and d.get("action") == "capacity_error":
+        return (f"no spot capacity for {d.get('instance_type')} in {d.get('az')}: "
+                "trying the next pool")
+    if event.type == "error" and d.get("retrying"):
+        return (f"attempt {event.attempt} failed with {d.get('ename')}: {d.get('evalue')}; "
+                "retrying (max_restarts_on_error)")
+    return None
+
+
+# -- outcomes --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """The job ended: its result (with outputs) and the remote cell's last value.
+
+    ``outputs_error`` says why the outputs could not be loaded here (a class whose
+    module this environment lacks), in which case ``result.outputs`` is empty.
+    """
+
+    result: JobResult
+    execute_result: dict[str, Any] | None
+    outputs_error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Detached:
+    """The user interrupted the follow loop; the job keeps running."""
+
+    job_id: str
+
+
+class Renderer(Protocol):
+    """What :func:`follow` asks of a display. Every method must return quickly.
+
+    The magics create one renderer per followed job, with no arguments
+    (``SpotMagics.renderer_class``), and pass it to :func:`follow`.
+
+    Two optional methods, for displays that plot (the widget dashboard): ``start(handle)``
+    is called once with the job's :class:`~spotnb.jobs.JobHandle` before anything else,
+    and ``events(batch)`` with every batch of events as read (every poll, maybe empty),
+    before the calls above for the same events. ``events`` may raise
+    ``KeyboardInterrupt`` to detach, like the notebook's stop button.
+    """
+
+    def update(self, view: JobView) -> None:
+        """Redraw the status (called at most every second, and on milestones)."""
+
+    def stream(self, name: str, text: str) -> None:
+        """Remote ``stdout``/``stderr`` text."""
+
+    def rich(self, kind: str, data: dict[str, Any], metadata: dict[str, Any],
+             display_id: str | None) -> None:
+        """A remote ``display_data``, ``update_display_data`` or ``clear_output``."""
+
+    def milestone(self, view: JobView, event: Event, text: str) -> None:
+        """An interruption, a resume, a retry (see :func:`milestone`)."""
+
+    def finished(self, view: JobView, result: JobResult) -> None:
+        """The job ended; ``view`` holds the final numbers."""
+
+    def detached(self, view: JobView) -> None:
+        """The user interrupted the cell; the job keeps running."""
+
+
+def follow(handle: JobHandle, renderer: Renderer,
+           refresh_seconds: float = REFRESH_SECONDS) -> Finished | Detached:
+    """Replay ``handle``'s events from the start, then follow them until the job ends.
+
+    A ``KeyboardInterrupt`` (the notebook's stop button) ends the loop and returns
+    :class:`Detached`; nothing is done to the job.
+    """
+    spec = handle.spec
+    view = JobView(job_id=spec.job_id, name=spec.name, created=spec.created)
+    reader = EventReader(handle.store)
+    control: list[Event] = []
+    start = getattr(renderer, "start", None)
+    on_events = getattr(renderer, "events", None)
+    try:
+        if start is not None:
+            start(handle)
+        renderer.update(view)
+        last_draw = time.monotonic()
+        result_seen_at: float | None = None
+        while True:
+            batch = reader.poll()
+            ended = any(e.type == "result" for e in batch)
+            if ended:
+                batch += reader.poll()  # the agent's last events come with the result
+            if on_events is not None:
+                on_events(batch)
+            changed = _apply(batch, view, control, renderer)
+            if ended:
+                break
+            if result_seen_at is None and handle.store.exists(layout.RESULT):
+                result_seen_at = time.monotonic()
+            if result_seen_at is not None and \
+                    time.monotonic() - result_seen_at > RESULT_WITHOUT_EVENTS_GRACE:
+                break  # the agent died after writing its result
+            if changed or time.monotonic() - last_draw >= refresh_seconds:
+                view.account(summarize(spec, control, None))
+                renderer.update(view)
+                last_draw = time.monotonic()
+            time.sleep(POLL_SECONDS)
+        outputs_error = None
+        try:
+            result = handle.summary(with_outputs=True)
+        except Exception as err:  # unpickling runs arbitrary code; report, don't crash
+            outputs_error = f"{type(err).__name__}: {err}"
+            result = handle.summary()
+    except KeyboardInterrupt:
+        view.detached = True
+        renderer.detached(view)
+        return Detached(spec.job_id)
+    view.account(result)
+    renderer.finished(view, result)
+    return Finished(result, view.execute_result, outputs_error)
+
+
+def _apply(batch: list[Event], view: JobView, control: list[Event],
+           renderer: Renderer) -> bool:
+    """Feed ``batch`` to the view and the renderer; whether a milestone was seen."""
+    changed = False
+    for event in batch:
+        view.apply(event)
+        if event.type in _CONTROL_TYPES:
+            control.append(event)
+        if event.type == "stream":
+            renderer.stream(str(event.data.get("name", "stdout")),
+                            str(event.data.get("text", "")))
+        elif event.type == "display" and event.data.get("kind") != "execute_result":
+            kind = str(event.data.get("kind", "display_data"))
+            metadata = ({"wait": bool(event.data.get("wait"))} if kind == "clear_output"
+                        else event.data.get("metadata") or {})
+            renderer.rich(kind, event.data.get("data") or {}, metadata,
+                          event.data.get("display_id"))
+        text = milestone(event)
+        if text is not None:
+            view.last_milestone = text
+            renderer.milestone(view, event, text)
+            changed = True
+    return changed
+
+
+# -- what the notebook shows -------------------------------------------------------------
+
+class SpotJobError(Exception):
+    """A job ended failed or stopped. IPython shows :meth:`_render_traceback_`: the
+    remote traceback, whose line numbers are the ``%%spot_train`` cell's own."""
+
+    def __init__(self, result: JobResult, cell_number: int | None = None) -> None:
+        self.result = result
+        self.cell_number = cell_number
+        super().__init__(f"job {result.job_id} {result.status}: {result.reason}")
+
+    def _render_traceback_(self) -> list[str]:
+        r = self.result
+        lines: list[str] = []
+        error = r.error or {}
+        for line in error.get("traceback") or []:
+            if self.cell_number is not None:
+                # The remote kernel counts its own cells; show the notebook's number.
+                line = re.sub(r"(Cell(?:\x1b\[[0-9;]*m)*\s*(?:\x1b\[[0-9;]*m)*In\s*\[)\d+(\])",
+                              rf"\g<1>{self.cell_number}\g<2>", line)
+            lines.append(line)
+        attempt = r.attempts[-1].number if r.attempts else None
+        where = f" on attempt {attempt}" if attempt else ""
+        if r.status == "failed":
+            tail = (f"spotnb: job {r.job_id} failed{where}: {r.reason}. Its instance was "
+                    "terminated; fix the cell and run it again"
+                    + (", or allow retries with --max-restarts-on-error N." if error else "."))
+        else:
+            tail = (f"spotnb: job {r.job_id} was stopped{where}: {r.reason}. "
+                    f"Its instance was terminated; `%spot_logs {r.job_id}` shows its history.")
+        return [*lines, "", tail]
+
+
+class RemoteValue:
+    """The remote cell's last value, displayed like a local cell's ``Out[n]``."""
+
+    def __init__(self, bundle: dict[str, Any]) -> None:
+        self.data = dict(bundle.get("data") or {})
+        self.metadata = dict(bundle.get("metadata") or {})
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None,
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.data, self.metadata
+
+    def __repr__(self) -> str:
+        return str(self.data.get("text/plain", "<remote value>"))
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _metric_text(view: JobView, limit: int = 4) -> str:
+    parts = [f"step {view.step}"] if view.step is not None else []
+    for key, value in list(view.metrics.items())[:limit]:
+        parts.append(f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}")
+    return " ".join(parts)
+
+
+def status_lines(view: JobView) -> list[str]:
+    """The status as two or three text lines (the dashboard shows the same fields)."""
+    state = view.state + (" (detached)" if view.detached else "")
+    head = [f"spotnb job {view.job_id} {view.name!r}", state]
+    if view.attempt:
+        head.append(f"attempt {view.attempt}")
+    where = " ".join(p for p in (view.instance_type, view.az) if p)
+    if where:
+        head.append(where)
+    if view.spot_price is not None:
+        head.append(f"spot ${view.spot_price:.4f}/h")
+    money = [_clock(view.elapsed), f"cost ${view.cost_usd:.4f}",
+             f"on-demand ${view.ondemand_cost_usd:.4f}"]
+    if view.savings_pct is not None:
+        money.append(f"saving {view.savings_pct:.0f}%")
+    money.append(f"interruptions {view.interruptions}")
+    metrics = _metric_text(view)
+    if metrics:
+        money.append(metrics)
+    lines = [" · ".join(head), " · ".join(money)]
+    if view.final:
+        tail = view.reason
+        if view.outputs:
+            tail += f"; outputs set in the notebook: {', '.join(view.outputs)}"
+        lines.append(tail)
+    elif view.detail:
+        lines.append(view.detail)
+    return lines
+
+
+_STATE_COLOURS = {"completed": "#1a7f37", "failed": "#cf222e", "stopped": "#9a6700",
+                  "interrupted": "#bc4c00"}
+
+
+def status_bundle(view: JobView) -> dict[str, str]:
+    """The status display as a MIME bundle (text and HTML)."""
+    lines = status_lines(view)
+    colour = _STATE_COLOURS.get(view.state, "#0969da")
+    body = "<br>".join(html.escape(line) for line in lines)
+    return {
+        "text/plain": "\n".join(lines),
+        "text/html": (f'<div style="border-left:4px solid {colour};padding:4px 8px;'
+                      f'font-family:monospace;font-size:90%">{body}</div>'),
+    }
+
+
+class TextRenderer:
+    """The plain display: see the module docstring. Works in any IPython front end."""
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+
+    def update(self, view: JobView) -> None:
+        from IPython.display import display
+
+        bundle = status_bundle(view)
+        if self._handle is None:
+            self._handle = display(bundle, raw=True, display_id=True)
+        else:
+            self._handle.update(bundle, raw=True)
+
+    def stream(self, name: str, text: str) -> None:
+        out = sys.stderr if name == "stderr" else sys.stdout
+        out.write(text)
+        out.flush()
+
+    def rich(self, kind: str, data: dict[str, Any], metadata: dict[str, Any],
+             display_id: str | None) -> None:
+        from IPython.display import clear_output, display
+
+        sys.stdout.flush()
+        if kind == "clear_output":
+            clear_output(wait=bool(metadata.get("wait", False)))
+            self._handle = None  # the status went with it; the next update redraws it
+        elif kind == "update_display_data" and display_id:
+            display(data, raw=True, metadata=metadata, display_id=display_id, update=True)
+        else:
+            display(data, raw=True, metadata=metadata, display_id=display_id or None)
+
+    def milestone(self, view: JobView, event: Event, text: str) -> None:
+        when = datetime.datetime.fromtimestamp(event.time).strftime("%H:%M:%S")
+        sys.stdout.write(f"[spotnb {when}] {text}\n")
+        sys.stdout.flush()
+        self.update(view)
+
+    def finished(self, view: JobView, result: JobResult) -> None:
+        self.update(view)
+
+    def detached(self, view: JobView) -> None:
+        self.update(view)
+        sys.stderr.write(detach_text(view))
+        sys.stderr.flush()
+
+
+def detach_text(view: JobView) -> str:
+    """What to tell the user after detaching from a job (one line)."""
+    return (f"Detached from job {view.job_id}: it keeps running on its spot instance, "
+            f"and keeps costing. Follow it again with `%spot_attach {view.job_id}`; "
+            f"stop it with `%spot_stop {view.job_id}`.\n")

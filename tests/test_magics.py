@@ -1,0 +1,538 @@
+"""The magics in-process (IPython's ``globalipapp``): options, configuration, the
+free-variable analysis, what is shipped, the follow loop, and refusals before launch.
+
+Real kernels and real jobs are in ``test_notebooks.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.getipython import get_ipython
+from IPython.core.inputtransformer2 import TransformerManager
+from IPython.testing.globalipapp import start_ipython
+from IPython.utils.capture import capture_output
+from traitlets import TraitError
+from traitlets.config import Config
+
+import spotnb
+from spotnb import display, layout
+from spotnb.capture import Capture, CaptureError, capture, local_module_files
+from spotnb.events import Event, EventWriter
+from spotnb.freevars import free_names
+from spotnb.jobs import JobHandle
+from spotnb.magics import SpotMagics
+from spotnb.spec import JobSpec, Policy, Resources
+from spotnb.store import open_store
+
+
+@pytest.fixture
+def ip(spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The test IPython shell with spotnb loaded, in an empty notebook directory."""
+    # The first call starts the shared test shell; later ones return None.
+    shell = start_ipython() or get_ipython()
+    shell.run_line_magic("load_ext", "spotnb")
+    workdir = tmp_path / "nb"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    before = set(shell.user_ns)
+    yield shell
+    for name in set(shell.user_ns) - before:
+        del shell.user_ns[name]
+    magics = _magics(shell)
+    for name, trait in SpotMagics.class_traits(config=True).items():
+        setattr(magics, name, trait.default())
+    magics.last_job = None
+
+
+def _magics(shell: Any) -> SpotMagics:
+    return shell.magics_manager.registry["SpotMagics"]
+
+
+def _no_job_started(home: Path) -> None:
+    jobs = home / "store" / "jobs"
+    assert not jobs.exists() or not any(jobs.iterdir()), list(jobs.iterdir())
+    cloud = home / "cloud"
+    assert not cloud.exists() or not any(cloud.rglob("*.json")), list(cloud.rglob("*"))
+
+
+# -- loading, options, configuration ----------------------------------------------------
+
+def test_load_ext_registers_every_magic(ip: Any) -> None:
+    magics = ip.magics_manager.magics
+    assert "spot_train" in magics["cell"]
+    for name in ("spot_jobs", "spot_attach", "spot_stop", "spot_interrupt", "spot_logs",
+                 "spot_config", "spot_result"):
+        assert name in magics["line"], name
+
+
+def test_help_documents_every_option_with_an_example(ip: Any) -> None:
+    doc = _magics(ip).spot_train.__doc__
+    assert doc.lstrip(": \n").startswith("%%spot_train")
+    for option in ("--instance-type", "--max-price", "--provider", "--name",
+                   "--checkpoint-every", "--max-restarts-on-error", "--budget",
+                   "--max-duration", "--out", "--in", "--no-capture",
+                   "--simulate-interruptions", "--detach"):
+        assert option in doc, option
+    assert "Example::" in doc and "spot.Checkpoint" in doc
+
+
+def test_options_override_configuration(ip: Any) -> None:
+    ip.run_line_magic("config", "SpotMagics.instance_types = 'g5.xlarge, g4dn.xlarge'")
+    ip.run_line_magic("config", "SpotMagics.max_price = 0.5")
+    ip.run_line_magic("config", "SpotMagics.checkpoint_every = '10 steps'")
+    magics = _magics(ip)
+
+    default = magics.train_request("")
+    assert default.submit["instance_types"] == ("g5.xlarge", "g4dn.xlarge")
+    assert default.submit["max_price"] == 0.5
+    assert default.submit["checkpoint_every"] == "10 steps"
+    assert default.submit["simulate_interruptions"] is None
+    assert default.inputs is None and default.capture and not default.detach
+
+    req = magics.train_request(
+        "-t p3.2xlarge,g5.xlarge --max-price 0.9 --name run1 --out model,acc --in data "
+        "--checkpoint-every 5m --max-restarts-on-error 2 --budget 3.5 --max-duration 2h "
+        "--simulate-interruptions 2 --detach")
+    assert req.submit["instance_types"] == ("p3.2xlarge", "g5.xlarge")
+    assert req.submit["max_price"] == 0.9
+    assert req.submit["name"] == "run1"
+    assert req.submit["outputs"] == ("model", "acc")
+    assert req.inputs == ("data",)
+    assert req.submit["checkpoint_every"] == "5m"
+    assert req.submit["max_restarts_on_error"] == 2
+    assert req.submit["budget_usd"] == 3.5
+    assert req.submit["max_duration"] == "2h"
+    assert req.submit["simulate_interruptions"] == 2
+    assert req.detach
+    assert magics.train_request("--simulate-interruptions 20s,1m").submit[
+        "simulate_interruptions"] == [20.0, 60.0]
+    assert not magics.train_request("--no-capture").capture
+
+
+def test_configuration_from_ipython_config(ip: Any) -> None:
+    # What `c.SpotMagics.x = ...` in ipython_config.py amounts to.
+    config = Config({"SpotMagics": {"instance_types": ["g6.xlarge"], "region": "us-west-2",
+                                    "budget": 4.0}})
+    magics = SpotMagics(shell=ip, config=config)
+    try:
+        req = magics.train_request("")
+        assert req.submit["instance_types"] == ("g6.xlarge",)
+        assert req.submit["region"] == "us-west-2"
+        assert req.submit["budget_usd"] == 4.0
+    finally:
+        ip.configurables.remove(magics)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("max_price", 0.0), ("max_price", -1.0), ("budget", 0.0), ("checkpoint_every", "soon"),
+])
+def test_bad_configuration_is_refused(ip: Any, name: str, value: Any) -> None:
+    with pytest.raises(TraitError):
+        setattr(_magics(ip), name, value)
+
+
+def test_spot_config_shows_effective_settings(ip: Any) -> None:
+    ip.run_line_magic("config", "SpotMagics.instance_types = ['g5.2xlarge']")
+    with capture_output() as out:
+        ip.run_line_magic("spot_config", "")
+    text = out.outputs[0].data["text/plain"]
+    assert "SpotMagics.instance_types" in text and "g5.2xlarge" in text
+    assert "SpotMagics.checkpoint_every" in text and "%config SpotMagics" in text
+
+
+# -- refusals: a UsageError with the fix, and nothing started -------------------------
+
+@pytest.mark.parametrize(("line", "cell", "expected"), [
+    ("", "x = 1\ny = = 2\n", "does not compile: line 3: invalid syntax"),
+    ("--bogus", "print(1)\n", "unrecognized arguments: --bogus"),
+    ("-t g9.nonexistent", "print(1)\n", "unknown instance type 'g9.nonexistent'"),
+    ("--max-price 0", "print(1)\n", "max_price must be above 0"),
+    ("--max-price cheap", "print(1)\n", "invalid float value"),
+    ("--simulate-interruptions soon", "print(1)\n", "a count"),
+    ("", "   \n", "the cell is empty"),
+    ("--in nothing_here", "print(1)\n", "no such variable"),
+    ("--in a --no-capture", "print(1)\n", "choose one"),
+    ("--out not-a-name", "print(1)\n", "is not a variable name"),
+    ("--provider nimbus", "print(1)\n", "unknown provider 'nimbus'"),
+])
+def test_bad_input_is_a_usage_error_and_starts_nothing(
+        ip: Any, spotnb_home: Path, line: str, cell: str, expected: str) -> None:
+    with pytest.raises(UsageError, match=expected.replace("(", r"\(")):
+        ip.run_cell_magic("spot_train", line, cell)
+    _no_job_started(spotnb_home)
+
+
+def test_unpicklable_input_names_the_variable_its_size_and_the_way_out(
+        ip: Any, spotnb_home: Path) -> None:
+    ip.user_ns["lock"] = threading.Lock()
+    with pytest.raises(UsageError) as err:
+        ip.run_cell_magic("spot_train", "", "with lock:\n    print('locked')\n")
+    message = str(err.value)
+    assert "'lock'" in message and "cannot be pickled" in message
+    assert "bytes in memory" in message
+    assert "--in" in message and "--no-capture" in message and "inside the cell" in message
+    _no_job_started(spotnb_home)
+
+
+def test_too_large_input_is_refused_with_its_size(ip: Any, spotnb_home: Path) -> None:
+    ip.run_line_magic("config", "SpotMagics.capture_limit_mb = 0.01")
+    ip.user_ns["blob"] = b"x" * 50_000
+    with pytest.raises(UsageError, match=r"'blob' \(bytes\) is 48\.8 KiB pickled, over the"):
+        ip.run_cell_magic("spot_train", "", "print(len(blob))\n")
+    _no_job_started(spotnb_home)
+
+
+def test_a_cell_magic_inside_is_refused(ip: Any, spotnb_home: Path) -> None:
+    with pytest.raises(UsageError, match="cell magic"):
+        ip.run_cell_magic("spot_train", "", "%%time\nx = 1\n")
+    _no_job_started(spotnb_home)
+
+
+# -- free variables ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("code", "free"), [
+    ("y = x + 1", {"x"}),
+    ("x = 1\ny = x", set()),
+    ("x += 1", {"x"}),
+    ("x.attr = 3\nxs[0] = 1", {"x", "xs"}),
+    ("[a for a in b if a > c]", {"b", "c"}),
+    ("x = [v for v in range(3)]\nv", {"range", "v"}),
+    ("{k: w for k in keys}", {"keys", "w"}),
+    ("def f():\n    return z + w\nz = 1\nf()", {"w"}),
+    ("def f(a=default):\n    return a", {"default"}),
+    ("def f():\n    global n\n    n += 1\nf()", {"n"}),
+    ("f = lambda a: a + b", {"b"}),
+    ("class A:\n    k = base\n    def m(self):\n        return k", {"base", "k"}),
+    ("del q", {"q"}),
+    ("q = 1\ndel q", set()),
+    ("if (n := size(data)) > k:\n    pass\nn", {"data", "k", "size"}),
+    ("[y := 5 for _ in r]\ny", {"r"}),
+    ("if c:\n    m = 1\nm", {"c", "m"}),
+    ("if c:\n    m = 1\nelse:\n    m = 2\nm", {"c"}),
+    ("if c:\n    m = 1\nelse:\n    raise E\nm", {"c", "E"}),
+    ("for i in range(3):\n    t = i\nt", {"range"}),
+    ("try:\n    import foo\nexcept ImportError:\n    foo = None\nfoo", {"ImportError"}),
+    ("try:\n    r = 1\nexcept OSError:\n    pass\nr", {"OSError", "r"}),
+    ("with open(p) as fh:\n    d = fh.read()\nd", {"open", "p"}),
+    ("match v:\n    case [a, *rest]:\n        out = a\n    case _:\n        out = 0\nout", {"v"}),
+    ("model: Net = make()", {"Net", "make"}),
+    ("import numpy as np\nfrom os import path\nnp.zeros(3), path", set()),
+    ("%time x = y\nx", {"y"}),
+    ("!ls {folder} $other $$HOME", {"folder", "other"}),
+    ("files = !ls {d}", {"d"}),
+    ("%timeit -n 3 step(a)", {"a", "step"}),
+])
+def test_free_names(code: str, free: set[str]) -> None:
+    assert set(free_names(code)) - {"get_ipython", "print"} == free
+
+
+def test_capture_takes_free_names_from_the_namespace(tmp_path: Path) -> None:
+    ns = {"lr": 0.1, "steps": 10, "unused": object(), "print": print, "spot": object(),
+          "In": [], "_i3": "x", "hidden_thing": 1}
+    cell = "x = lr * steps\nfor _ in range(steps):\n    print(x, undefined_here)\n"
+    cap = capture(cell, ns, tmp_path, hidden={"hidden_thing"})
+    assert cap.inputs == {"lr": 0.1, "steps": 10}
+    assert capture(cell, ns, tmp_path, names=["unused"]).inputs.keys() == {"unused"}
+    assert capture(cell, ns, tmp_path, variables=False).inputs == {}
+
+
+def test_first_line_keeps_the_cells_line_numbers() -> None:
+    cap = Capture(inputs={}, imports=("import numpy as np",))
+    body = "a = 1\n\nraise ValueError('line 4 of the notebook cell')\n"
+    remote = cap.first_line("-t g5.xlarge") + "\n" + body
+    # IPython drops leading blank lines before compiling: line 1 must not be blank.
+    python = TransformerManager().transform_cell(remote)
+    assert python.splitlines()[0].startswith("import numpy as np  # %%spot_train -t g5")
+    code = compile(python, "<cell>", "exec")
+    with pytest.raises(ValueError) as err:
+        exec(code, {})
+    assert err.value.__traceback__ is not None
+    assert err.value.__traceback__.tb_next.tb_lineno == 4  # type: ignore[union-attr]
+
+
+# -- local modules ----------------------------------------------------------------------------
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A notebook directory with helper modules, a package and a .gitignore."""
+    root = tmp_path / "project"
+    (root / "pkg" / "__pycache__").mkdir(parents=True)
+    (root / "pkg" / "cache").mkdir()
+    (root / ".gitignore").write_text("secret_mod.py\npkg/*.bin\ncache/\n")
+    (root / "helper.py").write_text("import util\n\nclass Model:\n    pass\n\n"
+                                    "def answer():\n    return 42\n")
+    (root / "util.py").write_text("import os\nVALUE = 1\n")
+    (root / "secret_mod.py").write_text("X = 1\n")
+    (root / "pkg" / "__init__.py").write_text("from . import core\n")
+    (root / "pkg" / "core.py").write_text("import util\n")
+    (root / "pkg" / "weights.bin").write_bytes(b"0" * 100)
+    (root / "pkg" / "config.json").write_text("{}")
+    (root / "pkg" / "cache" / "a.txt").write_text("cached")
+    (root / "pkg" / "__pycache__" / "core.cpython-311.pyc").write_bytes(b"")
+    (root / "unrelated.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(root))
+    yield root
+    for name in ("helper", "util", "pkg", "pkg.core"):
+        sys.modules.pop(name, None)
+
+
+def test_local_modules_are_shipped_respecting_gitignore(project: Path) -> None:
+    cell = "import helper\nimport pkg\nimport secret_mod\nimport json\nhelper.answer()\n"
+    cap = capture(cell, {}, project)
+    assert sorted(cap.files) == ["helper.py", "pkg/__init__.py", "pkg/config.json",
+                                 "pkg/core.py", "util.py"]
+    assert cap.files["helper.py"] == project / "helper.py"
+    assert any("secret_mod" in note and ".gitignore" in note for note in cap.notes)
+
+
+def test_module_variables_become_imports(project: Path) -> None:
+    import helper
+    import numpy
+
+    ns = {"np": numpy, "h": helper, "model": helper.Model(), "fn": helper.answer}
+    cap = capture("np.zeros(1)\nh.answer()\nmodel, fn\n", ns, project)
+    assert cap.imports == ("import helper as h", "import numpy as np")
+    assert set(cap.inputs) == {"model", "fn"}
+    # helper ships because a module variable and two values come from it.
+    assert {"helper.py", "util.py"} <= set(cap.files)
+    assert cap.first_line("").startswith("import helper as h; import numpy as np  #")
+
+
+def test_shipped_files_have_a_size_limit(project: Path) -> None:
+    (project / "pkg" / "big.dat").write_bytes(b"0" * 300_000)
+    with pytest.raises(CaptureError, match=r"pkg/big\.dat \(0\.3 MiB\).*\.gitignore"):
+        local_module_files(["pkg"], project, max_bytes=100_000)
+
+
+# -- following a job: the loop and the renderer, on a job written by hand ------------------
+
+class Recorder:
+    """A renderer that records what it is asked to show."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def update(self, view: display.JobView) -> None:
+        self.calls.append(("update", view.state))
+
+    def stream(self, name: str, text: str) -> None:
+        self.calls.append(("stream", text))
+
+    def rich(self, kind: str, data: dict[str, Any], metadata: dict[str, Any],
+             display_id: str | None) -> None:
+        self.calls.append(("rich", data.get("text/plain")))
+
+    def milestone(self, view: display.JobView, event: Event, text: str) -> None:
+        self.calls.append(("milestone", text))
+
+    def finished(self, view: display.JobView, result: Any) -> None:
+        self.calls.append(("finished", (view.state, view.interruptions)))
+
+    def detached(self, view: display.JobView) -> None:
+        self.calls.append(("detached", view.job_id))
+
+
+def _fake_job(home: Path, job_id: str, *, status: str | None, outputs: dict[str, Any],
+              error: dict[str, Any] | None = None) -> JobHandle:
+    """A job's store prefix as the agents and the group would leave it."""
+    store = open_store(home / "store").child(f"jobs/{job_id}")
+    spec = JobSpec(job_id=job_id, name="fake", code="# %%spot_train\nx", provider="local",
+                   resources=Resources(instance_types=("g4dn.xlarge",)), policy=Policy(),
+                   store_uri=store.uri, created=time.time() - 5, outputs=tuple(outputs))
+    store.put(layout.SPEC, spec.to_json().encode())
+    group = EventWriter(store, 0)
+    group.emit("instance", action="launched", instance_id="i-1", instance_type="g4dn.xlarge",
+               az="use1-az1", pool="g4dn.xlarge@use1-az1", price=0.2, ondemand=0.526)
+    group.close()
+    first = EventWriter(store, 1, "i-1")
+    first.emit("status", state="booting", detail="attempt 1", instance_type="g4dn.xlarge",
+               az="use1-az1")
+    first.emit("stream", name="stdout", text="step 0\n")
+    first.emit("metric", step=0, t=time.time(), values={"loss": 2.0})
+    first.emit("notice", kind="instance-action", action="terminate", notice_time="now")
+    first.close()
+    group = EventWriter(store, 0)
+    group.emit("instance", action="notice", instance_id="i-1", reason="simulated")
+    group.emit("instance", action="terminated", instance_id="i-1")
+    group.emit("instance", action="launched", instance_id="i-2", instance_type="g5.xlarge",
+               az="use1-az2", pool="g5.xlarge@use1-az2", price=0.4, ondemand=1.006)
+    group.close()
+    second = EventWriter(store, 2, "i-2")
+    second.emit("status", state="booting", detail="attempt 2", instance_type="g5.xlarge",
+                az="use1-az2")
+    second.emit("status", state="running", detail="restored checkpoint of step 0 in 0.1s")
+    second.emit("stream", name="stdout", text="step 1\n")
+    second.emit("display", kind="display_data", data={"text/plain": "a figure"},
+                metadata={}, display_id=None)
+    if status is not None:
+        second.emit("display", kind="execute_result", data={"text/plain": "0.97"},
+                    metadata={}, display_id=None)
+        if error:
+            second.emit("error", retrying=False, **error)
+        second.emit("result", status=status, reason="the cell finished")
+    second.close()
+    if status is not None:
+        store.put(layout.OUTPUTS, cloudpickle.dumps(outputs))
+        store.put(layout.RESULT, json.dumps({"status": status, "reason": "the cell finished",
+                                             "attempt": 2, "error": error}).encode())
+    return JobHandle(store, spec)
+
+
+def test_follow_replays_history_and_shows_the_last_value_once(spotnb_home: Path) -> None:
+    handle = _fake_job(spotnb_home, "20250101-000000-aaaaaa", status="completed",
+                       outputs={"model": [1, 2]})
+    recorder = Recorder()
+    outcome = display.follow(handle, recorder)
+    assert isinstance(outcome, display.Finished)
+    assert outcome.result.status == "completed"
+    assert outcome.result.outputs == {"model": [1, 2]}
+    assert outcome.execute_result == {"data": {"text/plain": "0.97"}, "metadata": {}}
+    kinds = [c for c in recorder.calls if c[0] != "update"]
+    streams = [text for kind, text in kinds if kind == "stream"]
+    assert streams == ["step 0\n", "step 1\n"]
+    assert ("rich", "a figure") in kinds and ("rich", "0.97") not in kinds
+    milestones = [text for kind, text in kinds if kind == "milestone"]
+    assert any("spot interruption notice for i-1" in m for m in milestones)
+    assert any(m.startswith("attempt 2: resuming") for m in milestones)
+    assert any("restored checkpoint of step 0" in m for m in milestones)
+    assert kinds[-1] == ("finished", ("completed", 1))
+
+
+def test_attach_sets_outputs_and_returns_the_remote_value(ip: Any, spotnb_home: Path) -> None:
+    job_id = "20250101-000000-bbbbbb"
+    _fake_job(spotnb_home, job_id, status="completed", outputs={"model": {"w": 3}})
+    with capture_output() as out:
+        value = ip.run_line_magic("spot_attach", job_id[-6:])
+    assert isinstance(value, display.RemoteValue) and repr(value) == "0.97"
+    assert ip.user_ns["model"] == {"w": 3}
+    # The whole history, with the interruption between the lines it separates.
+    stdout = out.stdout
+    assert stdout.index("step 0\n") < stdout.index("spot interruption notice") \
+        < stdout.index("attempt 2: resuming") < stdout.index("step 1\n")
+    # The terminal shell shows each update of the status display as a new output.
+    status = [o.data["text/plain"] for o in out.outputs
+              if o.data["text/plain"].startswith("spotnb job")][-1]
+    assert "completed" in status and "interruptions 1" in status
+    assert "on-demand $" in status and "outputs set in the notebook: model" in status
+
+
+def test_a_failed_job_shows_the_remote_traceback_with_the_cells_number(
+        spotnb_home: Path) -> None:
+    tb = ["\x1b[0;31mValueError\x1b[0m  Traceback (most recent call last)",
+          "Cell \x1b[0;32mIn[1], line 4\x1b[0m", "ValueError: boom"]
+    handle = _fake_job(spotnb_home, "20250101-000000-cccccc", status="failed", outputs={},
+                       error={"ename": "ValueError", "evalue": "boom", "traceback": tb})
+    outcome = display.follow(handle, Recorder())
+    assert isinstance(outcome, display.Finished)
+    rendered = display.SpotJobError(outcome.result, cell_number=7)._render_traceback_()
+    assert "Cell \x1b[0;32mIn[7], line 4\x1b[0m" in rendered
+    assert "failed on attempt 2: the cell finished" in rendered[-1]
+
+
+class Interrupting(display.TextRenderer):
+    """The stop button, pressed while output streams in."""
+
+    def stream(self, name: str, text: str) -> None:
+        raise KeyboardInterrupt
+
+
+def test_interrupting_the_cell_detaches_and_says_how_to_come_back(
+        ip: Any, spotnb_home: Path) -> None:
+    job_id = "20250101-000000-dddddd"
+    handle = _fake_job(spotnb_home, job_id, status=None, outputs={})
+    _magics(ip).renderer_class = Interrupting
+    with capture_output() as out:
+        value = ip.run_line_magic("spot_attach", job_id)
+    assert value is None
+    assert "keeps running" in out.stderr
+    assert f"%spot_attach {job_id}" in out.stderr and f"%spot_stop {job_id}" in out.stderr
+    assert not handle.store.exists(layout.STOP)  # detaching does nothing to the job
+
+
+def test_spot_jobs_lists_jobs(ip: Any, spotnb_home: Path) -> None:
+    _fake_job(spotnb_home, "20250101-000000-eeeeee", status="completed", outputs={})
+    with capture_output() as out:
+        ip.run_line_magic("spot_jobs", "")
+    table = out.outputs[0].data["text/plain"]
+    assert "20250101-000000-eeeeee" in table and "completed" in table and "interruptions" in table
+
+
+def test_unknown_job_is_a_usage_error(ip: Any) -> None:
+    with pytest.raises(UsageError, match="%spot_jobs lists the jobs"):
+        ip.run_line_magic("spot_attach", "nope")
+
+
+def test_module_docstring_example_parses() -> None:
+    # The README shows this cell; keep it compiling.
+    body = textwrap.dedent("""
+        ckpt = spot.Checkpoint(model=model, optimizer=opt)
+        for step in range(ckpt.restore(), 1000):
+            loss = train_step()
+            spot.log(step, loss=loss)
+            ckpt.maybe_save(step)
+    """)
+    assert set(free_names(body)) == {"model", "opt", "train_step", "range", "spot"}
+
+
+# -- a real job on the local cloud, driven by the line magics ------------------------------
+
+def _wait_for(what: str, check: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_detach_interrupt_logs_and_stop_a_real_job(
+        ip: Any, spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    ip.user_ns["PAUSE"] = 0.05
+    with capture_output() as out:
+        value = ip.run_cell_magic("spot_train", "--detach --name endless", textwrap.dedent("""
+            import time
+            state = {"total": 0}
+            ckpt = spot.Checkpoint(state=state)
+            for step in range(ckpt.restore(), 10**6):
+                state["total"] += step
+                spot.log(step, total=state["total"])
+                ckpt.maybe_save(step)
+                time.sleep(PAUSE)
+        """))
+    assert value is None
+    job_id = _magics(ip).last_job
+    assert job_id is not None
+    assert "[spotnb] shipping inputs PAUSE" in out.stdout
+    assert f"submitted job {job_id}" in out.stdout and f"%spot_stop {job_id}" in out.stdout
+
+    handle = spotnb.attach(job_id)
+    _wait_for("the first metrics", lambda: handle.metrics().get("total"))
+    with capture_output() as out:
+        ip.run_line_magic("spot_interrupt", "")  # the latest job
+    assert f"interruption notice delivered to job {job_id}" in out.stdout
+    _wait_for("the resumed attempt", lambda: any(
+        e.type == "status" and e.attempt == 2 and e.data.get("detail", "").startswith("restored")
+        for e in handle.events(follow=False)))
+
+    with capture_output() as out:
+        ip.run_line_magic("spot_logs", job_id)
+    assert "notice: instance-action terminate" in out.stdout
+    assert "running: restored checkpoint of step" in out.stdout
+
+    with capture_output() as out:
+        ip.run_line_magic("spot_stop", "endless")  # by name
+    assert f"job {job_id} stopped" in out.stdout
+    assert handle.status == "stopped"
+    result = handle.summary()
+    assert result.interruptions == 1 and len(result.attempts) == 2
