@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import spotnb
 from spotnb.events import Event
+from spotnb.providers.aws.cli import add_aws_commands
 from spotnb.spec import SpecError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -103,6 +104,31 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from spotnb.notebook import run_notebook
+
+    if args.store:
+        print("spotnb run: --store is not used by run; set SPOTNB_HOME or "
+              "%config SpotMagics.store in the notebook", file=sys.stderr)
+        return 2
+    try:
+        run = run_notebook(args.notebook, args.output, timeout=args.timeout)
+    except FileNotFoundError as err:
+        print(f"spotnb run: {err}", file=sys.stderr)
+        return 2
+    if run.failure is not None:
+        f = run.failure
+        print(f.traceback.rstrip(), file=sys.stderr)
+        where = f"cell {f.index + 1}" if f.index >= 0 else "a cell"
+        count = f" [{f.execution_count}]" if f.execution_count is not None else ""
+        print(f"\nspotnb run: {where}{count} failed: {f.ename}: {f.evalue}\n"
+              f"    {f.first_line}\nthe executed copy, with the error, is {run.output}",
+              file=sys.stderr)
+        return 1
+    print(f"executed {run.source.name} in {run.seconds:.0f}s; the executed copy is {run.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotnb", description=__doc__)
     parser.add_argument("--version", action="version", version=spotnb.__version__)
@@ -121,9 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("interrupt", help="deliver a spot interruption notice now")
     p.add_argument("job")
     p.set_defaults(func=cmd_interrupt)
+    p = sub.add_parser("run", help="execute a notebook head-less and save the executed copy")
+    p.add_argument("notebook", help="the .ipynb file; it runs in its own directory")
+    p.add_argument("-o", "--output", default=None,
+                   help="where to write the executed copy (default: NAME.executed.ipynb "
+                        "next to the notebook)")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds each cell may run (default 3600)")
+    p.set_defaults(func=cmd_run)
     p = sub.add_parser("cleanup", help="remove the local cloud's leftovers")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.set_defaults(func=cmd_cleanup)
+    add_aws_commands(sub)
     return parser
 
 

@@ -1,0 +1,559 @@
+"""The AWS provider: one EC2 Auto Scaling group of spot instances per job.
+
+Methods follow the contract in :mod:`spotnb.providers`. What a job gets (names and
+documents in :mod:`.resources`, boto3 only through :mod:`._boto`):
+
+* a **launch template** that requires IMDSv2, opens no inbound port (a security group
+  without ingress rules), runs the AWS Deep Learning AMI (from its public SSM
+  parameter, overridable) with an **instance profile** whose role may touch only the
+  job's store prefix, and whose user data only bootstraps: it installs the same spotnb
+  the notebook runs (a wheel uploaded to ``<job prefix>/bootstrap/``) and starts
+  :mod:`.instance`, the instance agent, which runs the job agent;
+* an **Auto Scaling group** with min = max = desired = 1 and a ``MixedInstancesPolicy``
+  over the ranked instance types and the region's subnets, ``price-capacity-optimized``,
+  0% on-demand. The group, not spotnb, replaces an interrupted instance: recovery does
+  not need the notebook.
+
+Launching, narrated (anything created before a failing step is deleted again)::
+
+    Step 1  image (SSM), subnets of the default VPC in AZs that offer the types,
+            the shared no-inbound security group
+    Step 2  upload the wheel to the job's prefix
+    Step 3  IAM role (prefix-scoped policy) and instance profile
+    Step 4  launch template
+    Step 5  Auto Scaling group (retried while IAM propagates the new profile)
+    Step 6  tell the dashboard; watch the group's activities for capacity errors
+
+Where the rest lives, since AWS has no spotnb supervisor process:
+
+* **The end of a job** (completed, failed, stopped, budget, deadline; invariant 6): the
+  instance agent deletes its own group, template and role once ``result.json`` exists;
+  its role may delete exactly those (by ARN and tag). :meth:`AwsProvider.terminate`
+  does the same from the notebook (``JobHandle.stop``), and :meth:`cleanup` finds
+  whatever survived (a group whose job has a result, an orphan role).
+* **Budget and deadline** are checked by the instance agent of the running instance,
+  every few seconds, from the job's event log (``spotnb.jobs.summarize``: each instance
+  billed from its EC2 launch time at the spot prices the agents recorded). Over the
+  limit, it writes ``control/stop.json``; the job agent stops the cell, and the group is
+  deleted as for any result. While no instance runs nothing is billed, so nothing can
+  go over.
+* **Waiting for capacity**: EC2 Auto Scaling moves to other pools by itself. Its failed
+  activities (``InsufficientInstanceCapacity`` ...) become ``capacity_error`` events:
+  from the notebook while it is open (:mod:`.capacity`, which also applies the optional
+  on-demand fallback, ``SPOTNB_AWS_ONDEMAND_AFTER``), and from the instance agent when
+  an instance boots.
+* **Interruptions on request** (``%spot_interrupt``, ``spotnb interrupt``) use the Fault
+  Injection Service's ``aws:ec2:send-spot-instance-interruptions`` action against the
+  job's instances, with a shared ``spotnb-fis`` role.
+
+Region: each call works in the job's region when this provider launched the job,
+else in the session's region (``AWS_DEFAULT_REGION`` or the profile's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from spotnb import catalog, layout
+from spotnb.events import GROUP_STREAM, EventWriter
+from spotnb.providers import PoolPrice, Provider, ProviderError
+from spotnb.providers.aws import _boto
+from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
+from spotnb.providers.aws.resources import (
+    BOOTSTRAP_PREFIX,
+    FIS_ROLE,
+    IAM_PATH,
+    SECURITY_GROUP,
+    TAG_JOB,
+    TAG_MANAGED,
+    TAG_STORE,
+    AwsSettings,
+    bundle,
+    fis_policy,
+    group_name,
+    instance_policy,
+    launch_template_data,
+    mixed_instances_policy,
+    role_name,
+    s3_location,
+    tags,
+    template_name,
+    trust_policy,
+    user_data,
+)
+from spotnb.spec import JobSpec, SpecError
+from spotnb.store import StoreError, open_store
+
+__all__ = ["AwsProvider", "AwsSettings", "stop_capacity_watches"]
+
+log = logging.getLogger(__name__)
+
+# A new instance profile is "invalid" to Auto Scaling until IAM has propagated it
+# (usually under 10 s): the group is created again with backoff for about a minute.
+IAM_PROPAGATION_ATTEMPTS = 9
+_IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Profile",
+                          "iamInstanceProfile"})
+# FIS's shortest notice, as on a real interruption.
+FIS_NOTICE = "PT2M"
+
+
+def _code(err: BaseException) -> str:
+    return _boto.error_code(err)
+
+
+def _ignore_missing(fn: Callable[[], Any], *codes: str) -> bool:
+    """Run a delete; False if the resource was already gone (``codes`` or "not found")."""
+    try:
+        fn()
+    except Exception as err:
+        code = _code(err)
+        if code in codes or "NotFound" in code or "not found" in str(err) or \
+                code == "NoSuchEntity":
+            return False
+        raise
+    return True
+
+
+class AwsProvider(Provider):
+    """spot instances on EC2 through Auto Scaling. See the module docstring."""
+
+    name = "aws"
+
+    def __init__(self, region: str | None = None, settings: AwsSettings | None = None) -> None:
+        self.settings = settings or AwsSettings.from_env()
+        self._region = region
+        self._job_regions: dict[str, str] = {}
+        self._clients: dict[tuple[str, str], Any] = {}
+        self._watches: dict[str, CapacityWatch] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"AwsProvider(region={self._region!r})"
+
+    # -- plumbing
+
+    def region(self, job_id: str | None = None) -> str:
+        """The job's region if this provider launched it, else the session's."""
+        if job_id is not None and job_id in self._job_regions:
+            return self._job_regions[job_id]
+        if self._region:
+            return self._region
+        return str(_boto.session().region_name or "us-east-1")
+
+    def client(self, service: str, region: str) -> Any:
+        with self._lock:
+            key = (service, region)
+            if key not in self._clients:
+                self._clients[key] = _boto.client(service, region)
+            return self._clients[key]
+
+    def default_store(self, region: str) -> str:
+        """``s3://spotnb-<account>-<region>``: where jobs go when no store is given."""
+        from spotnb.providers.aws.store import default_bucket
+
+        _boto.check_region(region)
+        return f"s3://{default_bucket(_boto.account_id(region=region), region)}"
+
+    # -- the contract
+
+    def validate(self, spec: JobSpec) -> None:
+        from spotnb.providers.aws.store import bucket_problem, default_bucket, ensure_bucket
+
+        res = spec.resources
+        region = _boto.check_region(res.region)
+        if not res.instance_types:
+            raise SpecError("no instance type given: name at least one, e.g. 'g5.xlarge'")
+        for instance_type in res.instance_types:
+            catalog.check_instance_type(instance_type, region)
+        if spec.simulate_interruptions:
+            raise SpecError("simulate_interruptions works on the local cloud only; on AWS "
+                            "use handle.interrupt() (Fault Injection Service)")
+        bucket, _ = s3_location(spec.store_uri)
+        account = _boto.account_id(region=region)
+        s3 = self.client("s3", region)
+        problem = bucket_problem(s3, bucket, account)
+        if problem == "missing":
+            if bucket != default_bucket(account, region):
+                raise SpecError(f"there is no bucket {bucket}: create it, or leave the store "
+                                "unset to use spotnb's default bucket. Nothing was started.")
+            ensure_bucket(s3, bucket, region, account)
+        elif problem is not None:
+            raise SpecError(problem + " Nothing was started.")
+
+    def launch(self, spec: JobSpec) -> None:
+        self.validate(spec)
+        region = spec.resources.region
+        job_id = spec.job_id
+        account = _boto.account_id(region=region)
+        store = open_store(spec.store_uri)
+        tag_list = tags(job_id, spec.store_uri, spec.name)
+        undo: list[tuple[str, Callable[[], Any]]] = []
+        try:
+            # Step 1: image and network.
+            ami = self._ami(region)
+            subnets, vpc = self._subnets(region, spec.resources.instance_types)
+            security_group = self._security_group(region, vpc)
+            # Step 2: the wheel the instances install.
+            wheel = bundle()
+            key = f"{BOOTSTRAP_PREFIX}/{wheel.filename}"
+            store.put(key, wheel.data)
+            undo.append(("bootstrap wheel", lambda: store.delete(key)))
+            # Step 3: the job's role, limited to its prefix.
+            profile_arn = self._create_role(spec, account, tag_list)
+            undo.append(("IAM role", lambda: self._delete_role(job_id, region)))
+            # Step 4: the launch template.
+            ec2 = self.client("ec2", region)
+            script = user_data(job_id=job_id, store_uri=spec.store_uri, wheel=wheel)
+            template = _boto.with_backoff(lambda: ec2.create_launch_template(
+                LaunchTemplateName=template_name(job_id),
+                VersionDescription=f"spotnb job {job_id}",
+                LaunchTemplateData=launch_template_data(
+                    ami=ami, profile_arn=profile_arn, security_group=security_group,
+                    script=script, tag_list=tag_list),
+                TagSpecifications=[{"ResourceType": "launch-template", "Tags": tag_list}],
+            ), what="creating the launch template")["LaunchTemplate"]
+            undo.append(("launch template", lambda: self._delete_template(job_id, region)))
+            # Step 5: the group (Auto Scaling may not see the new profile for a while).
+            self._create_group(spec, template["LaunchTemplateId"], subnets, tag_list,
+                               ondemand=self.settings.ondemand_after == 0)
+            undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
+        except BaseException:
+            for label, release in reversed(undo):
+                try:
+                    release()
+                except Exception:
+                    log.exception("could not release the %s of job %s; `spotnb aws cleanup` "
+                                  "will find it", label, job_id)
+            raise
+        # Step 6: the dashboard.
+        self._job_regions[job_id] = region
+        azs = sorted({az for _, az in subnets})
+        types = ", ".join(spec.resources.instance_types)
+        try:
+            events = EventWriter(store, GROUP_STREAM)
+            events.emit("status", state="launching", detail=(
+                f"Auto Scaling group {group_name(job_id)}: spot {types} in {', '.join(azs)} "
+                "(price-capacity-optimized)"))
+            events.close()
+        except StoreError:
+            log.warning("could not record the launch of job %s", job_id, exc_info=True)
+        watch = CapacityWatch(self, spec, store)
+        self._watches[job_id] = watch
+        watch.start()
+        log.info("launched job %s: group %s in %s", job_id, group_name(job_id), region)
+
+    def interrupt(self, job_id: str) -> None:
+        region = self.region(job_id)
+        account = _boto.account_id(region=region)
+        running = self._instances(region, job_id, ("running",))
+        if not running:
+            raise ProviderError(f"job {job_id} has no running instance to interrupt in "
+                                f"{region} (it may be waiting for capacity)")
+        arns = [f"arn:aws:ec2:{region}:{account}:instance/{i['InstanceId']}" for i in running]
+        fis = self.client("fis", region)
+        role_arn = self._fis_role(region, account)
+        template = _boto.with_backoff(lambda: fis.create_experiment_template(
+            clientToken=str(uuid.uuid4()),
+            description=f"spotnb: interrupt job {job_id}",
+            roleArn=role_arn,
+            stopConditions=[{"source": "none"}],
+            targets={"SpotInstances": {"resourceType": "aws:ec2:spot-instance",
+                                       "resourceArns": arns, "selectionMode": "ALL"}},
+            actions={"interrupt": {
+                "actionId": "aws:ec2:send-spot-instance-interruptions",
+                "parameters": {"durationBeforeInterruption": FIS_NOTICE},
+                "targets": {"SpotInstances": "SpotInstances"}}},
+            tags={TAG_JOB: job_id, TAG_MANAGED: "true"},
+        ), what="creating the FIS experiment template",
+            # A new FIS role is not assumable until IAM has propagated it.
+            retry_codes=frozenset({"ValidationException"}), attempts=6)["experimentTemplate"]
+        try:
+            _boto.with_backoff(lambda: fis.start_experiment(
+                clientToken=str(uuid.uuid4()), experimentTemplateId=template["id"],
+                tags={TAG_JOB: job_id}), what="starting the FIS experiment")
+        finally:
+            # A started experiment keeps its own copy of the template.
+            _ignore_missing(lambda: fis.delete_experiment_template(id=template["id"]))
+        log.info("FIS sends an interruption notice to %s", [i["InstanceId"] for i in running])
+
+    def terminate(self, job_id: str) -> None:
+        region = self.region(job_id)
+        watch = self._watches.pop(job_id, None)
+        if watch is not None:
+            watch.stop()
+        self._delete_group(job_id, region)
+        self._delete_template(job_id, region)
+        leftovers = self._instances(region, job_id, ("pending", "running", "stopping",
+                                                     "stopped"))
+        if leftovers:
+            ids = [i["InstanceId"] for i in leftovers]
+            self.client("ec2", region).terminate_instances(InstanceIds=ids)
+        self._delete_role(job_id, region)
+        log.info("deleted job %s's capacity group, template and role", job_id)
+
+    def cleanup(self, dry_run: bool = False) -> list[str]:
+        done: list[str] = []
+        verdicts: dict[str, tuple[bool, str]] = {}
+        regions = {self.region(), *self._job_regions.values()}
+        verb = "would delete" if dry_run else "deleted"
+
+        def over(job_id: str, store_uri: str | None) -> tuple[bool, str]:
+            if job_id not in verdicts:
+                verdicts[job_id] = _job_over(store_uri)
+            return verdicts[job_id]
+
+        for region in sorted(regions):
+            asg = self.client("autoscaling", region)
+            ec2 = self.client("ec2", region)
+            for group in _paginate(asg, "describe_auto_scaling_groups", "AutoScalingGroups"):
+                found = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
+                if TAG_JOB not in found:
+                    continue
+                ended, why = over(found[TAG_JOB], found.get(TAG_STORE))
+                if ended:
+                    done.append(f"{verb} Auto Scaling group {group['AutoScalingGroupName']} "
+                                f"in {region} ({why})")
+                    if not dry_run:
+                        self._delete_group(found[TAG_JOB], region)
+            templates = ec2.describe_launch_templates(
+                Filters=[{"Name": "tag-key", "Values": [TAG_JOB]}]).get("LaunchTemplates", ())
+            for template in templates:
+                found = {t["Key"]: t["Value"] for t in template.get("Tags", ())}
+                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+                if ended:
+                    done.append(f"{verb} launch template {template['LaunchTemplateName']} in "
+                                f"{region} ({why})")
+                    if not dry_run:
+                        _ignore_missing(partial(ec2.delete_launch_template,
+                                                LaunchTemplateId=template["LaunchTemplateId"]))
+            for inst in self._instances(region, None, ("pending", "running", "stopping",
+                                                       "stopped")):
+                found = {t["Key"]: t["Value"] for t in inst.get("Tags", ())}
+                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+                if ended:
+                    done.append(f"{verb} instance {inst['InstanceId']} in {region} ({why})")
+                    if not dry_run:
+                        ec2.terminate_instances(InstanceIds=[inst["InstanceId"]])
+        iam = self.client("iam", self.region())
+        for role in _paginate(iam, "list_roles", "Roles", PathPrefix=IAM_PATH):
+            name = role["RoleName"]
+            if not name.startswith("spotnb-job-"):
+                continue
+            try:
+                found = {t["Key"]: t["Value"] for t in
+                         iam.list_role_tags(RoleName=name).get("Tags", ())}
+            except Exception as err:
+                if _code(err) == "NoSuchEntity":
+                    continue  # deleted meanwhile (its instance agent's teardown)
+                raise
+            ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+            if ended:
+                done.append(f"{verb} IAM role and instance profile {name} ({why})")
+                if not dry_run:
+                    _delete_role_named(iam, name)
+        for profile in _paginate(iam, "list_instance_profiles", "InstanceProfiles",
+                                 PathPrefix=IAM_PATH):
+            name = profile["InstanceProfileName"]
+            if name.startswith("spotnb-job-") and not profile.get("Roles"):
+                done.append(f"{verb} instance profile {name} (it has no role left)")
+                if not dry_run:
+                    _ignore_missing(partial(iam.delete_instance_profile,
+                                            InstanceProfileName=name))
+        return done
+
+    def prices(self, instance_type: str, region: str) -> PoolPrice:
+        from spotnb.providers.aws.prices import pool_price
+
+        catalog.check_instance_type(instance_type, region)
+        return pool_price(instance_type, region)
+
+    # -- launch steps
+
+    def _ami(self, region: str) -> str:
+        if self.settings.ami:
+            return self.settings.ami
+        ssm = self.client("ssm", region)
+        try:
+            return str(ssm.get_parameter(Name=self.settings.ami_parameter)["Parameter"]["Value"])
+        except Exception as err:
+            if _code(err) == "ParameterNotFound":
+                raise SpecError(
+                    f"the AMI parameter {self.settings.ami_parameter} does not exist in "
+                    f"{region}: set SPOTNB_AWS_AMI to an AMI id, or SPOTNB_AWS_AMI_PARAMETER "
+                    "to another Deep Learning AMI parameter") from None
+            _boto.raise_for(err, "looking up the Deep Learning AMI")
+            raise
+
+    def _subnets(self, region: str,
+                 instance_types: tuple[str, ...]) -> tuple[list[tuple[str, str]], str]:
+        """[(subnet id, AZ id)] to launch in, and their VPC."""
+        ec2 = self.client("ec2", region)
+        if self.settings.subnets:
+            rows = ec2.describe_subnets(SubnetIds=list(self.settings.subnets))["Subnets"]
+        else:
+            vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
+            if not vpcs:
+                raise SpecError(f"{region} has no default VPC: create one (`aws ec2 "
+                                "create-default-vpc`) or set SPOTNB_AWS_SUBNETS to subnet ids")
+            rows = ec2.describe_subnets(Filters=[
+                {"Name": "vpc-id", "Values": [vpcs[0]["VpcId"]]},
+                {"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+        offered = {o["Location"] for o in ec2.describe_instance_type_offerings(
+            LocationType="availability-zone",
+            Filters=[{"Name": "instance-type", "Values": list(instance_types)}],
+        ).get("InstanceTypeOfferings", ())}
+        usable = [r for r in rows if not offered or r["AvailabilityZone"] in offered]
+        if not usable:
+            raise SpecError(f"none of {', '.join(instance_types)} is offered in the subnets "
+                            f"of {region}: choose other types or another region")
+        usable.sort(key=lambda r: r["AvailabilityZone"])
+        return ([(r["SubnetId"], r.get("AvailabilityZoneId", r["AvailabilityZone"]))
+                 for r in usable], str(usable[0]["VpcId"]))
+
+    def _security_group(self, region: str, vpc: str) -> str:
+        """The shared group without ingress rules (egress only: S3, AWS APIs, PyPI)."""
+        ec2 = self.client("ec2", region)
+        found = ec2.describe_security_groups(Filters=[
+            {"Name": "group-name", "Values": [SECURITY_GROUP]},
+            {"Name": "vpc-id", "Values": [vpc]}])["SecurityGroups"]
+        if found:
+            group = found[0]
+            if group.get("IpPermissions"):
+                raise SpecError(
+                    f"the security group {SECURITY_GROUP} ({group['GroupId']}) has inbound "
+                    "rules; spotnb instances open no port: remove them or delete the group")
+            return str(group["GroupId"])
+        return str(ec2.create_security_group(
+            GroupName=SECURITY_GROUP, VpcId=vpc,
+            Description="spotnb instances: no inbound traffic",
+            TagSpecifications=[{"ResourceType": "security-group",
+                                "Tags": [{"Key": TAG_MANAGED, "Value": "true"}]}],
+        )["GroupId"])
+
+    def _create_role(self, spec: JobSpec, account: str, tag_list: list[dict[str, str]]) -> str:
+        iam = self.client("iam", spec.resources.region)
+        name = role_name(spec.job_id)
+        policy = instance_policy(job_id=spec.job_id, store_uri=spec.store_uri,
+                                 region=spec.resources.region, account=account)
+        iam_tags = [t for t in tag_list if t["Key"] != "Name"]
+        try:
+            iam.create_role(RoleName=name, Path=IAM_PATH, MaxSessionDuration=3600,
+                            AssumeRolePolicyDocument=json.dumps(trust_policy("ec2.amazonaws.com")),
+                            Description=f"spotnb job {spec.job_id}: its store prefix only",
+                            Tags=iam_tags)
+            iam.put_role_policy(RoleName=name, PolicyName="spotnb-job",
+                                PolicyDocument=json.dumps(policy))
+            profile = iam.create_instance_profile(InstanceProfileName=name, Path=IAM_PATH,
+                                                  Tags=iam_tags)["InstanceProfile"]
+            iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
+        except Exception as err:
+            _delete_role_named(iam, name)
+            _boto.raise_for(err, "creating the job's IAM role")
+            raise
+        return str(profile["Arn"])
+
+    def _create_group(self, spec: JobSpec, template_id: str,
+                      subnets: list[tuple[str, str]], tag_list: list[dict[str, str]],
+                      ondemand: bool) -> None:
+        asg = self.client("autoscaling", spec.resources.region)
+        name = group_name(spec.job_id)
+        params = dict(
+            AutoScalingGroupName=name, MinSize=1, MaxSize=1, DesiredCapacity=1,
+            VPCZoneIdentifier=",".join(s for s, _ in subnets),
+            MixedInstancesPolicy=mixed_instances_policy(
+                template_id=template_id, instance_types=spec.resources.instance_types,
+                max_price=spec.resources.max_price, ondemand=ondemand),
+            CapacityRebalance=False,
+            HealthCheckType="EC2",
+            Tags=[{**t, "PropagateAtLaunch": False, "ResourceId": name,
+                   "ResourceType": "auto-scaling-group"} for t in tag_list],
+        )
+        _boto.with_backoff(lambda: asg.create_auto_scaling_group(**params),
+                           what="creating the Auto Scaling group",
+                           attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
+
+    # -- deleting
+
+    def _delete_group(self, job_id: str, region: str) -> bool:
+        asg = self.client("autoscaling", region)
+        return _ignore_missing(lambda: _boto.with_backoff(
+            lambda: asg.delete_auto_scaling_group(AutoScalingGroupName=group_name(job_id),
+                                                  ForceDelete=True),
+            what="deleting the Auto Scaling group",
+            retry_codes=frozenset({"ScalingActivityInProgress", "ResourceInUse"})))
+
+    def _delete_template(self, job_id: str, region: str) -> bool:
+        ec2 = self.client("ec2", region)
+        found = ec2.describe_launch_templates(Filters=[
+            {"Name": "launch-template-name", "Values": [template_name(job_id)]}])
+        if not found.get("LaunchTemplates"):
+            return False
+        template_id = found["LaunchTemplates"][0]["LaunchTemplateId"]
+        return _ignore_missing(lambda: ec2.delete_launch_template(LaunchTemplateId=template_id))
+
+    def _delete_role(self, job_id: str, region: str) -> None:
+        _delete_role_named(self.client("iam", region), role_name(job_id))
+
+    def _instances(self, region: str, job_id: str | None,
+                   states: tuple[str, ...]) -> list[dict[str, Any]]:
+        tag_filter = ({"Name": f"tag:{TAG_JOB}", "Values": [job_id]} if job_id
+                      else {"Name": "tag-key", "Values": [TAG_JOB]})
+        ec2 = self.client("ec2", region)
+        found = []
+        for reservation in _paginate(ec2, "describe_instances", "Reservations", Filters=[
+                tag_filter, {"Name": "instance-state-name", "Values": list(states)}]):
+            found += reservation["Instances"]
+        return found
+
+    def _fis_role(self, region: str, account: str) -> str:
+        iam = self.client("iam", region)
+        try:
+            return str(iam.get_role(RoleName=FIS_ROLE)["Role"]["Arn"])
+        except Exception as err:
+            if _code(err) != "NoSuchEntity":
+                _boto.raise_for(err, "looking up the FIS role")
+        role = iam.create_role(
+            RoleName=FIS_ROLE, Path=IAM_PATH,
+            AssumeRolePolicyDocument=json.dumps(trust_policy("fis.amazonaws.com")),
+            Description="spotnb: send spot interruption notices to spotnb instances",
+            Tags=[{"Key": TAG_MANAGED, "Value": "true"}])["Role"]
+        iam.put_role_policy(RoleName=FIS_ROLE, PolicyName="spotnb-fis",
+                            PolicyDocument=json.dumps(fis_policy(region, account)))
+        return str(role["Arn"])
+
+
+def _delete_role_named(iam: Any, name: str) -> None:
+    """Delete a job role, its inline policy and its instance profile; missing is fine."""
+    _ignore_missing(lambda: iam.remove_role_from_instance_profile(
+        InstanceProfileName=name, RoleName=name))
+    _ignore_missing(lambda: iam.delete_instance_profile(InstanceProfileName=name))
+    _ignore_missing(lambda: iam.delete_role_policy(RoleName=name, PolicyName="spotnb-job"))
+    _ignore_missing(lambda: iam.delete_role(RoleName=name))
+
+
+def _paginate(client: Any, method: str, key: str, **params: Any) -> list[Any]:
+    items: list[Any] = []
+    for page in client.get_paginator(method).paginate(**params):
+        items += page.get(key, ())
+    return items
+
+
+def _job_over(store_uri: str | None) -> tuple[bool, str]:
+    """Whether a job is over (its resources are leftovers), and why."""
+    if not store_uri:
+        return True, "it names no job store"
+    try:
+        store = open_store(store_uri)
+        if store.exists(layout.RESULT):
+            return True, "its job has a result"
+        if not store.exists(layout.SPEC):
+            return True, "its job does not exist in the store"
+    except (StoreError, SpecError) as err:
+        return False, f"kept: cannot read its store ({err})"
+    return False, "its job is running"

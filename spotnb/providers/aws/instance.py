@@ -1,0 +1,422 @@
+"""The instance agent: runs on every EC2 instance of a job, around the job agent.
+
+The user data starts it as ``python -m spotnb.providers.aws.instance --job <store-uri>``.
+On AWS there is no spotnb supervisor process (the Auto Scaling group replaces
+instances by itself), so the duties of the local cloud's supervisor that need a live
+process are done here, by whichever instance of the job is running. It writes to the
+group's stream (``events/000000/``) under its instance id; the job agent
+(``python -m spotnb.kernel_remote``) is its child and writes the attempt streams.
+
+An instance's life, narrated::
+
+    Step 1  who am I (IMDS), what is the job (spec.json)
+    Step 2  report what happened while no instance ran: capacity failures from the
+            group's scaling activities, predecessors that ended without a word
+            (terminated in EC2: billed until their last event); then "launched"
+            (at EC2's launch time, with the pool's spot and on-demand prices)
+    Step 3  run the job agent; every POLL_SECONDS look at IMDS for the interruption
+            notice ("notice" event), every LIMITS_SECONDS at the budget and deadline
+            (over: control/stop.json, which the job agent obeys), every PRICE_SECONDS
+            at the spot price ("price" event when it changed)
+    Step 4  the job agent exited:
+            result.json exists -> "terminated" (job-finished), then delete the launch
+                template, the Auto Scaling group (which terminates this instance) and
+                the job's IAM role: no instance outlives its job (invariant 6)
+            after an interruption notice -> wait for EC2 to terminate the instance
+            a stop request it did not answer within STOP_GRACE_SECONDS -> "stopped"
+                result, then as for a result
+            otherwise (crash, lost lease) -> start it again; CRASH_LOOP_COUNT quick
+                exits in a row -> "failed" result, then as for a result
+    SIGTERM (EC2 shuts the instance down) -> "terminated", flush, exit; during the
+            teardown of Step 4 the signal waits for the teardown to finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from spotnb import layout
+from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
+from spotnb.kernel_remote.imds import ImdsClient
+from spotnb.providers.aws import _boto
+from spotnb.providers.aws.resources import capacity_failures, group_name
+from spotnb.spec import JobSpec
+from spotnb.store import NotFound, Store, open_store
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.5
+LIMITS_SECONDS = 5.0
+# Spot prices change a few times a day at most; AWS throttles DescribeSpotPriceHistory.
+PRICE_SECONDS = 300.0
+# As on the local cloud: time the job agent has to stop the cell after a stop request.
+STOP_GRACE_SECONDS = 15.0
+CRASH_LOOP_COUNT = 5
+CRASH_LOOP_SECONDS = 30.0
+# Between SIGTERM and power-off EC2 leaves a little time: flush within it.
+TERMINATION_GRACE_SECONDS = 0.8
+IDENTITY_ATTEMPTS = 20  # IMDS can be slow for the first seconds after boot
+AGENT_MODULE = "spotnb.kernel_remote"
+
+
+class InstanceAgent:
+    """One instance's side of the job. See the module docstring."""
+
+    def __init__(self, job_uri: str, imds: ImdsClient | None = None) -> None:
+        self.job_uri = job_uri
+        self.store: Store = open_store(job_uri)
+        self.spec = JobSpec.from_json(self.store.get(layout.SPEC))
+        self.imds = imds or ImdsClient()
+        self.identity: dict[str, str] = {}
+        self.events: EventWriter | None = None
+        self.reader = EventReader(self.store)
+        self.history: list[Event] = []
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.notice: dict[str, Any] | None = None
+        self.stop_seen_at: float | None = None
+        self.price: float | None = None
+        self.tearing_down = threading.Event()
+
+    # ----------------------------------------------------------------- the life
+
+    def run(self) -> int:
+        import spotnb
+
+        log.info("spotnb %s from %s, job %s", spotnb.__version__, spotnb.__file__,
+                 self.spec.job_id)
+        # Step 1
+        self.identity = self._whoami()
+        iid = self.identity["instance_id"]
+        # boto3 here and in the job agent: the instance's region unless told otherwise.
+        os.environ.setdefault("AWS_DEFAULT_REGION", self.identity["region"])
+        self.events = EventWriter(self.store, GROUP_STREAM, instance=iid)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self.store.exists(layout.RESULT):
+            log.info("job %s already has a result: tearing down", self.spec.job_id)
+            self._teardown("job-finished")
+            return 0
+        # Step 2
+        self._report_the_gap()
+        self._announce()
+        # Step 3 and 4
+        crashes = 0
+        while True:
+            started = time.monotonic()
+            code = self._run_agent()
+            if self.store.exists(layout.RESULT):
+                reason = "job-finished"
+                break
+            if self.notice is not None:
+                log.info("the job agent exited after the interruption notice; waiting for "
+                         "EC2 to terminate this instance")
+                while True:
+                    time.sleep(60)
+            if self.stop_seen_at is not None or self.store.exists(layout.STOP):
+                # A stop before the job agent took the lease: it exits without a word.
+                self._write_result("stopped", self._stop_reason())
+                reason = "stopped"
+                break
+            crashes = crashes + 1 if time.monotonic() - started < CRASH_LOOP_SECONDS else 1
+            log.warning("the job agent exited with code %s without a result (%d in a row)",
+                        code, crashes)
+            if crashes >= CRASH_LOOP_COUNT:
+                self._write_result("failed", (
+                    f"the job agent crashed repeatedly ({crashes} times in a row within "
+                    f"{CRASH_LOOP_SECONDS:g} s) on {iid}; see {os.getcwd()}/agent.log"))
+                reason = "agent-crashed"
+                break
+        self._teardown(reason)
+        return 0
+
+    def _whoami(self) -> dict[str, str]:
+        for attempt in range(IDENTITY_ATTEMPTS):
+            try:
+                return dict(self.imds.identity())
+            except OSError:
+                if attempt == IDENTITY_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.5)
+        raise TypeError("unreachable; this is a spotnb bug")
+
+    def _run_agent(self) -> int:
+        with open("agent.log", "ab") as out:
+            self.agent = subprocess.Popen(
+                [sys.executable, "-m", AGENT_MODULE, "--job", self.job_uri],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        last_limits = last_price = time.monotonic()
+        while self.agent.poll() is None:
+            time.sleep(POLL_SECONDS)
+            now = time.monotonic()
+            self._watch_notice()
+            if now - last_limits >= LIMITS_SECONDS:
+                last_limits = now
+                self._watch_limits()
+            if now - last_price >= PRICE_SECONDS:
+                last_price = now
+                self._watch_price()
+            if self.stop_seen_at is not None and time.monotonic() - self.stop_seen_at > \
+                    STOP_GRACE_SECONDS and self.agent.poll() is None:
+                log.warning("the job agent did not stop within %gs; ending it",
+                            STOP_GRACE_SECONDS)
+                self.agent.terminate()
+        return int(self.agent.returncode)
+
+    # ---------------------------------------------------------- group stream
+
+    def _emit(self, type: str, **data: Any) -> None:
+        if self.events is not None:
+            self.events.emit(type, **data)
+
+    def _describe(self, instance_ids: list[str]) -> dict[str, Any]:
+        ec2 = _boto.client("ec2", self.identity["region"])
+        found: dict[str, Any] = {}
+        try:
+            for reservation in ec2.describe_instances(InstanceIds=instance_ids)["Reservations"]:
+                for inst in reservation["Instances"]:
+                    found[inst["InstanceId"]] = inst
+        except Exception as err:
+            log.info("describe_instances %s failed: %s", instance_ids, err)
+        return found
+
+    def _report_the_gap(self) -> None:
+        """Capacity failures and silently ended predecessors (Step 2)."""
+        self.history = self.reader.poll()
+        group = [e for e in self.history if e.attempt == GROUP_STREAM]
+        reported = {e.data.get("activity_id") for e in group}
+        try:
+            asg = _boto.client("autoscaling", self.identity["region"])
+            activities = asg.describe_scaling_activities(
+                AutoScalingGroupName=group_name(self.spec.job_id))["Activities"]
+        except Exception as err:
+            log.info("cannot read the group's scaling activities: %s", err)
+            activities = []
+        fresh = [f for f in capacity_failures(activities) if f["activity_id"] not in reported]
+        if fresh:
+            kinds = sorted({f"{f['reason']} for {f['instance_type'] or 'a pool'}"
+                            for f in fresh})
+            self._emit("status", state="waiting_for_capacity", detail=(
+                f"Auto Scaling could not get spot capacity ({'; '.join(kinds)}) and tried "
+                "other pools"))
+        for failure in fresh:
+            self._emit("instance", **failure)
+        launched = {e.data["instance_id"]: e for e in group if e.type == "instance"
+                    and e.data.get("action") == "launched"}
+        ended = {e.data.get("instance_id") for e in group if e.type == "instance"
+                 and e.data.get("action") == "terminated"}
+        silent = [i for i in launched if i not in ended and i != self.identity["instance_id"]]
+        states = self._describe(silent) if silent else {}
+        for instance_id in silent:
+            state = states.get(instance_id, {}).get("State", {}).get("Name", "terminated")
+            if state not in ("shutting-down", "terminated"):
+                continue  # still running (its notice period): it reports its own end
+            last = max((e.time for e in self.history if e.instance == instance_id),
+                       default=launched[instance_id].time)
+            noticed = any(e.type == "instance" and e.data.get("action") == "notice"
+                          and e.instance == instance_id for e in group)
+            data = {k: launched[instance_id].data.get(k)
+                    for k in ("instance_id", "instance_type", "az", "pool")}
+            assert self.events is not None
+            self.events.emit_event(Event(
+                type="instance", time=last, attempt=GROUP_STREAM, instance=instance_id,
+                data={**data, "action": "terminated", "reported_by": self.identity["instance_id"],
+                      "reason": "spot-interruption" if noticed else "terminated"}))
+
+    def _announce(self) -> None:
+        from spotnb.providers.aws.prices import pool_price
+
+        ident = self.identity
+        iid, region = ident["instance_id"], ident["region"]
+        me = self._describe([iid]).get(iid, {})
+        launch_time = me.get("LaunchTime")
+        started = launch_time.timestamp() if launch_time is not None else time.time()
+        lifecycle = me.get("InstanceLifecycle") or "on-demand"
+        price = pool_price(ident["instance_type"], region, ident.get("az_id"))
+        self.price = price.ondemand if lifecycle == "on-demand" and me else price.spot
+        pool = f"{ident['instance_type']}@{ident.get('az_id') or ident.get('az')}"
+        order = list(self.spec.resources.instance_types)
+        rank = order.index(ident["instance_type"]) if ident["instance_type"] in order else 0
+        replacing = sum(1 for e in self.history if e.attempt == GROUP_STREAM
+                        and e.type == "instance" and e.data.get("action") == "launched")
+        detail = (f"{iid} ({ident['instance_type']} in {ident.get('az_id')}, "
+                  f"{'spot' if me.get('InstanceLifecycle') == 'spot' else lifecycle}) started "
+                  f"by the Auto Scaling group")
+        if replacing:
+            detail += f" (replacement #{replacing})"
+        if rank:
+            detail += f"; choice {rank + 1} of {len(order)}: {', '.join(order[:rank])} had no " \
+                      "spot capacity"
+        assert self.events is not None
+        self._emit("status", state="launching", detail=detail,
+                   instance_type=ident["instance_type"], az=ident.get("az_id"))
+        self.events.emit_event(Event(
+            type="instance", time=started, attempt=GROUP_STREAM, instance=iid, data={
+                "action": "launched", "instance_id": iid,
+                "instance_type": ident["instance_type"], "az": ident.get("az_id"),
+                "az_name": ident.get("az"), "pool": pool, "region": region,
+                "price": self.price, "ondemand": price.ondemand, "lifecycle": lifecycle,
+                "price_source": price.source}))
+        self._emit("price", pool=pool, instance_type=ident["instance_type"],
+                   az=ident.get("az_id"), price=self.price, ondemand=price.ondemand,
+                   source=price.source)
+        self.events.flush()
+
+    # ------------------------------------------------------------- watching
+
+    def _watch_notice(self) -> None:
+        if self.notice is not None:
+            return
+        try:
+            action = self.imds.instance_action()
+        except OSError:
+            return
+        if action:
+            self.notice = action
+            ident = self.identity
+            self._emit("instance", action="notice", reason="spot-interruption",
+                       instance_id=ident["instance_id"], instance_type=ident["instance_type"],
+                       az=ident.get("az_id"), termination_time=action.get("time"),
+                       notice_action=action.get("action"), price=self.price)
+            log.info("interruption notice: %s", action)
+
+    def _watch_limits(self) -> None:
+        from spotnb.jobs import summarize
+
+        policy = self.spec.policy
+        self.history += self.reader.poll()
+        if self.stop_seen_at is None and self.store.exists(layout.STOP):
+            self.stop_seen_at = time.monotonic()
+        if self.stop_seen_at is not None or (policy.budget_usd is None
+                                             and policy.max_duration is None):
+            return
+        now = time.time()
+        if policy.budget_usd is not None:
+            cost = summarize(self.spec, self.history, None, now=now).cost_usd
+            if cost > policy.budget_usd:
+                self._request_stop("budget", f"the job has cost ${cost:.4f}, above its "
+                                             f"budget of ${policy.budget_usd:.4f}")
+                return
+        if policy.max_duration is not None:
+            launches = [e.time for e in self.history if e.attempt == GROUP_STREAM
+                        and e.type == "instance" and e.data.get("action") == "launched"]
+            elapsed = now - min(launches, default=now)
+            if elapsed > policy.max_duration:
+                self._request_stop("deadline", (
+                    f"the job has run {elapsed:.0f} s since its first instance, above its "
+                    f"limit of {policy.max_duration:g} s"))
+
+    def _request_stop(self, reason: str, detail: str) -> None:
+        log.info("stopping the job: %s", detail)
+        body = {"reason": reason, "detail": detail, "time": time.time(), "by": "aws-instance",
+                "instance_id": self.identity["instance_id"]}
+        self.store.put_if_absent(layout.STOP, json.dumps(body).encode())
+        self.stop_seen_at = time.monotonic()
+        self._emit("status", state="stopped", detail=f"stopping: {detail}")
+
+    def _stop_reason(self) -> str:
+        try:
+            req = json.loads(self.store.get(layout.STOP))
+        except (NotFound, ValueError):
+            req = {}
+        detail = req.get("detail")
+        return f"stop requested ({req.get('reason', 'requested')}" + (
+            f": {detail})" if detail else ")")
+
+    def _watch_price(self) -> None:
+        from spotnb.providers.aws.prices import pool_price
+
+        ident = self.identity
+        try:
+            price = pool_price(ident["instance_type"], ident["region"], ident.get("az_id"))
+        except Exception:
+            log.debug("price lookup failed", exc_info=True)
+            return
+        if price.spot is not None and price.spot != self.price and self.price is not None:
+            self.price = price.spot
+            self._emit("price", pool=f"{ident['instance_type']}@{ident.get('az_id')}",
+                       instance_type=ident["instance_type"], az=ident.get("az_id"),
+                       price=price.spot, ondemand=price.ondemand, source=price.source)
+
+    # ---------------------------------------------------------------- the end
+
+    def _write_result(self, status: str, reason: str) -> None:
+        body = {"status": status, "reason": reason, "time": time.time(), "by": "aws-instance",
+                "instance_id": self.identity.get("instance_id")}
+        if self.store.put_if_absent(layout.RESULT, json.dumps(body).encode()) is not None:
+            self._emit("result", status=status, reason=reason)
+            self._emit("status", state=status, detail=reason)
+
+    def _teardown(self, reason: str) -> None:
+        """Step 4: the job is over; delete its capacity group, template and role."""
+        from spotnb.providers.aws import AwsProvider
+
+        self.tearing_down.set()
+        ident = self.identity
+        self._emit("instance", action="terminated", reason=reason,
+                   instance_id=ident["instance_id"], instance_type=ident.get("instance_type"),
+                   az=ident.get("az_id"),
+                   pool=f"{ident.get('instance_type')}@{ident.get('az_id')}")
+        if self.events is not None:
+            self.events.close()
+        provider = AwsProvider(region=ident["region"])
+        job_id = self.spec.job_id
+        # The template first and the role last: deleting the group terminates this
+        # instance, and the role's credentials are what the deletions run with.
+        for label, step in (("launch template", provider._delete_template),
+                            ("Auto Scaling group", provider._delete_group),
+                            ("IAM role", lambda j, r: provider._delete_role(j, r))):
+            try:
+                step(job_id, ident["region"])
+            except Exception:
+                log.exception("could not delete the job's %s; `spotnb aws cleanup` will", label)
+        log.info("job %s is over (%s): its capacity group is deleted", job_id, reason)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """EC2 is shutting the instance down: say so, flush, go (on a thread, as the
+        handler may interrupt a lock holder)."""
+        if self.tearing_down.is_set():
+            return  # Step 4 deletes the group, which terminates us: finish the teardown
+
+        def shut() -> None:
+            if self.agent is not None and self.agent.poll() is None:
+                with contextlib.suppress(OSError):
+                    self.agent.send_signal(signal.SIGTERM)
+            ident = self.identity
+            self._emit("instance", action="terminated",
+                       reason="spot-interruption" if self.notice else "terminated",
+                       instance_id=ident.get("instance_id"),
+                       instance_type=ident.get("instance_type"), az=ident.get("az_id"),
+                       pool=f"{ident.get('instance_type')}@{ident.get('az_id')}")
+            if self.events is not None:
+                with contextlib.suppress(Exception):
+                    self.events.flush()
+            os._exit(0)
+
+        threading.Timer(TERMINATION_GRACE_SECONDS, os._exit, args=(0,)).start()
+        threading.Thread(target=shut, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m spotnb.providers.aws.instance``."""
+    parser = argparse.ArgumentParser(prog="python -m spotnb.providers.aws.instance",
+                                     description="Run a spotnb job on this EC2 instance.")
+    parser.add_argument("--job", required=True, help="the job's store URI (s3://...)")
+    parser.add_argument("--log-level", default=os.environ.get("SPOTNB_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("botocore").setLevel(logging.WARNING)
+    return InstanceAgent(args.job).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

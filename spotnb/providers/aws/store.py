@@ -1,0 +1,428 @@
+"""The S3 store: the :class:`~spotnb.store.Store` contract on an S3 bucket prefix.
+
+URI: ``s3://bucket/prefix`` (:func:`spotnb.store.open_store` returns an
+:class:`S3Store` for it). How each part of the contract maps onto S3:
+
+* every write is one ``PutObject`` (or a multipart upload, which S3 completes
+  atomically): a reader sees the old object, the new one or none (invariant 2);
+* ``put_if_absent`` is ``PutObject`` with ``IfNoneMatch="*"`` and ``put_if_match`` is
+  ``PutObject`` with ``IfMatch=<etag>``: S3's conditional writes (August/November
+  2024), atomic on S3's side. ``412 PreconditionFailed`` means "lost"; ``409
+  ConditionalRequestConflict`` (a concurrent conditional write) is retried, then
+  reported as lost;
+* ETags are S3's (quoted MD5 for single-part objects), passed back unchanged;
+* ``list_keys`` is ``ListObjectsV2`` with ``StartAfter``; ``list_children`` uses
+  ``Delimiter="/"``;
+* ``upload_file``/``download_file`` use boto3's managed transfer with
+  :func:`~spotnb.providers.aws._boto.transfer_config` (16 MiB parts, 10 threads); a
+  download lands in a temporary file that is renamed into place.
+
+Every request carries ``ExpectedBucketOwner`` (the caller's account, from STS, unless
+given): S3 refuses it with ``403`` if someone else owns the bucket, so a typo in a bucket
+name can never send checkpoints to a stranger. Keys are checked like the local store's.
+
+:func:`ensure_bucket` creates the default bucket ``spotnb-<account>-<region>`` with
+public access blocked, default encryption (SSE-S3), TLS-only access, bucket-owner-
+enforced object ownership and the lifecycle rules in :data:`LIFECYCLE_RULES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from spotnb.providers.aws import _boto
+from spotnb.spec import SpecError
+from spotnb.store import NotFound, Store, StoreError, _check_key
+
+__all__ = ["LIFECYCLE_RULES", "S3Store", "bucket_problem", "default_bucket", "ensure_bucket"]
+
+log = logging.getLogger(__name__)
+
+_TMP_MARK = ".tmp-"
+# A conditional write that met a concurrent one (409) is retried this often.
+_CONFLICT_RETRIES = 5
+_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys
+
+#: Checkpoints of finished jobs are the bulk of a bucket: objects over 1 MiB under
+#: ``jobs/`` (checkpoint data; specs, events and results are far smaller) expire after
+#: :data:`CHECKPOINT_DAYS`. S3 lifecycle filters take a prefix, not a pattern like
+#: ``jobs/*/checkpoints/``, hence the size filter. Unfinished multipart uploads (an
+#: instance interrupted mid-upload) are aborted after a day.
+CHECKPOINT_DAYS = 30
+LIFECYCLE_RULES = [
+    {
+        "ID": "spotnb-expire-old-checkpoints",
+        "Status": "Enabled",
+        "Filter": {"And": {"Prefix": "jobs/", "ObjectSizeGreaterThan": 1 << 20}},
+        "Expiration": {"Days": CHECKPOINT_DAYS},
+    },
+    {
+        "ID": "spotnb-abort-incomplete-uploads",
+        "Status": "Enabled",
+        "Filter": {"Prefix": ""},
+        "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
+    },
+]
+
+
+def _parse(uri: str) -> tuple[str, str]:
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise StoreError(f"not an S3 URI: {uri!r}; use s3://bucket/prefix")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+class S3Store(Store):
+    """A store under ``s3://bucket/prefix``. See the module docstring."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, region: str | None = None,
+                 expected_owner: str | None = None, client: Any = None,
+                 transfer: Any = None) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.region = region
+        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        # Shared with child views: one client (thread-safe) and one owner lookup.
+        self._shared: dict[str, Any] = {"client": client, "owner": expected_owner,
+                                        "transfer": transfer, "lock": threading.Lock()}
+
+    @classmethod
+    def from_uri(cls, uri: str, **kwargs: Any) -> S3Store:
+        bucket, prefix = _parse(uri)
+        return cls(bucket, prefix, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.uri!r})"
+
+    # -- plumbing
+
+    @property
+    def client(self) -> Any:
+        shared = self._shared
+        if shared["client"] is None:
+            with shared["lock"]:
+                if shared["client"] is None:
+                    shared["client"] = _boto.client("s3", self.region)
+        return shared["client"]
+
+    @property
+    def owner(self) -> str:
+        """The account that must own the bucket (``ExpectedBucketOwner``)."""
+        shared = self._shared
+        if shared["owner"] is None:
+            try:
+                shared["owner"] = _boto.account_id(region=self.region)
+            except SpecError as err:
+                raise StoreError(str(err)) from None
+        return str(shared["owner"])
+
+    def _transfer(self) -> Any:
+        if self._shared["transfer"] is None:
+            self._shared["transfer"] = _boto.transfer_config()
+        return self._shared["transfer"]
+
+    def _key(self, key: str) -> str:
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _under(self, prefix: str) -> str:
+        """The absolute S3 prefix for a relative listing prefix (may end inside a name)."""
+        if not prefix:
+            return f"{self.prefix}/" if self.prefix else ""
+        return f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+    def _strip(self, full: str) -> str:
+        return full[len(self.prefix) + 1:] if self.prefix else full
+
+    def _fail(self, err: BaseException, what: str) -> StoreError:
+        kind = _boto.classify(err)
+        if _boto.error_code(err) in ("AccessDenied", "403"):
+            return StoreError(
+                f"{what} in {self.uri}: access denied. Either the bucket belongs to another "
+                f"AWS account (spotnb only uses buckets of account {self._shared['owner']}) "
+                "or the credentials lack the permission; `spotnb aws doctor` tells which")
+        if kind == "fatal":
+            return StoreError(str(_boto.fatal_error(err, f"{what} in {self.uri}")))
+        if _boto.error_code(err) in ("NoSuchBucket",):
+            return StoreError(f"{what}: the bucket {self.bucket} does not exist; create it "
+                              "with `spotnb aws setup` or choose another store")
+        return StoreError(f"{what} in {self.uri} failed ({kind}): {err}")
+
+    # -- the contract (see spotnb.store)
+
+    def put(self, key: str, data: bytes) -> str:
+        full = self._key(key)
+        try:
+            reply = self.client.put_object(Bucket=self.bucket, Key=full, Body=data,
+                                           ExpectedBucketOwner=self.owner)
+        except Exception as err:
+            raise self._fail(err, f"writing {key}") from None
+        return str(reply["ETag"])
+
+    def get(self, key: str) -> bytes:
+        return self.get_with_etag(key)[0]
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        full = self._key(key)
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=full,
+                                           ExpectedBucketOwner=self.owner)
+            return reply["Body"].read(), str(reply["ETag"])
+        except Exception as err:
+            if _boto.error_code(err) in ("NoSuchKey", "404", "NotFound"):
+                raise NotFound(key) from None
+            raise self._fail(err, f"reading {key}") from None
+
+    def exists(self, key: str) -> bool:
+        full = self._key(key)
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=full,
+                                    ExpectedBucketOwner=self.owner)
+        except Exception as err:
+            if _boto.error_code(err) in ("NoSuchKey", "404", "NotFound"):
+                return False
+            raise self._fail(err, f"looking for {key}") from None
+        return True
+
+    def _conditional_put(self, key: str, data: bytes, **condition: str) -> str | None:
+        full = self._key(key)
+        for attempt in range(_CONFLICT_RETRIES):
+            try:
+                reply = self.client.put_object(Bucket=self.bucket, Key=full,
+                                               Body=data, ExpectedBucketOwner=self.owner,
+                                               **condition)
+                return str(reply["ETag"])
+            except Exception as err:
+                code = _boto.error_code(err)
+                if code in ("PreconditionFailed", "412", "NoSuchKey", "404"):
+                    return None
+                if code in ("ConditionalRequestConflict", "409") and \
+                        attempt < _CONFLICT_RETRIES - 1:
+                    time.sleep(0.05 * 2 ** attempt)
+                    continue
+                if code in ("ConditionalRequestConflict", "409"):
+                    return None
+                raise self._fail(err, f"writing {key} conditionally") from None
+        return None
+
+    def put_if_absent(self, key: str, data: bytes) -> str | None:
+        return self._conditional_put(key, data, IfNoneMatch="*")
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str | None:
+        return self._conditional_put(key, data, IfMatch=etag)
+
+    def list_keys(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._under(prefix),
+                                  "ExpectedBucketOwner": self.owner}
+        if start_after is not None:
+            params["StartAfter"] = self._under(start_after)
+        keys: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(**params):
+                keys += [self._strip(o["Key"]) for o in page.get("Contents", ())]
+        except Exception as err:
+            raise self._fail(err, f"listing {prefix or '/'}") from None
+        return keys  # S3 lists in UTF-8 binary order, which is lexicographic for our keys
+
+    def list_children(self, prefix: str = "") -> list[str]:
+        base = self._under(prefix)
+        if base and not base.endswith("/"):
+            base += "/"
+        names: set[str] = set()
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=base, Delimiter="/",
+                    ExpectedBucketOwner=self.owner):
+                names.update(p["Prefix"][len(base):].rstrip("/")
+                             for p in page.get("CommonPrefixes", ()))
+                names.update(o["Key"][len(base):] for o in page.get("Contents", ()))
+        except Exception as err:
+            raise self._fail(err, f"listing {prefix or '/'}") from None
+        return sorted(n for n in names if n)
+
+    def delete(self, key: str) -> None:
+        full = self._key(key)
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=full,
+                                      ExpectedBucketOwner=self.owner)
+        except Exception as err:
+            if _boto.error_code(err) in ("NoSuchKey", "404"):
+                return
+            raise self._fail(err, f"deleting {key}") from None
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = [self._key(k) for k in self.list_keys(prefix)]
+        for start in range(0, len(keys), _DELETE_BATCH):
+            batch = [{"Key": k} for k in keys[start:start + _DELETE_BATCH]]
+            try:
+                reply = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True},
+                    ExpectedBucketOwner=self.owner)
+            except Exception as err:
+                raise self._fail(err, f"deleting {prefix}") from None
+            if reply.get("Errors"):
+                first = reply["Errors"][0]
+                raise StoreError(f"deleting {prefix} in {self.uri}: {len(reply['Errors'])} "
+                                 f"objects failed, e.g. {first.get('Key')}: "
+                                 f"{first.get('Code')} {first.get('Message')}")
+
+    def upload_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        full = self._key(key)
+        try:
+            self.client.upload_file(os.fspath(path), self.bucket, full,
+                                    ExtraArgs={"ExpectedBucketOwner": self.owner},
+                                    Config=self._transfer())
+        except Exception as err:
+            raise self._fail(_boto.unwrap_transfer_error(err), f"uploading {key}") from None
+
+    def download_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        full = self._key(key)
+        dest = Path(path)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=_TMP_MARK)
+        os.close(fd)
+        try:
+            self.client.download_file(self.bucket, full, tmp,
+                                      ExtraArgs={"ExpectedBucketOwner": self.owner},
+                                      Config=self._transfer())
+            os.replace(tmp, dest)
+        except BaseException as err:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            inner = _boto.unwrap_transfer_error(err)
+            if _boto.error_code(inner) in ("NoSuchKey", "404", "NotFound"):
+                raise NotFound(key) from None
+            if isinstance(err, Exception):
+                raise self._fail(inner, f"downloading {key}") from None
+            raise
+
+    def child(self, prefix: str) -> S3Store:
+        sub = _check_key(prefix.strip("/"))
+        view = S3Store(self.bucket, f"{self.prefix}/{sub}" if self.prefix else sub,
+                       region=self.region)
+        view._shared = self._shared
+        return view
+
+
+# --------------------------------------------------------------------- the bucket
+
+def default_bucket(account: str, region: str) -> str:
+    """``spotnb-<account>-<region>``: unique per account and region, and says whose."""
+    return f"spotnb-{account}-{region}"
+
+
+def bucket_problem(s3: Any, bucket: str, owner: str) -> str | None:
+    """Why ``bucket`` cannot be used by ``owner`` (a message naming the fix), or None.
+
+    ``"missing"`` when there is no such bucket (the caller may create it).
+    """
+    try:
+        s3.head_bucket(Bucket=bucket, ExpectedBucketOwner=owner)
+        return None
+    except Exception as err:
+        code = _boto.error_code(err)
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            return "missing"
+        if code not in ("403", "AccessDenied"):
+            if _boto.classify(err) == "fatal":
+                return str(_boto.fatal_error(err, f"checking the bucket {bucket}"))
+            return f"cannot check the bucket {bucket}: {err}"
+    # 403 with ExpectedBucketOwner: someone else's bucket, or no permission. A plain
+    # HeadBucket tells the two apart (it succeeds on a foreign bucket we may read).
+    try:
+        s3.head_bucket(Bucket=bucket)
+    except Exception:
+        return (f"access to the bucket {bucket} is denied to account {owner}: grant "
+                "s3:ListBucket, s3:GetObject and s3:PutObject on it (see `spotnb aws setup "
+                "--dry-run`), or use the default bucket (leave the store unset)")
+    return (f"the bucket {bucket} belongs to another AWS account, not to {owner}: spotnb "
+            "only writes to buckets of the account it runs in. Use a bucket of your own "
+            f"(the default is {default_bucket(owner, 'REGION')}, created by `spotnb aws "
+            "setup`)")
+
+
+def ensure_bucket(s3: Any, bucket: str, region: str, owner: str,
+                  dry_run: bool = False) -> list[str]:
+    """Create ``bucket`` if it is missing and (re)apply spotnb's settings; what was done.
+
+    Raises SpecError if the bucket belongs to someone else or cannot be used.
+    """
+    done: list[str] = []
+    problem = bucket_problem(s3, bucket, owner)
+    if problem is not None and problem != "missing":
+        raise SpecError(problem)
+    verb = "would" if dry_run else "did"
+    if problem == "missing":
+        done.append(f"{verb} create bucket s3://{bucket} in {region}")
+        if not dry_run:
+            params: dict[str, Any] = {"Bucket": bucket, "ObjectOwnership": "BucketOwnerEnforced"}
+            if region != "us-east-1":
+                params["CreateBucketConfiguration"] = {"LocationConstraint": region}
+            try:
+                s3.create_bucket(**params)
+            except Exception as err:
+                code = _boto.error_code(err)
+                if code == "BucketAlreadyExists":
+                    raise SpecError(
+                        f"the bucket name {bucket} is taken by another AWS account: pass "
+                        "store='s3://<a bucket of yours>/spotnb'"
+                    ) from None
+                if code != "BucketAlreadyOwnedByYou":
+                    _boto.raise_for(err, f"creating the bucket {bucket}")
+    settings: list[tuple[str, str, dict[str, Any]]] = [
+        ("block all public access", "put_public_access_block", {
+            "PublicAccessBlockConfiguration": {
+                "BlockPublicAcls": True, "IgnorePublicAcls": True,
+                "BlockPublicPolicy": True, "RestrictPublicBuckets": True}}),
+        ("turn on default encryption (SSE-S3)", "put_bucket_encryption", {
+            "ServerSideEncryptionConfiguration": {"Rules": [{
+                "ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"},
+                "BucketKeyEnabled": True}]}}),
+        (f"expire checkpoint objects after {CHECKPOINT_DAYS} days and abort unfinished "
+         "uploads after 1 day", "put_bucket_lifecycle_configuration", {
+             "LifecycleConfiguration": {"Rules": LIFECYCLE_RULES}}),
+        ("tag it spotnb:managed=true", "put_bucket_tagging", {
+            "Tagging": {"TagSet": [{"Key": "spotnb:managed", "Value": "true"}]}}),
+    ]
+    if not _plain_http_endpoint(s3):
+        # Behind a plain-HTTP endpoint (moto in tests) a TLS-only policy would lock
+        # spotnb out of its own bucket.
+        settings.insert(2, ("refuse requests without TLS", "put_bucket_policy", {
+            "Policy": json.dumps(tls_only_policy(bucket))}))
+    for label, method, params in settings:
+        done.append(f"{verb} {label} on s3://{bucket}")
+        if dry_run:
+            continue
+        try:
+            getattr(s3, method)(Bucket=bucket, ExpectedBucketOwner=owner, **params)
+        except Exception as err:
+            _boto.raise_for(err, f"configuring the bucket {bucket} ({label})")
+    return done
+
+
+def tls_only_policy(bucket: str) -> dict[str, Any]:
+    """The bucket policy: deny every request that does not use TLS."""
+    return {
+        "Version": "2012-10-17",
+        "Statement": [{
+            "Sid": "DenyInsecureTransport",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:*",
+            "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"],
+            "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+        }],
+    }
+
+
+def _plain_http_endpoint(s3: Any) -> bool:
+    return str(getattr(s3.meta, "endpoint_url", "")).startswith("http://")

@@ -1,0 +1,81 @@
+"""A fake AWS for trying spotnb's AWS provider with no account: moto plus real agents.
+
+:class:`AwsSimulator` is what the tests use, and users can use it too::
+
+    from spotnb.testing import AwsSimulator
+
+    with AwsSimulator() as sim:                 # moto on 127.0.0.1, boto3 pointed at it
+        handle = spotnb.submit(code, provider="aws", instance_types=["g5.xlarge"])
+        sim.wait_for_instance(handle.job_id)
+        sim.interrupt(sim.running(handle.job_id)[0].id)   # notice, then termination
+        handle.wait()
+
+What it does:
+
+* starts moto in server mode (``moto.server.ThreadedMotoServer``) on loopback, on a
+  free port, and points boto3 at it through ``AWS_ENDPOINT_URL`` with fake credentials
+  (restored on exit); agents started by the simulator inherit the same environment;
+* plays **EC2 Auto Scaling's fulfilment** for spotnb's groups, which moto does not: moto
+  launches one instance of the launch template's type in the first subnet and ignores
+  the ``MixedInstancesPolicy``. The simulator launches each missing instance itself
+  with ``ec2:RunInstances`` (real HTTP, through boto3), trying the policy's instance
+  types in order and, for each, the group's subnets in order; a pool that answers with
+  a capacity error (see :meth:`AwsSimulator.no_capacity`) is skipped and recorded as a
+  failed scaling activity, exactly as ``describe_scaling_activities`` shows it on AWS.
+  Replacements after a termination come from the same loop;
+* **boots** every running instance that moto reports (replacements included): it runs
+  the instance's real user data with ``bash``, with the instance's own IMDSv2 endpoint
+  (:class:`spotnb.providers.local.imds.ImdsServer`) in ``SPOTNB_IMDS_ENDPOINT``;
+* delivers **spot interruptions**: the notice appears in the instance's metadata, and
+  after the notice period the instance is terminated in moto (SIGTERM to its processes,
+  then SIGKILL after a grace); ``spotnb interrupt`` on AWS goes through the Fault
+  Injection Service, which moto cannot run, so the simulator answers FIS's
+  ``StartExperiment`` itself with a botocore event hook (templates are real moto ones);
+* **injects capacity errors** for chosen pools with a botocore event hook on its
+  ``RunInstances`` calls.
+
+Where moto differs from AWS and how the simulator makes up for it (the only places
+that reach into moto's in-process state; each is restored on exit):
+
+* S3 does not check ``ExpectedBucketOwner`` in moto: a WSGI middleware in front of moto
+  answers ``403 AccessDenied`` when the bucket's owner differs, as S3 does.
+* moto's conditional writes (``If-None-Match``/``If-Match``) are check-then-write
+  without a lock, so two racing writers could both win: the middleware serialises
+  conditional S3 writes, which gives S3's atomicity.
+* Auto Scaling: moto's own instance launch for spotnb's groups is switched off (the
+  simulator's fulfilment loop replaces it), and ``DescribeScalingActivities`` (always
+  empty in moto) serves the activities the simulator records.
+* The Deep Learning AMI's public SSM parameter does not exist in moto: the simulator
+  publishes it, pointing at one of moto's images.
+* Instance processes get the simulator's fake credentials through the environment
+  instead of instance-profile credentials from IMDS (moto does not enforce IAM).
+* Spot prices in moto are a constant placeholder from 2006: spotnb treats a price
+  older than AWS's 90 days of history as unavailable and uses its bundled catalog,
+  with the catalog's date in the source; the Pricing API and spot placement scores
+  are not in moto and fall back the same way.
+
+By default an instance runs its user data with ``SPOTNB_PYTHON`` set to this Python,
+like an image with spotnb preinstalled (fast); ``install=True`` makes every boot
+download the wheel that the provider uploaded to the job's prefix (``aws s3 cp``),
+check its SHA-256 and install it with pip into the instance's directory, as on a plain
+Deep Learning AMI.
+"""
+
+from spotnb.testing.server import (
+    DEFAULT_ACCOUNT,
+    DEFAULT_REGION,
+    FAKE_CREDENTIALS,
+    MotoServer,
+    aws_environment,
+)
+from spotnb.testing.simulator import AwsSimulator, SimInstance
+
+__all__ = [
+    "DEFAULT_ACCOUNT",
+    "DEFAULT_REGION",
+    "FAKE_CREDENTIALS",
+    "AwsSimulator",
+    "MotoServer",
+    "SimInstance",
+    "aws_environment",
+]

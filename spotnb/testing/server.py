@@ -1,0 +1,159 @@
+"""moto in server mode on loopback, with the S3 behaviour moto lacks, and the
+environment that points boto3 at it. See :mod:`spotnb.testing`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "MotoServer",
+           "aws_environment"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ACCOUNT = "123456789012"
+# The simulator reaches into moto's in-process state (see the module docstring): it is
+# tested with this moto.
+MOTO_REQUIREMENT = "moto[server]>=5.2,<5.3"
+DEFAULT_REGION = "us-east-1"
+# Fake, but shaped like real keys, so tests can scan for them (moto accepts any key).
+FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIASPOTNBFAKE000000",
+                    "AWS_SECRET_ACCESS_KEY": "spotnbFakeSecretKeyNeverReal0000000000000"}
+CLOSED_ENDPOINT = "http://127.0.0.1:9"  # the discard port: nothing listens there
+_AWS_VARIABLES = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_PRICING", "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_DEFAULT_REGION",
+    "AWS_REGION", "AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+)
+
+
+def _moto_server_class() -> Any:
+    """``ThreadedMotoServer`` with spotnb's S3 middleware and no request logging."""
+    try:
+        from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            create_backend_app,
+        )
+        from werkzeug.serving import WSGIRequestHandler, make_server
+    except ImportError as err:
+        raise ImportError(f"spotnb.testing needs moto in server mode ({err}): "
+                          f"pip install {MOTO_REQUIREMENT!r}") from None
+
+    class QuietHandler(WSGIRequestHandler):
+        def log(self, type: str, message: str, *args: Any) -> None:
+            log.debug("moto %s: " + message, type, *args)
+
+    class Server(ThreadedMotoServer):
+        def _server_entry(self) -> None:
+            app = _S3Middleware(DomainDispatcherApplication(create_backend_app))
+            self._server = make_server(self._ip_address, self._port, app, True,
+                                       request_handler=QuietHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever(poll_interval=0.1)
+
+    return Server
+
+
+class _S3Middleware:
+    """S3 behaviour moto lacks: ``ExpectedBucketOwner`` and atomic conditional writes."""
+
+    def __init__(self, app: Callable[..., Any]) -> None:
+        self.app = app
+        self.conditional_lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        expected = environ.get("HTTP_X_AMZ_EXPECTED_BUCKET_OWNER")
+        if expected:
+            bucket = environ.get("PATH_INFO", "/").lstrip("/").split("/", 1)[0]
+            owner = _bucket_owner(bucket)
+            if owner is not None and owner != expected:
+                body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied'
+                        b"</Code><Message>Access Denied</Message></Error>")
+                start_response("403 Forbidden", [("Content-Type", "application/xml"),
+                                                  ("Content-Length", str(len(body)))])
+                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
+        conditional = environ.get("REQUEST_METHOD") in ("PUT", "POST", "DELETE") and (
+            "HTTP_IF_MATCH" in environ or "HTTP_IF_NONE_MATCH" in environ)
+        if not conditional:
+            return self.app(environ, start_response)
+        with self.conditional_lock:
+            return list(self.app(environ, start_response))
+
+
+def _bucket_owner(bucket: str) -> str | None:
+    from moto.s3.models import s3_backends
+
+    found = s3_backends.bucket_accounts.get(bucket)
+    return found[1] if found else None
+
+
+class MotoServer:
+    """moto in server mode on 127.0.0.1 (a free port), with :class:`_S3Middleware`."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._server = _moto_server_class()(ip_address=host, port=port, verbose=False)
+        self.endpoint = ""
+
+    def start(self) -> MotoServer:
+        # werkzeug prints requests and errors to stderr unless its logger has a handler;
+        # keep them in logging (moto answers 500 for services it lacks, e.g. Pricing).
+        werkzeug_log = logging.getLogger("werkzeug")
+        if not any(isinstance(h, logging.NullHandler) for h in werkzeug_log.handlers):
+            werkzeug_log.addHandler(logging.NullHandler())
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        return self
+
+    def reset(self) -> None:
+        """Forget every resource (moto's ``/moto-api/reset``)."""
+        request = urllib.request.Request(self.endpoint + "/moto-api/reset", method="POST")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(request, timeout=10) as reply:
+            reply.read()
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+@contextlib.contextmanager
+def aws_environment(endpoint: str, region: str = DEFAULT_REGION) -> Iterator[dict[str, str]]:
+    """Point boto3 (here and in child processes) at ``endpoint`` with fake credentials.
+
+    Every AWS variable is restored on exit; profiles and config files are hidden so a
+    real account is never touched.
+    """
+    from spotnb.providers.aws import _boto
+
+    saved = {name: os.environ.get(name) for name in _AWS_VARIABLES}
+    env = {
+        "AWS_ENDPOINT_URL": endpoint, **FAKE_CREDENTIALS, "AWS_DEFAULT_REGION": region,
+        "AWS_REGION": region, "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        # moto has no Pricing API: a closed port makes spotnb fall back at once, as when
+        # the Pricing API is unreachable.
+        "AWS_ENDPOINT_URL_PRICING": CLOSED_ENDPOINT,
+    }
+    for name in _AWS_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    _boto._ACCOUNTS.clear()
+    try:
+        yield env
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _boto._ACCOUNTS.clear()
+
+

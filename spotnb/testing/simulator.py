@@ -1,0 +1,563 @@
+"""The simulator: EC2 Auto Scaling's fulfilment, booting, interruptions, FIS.
+
+See :mod:`spotnb.testing`."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spotnb.testing.server import DEFAULT_ACCOUNT, DEFAULT_REGION, MotoServer, aws_environment
+
+__all__ = ["AwsSimulator", "SimInstance"]
+
+log = logging.getLogger(__name__)
+
+
+#: EC2's notice period (two minutes) and FIS's ``PT2M`` map to this many real seconds.
+DEFAULT_NOTICE_SECONDS = 2.0
+TICK_SECONDS = 0.2
+# EC2 shuts the OS down before power-off; the simulator's agents get this long.
+KILL_GRACE_SECONDS = 3.0
+# After every pool failed, Auto Scaling tries again after a while.
+CAPACITY_RETRY_SECONDS = 2.0
+DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
+
+
+@dataclasses.dataclass
+class SimInstance:
+    """An instance the simulator booted: moto's record plus the local process."""
+
+    id: str
+    group: str | None
+    job_id: str | None
+    instance_type: str
+    az: str
+    az_id: str
+    dir: Path
+    imds: Any  # spotnb.providers.local.imds.ImdsServer
+    proc: subprocess.Popen[bytes] | None = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    notice_at: float | None = None
+    terminate_at: float | None = None
+    terminated: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        """What the instance printed: its console, bootstrap and agent logs."""
+        parts = []
+        for name in ("console.log", "bootstrap.log", "agent.log"):
+            path = self.dir / name
+            if path.exists():
+                parts.append(f"--- {name}\n{path.read_text(errors='replace')}")
+        return "\n".join(parts)
+
+
+class AwsSimulator:
+    """A fake AWS on loopback in which spotnb's instances really run. See the module
+    docstring; use as a context manager."""
+
+    _active: AwsSimulator | None = None
+
+    def __init__(self, workdir: str | os.PathLike[str] | None = None, *,
+                 region: str = DEFAULT_REGION, notice_seconds: float = DEFAULT_NOTICE_SECONDS,
+                 boot_seconds: float = 0.0, kill_grace: float = KILL_GRACE_SECONDS,
+                 install: bool = False) -> None:
+        self.region = region
+        self.notice_seconds = notice_seconds
+        self.boot_seconds = boot_seconds
+        self.kill_grace = kill_grace
+        self.install = install
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="spotnb-sim-"))
+        self.server = MotoServer()
+        self.instances: dict[str, SimInstance] = {}
+        self.activities: dict[str, list[dict[str, Any]]] = {}
+        self.fis_templates: dict[str, dict[str, Any]] = {}
+        self._no_capacity: set[str] = set()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._env: contextlib.ExitStack | None = None
+        self._ec2: Any = None
+        self._asg: Any = None
+        self._subnet_az: dict[str, tuple[str, str]] = {}
+        self._retry_at: dict[str, float] = {}
+        self._killers: list[threading.Thread] = []
+        self.errors: list[str] = []
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> AwsSimulator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> AwsSimulator:
+        """Start moto, point boto3 at it, and start playing EC2 and Auto Scaling."""
+        if AwsSimulator._active is not None:
+            raise RuntimeError("an AwsSimulator is already running in this process; stop it "
+                               "first (moto's state is per process)")
+        AwsSimulator._active = self
+        try:
+            self.server.start()
+            self._undo.append(self.server.stop)
+            self._env = contextlib.ExitStack()
+            self._env.enter_context(aws_environment(self.server.endpoint, self.region))
+            self._undo.append(self._env.close)
+            self.server.reset()
+            self._patch_moto()
+            self._publish_dlami()
+            self._install_hooks()
+            self._thread = threading.Thread(target=self._run, name="spotnb-aws-sim",
+                                            daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Kill every instance process, restore moto and the environment."""
+        from spotnb.providers.aws import stop_capacity_watches
+
+        try:
+            self._stop.set()
+            stop_capacity_watches()
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+                self._thread = None
+            with self._lock:
+                instances = list(self.instances.values())
+            for inst in instances:
+                self._kill(inst, grace=0.5)
+            for killer in self._killers:
+                killer.join(timeout=10)
+        finally:
+            while self._undo:
+                try:
+                    self._undo.pop()()
+                except Exception:
+                    log.exception("restoring after the simulator failed")
+            if AwsSimulator._active is self:
+                AwsSimulator._active = None
+            if self._own_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    # ---------------------------------------------------------------- controls
+
+    def no_capacity(self, *pools: str) -> None:
+        """Make spot launches in these pools fail with ``InsufficientInstanceCapacity``:
+        ``"g5.xlarge"`` (every AZ) or ``"g5.xlarge@use1-az1"`` (one AZ id). On-demand
+        launches still succeed, as during a real spot shortage."""
+        with self._lock:
+            self._no_capacity.update(pools)
+
+    def restore_capacity(self, *pools: str) -> None:
+        """Undo :meth:`no_capacity` for ``pools`` (all of them when none is named)."""
+        with self._lock:
+            if pools:
+                self._no_capacity.difference_update(pools)
+            else:
+                self._no_capacity.clear()
+
+    def interrupt(self, instance_id: str, notice_seconds: float | None = None) -> None:
+        """EC2's spot interruption: rebalance recommendation and instance-action in the
+        instance's metadata now, termination ``notice_seconds`` later."""
+        with self._lock:
+            inst = self.instances[instance_id]
+            now = time.time()
+            delay = self.notice_seconds if notice_seconds is None else notice_seconds
+            inst.notice_at = now
+            inst.terminate_at = now + delay
+            inst.imds.set_rebalance(now)
+            inst.imds.set_instance_action(inst.terminate_at)
+        log.info("simulated interruption notice for %s, termination in %.1fs",
+                 instance_id, delay)
+
+    def crash(self, instance_id: str) -> None:
+        """Kill the instance's processes outright (a kernel panic, a failed host): EC2
+        still reports the instance as running, and nothing of spotnb on it can react."""
+        self._kill(self.instances[instance_id], grace=0)
+
+    def running(self, job_id: str | None = None) -> list[SimInstance]:
+        """Booted instances not terminated yet (of one job), oldest first."""
+        with self._lock:
+            return [i for i in self.instances.values() if not i.terminated
+                    and (job_id is None or i.job_id == job_id)]
+
+    def wait_for_instance(self, job_id: str, timeout: float = 60.0,
+                          exclude: tuple[str, ...] = ()) -> SimInstance:
+        """The job's first running instance not in ``exclude`` (waits for it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [i for i in self.running(job_id) if i.id not in exclude
+                     and i.terminate_at is None]
+            if found:
+                return found[0]
+            time.sleep(0.1)
+        raise TimeoutError(f"no instance of job {job_id} booted within {timeout}s; "
+                           f"errors: {self.errors}")
+
+    def wait_until_idle(self, timeout: float = 30.0) -> None:
+        """Until no instance process of the simulator runs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                busy = [i.id for i in self.instances.values() if i.alive]
+            if not busy:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"instances still running after {timeout}s: {busy}")
+
+    # --------------------------------------------------- moto's gaps (see above)
+
+    def _patch_moto(self) -> None:
+        from moto.autoscaling.models import FakeAutoScalingGroup
+        from moto.autoscaling.responses import AutoScalingResponse
+        from moto.core.responses import ActionResult
+
+        from spotnb.providers.aws.resources import TAG_JOB
+
+        original = FakeAutoScalingGroup.replace_autoscaling_group_instances
+
+        def replace(group: Any, count_needed: int, propagated_tags: dict[str, str]) -> None:
+            if any(t.get("Key") == TAG_JOB for t in group.tags):
+                return  # the simulator's fulfilment loop launches spotnb's instances
+            original(group, count_needed, propagated_tags)
+
+        def activities(response: Any) -> Any:
+            name = response._get_param("AutoScalingGroupName")
+            with self._lock:
+                found = list(reversed(self.activities.get(name, [])))  # newest first
+            return ActionResult({"Activities": found})
+
+        original_activities = AutoScalingResponse.describe_scaling_activities
+        FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
+        AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
+
+        def unpatch() -> None:
+            FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
+            AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
+
+        self._undo.append(unpatch)
+
+    def _publish_dlami(self) -> None:
+        """Put the Deep Learning AMI's public parameter into moto (AWS publishes it)."""
+        from moto.ssm.models import Parameter, ssm_backends
+
+        from spotnb.providers.aws.resources import DLAMI_PARAMETER
+
+        ec2 = self._client("ec2")
+        image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
+        backend = ssm_backends[DEFAULT_ACCOUNT][self.region]
+        backend._parameters[DLAMI_PARAMETER].append(Parameter(  # type: ignore[abstract]
+            account_id=DEFAULT_ACCOUNT, name=DLAMI_PARAMETER, value=image,
+            parameter_type="String", description=DLAMI_IMAGE_NAME, allowed_pattern=None,
+            keyid=None, last_modified_date=datetime.datetime.now(), version=1,
+            data_type="aws:ec2:image"))
+
+    def _install_hooks(self) -> None:
+        from spotnb.providers.aws import _boto
+
+        self._undo.append(_boto.add_hook("after-call.fis.CreateExperimentTemplate",
+                                         self._remember_fis_template))
+        self._undo.append(_boto.add_hook("before-call.fis.StartExperiment",
+                                         self._start_fis_experiment))
+        self._undo.append(_boto.add_hook("before-call.fis.DeleteExperimentTemplate",
+                                         self._forget_fis_template))
+
+    def _client(self, service: str) -> Any:
+        from spotnb.providers.aws import _boto
+
+        return _boto.client(service, self.region, attempts=3)
+
+    # ------------------------------------------------------------------- FIS
+
+    def _remember_fis_template(self, parsed: dict[str, Any], **kwargs: Any) -> None:
+        template = parsed.get("experimentTemplate") or {}
+        if template.get("id"):
+            with self._lock:
+                self.fis_templates[template["id"]] = template
+
+    def _forget_fis_template(self, params: dict[str, Any], **kwargs: Any) -> None:
+        path = str(params.get("url_path", ""))
+        with self._lock:
+            for template_id in list(self.fis_templates):
+                if path.endswith(template_id):
+                    self.fis_templates[template_id]["deleted"] = True
+
+    def _start_fis_experiment(self, params: dict[str, Any], **kwargs: Any) -> Any:
+        """Run ``aws:ec2:send-spot-instance-interruptions`` (moto cannot)."""
+        from botocore.awsrequest import AWSResponse
+
+        body = params.get("body") or b"{}"
+        request = json.loads(body) if body else {}
+        with self._lock:
+            template = self.fis_templates.get(request.get("experimentTemplateId", ""))
+        if template is None:
+            error = {"Error": {"Code": "ResourceNotFoundException",
+                               "Message": "experiment template not found"}}
+            return AWSResponse("", 404, {}, None), error
+        for action in template.get("actions", {}).values():
+            if action.get("actionId") != "aws:ec2:send-spot-instance-interruptions":
+                continue
+            notice = _iso_duration(action.get("parameters", {}).get(
+                "durationBeforeInterruption", "PT2M"))
+            scaled = self.notice_seconds * notice / 120.0
+            for target_name in action.get("targets", {}).values():
+                target = template.get("targets", {}).get(target_name, {})
+                for arn in target.get("resourceArns", ()):
+                    instance_id = arn.rsplit("/", 1)[1]
+                    if instance_id in self.instances:
+                        self.interrupt(instance_id, scaled)
+        experiment = {"id": "EXP" + secrets.token_hex(8),
+                      "experimentTemplateId": template["id"],
+                      "state": {"status": "running", "reason": "simulated by spotnb.testing"}}
+        return AWSResponse("", 200, {}, None), {"experiment": experiment}
+
+    # ------------------------------------------------------- the world's clock
+
+    def _run(self) -> None:
+        self._ec2 = self._client("ec2")
+        # Capacity errors are injected into the fulfilment's own RunInstances calls.
+        self._ec2.meta.events.register("before-parameter-build.ec2.RunInstances",
+                                       self.capacity_hook)
+        self._asg = self._client("autoscaling")
+        while not self._stop.wait(TICK_SECONDS):
+            try:
+                self._tick()
+            except Exception as err:
+                if self._stop.is_set():
+                    return
+                log.exception("simulator tick failed")
+                self.errors.append(f"{type(err).__name__}: {err}")
+
+    def _tick(self) -> None:
+        now = time.time()
+        # Interruptions whose notice period is over.
+        with self._lock:
+            due = [i for i in self.instances.values()
+                   if i.terminate_at is not None and i.terminate_at <= now and not i.terminated]
+        if due:
+            self._ec2.terminate_instances(InstanceIds=[i.id for i in due])
+        # Auto Scaling: fill every spotnb group up to its desired capacity.
+        for group in self._asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
+            self._fulfil(group, now)
+        # EC2: boot new instances, shut down terminated ones.
+        states = {}
+        for reservation in self._ec2.describe_instances()["Reservations"]:
+            for inst in reservation["Instances"]:
+                states[inst["InstanceId"]] = inst
+        for instance_id, inst in states.items():
+            state = inst["State"]["Name"]
+            known = self.instances.get(instance_id)
+            if state in ("pending", "running") and known is None:
+                self._boot(inst)
+            elif state in ("shutting-down", "terminated") and known is not None \
+                    and not known.terminated:
+                known.terminated = True
+                killer = threading.Thread(target=self._kill, args=(known, self.kill_grace),
+                                          daemon=True)
+                self._killers.append(killer)
+                killer.start()
+
+    def _fulfil(self, group: dict[str, Any], now: float) -> None:
+        from spotnb.providers.aws import _boto
+        from spotnb.providers.aws.resources import TAG_JOB
+
+        tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
+        policy = group.get("MixedInstancesPolicy")
+        if TAG_JOB not in tags or not policy:
+            return
+        name = group["AutoScalingGroupName"]
+        active = [i for i in group.get("Instances", ())
+                  if i.get("LifecycleState") not in ("Terminating", "Terminated")]
+        if len(active) >= group["DesiredCapacity"] or now < self._retry_at.get(name, 0.0):
+            return
+        spec = policy["LaunchTemplate"]
+        template = spec["LaunchTemplateSpecification"]
+        types = [o["InstanceType"] for o in spec.get("Overrides", ())]
+        subnets = [s for s in group.get("VPCZoneIdentifier", "").split(",") if s]
+        spot = int(policy.get("InstancesDistribution", {}).get(
+            "OnDemandPercentageAboveBaseCapacity", 100)) < 100
+        for instance_type in types:
+            for subnet in subnets:
+                az, az_id = self._subnet(subnet)
+                params: dict[str, Any] = dict(
+                    LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"],
+                                    "Version": template.get("Version", "$Latest")},
+                    InstanceType=instance_type, SubnetId=subnet, MinCount=1, MaxCount=1)
+                if spot:
+                    params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+                        "SpotInstanceType": "one-time",
+                        "InstanceInterruptionBehavior": "terminate"}}
+                try:
+                    launched = self._ec2.run_instances(**params)["Instances"][0]
+                except Exception as err:
+                    if _boto.classify(err) != "capacity":
+                        raise
+                    self._activity(name, "Failed", (
+                        f"Could not launch {'Spot' if spot else 'On-Demand'} Instances. "
+                        f"{_boto.error_code(err)} - {_boto.error_message(err)} "
+                        "Launching EC2 instance failed."), instance_type)
+                    continue
+                self._asg.attach_instances(AutoScalingGroupName=name,
+                                           InstanceIds=[launched["InstanceId"]])
+                self._activity(name, "Successful", (
+                    f"Launching a new EC2 instance: {launched['InstanceId']} "
+                    f"({instance_type} in {az}, {az_id})"), instance_type)
+                self._retry_at.pop(name, None)
+                return
+        self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
+
+    def _activity(self, group: str, status: str, message: str, instance_type: str) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        with self._lock:
+            self.activities.setdefault(group, []).append({
+                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group,
+                "Description": f"Launching a new EC2 instance ({instance_type})",
+                "Cause": f"At {now.isoformat()} an instance was started in response to a "
+                         "difference between desired and actual capacity.",
+                "StartTime": now, "EndTime": now, "StatusCode": status,
+                "StatusMessage": message if status != "Successful" else "",
+                "Progress": 100, "Details": "{}",
+            })
+
+    def _subnet(self, subnet: str) -> tuple[str, str]:
+        if subnet not in self._subnet_az:
+            for row in self._ec2.describe_subnets()["Subnets"]:
+                self._subnet_az[row["SubnetId"]] = (row["AvailabilityZone"],
+                                                    row.get("AvailabilityZoneId", ""))
+        return self._subnet_az.get(subnet, (self.region + "a", ""))
+
+    def capacity_hook(self, params: dict[str, Any], **kwargs: Any) -> None:
+        """``before-parameter-build.ec2.RunInstances``: refuse launches in pools without
+        capacity, as EC2 does (an ``InsufficientInstanceCapacity`` ClientError)."""
+        from botocore.exceptions import ClientError
+
+        if not params.get("InstanceMarketOptions"):
+            return  # on-demand
+        instance_type = str(params.get("InstanceType", ""))
+        az, az_id = self._subnet(str(params.get("SubnetId", "")))
+        with self._lock:
+            short = instance_type in self._no_capacity or \
+                f"{instance_type}@{az_id}" in self._no_capacity
+        if short:
+            raise ClientError({
+                "Error": {"Code": "InsufficientInstanceCapacity", "Message": (
+                    f"We currently do not have sufficient {instance_type} capacity in the "
+                    f"Availability Zone you requested ({az}). Our system will be working on "
+                    "provisioning additional capacity.")},
+                "ResponseMetadata": {"HTTPStatusCode": 500}}, "RunInstances")
+
+    # ----------------------------------------------------------- the instances
+
+    def _boot(self, inst: dict[str, Any]) -> None:
+        from spotnb.providers.aws.resources import TAG_JOB
+        from spotnb.providers.local.imds import ImdsServer, InstanceIdentity
+
+        instance_id = inst["InstanceId"]
+        tags = {t["Key"]: t["Value"] for t in inst.get("Tags", ())}
+        az = inst["Placement"]["AvailabilityZone"]
+        az_id = self._subnet(inst.get("SubnetId", ""))[1] or az
+        launched = inst["LaunchTime"].timestamp() if inst.get("LaunchTime") else time.time()
+        if time.time() < launched + self.boot_seconds:
+            return
+        identity = InstanceIdentity(
+            instance_id=instance_id, instance_type=inst["InstanceType"], region=self.region,
+            az=az, az_id=az_id, ami_id=inst.get("ImageId", ""), launched=launched)
+        home = self.workdir / "instances" / instance_id
+        home.mkdir(parents=True, exist_ok=True)
+        record = SimInstance(id=instance_id, group=tags.get("aws:autoscaling:groupName"),
+                             job_id=tags.get(TAG_JOB), instance_type=inst["InstanceType"],
+                             az=az, az_id=az_id, dir=home, imds=ImdsServer(identity).start())
+        with self._lock:
+            self.instances[instance_id] = record
+        encoded = self._ec2.describe_instance_attribute(
+            InstanceId=instance_id, Attribute="userData").get("UserData", {}).get("Value")
+        if not encoded:
+            log.info("instance %s has no user data: nothing to run", instance_id)
+            return
+        script = home / "user-data"
+        script.write_bytes(base64.b64decode(encoded))
+        env = {**os.environ, "SPOTNB_IMDS_ENDPOINT": record.imds.endpoint,
+               "SPOTNB_INSTANCE_DIR": str(home), "SPOTNB_SIM_INSTANCE_ID": instance_id}
+        if self.install:
+            site = home / "site"
+            env.update(SPOTNB_BASE_PYTHON=sys.executable,
+                       SPOTNB_PIP_OPTIONS=f"--no-deps --no-index --target {site}",
+                       PYTHONPATH=str(site))
+        else:
+            env["SPOTNB_PYTHON"] = sys.executable  # an image with spotnb preinstalled
+        with open(home / "console.log", "ab") as console:
+            record.proc = subprocess.Popen(
+                ["bash", str(script)], cwd=home, env=env, stdin=subprocess.DEVNULL,
+                stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        log.info("booted %s (%s in %s) as pid %d", instance_id, inst["InstanceType"], az_id,
+                 record.proc.pid)
+
+    def _kill(self, inst: SimInstance, grace: float) -> None:
+        """EC2's shutdown: SIGTERM to every process of the instance, SIGKILL after
+        ``grace``; then the metadata service goes away."""
+        import psutil
+
+        with inst.lock:  # the clock's killer thread and stop() may meet here
+            self._kill_locked(inst, grace, psutil)
+
+    def _kill_locked(self, inst: SimInstance, grace: float, psutil: Any) -> None:
+        proc = inst.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                root = psutil.Process(proc.pid)
+                family = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                family = []
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for p in family:
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(sig)
+                _, family = psutil.wait_procs(family, timeout=grace if sig == signal.SIGTERM
+                                              else 5.0)
+                if not family:
+                    break
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        inst.imds.stop()
+
+
+def _iso_duration(text: str) -> float:
+    """Seconds of an ISO 8601 duration like ``PT2M`` or ``PT90S``."""
+    import re
+
+    m = re.fullmatch(r"PT(?:(\d+)H)?(?:(\d+)M)?(?:(\d+)S)?", text)
+    if not m:
+        return 120.0
+    hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    return hours * 3600.0 + minutes * 60.0 + seconds

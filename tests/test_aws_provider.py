@@ -1,0 +1,604 @@
+"""The AWS provider against the simulator: moto in server mode plus real agents.
+
+Every test with the ``sim`` fixture ends by running ``spotnb aws cleanup --dry-run``,
+which must find nothing: no group, template, instance or role outlives its job.
+Tests against real AWS are at the end, marked ``aws``; they run only with credentials
+and ``SPOTNB_AWS_TESTS=1`` (they start real, billed instances).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+import textwrap
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import spotnb
+from spotnb import catalog, layout
+from spotnb.cli import main as cli_main
+from spotnb.events import Event
+from spotnb.providers import get_provider
+from spotnb.providers.aws import AwsProvider, _boto, instance
+from spotnb.providers.aws.resources import (
+    READ_ONLY_ACTIONS,
+    TAG_JOB,
+    bundle,
+    capacity_failures,
+    instance_policy,
+    user_data,
+)
+from spotnb.spec import SpecError
+from spotnb.testing import FAKE_CREDENTIALS, AwsSimulator
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sim(spotnb_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> Iterator[AwsSimulator]:
+    """The simulator; afterwards ``spotnb aws cleanup --dry-run`` must find nothing."""
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    with AwsSimulator(tmp_path / "sim") as simulator:
+        yield simulator
+        assert_nothing_left(simulator)
+
+
+def assert_nothing_left(simulator: AwsSimulator, timeout: float = 30.0) -> None:
+    # The instance agent deletes its group a moment after the job's result.
+    deadline = time.monotonic() + timeout
+    while AwsProvider().cleanup(dry_run=True) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["aws", "cleanup", "--dry-run"]) == 0
+    assert out.getvalue().strip() == "nothing left over", out.getvalue()
+    simulator.wait_until_idle(timeout)
+
+
+def resources() -> dict[str, list[str]]:
+    """Every job resource in the account: groups, templates, live instances, roles."""
+    asg, ec2, iam = (_boto.client(s) for s in ("autoscaling", "ec2", "iam"))
+    instances = [i["InstanceId"] for r in ec2.describe_instances(Filters=[
+        {"Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
+        for i in r["Instances"]]
+    return {
+        "groups": [g["AutoScalingGroupName"] for g in
+                   asg.describe_auto_scaling_groups()["AutoScalingGroups"]],
+        "templates": [t["LaunchTemplateName"] for t in
+                      ec2.describe_launch_templates()["LaunchTemplates"]],
+        "instances": instances,
+        "roles": [r["RoleName"] for r in iam.list_roles(PathPrefix="/spotnb/")["Roles"]],
+    }
+
+
+NOTHING = {"groups": [], "templates": [], "instances": [], "roles": []}
+
+
+def group_events(handle: spotnb.JobHandle) -> list[Event]:
+    return [e for e in handle.events(follow=False) if e.attempt == 0]
+
+
+# --------------------------------------------------------------- one module owns boto3
+
+
+def _client_error(code: str, status: int = 400) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": f"{code} happened"},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "RunInstances")
+
+
+def test_errors_are_sorted_into_transient_capacity_and_fatal() -> None:
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+
+    for code in ("InsufficientInstanceCapacity", "UnfulfillableCapacity",
+                 "MaxSpotInstanceCountExceeded", "SpotMaxPriceTooLow", "InsufficientCapacity"):
+        assert _boto.classify(_client_error(code, 500)) == "capacity", code
+    for code in ("Throttling", "RequestLimitExceeded", "SlowDown", "InternalError"):
+        assert _boto.classify(_client_error(code)) == "transient", code
+    assert _boto.classify(_client_error("SomethingNew", 503)) == "transient"
+    assert _boto.classify(EndpointConnectionError(endpoint_url="http://x")) == "transient"
+    for code in ("UnauthorizedOperation", "AccessDenied", "ExpiredToken", "AuthFailure"):
+        assert _boto.classify(_client_error(code, 403)) == "fatal", code
+    assert _boto.classify(NoCredentialsError()) == "fatal"
+    assert _boto.classify(_client_error("NoSuchKey", 404)) == "other"
+    # Fatal errors become SpecErrors that name the next step.
+    message = str(_boto.fatal_error(_client_error("UnauthorizedOperation", 403), "launching"))
+    assert "launching" in message and "spotnb aws setup --dry-run" in message
+    assert "aws configure" in str(_boto.fatal_error(NoCredentialsError(), "checking"))
+    with pytest.raises(_boto.CapacityError):
+        _boto.raise_for(_client_error("InsufficientInstanceCapacity", 500), "launching")
+    # Scaling activities name capacity codes in prose.
+    failures = capacity_failures([
+        {"ActivityId": "a1", "StatusCode": "Failed", "StartTime": "1", "StatusMessage":
+         "Could not launch Spot Instances. InsufficientInstanceCapacity - We currently do "
+         "not have sufficient g5.xlarge capacity in the Availability Zone you requested "
+         "(us-east-1a). Launching EC2 instance failed."},
+        {"ActivityId": "a2", "StatusCode": "Failed", "StartTime": "2",
+         "StatusMessage": "Invalid IamInstanceProfile"},
+        {"ActivityId": "a3", "StatusCode": "Successful", "StartTime": "3"}])
+    assert [(f["reason"], f["instance_type"], f["az_name"]) for f in failures] == [
+        ("InsufficientInstanceCapacity", "g5.xlarge", "us-east-1a")]
+
+
+def test_without_boto3_the_error_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    monkeypatch.setattr(_boto, "_boto3", None)
+    with pytest.raises(SpecError, match=re.escape("pip install 'spotnb[aws]'")):
+        _boto.boto3_module()
+
+
+def test_unknown_region_is_refused_with_close_matches() -> None:
+    with pytest.raises(SpecError, match="unknown AWS region 'us-east-7': did you mean"):
+        _boto.check_region("us-east-7")
+    assert _boto.check_region("eu-west-1") == "eu-west-1"
+
+
+# ------------------------------------------------------- what a launch is made of
+
+
+def test_instance_policy_is_least_privilege_and_scoped_to_the_job_prefix() -> None:
+    uri = "s3://spotnb-123456789012-us-east-1/jobs/20260101-000000-abcdef"
+    policy = instance_policy(job_id="20260101-000000-abcdef", store_uri=uri,
+                             region="us-east-1", account="123456789012")
+    statements = policy["Statement"]
+    assert all(s["Effect"] == "Allow" for s in statements)
+    for s in statements:
+        actions = [s["Action"]] if isinstance(s["Action"], str) else s["Action"]
+        resources = [s["Resource"]] if isinstance(s["Resource"], str) else s["Resource"]
+        assert all("*" not in a for a in actions), f"no wildcard action: {s}"
+        if resources == ["*"]:
+            # Only calls AWS cannot scope to a resource, and only reads.
+            assert set(actions) <= set(READ_ONLY_ACTIONS), s
+            assert all(a.split(":")[1].startswith(("Describe", "Get")) for a in actions), s
+            continue
+        for action in actions:
+            if action.startswith("s3:") and action != "s3:ListBucket":
+                assert resources == [
+                    "arn:aws:s3:::spotnb-123456789012-us-east-1/jobs/20260101-000000-abcdef/*"]
+            if action == "s3:ListBucket":
+                assert s["Condition"]["StringLike"]["s3:prefix"] == [
+                    "jobs/20260101-000000-abcdef/", "jobs/20260101-000000-abcdef/*"]
+            if action.startswith(("autoscaling:", "ec2:")):
+                assert s["Condition"]["StringEquals"] == {
+                    f"aws:ResourceTag/{TAG_JOB}": "20260101-000000-abcdef"}, s
+            if action.startswith("iam:"):
+                assert all(r.endswith("/spotnb/spotnb-job-20260101-000000-abcdef")
+                           for r in resources), s
+    # Nothing that reaches another job or the rest of the bucket.
+    text = json.dumps(policy)
+    assert "jobs/*" not in text and ":::spotnb-123456789012-us-east-1/*" not in text
+
+
+def test_user_data_only_bootstraps() -> None:
+    wheel = bundle()
+    script = user_data(job_id="j1", store_uri="s3://b/jobs/j1", wheel=wheel)
+    assert script.startswith("#!/bin/bash\n")
+    assert f"WHEEL_SHA256={wheel.sha256}" in script, "the wheel is checked before install"
+    assert "sha256sum --check" in script
+    assert 'exec "$PY" -m spotnb.providers.aws.instance --job "$JOB_URI"' in script
+    assert not re.search(r"AKIA|ASIA|aws_secret|SECRET_ACCESS|SESSION_TOKEN|password", script)
+
+
+def test_the_bundle_is_a_wheel_of_the_running_spotnb() -> None:
+    wheel = bundle()
+    assert wheel.filename == f"spotnb-{spotnb.__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(io.BytesIO(wheel.data)) as z:
+        names = set(z.namelist())
+        assert "spotnb/kernel_remote/agent.py" in names
+        assert "spotnb/providers/aws/instance.py" in names
+        assert "spotnb/data/aws_gpu_catalog.csv" in names
+        assert not any("__pycache__" in n for n in names)
+        here = Path(spotnb.__file__).parent / "providers" / "aws" / "instance.py"
+        assert z.read("spotnb/providers/aws/instance.py") == here.read_bytes()
+        meta = z.read(f"spotnb-{spotnb.__version__}.dist-info/METADATA").decode()
+        assert "Requires-Dist: boto3" in meta and "Provides-Extra: aws" in meta
+    assert bundle().sha256 == hashlib.sha256(wheel.data).hexdigest()
+
+
+# ------------------------------------------------------------ refused up front
+
+
+def test_bad_setups_are_refused_before_anything_is_created(
+        sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Missing credentials.
+    with monkeypatch.context() as m:
+        m.delenv("AWS_ACCESS_KEY_ID")
+        m.delenv("AWS_SECRET_ACCESS_KEY")
+        m.setattr(_boto, "_ACCOUNTS", {})
+        with pytest.raises(SpecError, match=r"no AWS credentials found.*aws configure"):
+            spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarge"])
+    # An unknown region.
+    with pytest.raises(SpecError, match="unknown AWS region 'us-east-7'"):
+        spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarge"],
+                      region="us-east-7")
+    # A bucket of another account: nothing is written into it.
+    other = _boto.client("s3")
+    other.meta.events.register("before-sign.s3.*", lambda request, **kw: request.headers
+                               .__setitem__("x-moto-account-id", "111111111111"))
+    other.create_bucket(Bucket="someone-elses-bucket")
+    with pytest.raises(SpecError, match="belongs to another AWS account"):
+        spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarge"],
+                      store="s3://someone-elses-bucket/spotnb")
+    assert other.list_objects_v2(Bucket="someone-elses-bucket")["KeyCount"] == 0
+    # An unknown instance type.
+    with pytest.raises(SpecError, match=r"unknown instance type 'g5\.xlarg'"):
+        spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarg"])
+    assert resources() == NOTHING
+
+
+def test_prices_fall_back_to_the_bundled_catalog_and_say_so(sim: AwsSimulator) -> None:
+    price = get_provider("aws").prices("g5.xlarge", "us-east-1")
+    cheapest = catalog.pools("g5.xlarge", "us-east-1")[0]
+    assert (price.spot, price.az) == (cheapest.spot, cheapest.az)
+    assert price.ondemand == catalog.ondemand_price("g5.xlarge", "us-east-1")
+    assert "bundled catalog" in price.source and catalog.DATA_DATE["catalog"] in price.source
+    assert "Pricing API unavailable" in price.source
+
+
+# ---------------------------------------------------------------- jobs on AWS
+
+GATED = """
+import os, time
+while not os.path.exists({gate!r}):
+    time.sleep(0.1)
+print("through the gate")
+"""
+
+
+def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
+        sim: AwsSimulator, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(GATED.format(gate=str(gate)), provider="aws", name="gated",
+                           instance_types=["g5.xlarge", "g4dn.xlarge"])
+    job = handle.job_id
+    assert handle.store.uri == f"s3://spotnb-123456789012-us-east-1/jobs/{job}"
+    inst = sim.wait_for_instance(job)
+    ec2, asg, iam = (_boto.client(s) for s in ("ec2", "autoscaling", "iam"))
+    # The group: one spot instance over the ranked types, in several AZs.
+    group = asg.describe_auto_scaling_groups(
+        AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"][0]
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 1, 1)
+    policy = group["MixedInstancesPolicy"]
+    assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == [
+        "g5.xlarge", "g4dn.xlarge"]
+    dist = policy["InstancesDistribution"]
+    assert dist["SpotAllocationStrategy"] == "price-capacity-optimized"
+    assert dist["OnDemandPercentageAboveBaseCapacity"] == 0
+    assert len(group["VPCZoneIdentifier"].split(",")) >= 2
+    assert {"Key": TAG_JOB, "Value": job} in [
+        {"Key": t["Key"], "Value": t["Value"]} for t in group["Tags"]]
+    # The template: IMDSv2 only, no inbound port, the job's profile, the DLAMI.
+    version = ec2.describe_launch_template_versions(
+        LaunchTemplateName=f"spotnb-{job}")["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+    assert version["MetadataOptions"]["HttpTokens"] == "required"
+    assert version["IamInstanceProfile"]["Arn"].endswith(f"/spotnb/spotnb-job-{job}")
+    ssm_ami = _boto.client("ssm").get_parameter(
+        Name=AwsProvider().settings.ami_parameter)["Parameter"]["Value"]
+    assert version["ImageId"] == ssm_ami
+    groups = ec2.describe_security_groups(GroupIds=version["SecurityGroupIds"])
+    assert groups["SecurityGroups"][0]["IpPermissions"] == [], "no inbound rule"
+    script = base64.b64decode(version["UserData"])
+    assert b"spotnb.providers.aws.instance" in script
+    assert not any(p.search(script) for p in CREDENTIAL_PATTERNS)
+    assert not any(v.encode() in script for v in FAKE_CREDENTIALS.values())
+    # The role: exactly the prefix-scoped policy.
+    doc = iam.get_role_policy(RoleName=f"spotnb-job-{job}", PolicyName="spotnb-job")
+    document = doc["PolicyDocument"]
+    if isinstance(document, str):
+        document = json.loads(document)
+    assert document == instance_policy(job_id=job, store_uri=handle.store.uri,
+                                       region="us-east-1", account="123456789012")
+    # The instance: what the simulator booted from the template's user data.
+    described = ec2.describe_instances(InstanceIds=[inst.id])["Reservations"][0]["Instances"][0]
+    assert described["InstanceLifecycle"] == "spot"
+    assert inst.instance_type == "g5.xlarge"
+    # Stop: the cell is interrupted, and nothing of the job is left.
+    handle.stop()
+    result = handle.wait(timeout=30)
+    assert result.status == "stopped", (result.reason, result.error)
+    assert resources()["groups"] == [] and resources()["roles"] == []
+
+
+def test_a_stop_before_the_job_agent_starts_ends_the_job(sim: AwsSimulator) -> None:
+    handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+    handle.stop()
+    result = handle.wait(timeout=30)
+    assert result.status == "stopped", (result.reason, result.error)
+    assert not [e for e in handle.events(follow=False) if e.type == "metric"]
+
+
+def test_capacity_error_on_the_first_type_runs_on_the_next_and_says_why(
+        sim: AwsSimulator) -> None:
+    sim.no_capacity("g5.xlarge")
+    handle = spotnb.submit("import platform\nx = 6 * 7", provider="aws", outputs=["x"],
+                           instance_types=["g5.xlarge", "g4dn.xlarge"])
+    result = handle.wait(timeout=90)
+    assert result.status == "completed", result.error
+    assert result.outputs == {"x": 42}
+    assert [a.instance_type for a in result.attempts] == ["g4dn.xlarge"]
+    events = group_events(handle)
+    errors = [e for e in events if e.type == "instance"
+              and e.data.get("action") == "capacity_error"]
+    assert errors and all(e.data["reason"] == "InsufficientInstanceCapacity"
+                          and e.data["instance_type"] == "g5.xlarge" for e in errors)
+    waiting = [e for e in events if e.type == "status"
+               and e.data["state"] == "waiting_for_capacity"]
+    assert waiting and "InsufficientInstanceCapacity" in waiting[0].data["detail"]
+    launching = [e.data["detail"] for e in events if e.type == "status"
+                 and e.data["state"] == "launching" and e.instance]
+    assert "g5.xlarge had no spot capacity" in launching[0]
+
+
+def test_on_demand_fallback_after_waiting_for_spot_capacity(
+        sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTNB_AWS_ONDEMAND_AFTER", "1")
+    sim.no_capacity("g4dn.xlarge")
+    handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+    result = handle.wait(timeout=90)
+    assert result.status == "completed", result.error
+    events = group_events(handle)
+    launched = next(e for e in events if e.type == "instance"
+                    and e.data.get("action") == "launched")
+    assert launched.data["lifecycle"] == "on-demand"
+    assert launched.data["price"] == launched.data["ondemand"]
+    assert any(e.type == "status" and "falling back to on-demand" in e.data["detail"]
+               for e in events)
+    assert result.savings_pct is not None and abs(result.savings_pct) < 1e-6
+
+
+def test_a_failed_launch_releases_what_it_created(sim: AwsSimulator) -> None:
+    def refuse(**kwargs: Any) -> None:
+        raise _client_error("AccessDenied", 403)
+
+    remove = _boto.add_hook("before-call.auto-scaling.CreateAutoScalingGroup", refuse)
+    try:
+        with pytest.raises(SpecError, match=r"creating the Auto Scaling group: AWS said "
+                                            r"AccessDenied.*spotnb aws setup --dry-run"):
+            spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+    finally:
+        remove()
+    assert resources() == NOTHING, "the role and the template were deleted again"
+    (job,) = spotnb.jobs(store="s3://spotnb-123456789012-us-east-1")
+    assert job.status == "failed"
+    bucket = _boto.client("s3").list_objects_v2(Bucket="spotnb-123456789012-us-east-1")
+    assert not any("/bootstrap/" in o["Key"] for o in bucket.get("Contents", ()))
+
+
+def test_a_user_error_fails_the_job_and_deletes_its_group(tmp_path: Path,
+                                                           spotnb_home: Path) -> None:
+    # This simulator installs the uploaded wheel on each instance, as on a plain DLAMI.
+    with AwsSimulator(tmp_path / "sim", install=True) as simulator:
+        handle = spotnb.submit("def f():\n    return 1 / 0\nf()", provider="aws",
+                               instance_types=["g4dn.xlarge"])
+        result = handle.wait(timeout=120)
+        assert result.status == "failed"
+        assert result.error is not None and result.error["ename"] == "ZeroDivisionError"
+        traceback = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(result.error["traceback"]))
+        assert "return 1 / 0" in traceback
+        assert len(result.attempts) == 1, "a user error is not retried"
+        inst = simulator.instances[result.attempts[0].instance_id]
+        simulator.wait_until_idle(30)
+        boot = (inst.dir / "bootstrap.log").read_text()
+        assert f"from {inst.dir / 'site' / 'spotnb'}" in boot, boot
+        assert_nothing_left(simulator)
+
+
+def test_budget_and_deadline_stop_jobs_on_the_instance(sim: AwsSimulator) -> None:
+    forever = "import time\nwhile True:\n    time.sleep(0.1)"
+    over_budget = spotnb.submit(forever, provider="aws", instance_types=["g4dn.xlarge"],
+                                budget_usd=0.0001)
+    over_time = spotnb.submit(forever, provider="aws", instance_types=["g4dn.xlarge"],
+                              max_duration=4)
+    budget = over_budget.wait(timeout=90)
+    deadline = over_time.wait(timeout=90)
+    assert budget.status == "stopped" and "budget" in budget.reason, budget
+    assert deadline.status == "stopped" and "deadline" in deadline.reason, deadline
+    # Stopped soon after the limit: the instance checks every LIMITS_SECONDS, then the
+    # cell is interrupted and the group deleted (a few seconds more at the spot price).
+    price = budget.attempts[0].spot_price or 0.0
+    assert 0.0001 < budget.cost_usd < 0.0001 + price * (instance.LIMITS_SECONDS + 10) / 3600
+    assert deadline.duration < 4 + instance.LIMITS_SECONDS + 10
+
+
+def test_cleanup_finds_and_deletes_what_a_dead_instance_left(sim: AwsSimulator,
+                                                             tmp_path: Path) -> None:
+    handle = spotnb.submit(GATED.format(gate=str(tmp_path / "never")), provider="aws",
+                           instance_types=["g4dn.xlarge"])
+    inst = sim.wait_for_instance(handle.job_id)
+    while not any(e.type == "status" and e.data.get("state") == "running"
+                  for e in handle.events(follow=False)):
+        time.sleep(0.2)
+    # The instance dies outright after its job's result, before it could clean up.
+    sim.crash(inst.id)
+    handle.store.put_if_absent(layout.RESULT, json.dumps(
+        {"status": "failed", "reason": "test: the instance vanished"}).encode())
+    provider = AwsProvider()
+    found = provider.cleanup(dry_run=True)
+    assert sorted(line.split(" (")[0] for line in found) == sorted([
+        f"would delete Auto Scaling group spotnb-{handle.job_id} in us-east-1",
+        f"would delete launch template spotnb-{handle.job_id} in us-east-1",
+        f"would delete instance {inst.id} in us-east-1",
+        f"would delete IAM role and instance profile spotnb-job-{handle.job_id}",
+    ])
+    assert all("its job has a result" in line for line in found)
+    provider.cleanup()
+    assert resources() == NOTHING
+
+
+QUICKSTART = (REPO / "notebooks" / "quickstart.ipynb")
+
+
+def quickstart_cell() -> str:
+    """The quickstart notebook's training cell (without its magic line), plus a digest
+    of the trained weights."""
+    cells = json.loads(QUICKSTART.read_text())["cells"]
+    source = next("".join(c["source"]) for c in cells
+                  if c["cell_type"] == "code" and "".join(c["source"]).startswith("%%spot_train"))
+    body = source.split("\n", 1)[1]
+    return body + textwrap.dedent("""
+        import hashlib
+        digest = hashlib.sha256(
+            b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    """)
+
+
+def test_quickstart_cell_across_two_interruptions_equals_the_uninterrupted_run(
+        sim: AwsSimulator) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    # What %%spot_train ships for this cell: the notebook's settings as inputs, the
+    # helper module next to the notebook as a file.
+    common: dict[str, Any] = dict(
+        provider="aws", instance_types=["g4dn.xlarge", "g5.xlarge"],
+        inputs={"SEED": 0, "STEPS": 150, "LR": 0.1, "STEP_SECONDS": 0.03},
+        outputs=["digest", "accuracy"], checkpoint_every="25 steps",
+        files={"digits_data.py": REPO / "notebooks" / "digits_data.py"})
+    baseline = spotnb.submit(quickstart_cell(), name="baseline", **common)
+    handle = spotnb.submit(quickstart_cell(), name="interrupted", **common)
+    interrupted: list[int] = []
+    steps: list[int] = []
+    for event in handle.events(timeout=240):
+        if event.type == "metric":
+            steps.append(event.data["step"])
+            if len(interrupted) < 2 and event.attempt not in interrupted and \
+                    event.data["step"] >= 40 * event.attempt:
+                interrupted.append(event.attempt)
+                # %spot_interrupt: FIS's send-spot-instance-interruptions (simulated).
+                threading.Thread(target=handle.interrupt, daemon=True).start()
+    result = handle.wait(timeout=60)
+    expected = baseline.wait(timeout=120)
+    assert expected.status == "completed", expected.error
+    assert result.status == "completed", result.error
+    assert result.interruptions == 2
+    assert [a.end_reason for a in result.attempts] == ["interrupted", "interrupted",
+                                                       "completed"]
+    assert len({a.instance_id for a in result.attempts}) == 3, "replaced by the group"
+    assert result.outputs == expected.outputs, "bitwise the same weights and accuracy"
+    assert result.outputs["accuracy"] > 0.8
+    # The notice comes before termination: every step after a final checkpoint is new.
+    assert sorted(set(steps)) == list(range(150))
+    assert len(steps) - 150 <= 2, "at most a step redone per interruption"
+    assert 0 < result.cost_usd < result.ondemand_cost_usd
+    # No credential anywhere in the job's records (user data, spec, events, checkpoints).
+    scan_for_credentials(handle)
+
+
+CREDENTIAL_PATTERNS = [re.compile(p) for p in (
+    rb"AKIA[0-9A-Z]{16}", rb"ASIA[0-9A-Z]{16}", rb"(?i)aws_secret_access_key",
+    rb"(?i)aws_session_token")]
+
+
+def scan_for_credentials(handle: spotnb.JobHandle) -> None:
+    secrets = [v.encode() for v in FAKE_CREDENTIALS.values()]
+    blobs: dict[str, bytes] = {}
+    for key in handle.store.list_keys():
+        if key.startswith("bootstrap/"):
+            continue  # spotnb's own source code, the same for everyone
+        blobs[key] = handle.store.get(key)
+    assert any(k.startswith("checkpoints/") for k in blobs)
+    assert any(k.startswith("events/") for k in blobs) and "spec.json" in blobs
+    blobs["user data"] = user_data(job_id=handle.job_id, store_uri=handle.store.uri,
+                                   wheel=bundle()).encode()
+    for name, blob in blobs.items():
+        for secret in secrets:
+            assert secret not in blob, f"a credential in {name}"
+        for pattern in CREDENTIAL_PATTERNS:
+            assert not pattern.search(blob), f"{pattern.pattern!r} in {name}"
+
+
+# ------------------------------------------------------------------------- CLI
+
+
+def test_cli_setup_doctor_and_cleanup(sim: AwsSimulator,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["aws", "setup", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would create bucket s3://spotnb-123456789012-us-east-1" in out
+    assert "would create security group spotnb-no-inbound" in out
+    assert '"ec2:SendSpotInstanceInterruptions"' in out, "the FIS policy is printed"
+    assert "(dry run: nothing was changed)" in out
+    assert resources() == NOTHING
+    assert _boto.client("s3").list_buckets()["Buckets"] == []
+    assert cli_main(["aws", "setup"]) == 0
+    out = capsys.readouterr().out
+    assert "did create bucket" in out and "did create IAM role spotnb-fis" in out
+    assert cli_main(["aws", "setup"]) == 0, "setup is idempotent"
+    assert "exists" in capsys.readouterr().out
+    code = cli_main(["aws", "doctor"])
+    out = capsys.readouterr().out
+    assert "ok  credentials: arn:aws:sts::123456789012" in out
+    assert "ok  bucket: s3://spotnb-123456789012-us-east-1 is yours" in out
+    assert "ok  image: ami-" in out
+    assert code == 0, out
+    assert cli_main(["aws", "cleanup", "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip() == "nothing left over"
+    _boto.client("iam").delete_role_policy(RoleName="spotnb-fis", PolicyName="spotnb-fis")
+    _boto.client("iam").delete_role(RoleName="spotnb-fis")
+
+
+def test_doctor_without_credentials_says_what_to_do(
+        sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with monkeypatch.context() as m:
+        m.delenv("AWS_ACCESS_KEY_ID")
+        m.delenv("AWS_SECRET_ACCESS_KEY")
+        assert cli_main(["aws", "doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM  credentials:" in out and "aws configure" in out
+
+
+# ------------------------------------------------------------------ real AWS
+
+
+def _real_aws() -> bool:
+    if os.environ.get("SPOTNB_AWS_TESTS") != "1" or os.environ.get("AWS_ENDPOINT_URL"):
+        return False
+    try:
+        return _boto.session().get_credentials() is not None
+    except Exception:
+        return False
+
+
+real_aws = pytest.mark.skipif(not _real_aws(), reason=(
+    "needs AWS credentials and SPOTNB_AWS_TESTS=1 (starts billed spot instances)"))
+
+
+@pytest.mark.aws
+@real_aws
+def test_real_aws_quickstart_survives_an_interruption(spotnb_home: Path) -> None:
+    """The same flow on real EC2: a spot GPU, one FIS interruption, the group's
+    replacement, the same result; then nothing left over. Takes 15-30 minutes."""
+    region = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
+    handle = spotnb.submit(quickstart_cell(), provider="aws", region=region,
+                           inputs={"SEED": 0, "STEPS": 300, "LR": 0.1, "STEP_SECONDS": 0.5},
+                           checkpoint_every="25 steps",
+                           instance_types=["g4dn.xlarge", "g5.xlarge", "g6.xlarge"],
+                           outputs=["digest", "accuracy"], budget_usd=2.0,
+                           max_duration="2h",
+                           files={"digits_data.py": REPO / "notebooks" / "digits_data.py"})
+    try:
+        interrupted = False
+        for event in handle.events(timeout=3600):
+            if event.type == "metric" and not interrupted and event.data["step"] >= 100:
+                interrupted = True
+                handle.interrupt()
+        result = handle.wait(timeout=600)
+        assert result.status == "completed", result.error
+        assert result.interruptions == 1 and result.outputs["accuracy"] > 0.8
+    finally:
+        handle.provider.terminate(handle.job_id)
+    assert AwsProvider(region=region).cleanup(dry_run=True) == []

@@ -1,0 +1,342 @@
+"""The S3 store against moto in server mode: the store contract, and S3's own duties.
+
+The contract tests of ``tests/test_store.py`` run here unchanged against S3 (imported
+below; pytest collects them again with this module's ``store`` fixture). Tests that
+reach into the local store's directory have S3 versions that go through
+``open_store(uri)`` in separate processes instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_store import (  # the shared store contract
+    test_a_restarted_writer_continues_the_stream,
+    test_event_chunks_are_immutable_and_a_fenced_writer_writes_nothing,
+    test_event_log_round_trip_in_order_across_streams,
+    test_keys_that_escape_the_prefix_are_refused,
+    test_lease_one_holder_then_takeover_after_release_or_ttl,
+    test_put_get_and_etags,
+    test_put_if_absent_creates_once,
+    test_put_if_match_is_compare_and_swap,
+    test_readers_never_see_a_half_written_object,
+)
+
+from spotnb import lease
+from spotnb.providers.aws import _boto
+from spotnb.providers.aws.store import (
+    LIFECYCLE_RULES,
+    S3Store,
+    bucket_problem,
+    default_bucket,
+    ensure_bucket,
+)
+from spotnb.spec import SpecError
+from spotnb.store import NotFound, StoreError, open_store
+from spotnb.testing import DEFAULT_ACCOUNT, MotoServer, aws_environment
+
+__all__ = [
+    "test_a_restarted_writer_continues_the_stream",
+    "test_event_chunks_are_immutable_and_a_fenced_writer_writes_nothing",
+    "test_event_log_round_trip_in_order_across_streams",
+    "test_keys_that_escape_the_prefix_are_refused",
+    "test_lease_one_holder_then_takeover_after_release_or_ttl",
+    "test_put_get_and_etags",
+    "test_put_if_absent_creates_once",
+    "test_put_if_match_is_compare_and_swap",
+    "test_readers_never_see_a_half_written_object",
+]
+
+OTHER_ACCOUNT = "111111111111"
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    server = MotoServer().start()
+    try:
+        with aws_environment(server.endpoint):
+            yield server.endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def bucket(moto_endpoint: str) -> str:
+    name = f"spotnb-test-{secrets.token_hex(4)}"
+    _boto.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def store(bucket: str) -> S3Store:
+    found = open_store(f"s3://{bucket}/root/prefix")
+    assert isinstance(found, S3Store)
+    return found
+
+
+def _other_account_s3() -> Any:
+    """An S3 client acting as another AWS account (moto's account header)."""
+    s3 = _boto.client("s3")
+    s3.meta.events.register("before-sign.s3.*", lambda request, **kw: request.headers
+                            .__setitem__("x-moto-account-id", OTHER_ACCOUNT))
+    return s3
+
+
+# ------------------------------------------------------------ across processes
+
+
+def _race_cas(uri: str, n: int, wins: Any) -> None:
+    s = open_store(uri)
+    won = 0
+    for _ in range(n):
+        data, etag = s.get_with_etag("counter")
+        if s.put_if_match("counter", str(int(data) + 1).encode(), etag) is not None:
+            won += 1
+    wins.put(won)
+
+
+def test_compare_and_swap_across_processes_loses_no_update(store: S3Store) -> None:
+    store.put("counter", b"0")
+    ctx = multiprocessing.get_context("spawn")
+    wins = ctx.Queue()
+    procs = [ctx.Process(target=_race_cas, args=(store.uri, 40, wins)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    total_wins = sum(wins.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert int(store.get("counter")) == total_wins > 0
+
+
+def _grab(uri: str, holder: str, go: Any, out: Any) -> None:
+    store = open_store(uri)
+    store.exists("warm-up")  # connect and look up the account before the race
+    go.wait(30)
+    held = lease.acquire(store, holder)
+    out.put(None if held is None else held.epoch)
+
+
+def test_lease_race_between_processes_has_one_winner(store: S3Store) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_grab, args=(store.uri, f"i-{i}", go, out)) for i in range(4)]
+    for p in procs:
+        p.start()
+    go.set()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sorted(results, key=lambda r: r is None) == [1] + [None] * 3
+    assert store.exists("lease.json")
+
+
+def test_put_if_absent_has_one_winner_among_threads(store: S3Store) -> None:
+    wins: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def race(i: int) -> None:
+        barrier.wait()
+        if store.put_if_absent("once", str(i).encode()) is not None:
+            wins.append(str(i))
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1
+    assert store.get("once").decode() == wins[0]
+
+
+# ------------------------------------------------------------------- listings
+
+
+def test_list_keys_start_after_and_children(store: S3Store) -> None:
+    for key in ["events/000001/00000002.jsonl", "events/000001/00000001.jsonl",
+                "events/000000/00000000.jsonl", "spec.json", "events-not/x"]:
+        store.put(key, b"x")
+    assert store.list_keys("events/000001/") == [
+        "events/000001/00000001.jsonl", "events/000001/00000002.jsonl"]
+    assert store.list_keys("events/000001/", start_after="events/000001/00000001.jsonl") == [
+        "events/000001/00000002.jsonl"]
+    assert store.list_children("events/") == ["000000", "000001"]
+    assert store.list_children("events") == ["000000", "000001"]
+    assert store.list_children() == ["events", "events-not", "spec.json"]
+    assert store.list_keys("events/0000") == [
+        "events/000000/00000000.jsonl", "events/000001/00000001.jsonl",
+        "events/000001/00000002.jsonl"], "a prefix may end inside a name"
+    assert store.list_keys("nothing/") == []
+
+
+def test_listing_pages_past_a_thousand_keys(store: S3Store) -> None:
+    from moto.s3.models import s3_backends
+
+    backend = s3_backends[DEFAULT_ACCOUNT]["aws"]
+    for i in range(1100):  # through moto's backend: 1,100 PUTs over HTTP take seconds
+        backend.put_object(store.bucket, f"{store.prefix}/many/{i:05d}", b"")
+    keys = store.list_keys("many/")
+    assert len(keys) == 1100 and keys == sorted(keys)
+    assert store.list_keys("many/", start_after="many/01000") == [
+        f"many/{i:05d}" for i in range(1001, 1100)]
+    store.delete_prefix("many/")
+    assert store.list_keys("many/") == []
+
+
+def test_child_views_share_the_bucket(store: S3Store) -> None:
+    job = store.child("jobs/j1")
+    assert job.uri == store.uri + "/jobs/j1"
+    job.put("spec.json", b"{}")
+    assert store.get("jobs/j1/spec.json") == b"{}"
+    assert open_store(job.uri).get("spec.json") == b"{}"
+    assert store.list_children("jobs") == ["j1"]
+    job.delete("spec.json")
+    job.delete("spec.json")  # deleting a missing key is not an error
+    assert not job.exists("spec.json")
+
+
+# ------------------------------------------------------------------- transfers
+
+
+def test_upload_and_download_large_files_multipart(store: S3Store, tmp_path: Path) -> None:
+    small = S3Store(store.bucket, store.prefix,
+                    transfer=_boto.transfer_config(threshold=5 * 2**20, chunk=5 * 2**20))
+    data = os.urandom(12 * 2**20 + 123)
+    src = tmp_path / "ckpt.bin"
+    src.write_bytes(data)
+    small.upload_file("checkpoints/1/model.pt", src)
+    head = store.client.head_object(Bucket=store.bucket,
+                                    Key=f"{store.prefix}/checkpoints/1/model.pt")
+    assert head["ETag"].strip('"').endswith("-3"), "uploaded in three parts"
+    dest = tmp_path / "out" / "model.pt"
+    small.download_file("checkpoints/1/model.pt", dest)
+    assert dest.read_bytes() == data
+    assert [p.name for p in dest.parent.iterdir()] == ["model.pt"], "no temporary left"
+    with pytest.raises(NotFound):
+        store.download_file("checkpoints/1/missing.pt", tmp_path / "missing.pt")
+    assert not (tmp_path / "missing.pt").exists()
+
+
+def test_every_request_names_the_expected_bucket_owner(store: S3Store, tmp_path: Path) -> None:
+    seen: list[tuple[str, str | None]] = []
+
+    def record(event_name: str, params: dict[str, Any], **kwargs: Any) -> None:
+        headers = {k.lower(): v for k, v in params.get("headers", {}).items()}
+        seen.append((event_name.rsplit(".", 1)[1], headers.get("x-amz-expected-bucket-owner")))
+
+    remove = _boto.add_hook("before-call.s3.*", record)
+    try:
+        etag = store.put("a", b"1")
+        store.get("a")
+        store.exists("a")
+        store.put_if_absent("b", b"1")
+        store.put_if_match("a", b"2", etag)
+        store.list_keys()
+        store.list_children()
+        src = tmp_path / "f"
+        src.write_bytes(b"x" * 100)
+        store.upload_file("f", src)
+        store.download_file("f", tmp_path / "g")
+        store.delete("a")
+        store.delete_prefix("")
+    finally:
+        remove()
+    operations = {op for op, _ in seen}
+    assert {"PutObject", "GetObject", "HeadObject", "ListObjectsV2", "DeleteObject",
+            "DeleteObjects"} <= operations
+    assert all(owner == DEFAULT_ACCOUNT for _, owner in seen), seen
+
+
+# ------------------------------------------------------------- buckets, errors
+
+
+def test_a_bucket_of_another_account_is_refused(moto_endpoint: str) -> None:
+    name = f"spotnb-foreign-{secrets.token_hex(4)}"
+    _other_account_s3().create_bucket(Bucket=name)
+    problem = bucket_problem(_boto.client("s3"), name, DEFAULT_ACCOUNT)
+    assert problem is not None and "belongs to another AWS account" in problem
+    store = open_store(f"s3://{name}/spotnb")
+    with pytest.raises(StoreError, match="another AWS account"):
+        store.put("x", b"1")
+    with pytest.raises(StoreError, match="access denied"):
+        store.get("x")
+    with pytest.raises(SpecError, match="belongs to another AWS account"):
+        ensure_bucket(_boto.client("s3"), name, "us-east-1", DEFAULT_ACCOUNT)
+    assert _other_account_s3().list_objects_v2(Bucket=name).get("KeyCount") == 0
+
+
+def test_default_bucket_is_private_encrypted_and_expires_checkpoints(
+        moto_endpoint: str) -> None:
+    s3 = _boto.client("s3")
+    name = default_bucket(DEFAULT_ACCOUNT, "us-east-1")
+    assert name == "spotnb-123456789012-us-east-1"
+    planned = ensure_bucket(s3, name, "us-east-1", DEFAULT_ACCOUNT, dry_run=True)
+    assert planned[0].startswith("would create bucket")
+    assert bucket_problem(s3, name, DEFAULT_ACCOUNT) == "missing", "a dry run creates nothing"
+    ensure_bucket(s3, name, "us-east-1", DEFAULT_ACCOUNT)
+    ensure_bucket(s3, name, "us-east-1", DEFAULT_ACCOUNT)  # idempotent
+    block = s3.get_public_access_block(Bucket=name)["PublicAccessBlockConfiguration"]
+    assert all(block.values()) and len(block) == 4
+    rules = s3.get_bucket_encryption(Bucket=name)["ServerSideEncryptionConfiguration"]["Rules"]
+    assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    lifecycle = s3.get_bucket_lifecycle_configuration(Bucket=name)["Rules"]
+    assert {r["ID"] for r in lifecycle} == {r["ID"] for r in LIFECYCLE_RULES}
+    expire = next(r for r in lifecycle if "Expiration" in r)
+    assert expire["Filter"]["And"]["Prefix"] == "jobs/"
+    assert any("AbortIncompleteMultipartUpload" in r for r in lifecycle)
+
+
+def test_missing_credentials_are_a_clear_error(moto_endpoint: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setattr(_boto, "_ACCOUNTS", {})
+    with pytest.raises(StoreError, match="no AWS credentials found"):
+        open_store("s3://any-bucket/p").get("x")
+
+
+# ------------------------------------------------------------------ real AWS
+
+
+def _real_aws() -> bool:
+    if os.environ.get("SPOTNB_AWS_TESTS") != "1" or os.environ.get("AWS_ENDPOINT_URL"):
+        return False
+    try:
+        return _boto.session().get_credentials() is not None
+    except Exception:
+        return False
+
+
+@pytest.mark.aws
+@pytest.mark.skipif(not _real_aws(), reason="needs AWS credentials and SPOTNB_AWS_TESTS=1")
+def test_real_s3_keeps_the_store_contract(tmp_path: Path) -> None:
+    """The contract on real S3, in a throw-away prefix of the default bucket."""
+    region = _boto.session().region_name or "us-east-1"
+    account = _boto.account_id(region=region)
+    bucket = default_bucket(account, region)
+    ensure_bucket(_boto.client("s3", region), bucket, region, account)
+    store = S3Store(bucket, f"spotnb-tests/{secrets.token_hex(6)}", region=region)
+    try:
+        etag = store.put("a/b.json", b"one")
+        assert store.put_if_absent("a/b.json", b"two") is None
+        assert store.put_if_match("a/b.json", b"three", '"stale"') is None
+        assert store.put_if_match("a/b.json", b"three", etag) is not None
+        assert store.get("a/b.json") == b"three"
+        for i in range(3):
+            store.put(f"events/000001/{i:08d}.jsonl", b"{}")
+        assert store.list_keys("events/000001/", start_after="events/000001/00000000.jsonl") \
+            == ["events/000001/00000001.jsonl", "events/000001/00000002.jsonl"]
+        assert store.list_children() == ["a", "events"]
+        big = tmp_path / "big"
+        big.write_bytes(os.urandom(40 * 2**20))
+        store.upload_file("ckpt/big", big)
+        store.download_file("ckpt/big", tmp_path / "back")
+        assert (tmp_path / "back").read_bytes() == big.read_bytes()
+    finally:
+        store.delete_prefix("")
