@@ -211,6 +211,7 @@ def submit(
             {"status": "failed", "reason": "the capacity group could not be created",
              "time": time.time()}).encode())
         raise
+    _index(spec)
     log.info("submitted job %s (%s) to %s", job_id, spec.name, provider)
     return JobHandle(job_store, spec, prov)
 
@@ -421,33 +422,64 @@ class JobHandle:
              "time": time.time()}).encode())
 
 
+def _index(spec: JobSpec) -> None:
+    """Remember where the job lives, so attach and jobs() find it in any store."""
+    path = layout.index_dir() / f"{spec.job_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"store_uri": spec.store_uri, "provider": spec.provider,
+                                "name": spec.name, "created": spec.created}))
+
+
+def _indexed_store(job_id: str) -> str | None:
+    try:
+        return str(json.loads((layout.index_dir() / f"{job_id}.json").read_text())["store_uri"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+
+
 def _open_job(job_id: str, store: str | None = None) -> tuple[Store, JobSpec]:
-    root = open_store(store or layout.default_store_root())
-    job_store = root.child(f"jobs/{job_id}")
+    if store is None and (uri := _indexed_store(job_id)) is not None:
+        job_store = open_store(uri)
+        where = uri
+    else:
+        root = open_store(store or layout.default_store_root())
+        job_store = root.child(f"jobs/{job_id}")
+        where = root.uri
     try:
         spec = JobSpec.from_json(job_store.get(layout.SPEC))
     except NotFound:
         raise JobNotFound(
-            f"no job {job_id!r} in {root.uri}; list jobs with `spotnb jobs`") from None
+            f"no job {job_id!r} in {where}; list jobs with `spotnb jobs`") from None
     return job_store, spec
 
 
 def attach(job_id: str, store: str | None = None) -> JobHandle:
-    """A handle on an existing job (after a kernel restart, from another process)."""
+    """A handle on an existing job (after a kernel restart, from another process).
+
+    Without ``store``, a job submitted from this machine is found wherever it lives
+    (local directory or bucket); otherwise it is looked up in ``store``.
+    """
     job_store, spec = _open_job(job_id, store)
     return JobHandle(job_store, spec)
 
 
 def jobs(store: str | None = None) -> list[JobInfo]:
-    """Every job in the store, oldest first."""
+    """Every job in ``store`` (default: the local store plus every job submitted from
+    this machine), oldest first."""
     root = open_store(store or layout.default_store_root())
+    ids = set(root.list_children("jobs"))
+    if store is None and layout.index_dir().is_dir():
+        ids |= {p.stem for p in layout.index_dir().glob("*.json")}
     rows = []
-    for job_id in root.list_children("jobs"):
+    for job_id in sorted(ids):
         try:
             job_store, spec = _open_job(job_id, store)
+            s = JobHandle(job_store, spec).summary()
         except JobNotFound:
             continue
-        s = JobHandle(job_store, spec).summary()
+        except Exception as err:  # a bucket gone or unreachable must not hide the rest
+            log.warning("cannot read job %s: %s", job_id, err)
+            continue
         rows.append(JobInfo(job_id=job_id, name=spec.name, status=s.status,
                             attempts=len(s.attempts), interruptions=s.interruptions,
                             cost_usd=s.cost_usd, created=spec.created))

@@ -18,6 +18,8 @@ Job prefix (in the store, one per job)::
 ``SPOTNB_HOME`` (default ``~/.spotnb``)::
 
     store/jobs/<job_id>/        the default local store's job prefixes
+    index/<job_id>.json         where each job submitted from here lives (its store
+                                URI, which may be a bucket), for attach and listing
     cloud/                      the local cloud's state (groups, instances)
 """
 
@@ -46,6 +48,11 @@ def home() -> Path:
 def default_store_root() -> Path:
     """The default local store: job prefixes live under ``jobs/`` in it."""
     return home() / "store"
+
+
+def index_dir() -> Path:
+    """Pointers to the jobs submitted from this machine, whatever their store."""
+    return home() / "index"
 
 
 def cloud_dir() -> Path:
