@@ -63,6 +63,7 @@ from spotnb.checkpoints import (
     Manifest,
     new_id,
 )
+from spotnb.kernel_remote import channel
 from spotnb.session import LOCAL_DIR, ROWS, Session
 from spotnb.spec import parse_duration
 from spotnb.store import NotFound
@@ -72,6 +73,9 @@ __all__ = ["LOCAL_DIR", "Checkpoint", "OutputError", "SyncDir", "history", "log"
 
 _logger = logging.getLogger(__name__)
 
+# How long restore() waits for the agent's checkpoint download before doing its own.
+PREFETCH_WAIT_SECONDS = 600.0
+
 # The hot path of log(): bound once, so a call is one global lookup each.
 _append = ROWS.append
 _now = time.time
@@ -79,6 +83,23 @@ _now = time.time
 _runtime: Session | None = None
 _runtime_lock = threading.Lock()
 _atexit_registered = False
+
+
+def _wait_for_prefetch(restore_dir: Path) -> None:
+    """Wait while the agent is still downloading the checkpoint into ``restore_dir``.
+
+    The agent downloads while the kernel starts and the cell's imports run; the first
+    ``restore()`` may catch up with it. Give up after ``PREFETCH_WAIT_SECONDS`` and
+    download directly (the agent may have died mid-way).
+    """
+    if not restore_dir.exists():
+        return  # not an agent-managed restore dir (standalone, or an older agent)
+    deadline = time.monotonic() + PREFETCH_WAIT_SECONDS
+    while not (restore_dir / channel.PREFETCH_DONE).exists():
+        if time.monotonic() > deadline:
+            _logger.warning("the agent's checkpoint download did not finish; downloading")
+            return
+        time.sleep(0.02)
 
 
 class InputError(RuntimeError):
@@ -367,6 +388,8 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {manifest.id} has no state file; it was not "
                                   "written by spot.Checkpoint")
         restore_dir = self._rt.restore_dir
+        if restore_dir is not None:
+            _wait_for_prefetch(restore_dir)
         if restore_dir is not None and (restore_dir / "MANIFEST.json").exists():
             try:
                 local = Manifest.read_local(restore_dir)

@@ -356,7 +356,36 @@ def test_restore_uses_the_prefetched_copy(job: Job, monkeypatch: pytest.MonkeyPa
     # The agent prefetched it; then the store's copy got damaged: the prefetch is used.
     prefetched = job.tmp / "prefetched"
     job.checkpoints().download(manifest, prefetched)
+    (prefetched / channel.PREFETCH_DONE).touch()
     (job.store.root / "checkpoints" / manifest.id / "state.pt").write_bytes(b"damaged")
+    monkeypatch.setenv(channel.ENV_RESTORE_DIR, str(prefetched))
+    stats: dict[str, int] = {}
+    assert spot.Checkpoint(stats=stats).restore() == 6
+    assert stats == {"x": 1}
+
+
+def test_restore_waits_for_a_prefetch_still_downloading(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = spot.Checkpoint(stats={"x": 1})
+    ckpt.save(5)
+    manifest = ckpt.wait()
+    assert manifest is not None
+    spot._finish()
+    # The agent is still downloading when the cell reaches restore(); the store's copy
+    # is damaged, so only the prefetched copy can give the right answer.
+    prefetched = job.tmp / "prefetched"
+    prefetched.mkdir()
+    source = job.tmp / "source"
+    job.checkpoints().download(manifest, source)
+    (job.store.root / "checkpoints" / manifest.id / "state.pt").write_bytes(b"damaged")
+
+    def agent_download() -> None:
+        time.sleep(0.5)
+        for item in source.iterdir():
+            shutil.copy(item, prefetched / item.name)
+        (prefetched / channel.PREFETCH_DONE).touch()
+
+    threading.Thread(target=agent_download).start()
     monkeypatch.setenv(channel.ENV_RESTORE_DIR, str(prefetched))
     stats: dict[str, int] = {}
     assert spot.Checkpoint(stats=stats).restore() == 6
@@ -374,6 +403,7 @@ def test_restore_downloads_when_the_prefetch_is_bad(
     prefetched = job.tmp / "prefetched"
     job.checkpoints().download(manifest, prefetched)
     (prefetched / "state.pt").write_bytes(b"truncated")
+    (prefetched / channel.PREFETCH_DONE).touch()
     monkeypatch.setenv(channel.ENV_RESTORE_DIR, str(prefetched))
     stats: dict[str, int] = {}
     assert spot.Checkpoint(stats=stats).restore() == 6

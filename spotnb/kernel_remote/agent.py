@@ -150,12 +150,13 @@ class Agent:
         sampler = Sampler(lambda data: self._emit("sys", **data))
         sampler.start()
         try:
-            # Step 3: the kernel starts while the checkpoint downloads.
+            # Step 3: the kernel starts, and the cell's imports run, while the
+            # checkpoint downloads; restore() waits for the download to finish.
             restore_dir = self._scratch / f"restore-{attempt}"
+            restore_dir.mkdir(parents=True, exist_ok=True)
             prefetch = threading.Thread(target=self._prefetch, args=(restore_dir,), daemon=True)
             prefetch.start()
             kc = self._start_kernel(attempt, restore_dir)
-            prefetch.join()
             self._check_fence()
             # Step 4: bootstrap the runtime, then the cell itself.
             boot_error = self._execute(kc, _BOOTSTRAP, silent=True)
@@ -569,6 +570,8 @@ class Agent:
             ckpts.download(manifest, dest)
         except Exception:
             log.exception("prefetching the checkpoint failed; the runtime will download it")
+        finally:
+            (dest / channel.PREFETCH_DONE).touch()
 
     def _identity(self) -> dict[str, Any]:
         try:

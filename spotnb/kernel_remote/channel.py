@@ -25,8 +25,10 @@ The kernel's environment (set by the agent):
 ``SPOTNB_JOB_URI``, ``SPOTNB_JOB_ID``, ``SPOTNB_ATTEMPT``, ``SPOTNB_INSTANCE_ID``,
 ``SPOTNB_AGENT_SOCKET``, ``SPOTNB_CHECKPOINT_EVERY`` (JSON ``{"seconds", "steps"}``),
 ``SPOTNB_KEEP_CHECKPOINTS``, ``SPOTNB_SCRATCH`` (a local directory for this attempt),
-and ``SPOTNB_RESTORE_DIR`` (where the agent prefetched the latest checkpoint while the
-kernel started: the checkpoint's files plus ``MANIFEST.json``; may be absent).
+and ``SPOTNB_RESTORE_DIR`` (where the agent prefetches the latest checkpoint while the
+kernel starts and the cell's imports run: the checkpoint's files plus ``MANIFEST.json``;
+the agent creates :data:`PREFETCH_DONE` there when it is finished, successfully or
+not, and ``restore()`` waits for that file before it looks).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ ENV_CHECKPOINT_EVERY = "SPOTNB_CHECKPOINT_EVERY"
 ENV_KEEP_CHECKPOINTS = "SPOTNB_KEEP_CHECKPOINTS"
 ENV_SCRATCH = "SPOTNB_SCRATCH"
 ENV_RESTORE_DIR = "SPOTNB_RESTORE_DIR"
+PREFETCH_DONE = ".prefetch-done"
 
 
 def encode(message: dict[str, Any]) -> bytes:
