@@ -46,3 +46,33 @@ def spotnb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
     assert not leftovers, f"processes outlived the test: {[p.info['cmdline'] for p in leftovers]}"
+
+
+def _processes_under(base: Path) -> list[psutil.Process]:
+    """Processes whose SPOTNB_HOME lies below ``base`` (every test's home does)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "environ", "cmdline"]):
+        try:
+            home = (proc.info["environ"] or {}).get("SPOTNB_HOME", "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if proc.pid != os.getpid() and home.startswith(str(base)):
+            found.append(proc)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_local_cloud_process_survives_the_suite(
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After the whole suite, no process of any test's local cloud is left running."""
+    base = tmp_path_factory.getbasetemp()
+    yield
+    deadline = time.monotonic() + LEFTOVER_GRACE_SECONDS
+    while (leftovers := _processes_under(base)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for proc in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    assert not leftovers, (
+        f"local-cloud processes outlived the test suite: "
+        f"{[' '.join(p.info['cmdline'] or []) for p in leftovers]}")
