@@ -1,4 +1,5 @@
-"""The ``spotnb`` command: list, follow, interrupt, stop and clean up jobs.
+"""The ``spotnb`` command: list, follow, interrupt, stop and clean up jobs; run and
+record notebooks.
 
 This is a notebook-layer module: it is the only place (with the magics) that prints.
 """
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import spotnb
 from spotnb.events import Event
 from spotnb.providers.aws.cli import add_aws_commands
+from spotnb.records.cli import add_record_commands
 from spotnb.spec import SpecError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -158,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cleanup", help="remove the local cloud's leftovers")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.set_defaults(func=cmd_cleanup)
+    add_record_commands(sub)
     add_aws_commands(sub)
     return parser
 

@@ -14,6 +14,9 @@ Job prefix (in the store, one per job)::
     control/stop.json           a stop request (from the notebook or the CLI)
     outputs.pkl                 cloudpickled {name: value} of the job's outputs
     result.json                 the final result, written once by the agent
+    summary.json                the job's record (spotnb.records): attempts, cost,
+                                final metrics, checkpoints; written by the notebook
+                                when the job ends, derived from the rest, rewritable
 
 ``SPOTNB_HOME`` (default ``~/.spotnb``)::
 
@@ -37,6 +40,7 @@ SYNC = "sync"
 STOP = "control/stop.json"
 OUTPUTS = "outputs.pkl"
 RESULT = "result.json"
+SUMMARY = "summary.json"
 
 
 def home() -> Path:

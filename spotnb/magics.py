@@ -338,6 +338,7 @@ class SpotMagics(Magics):
         if isinstance(outcome, display.Detached):
             return None
         result = outcome.result
+        self._keep_record(handle, result)
         if result.status != "completed":
             raise display.SpotJobError(result, cell_number)
         if outcome.outputs_error is not None:
@@ -350,6 +351,18 @@ class SpotMagics(Magics):
         if outcome.execute_result is not None:
             return display.RemoteValue(outcome.execute_result)
         return None
+
+    def _keep_record(self, handle: spotnb.JobHandle, result: spotnb.JobResult) -> None:
+        """The job's record (spotnb.records): stored as summary.json in its store prefix
+        and shown as one line whose output metadata carries it, so a notebook saved by
+        hand is a record too."""
+        from IPython.display import display as show
+
+        from spotnb import records
+
+        record = records.job_ended(handle, result)
+        if record is not None:
+            show(records.record_bundle(record), metadata={"spotnb": {"job": record}}, raw=True)
 
     # -- the other commands ----------------------------------------------------------
 

@@ -13,11 +13,13 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import nbformat
 
-__all__ = ["CellFailure", "NotebookRun", "default_output", "run_notebook"]
+__all__ = ["CellFailure", "NotebookRun", "default_output", "execute", "run_notebook"]
 
 log = logging.getLogger(__name__)
 
@@ -67,30 +69,69 @@ def run_notebook(path: str | os.PathLike[str], output: str | os.PathLike[str] | 
     process's environment (``SPOTNB_HOME`` included). Raises ``FileNotFoundError`` if
     there is no notebook at ``path``.
     """
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError
-
     source = Path(path).resolve()
     if not source.is_file():
         raise FileNotFoundError(f"no notebook at {source}")
     out = Path(output).resolve() if output is not None else default_output(source)
     nb = nbformat.read(source, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
-                            resources={"metadata": {"path": str(source.parent)}})
     started = time.monotonic()
-    failure = None
-    try:
-        client.execute()
-    except (CellExecutionError, CellTimeoutError) as err:
-        failure = _first_failure(nb) or CellFailure(
-            index=-1, execution_count=None, first_line="", ename=type(err).__name__,
-            evalue=str(err).strip().splitlines()[-1] if str(err).strip() else "",
-            traceback=_ANSI.sub("", str(err)))
+    failure = execute(nb, source.parent, timeout=timeout, kernel_name=kernel_name)
     seconds = time.monotonic() - started
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out)
     log.info("executed %s in %.1fs -> %s", source, seconds, out)
     return NotebookRun(source=source, output=out, seconds=seconds, failure=failure)
+
+
+def execute(nb: nbformat.NotebookNode, directory: str | os.PathLike[str], *,
+            timeout: float | None = DEFAULT_CELL_TIMEOUT, kernel_name: str = "python3",
+            extra_arguments: Sequence[str] = (), env: Mapping[str, str] | None = None,
+            before_shutdown: Callable[[Any], None] | None = None) -> CellFailure | None:
+    """Execute ``nb`` in place in a fresh kernel started in ``directory``; the failed
+    cell, or None.
+
+    As ``NotebookClient.execute``, except that the widget state is saved in the
+    notebook's metadata even when a cell fails, and that ``before_shutdown(client)``
+    (an ``nbclient.NotebookClient``) is called while the kernel is still up, unless it
+    died or is stuck in a cell that timed out. ``extra_arguments`` go to the kernel's
+    command line (``--SpotMagics.provider=aws``); ``env`` replaces its environment.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
+                            extra_arguments=list(extra_arguments),
+                            resources={"metadata": {"path": str(directory)}})
+    failure = None
+    kernel_usable = True
+    with client.setup_kernel(**({"env": dict(env)} if env is not None else {})):
+        assert client.kc is not None  # setup_kernel started it
+        info = client.wait_for_reply(client.kc.kernel_info())
+        if info is not None and "language_info" in info["content"]:
+            nb.metadata["language_info"] = info["content"]["language_info"]
+        index = -1
+        try:
+            for index, cell in enumerate(nb.cells):
+                client.execute_cell(cell, index,
+                                    execution_count=client.code_cells_executed + 1)
+        except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
+            kernel_usable = isinstance(err, CellExecutionError)
+            text = str(err).strip()
+            failure = _first_failure(nb) or CellFailure(
+                index=index, execution_count=None,
+                first_line=_first_line(nb.cells[index]) if 0 <= index < len(nb.cells) else "",
+                ename=type(err).__name__, evalue=text.splitlines()[-1] if text else "",
+                traceback=_ANSI.sub("", text))
+        finally:
+            client.set_widgets_metadata()
+        if before_shutdown is not None and kernel_usable:
+            before_shutdown(client)
+    return failure
+
+
+def _first_line(cell: nbformat.NotebookNode) -> str:
+    lines = cell.source.strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _first_failure(nb: nbformat.NotebookNode) -> CellFailure | None:
@@ -99,10 +140,9 @@ def _first_failure(nb: nbformat.NotebookNode) -> CellFailure | None:
             continue
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
-                lines = cell.source.strip().splitlines()
                 return CellFailure(
                     index=index, execution_count=cell.get("execution_count"),
-                    first_line=lines[0] if lines else "",
+                    first_line=_first_line(cell),
                     ename=output.get("ename", ""), evalue=output.get("evalue", ""),
                     traceback=_ANSI.sub("", "\n".join(output.get("traceback", []))))
     return None
