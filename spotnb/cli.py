@@ -21,7 +21,8 @@ from spotnb.spec import SpecError
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def _age(created: float, now: float) -> str:
+def format_age(created: float, now: float) -> str:
+    """How long ago ``created`` was, in one unit: ``42s``, ``5m``, ``3h``, ``2d``."""
     seconds = max(0, int(now - created))
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
@@ -66,7 +67,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     print(f"{'JOB':<24} {'NAME':<16} {'STATUS':<22} {'ATT':>3} {'INT':>3} {'COST $':>9} AGE")
     for r in rows:
         print(f"{r.job_id:<24} {r.name[:16]:<16} {r.status:<22} {r.attempts:>3} "
-              f"{r.interruptions:>3} {r.cost_usd:>9.4f} {_age(r.created, now)}")
+              f"{r.interruptions:>3} {r.cost_usd:>9.4f} {format_age(r.created, now)}")
     return 0
 
 

@@ -29,6 +29,7 @@ from traitlets import Float, Int, List, TraitError, Type, Unicode, validate
 
 import spotnb
 from spotnb import capture, display
+from spotnb.cli import format_age
 from spotnb.spec import SpecError, parse_duration
 
 __all__ = ["SpotMagics", "TrainRequest"]
@@ -448,7 +449,7 @@ class SpotMagics(Magics):
         now = time.time()
         header = ("job", "name", "status", "attempts", "interruptions", "cost $", "age")
         table = [(r.job_id, r.name, r.status, str(r.attempts), str(r.interruptions),
-                  f"{r.cost_usd:.4f}", _age(r.created, now)) for r in rows]
+                  f"{r.cost_usd:.4f}", format_age(r.created, now)) for r in rows]
         show(_table_bundle(header, table), raw=True)
 
     @line_magic
@@ -548,14 +549,6 @@ def _shipping_line(cap: capture.Capture) -> str:
     if cap.files:
         parts.append("files " + ", ".join(sorted(cap.files)))
     return "[spotnb] shipping " + ("; ".join(parts) if parts else "the cell alone")
-
-
-def _age(created: float, now: float) -> str:
-    seconds = max(0, int(now - created))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
 
 
 def _table_bundle(header: Sequence[str], rows: Sequence[Sequence[str]]) -> dict[str, str]:
