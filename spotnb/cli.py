@@ -99,9 +99,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from spotnb.providers import get_provider
 
     found = get_provider("local").cleanup(dry_run=args.dry_run)
-    verb = "would remove" if args.dry_run else "removed"
     for item in found:
-        print(f"{verb}: {item}")
+        print(item)
     if not found:
         print("nothing left over")
     return 0

@@ -190,13 +190,13 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
 
 
 def test_pure_python_training_survives_interruptions(cloud: Path) -> None:
-    inputs = {"STEPS": 120, "STEP_SECONDS": 0.02}
+    inputs = {"STEPS": 160, "STEP_SECONDS": 0.02}
     common = dict(inputs=inputs, outputs=["weights"], checkpoint_every="10 steps")
     baseline = spotnb.submit(PYTHON_TRAINING, **common).wait(timeout=120)
-    handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=2, **common)
+    handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=3, **common)
     result = handle.wait(timeout=180)
     assert result.status == "completed", result.error
-    assert result.interruptions == 2
+    assert result.interruptions == 3
     assert result.outputs["weights"] == baseline.outputs["weights"]
     assert result.metrics["norm"] == baseline.metrics["norm"]
     wait_no_processes(cloud)

@@ -201,6 +201,13 @@ class LocalProvider(Provider):
             if alive and not finished:
                 live_jobs.add(job_id)
                 continue
+            if finished and not alive:
+                # A group that ended properly leaves only its logs: history, not a
+                # leftover. A real cleanup clears them too.
+                if not dry_run:
+                    done.append(f"did remove the logs of finished job {job_id}")
+                    shutil.rmtree(home, ignore_errors=True)
+                continue
             why = "its job has a result" if finished else "its supervisor is gone"
             done.append(f"{verb} remove capacity group {job_id} ({why})")
             if not dry_run:
