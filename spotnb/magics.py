@@ -261,7 +261,7 @@ class SpotMagics(Magics):
                   f"on its own. Follow it with `%spot_attach {handle.job_id}`, stop it with "
                   f"`%spot_stop {handle.job_id}`.")
             return None
-        return self._follow(handle, cell_number=self._ip.execution_count)
+        return self._follow(handle, cell_number=self._cell_number())
 
     def train_request(self, line: str) -> TrainRequest:
         """Parse a ``%%spot_train`` line, filling in the configured defaults."""
@@ -302,8 +302,17 @@ class SpotMagics(Magics):
         # Jupyter tells the kernel which notebook it serves.
         session = os.environ.get("JPY_SESSION_NAME", "")
         stem = Path(session).stem if session else "cell"
-        count = getattr(self._ip, "execution_count", None)
+        count = self._cell_number()
         return f"{stem}-{count}" if count is not None else stem
+
+    def _cell_number(self) -> int | None:
+        """The running cell's ``In[n]``. IPython 8 increments ``execution_count`` after
+        a cell, IPython 9 before it; the history has stored the cell at ``n`` in both."""
+        raw = getattr(getattr(self._ip, "history_manager", None), "input_hist_raw", None)
+        if raw:
+            return len(raw) - 1
+        count = getattr(self._ip, "execution_count", None)
+        return int(count) if count is not None else None
 
     def _capture(self, body: str, request: TrainRequest) -> capture.Capture:
         try:

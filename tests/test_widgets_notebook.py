@@ -116,9 +116,12 @@ def test_executed_quickstart_keeps_the_dashboard_the_picker_and_a_static_figure(
     train = next(c for c in nb.cells if c.source.startswith("%%spot_train"))
     kinds = [sorted(o.get("data", {})) for o in train.outputs
              if o["output_type"] == "display_data"]
+    # The dashboard, its static figure, and the job's record line (spotnb.records).
     assert kinds == [["application/vnd.jupyter.widget-view+json", "text/plain"],
-                     ["application/vnd.plotly.v1+json", "text/html", "text/plain"]], kinds
-    dashboard, static = (o for o in train.outputs if o["output_type"] == "display_data")
+                     ["application/vnd.plotly.v1+json", "text/html", "text/plain"],
+                     ["text/plain"]], kinds
+    dashboard, static, record = (o for o in train.outputs if o["output_type"] == "display_data")
+    assert record["metadata"]["spotnb"]["job"]["interruptions"] == 2
     # Without widgets the dashboard reads as text: status, then the output panel.
     text = dashboard["data"]["text/plain"]
     assert text.startswith("spotnb job") and "completed" in text
