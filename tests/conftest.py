@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,12 @@ import pytest
 
 LEFTOVER_GRACE_SECONDS = 20.0
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+# Debian's Chromium, headless and with no network of its own (the machine has none).
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
 
 
 def _spotnb_processes(home: Path) -> list[psutil.Process]:

@@ -27,15 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ARTIFACTS, CHROMIUM, CHROMIUM_FLAGS
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-ARTIFACTS = REPO / "tests" / "artifacts"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
 LAB_START_SECONDS = 60
 RUN_SECONDS = 120
 _LOOPBACK = re.compile(r"^(https?|wss?)://(127\.0\.0\.1|localhost)[:/]")

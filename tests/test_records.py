@@ -29,7 +29,7 @@ from typing import Any
 import nbformat
 import psutil
 import pytest
-from conftest import LEFTOVER_GRACE_SECONDS, _spotnb_processes
+from conftest import ARTIFACTS, CHROMIUM, CHROMIUM_FLAGS, LEFTOVER_GRACE_SECONDS, _spotnb_processes
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 import spotnb
@@ -42,11 +42,6 @@ from spotnb.records.scrub import REDACTED, scrub
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-ARTIFACTS = REPO / "tests" / "artifacts"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
 _rng = random.Random()
 FAKE_KEY_ID = "AKIA" + "".join(_rng.choices(string.ascii_uppercase + string.digits, k=16))
 FAKE_SECRET = "".join(_rng.choices(string.ascii_letters + string.digits + "/+", k=40))
