@@ -75,6 +75,9 @@ _logger = logging.getLogger(__name__)
 
 # How long restore() waits for the agent's checkpoint download before doing its own.
 PREFETCH_WAIT_SECONDS = 600.0
+# While a save waits for the previous upload, how often it looks for a termination
+# notice (which ends the wait: the last save must fit in the notice period).
+PARK_CHECK_SECONDS = 0.02
 
 # The hot path of log(): bound once, so a call is one global lookup each.
 _append = ROWS.append
@@ -258,6 +261,10 @@ class _Upload:
     def wait_serialized(self) -> None:
         """Wait until the host copy is written out (its buffers may be reused)."""
         self._serialized.wait()
+
+    def done(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; whether the upload has ended (either way)."""
+        return self._done.wait(timeout)
 
     def wait(self) -> Manifest | None:
         """The manifest once durable, or None if the save failed (already reported)."""
@@ -447,8 +454,13 @@ class Checkpoint:
 
     def _save(self, step: int, forced: bool) -> None:
         rt = self._rt
-        park = rt.park_requested
         previous = self._upload
+        if previous is not None and not rt.park_requested:
+            # A save waits for the previous upload; a termination notice arriving
+            # meanwhile makes this save the last one, which must not wait (below).
+            while not previous.done(PARK_CHECK_SECONDS) and not rt.park_requested:
+                pass
+        park = rt.park_requested
         if park and previous is not None:
             # The save before termination: do not wait for the previous upload to
             # finish before uploading this one (two uploads in a row may not fit in
@@ -537,15 +549,24 @@ def _user_ns() -> dict[str, Any]:
     return ns
 
 
-def _bootstrap(user_ns: dict[str, Any] | None = None) -> None:
+def _bootstrap(user_ns: dict[str, Any] | None = None,
+               env: dict[str, str] | None = None) -> None:
     """Called by the agent in the fresh kernel before the cell runs.
 
-    Connects to the agent (``SPOTNB_AGENT_SOCKET``), loads the cell's captured inputs
-    (``inputs.pkl`` in the job store, cloudpickled ``{name: value}``) into the
-    namespace, and binds ``spot`` to this module there.
+    Adds ``env`` to the environment (the attempt's own settings: the agent spawns the
+    kernel before it knows which attempt it runs; subprocesses of the cell inherit
+    them too), connects to the agent (``SPOTNB_AGENT_SOCKET``), loads the cell's
+    captured inputs (``inputs.pkl`` in the job store, cloudpickled
+    ``{name: value}``) into the namespace, and binds ``spot`` to this module there.
     """
+    import importlib
+
     import cloudpickle
 
+    os.environ.update(env or {})
+    # The agent unpacks the job's files while the kernel boots: forget any directory
+    # listing the import system cached before they were there.
+    importlib.invalidate_caches()
     rt = _rt()
     ns = _user_ns() if user_ns is None else user_ns
     try:

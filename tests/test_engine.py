@@ -290,6 +290,27 @@ def test_user_error_fails_with_the_remote_traceback_and_no_retry(cloud: Path) ->
     wait_no_processes(cloud)
 
 
+def test_a_kernel_that_dies_fails_the_job_with_its_exit_reason(cloud: Path) -> None:
+    # What the out-of-memory killer does to a kernel; a child it started goes with it.
+    code = textwrap.dedent("""
+        import os, signal, subprocess, time
+        child = subprocess.Popen(["sleep", "300"])
+        print("started", child.pid, flush=True)
+        time.sleep(1)  # the output reaches the agent before the kernel dies
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    handle = spotnb.submit(code)
+    result = handle.wait(timeout=120)
+    assert result.status == "failed"
+    assert result.error is not None and result.error["ename"] == "KernelDied"
+    assert "killed by signal 9 SIGKILL (out of memory?)" in result.error["evalue"]
+    assert len(result.attempts) == 1
+    child = int(next(e.data["text"].split()[1] for e in handle.events(follow=False)
+                     if e.type == "stream" and e.data["text"].startswith("started")))
+    wait_no_processes(cloud)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+
+
 def test_user_error_retried_when_the_policy_allows(cloud: Path) -> None:
     code = textwrap.dedent("""
         tries = {"n": 0}

@@ -626,7 +626,10 @@ _SLOW_PARK = textwrap.dedent(
 )
 
 
-def test_notice_during_an_upload_does_not_queue_behind_it(job: Job) -> None:
+@pytest.mark.parametrize("rebalance_first", [False, True],
+                         ids=["termination", "rebalance-then-termination"])
+def test_notice_during_an_upload_does_not_queue_behind_it(
+        job: Job, rebalance_first: bool) -> None:
     # A slow network (the local store's throttle): one upload takes about a second.
     env = dict(job.env, SPOTNB_LOCAL_UPLOAD_MBPS="0.05")
     env[channel.ENV_CHECKPOINT_EVERY] = json.dumps({"seconds": None, "steps": 50})
@@ -634,6 +637,11 @@ def test_notice_during_an_upload_does_not_queue_behind_it(job: Job) -> None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         begin = job.agent.wait_for(lambda m: m.get("phase") == "begin")
+        if rebalance_first:
+            # The rebalance's save waits for the upload in flight; the termination
+            # notice that follows must end that wait, not queue behind it.
+            job.agent.notice("rebalance")
+            time.sleep(0.2)
         job.agent.notice("instance-action")
         noticed = time.monotonic()
         parked = job.agent.wait_for(lambda m: m["op"] == "parked")

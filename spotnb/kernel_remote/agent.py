@@ -7,10 +7,11 @@ instance-metadata endpoint: no inbound network, no SSH.
 An attempt, narrated::
 
     Step 1  read spec.json; if the job already has a result, exit.
-    Step 2  take the lease (wait while a live agent holds it); attempt = lease epoch.
-    Step 3  in parallel: start the kernel, prefetch the latest checkpoint.
-    Step 4  bootstrap the runtime in the kernel (inputs, `spot`), run the cell,
-            relay stream/display/error outputs as events.
+    Step 2  spawn the kernel now: it boots while the rest of the start-up happens.
+    Step 3  take the lease (wait while a live agent holds it); attempt = lease epoch.
+    Step 4  prefetch the latest checkpoint while the kernel finishes booting and the
+            cell's imports run; bootstrap the runtime in the kernel (attempt, inputs,
+            `spot`), run the cell, relay stream/display/error outputs as events.
     Step 5  completed -> save outputs, wait for uploads, write result.json.
             user error -> retry in place under a new epoch if the policy allows,
             else write a failed result.
@@ -47,6 +48,7 @@ from spotnb import layout, lease
 from spotnb.events import EventWriter
 from spotnb.kernel_remote import channel
 from spotnb.kernel_remote.imds import ImdsClient
+from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
 from spotnb.kernel_remote.sampler import Sampler
 from spotnb.spec import JobSpec
 from spotnb.store import NotFound, Store, open_store
@@ -64,7 +66,7 @@ TERMINATION_GRACE_SECONDS = 0.8
 EXIT_OK = 0
 EXIT_FENCED = 3
 
-_BOOTSTRAP = "import spotnb.runtime as _spotnb_runtime; _spotnb_runtime._bootstrap()"
+_BOOTSTRAP = "import spotnb.runtime as _spotnb_runtime; _spotnb_runtime._bootstrap(env={env!r})"
 
 
 class Fenced(Exception):
@@ -91,24 +93,27 @@ class Agent:
         self._done = threading.Event()
         self._conn: socket.socket | None = None
         self._conn_lock = threading.Lock()
-        self._km: Any = None
+        self._kernel: KernelProcess | None = None
+        self._kernels_started = 0
         self._scratch = Path(tempfile.mkdtemp(prefix="spotnb-agent-", dir=os.getcwd()))
 
     # -- the attempt -----------------------------------------------------------------
 
     def run(self) -> int:
         """Run the job until it ends or this instance goes away; the exit code."""
-        self.identity = self._identity()
-        instance = self.identity["instance_id"]
         if self.store.exists(layout.RESULT):
             log.info("job %s already has a result; nothing to do", self.spec.job_id)
             return EXIT_OK
-        # Step 2: the lease. A live holder means another agent works on the job.
-        self.held = self._take_lease(instance)
-        if self.held is None:
-            return EXIT_OK
-        signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
+            # Step 2: the kernel boots (~0.5 s) while the identity and lease are read.
+            self._listener = self._open_listener()
+            self._spawn_kernel()
+            self.identity = self._identity()
+            # Step 3: the lease. A live holder means another agent works on the job.
+            self.held = self._take_lease(self.identity["instance_id"])
+            if self.held is None:
+                return EXIT_OK
+            signal.signal(signal.SIGTERM, self._on_sigterm)
             return self._run_attempts()
         except Fenced:
             log.warning("lost the lease; stopping without writing")
@@ -116,7 +121,10 @@ class Agent:
         finally:
             self._done.set()
             self._shutdown_kernel()
+            with contextlib.suppress(OSError):
+                self._listener.close()
             shutil.rmtree(self._scratch, ignore_errors=True)
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     def _run_attempts(self) -> int:
         assert self.held is not None
@@ -126,7 +134,6 @@ class Agent:
             threading.Thread(target=self._watch_stop, name="stop", daemon=True),
             threading.Thread(target=self._serve_channel, name="channel", daemon=True),
         ]
-        self._listener = self._open_listener()
         for t in threads:
             t.start()
         while True:
@@ -146,20 +153,31 @@ class Agent:
         ev.emit("status", state="booting", detail=f"attempt {attempt} on {self._where()}",
                 instance_type=self.identity.get("instance_type"),
                 az=self.identity.get("az_id") or self.identity.get("az"),
-                region=self.identity.get("region"), pid=os.getpid())
+                region=self.identity.get("region"), pid=os.getpid(),
+                process_started=_process_started())
         sampler = Sampler(lambda data: self._emit("sys", **data))
         sampler.start()
         try:
-            # Step 3: the kernel starts, and the cell's imports run, while the
-            # checkpoint downloads; restore() waits for the download to finish.
+            # Step 4: the checkpoint downloads while the kernel finishes booting and
+            # the cell's imports run; restore() waits for the download to finish.
             restore_dir = self._scratch / f"restore-{attempt}"
             restore_dir.mkdir(parents=True, exist_ok=True)
             prefetch = threading.Thread(target=self._prefetch, args=(restore_dir,), daemon=True)
             prefetch.start()
-            kc = self._start_kernel(attempt, restore_dir)
+            self._unpack_workdir()
+            try:
+                kc = self._connect_kernel()
+            except KernelNotReady as e:
+                return self._finish("failed", "the kernel could not start", error={
+                    "ename": "KernelDied", "evalue": str(e), "traceback": [str(e)]})
             self._check_fence()
-            # Step 4: bootstrap the runtime, then the cell itself.
-            boot_error = self._execute(kc, _BOOTSTRAP, silent=True)
+            # The attempt's own settings reach the kernel with the bootstrap: the
+            # kernel was spawned before the lease said which attempt this is.
+            boot_error = self._execute(kc, _BOOTSTRAP.format(env={
+                channel.ENV_ATTEMPT: str(attempt),
+                channel.ENV_INSTANCE_ID: self.identity["instance_id"],
+                channel.ENV_RESTORE_DIR: str(restore_dir),
+            }), silent=True)
             if self.stop_requested:
                 return self._finish("stopped", self._stop_reason())
             if boot_error:
@@ -229,70 +247,66 @@ class Agent:
 
     # -- kernel ----------------------------------------------------------------------
 
-    def _start_kernel(self, attempt: int, restore_dir: Path) -> Any:
-        from jupyter_client.manager import KernelManager
+    @property
+    def _workdir(self) -> Path:
+        return Path(os.getcwd()) / "work"
 
-        workdir = Path(os.getcwd()) / "work"
-        workdir.mkdir(exist_ok=True)
-        self._unpack_workdir(workdir)
+    def _spawn_kernel(self) -> None:
+        """Start a kernel process if none is running; it boots while the agent goes on.
+
+        Its environment holds what is the same for every attempt of the job; the
+        attempt's own settings come with the bootstrap (:data:`_BOOTSTRAP`).
+        """
+        if self._kernel is not None:
+            return
+        self._workdir.mkdir(exist_ok=True)
         every = self.spec.policy.checkpoint_every
         env = dict(os.environ)
         env.update({
             channel.ENV_JOB_URI: self.job_uri,
             channel.ENV_JOB_ID: self.spec.job_id,
-            channel.ENV_ATTEMPT: str(attempt),
-            channel.ENV_INSTANCE_ID: self.identity["instance_id"],
             channel.ENV_SOCKET: str(self._socket_path),
             channel.ENV_CHECKPOINT_EVERY: json.dumps(
                 {"seconds": every.seconds, "steps": every.steps}),
             channel.ENV_KEEP_CHECKPOINTS: str(self.spec.policy.keep_checkpoints),
             channel.ENV_SCRATCH: str(self._scratch),
-            channel.ENV_RESTORE_DIR: str(restore_dir),
             "PYTHONUNBUFFERED": "1",
         })
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(workdir), env.get("PYTHONPATH", "")) if p)
-        km = KernelManager(kernel_name="python3")
-        km.start_kernel(env=env, cwd=str(workdir))
-        self._km = km
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=KERNEL_READY_TIMEOUT)
-        return kc
+            p for p in (str(self._workdir), env.get("PYTHONPATH", "")) if p)
+        self._kernels_started += 1
+        self._kernel = KernelProcess.start(socket_dir=self._socket_dir,
+                                           name=f"k{self._kernels_started}",
+                                           cwd=self._workdir, env=env)
 
-    def _unpack_workdir(self, workdir: Path) -> None:
-        """The files shipped with the job (helper modules), into the kernel's cwd."""
+    def _connect_kernel(self) -> Any:
+        """The client of this attempt's kernel, once it answers. Raises KernelNotReady."""
+        self._spawn_kernel()  # a retry in place needs a fresh kernel
+        assert self._kernel is not None
+        return self._kernel.connect(timeout=KERNEL_READY_TIMEOUT)
+
+    def _unpack_workdir(self) -> None:
+        """The files shipped with the job (helper modules), into the kernel's cwd.
+
+        The kernel may already be running: the bootstrap refreshes its import caches.
+        """
         try:
             archive = self.store.get(layout.WORKDIR)
         except NotFound:
             return
+        self._workdir.mkdir(exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
-            tar.extractall(workdir, filter="data")
+            tar.extractall(self._workdir, filter="data")
 
     def _shutdown_kernel(self) -> None:
-        km, self._km = self._km, None
-        if km is None:
-            return
-        proc = getattr(getattr(km, "provisioner", None), "process", None)
-        with contextlib.suppress(Exception):
-            km.shutdown_kernel(now=True)
-        # The kernel leads its own session; its children (a `!cmd`, data loader
-        # workers) must not outlive the attempt.
-        if proc is not None:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        kernel, self._kernel = self._kernel, None
+        if kernel is not None:
+            kernel.kill()
 
-    def _kernel_exit_reason(self) -> str:
-        km = self._km
-        proc = getattr(getattr(km, "provisioner", None), "process", None)
-        code = proc.poll() if proc is not None else None
-        if code is None:
-            return "the kernel stopped responding"
-        if code < 0:
-            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else ""
-            hint = " (out of memory?)" if -code == signal.SIGKILL else ""
-            return f"the kernel died: killed by signal {-code} {name}{hint}".strip()
-        return f"the kernel died: exit code {code}"
+    def _interrupt_kernel(self) -> None:
+        kernel = self._kernel
+        if kernel is not None:
+            kernel.interrupt()
 
     def _execute(self, kc: Any, code: str, silent: bool) -> dict[str, Any] | None:
         """Run ``code`` in the kernel, relaying its outputs; the error or None."""
@@ -305,12 +319,12 @@ class Agent:
             try:
                 msg = kc.get_iopub_msg(timeout=0.5)
             except queue.Empty:
-                if self._km is not None and not self._km.is_alive():
-                    reason = self._kernel_exit_reason()
+                kernel = self._kernel
+                if kernel is not None and not kernel.alive:
+                    reason = kernel.exit_reason()
                     return {"ename": "KernelDied", "evalue": reason, "traceback": [reason]}
-                if self.stop_requested and self._km is not None:
-                    with contextlib.suppress(Exception):
-                        self._km.interrupt_kernel()
+                if self.stop_requested:
+                    self._interrupt_kernel()
                 continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
@@ -381,9 +395,7 @@ class Agent:
         self.fenced.set()
         if self.events is not None:
             self.events.stop_writing()
-        if self._km is not None:
-            with contextlib.suppress(Exception):
-                self._km.interrupt_kernel()
+        self._interrupt_kernel()
 
     def _check_fence(self) -> None:
         if self.fenced.is_set():
@@ -397,12 +409,9 @@ class Agent:
             except Exception:
                 log.debug("IMDS poll failed", exc_info=True)
                 continue
-            if rebalance and not self.rebalance:
-                self.rebalance = rebalance
-                self._emit("notice", kind="rebalance", action="rebalance",
-                           notice_time=rebalance.get("noticeTime"))
-                self._send({"op": "notice", "kind": "rebalance", "action": "rebalance",
-                            "time": rebalance.get("noticeTime")})
+            # The termination first: when both arrive in one poll, the runtime's next
+            # save must already know it is the last one (a rebalance save alone
+            # would wait for the upload in flight and keep training).
             if action and not self.notice:
                 self.notice = action
                 self._emit("notice", kind="instance-action", action=action.get("action"),
@@ -412,6 +421,12 @@ class Agent:
                                   f"{action.get('time')}; saving a checkpoint")
                 self._send({"op": "notice", "kind": "instance-action",
                             "action": action.get("action"), "time": action.get("time")})
+            if rebalance and not self.rebalance:
+                self.rebalance = rebalance
+                self._emit("notice", kind="rebalance", action="rebalance",
+                           notice_time=rebalance.get("noticeTime"))
+                self._send({"op": "notice", "kind": "rebalance", "action": "rebalance",
+                            "time": rebalance.get("noticeTime")})
 
     def _watch_stop(self) -> None:
         while not self._done.wait(STOP_POLL_SECONDS):
@@ -424,9 +439,7 @@ class Agent:
                 continue
             self.stop_requested = json.loads(raw or b"{}")
             self._emit("status", state="stopped", detail=f"stopping: {self._stop_reason()}")
-            if self._km is not None:
-                with contextlib.suppress(Exception):
-                    self._km.interrupt_kernel()
+            self._interrupt_kernel()
             return
 
     def _stop_reason(self) -> str:
@@ -587,6 +600,22 @@ class Agent:
         parts = [ident.get("instance_type"), ident.get("az_id") or ident.get("az"),
                  ident.get("instance_id")]
         return " ".join(str(p) for p in parts if p)
+
+
+def _process_started() -> float | None:
+    """When this process started (epoch seconds, to 10 ms), for the resume benchmark.
+
+    From ``/proc/self/stat`` against the boot clock: psutil's ``create_time`` counts
+    from the boot time in whole seconds, up to a second off.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime, field 22 of proc(5), in clock ticks
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,14 +21,16 @@ agent -> runtime
     "time": str}``: sent when the notice appears, and again on connect if one is
     pending.
 
-The kernel's environment (set by the agent):
-``SPOTNB_JOB_URI``, ``SPOTNB_JOB_ID``, ``SPOTNB_ATTEMPT``, ``SPOTNB_INSTANCE_ID``,
-``SPOTNB_AGENT_SOCKET``, ``SPOTNB_CHECKPOINT_EVERY`` (JSON ``{"seconds", "steps"}``),
-``SPOTNB_KEEP_CHECKPOINTS``, ``SPOTNB_SCRATCH`` (a local directory for this attempt),
-and ``SPOTNB_RESTORE_DIR`` (where the agent prefetches the latest checkpoint while the
-kernel starts and the cell's imports run: the checkpoint's files plus ``MANIFEST.json``;
-the agent creates :data:`PREFETCH_DONE` there when it is finished, successfully or
-not, and ``restore()`` waits for that file before it looks).
+The kernel's environment (set by the agent when it spawns the kernel, before it holds
+the lease): ``SPOTNB_JOB_URI``, ``SPOTNB_JOB_ID``, ``SPOTNB_AGENT_SOCKET``,
+``SPOTNB_CHECKPOINT_EVERY`` (JSON ``{"seconds", "steps"}``), ``SPOTNB_KEEP_CHECKPOINTS``,
+``SPOTNB_SCRATCH`` (a local directory for this attempt). The attempt's own settings are
+added to it by the bootstrap (``spotnb.runtime._bootstrap(env=...)``), before anything
+reads them: ``SPOTNB_ATTEMPT``, ``SPOTNB_INSTANCE_ID`` and ``SPOTNB_RESTORE_DIR``
+(where the agent prefetches the latest checkpoint while the kernel starts and the
+cell's imports run: the checkpoint's files plus ``MANIFEST.json``; the agent creates
+:data:`PREFETCH_DONE` there when it is finished, successfully or not, and
+``restore()`` waits for that file before it looks).
 """
 
 from __future__ import annotations

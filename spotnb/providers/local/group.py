@@ -192,6 +192,9 @@ class Supervisor:
             return self._step_finishing(now)
         if self.current is None and now >= self.next_launch_at:
             self._launch(now)
+            if self.current is not None and self.current.boot_until <= now:
+                # No boot delay: start the agent now rather than a tick later.
+                self._spawn(self.current, time.time())
         return True
 
     def _read_control(self) -> None:

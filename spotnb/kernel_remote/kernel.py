@@ -1,0 +1,147 @@
+"""The user's IPython kernel, started by the agent as a plain child process.
+
+jupyter_client's ``KernelManager`` spends about 0.25 s before the kernel process even
+exists (kernel-spec lookup, provisioner entry points, probing five TCP ports), and its
+``wait_for_ready`` then idles 0.2 s flushing IOPub. On a replacement instance all of
+that sits between the process start and the first training step, so the agent starts
+``python -m ipykernel_launcher`` itself, as its first action, and connects a
+``BlockingKernelClient`` over IPC sockets in a private directory (no TCP port is opened,
+nothing is reachable from outside the instance).
+
+What ``KernelManager`` gave and this keeps: the kernel leads its own session, so an
+interrupt (SIGINT) and the final SIGKILL reach its children too (a ``!cmd``, data
+loader workers); ``JPY_PARENT_PID`` makes the kernel exit if the agent dies; the exit
+status says why a kernel died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KernelNotReady", "KernelProcess"]
+
+# How long one kernel_info round may take before it is sent again. A reply also proves
+# the shell channel; an IOPub message after it proves the subscription is live (ZMQ
+# drops what a subscriber publishes before it has joined).
+INFO_RETRY_SECONDS = 1.0
+IOPUB_PROOF_SECONDS = 0.2
+
+
+class KernelNotReady(RuntimeError):
+    """The kernel died or did not answer in time while starting."""
+
+
+class KernelProcess:
+    """One IPython kernel process and the files it needs (connection file, sockets)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], connection_file: Path) -> None:
+        self.proc = proc
+        self.connection_file = connection_file
+        self._client: Any = None
+
+    @classmethod
+    def start(cls, *, socket_dir: Path, name: str, cwd: Path,
+              env: dict[str, str]) -> KernelProcess:
+        """Spawn ``python -m ipykernel_launcher`` on IPC sockets ``socket_dir/name-N``.
+
+        Returns at once; :meth:`connect` waits for the kernel. ``socket_dir`` must be a
+        short path (Unix socket paths are limited to ~107 bytes) only this user can read.
+        """
+        connection = {
+            "transport": "ipc", "ip": str(socket_dir / name),
+            "shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4,
+            "hb_port": 5, "key": secrets.token_hex(32), "signature_scheme": "hmac-sha256",
+            "kernel_name": "",
+        }
+        connection_file = socket_dir / f"{name}.json"
+        fd = os.open(connection_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(connection, f)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file)],
+            cwd=cwd, env={**env, "JPY_PARENT_PID": str(os.getpid())},
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        return cls(proc, connection_file)
+
+    def connect(self, timeout: float) -> Any:
+        """A started ``BlockingKernelClient`` once the kernel answers on shell and IOPub.
+
+        Raises :class:`KernelNotReady` if the kernel exits or ``timeout`` passes first.
+        """
+        from jupyter_client.blocking import BlockingKernelClient
+
+        kc = BlockingKernelClient(connection_file=str(self.connection_file))
+        kc.load_connection_file()
+        kc.start_channels()
+        self._client = kc
+        deadline = time.monotonic() + timeout
+        while True:
+            msg_id = kc.kernel_info()
+            if self._await_info_reply(kc, msg_id, deadline):
+                try:
+                    kc.get_iopub_msg(timeout=IOPUB_PROOF_SECONDS)
+                except queue.Empty:
+                    pass  # not subscribed yet: ask again
+                else:
+                    return kc
+            if time.monotonic() > deadline:
+                raise KernelNotReady(f"the kernel did not answer within {timeout:.0f} s")
+
+    def _await_info_reply(self, kc: Any, msg_id: str, deadline: float) -> bool:
+        until = min(deadline, time.monotonic() + INFO_RETRY_SECONDS)
+        while time.monotonic() < until:
+            if not self.alive:
+                raise KernelNotReady(self.exit_reason())
+            try:
+                reply = kc.get_shell_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                return True
+        return False
+
+    @property
+    def alive(self) -> bool:
+        """Whether the kernel process is still running."""
+        return self.proc.poll() is None
+
+    def exit_reason(self) -> str:
+        """Why the kernel is gone, for a person (or that it stopped responding)."""
+        code = self.proc.poll()
+        if code is None:
+            return "the kernel stopped responding"
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else ""
+            hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+            return f"the kernel died: killed by signal {-code} {name}{hint}".strip()
+        return f"the kernel died: exit code {code}"
+
+    def interrupt(self) -> None:
+        """SIGINT to the kernel's process group: a KeyboardInterrupt in the running cell."""
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+
+    def kill(self) -> None:
+        """SIGKILL the kernel and everything it started; remove its files."""
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.stop_channels()
+            self._client = None
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)  # reap it: the agent is its parent
+        prefix = self.connection_file.with_suffix("")
+        for path in (self.connection_file,
+                     *(prefix.with_name(f"{prefix.name}-{n}") for n in range(1, 6))):
+            path.unlink(missing_ok=True)
