@@ -96,6 +96,11 @@ class Agent:
         self._kernel: KernelProcess | None = None
         self._kernels_started = 0
         self._scratch = Path(tempfile.mkdtemp(prefix="spotnb-agent-", dir=os.getcwd()))
+        # The runtime's channel and the kernel's sockets. Unix socket paths are
+        # limited to ~107 bytes: keep it short, in /tmp.
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="spotnb-"))
+        self._socket_path = self._socket_dir / "agent.sock"
+        self._listener: socket.socket | None = None
 
     # -- the attempt -----------------------------------------------------------------
 
@@ -121,18 +126,19 @@ class Agent:
         finally:
             self._done.set()
             self._shutdown_kernel()
-            with contextlib.suppress(OSError):
+            if self._listener is not None:
                 self._listener.close()
             shutil.rmtree(self._scratch, ignore_errors=True)
             shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     def _run_attempts(self) -> int:
-        assert self.held is not None
+        assert self.held is not None and self._listener is not None
         threads = [
             threading.Thread(target=self._heartbeat, name="lease", daemon=True),
             threading.Thread(target=self._watch_imds, name="imds", daemon=True),
             threading.Thread(target=self._watch_stop, name="stop", daemon=True),
-            threading.Thread(target=self._serve_channel, name="channel", daemon=True),
+            threading.Thread(target=self._serve_channel, args=(self._listener,),
+                             name="channel", daemon=True),
         ]
         for t in threads:
             t.start()
@@ -472,18 +478,15 @@ class Agent:
     # -- the runtime channel ---------------------------------------------------------
 
     def _open_listener(self) -> socket.socket:
-        # Unix socket paths are limited to ~107 bytes: keep it short, in /tmp.
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="spotnb-"))
-        self._socket_path = self._socket_dir / "agent.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self._socket_path))
         listener.listen(4)
         return listener
 
-    def _serve_channel(self) -> None:
+    def _serve_channel(self, listener: socket.socket) -> None:
         while not self._done.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return
             with self._conn_lock:
