@@ -181,6 +181,18 @@ class EventWriter:
                 log.exception("flushing events failed; will retry")
 
 
+def log_state(store: Store) -> dict[str, str]:
+    """The last chunk of each stream: the whole state of the event log, since chunks are
+    written once and numbered in order. What is computed from the log stays valid as
+    long as this is unchanged."""
+    state = {}
+    for stream in store.list_children(EVENTS_PREFIX):
+        keys = store.list_keys(f"{EVENTS_PREFIX}{stream}/")
+        if keys:
+            state[stream] = keys[-1]
+    return state
+
+
 class EventReader:
     """Tails a job's event log: each :meth:`poll` returns the events not seen yet."""
 

@@ -29,7 +29,7 @@ from typing import Any
 import cloudpickle
 
 from spotnb import __version__, layout
-from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, EventReader
+from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, EventReader, log_state
 from spotnb.providers import Provider, get_provider
 from spotnb.spec import CheckpointEvery, JobSpec, Policy, Resources, SpecError, parse_duration
 from spotnb.store import NotFound, Store, open_store
@@ -474,16 +474,51 @@ def jobs(store: str | None = None) -> list[JobInfo]:
     for job_id in sorted(ids):
         try:
             job_store, spec = _open_job(job_id, store)
-            s = JobHandle(job_store, spec).summary()
+            rows.append(_job_info(job_store, spec))
         except JobNotFound:
             continue
         except Exception as err:  # a bucket gone or unreachable must not hide the rest
             log.warning("cannot read job %s: %s", job_id, err)
             continue
-        rows.append(JobInfo(job_id=job_id, name=spec.name, status=s.status,
-                            attempts=len(s.attempts), interruptions=s.interruptions,
-                            cost_usd=s.cost_usd, created=spec.created))
     return sorted(rows, key=lambda r: r.created)
+
+
+# Bump when JobInfo or summarize() change what a listed row says.
+_LISTING_VERSION = 1
+
+
+def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
+    """One row of :func:`jobs`.
+
+    Summarising reads the job's whole event log (a long run logs millions of metrics;
+    on S3 that is thousands of GETs), so the row of an ended job is kept in
+    ``$SPOTNB_HOME/index/listing/`` with the log's state (:func:`log_state`: one
+    listing per stream) and reused while that state is unchanged. A running job's row
+    depends on the time (its cost grows), so it is always computed.
+    """
+    cache = layout.index_dir() / "listing" / f"{spec.job_id}.json"
+    state = log_state(job_store) if job_store.exists(layout.RESULT) else None
+    if state is not None:
+        try:
+            cached = json.loads(cache.read_text())
+            if cached["version"] == _LISTING_VERSION and cached["log"] == state:
+                return JobInfo(**cached["row"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no cache, or one from another version: compute the row
+    s = JobHandle(job_store, spec).summary()
+    row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
+                  attempts=len(s.attempts), interruptions=s.interruptions,
+                  cost_usd=s.cost_usd, created=spec.created)
+    if state is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"version": _LISTING_VERSION, "log": state,
+                                       "row": dataclasses.asdict(row)}))
+            os.replace(tmp, cache)
+        except OSError as err:
+            log.debug("cannot cache the listing of job %s: %s", spec.job_id, err)
+    return row
 
 
 # -- summarising ---------------------------------------------------------------------

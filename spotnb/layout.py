@@ -23,6 +23,8 @@ Job prefix (in the store, one per job)::
     store/jobs/<job_id>/        the default local store's job prefixes
     index/<job_id>.json         where each job submitted from here lives (its store
                                 URI, which may be a bucket), for attach and listing
+    index/listing/<job_id>.json an ended job's row of ``spotnb jobs`` with the state
+                                of its event log it was computed from (a cache)
     cloud/                      the local cloud's state (groups, instances)
 """
 

@@ -279,6 +279,29 @@ def test_job_completes_after_the_submitting_process_exits(cloud: Path) -> None:
     wait_no_processes(cloud)
 
 
+def test_jobs_lists_an_ended_job_from_its_cache_until_its_log_changes(cloud: Path) -> None:
+    from spotnb.events import EventWriter
+
+    handle = spotnb.submit("x = 1")
+    assert handle.wait(timeout=120).status == "completed"
+    wait_no_processes(cloud)  # the group has written its last events
+    (row,) = spotnb.jobs()
+    assert (row.job_id, row.status, row.attempts) == (handle.job_id, "completed", 1)
+    cache = cloud / "index" / "listing" / f"{handle.job_id}.json"
+    cached = json.loads(cache.read_text())
+    assert cached["row"]["cost_usd"] == row.cost_usd > 0
+    # The listing comes from the cache while the log is unchanged...
+    cached["row"]["status"] = "from-the-cache"
+    cache.write_text(json.dumps(cached))
+    assert [r.status for r in spotnb.jobs()] == ["from-the-cache"]
+    # ...and from the events again once anything is added to it.
+    late = EventWriter(handle.store, 0, None)
+    late.emit("status", state="completed", detail="a late event")
+    late.close()
+    (again,) = spotnb.jobs()
+    assert again.status == "completed" and again.attempts == 1
+
+
 def test_user_error_fails_with_the_remote_traceback_and_no_retry(cloud: Path) -> None:
     code = "x = 1\ny = 2\nraise ValueError('bad batch size')\n"
     result = spotnb.submit(code).wait(timeout=120)
