@@ -70,7 +70,8 @@ _BOOTSTRAP = "import spotnb.runtime as _spotnb_runtime; _spotnb_runtime._bootstr
 
 
 class Fenced(Exception):
-    """This agent lost the lease: stop without writing anything more."""
+    """This agent lost the lease, or its instance is being terminated: stop without
+    writing anything more (the job is another agent's now)."""
 
 
 class Agent:
@@ -121,7 +122,8 @@ class Agent:
             signal.signal(signal.SIGTERM, self._on_sigterm)
             return self._run_attempts()
         except Fenced:
-            log.warning("lost the lease; stopping without writing")
+            log.warning("stopping without writing: %s", "the instance is being terminated"
+                        if self.terminating.is_set() else "lost the lease")
             return EXIT_FENCED
         finally:
             self._done.set()
@@ -213,6 +215,7 @@ class Agent:
             sampler.stop()
 
     def _on_user_error(self, error: dict[str, Any]) -> str:
+        self._check_fence()
         errors_so_far = len(self.store.list_keys("errors/"))
         retrying = errors_so_far < self.spec.policy.max_restarts_on_error
         assert self.held is not None
@@ -404,7 +407,9 @@ class Agent:
         self._interrupt_kernel()
 
     def _check_fence(self) -> None:
-        if self.fenced.is_set():
+        # Terminating: the kernel is killed under the cell, and what fails then is no
+        # result of the job's; the replacement runs the attempt again.
+        if self.fenced.is_set() or self.terminating.is_set():
             raise Fenced()
 
     def _watch_imds(self) -> None:
