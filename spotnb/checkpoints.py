@@ -393,18 +393,38 @@ class CheckpointStore:
     # -- reading ---------------------------------------------------------------------
 
     def _read_pointer(self) -> tuple[str, int] | None:
+        """``LATEST``'s checkpoint id and step; None if there is none. Raises
+        :class:`CheckpointError` if it is damaged (not the JSON this module writes)."""
         try:
             raw = json.loads(self.store.get(self._key(LATEST)))
+            return str(raw["id"]), int(raw["step"])
         except NotFound:
             return None
-        return str(raw["id"]), int(raw["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{self._key(LATEST)} is damaged ({e})") from None
 
     def manifest(self, checkpoint_id: str) -> Manifest:
-        """The manifest of one checkpoint; :class:`spotnb.store.NotFound` if incomplete."""
-        return Manifest.from_json(self.store.get(self._key(checkpoint_id, MANIFEST)))
+        """The manifest of one checkpoint; :class:`spotnb.store.NotFound` if incomplete,
+        :class:`CheckpointError` if damaged."""
+        raw = self.store.get(self._key(checkpoint_id, MANIFEST))
+        try:
+            return Manifest.from_json(raw)
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"the manifest of checkpoint {checkpoint_id} is damaged ({e})") from None
 
     def latest(self) -> Manifest | None:
-        """The newest complete checkpoint, or None if there is none yet."""
+        """The newest complete checkpoint, or None if there is none yet.
+
+        A damaged ``LATEST`` or a damaged newest manifest does not hide the intact
+        checkpoints below it: the newest intact one is used, and the damage is logged.
+        """
+        return next(self.manifests(), None)
+
+    def _pointed(self) -> Manifest | None:
+        """The manifest ``LATEST`` points to (None without ``LATEST``)."""
         for _ in range(_LATEST_READ_TRIES):
             pointer = self._read_pointer()
             if pointer is None:
@@ -416,26 +436,35 @@ class CheckpointStore:
                 continue
         raise CheckpointError(
             f"{self._key(LATEST)} points to a checkpoint without a manifest; the store was "
-            "changed by hand or another writer is racing. Delete the LATEST object to "
-            "start from scratch."
+            "changed by hand or another writer is racing"
         )
 
     def manifests(self) -> Iterator[Manifest]:
         """Complete checkpoints, newest first: ``LATEST``'s, then the older survivors.
 
         Lazy: a reader that is happy with the first one reads nothing more. A restore
-        falls back along it when a checkpoint turns out to be damaged.
+        falls back along it when a checkpoint turns out to be damaged; a damaged
+        ``LATEST`` or manifest is skipped here with a warning, for the next intact one.
         """
-        latest = self.latest()
-        if latest is None:
-            return
-        yield latest
+        try:
+            newest = self._pointed()
+        except CheckpointError as e:
+            log.error("%s; falling back to the newest intact checkpoint before it", e)
+            newest, below = None, None
+        else:
+            if newest is None:
+                return
+            below = newest.id
+            yield newest
         for cid in reversed(self.ids()):
-            if cid < latest.id:
-                try:
-                    yield self.manifest(cid)
-                except NotFound:
-                    continue  # incomplete, or pruned meanwhile
+            if below is not None and cid >= below:
+                continue
+            try:
+                yield self.manifest(cid)
+            except NotFound:
+                continue  # incomplete, or pruned meanwhile
+            except CheckpointError as e:
+                log.error("%s; trying the checkpoint before it", e)
 
     def download(self, manifest: Manifest, dest_dir: str | os.PathLike[str]) -> dict[str, Path]:
         """Download a checkpoint's files into ``dest_dir`` and verify them.

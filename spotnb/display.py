@@ -254,6 +254,7 @@ def follow(handle: JobHandle, renderer: Renderer,
             if result_seen_at is not None and \
                     time.monotonic() - result_seen_at > RESULT_WITHOUT_EVENTS_GRACE:
                 break  # the agent died after writing its result
+            handle.keep_supervised()
             if changed or time.monotonic() - last_draw >= refresh_seconds:
                 view.account(summarize(spec, control, None))
                 renderer.update(view)

@@ -35,12 +35,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from spotnb.store import Store
+from spotnb.lease import Standing
+from spotnb.store import NotFound, Store
 
-__all__ = ["SCHEMA_VERSION", "STATES", "Event", "EventReader", "EventWriter", "stream_name"]
+__all__ = ["SCHEMA_VERSION", "STATES", "Event", "EventReader", "EventWriter", "parse_chunk",
+           "stream_name"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ FINAL_STATES = frozenset({"completed", "failed", "stopped"})
 
 # The notebook promises events within about a second: flush at least this often.
 DEFAULT_FLUSH_SECONDS = 0.25
+# A failing store is retried after RETRY_SECONDS, doubling up to MAX_RETRY_SECONDS.
+RETRY_SECONDS = 0.5
+MAX_RETRY_SECONDS = 30.0
 
 
 def stream_name(attempt: int) -> str:
@@ -102,9 +107,17 @@ class Event:
 class EventWriter:
     """The single writer of one stream. ``emit`` is cheap; a thread flushes chunks.
 
-    Chunks are flushed every ``flush_seconds`` when there is something to write, and
-    on :meth:`flush` / :meth:`close`. A writer that was fenced off (``stop_writing``)
-    drops everything after that point.
+    Chunks are written every :attr:`interval` seconds when there is something to write,
+    at once after :meth:`flush_soon` (notices, checkpoints, errors, results: what a
+    reader must not wait for), and on :meth:`flush` / :meth:`close`.
+
+    Nothing emitted is lost to a failing store: a chunk leaves the queue only once its
+    write succeeded. A failed write is retried under the same key with backoff (up to
+    :data:`MAX_RETRY_SECONDS` apart), so a write that did land although the call failed
+    is recognised rather than written twice. ``may_write`` (the lease's standing, for an
+    agent) is asked before every write: UNCONFIRMED keeps the events queued, LOST fences
+    the writer off for good (as :meth:`stop_writing` does) and drops them: they belong
+    to a job another agent now runs.
     """
 
     def __init__(
@@ -113,22 +126,44 @@ class EventWriter:
         attempt: int,
         instance: str | None = None,
         flush_seconds: float = DEFAULT_FLUSH_SECONDS,
+        may_write: Callable[[], Standing] | None = None,
     ) -> None:
         self.store = store
         self.attempt = attempt
         self.instance = instance
-        self.flush_seconds = flush_seconds
+        self.interval = flush_seconds
+        self.may_write = may_write
         self._prefix = f"{EVENTS_PREFIX}{stream_name(attempt)}/"
         existing = store.list_keys(self._prefix)
         # A restarted writer of the same stream (the group after a crash) continues.
-        self._seq = int(existing[-1].rsplit("/", 1)[1].split(".")[0]) + 1 if existing else 0
+        self._seq = _chunk_seq(existing[-1]) + 1 if existing else 0
         self._pending: list[str] = []
+        #: Events queued and events written since this writer started (a caller that
+        #: notes ``emitted`` after queueing knows its events are durable once
+        #: ``written`` reaches it).
+        self.emitted = 0
+        self.written = 0
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
-        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._closed = False
         self._fenced = False
+        #: When writes started failing (None while they succeed), for the job's state.
+        self.failing_since: float | None = None
+        self.last_error: BaseException | None = None
+        self._retry_delay = 0.0
         self._thread = threading.Thread(target=self._run, name="spotnb-events", daemon=True)
         self._thread.start()
+
+    @property
+    def fenced(self) -> bool:
+        """Whether this writer was fenced off: it writes nothing more."""
+        return self._fenced
+
+    def pending(self) -> int:
+        """Events emitted and not yet written."""
+        with self._lock:
+            return len(self._pending)
 
     def emit(self, type: str, **data: Any) -> Event:
         """Queue an event; it is durable after the next flush."""
@@ -136,49 +171,137 @@ class EventWriter:
                       instance=self.instance, data=data)
         line = event.to_json()
         with self._lock:
-            self._pending.append(line)
+            if not self._fenced:
+                self._pending.append(line)
+                self.emitted += 1
         return event
 
     def emit_event(self, event: Event) -> None:
         """Queue an already built event (its time is kept)."""
+        line = event.to_json()
         with self._lock:
-            self._pending.append(event.to_json())
+            if not self._fenced:
+                self._pending.append(line)
+                self.emitted += 1
 
-    def flush(self) -> None:
-        """Write everything queued so far as one chunk."""
-        with self._flush_lock:
-            with self._lock:
-                lines, self._pending = self._pending, []
-            if not lines or self._fenced:
-                return
-            body = ("\n".join(lines) + "\n").encode()
-            while True:
-                key = f"{self._prefix}{self._seq:08d}.jsonl"
-                self._seq += 1
-                if self.store.put_if_absent(key, body) is not None:
-                    return
-                # Someone wrote this sequence number: only possible if two writers share
-                # a stream, which the lease forbids. Never overwrite; move on.
-                log.warning("event chunk %s already exists; skipping ahead", key)
+    def flush_soon(self) -> None:
+        """Write what is queued now, on the writer's thread (does not wait)."""
+        self._wake.set()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Write everything queued so far; whether the queue is empty at the end.
+
+        Retries a failing store with backoff until ``timeout`` seconds (None: one
+        try). False also when the writer is fenced with events dropped.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._flush_lock:
+                done = self._write_once()
+            if done or deadline is None or time.monotonic() >= deadline:
+                return done and not self._fenced
+            time.sleep(min(max(self._retry_delay, 0.05), max(0.0, deadline - time.monotonic())))
 
     def stop_writing(self) -> None:
         """Fence this writer: nothing more is written (the lease was lost)."""
-        self._fenced = True
         with self._lock:
+            self._fenced = True
             self._pending.clear()
 
-    def close(self) -> None:
-        """Flush and stop the background thread."""
-        self._closed.set()
+    def set_interval(self, seconds: float) -> None:
+        """Flush every ``seconds`` from now on (watched jobs flush often)."""
+        if seconds != self.interval:
+            self.interval = seconds
+            self._wake.set()
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the background thread, then flush, retrying a failing store up to
+        ``timeout`` seconds; whether every event was written."""
+        self._closed = True
+        self._wake.set()
         self._thread.join(timeout=10)
-        self.flush()
+        return self.flush(timeout=timeout)
+
+    def _write_once(self) -> bool:
+        """One attempt at writing the queue as one chunk (call with the flush lock);
+        True when nothing is left to write."""
+        with self._lock:
+            lines = list(self._pending)
+        if self._fenced:
+            return True
+        if not lines:
+            return True
+        if self.may_write is not None:
+            standing = self.may_write()
+            if standing is Standing.LOST:
+                log.warning("the lease is lost: dropping %d unwritten event(s)", len(lines))
+                self.stop_writing()
+                return True
+            if standing is Standing.UNCONFIRMED:
+                self._retry_delay = min(max(self._retry_delay * 2, 0.5), MAX_RETRY_SECONDS)
+                return False
+        body = ("\n".join(lines) + "\n").encode()
+        try:
+            self._put_chunk(body)
+        except Exception as err:
+            if self.failing_since is None:
+                self.failing_since = time.time()
+                log.warning("writing events failed (%s); keeping them and retrying", err)
+            self.last_error = err
+            self._retry_delay = min(max(self._retry_delay * 2, RETRY_SECONDS),
+                                    MAX_RETRY_SECONDS)
+            return False
+        if self.failing_since is not None:
+            log.warning("writing events works again after %.0f s",
+                        time.time() - self.failing_since)
+        self.failing_since, self.last_error, self._retry_delay = None, None, 0.0
+        with self._lock:
+            del self._pending[:len(lines)]
+            self.written += len(lines)
+            return not self._pending
+
+    def _put_chunk(self, body: bytes) -> None:
+        """Write ``body`` as the next chunk, exactly once (retried calls included)."""
+        while True:
+            key = f"{self._prefix}{self._seq:08d}.jsonl"
+            if self.store.put_if_absent(key, body) is not None:
+                self._seq += 1
+                return
+            # The key exists: our own earlier try that landed although the call failed,
+            # or (only if two writers share a stream, which the lease forbids) another
+            # writer's chunk. Never overwrite; move on past it.
+            try:
+                ours = self.store.get(key) == body
+            except NotFound:
+                continue  # deleted meanwhile (compaction of another writer): try again
+            self._seq += 1
+            if ours:
+                return
+            log.warning("event chunk %s already exists; skipping ahead", key)
 
     def _run(self) -> None:
-        while not self._closed.wait(self.flush_seconds):
+        while not self._closed:
+            delay = self._retry_delay if self._retry_delay else self.interval
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._closed:
+                return
             try:
-                self.flush()
-            except Exception:  # keep flushing: a transient store error must not stop logging
+                with self._flush_lock:
+                    self._write_once()
+            except Exception:  # keep flushing: nothing here may stop the job's logging
                 log.exception("flushing events failed; will retry")
+
+
+def parse_chunk(body: bytes) -> list[Event]:
+    """The events of one chunk of the log."""
+    return [Event.from_dict(json.loads(line)) for line in body.decode().splitlines()
+            if line.strip()]
+
+
+def _chunk_seq(key: str) -> int:
+    """The sequence number of a chunk key (``.../00000012.jsonl`` -> 12)."""
+    return int(key.rsplit("/", 1)[1].split(".")[0].split("-")[0])
 
 
 def log_state(store: Store) -> dict[str, str]:

@@ -57,6 +57,8 @@ STOP_GRACE_SECONDS = 30.0
 # A result file without the agent's closing events: the agent died in between.
 RESULT_WITHOUT_EVENTS_GRACE = 5.0
 POLL_SECONDS = 0.25
+# How often a process following a job checks that its capacity group is supervised.
+SUPERVISION_CHECK_SECONDS = 10.0
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -317,6 +319,7 @@ class JobHandle:
         self.store = store
         self.spec = spec
         self._provider = provider
+        self._supervision_checked = -SUPERVISION_CHECK_SECONDS
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.job_id} {self.spec.name!r}>"
@@ -330,6 +333,24 @@ class JobHandle:
         if self._provider is None:
             self._provider = get_provider(self.spec.provider)
         return self._provider
+
+    def keep_supervised(self, force: bool = False) -> str | None:
+        """Make sure the job's capacity group is supervised (the provider restarts a
+        supervisor that died); at most every SUPERVISION_CHECK_SECONDS unless ``force``.
+        Returns what was done, or None."""
+        now = time.monotonic()
+        if not force and now - self._supervision_checked < SUPERVISION_CHECK_SECONDS:
+            return None
+        self._supervision_checked = now
+        try:
+            done = self.provider.ensure_supervised(self.job_id)
+        except Exception:
+            log.warning("could not check the supervision of job %s", self.job_id,
+                        exc_info=True)
+            return None
+        if done:
+            log.warning("job %s: %s", self.job_id, done)
+        return done
 
     def result_record(self) -> dict[str, Any] | None:
         """``result.json`` as written by the agent, or None while the job runs."""
@@ -363,6 +384,7 @@ class JobHandle:
                 return
             if deadline is not None and time.monotonic() > deadline:
                 return
+            self.keep_supervised()
             time.sleep(POLL_SECONDS)
 
     def wait(self, timeout: float | None = None) -> JobResult:
@@ -376,6 +398,7 @@ class JobHandle:
                 raise TimeoutError(
                     f"job {self.job_id} still runs after {timeout}s; it keeps running: "
                     f"wait again, or stop it with spotnb.attach({self.job_id!r}).stop()")
+            self.keep_supervised()
             time.sleep(POLL_SECONDS)
         # The agent writes its closing events right after result.json.
         end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
@@ -460,7 +483,10 @@ def attach(job_id: str, store: str | None = None) -> JobHandle:
     (local directory or bucket); otherwise it is looked up in ``store``.
     """
     job_store, spec = _open_job(job_id, store)
-    return JobHandle(job_store, spec)
+    handle = JobHandle(job_store, spec)
+    if not job_store.exists(layout.RESULT):
+        handle.keep_supervised(force=True)
+    return handle
 
 
 def jobs(store: str | None = None) -> list[JobInfo]:
@@ -505,7 +531,10 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
                 return JobInfo(**cached["row"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # no cache, or one from another version: compute the row
-    s = JobHandle(job_store, spec).summary()
+    handle = JobHandle(job_store, spec)
+    if state is None:
+        handle.keep_supervised(force=True)
+    s = handle.summary()
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
                   attempts=len(s.attempts), interruptions=s.interruptions,
                   cost_usd=s.cost_usd, created=spec.created)

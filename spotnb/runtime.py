@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -66,13 +67,16 @@ from spotnb.checkpoints import (
 from spotnb.kernel_remote import channel
 from spotnb.session import LOCAL_DIR, ROWS, Session
 from spotnb.spec import parse_duration
-from spotnb.store import NotFound
+from spotnb.store import NotFound, retrying
 from spotnb.syncdir import SyncDir, sync_name
 
 __all__ = ["LOCAL_DIR", "Checkpoint", "OutputError", "SyncDir", "history", "log", "sync_dir"]
 
 _logger = logging.getLogger(__name__)
 
+# The file of a checkpoint that carries the metric rows the event log had not confirmed
+# when it was saved: a resume records those the log lacks (DESIGN invariant 8).
+METRICS_FILE = "metrics.json"
 # How long restore() waits for the agent's checkpoint download before doing its own.
 PREFETCH_WAIT_SECONDS = 600.0
 # While a save waits for the previous upload, how often it looks for a termination
@@ -193,8 +197,11 @@ class _Upload:
 
     def __init__(self, rt: Session, cs: CheckpointStore, cid: str, step: int,
                  state: dict[str, Any], forced: bool, started: float,
-                 after: _Upload | None = None) -> None:
+                 after: _Upload | None = None,
+                 rows: list[list[Any]] | None = None) -> None:
         self.rt = rt
+        # The metric rows the event log has not confirmed yet (see METRICS_FILE).
+        self._rows = rows or []
         self.cs = cs
         self.cid = cid
         self.step = step
@@ -227,15 +234,28 @@ class _Upload:
                 snapshot.dump(self._state, writer, fmt)
             self._state = None  # the host copy is on disk now; its buffers are free
             self._serialized.set()
-            uploaded = self.cs.upload(
-                self.step, {name: path}, attempt=self.rt.attempt, fmt=fmt,
-                digests={name: (writer.size, writer.sha256)}, checkpoint_id=self.cid,
+            files: dict[str, Path] = {name: path}
+            digests = {name: (writer.size, writer.sha256)}
+            if self._rows:
+                rows_path = path.with_name(f"{self.cid}.{METRICS_FILE}")
+                with open(rows_path, "wb") as f:
+                    rows_writer = HashingWriter(f)
+                    rows_writer.write(json.dumps(self._rows, separators=(",", ":")).encode())
+                files[METRICS_FILE] = rows_path
+                digests[METRICS_FILE] = (rows_writer.size, rows_writer.sha256)
+                self._rows = []
+            # A store that fails for a while (full, read-only, out of reach) delays the
+            # checkpoint rather than losing it.
+            uploaded = retrying(lambda: self.cs.upload(
+                self.step, files, attempt=self.rt.attempt, fmt=fmt,
+                digests=digests, checkpoint_id=self.cid,
                 metadata={"spotnb": __version__},
-            )
+            ), f"uploading the checkpoint of step {self.step}")
             if self._after is not None:
                 self._after.wait()
                 self._after = None
-            self.manifest = self.cs.commit(uploaded, fence=self.rt.fence)
+            self.manifest = retrying(lambda: self.cs.commit(uploaded, fence=self.rt.fence),
+                                     f"committing the checkpoint of step {self.step}")
             self._report("durable", bytes=self.manifest.total_bytes,
                          seconds=round(time.monotonic() - self.started, 3))
             _logger.info("checkpoint of step %d is durable (%s, %.1f MB)", self.step,
@@ -256,6 +276,8 @@ class _Upload:
             self._serialized.set()
             with contextlib.suppress(OSError):
                 path.unlink()
+            with contextlib.suppress(OSError):
+                path.with_name(f"{self.cid}.{METRICS_FILE}").unlink()
             self._done.set()
 
     def wait_serialized(self) -> None:
@@ -337,9 +359,14 @@ class Checkpoint:
         manifest, path, downloaded = found
         try:
             state = snapshot.load(path, manifest.format)
+            carried = _read_rows(manifest, path.parent)
         finally:
             if downloaded:
                 shutil.rmtree(path.parent, ignore_errors=True)
+        if carried:
+            # Rows the checkpoint's attempt logged that its agent may not have written
+            # (it died with them): the agent records those its log lacks.
+            self._rt.send({"op": "replay", "attempt": manifest.attempt, "rows": carried})
         saved = state["objects"]
         for name, obj in list(self._objects.items()):
             if name not in saved:
@@ -489,7 +516,7 @@ class Checkpoint:
         self._warmed = True
         cid = new_id(step, rt.attempt)
         self._upload = _Upload(rt, self._store, cid, step, state, forced, started,
-                               after=previous)
+                               after=previous, rows=rt.rows_not_durable())
         self._last_step = step
         self._last_time = time.monotonic()
         if park:
@@ -499,6 +526,19 @@ class Checkpoint:
                 rt.hold_fenced()
             # The save failed for another reason (reported): try again next time.
             rt.force_save = True
+
+
+def _read_rows(manifest: Manifest, directory: Path) -> list[list[Any]]:
+    """The metric rows a checkpoint carries (verified with the rest), or []."""
+    if not any(f.name == METRICS_FILE for f in manifest.files):
+        return []
+    try:
+        rows = json.loads((directory / METRICS_FILE).read_bytes())
+    except (OSError, ValueError) as e:
+        _logger.warning("the metric rows of checkpoint %s cannot be read (%s); the metric "
+                        "history may miss the steps just before it", manifest.id, e)
+        return []
+    return rows if isinstance(rows, list) else []
 
 
 # -- directories the user writes to --------------------------------------------------
@@ -608,6 +648,14 @@ def _finish() -> None:
         raise CheckpointError("; ".join(problems))
 
 
+def _sync(token: str) -> None:
+    """Called by the agent (after a failed cell): send every row logged so far, then
+    ``token``; the agent waits for it before it records the failure."""
+    rt = _runtime
+    if rt is not None:
+        rt.sync(token)
+
+
 def _finish_at_exit() -> None:
     try:
         _finish()
@@ -650,4 +698,4 @@ def _save_outputs(names: Iterable[str], user_ns: dict[str, Any] | None = None) -
         raise OutputError(f"the outputs cannot be pickled together: {whole}") from whole
     if not rt.fence():
         raise FencedOff("outputs were not written: this agent lost the job's lease")
-    rt.store.put(layout.OUTPUTS, data)
+    retrying(lambda: rt.store.put(layout.OUTPUTS, data), "writing the outputs")

@@ -12,7 +12,16 @@ standalone mode without it). It owns:
 * the uploads in progress and the synced directories, so that :meth:`Session.finish`
   can wait for all of them;
 * parking: once the save forced by an interruption notice is durable, the cell is
-  held in a sleep loop until the instance is terminated.
+  held in a sleep loop until the instance is terminated;
+* the rows sent but not yet durable in the event log (the agent says up to which time
+  they are, ``{"op": "durable"}``): a checkpoint carries them, so that a resume can
+  record rows that died with an agent (DESIGN invariant 8);
+* the fencing question: before a checkpoint becomes ``LATEST`` or the outputs are
+  written, the agent is asked whether it still holds the job's lease;
+* the watchdog: the agent pings every half second; a kernel whose agent stops
+  answering for :data:`AGENT_SILENT_SECONDS` (the agent was frozen) stops itself
+  (SIGSTOP to its process group) so that nothing trains that nobody records. The agent
+  resumes it once it has confirmed its lease, or kills it if it lost it.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -51,12 +61,25 @@ _ROWS_PER_MESSAGE = 2000
 _CONNECT_SECONDS = 5.0
 # A parked cell sleeps in steps of this length until the instance is terminated.
 _PARK_SLEEP_SECONDS = 1.0
+# The agent pings every 0.5 s; this much silence means it is frozen (or gone: then
+# PR_SET_PDEATHSIG has already killed this kernel). Well above any scheduling hiccup of
+# a busy machine, well below the lease's TTL.
+AGENT_SILENT_SECONDS = 15.0
+# How long a fencing question waits for the agent's answer.
+FENCE_REPLY_SECONDS = 30.0
+# Rows kept for the next checkpoint while the log has not confirmed them (each ~200 B).
+MAX_UNACKED_ROWS = 1_000_000
 # Standalone mode keeps its store here, relative to the working directory.
 LOCAL_DIR = ".spotnb-local"
 
 #: Rows logged by ``spot.log`` and not sent yet: ``(step, time, {name: value})``.
 #: Appending to a deque is atomic under the GIL, so the hot path takes no lock.
 ROWS: collections.deque[tuple[Any, float, dict[str, Any]]] = collections.deque()
+
+
+class FenceUnknown(RuntimeError):
+    """The agent did not answer whether it still holds the lease: nothing was made
+    current; the next save tries again."""
 
 
 class Upload(Protocol):
@@ -93,6 +116,11 @@ class AgentChannel:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+    @property
+    def broken(self) -> bool:
+        """Whether the connection is gone (nothing more can be sent)."""
+        return self._broken
 
     def send(self, message: dict[str, Any]) -> bool:
         """Send one message; False if the agent is gone (then nothing more is sent)."""
@@ -168,6 +196,15 @@ class Session:
         self.park_requested = False
         self.fenced = False
         self.history: list[tuple[int, float, dict[str, float]]] = []
+        # Rows sent to the agent and not yet confirmed durable in the event log.
+        self.unacked: collections.deque[list[Any]] = collections.deque()
+        self._unacked_lock = threading.Lock()
+        self._fence_replies: dict[int, tuple[threading.Event, list[bool]]] = {}
+        self._fence_ids = 0
+        self._heard = time.monotonic()
+        # The watchdog is armed by the agent's first ping (an agent that never pings,
+        # such as a test's, is never taken for a frozen one).
+        self._pinged = False
         self.sync_dirs: dict[str, SyncDir] = {}
         # The newest checkpoint upload: the end of the job waits until it is durable.
         self.last_upload: Upload | None = None
@@ -186,6 +223,9 @@ class Session:
         self._drainer = threading.Thread(target=self._drain_loop, name="spotnb-metrics",
                                          daemon=True)
         self._drainer.start()
+        if self.channel is not None:
+            threading.Thread(target=self._watchdog, name="spotnb-watchdog",
+                             daemon=True).start()
 
     @classmethod
     def from_env(cls) -> Session:
@@ -231,10 +271,32 @@ class Session:
         return self._scratch
 
     def fence(self) -> bool:
-        """Whether this attempt still holds the job's lease (always true standalone)."""
+        """Whether this attempt still holds the job's lease (always true standalone).
+
+        Asks the agent, which knows (its last confirmed renewal); raises
+        :class:`FenceUnknown` if it does not answer. Without a channel to the agent,
+        reads the lease from the store.
+        """
         if not self.remote:
             return True
-        return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
+        chan = self.channel
+        if chan is None or chan.broken or not self._pinged:
+            return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
+        with self._unacked_lock:
+            self._fence_ids += 1
+            ask = self._fence_ids
+            answer: tuple[threading.Event, list[bool]] = (threading.Event(), [])
+            self._fence_replies[ask] = answer
+        try:
+            if not chan.send({"op": "fence", "id": ask}):
+                return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
+            if not answer[0].wait(FENCE_REPLY_SECONDS):
+                raise FenceUnknown(
+                    f"the spotnb agent did not answer within {FENCE_REPLY_SECONDS:g} s "
+                    "whether it still holds the job's lease")
+            return answer[1][0]
+        finally:
+            self._fence_replies.pop(ask, None)
 
     def send(self, message: dict[str, Any]) -> None:
         if self.channel is not None:
@@ -243,8 +305,22 @@ class Session:
     # -- notices ---------------------------------------------------------------------
 
     def _on_message(self, message: dict[str, Any]) -> None:
-        if message["op"] != "notice":
-            _logger.debug("ignoring %s from the agent", message["op"])
+        self._heard = time.monotonic()
+        op = message["op"]
+        if op == "ping":
+            self._pinged = True
+            return
+        if op == "durable":
+            self._forget_durable(float(message.get("t", 0.0)))
+            return
+        if op == "fence":
+            answer = self._fence_replies.get(int(message.get("id", -1)))
+            if answer is not None:
+                answer[1].append(bool(message.get("ok")))
+                answer[0].set()
+            return
+        if op != "notice":
+            _logger.debug("ignoring %s from the agent", op)
             return
         kind = message.get("kind")
         _logger.warning("spot %s notice (%s): saving at the next opportunity",
@@ -278,7 +354,46 @@ class Session:
         while True:
             time.sleep(_PARK_SLEEP_SECONDS)
 
+    def _watchdog(self) -> None:
+        """Stop this kernel (its whole process group) while the agent is silent."""
+        while not self._stop.wait(1.0):
+            chan = self.channel
+            if chan is None or chan.broken:
+                return
+            silent = time.monotonic() - self._heard
+            # Only a kernel the agent started leads its own process group: never stop
+            # anything else (a test, a script that happens to have the variables set).
+            if silent < AGENT_SILENT_SECONDS or not self._pinged \
+                    or os.getpgrp() != os.getpid():
+                continue
+            _logger.error("the spotnb agent has not answered for %.0f s: stopping this "
+                          "kernel until it does (nothing may train that is not recorded)",
+                          silent)
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgrp(), signal.SIGSTOP)
+            # Resumed (SIGCONT from the agent): give it time to speak again.
+            self._heard = time.monotonic()
+
     # -- metrics ---------------------------------------------------------------------
+
+    def _forget_durable(self, t: float) -> None:
+        """The agent wrote every row up to time ``t`` into the event log."""
+        with self._unacked_lock:
+            unacked = self.unacked
+            while unacked and unacked[0][1] <= t:
+                unacked.popleft()
+
+    def rows_not_durable(self) -> list[list[Any]]:
+        """Every row logged so far that the log has not confirmed: what a checkpoint
+        must carry so that no step it covers loses its metrics."""
+        self.drain()
+        with self._unacked_lock:
+            return list(self.unacked) if self.remote else []
+
+    def sync(self, token: str) -> None:
+        """Send every row logged so far, then a marker the agent waits for."""
+        self.drain()
+        self.send({"op": "mark", "token": token})
 
     def _drain_loop(self) -> None:
         while not self._stop.wait(_DRAIN_SECONDS):
@@ -303,6 +418,11 @@ class Session:
                 return
             for i in range(0, len(rows), _ROWS_PER_MESSAGE):
                 self.send({"op": "metrics", "rows": rows[i:i + _ROWS_PER_MESSAGE]})
+            if self.remote:
+                with self._unacked_lock:
+                    self.unacked.extend(rows)
+                    while len(self.unacked) > MAX_UNACKED_ROWS:
+                        self.unacked.popleft()
 
     def _convert(self, row: tuple[Any, float, dict[str, Any]]) -> list[Any] | None:
         # float() of a 0-d CUDA tensor waits for the GPU: that is why it happens here.

@@ -21,28 +21,39 @@ the hex SHA-256 of the content, so they are stable across processes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
 import time
 import urllib.parse
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = [
     "LocalStore",
     "NotFound",
     "Store",
     "StoreError",
+    "StoreUnavailable",
     "open_store",
+    "retrying",
+    "transient",
 ]
+
+_log = logging.getLogger(__name__)
 
 # The local cloud can simulate an instance's upload bandwidth (MB/s) for uploads of
 # files (checkpoints), so that "an interruption during an upload" can be staged.
 UPLOAD_MBPS_ENV = "SPOTNB_LOCAL_UPLOAD_MBPS"
+# ... and a failing store: while the file this names exists, every write to a local
+# store fails as on a full (its content "full") or read-only disk; reads still work.
+STORE_FAULT_ENV = "SPOTNB_LOCAL_STORE_FAULT"
 
 # Temporary files and lock files carry these markers; listings never show them.
 _TMP_MARK = ".tmp-"
@@ -53,11 +64,29 @@ class StoreError(Exception):
     """A store operation failed."""
 
 
+class StoreUnavailable(StoreError):
+    """The store kept failing for longer than :func:`retrying` would wait."""
+
+
 class NotFound(StoreError, KeyError):
     """The key does not exist."""
 
     def __str__(self) -> str:
         return f"no such object in the store: {self.args[0]}"
+
+
+def _check_fault() -> None:
+    """Raise the OSError of a simulated store fault, if one is switched on."""
+    switch = os.environ.get(STORE_FAULT_ENV)
+    if not switch:
+        return
+    try:
+        kind = Path(switch).read_text().strip()
+    except OSError:
+        return
+    if kind == "full":
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)", switch)
+    raise OSError(errno.EROFS, "Read-only file system (simulated)", switch)
 
 
 def etag_of(data: bytes) -> str:
@@ -128,6 +157,55 @@ class Store(ABC):
             self.delete(key)
 
 
+# A store that fails is retried with backoff from RETRY_SECONDS up to MAX_RETRY_SECONDS
+# apart; after OUTAGE_SECONDS without a success the caller gives up (StoreUnavailable).
+# SPOTNB_STORE_OUTAGE_SECONDS changes it (tests, or a job that should wait longer).
+RETRY_SECONDS = 0.5
+MAX_RETRY_SECONDS = 30.0
+OUTAGE_SECONDS = 900.0
+OUTAGE_ENV = "SPOTNB_STORE_OUTAGE_SECONDS"
+
+T = TypeVar("T")
+
+
+def transient(err: BaseException) -> bool:
+    """Whether a store error may go away by itself (a full or read-only disk, S3 down):
+    any OSError or StoreError but a missing key."""
+    return isinstance(err, (OSError, StoreError)) and not isinstance(
+        err, (NotFound, StoreUnavailable))
+
+
+def outage_limit() -> float:
+    """How long :func:`retrying` waits for a failing store, in seconds."""
+    try:
+        return float(os.environ.get(OUTAGE_ENV) or OUTAGE_SECONDS)
+    except ValueError:
+        return OUTAGE_SECONDS
+
+
+def retrying(fn: Callable[[], T], what: str, check: Callable[[], None] | None = None) -> T:
+    """``fn()``, retried with backoff while the store fails transiently (see
+    :func:`transient`); :class:`StoreUnavailable` once it has failed for
+    :func:`outage_limit` seconds. ``check`` runs before every try (it may raise to
+    stop, e.g. when the caller lost the job's lease)."""
+    started = time.monotonic()
+    delay = RETRY_SECONDS
+    limit = outage_limit()
+    while True:
+        if check is not None:
+            check()
+        try:
+            return fn()
+        except Exception as err:
+            if not transient(err):
+                raise
+            if time.monotonic() - started > limit:
+                raise StoreUnavailable(f"{what} failed for {limit:g} s: {err}") from err
+            _log.warning("%s failed (%s); retrying in %.1f s", what, err, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_RETRY_SECONDS)
+
+
 def _check_key(key: str) -> str:
     parts = key.split("/")
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
@@ -151,6 +229,7 @@ class LocalStore(Store):
         return self.root / _check_key(key)
 
     def _write_tmp(self, path: Path, data: bytes) -> Path:
+        _check_fault()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_MARK)
         try:
@@ -247,6 +326,7 @@ class LocalStore(Store):
         return sorted(n for n in names if _TMP_MARK not in n and not n.endswith(_LOCK_SUFFIX))
 
     def delete(self, key: str) -> None:
+        _check_fault()
         path = self._path(key)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -254,6 +334,7 @@ class LocalStore(Store):
             os.unlink(str(path) + _LOCK_SUFFIX)
 
     def delete_prefix(self, prefix: str) -> None:
+        _check_fault()
         target = self.root / prefix if prefix else self.root
         if prefix.endswith("/") or target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
@@ -261,6 +342,7 @@ class LocalStore(Store):
             super().delete_prefix(prefix)
 
     def upload_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        _check_fault()
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=_TMP_MARK)

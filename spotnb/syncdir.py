@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from spotnb import layout
 from spotnb.checkpoints import CheckpointStore, FencedOff, Manifest, copy_hashing
-from spotnb.store import _check_key
+from spotnb.store import _check_key, retrying
 
 if TYPE_CHECKING:
     from spotnb.session import Session
@@ -147,10 +147,10 @@ class SyncDir:
                     except FileNotFoundError:
                         continue  # deleted since the scan
                     staged[key] = dest
-                manifest = self._store.write(
+                manifest = retrying(lambda: self._store.write(
                     self._seq, staged, attempt=self.rt.attempt, fence=self.rt.fence,
                     fmt="dir", digests=digests, metadata={"path": str(self.path)},
-                )
+                ), f"uploading {self.path}")
             except FencedOff:
                 self.rt.fenced = True
                 raise

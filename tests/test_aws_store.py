@@ -115,22 +115,25 @@ def test_compare_and_swap_across_processes_loses_no_update(store: S3Store) -> No
     assert int(store.get("counter")) == total_wins > 0
 
 
-def _grab(uri: str, holder: str, go: Any, out: Any) -> None:
+def _grab(uri: str, holder: str, go: Any, out: Any, done: Any) -> None:
     store = open_store(uri)
     store.exists("warm-up")  # connect and look up the account before the race
     go.wait(30)
     held = lease.acquire(store, holder)
     out.put(None if held is None else held.epoch)
+    done.wait(60)  # the winner stays alive: a holder whose process is gone loses it
 
 
 def test_lease_race_between_processes_has_one_winner(store: S3Store) -> None:
     ctx = multiprocessing.get_context("spawn")
-    out, go = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_grab, args=(store.uri, f"i-{i}", go, out)) for i in range(4)]
+    out, go, done = ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=_grab, args=(store.uri, f"i-{i}", go, out, done))
+             for i in range(4)]
     for p in procs:
         p.start()
     go.set()
     results = [out.get(timeout=60) for _ in procs]
+    done.set()
     for p in procs:
         p.join(30)
     assert sorted(results, key=lambda r: r is None) == [1] + [None] * 3

@@ -223,3 +223,52 @@ def test_sigkill_mid_write_leaves_previous_checkpoint(store: LocalStore, tmp_pat
     src.write_bytes(b"next")
     cs.write(3, {"state": src}, attempt=1)
     assert partial_id not in cs.ids()
+
+
+@pytest.mark.parametrize("damaged", ["LATEST", "newest manifest", "both"])
+def test_a_damaged_latest_or_manifest_falls_back_to_an_intact_checkpoint(
+        store: LocalStore, tmp_path: Path, damaged: str) -> None:
+    cs = CheckpointStore(store, keep=3)
+    written = [cs.write(step, _files(tmp_path, state=f"step {step}".encode()))
+               for step in (10, 20, 30)]
+    pointer = store.root / "checkpoints" / LATEST
+    newest = store.root / "checkpoints" / written[-1].id / MANIFEST
+    if damaged in ("LATEST", "both"):
+        pointer.write_bytes(pointer.read_bytes()[:7])  # truncated, as by a full disk
+    if damaged in ("newest manifest", "both"):
+        newest.write_bytes(newest.read_bytes()[:40])
+    expect = [30, 20, 10] if damaged == "LATEST" else [20, 10]
+    assert [m.step for m in cs.manifests()] == expect
+    latest = cs.latest()
+    assert latest is not None and latest.step == expect[0]
+    # The next write repairs LATEST.
+    cs.write(40, _files(tmp_path, state=b"step 40"))
+    assert cs.latest() is not None and cs.latest().step == 40  # type: ignore[union-attr]
+
+
+def test_restore_falls_back_past_a_damaged_latest(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runtime's restore() (standalone: checkpoints under ./.spotnb-local) survives a
+    # truncated LATEST and restores the newest intact checkpoint, not a JSONDecodeError.
+    script = textwrap.dedent("""
+        import sys
+        from spotnb import runtime as spot
+        state = {"n": 0}
+        ckpt = spot.Checkpoint(state=state)
+        if sys.argv[1] == "save":
+            for step in range(3):
+                state["n"] = step
+                ckpt.save(step)
+            ckpt.wait()
+        else:
+            print(ckpt.restore(), state["n"])
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTNB_")}
+    run = [sys.executable, "-c", script]
+    subprocess.run([*run, "save"], cwd=tmp_path, env=env, check=True, timeout=120)
+    latest = tmp_path / ".spotnb-local" / "checkpoints" / LATEST
+    latest.write_bytes(latest.read_bytes()[:5])
+    out = subprocess.run([*run, "restore"], cwd=tmp_path, env=env, check=True,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["3", "2"]
+    assert "damaged" in out.stderr

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,19 +183,23 @@ def test_lease_one_holder_then_takeover_after_release_or_ttl(store: LocalStore) 
     assert c is not None and c.epoch == 3, "a released lease is free at once"
 
 
-def _grab(root: str, holder: str, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _grab(root: str, holder: str, out: multiprocessing.Queue,  # type: ignore[type-arg]
+          done: Any) -> None:
     held = lease.acquire(LocalStore(root), holder)
     out.put(None if held is None else held.epoch)
+    done.wait(60)  # the winner stays alive: a holder whose process is gone loses it
 
 
 def test_lease_race_between_processes_has_one_winner(store: LocalStore) -> None:
     out: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
-    procs = [multiprocessing.Process(target=_grab, args=(str(store.root), f"i-{i}", out))
+    done = multiprocessing.Event()
+    procs = [multiprocessing.Process(target=_grab, args=(str(store.root), f"i-{i}", out, done))
              for i in range(6)]
     for p in procs:
         p.start()
+    results = [out.get(timeout=60) for _ in procs]
+    done.set()
     for p in procs:
         p.join(30)
-    results = [out.get(timeout=5) for _ in procs]
     assert sorted(results, key=lambda r: r is None) == [1] + [None] * 5
     assert os.path.exists(store.root / "lease.json")

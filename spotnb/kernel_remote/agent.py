@@ -8,25 +8,37 @@ An attempt, narrated::
 
     Step 1  read spec.json; if the job already has a result, exit.
     Step 2  spawn the kernel now: it boots while the rest of the start-up happens.
-    Step 3  take the lease (wait while a live agent holds it); attempt = lease epoch.
+    Step 3  take the lease (wait while a live agent holds it; take over at once from
+            a holder whose process or instance is gone); attempt = lease epoch.
     Step 4  prefetch the latest checkpoint while the kernel finishes booting and the
             cell's imports run; bootstrap the runtime in the kernel (attempt, inputs,
             `spot`), run the cell, relay stream/display/error outputs as events.
-    Step 5  completed -> save outputs, wait for uploads, write result.json.
+    Step 5  completed -> save outputs, wait for uploads, read every row the runtime
+            sent, write result.json.
             user error -> retry in place under a new epoch if the policy allows,
             else write a failed result.
     Step 6  release the lease, stop the kernel, exit. The capacity group sees the
             result and deletes itself (DESIGN invariant 6).
 
-Alongside, threads renew the lease (losing it fences the agent off: it stops without
-writing), poll IMDS for ``spot/instance-action`` and the rebalance recommendation
-(the runtime is told and saves at once; once that save is durable the agent releases
-the lease so the replacement can start), sample GPU or CPU utilisation every second,
-and watch the store for a stop request.
+Alongside, two loops run. The *instance loop* (every :data:`IMDS_POLL_SECONDS`, no
+remote call but IMDS) watches IMDS for ``spot/instance-action`` and the rebalance
+recommendation (the runtime is told and saves at once; once that save is durable the
+agent releases the lease so the replacement can start), pings the runtime (a kernel
+whose agent stops answering stops itself), tells the runtime which metric rows are
+durable in the log, and keeps the kernel running only while the lease is confirmed:
+an unconfirmed lease (a frozen agent, a store out of reach) pauses it, a lost one
+kills it. The *store loop* renews the lease every :func:`lease.heartbeat_seconds` and
+looks for a stop request; store errors there are retried with backoff, never fatal.
+``SPOTNB_LEASE_TTL`` sets the lease's TTL (default :data:`lease.TTL_SECONDS`).
+
+Fencing (invariant 3): every write of this agent (events, errors, the result) happens
+only while :meth:`lease.HeldLease.status` is HELD; the runtime's checkpoint commits ask
+the agent the same question over the channel.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -41,30 +53,58 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import psutil
 
 from spotnb import layout, lease
-from spotnb.events import EventWriter
+from spotnb.events import EVENTS_PREFIX, Event, EventWriter, parse_chunk, stream_name
 from spotnb.kernel_remote import channel
 from spotnb.kernel_remote.imds import ImdsClient
 from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
 from spotnb.kernel_remote.sampler import Sampler
+from spotnb.lease import Standing
 from spotnb.spec import JobSpec
-from spotnb.store import NotFound, Store, open_store
+from spotnb.store import (
+    NotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    open_store,
+    outage_limit,
+    retrying,
+    transient,
+)
 
 log = logging.getLogger(__name__)
 
-# How often the agent looks at IMDS and at the store's stop request. EC2 gives two
-# minutes of notice; half a second costs nothing and leaves the runtime the most time.
+T = TypeVar("T")
+
+# How often the instance loop looks at IMDS, pings the runtime and checks the lease's
+# standing. IMDS is on the instance: free. EC2 gives two minutes of notice; half a
+# second leaves the runtime the most time.
 IMDS_POLL_SECONDS = 0.5
+# How often the store loop looks for a stop request (a GET each time).
 STOP_POLL_SECONDS = 1.0
 KERNEL_READY_TIMEOUT = 120.0
 # EC2 gives processes a moment between SIGTERM and power-off; use well under it.
 TERMINATION_GRACE_SECONDS = 0.8
-# Exit codes: the capacity group only cares whether a result exists.
+# After the cell, the runtime's last rows may still be in the socket: read them all,
+# waiting at most this long for the runtime's side to close.
+CHANNEL_DRAIN_SECONDS = 60.0
+# A failing store is retried with backoff (spotnb.store.retrying); the lease's
+# heartbeat backs off from STORE_RETRY_SECONDS up to STORE_MAX_RETRY_SECONDS. After
+# spotnb.store.outage_limit() without a success the attempt gives up (exit code
+# EXIT_STORE: the group backs off before it starts another instance).
+STORE_RETRY_SECONDS = 0.5
+STORE_MAX_RETRY_SECONDS = 30.0
+# Exit codes: the capacity group only cares whether a result exists, and whether the
+# store was out of reach (then launching another instance at once would not help).
 EXIT_OK = 0
 EXIT_FENCED = 3
+EXIT_STORE = 4
 
 _BOOTSTRAP = "import spotnb.runtime as _spotnb_runtime; _spotnb_runtime._bootstrap(env={env!r})"
 
@@ -81,7 +121,8 @@ class Agent:
         self.job_uri = job_uri
         self.store: Store = open_store(job_uri)
         self.imds = imds or ImdsClient()
-        self.spec: JobSpec = JobSpec.from_json(self.store.get(layout.SPEC))
+        self.spec: JobSpec = JobSpec.from_json(
+            _retry_store(lambda: self.store.get(layout.SPEC), "reading the spec"))
         self.identity: dict[str, Any] = {}
         self.held: lease.HeldLease | None = None
         self.events: EventWriter | None = None
@@ -94,8 +135,15 @@ class Agent:
         self._done = threading.Event()
         self._conn: socket.socket | None = None
         self._conn_lock = threading.Lock()
+        self._readers: list[threading.Thread] = []
         self._kernel: KernelProcess | None = None
         self._kernels_started = 0
+        self._paused_since: float | None = None
+        # (events emitted once a metric batch was queued, its newest row's time): once
+        # the writer has written that many events, the runtime may forget those rows.
+        self._metric_marks: collections.deque[tuple[int, float]] = collections.deque()
+        self._marks_lock = threading.Lock()
+        self._marks_waiting: dict[str, threading.Event] = {}
         self._scratch = Path(tempfile.mkdtemp(prefix="spotnb-agent-", dir=os.getcwd()))
         # The runtime's channel and the kernel's sockets. Unix socket paths are
         # limited to ~107 bytes: keep it short, in /tmp.
@@ -107,10 +155,11 @@ class Agent:
 
     def run(self) -> int:
         """Run the job until it ends or this instance goes away; the exit code."""
-        if self.store.exists(layout.RESULT):
-            log.info("job %s already has a result; nothing to do", self.spec.job_id)
-            return EXIT_OK
+        _become_subreaper()
         try:
+            if _retry_store(lambda: self.store.exists(layout.RESULT), "reading the result"):
+                log.info("job %s already has a result; nothing to do", self.spec.job_id)
+                return EXIT_OK
             # Step 2: the kernel boots (~0.5 s) while the identity and lease are read.
             self._listener = self._open_listener()
             self._spawn_kernel()
@@ -125,20 +174,23 @@ class Agent:
             log.warning("stopping without writing: %s", "the instance is being terminated"
                         if self.terminating.is_set() else "lost the lease")
             return EXIT_FENCED
+        except StoreUnavailable as err:
+            log.error("giving up: %s", err)
+            return EXIT_STORE
         finally:
             self._done.set()
             self._shutdown_kernel()
             if self._listener is not None:
                 self._listener.close()
+            _sweep_descendants()
             shutil.rmtree(self._scratch, ignore_errors=True)
             shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     def _run_attempts(self) -> int:
         assert self.held is not None and self._listener is not None
         threads = [
-            threading.Thread(target=self._heartbeat, name="lease", daemon=True),
-            threading.Thread(target=self._watch_imds, name="imds", daemon=True),
-            threading.Thread(target=self._watch_stop, name="stop", daemon=True),
+            threading.Thread(target=self._instance_loop, name="instance", daemon=True),
+            threading.Thread(target=self._store_loop, name="store", daemon=True),
             threading.Thread(target=self._serve_channel, args=(self._listener,),
                              name="channel", daemon=True),
         ]
@@ -150,13 +202,15 @@ class Agent:
                 break
             # A user-code error the policy allows to retry: new kernel, new epoch.
             self._close_events()
-            self.held.bump()
+            self._renew_or_fence(self.held.bump)
         return EXIT_OK
 
     def _one_attempt(self) -> str:
         assert self.held is not None
         attempt = self.held.epoch
-        self.events = EventWriter(self.store, attempt, self.identity["instance_id"])
+        held = self.held
+        self.events = EventWriter(self.store, attempt, self.identity["instance_id"],
+                                  may_write=held.status)
         ev = self.events
         ev.emit("status", state="booting", detail=f"attempt {attempt} on {self._where()}",
                 instance_type=self.identity.get("instance_type"),
@@ -172,7 +226,7 @@ class Agent:
             restore_dir.mkdir(parents=True, exist_ok=True)
             prefetch = threading.Thread(target=self._prefetch, args=(restore_dir,), daemon=True)
             prefetch.start()
-            self._unpack_workdir()
+            self._retry(self._unpack_workdir, "reading the job's files")
             try:
                 kc = self._connect_kernel()
             except KernelNotReady as e:
@@ -197,7 +251,7 @@ class Agent:
             if self.stop_requested:
                 return self._finish("stopped", self._stop_reason())
             if error:
-                return self._on_user_error(error)
+                return self._on_user_error(kc, error)
             # Step 5: outputs, then wait for uploads (the runtime's _finish).
             if self.spec.outputs:
                 out_error = self._execute(
@@ -210,16 +264,23 @@ class Agent:
             if fin_error:
                 return self._finish("failed", "uploading the last checkpoint failed",
                                     error=fin_error)
+            # The runtime closed its end: read what is still in the socket.
+            self._drain_channel()
             return self._finish("completed", "the cell finished")
         finally:
             sampler.stop()
 
-    def _on_user_error(self, error: dict[str, Any]) -> str:
+    def _on_user_error(self, kc: Any, error: dict[str, Any]) -> str:
         self._check_fence()
-        errors_so_far = len(self.store.list_keys("errors/"))
+        # The rows the cell logged before it failed are still on their way.
+        self._sync_runtime(kc)
+        self._check_fence()
+        errors_so_far = len(self._retry(lambda: self.store.list_keys("errors/"),
+                                        "counting earlier errors"))
         retrying = errors_so_far < self.spec.policy.max_restarts_on_error
         assert self.held is not None
-        self.store.put(f"errors/{self.held.epoch:06d}.json", json.dumps(error).encode())
+        key = f"errors/{self.held.epoch:06d}.json"
+        self._write(lambda: self.store.put(key, json.dumps(error).encode()), "the error")
         assert self.events is not None
         if retrying:
             self.events.emit("error", retrying=True, **error)
@@ -228,6 +289,7 @@ class Agent:
                                     f"({errors_so_far + 1} of "
                                     f"{self.spec.policy.max_restarts_on_error})")
             self._shutdown_kernel()
+            self._drain_channel()
             return "retry"
         return self._finish("failed", f"{error['ename']}: {error['evalue']}", error=error)
 
@@ -235,15 +297,13 @@ class Agent:
         """Step 5-6: write the result (once, only while holding the lease)."""
         assert self.held is not None and self.events is not None
         self._check_fence()
-        try:
-            self.held.renew()
-        except lease.LeaseLost:
-            self.fenced.set()
-            raise Fenced() from None
+        self._renew_or_fence(self.held.renew)
         result = {"status": status, "reason": reason, "attempt": self.held.epoch,
                   "instance_id": self.identity["instance_id"], "time": time.time(),
                   "error": error, "outputs": list(self.spec.outputs)}
-        written = self.store.put_if_absent(layout.RESULT, json.dumps(result).encode())
+        written = self._write(
+            lambda: self.store.put_if_absent(layout.RESULT, json.dumps(result).encode()),
+            "the result")
         if written is None:
             log.warning("a result already exists; leaving it as it is")
         if error is not None:
@@ -315,6 +375,7 @@ class Agent:
     def _interrupt_kernel(self) -> None:
         kernel = self._kernel
         if kernel is not None:
+            kernel.resume()  # a paused kernel cannot take the interrupt
             kernel.interrupt()
 
     def _execute(self, kc: Any, code: str, silent: bool) -> dict[str, Any] | None:
@@ -370,88 +431,185 @@ class Agent:
         return {"ename": "KernelTimeout", "evalue": "the kernel did not reply",
                 "traceback": []}
 
+    def _sync_runtime(self, kc: Any) -> None:
+        """Have the runtime send every row logged so far, and wait until they are read
+        (the cell failed: its last rows may not have been sent yet)."""
+        kernel = self._kernel
+        if kernel is None or not kernel.alive:
+            self._drain_channel()
+            return
+        marker = f"sync-{time.monotonic_ns()}"
+        seen = threading.Event()
+        self._marks_waiting[marker] = seen
+        try:
+            if self._execute(kc, f"_spotnb_runtime._sync({marker!r})", silent=True) is None:
+                seen.wait(CHANNEL_DRAIN_SECONDS)
+        finally:
+            self._marks_waiting.pop(marker, None)
+
     # -- lease, notices, stop ----------------------------------------------------------
 
     def _take_lease(self, instance: str) -> lease.HeldLease | None:
         """Wait for the lease; None if the job ended or was stopped meanwhile."""
+        gone = _holder_gone_check(self.spec)
         while True:
-            if self.store.exists(layout.RESULT) or self.store.exists(layout.STOP):
-                log.info("job ended while waiting for the lease; exiting without writing")
-                return None
-            held = lease.acquire(self.store, holder=instance)
-            if held is not None and self.store.exists(layout.RESULT):
-                # The previous holder finished the job and released the lease.
-                held.release()
-                return None
+            try:
+                if self.store.exists(layout.RESULT) or self.store.exists(layout.STOP):
+                    log.info("job ended while waiting for the lease; exiting without writing")
+                    return None
+                held = lease.acquire(self.store, holder=instance, holder_gone=gone,
+                                     ttl=lease.configured_ttl())
+                if held is not None and self.store.exists(layout.RESULT):
+                    # The previous holder finished the job and released the lease.
+                    held.release()
+                    return None
+            except Exception as err:
+                if not transient(err):
+                    raise
+                log.warning("the store failed while taking the lease (%s); retrying", err)
+                held = None
             if held is not None:
                 return held
             time.sleep(0.5)
 
-    def _heartbeat(self) -> None:
-        while not self._done.wait(lease.HEARTBEAT_SECONDS):
-            held = self.held
-            if held is None or held.lease.released:
-                continue
+    def _instance_loop(self) -> None:
+        """IMDS, pings, durable-row acknowledgements, and the kernel's pause/resume:
+        everything that needs no store request, every IMDS_POLL_SECONDS."""
+        while not self._done.wait(IMDS_POLL_SECONDS):
             try:
-                held.renew()
-            except lease.LeaseLost:
-                self._fence_off()
-                return
+                self._watch_imds()
+                self._send({"op": "ping"})
+                self._acknowledge_rows()
+                self._mind_kernel()
             except Exception:
-                log.exception("renewing the lease failed; retrying")
+                log.exception("the instance loop failed; going on")
+
+    def _store_loop(self) -> None:
+        """The lease's heartbeat and the stop request: the agent's store requests that
+        repeat. A failure is retried sooner, with backoff, and never ends the loop."""
+        every = lease.heartbeat_seconds(self.held.lease.ttl if self.held else lease.TTL_SECONDS)
+        next_renew = time.monotonic() + every
+        next_stop = time.monotonic() + STOP_POLL_SECONDS
+        backoff = STORE_RETRY_SECONDS
+        while not self._done.wait(max(0.05, min(next_renew, next_stop) - time.monotonic())):
+            now = time.monotonic()
+            held = self.held
+            if held is not None and now >= next_renew and held.status() is not Standing.LOST:
+                try:
+                    held.renew()
+                    next_renew = now + every
+                    backoff = STORE_RETRY_SECONDS
+                except lease.LeaseLost:
+                    self._fence_off()
+                    return
+                except Exception as err:
+                    log.warning("renewing the lease failed (%s); retrying in %.1f s", err,
+                                backoff)
+                    next_renew = now + backoff
+                    backoff = min(backoff * 2, STORE_MAX_RETRY_SECONDS)
+            if now >= next_stop and self.stop_requested is None:
+                next_stop = now + STOP_POLL_SECONDS
+                self._watch_stop()
+
+    def _mind_kernel(self) -> None:
+        """Keep the kernel running only while the lease is confirmed.
+
+        UNCONFIRMED (no successful renewal for the TTL less the safety margin: the store
+        is out of reach, or this agent was frozen): pause the kernel, so nothing trains
+        that no agent can record. HELD again: resume it (also a kernel that stopped
+        itself when this agent stopped answering). LOST: fence off.
+        """
+        held, kernel = self.held, self._kernel
+        if held is None or kernel is None or self.parked.is_set():
+            return
+        standing = held.status()
+        if standing is Standing.LOST:
+            if not self.fenced.is_set():
+                self._fence_off()
+        elif standing is Standing.UNCONFIRMED:
+            if self._paused_since is None:
+                self._paused_since = time.time()
+                kernel.pause()
+                log.warning("the lease was not confirmed for %.0f s: the kernel is paused "
+                            "until it is", held.confirmed_age())
+                self._emit("status", state="paused", detail=(
+                    "paused: the job's lease could not be confirmed in the store (store "
+                    "unavailable?); training resumes when it is"))
+        else:
+            if self._paused_since is not None:
+                paused = time.time() - self._paused_since
+                self._paused_since = None
+                self._emit("status", state="running",
+                           detail=f"the lease is confirmed again; resumed after {paused:.0f} s")
+            if kernel.stopped:
+                log.warning("the kernel was stopped (its agent did not answer); resuming it")
+                kernel.resume()
 
     def _fence_off(self) -> None:
+        """Another agent took the job: write nothing more, and stop the kernel at once
+        (it must not train or commit anything on its own)."""
         self.fenced.set()
         if self.events is not None:
             self.events.stop_writing()
-        self._interrupt_kernel()
+        kernel = self._kernel
+        if kernel is not None:
+            log.warning("the lease was lost: killing the kernel")
+            kernel.kill()
 
     def _check_fence(self) -> None:
         # Terminating: the kernel is killed under the cell, and what fails then is no
-        # result of the job's; the replacement runs the attempt again.
-        if self.fenced.is_set() or self.terminating.is_set():
+        # result of the job's; the replacement runs the attempt again. Released (after
+        # the final checkpoint) or lost: the job is another agent's.
+        held = self.held
+        if (self.fenced.is_set() or self.terminating.is_set()
+                or (held is not None and held.status() is Standing.LOST)):
             raise Fenced()
 
     def _watch_imds(self) -> None:
-        while not self._done.wait(IMDS_POLL_SECONDS):
-            try:
-                action = self.imds.instance_action()
-                rebalance = None if self.rebalance else self.imds.rebalance()
-            except Exception:
-                log.debug("IMDS poll failed", exc_info=True)
-                continue
-            # The termination first: when both arrive in one poll, the runtime's next
-            # save must already know it is the last one (a rebalance save alone
-            # would wait for the upload in flight and keep training).
-            if action and not self.notice:
-                self.notice = action
-                self._emit("notice", kind="instance-action", action=action.get("action"),
-                           notice_time=action.get("time"))
-                self._emit("status", state="interrupted",
-                           detail=f"spot interruption notice: {action.get('action')} at "
-                                  f"{action.get('time')}; saving a checkpoint")
-                self._send({"op": "notice", "kind": "instance-action",
-                            "action": action.get("action"), "time": action.get("time")})
-            if rebalance and not self.rebalance:
-                self.rebalance = rebalance
-                self._emit("notice", kind="rebalance", action="rebalance",
-                           notice_time=rebalance.get("noticeTime"))
-                self._send({"op": "notice", "kind": "rebalance", "action": "rebalance",
-                            "time": rebalance.get("noticeTime")})
+        try:
+            action = self.imds.instance_action()
+            rebalance = None if self.rebalance else self.imds.rebalance()
+        except Exception:
+            log.debug("IMDS poll failed", exc_info=True)
+            return
+        # The termination first: when both arrive in one poll, the runtime's next
+        # save must already know it is the last one (a rebalance save alone
+        # would wait for the upload in flight and keep training).
+        if action and not self.notice:
+            self.notice = action
+            self._emit("notice", kind="instance-action", action=action.get("action"),
+                       notice_time=action.get("time"))
+            self._emit("status", state="interrupted",
+                       detail=f"spot interruption notice: {action.get('action')} at "
+                              f"{action.get('time')}; saving a checkpoint")
+            self._flush_soon()
+            kernel = self._kernel
+            if kernel is not None and self._paused_since is None:
+                kernel.resume()
+            self._send({"op": "notice", "kind": "instance-action",
+                        "action": action.get("action"), "time": action.get("time")})
+        if rebalance and not self.rebalance:
+            self.rebalance = rebalance
+            self._emit("notice", kind="rebalance", action="rebalance",
+                       notice_time=rebalance.get("noticeTime"))
+            self._send({"op": "notice", "kind": "rebalance", "action": "rebalance",
+                        "time": rebalance.get("noticeTime")})
 
     def _watch_stop(self) -> None:
-        while not self._done.wait(STOP_POLL_SECONDS):
-            try:
-                raw = self.store.get(layout.STOP)
-            except NotFound:
-                continue
-            except Exception:
-                log.debug("reading the stop request failed", exc_info=True)
-                continue
-            self.stop_requested = json.loads(raw or b"{}")
-            self._emit("status", state="stopped", detail=f"stopping: {self._stop_reason()}")
-            self._interrupt_kernel()
+        try:
+            raw = self.store.get(layout.STOP)
+        except NotFound:
             return
+        except Exception:
+            log.debug("reading the stop request failed", exc_info=True)
+            return
+        try:
+            request = json.loads(raw or b"{}")
+        except ValueError:
+            request = {}
+        self.stop_requested = request if isinstance(request, dict) else {}
+        self._emit("status", state="stopped", detail=f"stopping: {self._stop_reason()}")
+        self._interrupt_kernel()
 
     def _stop_reason(self) -> str:
         req = self.stop_requested or {}
@@ -475,6 +633,7 @@ class Agent:
                 with contextlib.suppress(Exception):
                     self.events.flush()
             self._shutdown_kernel()
+            _sweep_descendants()
             os._exit(EXIT_OK)
 
         threading.Timer(TERMINATION_GRACE_SECONDS, os._exit, args=(EXIT_OK,)).start()
@@ -500,38 +659,72 @@ class Agent:
                 self._send({"op": "notice", "kind": "instance-action",
                             "action": self.notice.get("action"),
                             "time": self.notice.get("time")})
-            threading.Thread(target=self._read_channel, args=(conn,), daemon=True).start()
+            reader = threading.Thread(target=self._read_channel, args=(conn,), daemon=True)
+            self._readers.append(reader)
+            reader.start()
 
     def _read_channel(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rb") as lines:
-            for line in lines:
-                try:
-                    self._on_message(channel.decode(line))
-                except Exception:
-                    log.exception("bad message from the runtime: %r", line[:200])
+            try:
+                for line in lines:
+                    try:
+                        self._on_message(channel.decode(line), conn)
+                    except Exception:
+                        log.exception("bad message from the runtime: %r", line[:200])
+            except OSError:
+                pass
 
-    def _on_message(self, msg: dict[str, Any]) -> None:
+    def _drain_channel(self) -> None:
+        """Wait until every connection from the runtime is read to its end (bounded):
+        the rows the cell logged last must be in the log before the result."""
+        deadline = time.monotonic() + CHANNEL_DRAIN_SECONDS
+        for reader in list(self._readers):
+            reader.join(max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                log.warning("the runtime's channel did not close within %gs; going on",
+                            CHANNEL_DRAIN_SECONDS)
+                return
+
+    def _on_message(self, msg: dict[str, Any], conn: socket.socket | None = None) -> None:
         ev = self.events
         if ev is None:
             return
         op = msg["op"]
         if op == "metrics":
-            for step, t, values in msg["rows"]:
+            rows = msg["rows"]
+            for step, t, values in rows:
                 ev.emit("metric", step=step, t=t, values=values)
+            if rows:
+                with self._marks_lock:
+                    self._metric_marks.append((ev.emitted, float(rows[-1][1])))
         elif op == "checkpoint":
             data = {k: v for k, v in msg.items() if k != "op"}
             ev.emit("checkpoint", **data)
             if data.get("phase") == "begin":
                 ev.emit("status", state="checkpointing",
                         detail=f"saving a checkpoint at step {data.get('step')}")
-            elif not self.notice:
-                ev.emit("status", state="running", detail="running the cell")
+            else:
+                if not self.notice:
+                    ev.emit("status", state="running", detail="running the cell")
+                ev.flush_soon()
         elif op == "restored":
             ev.emit("status", state="running",
                     detail=f"restored checkpoint of step {msg.get('step')} "
                            f"in {msg.get('seconds', 0):.1f}s")
         elif op == "sync":
             ev.emit("checkpoint", kind="sync", **{k: v for k, v in msg.items() if k != "op"})
+        elif op == "replay":
+            self._replay(int(msg.get("attempt", 0)), msg.get("rows") or [])
+        elif op == "fence":
+            # The runtime asks before it moves LATEST or writes the outputs.
+            held = self.held
+            ok = held is not None and held.status() is Standing.HELD \
+                and not self.fenced.is_set()
+            self._reply(conn, {"op": "fence", "id": msg.get("id"), "ok": ok})
+        elif op == "mark":
+            waiting = self._marks_waiting.get(str(msg.get("token")))
+            if waiting is not None:
+                waiting.set()
         elif op == "parked":
             # The save forced by the notice is durable: steps after it would only be
             # redone. Let the replacement start now rather than after the lease's TTL.
@@ -539,7 +732,6 @@ class Agent:
             ev.emit("status", state="interrupted",
                     detail=f"final checkpoint at step {msg.get('step')} is durable; "
                            "waiting for the instance to be terminated")
-            ev.flush()
             if self.held is not None:
                 self._done_with_lease()
         elif op == "hello":
@@ -547,13 +739,48 @@ class Agent:
         else:
             log.warning("unknown message from the runtime: %s", op)
 
+    def _replay(self, source: int, rows: list[list[Any]]) -> None:
+        """Record the rows a restored checkpoint carried that the log of the attempt
+        that saved it lacks (its agent died with them unwritten). Rows are logged in
+        time order, so those after the newest metric in that attempt's log are the
+        missing ones. They keep their attempt and time, as if written then."""
+        ev = self.events
+        if ev is None or self.held is None or source == self.held.epoch or not rows:
+            return
+        try:
+            newest = self._retry(lambda: _newest_metric_time(self.store, source),
+                                 "reading the restored attempt's log")
+        except (StoreUnavailable, Fenced):
+            return
+        missing = [row for row in rows if float(row[1]) > newest]
+        for step, t, values in missing:
+            ev.emit_event(Event(type="metric", time=float(t), attempt=source,
+                                instance=None, data={"step": step, "t": t, "values": values,
+                                                     "replayed_by": self.held.epoch}))
+        if missing:
+            log.info("recorded %d metric row(s) of attempt %d that its log lacked",
+                     len(missing), source)
+
     def _done_with_lease(self) -> None:
         assert self.held is not None and self.events is not None
-        self.events.flush()
+        self.events.flush(timeout=TERMINATION_GRACE_SECONDS * 10)
         self.held.release()
         # From here on this agent writes nothing: the replacement owns the job. The
         # kernel stays parked until the instance is terminated.
         self.events.stop_writing()
+
+    def _acknowledge_rows(self) -> None:
+        """Tell the runtime up to which time its metric rows are durable in the log, so
+        it keeps only the rest (a checkpoint carries those: spotnb.runtime)."""
+        ev = self.events
+        if ev is None:
+            return
+        newest = None
+        with self._marks_lock:
+            while self._metric_marks and self._metric_marks[0][0] <= ev.written:
+                newest = self._metric_marks.popleft()[1]
+        if newest is not None:
+            self._send({"op": "durable", "t": newest})
 
     def _send(self, msg: dict[str, Any]) -> None:
         with self._conn_lock:
@@ -565,15 +792,52 @@ class Agent:
             except OSError:
                 self._conn = None
 
+    def _reply(self, conn: socket.socket | None, msg: dict[str, Any]) -> None:
+        if conn is None:
+            self._send(msg)
+            return
+        with self._conn_lock, contextlib.suppress(OSError):
+            conn.sendall(channel.encode(msg))
+
     # -- helpers ---------------------------------------------------------------------
 
     def _emit(self, type: str, **data: Any) -> None:
         if self.events is not None and not self.fenced.is_set():
             self.events.emit(type, **data)
 
-    def _close_events(self) -> None:
+    def _flush_soon(self) -> None:
         if self.events is not None:
-            self.events.close()
+            self.events.flush_soon()
+
+    def _close_events(self) -> None:
+        limit = outage_limit()
+        if self.events is not None and not self.events.close(timeout=limit):
+            raise StoreUnavailable(
+                f"the job's events could not be written to {self.store.uri} for "
+                f"{limit:g} s: {self.events.last_error}")
+
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()``, retried with backoff while the store fails; StoreUnavailable after
+        the outage limit. Fenced if the lease is lost meanwhile."""
+        return _retry_store(fn, what, check=self._check_fence)
+
+    def _renew_or_fence(self, step: Callable[[], None]) -> None:
+        """Renew (or bump) the lease now, retrying a failing store; Fenced if lost."""
+        try:
+            self._retry(step, "renewing the lease")
+        except lease.LeaseLost:
+            self._fence_off()
+            raise Fenced() from None
+
+    def _write(self, fn: Callable[[], T], what: str) -> T:
+        """A write of this agent's (errors, result): only while the lease is HELD."""
+        def guarded() -> T:
+            self._check_fence()
+            held = self.held
+            if held is not None and held.status() is not Standing.HELD:
+                raise StoreError(f"not writing {what}: the lease is not confirmed")
+            return fn()
+        return self._retry(guarded, f"writing {what}")
 
     def _prefetch(self, dest: Path) -> None:
         """Download the latest checkpoint while the kernel starts (runtime verifies it)."""
@@ -608,6 +872,68 @@ class Agent:
         parts = [ident.get("instance_type"), ident.get("az_id") or ident.get("az"),
                  ident.get("instance_id")]
         return " ".join(str(p) for p in parts if p)
+
+
+def _newest_metric_time(store: Store, attempt: int) -> float:
+    """The time of the newest metric row in an attempt's log (-inf without any):
+    its chunks are read from the last one back until one holds a metric."""
+    keys = store.list_keys(f"{EVENTS_PREFIX}{stream_name(attempt)}/")
+    for key in reversed(keys):
+        try:
+            body = store.get(key)
+        except NotFound:
+            continue
+        newest = [float(e.data.get("t", e.time)) for e in parse_chunk(body)
+                  if e.type == "metric"]
+        if newest:
+            return max(newest)
+    return float("-inf")
+
+
+def _retry_store(fn: Callable[[], T], what: str,
+                 check: Callable[[], None] | None = None) -> T:
+    """:func:`spotnb.store.retrying`: ``fn()`` retried while the store fails."""
+    return retrying(fn, what, check=check)
+
+
+def _holder_gone_check(spec: JobSpec) -> lease.HolderGone | None:
+    """The provider's check that a lease holder's instance is terminated, if it has one."""
+    try:
+        from spotnb.providers import get_provider
+
+        check = getattr(get_provider(spec.provider), "instance_gone", None)
+    except Exception:
+        log.debug("no provider check for gone instances", exc_info=True)
+        return None
+    if check is None:
+        return None
+    return lambda held: bool(check(spec.job_id, held.holder))
+
+
+def _become_subreaper() -> None:
+    """Make orphans of the kernel's descendants (a double fork, a daemon) this
+    process's children rather than init's, so the end of the agent can end them."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        log.debug("cannot become a child subreaper", exc_info=True)
+
+
+def _sweep_descendants() -> None:
+    """SIGKILL every process this agent started, however it detached (new session,
+    double fork: as a subreaper they stay below us), so none outlives the attempt."""
+    try:
+        family = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for proc in family:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(family, timeout=5)
 
 
 def _process_started() -> float | None:

@@ -10,8 +10,13 @@ nothing is reachable from outside the instance).
 
 What ``KernelManager`` gave and this keeps: the kernel leads its own session, so an
 interrupt (SIGINT) and the final SIGKILL reach its children too (a ``!cmd``, data
-loader workers); ``JPY_PARENT_PID`` makes the kernel exit if the agent dies; the exit
-status says why a kernel died.
+loader workers); the exit status says why a kernel died. The kernel must never outlive
+its agent (a kernel without an agent trains unsupervised and writes checkpoints that no
+event records): it is started with ``PR_SET_PDEATHSIG`` = SIGKILL on Linux, so the
+agent's death kills it at once, whatever killed the agent; ``JPY_PARENT_PID`` (which
+ipykernel polls every few seconds) covers other systems. The agent also pauses the
+kernel (SIGSTOP to its process group) while it cannot confirm the job's lease, and the
+runtime stops its own kernel when the agent stops answering (a frozen agent).
 """
 
 from __future__ import annotations
@@ -35,6 +40,22 @@ __all__ = ["KernelNotReady", "KernelProcess"]
 # drops what a subscriber publishes before it has joined).
 INFO_RETRY_SECONDS = 1.0
 IOPUB_PROOF_SECONDS = 0.2
+
+# The kernel's launcher: ask Linux to SIGKILL this process when its parent (the agent)
+# dies, make sure the agent did not die before that, then run ipykernel_launcher in the
+# same process (no second interpreter start). Standard library only, a few ms.
+_LAUNCH = """\
+import os, sys
+agent = int(sys.argv[1])
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != agent:
+    sys.exit("spotnb: the agent exited before its kernel started")
+sys.argv = ["ipykernel_launcher", *sys.argv[2:]]
+import runpy
+runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+"""
 
 
 class KernelNotReady(RuntimeError):
@@ -68,7 +89,7 @@ class KernelProcess:
         with os.fdopen(fd, "w") as f:
             json.dump(connection, f)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file)],
+            [sys.executable, "-c", _LAUNCH, str(os.getpid()), "-f", str(connection_file)],
             cwd=cwd, env={**env, "JPY_PARENT_PID": str(os.getpid())},
             stdin=subprocess.DEVNULL, start_new_session=True)
         return cls(proc, connection_file)
@@ -125,6 +146,26 @@ class KernelProcess:
             hint = " (out of memory?)" if -code == signal.SIGKILL else ""
             return f"the kernel died: killed by signal {-code} {name}{hint}".strip()
         return f"the kernel died: exit code {code}"
+
+    def pause(self) -> None:
+        """SIGSTOP the kernel's process group: nothing in it runs until :meth:`resume`."""
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the kernel's process group (harmless if it runs)."""
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the kernel process is stopped (paused by the agent, or by itself
+        when its agent stopped answering)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, IndexError):
+            return False
 
     def interrupt(self) -> None:
         """SIGINT to the kernel's process group: a KeyboardInterrupt in the running cell."""

@@ -31,6 +31,18 @@ contract" rather than repeat it):
 ``default_store(region)`` (optional)
     The store URI for jobs submitted without one (AWS: the default bucket); None means
     spotnb's local default store.
+``ensure_supervised(job_id)`` (optional)
+    Called by every spotnb entry point that looks at a job without a result (attach,
+    wait, follow, listing). A provider whose capacity group needs a live process of
+    its own (the local cloud's supervisor, which a crash or a reboot can end) starts a
+    new one that takes over; failing that, it ends the job with a result that says
+    why. Returns a sentence saying what it did, or None when nothing was needed.
+    AWS needs none: the Auto Scaling group lives in AWS.
+``instance_gone(job_id, instance_id)`` (optional, called on the instance)
+    Whether the instance is known to be terminated (EC2: ``shutting-down``,
+    ``terminated`` or unknown). A replacement whose job's lease is held by that
+    instance takes it over at once rather than waiting out the lease's TTL; False
+    when unsure.
 """
 
 from __future__ import annotations
@@ -87,6 +99,14 @@ class Provider(ABC):
     def default_store(self, region: str) -> str | None:
         """The store URI for jobs submitted without one; None: the local default store."""
         return None
+
+    def ensure_supervised(self, job_id: str) -> str | None:
+        """Restart the job's supervision if it died (see the contract)."""
+        return None
+
+    def instance_gone(self, job_id: str, instance_id: str) -> bool:
+        """Whether ``instance_id`` is known to be terminated (see the contract)."""
+        return False
 
 
 def get_provider(name: str) -> Provider:

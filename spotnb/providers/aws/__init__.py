@@ -367,6 +367,21 @@ class AwsProvider(Provider):
                                             InstanceProfileName=name))
         return done
 
+    def instance_gone(self, job_id: str, instance_id: str) -> bool:
+        """See the contract: one DescribeInstances (free, rate-limited), only when a
+        replacement finds the lease held."""
+        region = self.region(job_id)
+        try:
+            reply = self.client("ec2", region).describe_instances(InstanceIds=[instance_id])
+        except Exception as err:
+            if _boto.error_code(err) == "InvalidInstanceID.NotFound":
+                return True
+            log.info("cannot tell whether %s is gone: %s", instance_id, err)
+            return False
+        states = [inst.get("State", {}).get("Name") for r in reply.get("Reservations", [])
+                  for inst in r.get("Instances", [])]
+        return not states or all(s in ("shutting-down", "terminated") for s in states)
+
     def prices(self, instance_type: str, region: str) -> PoolPrice:
         from spotnb.providers.aws.prices import pool_price
 

@@ -128,8 +128,16 @@ class LocalProvider(Provider):
             self._kill_instances(spec.job_id)
             shutil.rmtree(home, ignore_errors=True)
         (home / CONTROL_DIR).mkdir(parents=True)
+        self._start_supervisor(spec.job_id, store.uri, adopt=False)
+
+    def _start_supervisor(self, job_id: str, store_uri: str, adopt: bool) -> None:
+        """Start the job's supervisor and wait until it says it is up; ProviderError
+        (after killing what was started) if it does not."""
+        home = group_dir(job_id)
         log_path = home / "supervisor.log"
-        cmd = [sys.executable, "-m", "spotnb.providers.local.group", "--job", store.uri]
+        cmd = [sys.executable, "-m", "spotnb.providers.local.group", "--job", store_uri]
+        if adopt:
+            cmd.append("--adopt")
         deadline = time.monotonic() + LAUNCH_TIMEOUT_SECONDS
         with open(log_path, "ab") as out:
             starter = subprocess.Popen(cmd, cwd=home, stdin=subprocess.DEVNULL, stdout=out,
@@ -142,23 +150,53 @@ class LocalProvider(Provider):
             starter.wait()
             code = None
         if code != 0:
-            self._abandon(spec.job_id)
+            if not adopt:
+                self._abandon(job_id)
             raise ProviderError(
-                f"the local cloud could not start the capacity group for job {spec.job_id}: "
+                f"the local cloud could not start the capacity group for job {job_id}: "
                 f"{_tail(log_path)} (log: {log_path})")
         # Step 2: the supervisor says it is up.
         while time.monotonic() < deadline:
             info = read_json(home / GROUP_FILE)
-            if info is not None and info.get("state") == "ready":
-                log.info("local capacity group for job %s is up", spec.job_id)
+            if info is not None and info.get("state") == "ready" and _alive(info):
+                log.info("local capacity group for job %s is up", job_id)
                 return
-            if info is not None and info.get("state") == "exited":
+            if info is not None and info.get("state") == "exited" and not adopt:
                 break
             time.sleep(_POLL_SECONDS)
-        self._abandon(spec.job_id)
+        if not adopt:
+            self._abandon(job_id)
         raise ProviderError(
-            f"the local cloud's capacity group for job {spec.job_id} did not start within "
+            f"the local cloud's capacity group for job {job_id} did not start within "
             f"{LAUNCH_TIMEOUT_SECONDS:g} s: {_tail(log_path)} (log: {log_path})")
+
+    def ensure_supervised(self, job_id: str) -> str | None:
+        """See the contract: if the job has no result and its supervisor is gone (killed,
+        crashed, a reboot), start a new one that adopts its instances. If that fails,
+        end the job with a failed result that says why. Returns what was done, or None.
+        """
+        home = group_dir(job_id)
+        info = read_json(home / GROUP_FILE)
+        if info is None or _alive(info):
+            return None
+        store_uri = info.get("store_uri")
+        if not store_uri or _has_result(store_uri):
+            return None
+        with _locked(home / "restart.lock"):
+            info = read_json(home / GROUP_FILE) or info
+            if _alive(info) or _has_result(store_uri):
+                return None  # another process restarted it, or the job ended
+            log.warning("the supervisor of job %s is gone; starting a new one", job_id)
+            try:
+                self._start_supervisor(job_id, str(store_uri), adopt=True)
+            except ProviderError as err:
+                reason = (f"the local cloud's supervisor of this job died and could not be "
+                          f"restarted: {err}")
+                _write_result(store_uri, "failed", reason)
+                for killed in self._kill_instances(job_id):
+                    log.warning("killed leftover %s", killed)
+                return reason
+        return "restarted the job's supervisor (it had died); the job carries on"
 
     def interrupt(self, job_id: str) -> None:
         home = group_dir(job_id)
@@ -249,6 +287,11 @@ class LocalProvider(Provider):
                     f"{len(found)} AZs"),
         )
 
+    def instance_gone(self, job_id: str, instance_id: str) -> bool:
+        """See the contract: the instance's record says it was terminated."""
+        meta = read_json(instances_dir() / instance_id / "meta.json")
+        return meta is not None and meta.get("state") == "terminated"
+
     # -- inspection (for the CLI and tests)
 
     def group(self, job_id: str) -> dict[str, Any] | None:
@@ -305,6 +348,29 @@ def _has_result(store_uri: Any) -> bool:
         return open_store(str(store_uri)).exists(RESULT)
     except StoreError:
         return False
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Any:
+    """An exclusive lock on ``path`` (processes of this machine)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_result(store_uri: Any, status: str, reason: str) -> None:
+    try:
+        open_store(str(store_uri)).put_if_absent(RESULT, json.dumps(
+            {"status": status, "reason": reason, "time": time.time(),
+             "by": "local-cloud"}).encode())
+    except (StoreError, OSError) as e:
+        log.warning("cannot write the result of %s: %s", store_uri, e)
 
 
 def _write_stopped_result(store_uri: Any) -> None:

@@ -19,6 +19,21 @@ A job's life, as the supervisor sees it::
         instances; the agent has stop_grace (15 s) to finish by itself -> terminate it
         -> result "stopped" unless the agent wrote one -> supervisor exits
 
+The store may fail (a full or read-only disk, a bucket out of reach): the supervisor
+keeps its local duties (notices, terminations) and retries the store every tick; an
+agent that gave up on the store (exit code 4) is replaced only after a backoff
+(:data:`STORE_BACKOFF_SECONDS` doubling), never in a storm. A result it must write
+(crash loop, stop) waits in ``group.json`` (``pending_result``) until the store takes
+it; after :data:`STORE_OUTAGE_SECONDS` without the store the supervisor exits, saying
+so in ``group.json``, and the next spotnb command that looks at the job starts a new one.
+
+Supervisor death (a crash, SIGKILL, a laptop that rebooted): any spotnb entry point
+that finds the job without a result and without a live supervisor starts a new one
+with ``--adopt`` (:meth:`spotnb.providers.local.LocalProvider.ensure_supervised`). It
+takes over the instances still running (their metadata service comes back on the same
+port, notices included), ends those whose termination was due, writes a pending
+result, and carries on: the job resumes as after an interruption.
+
 Pools are tried in the spec's order of instance types, cheapest AZ first (at the
 current market price). A pool without simulated capacity, or above ``max_price``, is
 skipped with a ``capacity_error`` event; when no pool can launch the group retries
@@ -60,6 +75,8 @@ from spotnb.providers.local.state import (
     Settings,
     az_name,
     group_dir,
+    kill_tree,
+    read_json,
     write_json,
 )
 from spotnb.spec import JobSpec, SpecError
@@ -79,8 +96,14 @@ CRASH_LOOP_COUNT = 5
 CRASH_LOOP_SECONDS = 30.0
 # The Spot Advisor's buckets are "per month"; its month is taken as 30 days.
 MONTH_SECONDS = 30 * 86400.0
-# Ticks that may fail in a row (store errors) before the supervisor gives up.
-MAX_FAILED_TICKS = 100
+# How long the store may fail before the supervisor gives up (and says so in group.json).
+STORE_OUTAGE_SECONDS = 900.0
+# An agent that exited because the store failed is replaced after this, doubling up to
+# STORE_MAX_BACKOFF_SECONDS: a new instance would meet the same store.
+STORE_BACKOFF_SECONDS = 5.0
+STORE_MAX_BACKOFF_SECONDS = 120.0
+# The agent's exit code when it gave up on the store (spotnb.kernel_remote.agent).
+AGENT_EXIT_STORE = 4
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
 
@@ -97,7 +120,8 @@ class _Finish:
 class Supervisor:
     """Keeps one instance of a job running; see the module docstring."""
 
-    def __init__(self, store: Store, spec: JobSpec, settings: Settings, home: Path) -> None:
+    def __init__(self, store: Store, spec: JobSpec, settings: Settings, home: Path,
+                 adopt: bool = False) -> None:
         self.store = store
         self.spec = spec
         self.settings = settings
@@ -105,7 +129,12 @@ class Supervisor:
         self.control = home / CONTROL_DIR
         self.control.mkdir(parents=True, exist_ok=True)
         self.events = EventWriter(store, attempt=GROUP_STREAM)
-        self.started = time.time()
+        previous = (read_json(home / GROUP_FILE) or {}) if adopt else {}
+        # The market replays from the group's first start, across supervisors.
+        self.started = float(previous.get("started") or time.time())
+        self.pending_result: dict[str, Any] | None = previous.get("pending_result")
+        self.store_failing_since: float | None = None
+        self.store_backoff = STORE_BACKOFF_SECONDS
         self.markets: dict[str, Market] = {}
         self.instances: list[LocalInstance] = []
         self.current: LocalInstance | None = None
@@ -126,6 +155,63 @@ class Supervisor:
         self.reader = EventReader(store) if self.sim_count else None
         seed = settings.seed
         self.rng = random.Random(f"{seed}:{spec.job_id}") if seed is not None else random.Random()
+        if adopt:
+            self._adopt(time.time())
+
+    def _adopt(self, now: float) -> None:
+        """Take over from a supervisor of this job that died (see the module docstring).
+
+        Step 1  what the group did so far, from its event stream: first launch,
+                simulated interruptions already served, instances already ended.
+        Step 2  each instance still on record: its agent alive -> adopt it (same IMDS
+                endpoint, same notice); dead -> end it ("lost while unsupervised").
+        """
+        history = [e for e in EventReader(self.store).poll() if e.attempt == GROUP_STREAM]
+        launches = [e for e in history if e.type == "instance"
+                    and e.data.get("action") == "launched"]
+        ended = {e.data.get("instance_id") for e in history if e.type == "instance"
+                 and e.data.get("action") == "terminated"}
+        if launches:
+            self.first_launch = min(e.time for e in launches)
+        reasons = [e.data.get("reason") for e in history if e.type == "instance"
+                   and e.data.get("action") == "notice"]
+        self.sim_done = min(self.sim_count, reasons.count("simulated"))
+        self.schedule_next = min(len(self.schedule), reasons.count("scheduled"))
+        if self.sim_done >= self.sim_count:
+            self.reader = None
+        self._emit("status", None, state="launching",
+                   detail="the local cloud's supervisor of this job was restarted; "
+                          "taking over its instances")
+        from spotnb.providers.local import LocalProvider
+
+        for meta in LocalProvider().instances(self.spec.job_id):
+            instance_id = meta.get("instance_id")
+            if meta.get("state") == "terminated" or instance_id in ended:
+                continue
+            pool = next((p for p in catalog.pools(meta["instance_type"],
+                                                  self.spec.resources.region)
+                         if p.az == meta.get("az")), None)
+            record = ProcessRecord.from_dict(read_json(Path(meta["dir"]) / "pid.json"))
+            if pool is None or record is None or not record.alive():
+                self._emit("instance", instance_id, action="terminated",
+                           reason="lost-while-unsupervised", instance_id=instance_id,
+                           instance_type=meta.get("instance_type"), az=meta.get("az"),
+                           pool=meta.get("pool"))
+                continue
+            try:
+                inst = LocalInstance.adopt(meta, pool, self._market(pool), now)
+            except OSError as e:
+                log.warning("cannot adopt %s (its metadata endpoint: %s); ending it",
+                            instance_id, e)
+                kill_tree(record)
+                self._emit("instance", instance_id, action="terminated",
+                           reason="lost-while-unsupervised", instance_id=instance_id,
+                           instance_type=meta.get("instance_type"), az=meta.get("az"),
+                           pool=meta.get("pool"))
+                continue
+            log.info("adopted instance %s (agent pid %d)", inst.id, record.pid)
+            self.instances.append(inst)
+            self.current = inst
 
     # ------------------------------------------------------------------ main loop
 
@@ -136,17 +222,15 @@ class Supervisor:
         me = ProcessRecord.of(os.getpid())
         self._write_group("ready", supervisor=me.to_dict())
         log.info("capacity group for job %s is up (pid %d)", self.spec.job_id, me.pid)
-        code, failed_ticks = 0, 0
+        code = 0
         try:
             while True:
                 try:
                     if not self._tick(time.time()):
                         break
-                    failed_ticks = 0
-                except (StoreError, OSError):
-                    failed_ticks += 1
-                    log.exception("supervisor tick failed (%d in a row)", failed_ticks)
-                    if failed_ticks >= MAX_FAILED_TICKS:
+                    self._store_works()
+                except (StoreError, OSError) as err:
+                    if self._store_fails(err):
                         code = 1
                         break
                 time.sleep(TICK_SECONDS)
@@ -167,12 +251,38 @@ class Supervisor:
                  self.cost(time.time()))
         return code
 
+    def _store_works(self) -> None:
+        if self.store_failing_since is not None:
+            log.warning("the store works again after %.0f s",
+                        time.time() - self.store_failing_since)
+            self.store_failing_since = None
+            self._write_group("ready", supervisor=ProcessRecord.of(os.getpid()).to_dict())
+
+    def _store_fails(self, err: BaseException) -> bool:
+        """A tick met a store error: go on, unless it has lasted STORE_OUTAGE_SECONDS."""
+        now = time.time()
+        if self.store_failing_since is None:
+            self.store_failing_since = now
+            log.warning("the job's store fails (%s); retrying every tick", err)
+            self._write_group("store-unavailable",
+                              supervisor=ProcessRecord.of(os.getpid()).to_dict(),
+                              store_unavailable_since=now, store_error=str(err))
+        elif now - self.store_failing_since > STORE_OUTAGE_SECONDS:
+            log.error("the store has failed for %.0f s (%s); giving up: the next spotnb "
+                      "command that looks at the job restarts its supervision",
+                      now - self.store_failing_since, err)
+            return True
+        return False
+
     def _on_signal(self, signum: int, frame: object) -> None:
         self.terminate_requested = f"the supervisor received {signal.Signals(signum).name}"
 
     def _tick(self, now: float) -> bool:
         """One step of the loop; False when the group is done."""
         self._read_control()
+        if self.pending_result is not None:
+            # A result the store would not take earlier (crash loop, stop): first.
+            self._write_result(**self.pending_result)
         if self.terminate_requested:
             log.info("terminating the group (%s)", self.terminate_requested)
             if self.current is not None:
@@ -252,7 +362,7 @@ class Supervisor:
 
     def _step(self, inst: LocalInstance, now: float) -> None:
         # Step 1: boot. The agent starts once the simulated boot delay is over.
-        if inst.proc is None:
+        if not inst.started:
             if inst.terminate_at is None and self.finish is None and now >= inst.boot_until:
                 self._spawn(inst, now)
                 if self.current is not inst:  # the agent could not even be started
@@ -344,17 +454,25 @@ class Supervisor:
             self._end(inst, now, "stopped", exit_code=code)
             return
         log_path = inst.log_path
+        if code == AGENT_EXIT_STORE:
+            # The store failed the agent: another instance now would meet the same.
+            log.warning("agent on %s gave up on the store; launching again in %.0f s",
+                        inst.id, self.store_backoff)
+            self._end(inst, now, "agent-exited", exit_code=code)
+            self.next_launch_at = now + self.store_backoff
+            self.store_backoff = min(self.store_backoff * 2, STORE_MAX_BACKOFF_SECONDS)
+            return
         log.warning("agent on %s exited with code %s after %.1fs without a result; see %s",
                     inst.id, code, lived, log_path)
         self._end(inst, now, "agent-exited", exit_code=code)
         self.crashes = self.crashes + 1 if lived < CRASH_LOOP_SECONDS else 0
         if self.crashes >= CRASH_LOOP_COUNT:
+            self.finish = _Finish("failed", now)  # first: no more launches, store or not
             self._write_result(
                 "failed",
                 f"the agent crashed repeatedly ({self.crashes} instances in a row exited "
                 f"within {CRASH_LOOP_SECONDS:g} s without a result); see {log_path}",
             )
-            self.finish = _Finish("failed", now)
 
     def _end(self, inst: LocalInstance, now: float, reason: str, **extra: Any) -> None:
         """Terminate an instance and say so."""
@@ -498,7 +616,7 @@ class Supervisor:
         assert self.finish is not None
         inst = self.current
         if inst is not None:
-            running = inst.proc is not None and inst.exit_code() is None
+            running = inst.started and inst.exit_code() is None
             if running and now < self.finish.deadline:
                 return True  # the agent may still finish by itself
             reason = "job-finished" if self.store.exists(RESULT) else "stopped"
@@ -510,10 +628,22 @@ class Supervisor:
         return False
 
     def _write_result(self, status: str, reason: str, **extra: Any) -> None:
-        """Write result.json unless the job already has one, and say so in the log."""
+        """Write result.json unless the job already has one, and say so in the log.
+
+        If the store fails, the result waits in ``group.json`` (``pending_result``) and
+        every tick tries again, this supervisor's or the next one's.
+        """
         body = {"status": status, "reason": reason, **extra, "time": time.time(),
                 "by": "local-cloud"}
-        if self.store.put_if_absent(RESULT, json.dumps(body).encode()) is not None:
+        self.pending_result = {"status": status, "reason": reason, **extra}
+        try:
+            written = self.store.put_if_absent(RESULT, json.dumps(body).encode())
+        except (StoreError, OSError):
+            self._write_group("result-pending",
+                              supervisor=ProcessRecord.of(os.getpid()).to_dict())
+            raise
+        self.pending_result = None
+        if written is not None:
             log.info("wrote the job's result: %s (%s)", status, reason)
             self._emit("result", None, status=status, reason=reason, **extra)
 
@@ -531,7 +661,9 @@ class Supervisor:
     def _write_group(self, state: str, **fields: Any) -> None:
         write_json(self.home / GROUP_FILE, {
             "job_id": self.spec.job_id, "store_uri": self.store.uri, "state": state,
-            "started": self.started, "log": str(self.home / "supervisor.log"), **fields,
+            "started": self.started, "log": str(self.home / "supervisor.log"),
+            "pending_result": self.pending_result,
+            "store_unavailable_since": self.store_failing_since, **fields,
         })
 
 
@@ -555,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", required=True, help="the job's store URI (its prefix)")
     parser.add_argument("--foreground", action="store_true",
                         help="do not detach (for debugging)")
+    parser.add_argument("--adopt", action="store_true",
+                        help="take over from a supervisor of this job that died")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -573,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     home.mkdir(parents=True, exist_ok=True)
     if not args.foreground:
         _detach()
-    return Supervisor(store, spec, settings, home).run()
+    return Supervisor(store, spec, settings, home, adopt=args.adopt).run()
 
 
 if __name__ == "__main__":

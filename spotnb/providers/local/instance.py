@@ -4,9 +4,14 @@ This is the "EC2" half of the local cloud: it creates, boots, warns and terminat
 instance. *When* to do which is the capacity group's business (:mod:`.group`).
 
 An instance lives in ``instances/<instance_id>/`` under the cloud directory:
-``meta.json`` (what and where it is, its state), ``pid.json`` (the agent's
+``meta.json`` (what and where it is, its state: enough for a new supervisor to adopt
+it, see :meth:`LocalInstance.adopt`), ``pid.json`` (the agent's
 :class:`~.state.ProcessRecord`), ``agent.log`` (the agent's stdout and stderr), and the
 agent's working directory itself.
+
+Terminating an instance ends every process it started, however detached (a new
+session, a double fork): the agent's process tree, then every process that still
+carries the instance's marker variable (:func:`~.state.marked_processes`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from spotnb.providers.local.state import (
     instance_dir,
     instance_environment,
     kill_processes,
+    kill_tree,
+    marked_processes,
     read_json,
     write_json,
 )
@@ -59,6 +66,8 @@ class LocalInstance:
     next_price_change: float | None
     hazard_at: float | None
     proc: subprocess.Popen[bytes] | None = None
+    # An agent started by an earlier supervisor of the job (this one adopted it).
+    adopted: ProcessRecord | None = None
     running_since: float | None = None
     notice_reason: str | None = None
     terminate_at: float | None = None
@@ -88,8 +97,44 @@ class LocalInstance:
         write_json(home / "meta.json", {
             **inst.describe(), **meta, "region": pool.region, "az_name": identity.az,
             "launched": now, "imds_endpoint": inst.imds.endpoint, "state": "pending",
-            "price_source": market.source,
+            "price_source": market.source, "index": index, "boot_until": now + boot_seconds,
+            "hazard_at": hazard_at, "ami_id": identity.ami_id,
         })
+        return inst
+
+    @classmethod
+    def adopt(cls, meta: dict[str, Any], pool: Pool, market: Market,
+              now: float) -> LocalInstance:
+        """Take over an instance that an earlier supervisor of the job started.
+
+        Its metadata service comes back on the same endpoint (the agent knows only that
+        one) with the same notice state. Raises OSError if the port is taken.
+        """
+        instance_id = str(meta["instance_id"])
+        identity = InstanceIdentity(
+            instance_id=instance_id, instance_type=pool.instance_type, region=pool.region,
+            az=az_name(pool.region, pool.az), az_id=pool.az,
+            ami_id=str(meta.get("ami_id") or "ami-local"),
+            launched=float(meta["launched"]),
+        )
+        port = int(str(meta["imds_endpoint"]).rsplit(":", 1)[1])
+        imds = ImdsServer(identity, port=port).start()
+        home = instance_dir(instance_id)
+        inst = cls(
+            id=instance_id, index=int(meta.get("index") or 1), pool=pool, market=market,
+            imds=imds, dir=home, launched=float(meta["launched"]),
+            boot_until=float(meta.get("boot_until") or meta["launched"]),
+            price=market.price_at(now), next_price_change=market.next_change_after(now),
+            hazard_at=meta.get("hazard_at"),
+            adopted=ProcessRecord.from_dict(read_json(home / "pid.json")),
+            running_since=meta.get("running_since"),
+        )
+        if meta.get("terminate_at") is not None:
+            inst.notice_reason = meta.get("notice_reason")
+            inst.terminate_at = float(meta["terminate_at"])
+            imds.set_rebalance(float(meta.get("notice_at") or now))
+            imds.set_instance_action(inst.terminate_at)
+        inst.update_meta(adopted_at=now)
         return inst
 
     @property
@@ -118,11 +163,21 @@ class LocalInstance:
         # If it already exited there is nothing to record; the group sees the exit next tick.
         with contextlib.suppress(psutil.Error):
             write_json(self.dir / "pid.json", ProcessRecord.of(self.proc.pid).to_dict())
-        self.update_meta(state="running", pid=self.proc.pid, command=cmd)
+        self.update_meta(state="running", pid=self.proc.pid, command=cmd, running_since=now)
+
+    @property
+    def started(self) -> bool:
+        """Whether its agent was started (by this supervisor or an earlier one)."""
+        return self.proc is not None or self.adopted is not None
 
     def exit_code(self) -> int | None:
-        """The agent's exit code once it has exited by itself, else None."""
-        return None if self.proc is None else self.proc.poll()
+        """The agent's exit code once it has exited by itself, else None (-1 for an
+        adopted agent, whose code nobody can read)."""
+        if self.proc is not None:
+            return self.proc.poll()
+        if self.adopted is not None:
+            return None if self.adopted.alive() else -1
+        return None
 
     def notice(self, now: float, notice_seconds: float, reason: str) -> None:
         """EC2's interruption notice: rebalance recommendation and instance-action."""
@@ -131,7 +186,8 @@ class LocalInstance:
         self.imds.set_rebalance(now)
         self.imds.set_instance_action(self.terminate_at)
         self.update_meta(state="marked-for-termination", notice_reason=reason,
-                         termination_time=iso_utc(self.terminate_at))
+                         termination_time=iso_utc(self.terminate_at), notice_at=now,
+                         terminate_at=self.terminate_at)
 
     def terminate(self, now: float, grace: float, reason: str) -> float:
         """SIGTERM the agent and its descendants, ``grace`` seconds, SIGKILL; stop the
@@ -145,6 +201,14 @@ class LocalInstance:
             kill_processes(family, grace)
         if self.proc is not None:
             self.proc.wait()  # reap it: the group is its parent
+        if self.adopted is not None:
+            kill_tree(self.adopted, grace)
+        # Whatever the instance started that left the agent's tree (a new session, a
+        # double fork whose parent died with the agent) still carries its marker.
+        strays = [proc for proc, instance, _ in marked_processes() if instance == self.id]
+        if strays:
+            log.info("ending %d process(es) that instance %s started", len(strays), self.id)
+            kill_processes(strays, grace)
         self.imds.stop()
         self.ended = now
         self.update_meta(state="terminated", reason=reason, ended=now)

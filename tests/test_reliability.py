@@ -1,0 +1,356 @@
+"""Faults found by attack (issue 12), one regression test each, on the local cloud.
+
+Each test stages one fault that an attacker found (an agent SIGKILLed or frozen, a
+kernel killed while parked, a store that fails, a supervisor that dies, a cell that
+leaves processes behind) and checks what a user would notice: no metric step missing
+from the history, no job left without a result, no process left behind, no write by an
+agent that lost the lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import psutil
+import pytest
+from test_engine import live_processes, steps_by_attempt, wait_no_processes
+
+import spotnb
+from spotnb import lease
+from spotnb.events import Event, EventReader
+from spotnb.store import LocalStore
+
+pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
+
+# Logs every step, checkpoints every CKPT steps; the digest of `w` is the result.
+COUNTING = textwrap.dedent("""
+    import random, time
+    random.seed(7)
+    state = {"w": 0.0}
+    ckpt = spot.Checkpoint(state=state)
+    for step in range(ckpt.restore(), STEPS):
+        state["w"] += random.random()
+        spot.log(step, w=state["w"])
+        time.sleep(STEP_SECONDS)
+        if step % CKPT == CKPT - 1:
+            ckpt.save(step)
+    total = state["w"]
+""")
+
+
+@pytest.fixture
+def cloud(spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "2")
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    return spotnb_home
+
+
+def wait_for(check: Callable[[], T | None], what: str, timeout: float = 120.0) -> T:
+    """Poll ``check`` until it returns something true (a condition, not a duration)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def events_of(handle: spotnb.JobHandle) -> list[Event]:
+    return list(handle.events(follow=False))
+
+
+def booted(handle: spotnb.JobHandle, attempt: int) -> Event | None:
+    return next((e for e in events_of(handle) if e.attempt == attempt
+                 and e.type == "status" and e.data.get("state") == "booting"), None)
+
+
+def kernel_of(agent_pid: int) -> psutil.Process:
+    """The agent's kernel: its child running ipykernel (once it is started)."""
+    def find() -> psutil.Process | None:
+        for child in psutil.Process(agent_pid).children():
+            if any("ipykernel" in part for part in child.cmdline()):
+                return child
+        return None
+    return wait_for(find, "the kernel process")
+
+
+def all_steps(events: list[Event]) -> set[int]:
+    return {s for steps in steps_by_attempt(events).values() for s in steps}
+
+
+def test_the_last_rows_of_a_fast_cell_reach_the_log(cloud: Path) -> None:
+    # A cell that logs as fast as it can and ends: its last rows are still in the
+    # agent's socket when the cell's execution ends.
+    rows = 120_000
+    code = f"for step in range({rows}):\n    spot.log(step, loss=1.0 / (step + 1))\n"
+    handle = spotnb.submit(code)
+    result = handle.wait(timeout=240)
+    assert result.status == "completed", result.error
+    steps = [s for s, _ in handle.metrics()["loss"]]
+    assert len(steps) == rows and steps[-1] == rows - 1
+    assert result.metrics["loss"] == 1.0 / rows
+    wait_no_processes(cloud)
+
+
+def test_a_sigkilled_agent_loses_no_metric_step(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The agent dies with rows it never wrote, although the checkpoint after them is
+    # durable. Staged exactly: the agent's writes fail (its store is "read-only") while
+    # the kernel's do not (the cell drops the fault variable), so the kernel commits
+    # checkpoints whose rows the log lacks; then the agent is SIGKILLed. The kernel dies
+    # with it (PR_SET_PDEATHSIG), and the replacement records the rows the restored
+    # checkpoint carried: no step is missing, none is there twice.
+    switch = tmp_path / "agent-store-fault"
+    monkeypatch.setenv("SPOTNB_LOCAL_STORE_FAULT", str(switch))
+    inputs = {"STEPS": 240, "STEP_SECONDS": 0.02, "CKPT": 40}
+    code = "import os\nos.environ.pop('SPOTNB_LOCAL_STORE_FAULT', None)\n" + COUNTING
+    handle = spotnb.submit(code, inputs=inputs, outputs=["total"])
+    boot = wait_for(lambda: booted(handle, 1), "attempt 1")
+    wait_for(lambda: any(e.type == "checkpoint" and e.data.get("phase") == "durable"
+                         for e in events_of(handle)), "a first checkpoint")
+    from spotnb.providers.local.state import instance_dir
+
+    agent_log = instance_dir(str(boot.instance)) / "agent.log"
+    latest = handle.store.child("checkpoints")
+    logged_steps = all_steps(events_of(handle))
+    switch.write_text("read-only")
+    wait_for(lambda: "Read-only file system (simulated)" in agent_log.read_text(),
+             "the agent's writes to fail")
+    # A checkpoint well past what the log holds becomes LATEST (the kernel writes).
+    wait_for(lambda: latest.exists("LATEST") and json.loads(latest.get("LATEST"))["step"]
+             > max(logged_steps) + 40, "a newer checkpoint than the log's rows")
+    agent = psutil.Process(boot.data["pid"])
+    kernel = kernel_of(agent.pid)
+    agent.send_signal(signal.SIGKILL)
+    _, alive = psutil.wait_procs([kernel], timeout=30)
+    assert not alive, "the kernel outlived its agent"
+    switch.unlink()
+    result = handle.wait(timeout=240)
+    assert result.status == "completed", result.error
+    events = events_of(handle)
+    rows = [s for e in events if e.type == "metric" for s in [e.data["step"]]]
+    assert set(rows) == set(range(240)), "metric steps are missing"
+    replayed = [e for e in events if e.type == "metric" and e.data.get("replayed_by")]
+    assert replayed and all(e.attempt == 1 for e in replayed)
+    baseline = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"]).wait(timeout=120)
+    assert result.outputs["total"] == baseline.outputs["total"]
+    wait_no_processes(cloud)
+
+
+def test_a_frozen_agent_writes_nothing_once_another_took_over(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # SIGSTOP the agent for longer than the lease's TTL while a second agent waits for
+    # the job (what a racing or rebalancing instance does). The frozen agent's kernel
+    # stops itself; the second agent takes over after the TTL and finishes the job;
+    # once resumed, the frozen agent writes nothing and its kernel is killed.
+    monkeypatch.setenv(lease.ENV_TTL, "6")
+    inputs = {"STEPS": 300, "STEP_SECONDS": 0.02, "CKPT": 20}
+    handle = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
+    boot = wait_for(lambda: booted(handle, 1), "attempt 1")
+    wait_for(lambda: any(e.type == "checkpoint" and e.data.get("phase") == "durable"
+                         for e in events_of(handle)), "a first checkpoint")
+    agent = psutil.Process(boot.data["pid"])
+    kernel = kernel_of(agent.pid)
+    agent.suspend()
+    try:
+        env = {**os.environ, "SPOTNB_IMDS_ENDPOINT": "http://127.0.0.1:9"}
+        racer = subprocess.Popen([sys.executable, "-m", "spotnb.kernel_remote", "--job",
+                                  handle.store.uri], cwd=tmp_path, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # The kernel stopped itself once its agent fell silent.
+        wait_for(lambda: kernel.status() == psutil.STATUS_STOPPED, "the kernel to stop")
+        took_over = wait_for(lambda: booted(handle, 2), "the second agent to take over")
+    finally:
+        agent.resume()
+    stderr = racer.communicate(timeout=240)[1]
+    assert racer.returncode == 0, stderr
+    result = handle.wait(timeout=120)
+    assert result.status == "completed", result.error
+    events = events_of(handle)
+    late = [e for e in events if e.attempt == 1 and e.time > took_over.time]
+    assert late == [], f"the fenced agent wrote {len(late)} event(s) after the takeover"
+    store = LocalStore(handle.store.uri.removeprefix("file://"))
+    chunks = [store.root / k for k in store.list_keys("events/000001/")]
+    assert all(p.stat().st_mtime <= took_over.time + 0.5 for p in chunks)
+    assert all_steps(events) == set(range(300)), "metric steps are missing"
+    psutil.wait_procs([kernel, agent], timeout=60)
+    assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE
+    wait_no_processes(cloud)
+
+
+def test_a_parked_attempt_whose_kernel_dies_writes_nothing(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After the final checkpoint the agent has released the lease: the death of its
+    # kernel is not an error of the job's (the replacement carries on).
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "20")
+    inputs = {"STEPS": 200, "STEP_SECONDS": 0.02, "CKPT": 1000}
+    code = COUNTING.replace("time.sleep(STEP_SECONDS)",
+                            "time.sleep(STEP_SECONDS)\n    ckpt.maybe_save(step)")
+    handle = spotnb.submit(code, inputs=inputs, outputs=["total"], max_restarts_on_error=1)
+    boot = wait_for(lambda: booted(handle, 1), "attempt 1")
+    wait_for(lambda: any(e.type == "metric" for e in events_of(handle)), "a metric")
+    handle.interrupt()
+    wait_for(lambda: any(e.type == "status" and "waiting for the instance to be terminated"
+                         in e.data.get("detail", "") for e in events_of(handle)),
+             "the attempt to park")
+    kernel_of(boot.data["pid"]).send_signal(signal.SIGKILL)
+    result = handle.wait(timeout=240)
+    assert result.status == "completed", result.error
+    store = LocalStore(handle.store.uri.removeprefix("file://"))
+    assert store.list_keys("errors/") == [], "a parked agent recorded an error"
+    assert [a.end_reason for a in result.attempts] == ["interrupted", "completed"]
+    wait_no_processes(cloud)
+
+
+def test_a_store_that_fails_for_a_while_loses_nothing_and_starts_no_storm(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    switch = tmp_path / "store-fault"
+    monkeypatch.setenv("SPOTNB_LOCAL_STORE_FAULT", str(switch))
+    inputs = {"STEPS": 400, "STEP_SECONDS": 0.02, "CKPT": 50}
+    handle = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
+    boot = wait_for(lambda: booted(handle, 1), "attempt 1")
+    wait_for(lambda: any(e.type == "metric" for e in events_of(handle)), "a metric")
+    from spotnb.providers.local.state import instance_dir
+
+    agent_log = instance_dir(str(boot.instance)) / "agent.log"
+
+    def logged(words: str) -> Callable[[], bool]:
+        return lambda: agent_log.read_text(errors="replace").count(words) > 0
+
+    # Writes fail (reads work) until the agent has met the failure, then a full disk
+    # until a checkpoint has failed too; then the store heals.
+    switch.write_text("read-only")
+    wait_for(logged("Read-only file system (simulated)"), "the agent to meet the fault")
+    switch.write_text("full")
+    wait_for(logged("No space left on device (simulated)"), "a failed write on a full disk")
+    switch.unlink()
+    result = handle.wait(timeout=240)
+    assert result.status == "completed", result.error
+    events = events_of(handle)
+    assert all_steps(events) == set(range(400)), "metric steps were dropped"
+    launches = [e for e in events if e.type == "instance" and e.data["action"] == "launched"]
+    assert len(launches) == 1, "the outage made the group launch other instances"
+    wait_no_processes(cloud)
+
+
+def test_jobs_resume_after_their_supervisor_dies(cloud: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotnb.providers.local import LocalProvider
+
+    # Case 1: the supervisor dies, then the agent: the next look at the job restarts
+    # supervision and the job resumes on a new instance.
+    inputs = {"STEPS": 150, "STEP_SECONDS": 0.02, "CKPT": 20}
+    first = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
+    # Case 2: the supervisor dies right after a notice: the parked agent must still be
+    # terminated and replaced.
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "3")
+    code = COUNTING.replace("time.sleep(STEP_SECONDS)",
+                            "time.sleep(STEP_SECONDS)\n    ckpt.maybe_save(step)")
+    second = spotnb.submit(code, inputs={**inputs, "CKPT": 1000}, outputs=["total"])
+    provider = LocalProvider()
+    for handle in (first, second):
+        wait_for(lambda h=handle: any(e.type == "metric" for e in events_of(h)), "a metric")
+
+    boot = booted(first, 1)
+    assert boot is not None
+    os.kill(provider.group(first.job_id)["supervisor"]["pid"], signal.SIGKILL)
+    wait_for(lambda: not provider.group(first.job_id)["alive"], "the supervisor to die")
+    agent = psutil.Process(boot.data["pid"])
+    for proc in [*agent.children(recursive=True), agent]:
+        proc.kill()
+
+    second.interrupt()
+    wait_for(lambda: any(e.type == "notice" for e in events_of(second)), "the notice")
+    os.kill(provider.group(second.job_id)["supervisor"]["pid"], signal.SIGKILL)
+
+    results = [spotnb.attach(h.job_id).wait(timeout=240) for h in (first, second)]
+    assert [r.status for r in results] == ["completed", "completed"], results
+    assert all(all_steps(events_of(h)) == set(range(150)) for h in (first, second))
+    assert [a.end_reason for a in results[1].attempts] == ["interrupted", "completed"]
+    wait_no_processes(cloud)
+
+
+def test_processes_a_cell_starts_end_with_its_job(cloud: Path) -> None:
+    # A child in its own session and a double-forked daemon: both escape the kernel's
+    # process group, neither may outlive the job, whether it completes or fails.
+    code = textwrap.dedent("""
+        import os, subprocess, sys, time
+        session = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.write(w, str(os.getpid()).encode())
+                time.sleep(600)
+            os._exit(0)
+        daemon = int(os.read(r, 32))
+        pids = [session.pid, daemon]
+        if FAIL:
+            raise RuntimeError("the cell failed")
+    """)
+    for fail in (False, True):
+        handle = spotnb.submit(code, inputs={"FAIL": fail}, outputs=["pids"])
+        result = handle.wait(timeout=120)
+        assert result.status == ("failed" if fail else "completed"), result.error
+        wait_no_processes(cloud)
+        strays = [p for p in live_processes(cloud) if "sleep" in " ".join(p.cmdline())
+                  or p.pid in result.outputs.get("pids", [])]
+        assert strays == []
+    for proc in psutil.process_iter(["cmdline"]):
+        assert proc.info["cmdline"] != ["sleep", "600"] or \
+            proc.environ().get("SPOTNB_HOME") != str(cloud)
+
+
+def test_lease_renewals_from_two_threads_never_fence_the_holder(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "job")
+    held = lease.acquire(store, "i-a")
+    assert held is not None
+    errors: list[BaseException] = []
+
+    def renew() -> None:
+        for _ in range(200):
+            try:
+                held.renew()
+            except BaseException as e:  # LeaseLost is the bug
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=renew) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert lease.still_holds(store, 1, "i-a")
+
+
+def test_the_event_writer_keeps_events_through_a_failing_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotnb.events import EventWriter
+
+    switch = tmp_path / "fault"
+    monkeypatch.setenv("SPOTNB_LOCAL_STORE_FAULT", str(switch))
+    store = LocalStore(tmp_path / "job")
+    writer = EventWriter(store, 1, flush_seconds=3600)
+    writer.emit("metric", step=0, t=0.0, values={"x": 0.0})
+    switch.write_text("full")
+    writer.emit("metric", step=1, t=1.0, values={"x": 1.0})
+    assert writer.flush() is False and writer.failing_since is not None
+    writer.emit("metric", step=2, t=2.0, values={"x": 2.0})
+    switch.unlink()
+    assert writer.close(timeout=30)
+    steps = [e.data["step"] for e in EventReader(store).poll()]
+    assert steps == [0, 1, 2]
