@@ -69,8 +69,9 @@ def assert_nothing_left(simulator: AwsSimulator, timeout: float = 30.0) -> None:
 
 
 def resources() -> dict[str, list[str]]:
-    """Every job resource in the account: groups, templates, live instances, roles."""
-    asg, ec2, iam = (_boto.client(s) for s in ("autoscaling", "ec2", "iam"))
+    """Every job resource in the account: groups, templates, live instances, roles,
+    queues."""
+    asg, ec2, iam, sqs = (_boto.client(s) for s in ("autoscaling", "ec2", "iam", "sqs"))
     instances = [i["InstanceId"] for r in ec2.describe_instances(Filters=[
         {"Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
         for i in r["Instances"]]
@@ -81,10 +82,11 @@ def resources() -> dict[str, list[str]]:
                       ec2.describe_launch_templates()["LaunchTemplates"]],
         "instances": instances,
         "roles": [r["RoleName"] for r in iam.list_roles(PathPrefix="/spotnb/")["Roles"]],
+        "queues": sqs.list_queues(QueueNamePrefix="spotnb-").get("QueueUrls", []),
     }
 
 
-NOTHING = {"groups": [], "templates": [], "instances": [], "roles": []}
+NOTHING = {"groups": [], "templates": [], "instances": [], "roles": [], "queues": []}
 
 
 def group_events(handle: spotnb.JobHandle) -> list[Event]:
@@ -421,7 +423,7 @@ def test_cleanup_finds_and_deletes_what_a_dead_instance_left(sim: AwsSimulator,
     inst = sim.wait_for_instance(handle.job_id)
     while not any(e.type == "status" and e.data.get("state") == "running"
                   for e in handle.events(follow=False)):
-        time.sleep(0.2)
+        time.sleep(0.2)  # the log shows a state change within a moment (it is urgent)
     # The instance dies outright after its job's result, before it could clean up.
     sim.crash(inst.id)
     handle.store.put_if_absent(layout.RESULT, json.dumps(
@@ -433,6 +435,7 @@ def test_cleanup_finds_and_deletes_what_a_dead_instance_left(sim: AwsSimulator,
         f"would delete launch template spotnb-{handle.job_id} in us-east-1",
         f"would delete instance {inst.id} in us-east-1",
         f"would delete IAM role and instance profile spotnb-job-{handle.job_id}",
+        f"would delete queue spotnb-{handle.job_id}-control in us-east-1",
     ])
     assert all("its job has a result" in line for line in found)
     provider.cleanup()

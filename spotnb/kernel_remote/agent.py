@@ -59,8 +59,11 @@ from typing import Any, TypeVar
 
 import psutil
 
-from spotnb import layout, lease
-from spotnb.events import EVENTS_PREFIX, Event, EventWriter, parse_chunk, stream_name
+from spotnb import layout, lease, usage
+from spotnb.events import EVENTS_PREFIX, Event, EventWriter, metric_rows, parse_chunk, stream_name
+from spotnb.events.live import CONTROL_QUEUE, LiveSender
+from spotnb.events.queues import queue_for
+from spotnb.events.writer import StreamObject, read_object
 from spotnb.kernel_remote import channel
 from spotnb.kernel_remote.imds import ImdsClient
 from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
@@ -86,8 +89,13 @@ T = TypeVar("T")
 # standing. IMDS is on the instance: free. EC2 gives two minutes of notice; half a
 # second leaves the runtime the most time.
 IMDS_POLL_SECONDS = 0.5
-# How often the store loop looks for a stop request (a GET each time).
-STOP_POLL_SECONDS = 1.0
+# How often the store loop reads control/stop.json (a GET: 60/h = $0.000024/h). A stop
+# also arrives at once as a message on the job's control queue; the object is the
+# record, read here in case the message was lost.
+STOP_POLL_SECONDS = 60.0
+# How often the agent reports the requests it made (a `usage` event; the cost a job
+# shows includes them).
+USAGE_SECONDS = 300.0
 KERNEL_READY_TIMEOUT = 120.0
 # EC2 gives processes a moment between SIGTERM and power-off; use well under it.
 TERMINATION_GRACE_SECONDS = 0.8
@@ -150,6 +158,7 @@ class Agent:
         self._socket_dir = Path(tempfile.mkdtemp(prefix="spotnb-"))
         self._socket_path = self._socket_dir / "agent.sock"
         self._listener: socket.socket | None = None
+        self.live: LiveSender | None = None
 
     # -- the attempt -----------------------------------------------------------------
 
@@ -179,6 +188,8 @@ class Agent:
             return EXIT_STORE
         finally:
             self._done.set()
+            if self.live is not None:
+                self.live.stop()
             self._shutdown_kernel()
             if self._listener is not None:
                 self._listener.close()
@@ -188,6 +199,12 @@ class Agent:
 
     def _run_attempts(self) -> int:
         assert self.held is not None and self._listener is not None
+        try:
+            control = queue_for(self.store, self.spec.job_id, CONTROL_QUEUE)
+            control.create()
+            self.live = LiveSender(control, self._on_stop_message, self.store).start()
+        except Exception as err:
+            log.warning("no live channel (%s): followers read the log", err)
         threads = [
             threading.Thread(target=self._instance_loop, name="instance", daemon=True),
             threading.Thread(target=self._store_loop, name="store", daemon=True),
@@ -212,11 +229,14 @@ class Agent:
         self.events = EventWriter(self.store, attempt, self.identity["instance_id"],
                                   may_write=held.status)
         ev = self.events
+        if self.live is not None:
+            self.live.attach(ev)
         ev.emit("status", state="booting", detail=f"attempt {attempt} on {self._where()}",
                 instance_type=self.identity.get("instance_type"),
                 az=self.identity.get("az_id") or self.identity.get("az"),
                 region=self.identity.get("region"), pid=os.getpid(),
                 process_started=_process_started())
+        ev.flush_soon()
         sampler = Sampler(lambda data: self._emit("sys", **data))
         sampler.start()
         try:
@@ -246,6 +266,7 @@ class Agent:
                 return self._finish("failed", "the runtime could not start in the kernel",
                                     error=boot_error)
             ev.emit("status", state="running", detail="running the cell")
+            ev.flush_soon()
             error = self._execute(kc, self.spec.code, silent=False)
             self._check_fence()
             if self.stop_requested:
@@ -288,6 +309,7 @@ class Agent:
                              detail=f"retrying after {error['ename']} "
                                     f"({errors_so_far + 1} of "
                                     f"{self.spec.policy.max_restarts_on_error})")
+            self._report_usage()
             self._shutdown_kernel()
             self._drain_channel()
             return "retry"
@@ -308,8 +330,12 @@ class Agent:
             log.warning("a result already exists; leaving it as it is")
         if error is not None:
             self.events.emit("error", retrying=False, **error)
+        self._report_usage()
         self.events.emit("result", status=status, reason=reason)
         self.events.emit("status", state=status, detail=reason)
+        if self.live is not None:
+            self.live.send_now()
+            self.live.attach(None)
         self._close_events()
         self.held.release()
         return status
@@ -396,6 +422,12 @@ class Agent:
                 if self.stop_requested:
                     self._interrupt_kernel()
                 continue
+            except Exception:
+                # The kernel's sockets were closed under us: the instance is going, or
+                # another agent took the job.
+                if self.terminating.is_set() or self.fenced.is_set():
+                    raise Fenced() from None
+                raise
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind = msg["header"]["msg_type"]
@@ -490,8 +522,10 @@ class Agent:
         every = lease.heartbeat_seconds(self.held.lease.ttl if self.held else lease.TTL_SECONDS)
         next_renew = time.monotonic() + every
         next_stop = time.monotonic() + STOP_POLL_SECONDS
+        next_usage = time.monotonic() + USAGE_SECONDS
         backoff = STORE_RETRY_SECONDS
-        while not self._done.wait(max(0.05, min(next_renew, next_stop) - time.monotonic())):
+        while not self._done.wait(
+                max(0.05, min(next_renew, next_stop, next_usage) - time.monotonic())):
             now = time.monotonic()
             held = self.held
             if held is not None and now >= next_renew and held.status() is not Standing.LOST:
@@ -510,6 +544,9 @@ class Agent:
             if now >= next_stop and self.stop_requested is None:
                 next_stop = now + STOP_POLL_SECONDS
                 self._watch_stop()
+            if now >= next_usage:
+                next_usage = now + USAGE_SECONDS
+                self._report_usage()
 
     def _mind_kernel(self) -> None:
         """Keep the kernel running only while the lease is confirmed.
@@ -535,6 +572,7 @@ class Agent:
                 self._emit("status", state="paused", detail=(
                     "paused: the job's lease could not be confirmed in the store (store "
                     "unavailable?); training resumes when it is"))
+                self._flush_soon()
         else:
             if self._paused_since is not None:
                 paused = time.time() - self._paused_since
@@ -592,6 +630,7 @@ class Agent:
             self.rebalance = rebalance
             self._emit("notice", kind="rebalance", action="rebalance",
                        notice_time=rebalance.get("noticeTime"))
+            self._flush_soon()
             self._send({"op": "notice", "kind": "rebalance", "action": "rebalance",
                         "time": rebalance.get("noticeTime")})
 
@@ -607,8 +646,18 @@ class Agent:
             request = json.loads(raw or b"{}")
         except ValueError:
             request = {}
-        self.stop_requested = request if isinstance(request, dict) else {}
+        self._on_stop(request if isinstance(request, dict) else {})
+
+    def _on_stop_message(self, msg: dict[str, Any]) -> None:
+        """A stop request on the control queue (the notebook wrote stop.json too)."""
+        self._on_stop({k: v for k, v in msg.items() if k != "op"})
+
+    def _on_stop(self, request: dict[str, Any]) -> None:
+        if self.stop_requested is not None:
+            return
+        self.stop_requested = request
         self._emit("status", state="stopped", detail=f"stopping: {self._stop_reason()}")
+        self._flush_soon()
         self._interrupt_kernel()
 
     def _stop_reason(self) -> str:
@@ -692,9 +741,8 @@ class Agent:
         op = msg["op"]
         if op == "metrics":
             rows = msg["rows"]
-            for step, t, values in rows:
-                ev.emit("metric", step=step, t=t, values=values)
             if rows:
+                ev.emit_metrics(rows)
                 with self._marks_lock:
                     self._metric_marks.append((ev.emitted, float(rows[-1][1])))
         elif op == "checkpoint":
@@ -711,6 +759,7 @@ class Agent:
             ev.emit("status", state="running",
                     detail=f"restored checkpoint of step {msg.get('step')} "
                            f"in {msg.get('seconds', 0):.1f}s")
+            ev.flush_soon()
         elif op == "sync":
             ev.emit("checkpoint", kind="sync", **{k: v for k, v in msg.items() if k != "op"})
         elif op == "replay":
@@ -732,6 +781,9 @@ class Agent:
             ev.emit("status", state="interrupted",
                     detail=f"final checkpoint at step {msg.get('step')} is durable; "
                            "waiting for the instance to be terminated")
+            self._report_usage()
+            if self.live is not None:
+                self.live.send_now()
             if self.held is not None:
                 self._done_with_lease()
         elif op == "hello":
@@ -805,6 +857,10 @@ class Agent:
         if self.events is not None and not self.fenced.is_set():
             self.events.emit(type, **data)
 
+    def _report_usage(self) -> None:
+        """A ``usage`` event: the requests this agent made so far (spotnb.usage)."""
+        self._emit("usage", process="job-agent", requests=usage.snapshot())
+
     def _flush_soon(self) -> None:
         if self.events is not None:
             self.events.flush_soon()
@@ -876,15 +932,15 @@ class Agent:
 
 def _newest_metric_time(store: Store, attempt: int) -> float:
     """The time of the newest metric row in an attempt's log (-inf without any):
-    its chunks are read from the last one back until one holds a metric."""
-    keys = store.list_keys(f"{EVENTS_PREFIX}{stream_name(attempt)}/")
-    for key in reversed(keys):
+    its objects are read from the last one back until one holds a metric."""
+    objs = [o for k in store.list_keys(f"{EVENTS_PREFIX}{stream_name(attempt)}/")
+            if (o := StreamObject.parse(k)) is not None]
+    for obj in sorted(objs, key=lambda o: (o.last, o.first), reverse=True):
         try:
-            body = store.get(key)
+            body = read_object(store, obj)
         except NotFound:
             continue
-        newest = [float(e.data.get("t", e.time)) for e in parse_chunk(body)
-                  if e.type == "metric"]
+        newest = [float(t) for e in parse_chunk(body) for _, t, _ in metric_rows(e)]
         if newest:
             return max(newest)
     return float("-inf")

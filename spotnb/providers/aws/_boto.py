@@ -49,7 +49,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal, TypeVar
 
-from spotnb import __version__
+from spotnb import __version__, usage
 from spotnb.providers import ProviderError
 from spotnb.spec import SpecError
 
@@ -248,7 +248,14 @@ def client(service: str, region: str | None = None, *, sess: Any = None,
             raise fatal_error(err, f"creating an AWS {service} client") from None
     for event in ("before-parameter-build", "before-call", "after-call"):
         made.meta.events.register(event, _dispatch)
+    # Every request is a line item (spotnb.usage): count each one this process makes.
+    made.meta.events.register("before-call", _count_request)
     return made
+
+
+def _count_request(model: Any = None, **kwargs: Any) -> None:
+    if model is not None:
+        usage.count(model.service_model.endpoint_prefix, model.name)
 
 
 def account_id(sess: Any = None, region: str | None = None) -> str:
