@@ -51,7 +51,8 @@ __all__ = [
 # enough for the elapsed time and the cost to tick, rarely enough for a notebook file.
 REFRESH_SECONDS = 1.0
 # Events the cost and attempt summary need (the rest are output, metrics, samples).
-_CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result"})
+_CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result",
+                            "usage"})
 
 
 @dataclasses.dataclass

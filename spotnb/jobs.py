@@ -29,7 +29,7 @@ from typing import Any
 
 import cloudpickle
 
-from spotnb import __version__, layout
+from spotnb import __version__, layout, usage
 from spotnb.events import (
     FINAL_STATES,
     GROUP_STREAM,
@@ -72,9 +72,10 @@ POLL_SECONDS = 0.25
 SUPERVISION_CHECK_SECONDS = 10.0
 # A follower waits this long for live events per poll (an SQS long poll each time).
 FOLLOW_WAIT_SECONDS = 1.0
-# While following, result.json is looked up this often (the result event normally
-# comes first, live); wait() looks every POLL_SECONDS at first, then less often.
-RESULT_CHECK_SECONDS = 10.0
+# While following, result.json is looked up this often (an S3 HEAD; the result event
+# normally comes first, live: this is for an agent that died right after writing it);
+# wait() looks every POLL_SECONDS at first, then less often.
+RESULT_CHECK_SECONDS = 60.0
 WAIT_MAX_SECONDS = 10.0
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -107,19 +108,33 @@ class JobResult:
     reason: str
     attempts: tuple[Attempt, ...]
     interruptions: int
+    #: What the job cost: its instances, billed per second from launch (boot included)
+    #: at their pools' spot prices, plus :attr:`requests_usd`.
     cost_usd: float
+    #: The same instance-seconds at the on-demand price.
     ondemand_cost_usd: float
     metrics: dict[str, float]
     duration: float
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: dict[str, Any] | None = None
+    #: spotnb's own AWS requests (S3, SQS) at list prices, as its agents, runtime and
+    #: followers reported them; 0 on the local cloud, whose requests cost nothing.
+    requests_usd: float = 0.0
 
     @property
     def savings_pct(self) -> float | None:
-        """Savings versus on-demand in percent (None before any cost)."""
+        """Savings versus on-demand in percent (None before any cost): what the job
+        cost, boot time and spotnb's own requests included, against its instance time
+        at the on-demand price."""
         if self.ondemand_cost_usd <= 0:
             return None
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+
+    @property
+    def cost_includes(self) -> str:
+        """What :attr:`cost_usd` includes, for a person."""
+        return (f"instances billed from launch (boot included) and spotnb's own requests "
+                f"(${self.requests_usd:.4f})")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the outputs (they are arbitrary objects)."""
@@ -155,7 +170,7 @@ def submit(
     name: str | None = None,
     inputs: Mapping[str, Any] | None = None,
     outputs: Sequence[str] | None = None,
-    checkpoint_every: float | str = "60s",
+    checkpoint_every: float | str = "5m",
     max_restarts_on_error: int = 0,
     budget_usd: float | None = None,
     max_duration: float | str | None = None,
@@ -449,15 +464,19 @@ class JobHandle:
             delay = min(delay * 1.5, WAIT_MAX_SECONDS)
         # The agent writes its closing events right after result.json.
         end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
-        while time.monotonic() < end:
-            if any(e.type == "result" for e in EventReader(self.store, batches=True).poll()):
-                break
+        reader = EventReader(self.store, batches=True)
+        events = reader.poll()
+        while not any(e.type == "result" for e in events) and time.monotonic() < end:
             time.sleep(POLL_SECONDS)
-        return self.summary(with_outputs=True)
+            events += reader.poll()
+        return self.summary(with_outputs=True, events=sorted(events, key=lambda e: e.time))
 
-    def summary(self, with_outputs: bool = False) -> JobResult:
-        """Where the job stands now, from its full event history."""
-        events = EventReader(self.store, batches=True).poll()
+    def summary(self, with_outputs: bool = False,
+                events: list[Event] | None = None) -> JobResult:
+        """Where the job stands now, from its full event history (read now, unless
+        ``events`` is that history)."""
+        if events is None:
+            events = EventReader(self.store, batches=True).poll()
         result = summarize(self.spec, events, self.result_record())
         if with_outputs and result.status == "completed" and self.spec.outputs:
             outputs = cloudpickle.loads(self.store.get(layout.OUTPUTS))
@@ -629,6 +648,14 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
         elif e.type == "price":
             prices.setdefault(e.data.get("pool", ""), []).append((e.time, e.data["price"]))
 
+    # spotnb's own requests: the newest count each process reported (they are totals).
+    reported: dict[tuple[Any, int, str | None], dict[str, Any]] = {}
+    for e in events:
+        if e.type == "usage":
+            reported[(e.data.get("process"), e.attempt, e.instance)] = \
+                e.data.get("requests") or {}
+    requests_usd = sum(usage.cost(counts) for counts in reported.values())
+
     cost = ondemand = 0.0
     for inst in launched.values():
         start, stop = inst["start"], inst["end"] or end_of_job
@@ -681,9 +708,10 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,
         attempts=tuple(attempts), interruptions=interruptions,
-        cost_usd=cost, ondemand_cost_usd=ondemand, metrics=metrics,
+        cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=metrics,
         duration=max(0.0, end_of_job - min(start, spec.created)),
         error=(result or {}).get("error") or (error if status == "failed" else None),
+        requests_usd=requests_usd,
     )
 
 

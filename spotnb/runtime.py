@@ -451,7 +451,7 @@ class Checkpoint:
     def maybe_save(self, step: int) -> bool:
         """Save if the policy says so or a notice is pending; return whether it saved.
 
-        The policy (``checkpoint_every`` of the job; 60 s standalone) counts seconds
+        The policy (``checkpoint_every`` of the job; 5 minutes standalone) counts seconds
         and steps since the last save or restore. Cheap when there is nothing to do.
         """
         rt = self._rt
@@ -544,12 +544,12 @@ def _read_rows(manifest: Manifest, directory: Path) -> list[list[Any]]:
 # -- directories the user writes to --------------------------------------------------
 
 
-def sync_dir(path: str | os.PathLike[str], every: float | str = "60s") -> SyncDir:
+def sync_dir(path: str | os.PathLike[str], every: float | str = "5m") -> SyncDir:
     """Keep a directory you write your own checkpoint files to in the job's store.
 
     Before returning, restores the directory's latest snapshot (files of the snapshot
     are written into it; other files are left alone). Then uploads it every ``every``
-    (``"60s"``, ``"5m"``, or seconds) when something changed, at once on an
+    (``"5m"``, the default, ``"60s"``, or seconds) when something changed, at once on an
     interruption notice, and a last time at the end of the job. Each upload is a
     complete snapshot (files, then manifest, then ``LATEST``), so a resume never sees
     half a directory; write each file atomically (to a temporary name, then rename)

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import spotnb
-from spotnb import catalog, layout
+from spotnb import catalog, layout, usage
 from spotnb.cli import main as cli_main
 from spotnb.events import Event
 from spotnb.providers import get_provider
@@ -605,3 +605,37 @@ def test_real_aws_quickstart_survives_an_interruption(spotnb_home: Path) -> None
     finally:
         handle.provider.terminate(handle.job_id)
     assert AwsProvider(region=region).cleanup(dry_run=True) == []
+
+
+def test_a_followed_job_makes_few_requests_a_minute(sim: AwsSimulator, tmp_path: Path) -> None:
+    # A job that logs ten metrics a second, followed live, for at least 150 of them
+    # (counted, not timed): spotnb's own S3 writes and listings in that window stay
+    # under a bound the first design passed within seconds (it flushed the log four
+    # times a second, renewed its lease every 2 s, and the follower listed the log
+    # four times a second).
+    gate = tmp_path / "gate"
+    code = ("import os, time\nstep = 0\n"
+            f"while not os.path.exists({str(gate)!r}):\n"
+            "    spot.log(step, loss=1.0 / (step + 1))\n    step += 1\n    time.sleep(0.1)\n")
+    handle = spotnb.submit(code, provider="aws", instance_types=["g4dn.xlarge"])
+    window: list[float] = []
+    metrics = 0
+    for event in handle.events():
+        if event.type == "status" and event.data.get("state") == "running" and not window:
+            window.append(time.time())
+        if event.type == "metric" and window:
+            metrics += 1
+            if metrics == 150:
+                window.append(time.time())
+                gate.touch()
+    assert handle.wait(timeout=120).status == "completed"
+    assert len(window) == 2
+    counted = [r for r in sim.server.requests.snapshot()
+               if window[0] <= r.time <= window[1] and r.origin != "simulator"]
+    writes = [r for r in counted if r.service == "s3"
+              and usage.classify("s3", r.operation) == "s3-write"]
+    seconds = window[1] - window[0]
+    assert seconds >= 14  # 150 metrics at ten a second, at least
+    assert len(writes) <= 12, (seconds, sorted((r.origin, r.operation) for r in writes))
+    live = [r for r in counted if r.service == "sqs" and r.operation == "SendMessage"]
+    assert live, "the metrics came through the live channel"

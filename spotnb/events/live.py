@@ -37,11 +37,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spotnb.events import Event, expand, stream_name
+from spotnb.events import GROUP_STREAM, Event, expand, stream_name
 from spotnb.events.queues import (
     CONTROL_WAIT_SECONDS,
     MAX_MESSAGE_BYTES,
     Queue,
+    SqsQueue,
     open_queue,
     pack,
     queue_for,
@@ -274,6 +275,9 @@ class Follower:
         self._live_at = -LIVE_QUIET_SECONDS
         self._pending: dict[str, list[Event]] = {}  # live events waiting for a gap
         self.ended = False
+        #: Requests this follower made of the queues and the registrations.
+        self.receives = 0
+        self.registrations = 0
 
     def __enter__(self) -> Follower:
         return self
@@ -298,19 +302,24 @@ class Follower:
             self._receive(wait)
         elif not out:
             time.sleep(min(wait, self.quiet_log_seconds))
+        out += self._release()
         now = time.monotonic()
         quiet = now - self._live_at > LIVE_QUIET_SECONDS
+        # A gap in the live events (what is left after the release) is filled from the
+        # log soon; else the log is read every LOG_SECONDS_LIVE while live flows.
         due = self.quiet_log_seconds if (quiet or self._pending) else LOG_SECONDS_LIVE
         if now - self._log_read_at >= due:
             out += self._read_log()
-        out += self._release()
+            out += self._release()
         return out if self.batches else [row for e in out for row in expand(e)]
 
     def close(self) -> None:
-        """Unregister and delete this follower's queue (idempotent)."""
+        """Unregister and delete this follower's queue (idempotent); on AWS, report the
+        requests following cost (a ``usage`` event in the group's stream)."""
         queue, self._queue = self._queue, None
         if queue is None:
             return
+        self._report_usage(queue)
         try:
             self.store.delete(self._registration())
         except Exception:
@@ -352,6 +361,19 @@ class Follower:
                      self.job_id, err, LOG_SECONDS_QUIET)
             self._queue = None
 
+    def _report_usage(self, queue: Queue) -> None:
+        if not isinstance(queue, SqsQueue):
+            return  # the local cloud's requests cost nothing
+        counts = {"s3:ListObjectsV2": self.reader.lists, "s3:GetObject": self.reader.gets,
+                  "s3:PutObject": self.registrations,
+                  "sqs:ReceiveMessage": self.receives, "sqs:SendMessage": self.registrations}
+        try:
+            writer = EventWriter(self.store, GROUP_STREAM, flush_seconds=3600)
+            writer.emit("usage", process="follower", requests=counts)
+            writer.close(timeout=10)
+        except Exception:
+            log.debug("could not report the follower's requests", exc_info=True)
+
     def _registration(self) -> str:
         assert self._queue is not None
         return f"{WATCHERS_PREFIX}{self._queue.uri.rstrip('/').rsplit('/', 1)[-1]}.json"
@@ -371,12 +393,14 @@ class Follower:
             log.debug("could not register with the job's agent (%s)", err)
         try:
             self.store.put(self._registration(), json.dumps(registration).encode())
+            self.registrations += 1
         except Exception as err:
             log.debug("could not record the registration (%s)", err)
 
     def _receive(self, wait: float) -> None:
         assert self._queue is not None
         try:
+            self.receives += 1
             messages = self._queue.receive_messages(wait)
         except Exception as err:
             log.debug("reading the live queue failed (%s)", err)

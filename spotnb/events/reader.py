@@ -15,7 +15,15 @@ import collections
 import logging
 from collections.abc import Iterator
 
-from spotnb.events import EVENTS_PREFIX, GROUP_STREAM, Event, expand, parse_chunk, stream_name
+from spotnb.events import (
+    EVENTS_PREFIX,
+    GROUP_STREAM,
+    Event,
+    expand,
+    parse_chunk,
+    rows_after,
+    stream_name,
+)
 from spotnb.events.writer import StreamObject, read_object
 from spotnb.store import NotFound, Store
 
@@ -61,8 +69,9 @@ class EventReader:
         self._last_chunk: dict[str, int] = {}
         self._last_n: dict[str, int] = {}
         self._read_keys: dict[str, set[str]] = collections.defaultdict(set)
-        #: Requests this reader made (LIST and GET), for the cost benchmarks.
-        self.requests = 0
+        #: Requests this reader made (LISTs and GETs), for the cost it reports.
+        self.lists = 0
+        self.gets = 0
 
     def seen(self, stream: str, n: int | None) -> bool:
         """Whether event ``n`` of ``stream`` was delivered already (by any path)."""
@@ -80,7 +89,7 @@ class EventReader:
     def poll(self) -> list[Event]:
         """New events since the last poll, in time order."""
         events: list[Event] = []
-        self.requests += 1
+        self.lists += 1
         listing = _objects(self.store)
         for stream in sorted(listing):
             events += self._read_stream(stream, listing[stream])
@@ -104,7 +113,7 @@ class EventReader:
                 elif obj.last <= self._last_chunk.get(stream, -1):
                     continue
                 try:
-                    self.requests += 1
+                    self.gets += 1
                     body = read_object(self.store, obj)
                 except NotFound:
                     vanished = True  # compacted meanwhile: list the stream again
@@ -112,19 +121,28 @@ class EventReader:
                 except Exception:
                     log.exception("could not read event object %s", obj.key)
                     break
+                # Every event numbered above what was delivered before this object is
+                # new (an object holds consecutive events); a merged batch may be new
+                # in part only.
+                seen = self._last_n.get(stream, -1)
+                newest = seen
                 for event in parse_chunk(body):
                     if event.n is not None:
-                        if event.n <= self._last_n.get(stream, -1):
+                        newest = max(newest, event.n)
+                        kept = rows_after(event, seen)
+                        if kept is None:
                             continue
-                        self._last_n[stream] = event.n
+                        event = kept
                     out.append(event)
+                if newest > seen:
+                    self._last_n[stream] = newest
                 if group:
                     self._read_keys[stream].add(obj.key)
                 else:
                     self._last_chunk[stream] = obj.last
             if not vanished:
                 break
-            self.requests += 1
+            self.lists += 1
             objs = _objects(self.store).get(stream, [])
         return out
 

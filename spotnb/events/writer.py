@@ -34,6 +34,7 @@ from spotnb.events import (
     EVENTS_PREFIX,
     GROUP_STREAM,
     Event,
+    merge_metrics,
     metrics_data,
     parse_chunk,
     stream_name,
@@ -85,6 +86,18 @@ class StreamObject:
         if m.group(2) is None:
             return cls(key, last, last, 0)
         return cls(key, int(m.group(2)), last, int(m.group(3)))
+
+
+def _roll_metrics(body: bytes) -> bytes:
+    """A segment's JSON lines with its ``metrics`` batches merged into one event
+    (:func:`spotnb.events.merge_metrics`); other events unchanged, in order."""
+    events = parse_chunk(body)
+    batches = [e for e in events if e.type == "metrics" and e.n is not None]
+    if len(batches) < 2:
+        return body
+    others = [e for e in events if not (e.type == "metrics" and e.n is not None)]
+    rolled = sorted([*others, merge_metrics(batches)], key=lambda e: e.n or 0)
+    return ("\n".join(e.to_json() for e in rolled) + "\n").encode()
 
 
 def segment_key(prefix: str, first: int, last: int, level: int) -> str:
@@ -336,9 +349,11 @@ class EventWriter:
                 if body is None:
                     body = read_object(self.store, obj)
                 bodies.append(body)
-            merged = b"".join(bodies)
+            merged = _roll_metrics(b"".join(bodies))
             if len(merged) > MAX_SEGMENT_BYTES:
                 return
+            if self.may_write is not None and self.may_write() is not Standing.HELD:
+                return  # a writer that may not write now does not compact either
             segment = StreamObject(segment_key(self._prefix, run[0].first, run[-1].last,
                                                level + 1),
                                    run[0].first, run[-1].last, level + 1)

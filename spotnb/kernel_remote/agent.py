@@ -93,6 +93,12 @@ IMDS_POLL_SECONDS = 0.5
 # also arrives at once as a message on the job's control queue; the object is the
 # record, read here in case the message was lost.
 STOP_POLL_SECONDS = 60.0
+# Metric rows become one `metrics` event this often (the live channel's pace), or at
+# once when this many have gathered.
+ROWS_SECONDS = 1.0
+ROWS_PER_EVENT = 5000
+# GPU/CPU samples are kept one in this many seconds while nobody watches.
+SYS_IDLE_SECONDS = 10.0
 # How often the agent reports the requests it made (a `usage` event; the cost a job
 # shows includes them).
 USAGE_SECONDS = 300.0
@@ -152,6 +158,11 @@ class Agent:
         self._metric_marks: collections.deque[tuple[int, float]] = collections.deque()
         self._marks_lock = threading.Lock()
         self._marks_waiting: dict[str, threading.Event] = {}
+        # Metric rows from the runtime, not yet an event (see _emit_rows).
+        self._rows: list[list[Any]] = []
+        self._rows_at = time.monotonic()
+        self._rows_lock = threading.Lock()
+        self._sampled_at = -SYS_IDLE_SECONDS
         self._scratch = Path(tempfile.mkdtemp(prefix="spotnb-agent-", dir=os.getcwd()))
         # The runtime's channel and the kernel's sockets. Unix socket paths are
         # limited to ~107 bytes: keep it short, in /tmp.
@@ -237,7 +248,7 @@ class Agent:
                 region=self.identity.get("region"), pid=os.getpid(),
                 process_started=_process_started())
         ev.flush_soon()
-        sampler = Sampler(lambda data: self._emit("sys", **data))
+        sampler = Sampler(self._on_sample)
         sampler.start()
         try:
             # Step 4: the checkpoint downloads while the kernel finishes booting and
@@ -328,6 +339,7 @@ class Agent:
             "the result")
         if written is None:
             log.warning("a result already exists; leaving it as it is")
+        self._emit_rows()
         if error is not None:
             self.events.emit("error", retrying=False, **error)
         self._report_usage()
@@ -366,6 +378,7 @@ class Agent:
             channel.ENV_KEEP_CHECKPOINTS: str(self.spec.policy.keep_checkpoints),
             channel.ENV_SCRATCH: str(self._scratch),
             "PYTHONUNBUFFERED": "1",
+            "SPOTNB_ORIGIN": "runtime",
         })
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(self._workdir), env.get("PYTHONPATH", "")) if p)
@@ -511,6 +524,8 @@ class Agent:
             try:
                 self._watch_imds()
                 self._send({"op": "ping"})
+                if time.monotonic() - self._rows_at >= ROWS_SECONDS:
+                    self._emit_rows()
                 self._acknowledge_rows()
                 self._mind_kernel()
             except Exception:
@@ -732,7 +747,8 @@ class Agent:
             if reader.is_alive():
                 log.warning("the runtime's channel did not close within %gs; going on",
                             CHANNEL_DRAIN_SECONDS)
-                return
+                break
+        self._emit_rows()
 
     def _on_message(self, msg: dict[str, Any], conn: socket.socket | None = None) -> None:
         ev = self.events
@@ -740,12 +756,17 @@ class Agent:
             return
         op = msg["op"]
         if op == "metrics":
-            rows = msg["rows"]
-            if rows:
-                ev.emit_metrics(rows)
-                with self._marks_lock:
-                    self._metric_marks.append((ev.emitted, float(rows[-1][1])))
-        elif op == "checkpoint":
+            # Rows are gathered into one `metrics` event a second (the live channel's
+            # pace): a day of logging is ~86,000 events, whatever the rate of spot.log.
+            with self._rows_lock:
+                self._rows.extend(msg["rows"])
+                full = len(self._rows) >= ROWS_PER_EVENT
+            if full:
+                self._emit_rows()
+            return
+        # Anything else comes after the rows sent before it.
+        self._emit_rows()
+        if op == "checkpoint":
             data = {k: v for k, v in msg.items() if k != "op"}
             ev.emit("checkpoint", **data)
             if data.get("phase") == "begin":
@@ -754,7 +775,8 @@ class Agent:
             else:
                 if not self.notice:
                     ev.emit("status", state="running", detail="running the cell")
-                ev.flush_soon()
+                if data.get("phase") == "failed" or data.get("forced"):
+                    ev.flush_soon()  # a periodic save waits for the next flush
         elif op == "restored":
             ev.emit("status", state="running",
                     detail=f"restored checkpoint of step {msg.get('step')} "
@@ -762,6 +784,8 @@ class Agent:
             ev.flush_soon()
         elif op == "sync":
             ev.emit("checkpoint", kind="sync", **{k: v for k, v in msg.items() if k != "op"})
+        elif op == "usage":
+            ev.emit("usage", process="runtime", requests=msg.get("requests") or {})
         elif op == "replay":
             self._replay(int(msg.get("attempt", 0)), msg.get("rows") or [])
         elif op == "fence":
@@ -820,6 +844,27 @@ class Agent:
         # From here on this agent writes nothing: the replacement owns the job. The
         # kernel stays parked until the instance is terminated.
         self.events.stop_writing()
+
+    def _on_sample(self, data: dict[str, Any]) -> None:
+        """A GPU/CPU sample: every one while a follower watches, else one in
+        SYS_IDLE_SECONDS (the history needs no more; a day is 8,640 events)."""
+        now = time.monotonic()
+        watched = self.live is not None and self.live.watched
+        if watched or now - self._sampled_at >= SYS_IDLE_SECONDS:
+            self._sampled_at = now
+            self._emit("sys", **data)
+
+    def _emit_rows(self) -> None:
+        """The metric rows gathered so far, as one ``metrics`` event."""
+        ev = self.events
+        with self._rows_lock:
+            rows, self._rows = self._rows, []
+            self._rows_at = time.monotonic()
+            if ev is None or not rows:
+                return
+            ev.emit_metrics((step, round(float(t), 3), values) for step, t, values in rows)
+            with self._marks_lock:
+                self._metric_marks.append((ev.emitted, float(rows[-1][1])))
 
     def _acknowledge_rows(self) -> None:
         """Tell the runtime up to which time its metric rows are durable in the log, so
@@ -1019,4 +1064,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ["SPOTNB_ORIGIN"] = "job-agent"  # in the User-Agent of its AWS requests
     return Agent(args.job).run()

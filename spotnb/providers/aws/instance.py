@@ -457,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("botocore").setLevel(logging.WARNING)
+    os.environ["SPOTNB_ORIGIN"] = "instance-agent"  # the job agent sets its own
     return InstanceAgent(args.job).run()
 
 
