@@ -97,7 +97,8 @@ class SpotCheckpoint(ModelCheckpoint):
         except ImportError:
             return state
         # As plain values: Lightning loads checkpoints with torch.load(weights_only=True).
-        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        raw: Any = numpy.random.get_state()  # the legacy tuple (MT19937)
+        kind, keys, pos, has_gauss, cached = raw
         state["spotnb_rng"]["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
         return state
 
