@@ -275,16 +275,17 @@ class SyncDir:
             message.update(step=step, forced=forced)
         self.rt.send(message)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, hold: bool = True) -> None:
         """The code (a framework) has written a complete checkpoint of ``step`` into the
         directory: snapshot it now and upload it in the background.
 
         The pause is the copy into scratch space. The next :meth:`save` waits for this
         upload. After an interruption notice the snapshot uploads alongside any upload
         in flight (committed after it), and once it is durable the cell is held until
-        the instance is terminated (:meth:`spotnb.session.Session.park`). A save that
-        fails is reported and retried at the next save point, which the notice makes
-        the next step (``spot.save_requested`` stays true).
+        the instance is terminated (:meth:`hold`; ``hold=False`` leaves that call to
+        the caller, for a framework that still has the step's metrics to log). A save
+        that fails is reported and retried at the next save point, which the notice
+        makes the next step (``spot.save_requested`` stays true).
         """
         rt = self.rt
         previous = self._upload
@@ -304,8 +305,16 @@ class SyncDir:
         if staged is not None:
             after = previous if previous is not None and not previous.done(0) else None
             self._upload = _DirUpload(self, staged, forced, after)
-        if not park:
-            return
+        if park and hold:
+            self.hold(step)
+
+    def hold(self, step: int) -> None:
+        """After a notice: wait until the last :meth:`save` is durable, then hold the
+        cell until the instance is terminated (:meth:`spotnb.session.Session.park`).
+
+        Returns only if that save failed (reported): the next step saves again.
+        """
+        rt = self.rt
         last = self._upload
         if last is None or last.wait() is not None:
             rt.park(step)

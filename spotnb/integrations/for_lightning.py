@@ -16,8 +16,9 @@ in place of yours) whose ``dirpath`` (default ``checkpoints``) is a synced direc
 * after each of Lightning's own saves (``every_n_train_steps``, epoch ends,
   validation): a snapshot of the directory, uploaded in the background;
 * at the end of a training batch after an interruption notice: ``trainer.
-  save_checkpoint`` to ``last.ckpt``, made durable, then the cell is held until the
-  instance goes. The replacement resumes after that batch.
+  save_checkpoint`` to ``last.ckpt``, uploaded at once; at the next hook, once
+  Lightning has logged the batch's metrics, the cell waits until it is durable and is
+  held until the instance goes. The replacement resumes after that batch.
 
 Lightning stores the RNG states of neither Python, NumPy nor torch in a checkpoint;
 this callback adds them (``state_dict``/``load_state_dict`` of the callback, Lightning's
@@ -77,6 +78,7 @@ class SpotCheckpoint(ModelCheckpoint):
         super().__init__(dirpath=dirpath, save_last=save_last, **kwargs)
         self._log = log
         self._written = False
+        self._hold_at: int | None = None  # the step whose save a notice forced
         # Restored now, before fit(ckpt_path="last") looks for last.ckpt.
         self._dir: SyncDir = spot.sync_dir(dirpath, every=None)
 
@@ -127,26 +129,49 @@ class SpotCheckpoint(ModelCheckpoint):
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         self._written = True
 
-    def _snapshot(self, trainer: pl.Trainer) -> None:
+    def _snapshot(self, trainer: pl.Trainer, hold: bool = True) -> None:
         if self._written and trainer.is_global_zero:
             self._written = False
-            self._dir.save(trainer.global_step)  # holds the cell after a notice
+            self._dir.save(trainer.global_step, hold=hold)  # holds the cell after a notice
+
+    def _hold(self) -> None:
+        # The batch's metrics are logged by now (Lightning logs them after the
+        # on_train_batch_end hooks): wait until the forced save is durable, then park.
+        step, self._hold_at = self._hold_at, None
+        if step is not None:
+            self._dir.hold(step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if spot.save_requested and trainer.is_global_zero:
+        notice = spot.save_requested and trainer.is_global_zero
+        if notice:
             path = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
             if os.path.islink(path):
                 os.unlink(path)  # save_last="link": never write through the link
             trainer.save_checkpoint(path)
             self.last_model_path = path
-        self._snapshot(trainer)
+            self._hold_at = trainer.global_step
+        self._snapshot(trainer, hold=not notice)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        self._hold()
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hold()
         super().on_train_epoch_end(trainer, pl_module)
         self._snapshot(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hold()
+        super().on_validation_start(trainer, pl_module)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         self._snapshot(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hold()
+        super().on_train_end(trainer, pl_module)
