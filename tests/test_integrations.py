@@ -87,6 +87,9 @@ def _run_example(name: str, tmp_path: Path) -> Any:
 
 
 @pytest.mark.slow
+# Three attempts (a kernel and the framework's imports each) and the uninterrupted run:
+# about 100 s on a quiet 2-core machine, three times that on a busy one.
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(("name", "first_periodic_save", "params"), [
     ("transformers", 10, {"learning_rate": 0.001, "max_steps": 30, "model.n_layer": 2}),
     ("lightning", 10, {"lr": 0.01, "hidden": 32, "dropout": 0.2}),
