@@ -208,6 +208,8 @@ class Session:
         # The watchdog is armed by the agent's first ping (an agent that never pings,
         # such as a test's, is never taken for a frozen one).
         self._pinged = False
+        #: Hyperparameters given to ``spot.log_params`` (also sent to the agent).
+        self.params: dict[str, Any] = {}
         self.sync_dirs: dict[str, SyncDir] = {}
         # The newest checkpoint upload: the end of the job waits until it is durable.
         self.last_upload: Upload | None = None
@@ -335,6 +337,12 @@ class Session:
         self.force_save = True
         for sd in list(self.sync_dirs.values()):
             sd.wake()
+
+    @property
+    def save_requested(self) -> bool:
+        """Whether the next step should save: a notice is pending (or the lease was
+        lost, which a save turns into holding the cell)."""
+        return self.force_save or self.park_requested or self.fenced
 
     def park(self, step: int) -> NoReturn:
         """Report the forced save durable and hold the cell until the instance is gone."""

@@ -44,7 +44,11 @@ vocabulary every reader may rely on):
 ``sys``         ``kind`` ("gpu" or "cpu"), ``util`` (%), ``mem_used``, ``mem_total``
                 (bytes), for GPUs also ``gpus`` (per-device list)
 ``checkpoint``  ``phase`` (begin, durable, failed), ``id``, ``step``, ``bytes``,
-                ``seconds``, ``forced``
+                ``seconds``, ``forced``; a synced directory's snapshot has ``kind``
+                "sync", ``name``, ``files``, ``bytes`` (and ``step``, ``forced``
+                when taken at a framework's save point)
+``params``      ``params`` {name: value} (hyperparameters), ``source`` (optional:
+                "transformers", "lightning", ...)
 ``notice``      ``kind`` (instance-action, rebalance), ``action``, ``notice_time``
 ``price``       ``pool``, ``instance_type``, ``az``, ``price``, ``ondemand``
 ``instance``    ``action`` (launched, terminated, capacity_error), ``instance_id``,

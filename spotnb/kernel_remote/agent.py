@@ -810,6 +810,8 @@ class Agent:
                 self.live.send_now()
             if self.held is not None:
                 self._done_with_lease()
+        elif op == "params":
+            ev.emit("params", **{k: v for k, v in msg.items() if k != "op"})
         elif op == "hello":
             pass
         else:
