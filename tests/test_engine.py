@@ -201,7 +201,7 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
 
 
 def test_pure_python_training_survives_interruptions(cloud: Path) -> None:
-    inputs = {"STEPS": 160, "STEP_SECONDS": 0.02}
+    inputs = {"STEPS": 160, "STEP_SECONDS": 0.05}  # time for three interruptions
     common = dict(inputs=inputs, outputs=["weights"], checkpoint_every="10 steps")
     baseline = spotnb.submit(PYTHON_TRAINING, **common).wait(timeout=120)
     handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=3, **common)

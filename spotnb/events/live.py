@@ -57,8 +57,9 @@ log = logging.getLogger(__name__)
 
 CONTROL_QUEUE = "control"
 WATCHERS_PREFIX = "watchers/"
-# The agent sends what its attempt emitted this often to each follower: with the
-# runtime's 0.2 s batches, a metric reaches a follower within about 1.3 s (p95).
+# The agent sends what its attempt emitted this often to each follower through SQS (a
+# request each time): with the runtime's 0.2 s batches, a metric reaches a follower
+# within about 1.3 s (p95). Through the local cloud's free queues, 4 times as often.
 LIVE_SECONDS = 1.0
 # A registration lasts this long; the follower renews it well before.
 WATCH_SECONDS = 180.0
@@ -193,8 +194,14 @@ class LiveSender:
         """Send what is waiting at once (before a result, or before parking)."""
         self._send_due()
 
+    @property
+    def cadence(self) -> float:
+        """Seconds between two sends: LIVE_SECONDS through SQS, less through a local
+        queue (free), see :attr:`Queue.live_seconds`."""
+        return min(LIVE_SECONDS, self.control.live_seconds)
+
     def _send_loop(self) -> None:
-        while not self._done.wait(LIVE_SECONDS):
+        while not self._done.wait(self.cadence):
             self._send_due()
 
     def _send_due(self) -> None:

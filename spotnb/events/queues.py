@@ -8,8 +8,9 @@ spot instance itself. A queue carries what is urgent instead, at a fraction of t
   :data:`CONTROL_WAIT_SECONDS` when idle): "watch" registrations of followers, stop
   requests;
 * one *live queue* per follower (a notebook cell, ``spotnb logs -f``), to which the
-  agent sends the events of its attempt every :data:`spotnb.events.live.LIVE_SECONDS`
-  while that follower's registration lasts.
+  agent sends the events of its attempt every second (every quarter second through a
+  free local queue: :attr:`Queue.live_seconds`) while that follower's registration
+  lasts.
 
 Two transports, chosen by the job's store (:func:`queue_for`):
 
@@ -80,6 +81,9 @@ class Queue(ABC):
     """One queue. Every method may raise OSError or ``spotnb.store.StoreError``."""
 
     uri: str
+    #: How often an agent sends live events through queues of this kind: each send is
+    #: a request that SQS bills; a local queue costs nothing.
+    live_seconds: float = 1.0
 
     @abstractmethod
     def send(self, body: str) -> None:
@@ -113,6 +117,8 @@ class Queue(ABC):
 
 class LocalQueue(Queue):
     """A queue in a local directory (the local cloud's)."""
+
+    live_seconds = 0.25
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)

@@ -93,8 +93,8 @@ IMDS_POLL_SECONDS = 0.5
 # also arrives at once as a message on the job's control queue; the object is the
 # record, read here in case the message was lost.
 STOP_POLL_SECONDS = 60.0
-# Metric rows become one `metrics` event this often (the live channel's pace), or at
-# once when this many have gathered.
+# Metric rows become one `metrics` event this often (or at the live channel's pace, if
+# faster), or at once when this many have gathered.
 ROWS_SECONDS = 1.0
 ROWS_PER_EVENT = 5000
 # GPU/CPU samples are kept one in this many seconds while nobody watches.
@@ -520,11 +520,14 @@ class Agent:
     def _instance_loop(self) -> None:
         """IMDS, pings, durable-row acknowledgements, and the kernel's pause/resume:
         everything that needs no store request, every IMDS_POLL_SECONDS."""
-        while not self._done.wait(IMDS_POLL_SECONDS):
+        pace = IMDS_POLL_SECONDS if self.live is None else min(IMDS_POLL_SECONDS,
+                                                               self.live.cadence)
+        while not self._done.wait(pace):
             try:
                 self._watch_imds()
                 self._send({"op": "ping"})
-                if time.monotonic() - self._rows_at >= ROWS_SECONDS:
+                pace = ROWS_SECONDS if self.live is None else self.live.cadence
+                if time.monotonic() - self._rows_at >= pace:
                     self._emit_rows()
                 self._acknowledge_rows()
                 self._mind_kernel()
