@@ -261,8 +261,11 @@ class Agent:
             try:
                 kc = self._connect_kernel()
             except KernelNotReady as e:
-                return self._finish("failed", "the kernel could not start", error={
-                    "ename": "KernelDied", "evalue": str(e), "traceback": [str(e)]})
+                # Killed while it started (out of memory in an import, say): an error
+                # like one in the cell, retried as far as the job's policy allows.
+                return self._on_user_error(None, {
+                    "ename": "KernelDied", "evalue": f"the kernel could not start: {e}",
+                    "traceback": [str(e)]})
             self._check_fence()
             # The attempt's own settings reach the kernel with the bootstrap: the
             # kernel was spawned before the lease said which attempt this is.
@@ -302,7 +305,7 @@ class Agent:
         finally:
             sampler.stop()
 
-    def _on_user_error(self, kc: Any, error: dict[str, Any]) -> str:
+    def _on_user_error(self, kc: Any | None, error: dict[str, Any]) -> str:
         self._check_fence()
         # The rows the cell logged before it failed are still on their way.
         self._sync_runtime(kc)
