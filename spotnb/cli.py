@@ -56,6 +56,34 @@ def format_event(event: Event) -> str | None:
     return None
 
 
+#: The columns of ``spotnb jobs`` and ``%spot_jobs``.
+JOB_COLUMNS = ("job", "name", "status", "instance", "duration", "cost $", "saving",
+               "last metric", "attempts", "interruptions", "age")
+
+
+def jobs_table(rows: Sequence[spotnb.JobInfo], now: float
+               ) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The jobs newest first, one tuple of texts per job (:data:`JOB_COLUMNS`), and
+    notes: which names several jobs share (a name then means the newest of them)."""
+    table: list[tuple[str, ...]] = []
+    for r in sorted(rows, key=lambda r: r.created, reverse=True):
+        metric = f"{r.metric[0]} {r.metric[1]:.4g}" if r.metric else ""
+        saving = f"{r.savings_pct:.0f}%" if r.savings_pct is not None else ""
+        minutes, seconds = divmod(int(r.duration), 60)
+        hours, minutes = divmod(minutes, 60)
+        table.append((r.job_id, r.name, r.status.replace("_", " "), r.instance_type or "",
+                      f"{hours}:{minutes:02d}:{seconds:02d}", f"{r.cost_usd:.4f}", saving,
+                      metric, str(r.attempts), str(r.interruptions),
+                      format_age(r.created, now)))
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.name] = counts.get(r.name, 0) + 1
+    shared = sorted(name for name, n in counts.items() if n > 1)
+    notes = [f"{len(shared)} name(s) are shared by several jobs ({', '.join(shared)}): a "
+             "name picks the newest of its jobs; give the job id for another"] if shared else []
+    return table, notes
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     import time
 
@@ -63,11 +91,15 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if not rows:
         print("no jobs yet; submit one with %%spot_train in a notebook or spotnb.submit()")
         return 0
-    now = time.time()
-    print(f"{'JOB':<24} {'NAME':<16} {'STATUS':<22} {'ATT':>3} {'INT':>3} {'COST $':>9} AGE")
-    for r in rows:
-        print(f"{r.job_id:<24} {r.name[:16]:<16} {r.status:<22} {r.attempts:>3} "
-              f"{r.interruptions:>3} {r.cost_usd:>9.4f} {format_age(r.created, now)}")
+    table, notes = jobs_table(rows, time.time())
+    header = tuple(c.upper() for c in JOB_COLUMNS)
+    widths = [min(28, max(len(str(c)) for c in col)) for col in zip(header, *table,
+                                                                   strict=True)]
+    for row in (header, *table):
+        print("  ".join(str(c)[:w].ljust(w) for c, w in zip(row, widths, strict=True))
+              .rstrip())
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 

@@ -147,7 +147,11 @@ class JobResult:
 
 @dataclasses.dataclass(frozen=True)
 class JobInfo:
-    """A row of :func:`jobs`."""
+    """A row of :func:`jobs`.
+
+    ``instance_type`` is the last attempt's; ``duration`` in seconds; ``metric`` the
+    last value of the first metric logged, as ``(name, value)``.
+    """
 
     job_id: str
     name: str
@@ -156,6 +160,17 @@ class JobInfo:
     interruptions: int
     cost_usd: float
     created: float
+    instance_type: str | None = None
+    duration: float = 0.0
+    ondemand_cost_usd: float = 0.0
+    metric: tuple[str, float] | None = None
+
+    @property
+    def savings_pct(self) -> float | None:
+        """Savings versus on-demand in percent (None before any cost)."""
+        if self.ondemand_cost_usd <= 0:
+            return None
+        return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
 
 
 # -- submitting ----------------------------------------------------------------------
@@ -178,6 +193,7 @@ def submit(
     simulate_interruptions: int | Sequence[float] | None = None,
     files: Mapping[str, str | os.PathLike[str]] | None = None,
     store: str | None = None,
+    notify_url: str | None = None,
 ) -> JobHandle:
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
 
@@ -189,6 +205,8 @@ def submit(
     ``simulate_interruptions`` (local cloud): a count, or seconds after launch.
     ``files`` maps paths relative to the remote working directory to local files
     (helper modules next to the notebook): they are importable in the cell.
+    ``notify_url``: a Slack-compatible webhook the instance posts to when an attempt is
+    interrupted and when the job ends (:mod:`spotnb.notify`).
     """
     _check_code(code)
     prov = get_provider(provider)
@@ -202,6 +220,12 @@ def submit(
         raise SpecError("max_restarts_on_error must be 0 or more")
     if keep_checkpoints < 1:
         raise SpecError("keep_checkpoints must be at least 1")
+    if notify_url is not None:
+        from spotnb.notify import check_url
+
+        problem = check_url(notify_url)
+        if problem is not None:
+            raise SpecError(problem)
     out_names = tuple(outputs or ())
     for out in out_names:
         if not _NAME.match(out):
@@ -224,6 +248,7 @@ def submit(
             max_duration=(parse_duration(max_duration, "max_duration")
                           if max_duration is not None else None),
             keep_checkpoints=keep_checkpoints,
+            notify_url=notify_url,
         ),
         store_uri=job_store.uri,
         created=time.time(),
@@ -578,7 +603,7 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 1
+_LISTING_VERSION = 2
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -596,16 +621,22 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
         try:
             cached = json.loads(cache.read_text())
             if cached["version"] == _LISTING_VERSION and cached["log"] == state:
-                return JobInfo(**cached["row"])
+                fields = dict(cached["row"])
+                fields["metric"] = tuple(fields["metric"]) if fields.get("metric") else None
+                return JobInfo(**fields)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # no cache, or one from another version: compute the row
     handle = JobHandle(job_store, spec)
     if state is None:
         handle.keep_supervised(force=True)
     s = handle.summary()
+    metric = next(((str(k), float(v)) for k, v in s.metrics.items()
+                   if isinstance(v, (int, float))), None)
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
                   attempts=len(s.attempts), interruptions=s.interruptions,
-                  cost_usd=s.cost_usd, created=spec.created)
+                  cost_usd=s.cost_usd, created=spec.created,
+                  instance_type=s.attempts[-1].instance_type if s.attempts else None,
+                  duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric)
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

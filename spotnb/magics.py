@@ -29,13 +29,15 @@ from traitlets import Float, Int, List, TraitError, Type, Unicode, validate
 
 import spotnb
 from spotnb import capture, display
-from spotnb.cli import format_age
+from spotnb.cli import JOB_COLUMNS, jobs_table
 from spotnb.spec import SpecError, parse_duration
 
 __all__ = ["SpotMagics", "TrainRequest"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MIB = 1 << 20
+# The value of --notify on a %%spot_train line: a webhook URL, a secret.
+_NOTIFY_VALUE = re.compile(r"(--notify[=\s]+)(\S+)")
 
 
 class _NameList(List):
@@ -82,6 +84,10 @@ def _policy_args(func: F) -> F:
                  help="stop the job after this long, e.g. --max-duration 2h"),
         argument("--keep-checkpoints", type=int, metavar="K",
                  help="how many checkpoints to keep (default 3)"),
+        argument("--notify", metavar="URL",
+                 help="a Slack-compatible webhook that the instance posts to when the job "
+                      "is interrupted, ends or fails, e.g. --notify $webhook (a notebook "
+                      "variable; default: SpotMagics.notify_url)"),
     )):
         func = deco(func)
     return func
@@ -169,6 +175,10 @@ class SpotMagics(Magics):
                                          "cell, pickled, in MiB.").tag(config=True)
     files_limit_mb = Float(50.0, help="The most local module files shipped with a cell, "
                                       "in MiB.").tag(config=True)
+    notify_url = Unicode(None, allow_none=True,
+                         help="A Slack-compatible webhook that the instance posts to when a "
+                              "job is interrupted, ends or fails (a secret: set it in "
+                              "ipython_config.py, not in a notebook).").tag(config=True)
     renderer_class = Type(None, klass=object, allow_none=True,
                           help="The display that follows a job (a spotnb.display."
                                "Renderer). None: the widget dashboard where widgets "
@@ -250,7 +260,8 @@ class SpotMagics(Magics):
             raise UsageError("a cell magic cannot run inside %%spot_train; use a line "
                              "magic (%time) or plain Python in the cell")
         cap = self._capture(cell, request)
-        code = cap.first_line(line) + "\n" + cell
+        # The remote cell's line 1 quotes this line: never with the webhook's URL in it.
+        code = cap.first_line(_NOTIFY_VALUE.sub(r"\1[redacted]", line)) + "\n" + cell
         with _as_usage_errors():
             handle = spotnb.submit(code, inputs=cap.inputs, files=cap.files,
                                    **request.submit)
@@ -293,6 +304,7 @@ class SpotMagics(Magics):
             "keep_checkpoints": pick(args.keep_checkpoints, self.keep_checkpoints),
             "simulate_interruptions": _simulation(args.simulate_interruptions),
             "store": self.store,
+            "notify_url": pick(args.notify, self.notify_url),
         }
         return TrainRequest(submit=submit,
                             inputs=_names(args.inputs) if args.inputs is not None else None,
@@ -447,7 +459,8 @@ class SpotMagics(Magics):
 
     @line_magic
     def spot_jobs(self, line: str) -> None:
-        """A table of jobs: name, status, attempts, interruptions, cost, age."""
+        """A table of jobs, newest first: name, status, instance type, duration, cost,
+        saving, last metric, attempts, interruptions, age."""
         from IPython.display import display as show
 
         with _as_usage_errors():
@@ -455,11 +468,12 @@ class SpotMagics(Magics):
         if not rows:
             print("no jobs yet: put %%spot_train on a cell to start one")
             return
-        now = time.time()
-        header = ("job", "name", "status", "attempts", "interruptions", "cost $", "age")
-        table = [(r.job_id, r.name, r.status, str(r.attempts), str(r.interruptions),
-                  f"{r.cost_usd:.4f}", format_age(r.created, now)) for r in rows]
-        show(_table_bundle(header, table), raw=True)
+        table, notes = jobs_table(rows, time.time())
+        bundle = _table_bundle(JOB_COLUMNS, table)
+        for note in notes:
+            bundle["text/plain"] += f"\n{note}"
+            bundle["text/html"] += f"<p>{note}</p>"
+        show(bundle, raw=True)
 
     @line_magic
     def spot_config(self, line: str) -> None:
@@ -471,7 +485,10 @@ class SpotMagics(Magics):
             value = getattr(self, name)
             if isinstance(value, type):
                 value = f"{value.__module__}.{value.__qualname__}"
-            rows.append((f"SpotMagics.{name}", repr(value), trait.help))
+            shown = repr(value)
+            if name == "notify_url" and value:
+                shown = "(set; a secret, not shown)"
+            rows.append((f"SpotMagics.{name}", shown, trait.help))
         bundle = _table_bundle(("setting", "value", "meaning"), rows)
         note = ("Change a setting with %config SpotMagics.NAME = VALUE, or for every "
                 "notebook in ipython_config.py: c.SpotMagics.NAME = VALUE. A %%spot_train "
@@ -484,11 +501,15 @@ class SpotMagics(Magics):
     @argument("--region", help="the region whose prices to show first (default: "
                                "SpotMagics.region)")
     @argument("--gpu-hours", type=float, default=100.0, metavar="N",
-              help="size of the job to estimate, in GPU-hours (default 100)")
+              help="size of the job to estimate: hours on one reference GPU (default 100)")
+    @argument("--gpu", metavar="MODEL",
+              help="the reference GPU of --gpu-hours, e.g. --gpu A10G (default: the GPU "
+                   "of the first default instance type)")
     @line_magic
     def spot_picker(self, line: str) -> Any:
-        """Choose instance types: GPU, memory, on-demand and spot prices, savings,
-        interruption frequency, $ per GPU-hour, the cost of a job of N GPU-hours.
+        """Choose instance types, ranked by what your job would cost on them: GPU,
+        speed, on-demand and spot prices, savings, interruption frequency, and the
+        expected hours, interruptions and cost of a job of N hours on one GPU.
 
         The types you choose, in order of preference, become the defaults of the next
         ``%%spot_train`` (``SpotMagics.instance_types``), and the equivalent
@@ -505,7 +526,14 @@ class SpotMagics(Magics):
             if args.region not in catalog.all_regions():
                 raise UsageError(f"no prices for region {args.region!r}; regions: "
                                  f"{', '.join(catalog.all_regions())}")
-        return widgets.InstancePicker(args.region, magics=self, gpu_hours=args.gpu_hours)
+        if args.gpu is not None:
+            from spotnb import catalog
+
+            if args.gpu not in catalog.gpu_speeds():
+                raise UsageError(f"no speed figure for GPU {args.gpu!r}; choose one of "
+                                 f"{', '.join(sorted(catalog.gpu_speeds()))}")
+        return widgets.InstancePicker(args.region, magics=self, work_hours=args.gpu_hours,
+                                      reference=args.gpu)
 
     @magic_arguments()
     @_job_arg
@@ -537,6 +565,9 @@ class SpotMagics(Magics):
             if len({r.job_id for r in matches}) > 1 and matches[0].name != job:
                 raise UsageError(f"{job!r} matches several jobs "
                                  f"({', '.join(r.job_id for r in matches)}); give the whole id")
+            if len(matches) > 1:  # a name several jobs share: say which one this is
+                print(f"[spotnb] {len(matches)} jobs are named {job!r}; using the newest, "
+                      f"{matches[-1].job_id}. Give a job id for another (%spot_jobs).")
             return spotnb.attach(matches[-1].job_id, store=self.store)
 
 

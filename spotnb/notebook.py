@@ -2,7 +2,9 @@
 
 The notebook is executed with nbclient in a fresh kernel started in the notebook's
 own directory (so its helper modules import, and its ``%%spot_train`` cells ship
-them), then the executed copy is written. The outcome is a :class:`NotebookRun`; a
+them), then the executed copy is written, without the plotly.js bundle that each live
+figure's widget state carries (about 5 MB a figure; the finished cells hold a PNG of
+their figures, see :mod:`spotnb.records.document`). The outcome is a :class:`NotebookRun`; a
 failed cell is described by a :class:`CellFailure`, never printed here.
 """
 
@@ -77,6 +79,10 @@ def run_notebook(path: str | os.PathLike[str], output: str | os.PathLike[str] | 
     started = time.monotonic()
     failure = execute(nb, source.parent, timeout=timeout, kernel_name=kernel_name)
     seconds = time.monotonic() - started
+    from spotnb.records.document import drop_bundled_widgets
+
+    for dropped in drop_bundled_widgets(nb):
+        log.info("not kept in the executed copy: %s", dropped)
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out)
     log.info("executed %s in %.1fs -> %s", source, seconds, out)

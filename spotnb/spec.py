@@ -1,7 +1,8 @@
 """What a job is: the frozen, JSON-serialisable :class:`JobSpec` and its parts.
 
 A spec is written once to ``spec.json`` in the job's store prefix and never changed.
-It holds no credentials (DESIGN invariant 7): only names, code and settings.
+It holds no cloud credentials (DESIGN invariant 7): only names, code and settings, and
+the webhook URL of notifications, which is never copied out of it.
 """
 
 from __future__ import annotations
@@ -102,13 +103,20 @@ class Resources:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """How the job is run and when it is given up."""
+    """How the job is run and when it is given up.
+
+    ``notify_url``: a Slack-compatible webhook that the instance posts to when an
+    attempt is interrupted and when the job ends (:mod:`spotnb.notify`). It is a
+    secret: it stays in ``spec.json``, in the job's private store prefix, and is never
+    copied into an event or a record.
+    """
 
     checkpoint_every: CheckpointEvery = CheckpointEvery()
     max_restarts_on_error: int = 0
     budget_usd: float | None = None
     max_duration: float | None = None
     keep_checkpoints: int = 3
+    notify_url: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ vocabulary every reader may rely on):
                 ``metrics`` batch as these unless they ask for batches
                 (``replayed_by`` marks rows a checkpoint carried and a later attempt
                 recorded for the attempt that logged them)
+``progress``    ``total`` (steps in the run), ``source`` (``spot.progress`` or ``range``)
 ``stream``      ``name`` (stdout/stderr), ``text``
 ``display``     ``data`` (MIME bundle), ``metadata``, ``kind`` (display_data,
                 execute_result, update_display_data), ``display_id``

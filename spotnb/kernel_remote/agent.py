@@ -69,6 +69,7 @@ from spotnb.kernel_remote.imds import ImdsClient
 from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
 from spotnb.kernel_remote.sampler import Sampler
 from spotnb.lease import Standing
+from spotnb.notify import Notifier
 from spotnb.spec import JobSpec
 from spotnb.store import (
     NotFound,
@@ -137,6 +138,8 @@ class Agent:
         self.imds = imds or ImdsClient()
         self.spec: JobSpec = JobSpec.from_json(
             _retry_store(lambda: self.store.get(layout.SPEC), "reading the spec"))
+        # Notifications (spotnb.notify): a no-op without the policy's notify_url.
+        self.notifier = Notifier(self.spec.policy.notify_url, self.spec.job_id, self.spec.name)
         self.identity: dict[str, Any] = {}
         self.held: lease.HeldLease | None = None
         self.events: EventWriter | None = None
@@ -199,6 +202,7 @@ class Agent:
             return EXIT_STORE
         finally:
             self._done.set()
+            self.notifier.close()  # bounded: the last message's send, at most
             if self.live is not None:
                 self.live.stop()
             self._shutdown_kernel()
@@ -248,6 +252,7 @@ class Agent:
                 region=self.identity.get("region"), pid=os.getpid(),
                 process_started=_process_started())
         ev.flush_soon()
+        self.notifier.where = self._where()
         sampler = Sampler(self._on_sample)
         sampler.start()
         try:
@@ -353,6 +358,7 @@ class Agent:
             self.live.attach(None)
         self._close_events()
         self.held.release()
+        self.notifier.ended(status, reason, self.held.epoch)
         return status
 
     # -- kernel ----------------------------------------------------------------------
@@ -647,6 +653,9 @@ class Agent:
                 kernel.resume()
             self._send({"op": "notice", "kind": "instance-action",
                         "action": action.get("action"), "time": action.get("time")})
+            if self.held is not None:
+                self.notifier.interrupted(self.held.epoch, action.get("action"),
+                                          action.get("time"))
         if rebalance and not self.rebalance:
             self.rebalance = rebalance
             self._emit("notice", kind="rebalance", action="rebalance",
@@ -767,6 +776,7 @@ class Agent:
             with self._rows_lock:
                 self._rows.extend(msg["rows"])
                 full = len(self._rows) >= ROWS_PER_EVENT
+            self.notifier.saw_metrics(msg["rows"])
             if full:
                 self._emit_rows()
             return
@@ -818,6 +828,9 @@ class Agent:
                 self._done_with_lease()
         elif op == "params":
             ev.emit("params", **{k: v for k, v in msg.items() if k != "op"})
+        elif op == "progress":
+            ev.emit("progress", total=msg.get("total"), source=msg.get("source"))
+            self.notifier.saw_total(msg.get("total"))
         elif op == "hello":
             pass
         else:
@@ -858,6 +871,7 @@ class Agent:
     def _on_sample(self, data: dict[str, Any]) -> None:
         """A GPU/CPU sample: every one while a follower watches, else one in
         SYS_IDLE_SECONDS (the history needs no more; a day is 8,640 events)."""
+        self.notifier.saw_sys(data)
         now = time.monotonic()
         watched = self.live is not None and self.live.watched
         if watched or now - self._sampled_at >= SYS_IDLE_SECONDS:

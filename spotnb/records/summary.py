@@ -105,6 +105,8 @@ def _options(handle: JobHandle) -> dict[str, Any]:
         "inputs": list(spec.inputs),
         "outputs": list(spec.outputs),
         "simulate_interruptions": spec.simulate_interruptions,
+        # Whether notifications were sent; never where to (the URL is a secret).
+        "notify": bool(getattr(policy, "notify_url", None)),
     }
 
 

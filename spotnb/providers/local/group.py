@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -676,8 +677,15 @@ class Supervisor:
                                      attempt=GROUP_STREAM, instance=instance, data=data))
 
     def _emit_price(self, inst: LocalInstance) -> None:
-        self._emit("price", inst.id, pool=inst.pool.name, instance_type=inst.pool.instance_type,
-                   az=inst.pool.az, price=inst.price, ondemand=inst.pool.ondemand)
+        now = time.time()
+        # Which real prices these are: the history's source and the moment replayed.
+        replayed = datetime.datetime.fromtimestamp(inst.market.history_time(now),
+                                                   datetime.timezone.utc)
+        self._emit("price", inst.id, at=now, pool=inst.pool.name,
+                   instance_type=inst.pool.instance_type, az=inst.pool.az, price=inst.price,
+                   ondemand=inst.pool.ondemand, price_source=inst.market.source,
+                   history_time=replayed.isoformat(timespec="seconds"),
+                   history_scale=inst.market.time_scale)
 
     def _write_group(self, state: str, **fields: Any) -> None:
         write_json(self.home / GROUP_FILE, {
