@@ -770,9 +770,10 @@ def _finish() -> None:
     checkpoint or a last directory upload is not durable. Safe to call twice; the
     next use of the API starts afresh.
     """
-    global _runtime
+    global _runtime, _total_pending
     with _runtime_lock:
         rt, _runtime = _runtime, None
+        _total_pending = True  # the next session looks for its loop's total again
     if rt is None:
         return
     problems = rt.finish()
