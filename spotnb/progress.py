@@ -146,12 +146,13 @@ class Progress:
 
     def _metric(self, attempt: int, step: float, t: float) -> None:
         if attempt not in self._last:
-            # An attempt's first step: the attempt it replaced learns what it redid.
-            earlier = [a for a in self._ended if a < attempt]
-            if earlier:
-                ended = self._ended[max(earlier)]
+            # An attempt's first step: the newest earlier attempt that logged steps
+            # learns how many of them are redone (one in between may have logged none).
+            for earlier in sorted((a for a in self._ended if a < attempt), reverse=True):
+                ended = self._ended[earlier]
                 if ended.redone is None and ended.last_step is not None:
                     ended.redone = max(0, int(ended.last_step - step + 1))
+                    break
         if attempt > self.attempt:
             self.attempt = attempt
             self._window.clear()

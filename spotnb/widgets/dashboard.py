@@ -7,7 +7,8 @@ Layout, top to bottom:
   with what they took; the spot price of each pool with a sparkline;
 * the plot controls: x as step or time, smoothing, log scale, how metrics are grouped;
 * the figure (:mod:`spotnb.widgets.plots`): a panel per metric with its own y axis,
-  GPU or CPU use, interruptions and resumes marked; it fills the cell's width;
+  GPU or CPU use, interruptions and resumes marked; it fills the cell's width, which
+  :class:`~spotnb.widgets.elements.Autosize` measures in the browser;
 * the output panel (:class:`~spotnb.widgets.elements.LogPanel`): the last lines of
   remote output, following the newest, with a filter;
 * the last checkpoint and the buttons: Detach, Interrupt now (local cloud),
@@ -42,7 +43,7 @@ from spotnb import display
 from spotnb.display import JobView
 from spotnb.events import Event
 from spotnb.widgets import static
-from spotnb.widgets.elements import LogPanel
+from spotnb.widgets.elements import Autosize, LogPanel
 from spotnb.widgets.header import header_html
 from spotnb.widgets.plots import GROUPINGS, Plots
 from spotnb.widgets.series import DEFAULT_BUCKETS, LOG_LINES, DashboardData
@@ -111,10 +112,10 @@ class Dashboard:
         self.panel = LogPanel(layout=w.Layout(width="100%"))
         self.checkpoint = w.HTML()
         self.controls = {
-            "x": w.ToggleButtons(options=[("step", "step"), ("time", "time")], value="step",
-                                 description="x", tooltips=["metrics against step",
-                                                            "metrics against clock time"],
-                                 style={"button_width": "4.5em"}),
+            "x": w.ToggleButtons(options=[("step", "step"), ("clock time", "time")],
+                                 value="step", tooltips=["metrics against step",
+                                                         "metrics against clock time"],
+                                 style={"button_width": "7.5em"}),
             "smoothing": w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01,
                                        description="smoothing", readout_format=".2f",
                                        continuous_update=False),
@@ -143,6 +144,8 @@ class Dashboard:
             "cancel": w.Button(description="Keep running", icon="undo",
                                tooltip="do not stop the job"),
         }
+        for button in self.buttons.values():
+            button.layout.width = "auto"
         self.buttons["interrupt"].layout.display = "none"
         self.buttons["cancel"].layout.display = "none"
         self.buttons["stop"].on_click(lambda _b: self._on_stop())
@@ -153,16 +156,19 @@ class Dashboard:
         self.message = w.HTML()
         # Where the TensorBoard button's %tensorboard shows (the click is no cell's).
         self.extra = w.Output()
-        toolbar = w.HBox(list(self.controls.values()),
+        toolbar = w.HBox([w.Label("x axis"), *self.controls.values()],
                          layout=w.Layout(flex_flow="row wrap", align_items="center",
                                          grid_gap="4px 18px"))
         footer = w.HBox(
             [self.checkpoint, self.buttons["detach"], self.buttons["interrupt"],
-             self.buttons["tensorboard"], w.HTML(layout=w.Layout(flex="1 1 auto")),
+             self.buttons["tensorboard"],
+             w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0", width="auto")),
              self.message, self.buttons["cancel"], self.buttons["stop"]],
             layout=w.Layout(align_items="center", flex_flow="row wrap", width="100%"))
-        self.widget = w.VBox([self.header, toolbar, self.figure, self.panel, footer,
-                              self.extra], layout=w.Layout(width="100%"))
+        self.sizer = Autosize(layout=w.Layout(width="100%"))
+        self.sizer.observe(self._on_width, names="width")
+        self.widget = w.VBox([self.header, toolbar, self.figure, self.sizer, self.panel,
+                              footer, self.extra], layout=w.Layout(width="100%"))
         self.widget.add_class("spotnb-dashboard")
         self._draw_panel()
 
@@ -192,7 +198,7 @@ class Dashboard:
         self.widget.add_class(static.live_class(handle.job_id))
         if handle.spec.provider == "local":
             self.buttons["interrupt"].layout.display = None
-        for widget in (*self.buttons.values(), *self.controls.values()):
+        for widget in (*self.buttons.values(), *self.controls.values(), self.sizer):
             kernel.serve_while_busy(widget)
         if self._show and self._output is None:
             from IPython.display import display as show
@@ -311,6 +317,12 @@ class Dashboard:
             options.grouping = str(self.controls["grouping"].value)
             self._plots_version += 1
             self.flush()
+
+    def _on_width(self, change: Any) -> None:
+        """The cell's width, measured in the browser: the figure fills it."""
+        if change["new"] > 0:
+            with self._lock:
+                self.plots.set_width(int(change["new"]))
 
     def _draw_panel(self) -> None:
         lines = self.data.log_lines()

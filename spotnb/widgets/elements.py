@@ -9,7 +9,10 @@ value redrawn whole would jump back to the top on every update.
 scrolls, a click on a header sorts (the Python side sorts, so the text display and the
 widget agree), a click on a row chooses or unchooses it (``chosen``, in order).
 
-Both keep their state in traits, so a saved notebook shows them as they were; their
+:class:`Autosize` tells the Python side how wide the cell is, so the dashboard's plotly
+figure fills it.
+
+They keep their state in traits, so a saved notebook shows them as they were; their
 front-end code travels with them (no CDN, no extension to install).
 """
 
@@ -20,7 +23,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-__all__ = ["LogPanel", "Table"]
+__all__ = ["Autosize", "LogPanel", "Table"]
 
 _LOG_ESM = r"""
 function render({ model, el }) {
@@ -39,11 +42,19 @@ function render({ model, el }) {
   pre.className = "spotnb-log";
   box.append(pre);
   el.append(bar, box);
-  // Follow the newest line unless the user scrolled up to read an older one.
+  // Follow the newest line unless the user scrolled up to read an older one. Scroll
+  // events of our own (ourTop: where draw() left the box) and of a box that is not
+  // laid out (a cell scrolled far out of view) say nothing about the user.
   let follow = true;
+  let ourTop = -1;
   box.addEventListener("scroll", () => {
+    if (!box.clientHeight || box.scrollTop === ourTop) return;
     follow = box.scrollTop + box.clientHeight >= box.scrollHeight - 4;
   });
+  function place(top) {
+    box.scrollTop = follow ? box.scrollHeight : top;
+    ourTop = box.scrollTop;
+  }
   function draw() {
     const lines = model.get("lines") || [];
     const query = search.value.trim().toLowerCase();
@@ -60,19 +71,32 @@ function render({ model, el }) {
     }
     count.textContent = query ? `${shown.length} of ${lines.length} lines`
                               : model.get("caption");
-    box.scrollTop = follow ? box.scrollHeight : top;
+    place(top);
   }
+  // Laid out again (its cell scrolled back into view): back to the newest line.
+  const observer = new ResizeObserver(() => { if (box.clientHeight) place(box.scrollTop); });
+  observer.observe(box);
   model.on("change:lines", draw);
   model.on("change:caption", draw);
   search.addEventListener("input", () => { follow = true; draw(); });
   draw();
-  // The dashboard's plotly figure resizes itself on window resizes only: when the cell
-  // changes width otherwise (a side panel opens), tell it.
-  let width = el.clientWidth;
+  return () => observer.disconnect();
+}
+export default { render };
+"""
+
+# Plotly's widget (the anywidget of plotly 6 and later) draws its figure once, often
+# before the cell has laid it out (then at plotly's default, 700 px wide), and never
+# resizes it. This one reports the cell's width, now and whenever it changes (a window
+# resized, a side panel opened), to the Python side, which sets the figure's width.
+_AUTOSIZE_ESM = r"""
+function render({ model, el }) {
+  el.classList.add("spotnb-autosize");
   const observer = new ResizeObserver(() => {
-    if (el.clientWidth && Math.abs(el.clientWidth - width) > 2) {
-      width = el.clientWidth;
-      window.dispatchEvent(new Event("resize"));
+    const width = Math.floor(el.getBoundingClientRect().width);
+    if (width > 0 && Math.abs(width - model.get("width")) > 4) {
+      model.set("width", width);
+      model.save_changes();
     }
   });
   observer.observe(el);
@@ -205,6 +229,18 @@ class LogPanel(anywidget.AnyWidget):
 
     def __repr__(self) -> str:
         return f"<spotnb LogPanel: {len(self.lines)} lines>"
+
+
+class Autosize(anywidget.AnyWidget):
+    """No height of its own: reports the width of the cell it is in (see
+    ``_AUTOSIZE_ESM``), so that the dashboard's figure can fill it."""
+
+    _esm = _AUTOSIZE_ESM
+    width = traitlets.Int(0, help="the cell's width in CSS pixels (0: not known)"
+                          ).tag(sync=True)
+
+    def __repr__(self) -> str:
+        return "<spotnb Autosize>"
 
 
 class Table(anywidget.AnyWidget):

@@ -343,9 +343,10 @@ class InstancePicker:
                         self.checkpoint):
             control.style.description_width = "initial"
             control.layout.width = "auto"
-        for control in (self.min_memory, self.max_spot, self.work_hours):
-            control.layout.width = "11em"
-        self.checkpoint.layout.width = "13em"
+        for control in (self.min_memory, self.max_spot):
+            control.layout.width = "12em"
+        self.work_hours.layout.width = "15em"
+        self.checkpoint.layout.width = "16em"
         box = w.Layout(flex_flow="row wrap", grid_gap="4px 14px", align_items="center")
         self.widget = w.VBox([
             w.HBox([self.region, self.gpu_model, self.min_memory, self.gpu_count,

@@ -19,6 +19,7 @@ added empty and filled by an update, so no binary buffer ever travels in an
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -109,6 +110,26 @@ class Plots:
         self._sys_axis = ""
         self._axes: set[str] = {""}  # every axis suffix the front end has had
         self._tz = 0.0
+        self.width: int | None = None  # the cell's, in pixels, once the front end says
+        self._rebuilt = False
+
+    def set_width(self, width: int) -> None:
+        """Fit the figure to a cell ``width`` pixels wide (the front end measures it)."""
+        self.width = width
+        self.figure.layout.width = width
+        self.sync_state()
+
+    def sync_state(self) -> None:
+        """Make the figure's whole data and layout its widget state.
+
+        A view drawn after updates were sent (a front end that took its time to load
+        plotly.js, a cell drawn again) starts from this state, not from the updates:
+        plotly's front end does not fold them into it. It then follows the updates.
+        """
+        fig = self.figure
+        with fig.hold_sync():
+            fig._widget_data = copy.deepcopy(fig._data)
+            fig._widget_layout = copy.deepcopy(fig._layout)
 
     # -- drawing -------------------------------------------------------------------
 
@@ -145,6 +166,9 @@ class Plots:
                 x, y = data.sys_points(data.mem)
                 fig.data[mem].x, fig.data[mem].y = self._ms(x), y
             self._draw_marks(data)
+        if self._rebuilt:  # new traces, now with their data: the state a new view uses
+            self._rebuilt = False
+            self.sync_state()
 
     def _ms(self, t: np.ndarray) -> np.ndarray:
         """Epoch seconds as the milliseconds of a plotly date axis, in local time."""
@@ -209,6 +233,8 @@ class Plots:
                            hovertemplate=hover, x=[], y=[], **axes),
             ]
         layout = _layout(self._panels, has_sys, self._sys_axis, data.sys_kind, self.options)
+        if self.width:
+            layout["width"] = self.width
         used = {p.axis for p in self._panels} | ({self._sys_axis} if has_sys else set())
         # The front end keeps the axes a new layout does not name: hide the old panels'.
         for gone in self._axes - used:
@@ -217,19 +243,24 @@ class Plots:
         fig.layout = layout
         if traces:
             fig.add_traces(traces)
+        self._rebuilt = True
 
     def _draw_marks(self, data: DashboardData) -> None:
         """The interruption and resume lines of every panel, spanning its data."""
         fig = self.figure
         time_x = self.options.x == "time"
+        legend = {0: False, 1: False}  # one legend entry each, on a trace with lines
         for panel in self._panels:
             ys = [data.metrics[m].curve.view.points()[1] for m in panel.metrics]
             lo, hi = _span(ys, self.options.log_y)
-            for index, kinds in zip(panel.marks, (("interrupted", "lost", "retry"),
-                                                   ("resumed",)), strict=True):
+            for which, (index, kinds) in enumerate(zip(
+                    panel.marks, (("interrupted", "lost", "retry"), ("resumed",)),
+                    strict=True)):
                 x, y, text = _mark_points([m for m in data.markers if m.kind in kinds],
                                           lo, hi, self.options.log_y, time_x, self._ms)
                 fig.data[index].x, fig.data[index].y, fig.data[index].text = x, y, text
+                fig.data[index].showlegend = bool(len(x)) and not legend[which]
+                legend[which] = legend[which] or bool(len(x))
         # The system panel is against time: its marks are shapes.
         shapes = []
         if self._sys is not None:

@@ -474,13 +474,14 @@ class DashboardData:
             if marker.kind == "resumed" and marker.attempt == attempt:
                 marker.step = step
                 break
-        earlier = [a for a in self._ended if a < attempt]
-        if earlier:
-            ended = self._ended[max(earlier)]
-            if ended.redone is None:
-                last = self._last_step.get(ended.attempt)
-                ended.redone = max(moved, int(last - step + 1) if last is not None
-                                   and last >= step else 0)
+        # The newest earlier attempt that logged steps is the one whose steps are redone
+        # (one in between may have died before logging any).
+        for earlier in sorted((a for a in self._ended if a < attempt), reverse=True):
+            ended = self._ended[earlier]
+            last = self._last_step.get(earlier)
+            if ended.redone is None and last is not None:
+                ended.redone = max(moved, int(last - step + 1) if last >= step else 0)
+                break
 
     def _end_attempt(self, marker: Marker) -> None:
         marker.step = self._last_step.get(marker.attempt)
