@@ -169,13 +169,13 @@ _NEWEST_LINE_VISIBLE = """() => {
           scrollTop: box.scrollTop};
 }"""
 _AXES = """() => {
-  const gd = document.querySelector('.spotnb-dashboard .js-plotly-plot');
+  const gd = document.querySelector('.spotnb-dashboard .spotnb-figure .js-plotly-plot');
   const axis = name => gd._fullData.find(t => t.name === name)?.yaxis;
   return {loss: axis('loss'), lr: axis('lr'), cpu: axis('CPU utilisation %'),
           subplots: gd.querySelectorAll('.cartesianlayer .subplot').length};
 }"""
 _WIDTHS = """() => {
-  const plot = document.querySelector('.spotnb-dashboard .js-plotly-plot .main-svg');
+  const plot = document.querySelector('.spotnb-dashboard .spotnb-figure .js-plotly-plot .main-svg');
   const cell = document.querySelector('.spotnb-dashboard').closest('.jp-OutputArea-output');
   return {plot: plot.getBoundingClientRect().width, cell: cell.getBoundingClientRect().width};
 }"""
@@ -211,7 +211,8 @@ def _run_and_check(url: str, p: Any) -> None:
     p.evaluate("() => { const b = document.querySelector('.spotnb-logpanel-box'); "
                "b.scrollTop = b.scrollHeight; b.dispatchEvent(new Event('scroll')); }")
     p.wait_for_function(
-        "() => { const gd = document.querySelector('.spotnb-dashboard .js-plotly-plot');"
+        "() => { const gd = document.querySelector("
+        "'.spotnb-dashboard .spotnb-figure .js-plotly-plot');"
         " return gd && gd._fullData && gd._fullData.some(t => t.name === 'lr' && t.x &&"
         " t.x.length > 0); }", timeout=RUN_SECONDS * 1000)
     # Each metric on its own axis; the figure as wide as the cell.
@@ -245,7 +246,7 @@ def _run_and_check(url: str, p: Any) -> None:
     cell = board.locator("xpath=ancestor::div[contains(@class, 'jp-Cell')][1]")
     static = cell.locator(".spotnb-static")
     assert static.count() == 1 and not static.is_visible()
-    assert cell.locator(".js-plotly-plot").count() == 1
+    assert cell.locator(".spotnb-figure .js-plotly-plot").count() == 1
     # The figure follows the cell's width when the window changes.
     before = p.evaluate(_WIDTHS)
     p.set_viewport_size({"width": 1100, "height": 1500})

@@ -25,7 +25,7 @@ from spotnb import display
 from spotnb.display import JobView
 from spotnb.events import Event
 from spotnb.widgets import dashboard as dashboard_mod
-from spotnb.widgets import series, static
+from spotnb.widgets import plots, series, static
 from spotnb.widgets.dashboard import Dashboard, DetachRequested
 from spotnb.widgets.header import header_html
 from spotnb.widgets.picker import (
@@ -208,39 +208,46 @@ def figure_comm(board: Dashboard) -> RecordingComm:
     return board.figure.comm  # type: ignore[no-any-return]
 
 
-def trace(board: Dashboard, name: str, axis: str | None = None) -> Any:
-    return next(t for t in board.figure.data if t.name == name
-                and (axis is None or t.yaxis == axis))
+def traces(board: Dashboard) -> list[dict[str, Any]]:
+    return list(board.figure.plot_data)
 
 
-def test_an_update_is_four_figure_messages_with_numpy_buffers(recorder: Recorder) -> None:
+def trace(board: Dashboard, name: str, axis: str | None = None) -> dict[str, Any]:
+    return board.figure.trace(name, axis)
+
+
+def xs(t: dict[str, Any]) -> np.ndarray:
+    return plots.values(t, "x")
+
+
+def ys(t: dict[str, Any]) -> np.ndarray:
+    return plots.values(t, "y")
+
+
+def test_an_update_is_one_figure_message_with_numpy_buffers(recorder: Recorder) -> None:
     board = dashboard()
     board.events([*metrics(0, 1000), sys_sample(1)])
     board.flush()
-    mark = recorder.mark()
+    comm_ = figure_comm(board)
+    mark = len(comm_.messages)
     board.events([*metrics(1000, 500), sys_sample(2)])
     board.flush()
-    figure = [m for m in figure_comm(board).messages[mark[id(figure_comm(board))]:]]
-    keys = [sorted(data["state"]) for data, _ in figure]
-    assert keys == [["_last_trace_edit_id"], ["_last_layout_edit_id"], ["_py2js_update"],
-                    ["_py2js_update"]], keys
-    data, buffers = figure[2]
+    (message,) = comm_.messages[mark:]
+    data, buffers = message
+    assert sorted(data["state"]) == ["plot_data"]  # the layout did not change
     assert buffers, "numpy arrays must travel as binary buffers, not JSON lists"
-    assert len(json.dumps(data)) < 3000  # the numbers are in the buffers
-    assert figure[3][0]["state"]["_py2js_update"] is None  # transient: reset at once
+    assert len(json.dumps(data)) < 20_000  # the numbers are in the buffers
+    assert len(ys(trace(board, "loss"))) == 1500
 
 
-def test_new_traces_never_carry_binary_buffers(recorder: Recorder) -> None:
-    # nbclient keeps every buffer by path: an addTraces buffer would have no home in
-    # the saved state once the field is reset (see Dashboard.save_state).
+def test_the_figure_needs_no_plotly_bundle_of_its_own() -> None:
+    # The front end draws with the plotly.js of JupyterLab's plotly extension: a widget
+    # carrying its own 5 MB copy is given up by anywidget on a slow machine.
     board = dashboard()
-    interrupted_run(board)
-    board.events([Event("metric", T0 + 300, 2, "i-2", {"step": 100,
-                                                       "values": {"lr": 0.1}})])
-    board.flush()
-    adds = [(d, b) for c in recorder.comms for d, b in c.messages
-            if (d.get("state") or {}).get("_py2js_addTraces")]
-    assert adds and all(not b for _d, b in adds)
+    assert len(board.figure._esm) < 10_000
+    assert "window.Plotly" in board.figure._esm and "Plotly.react" in board.figure._esm
+    loader = next(c for c in board.widget.children if hasattr(c, "outputs"))
+    assert "application/vnd.plotly.v1+json" in loader.outputs[0]["data"]
 
 
 def test_updates_are_throttled_to_a_few_per_second(recorder: Recorder) -> None:
@@ -251,8 +258,7 @@ def test_updates_are_throttled_to_a_few_per_second(recorder: Recorder) -> None:
         clock.now += 0.05
         board.events([*metrics(i * 10, 10), sys_sample(i)])
         board.stream("stdout", f"line {i}\n")
-    updates = [d for d, _ in recorder.since(mark)
-               if d.get("state", {}).get("_py2js_update") is not None]
+    updates = [d for d, _ in recorder.since(mark) if "plot_data" in d.get("state", {})]
     assert 10 <= len(updates) <= 10 / 0.5 + 1, len(updates)
     assert board.flushes == len(updates)
 
@@ -306,16 +312,17 @@ def test_each_metric_gets_its_own_panel_and_y_axis() -> None:
     board.events([*metrics(0, 50, lr=0.1), sys_sample(1)])
     board.flush()
     loss, lr = trace(board, "loss"), trace(board, "lr")
-    assert (loss.xaxis, loss.yaxis) != (lr.xaxis, lr.yaxis)
-    layout = board.figure.layout
-    titles = [a.text for a in layout.annotations]
+    assert (loss["xaxis"], loss["yaxis"]) != (lr["xaxis"], lr["yaxis"])
+    layout = board.figure.plot_layout
+    titles = [a["text"] for a in layout["annotations"]]
     assert "<b>loss</b>" in titles and "<b>lr</b>" in titles
-    y_loss, y_lr = (layout[f"yaxis{t.yaxis[1:]}"] for t in (loss, lr))
-    assert y_loss.domain != y_lr.domain or y_loss.anchor != y_lr.anchor
-    assert layout.autosize and layout.width is None  # fills the cell, resizes with it
+    y_loss, y_lr = (layout[f"yaxis{t['yaxis'][1:]}"] for t in (loss, lr))
+    assert (y_loss["domain"], y_loss["anchor"]) != (y_lr["domain"], y_lr["anchor"])
+    # The width is the cell's, set by the front end (it follows the cell).
+    assert "width" not in layout and "getBoundingClientRect" in board.figure._esm
     # The system panel is its own too.
     cpu = trace(board, "CPU utilisation %")
-    assert cpu.yaxis not in (loss.yaxis, lr.yaxis)
+    assert cpu["yaxis"] not in (loss["yaxis"], lr["yaxis"])
 
 
 def test_grouping_log_scale_time_axis_and_smoothing_are_the_users_choice() -> None:
@@ -326,49 +333,50 @@ def test_grouping_log_scale_time_axis_and_smoothing_are_the_users_choice() -> No
                                                            "lr": 0.1}})
                   for s in range(40)])
     board.flush()
-    assert len({t.yaxis for t in board.figure.data if t.name in ("train/loss", "val/loss",
-                                                                 "lr")}) == 3
+    assert len({t["yaxis"] for t in traces(board)
+                if t["name"] in ("train/loss", "val/loss", "lr")}) == 3
     board.controls["grouping"].value = "name"
-    assert trace(board, "train/loss").yaxis == trace(board, "val/loss").yaxis
-    assert trace(board, "lr").yaxis != trace(board, "val/loss").yaxis
+    assert trace(board, "train/loss")["yaxis"] == trace(board, "val/loss")["yaxis"]
+    assert trace(board, "lr")["yaxis"] != trace(board, "val/loss")["yaxis"]
     board.controls["grouping"].value = "all"
-    assert len({t.yaxis for t in board.figure.data if t.name != "redone steps"}) == 1
+    assert len({t["yaxis"] for t in traces(board) if t["name"] != "redone steps"}) == 1
 
     board.controls["log_y"].value = True
-    assert board.figure.layout.yaxis.type == "log"
+    assert board.figure.plot_layout["yaxis"]["type"] == "log"
     board.controls["x"].value = "time"
-    assert board.figure.layout.xaxis.type == "date"
-    x = trace(board, "val/loss").x
+    assert board.figure.plot_layout["xaxis"]["type"] == "date"
+    x = xs(trace(board, "val/loss"))
     assert x[0] == pytest.approx((T0 + board.plots._tz) * 1000)  # clock time, in ms
     board.controls["smoothing"].value = 0.9
     smooth = trace(board, "val/loss (smoothed)")
-    assert smooth.visible and trace(board, "val/loss").opacity < 1
-    assert np.allclose(smooth.y, series.ema(np.asarray(trace(board, "val/loss").y), 0.9))
+    assert smooth["visible"] and trace(board, "val/loss")["opacity"] < 1
+    assert np.allclose(ys(smooth), series.ema(ys(trace(board, "val/loss")), 0.9))
 
 
 def test_interruptions_and_resumes_are_marked_with_a_legend_and_hover_text() -> None:
     board = dashboard()
     interrupted_run(board)
     board.flush()
-    cuts = [t for t in board.figure.data if t.name == "interruption"]
-    resumes = [t for t in board.figure.data if t.name == "resume on a replacement"]
+    cuts = [t for t in traces(board) if t["name"] == "interruption"]
+    resumes = [t for t in traces(board) if t["name"] == "resume on a replacement"]
     assert cuts and resumes and len(cuts) == len(resumes)  # one of each per metric panel
-    assert [t.showlegend for t in cuts].count(True) == 1  # one legend entry for all
-    assert {t.line.color for t in cuts}.isdisjoint(
-        {t.line.color for t in board.figure.data if t.name in ("loss", "lr")})
-    assert cuts[0].line.color != resumes[0].line.color
-    texts = {text for text in cuts[0].text if text}
+    assert [t["showlegend"] for t in cuts].count(True) == 1  # one legend entry for all
+    assert {t["line"]["color"] for t in cuts}.isdisjoint(
+        {t["line"]["color"] for t in traces(board) if t["name"] in ("loss", "lr")})
+    assert cuts[0]["line"]["color"] != resumes[0]["line"]["color"]
+    texts = {text for text in cuts[0]["text"] if text}
     assert texts == {"attempt 1 interrupted at step 59: interruption asked for (Interrupt "
                      "now, %spot_interrupt) (terminate); 10 steps redone"}
-    assert set(cuts[0].x[~np.isnan(cuts[0].x)]) == {59.0}
-    assert {t for t in resumes[0].text if t} == {
+    cut_x = xs(cuts[0])
+    assert set(cut_x[~np.isnan(cut_x)]) == {59.0}
+    assert {t for t in resumes[0]["text"] if t} == {
         "attempt 2 resumed from step 50 on g4dn.xlarge a (i-2)"}
     loss = trace(board, "loss")
-    redone = trace(board, "redone steps", loss.yaxis)
-    assert np.isnan(loss.y).sum() == 1 and len(loss.x) == 101  # 100 steps and the gap
-    assert list(redone.x) == list(range(50, 60))
+    redone = trace(board, "redone steps", loss["yaxis"])
+    assert np.isnan(ys(loss)).sum() == 1 and len(xs(loss)) == 101  # 100 steps, the gap
+    assert list(xs(redone)) == list(range(50, 60))
     # Against time, on the system panel: lines too.
-    assert len(board.figure.layout.shapes) == 2
+    assert len(board.figure.plot_layout["shapes"]) == 2
     assert "last checkpoint: step 49" in board.checkpoint.value
 
 
@@ -376,34 +384,26 @@ def test_cpu_instances_are_labelled_cpu_and_ram() -> None:
     board = dashboard()
     board.events([sys_sample(1)])
     board.flush()
-    names = {t.name for t in board.figure.data}
+    names = {t["name"] for t in traces(board)}
     assert {"CPU utilisation %", "RAM used %"} <= names
     board2 = dashboard()
     board2.events([sys_sample(1, kind="gpu")])
     board2.flush()
-    assert {"GPU utilisation %", "GPU memory %"} <= {t.name for t in board2.figure.data}
+    assert {"GPU utilisation %", "GPU memory %"} <= {t["name"] for t in traces(board2)}
 
 
-def test_the_final_data_becomes_the_saved_state(recorder: Recorder) -> None:
+def test_the_figure_is_its_widget_state(recorder: Recorder) -> None:
+    # A notebook saved with its widgets (or a view drawn late) shows the whole figure:
+    # its data and layout are the widget's state, not a stream of updates.
     board = dashboard()
     interrupted_run(board)
     board.flush()
-    mark = recorder.mark()
-    board.save_state()
-    (state,) = [d["state"] for d, _ in figure_comm(board).messages[
-        mark[id(figure_comm(board))]:]]
-    assert {"_widget_data", "_py2js_update"} <= set(state)
-    loss = next(t for t in state["_widget_data"] if t.get("name") == "loss")
-    assert list(loss["x"]["shape"]) == [101]  # binary, all 100 steps and the gap
-    # The layout was made the widget state when the panels were built (a view drawn
-    # late starts from it); unchanged, it is not sent again.
-    assert board.figure._widget_layout == board.figure._layout
-    # The last update stays set, with x and y of every trace: every buffer path an
-    # update used has a home in the saved state.
-    update = state["_py2js_update"]
-    n = len(board.figure.data)
-    assert update["style_traces"] == list(range(n))
-    assert len(update["style_data"]["x"]) == n == len(update["style_data"]["y"])
+    state = figure_comm(board).opened[0]["state"]  # what a new view starts from...
+    assert state["plot_data"] == []
+    last = [d["state"] for d, _ in figure_comm(board).messages if "plot_data" in d["state"]]
+    assert last and len(last[-1]["plot_data"]) == len(traces(board))  # ... then this
+    loss = trace(board, "loss")
+    assert len(xs(loss)) == 101 and board.figure.plot_layout["shapes"]
 
 
 # -- the header ----------------------------------------------------------------------------
@@ -578,7 +578,8 @@ def test_the_static_copy_is_a_png_hidden_next_to_its_live_dashboard() -> None:
     assert data["text/plain"].startswith("Final dashboard of spotnb job job-1")
     live = static.live_class("job-1")
     assert live in board.widget._dom_classes
-    assert f"body:has(.{live} .js-plotly-plot) .spotnb-static-job-1" in data["text/html"]
+    assert (f"body:has(.{live} .spotnb-figure .js-plotly-plot) .spotnb-static-job-1"
+            in data["text/html"])
     page = data["text/html"].replace(data["image/png"], "")
     assert "<script" not in page and "http" not in page  # nothing to load: reads offline
 

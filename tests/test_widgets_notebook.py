@@ -124,7 +124,8 @@ def test_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image(
     # The static copy: the final figure as an image, hidden next to a live dashboard.
     assert static["metadata"]["spotnb"] == {"figure": "dashboard", "job_id": job_id}
     html = static["data"]["text/html"]
-    assert f"body:has(.spotnb-live-{job_id} .js-plotly-plot)" in html and "<script" not in html
+    assert f"body:has(.spotnb-live-{job_id} .spotnb-figure .js-plotly-plot)" in html
+    assert "<script" not in html
     png = base64.b64decode(static["data"]["image/png"])
     image = Image.open(io.BytesIO(png)).convert("RGB")
     assert image.size[0] >= 900
@@ -132,17 +133,25 @@ def test_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image(
     loss_pixels = np.all(np.abs(np.asarray(image, dtype=int) - target) <= 24, axis=-1).sum()
     assert loss_pixels > 500  # the loss curve is drawn
 
-    # The dashboard's widgets stay (header, controls, output panel, buttons): no box
-    # points at the figure that was left out.
+    # The dashboard's widgets stay (header, controls, figure, output panel, buttons),
+    # the figure with its final data: a front end with widgets shows it without a kernel.
     box = _model(state, dashboard["data"]["application/vnd.jupyter.widget-view+json"]
                  ["model_id"])
     assert f"spotnb-live-{job_id}" in box["_dom_classes"]
+    assert all(c.removeprefix("IPY_MODEL_") in state for c in box["children"])
     children = [_model(state, c) for c in box["children"]]
     header = children[0]["value"]
     assert "completed" in header and "interruptions 2" in header
     panel = next(c for c in children if "lines" in c)
     assert panel["lines"][-1][1].startswith("test accuracy")
-    assert all(c.removeprefix("IPY_MODEL_") in state for c in box["children"])
+    (figure,) = [state[c.removeprefix("IPY_MODEL_")] for c in box["children"]
+                 if "plot_data" in _model(state, c)]
+    names = [t["name"] for t in figure["state"]["plot_data"]]
+    assert {"loss", "lr", "interruption", "CPU utilisation %"} <= set(names), names
+    buffers = {tuple(b["path"]): b for b in figure["buffers"]}
+    steps = _decode(buffers[("plot_data", names.index("loss"), "x")])
+    finite = steps[np.isfinite(steps)]
+    assert list(finite) == list(range(STEPS))  # every step, the gaps between instances
 
     # The picker shows the bundled data's numbers.
     picker = next(c for c in nb.cells if c.source.startswith("%spot_picker"))

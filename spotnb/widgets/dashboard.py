@@ -7,8 +7,8 @@ Layout, top to bottom:
   with what they took; the spot price of each pool with a sparkline;
 * the plot controls: x as step or time, smoothing, log scale, how metrics are grouped;
 * the figure (:mod:`spotnb.widgets.plots`): a panel per metric with its own y axis,
-  GPU or CPU use, interruptions and resumes marked; it fills the cell's width, which
-  :class:`~spotnb.widgets.elements.Autosize` measures in the browser;
+  GPU or CPU use, interruptions and resumes marked; it fills the cell's width and
+  keeps the user's zoom across updates;
 * the output panel (:class:`~spotnb.widgets.elements.LogPanel`): the last lines of
   remote output, following the newest, with a filter;
 * the last checkpoint and the buttons: Detach, Interrupt now (local cloud),
@@ -21,14 +21,14 @@ point); the widgets are redrawn at most every :data:`FLUSH_SECONDS`, the figure 
 ``batch_update`` of at most ``2 * DEFAULT_BUCKETS`` points per trace (binary buffers),
 the panel as its last :data:`~spotnb.widgets.series.LOG_LINES` lines.
 
-When the job ends, the figure's final data is written into its saved state and a PNG
-of it is displayed below, hidden wherever the live figure draws (see
-:mod:`spotnb.widgets.static`): a finished cell shows its plots once.
+The figure's data and layout are its widget's state, so a notebook saved with its
+widgets shows the final figure again. When the job ends a PNG of it is displayed below,
+hidden wherever the live figure draws (see :mod:`spotnb.widgets.static`): a finished
+cell shows its plots once.
 """
 
 from __future__ import annotations
 
-import copy
 import html
 import logging
 import sys
@@ -37,13 +37,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from spotnb import display
 from spotnb.display import JobView
 from spotnb.events import Event
 from spotnb.widgets import static
-from spotnb.widgets.elements import Autosize, LogPanel
+from spotnb.widgets.elements import LogPanel, plotly_loader
 from spotnb.widgets.header import header_html
 from spotnb.widgets.plots import GROUPINGS, Plots
 from spotnb.widgets.series import DEFAULT_BUCKETS, LOG_LINES, DashboardData
@@ -165,9 +163,8 @@ class Dashboard:
              w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0", width="auto")),
              self.message, self.buttons["cancel"], self.buttons["stop"]],
             layout=w.Layout(align_items="center", flex_flow="row wrap", width="100%"))
-        self.sizer = Autosize(layout=w.Layout(width="100%"))
-        self.sizer.observe(self._on_width, names="width")
-        self.widget = w.VBox([self.header, toolbar, self.figure, self.sizer, self.panel,
+        self.figure.layout = w.Layout(width="100%")
+        self.widget = w.VBox([self.header, toolbar, self.figure, plotly_loader(), self.panel,
                               footer, self.extra], layout=w.Layout(width="100%"))
         self.widget.add_class("spotnb-dashboard")
         self._draw_panel()
@@ -198,7 +195,7 @@ class Dashboard:
         self.widget.add_class(static.live_class(handle.job_id))
         if handle.spec.provider == "local":
             self.buttons["interrupt"].layout.display = None
-        for widget in (*self.buttons.values(), *self.controls.values(), self.sizer):
+        for widget in (*self.buttons.values(), *self.controls.values()):
             kernel.serve_while_busy(widget)
         if self._show and self._output is None:
             from IPython.display import display as show
@@ -245,7 +242,6 @@ class Dashboard:
             self.flush()
             for name in ("stop", "detach", "interrupt"):
                 self.buttons[name].disabled = True
-            self.save_state()
         if self._output is not None:
             from IPython.display import display as show
 
@@ -260,7 +256,6 @@ class Dashboard:
         with self._lock:
             self.flush()
             self.buttons["detach"].disabled = True  # Stop still works: it needs no loop
-            self.save_state()
         if self._output is not None:
             self._output.update(self._bundle(), raw=True)
         sys.stderr.write(display.detach_text(view))
@@ -318,12 +313,6 @@ class Dashboard:
             self._plots_version += 1
             self.flush()
 
-    def _on_width(self, change: Any) -> None:
-        """The cell's width, measured in the browser: the figure fills it."""
-        if change["new"] > 0:
-            with self._lock:
-                self.plots.set_width(int(change["new"]))
-
     def _draw_panel(self) -> None:
         lines = self.data.log_lines()
         self.panel.lines = [[kind, text] for kind, text in lines]
@@ -343,32 +332,6 @@ class Dashboard:
                 f"{_size(ck.bytes)}, {_age(age)} ago{forced}</span>")
         if self.data.tensorboard_synced:
             self.buttons["tensorboard"].disabled = False
-
-    def save_state(self) -> None:
-        """Make the figure's current data and layout part of its saved widget state.
-
-        Live updates travel in transient fields (``_py2js_update``) that a saved
-        notebook does not replay; assigning the state fields sends them whole, once.
-
-        A notebook executor (nbclient) keeps every binary buffer it saw, by path, even
-        after the field holding it went back to None; a front end loading such a state
-        fails on a buffer without a home. So the last update is sent again and left in
-        place, with x and y of every trace as arrays: every path an update ever used
-        (``_py2js_update.style_data.{x,y}.<i>``) then exists in the saved state.
-        """
-        fig = self.figure
-        n = len(fig.data)
-        arrays = {key: [np.asarray(getattr(t, key) if getattr(t, key) is not None else (),
-                                   dtype=float) for t in fig.data] for key in ("x", "y")}
-        with fig.hold_sync():
-            fig._widget_data = copy.deepcopy(fig._data)
-            fig._widget_layout = copy.deepcopy(fig._layout)
-            fig._last_trace_edit_id += 1
-            fig._last_layout_edit_id += 1
-            fig._py2js_update = {
-                "style_data": arrays, "layout_data": {}, "style_traces": list(range(n)),
-                "trace_edit_id": fig._last_trace_edit_id,
-                "layout_edit_id": fig._last_layout_edit_id, "source_view_id": None}
 
     # -- buttons -------------------------------------------------------------------
 

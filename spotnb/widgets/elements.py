@@ -9,8 +9,9 @@ value redrawn whole would jump back to the top on every update.
 scrolls, a click on a header sorts (the Python side sorts, so the text display and the
 widget agree), a click on a row chooses or unchooses it (``chosen``, in order).
 
-:class:`Autosize` tells the Python side how wide the cell is, so the dashboard's plotly
-figure fills it.
+:class:`LiveFigure` is the dashboard's plotly figure, drawn with the plotly.js that
+JupyterLab's plotly extension loads (:func:`plotly_loader` has it loaded); it fills its
+cell's width and keeps the user's zoom across updates.
 
 They keep their state in traits, so a saved notebook shows them as they were; their
 front-end code travels with them (no CDN, no extension to install).
@@ -23,7 +24,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-__all__ = ["Autosize", "LogPanel", "Table"]
+__all__ = ["LiveFigure", "LogPanel", "Table", "plotly_loader"]
 
 _LOG_ESM = r"""
 function render({ model, el }) {
@@ -85,24 +86,79 @@ function render({ model, el }) {
 export default { render };
 """
 
-# Plotly's widget (the anywidget of plotly 6 and later) draws its figure once, often
-# before the cell has laid it out (then at plotly's default, 700 px wide), and never
-# resizes it. This one reports the cell's width, now and whenever it changes (a window
-# resized, a side panel opened), to the Python side, which sets the figure's width.
-_AUTOSIZE_ESM = r"""
+# The dashboard's figure, drawn with the plotly.js that JupyterLab's own plotly extension
+# loads (``window.Plotly``; the dashboard renders a tiny plotly output to have it loaded),
+# so that no copy of plotly.js (5 MB) travels in the widget's state or its code: a
+# widget whose code takes more than 2 s to start is given up by anywidget, and a slow
+# machine parsing 5 MB of it does miss that. Plotly.react redraws in place, so the
+# user's zoom survives the updates (the layout's uirevision); arrays arrive as binary
+# buffers (DataView) and become Float64Arrays.
+_FIGURE_ESM = r"""
+function arrays(value) {
+  if (value instanceof DataView) {
+    return new Float64Array(value.buffer, value.byteOffset, value.byteLength / 8);
+  }
+  if (Array.isArray(value)) return value.map(arrays);
+  if (value && typeof value === "object") {
+    const out = {};
+    for (const [k, v] of Object.entries(value)) out[k] = arrays(v);
+    return out;
+  }
+  return value;
+}
 function render({ model, el }) {
-  el.classList.add("spotnb-autosize");
-  const observer = new ResizeObserver(() => {
+  el.classList.add("spotnb-figure");
+  const plot = document.createElement("div");
+  el.append(plot);
+  let Plotly = null;
+  const config = { displaylogo: false, responsive: false };
+  const draw = () => {
+    if (!Plotly) return;
+    const layout = { ...model.get("plot_layout") };
     const width = Math.floor(el.getBoundingClientRect().width);
-    if (width > 0 && Math.abs(width - model.get("width")) > 4) {
-      model.set("width", width);
-      model.save_changes();
+    if (width > 0) layout.width = width;
+    Plotly.react(plot, arrays(model.get("plot_data")), layout, config);
+  };
+  const waiting = document.createElement("div");
+  waiting.className = "spotnb-figure-waiting";
+  waiting.textContent = "loading plotly.js…";
+  el.append(waiting);
+  let tries = 0;
+  const start = () => {
+    Plotly = window.Plotly || null;
+    if (Plotly) {
+      waiting.remove();
+      draw();
+    } else if (++tries < 600) {
+      setTimeout(start, 100);
+    } else {
+      waiting.textContent = "The live figure needs JupyterLab's plotly extension "
+        + "(pip install plotly); a picture of it is added when the job ends.";
+    }
+  };
+  start();
+  model.on("change:plot_data", draw);
+  model.on("change:plot_layout", draw);
+  // Fit the cell: drawn, and whenever its width changes (a window or a side panel).
+  let width = 0;
+  const observer = new ResizeObserver(() => {
+    const now = Math.floor(el.getBoundingClientRect().width);
+    if (now > 0 && Math.abs(now - width) > 2) {
+      width = now;
+      draw();
     }
   });
   observer.observe(el);
-  return () => observer.disconnect();
+  return () => {
+    observer.disconnect();
+    if (Plotly) Plotly.purge(plot);
+  };
 }
 export default { render };
+"""
+
+_FIGURE_CSS = """
+.spotnb-figure-waiting { color: #57606a; font-size: 85%; padding: 4px 0; }
 """
 
 _LOG_CSS = """
@@ -231,16 +287,28 @@ class LogPanel(anywidget.AnyWidget):
         return f"<spotnb LogPanel: {len(self.lines)} lines>"
 
 
-class Autosize(anywidget.AnyWidget):
-    """No height of its own: reports the width of the cell it is in (see
-    ``_AUTOSIZE_ESM``), so that the dashboard's figure can fill it."""
+class LiveFigure(anywidget.AnyWidget):
+    """A plotly figure whose data and layout are traits (see ``_FIGURE_ESM``).
 
-    _esm = _AUTOSIZE_ESM
-    width = traitlets.Int(0, help="the cell's width in CSS pixels (0: not known)"
-                          ).tag(sync=True)
+    ``plot_data`` is plotly's list of traces, numpy arrays given as ``memoryview``
+    (they travel as binary buffers); ``plot_layout`` plotly's layout. Assigning either
+    redraws the figure in place.
+    """
+
+    _esm = _FIGURE_ESM
+    _css = _FIGURE_CSS
+    plot_data: traitlets.List[Any] = traitlets.List(
+        help="the traces; arrays as float64 memoryviews").tag(sync=True)
+    plot_layout: traitlets.Dict[str, Any] = traitlets.Dict(
+        help="the layout").tag(sync=True)
 
     def __repr__(self) -> str:
-        return "<spotnb Autosize>"
+        return f"<spotnb LiveFigure: {len(self.plot_data)} traces>"
+
+    def trace(self, name: str, yaxis: str | None = None) -> dict[str, Any]:
+        """The first trace called ``name`` (on ``yaxis``, if given)."""
+        return next(t for t in self.plot_data if t.get("name") == name
+                    and (yaxis is None or t.get("yaxis") == yaxis))
 
 
 class Table(anywidget.AnyWidget):
@@ -278,3 +346,18 @@ class Table(anywidget.AnyWidget):
             + "</tr>" for r in self.rows)
         return (f"<table class='{cell(self.table_class)}'><thead><tr>{head}</tr></thead>"
                 f"<tbody>{body}</tbody></table>")
+
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def plotly_loader() -> Any:
+    """A widget of no height holding an empty plotly output: rendering it is what makes
+    JupyterLab (or Notebook 7) load plotly.js, which :class:`LiveFigure` then uses."""
+    import ipywidgets as w
+
+    loader = w.Output(layout=w.Layout(height="0px", overflow="hidden"))
+    loader.outputs = ({"output_type": "display_data", "metadata": {},
+                       "data": {PLOTLY_MIME: {"data": [], "layout": {"height": 10}},
+                                "text/plain": ""}},)
+    return loader

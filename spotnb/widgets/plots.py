@@ -9,31 +9,28 @@ step or the wall-clock time. A curve is broken where a replacement instance took
 its last checkpoint show as grey crosses, and each interruption and resume is a
 vertical line with a legend entry whose hover text says what happened.
 
-:class:`Plots` owns one plotly ``FigureWidget`` (one per dashboard: its saved state
-carries plotly.js, about 5 MB). Its layout is rebuilt only when the panels change (a
-new metric, another grouping or axis); otherwise a redraw assigns the reduced series
-(numpy arrays, sent as binary buffers) in one ``batch_update``. Traces are always
-added empty and filled by an update, so no binary buffer ever travels in an
-``addTraces`` message (see ``Dashboard.save_state``).
+:class:`Plots` builds plotly's traces and layout as plain dicts for one
+:class:`~spotnb.widgets.elements.LiveFigure`, which the front end draws with the
+plotly.js of JupyterLab's plotly extension (no 5 MB bundle in the widget). The layout
+is rebuilt only when the panels change (a new metric, another grouping or axis); a
+redraw sends the traces with their reduced series (numpy arrays, as binary buffers) in
+one message, and the layout only when it changed.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import functools
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from spotnb.widgets.series import DashboardData, Marker, ema
 
-if TYPE_CHECKING:
-    import ipywidgets
-
 __all__ = ["COLOURS", "GROUPINGS", "INTERRUPT_COLOUR", "RESUME_COLOUR", "PlotOptions", "Plots",
-           "panels"]
+           "panels", "values"]
 
 #: Metric colours, in the order metrics appear. Red is the interruptions' and dark grey
 #: the resumes': no metric uses either.
@@ -99,94 +96,72 @@ class Plots:
     """The figure and how it is drawn from :class:`DashboardData` (module docstring)."""
 
     def __init__(self) -> None:
-        import plotly.graph_objects as go
+        from spotnb.widgets.elements import LiveFigure
 
         self.options = PlotOptions()
-        self.figure: ipywidgets.DOMWidget = go.FigureWidget(layout=_base_layout())
+        self.figure = LiveFigure()
+        self.figure.plot_layout = _base_layout()
         self._structure: tuple[Any, ...] | None = None
         self._panels: list[_Panel] = []
+        self._layout: dict[str, Any] = {}
+        self._specs: list[dict[str, Any]] = []  # the traces, without their arrays
         self._traces: dict[str, tuple[int, int, int]] = {}  # raw, smoothed, redone
         self._sys: tuple[int, int] | None = None
         self._sys_axis = ""
-        self._axes: set[str] = {""}  # every axis suffix the front end has had
         self._tz = 0.0
-        self.width: int | None = None  # the cell's, in pixels, once the front end says
-        self._rebuilt = False
-
-    def set_width(self, width: int) -> None:
-        """Fit the figure to a cell ``width`` pixels wide (the front end measures it)."""
-        self.width = width
-        self.figure.layout.width = width
-        self.sync_state()
-
-    def sync_state(self) -> None:
-        """Make the figure's whole data and layout its widget state.
-
-        A view drawn after updates were sent (a front end that took its time to load
-        plotly.js, a cell drawn again) starts from this state, not from the updates:
-        plotly's front end does not fold them into it. It then follows the updates.
-        """
-        fig = self.figure
-        with fig.hold_sync():
-            fig._widget_data = copy.deepcopy(fig._data)
-            fig._widget_layout = copy.deepcopy(fig._layout)
 
     # -- drawing -------------------------------------------------------------------
 
     def draw(self, data: DashboardData) -> None:
-        """Bring the figure up to date with ``data`` and the options."""
+        """Bring the figure up to date with ``data`` and the options: one message with
+        the traces (their arrays as binary buffers), and the layout when it changed."""
         names = data.metric_names()
         structure = (tuple((t, tuple(m)) for t, m in panels(names, self.options.grouping)),
                      len(data.util) > 0, data.sys_kind, self.options.x, self.options.log_y)
         if structure != self._structure:
             self._rebuild(data, structure)
-        fig = self.figure
+        traces = [dict(spec) for spec in self._specs]
         time_x = self.options.x == "time"
         smoothing = self.options.smoothing
-        with fig.batch_update():
-            for name, (raw, smooth, redone) in self._traces.items():
-                series = data.metrics[name]
-                x, y, t = series.points()
-                xs = self._ms(t) if time_x else x
-                fig.data[raw].x, fig.data[raw].y = xs, y
-                fig.data[raw].opacity = 0.3 if smoothing > 0 else 1.0
-                fig.data[smooth].visible = smoothing > 0
-                if smoothing > 0:
-                    fig.data[smooth].x, fig.data[smooth].y = xs, ema(y, smoothing)
-                rx, ry, rt = series.redone.view.points()
-                fig.data[redone].x = self._ms(rt) if time_x else rx
-                fig.data[redone].y = ry
-            if self._sys is not None:
-                gpu = data.sys_kind == "gpu"
-                util, mem = self._sys
-                fig.data[util].name = "GPU utilisation %" if gpu else "CPU utilisation %"
-                fig.data[mem].name = "GPU memory %" if gpu else "RAM used %"
-                x, y = data.sys_points(data.util)
-                fig.data[util].x, fig.data[util].y = self._ms(x), y
-                x, y = data.sys_points(data.mem)
-                fig.data[mem].x, fig.data[mem].y = self._ms(x), y
-            self._draw_marks(data)
-        if self._rebuilt:  # new traces, now with their data: the state a new view uses
-            self._rebuilt = False
-            self.sync_state()
+        for name, (raw, smooth, redone) in self._traces.items():
+            series = data.metrics[name]
+            x, y, t = series.points()
+            xs = self._ms(t) if time_x else x
+            traces[raw].update(x=_buffer(xs), y=_buffer(y),
+                               opacity=0.3 if smoothing > 0 else 1.0)
+            traces[smooth]["visible"] = smoothing > 0
+            if smoothing > 0:
+                traces[smooth].update(x=_buffer(xs), y=_buffer(ema(y, smoothing)))
+            rx, ry, rt = series.redone.view.points()
+            traces[redone].update(x=_buffer(self._ms(rt) if time_x else rx), y=_buffer(ry))
+        if self._sys is not None:
+            gpu = data.sys_kind == "gpu"
+            util, mem = self._sys
+            x, y = data.sys_points(data.util)
+            traces[util].update(name="GPU utilisation %" if gpu else "CPU utilisation %",
+                                x=_buffer(self._ms(x)), y=_buffer(y))
+            x, y = data.sys_points(data.mem)
+            traces[mem].update(name="GPU memory %" if gpu else "RAM used %",
+                               x=_buffer(self._ms(x)), y=_buffer(y))
+        layout = dict(self._layout)
+        layout["shapes"] = self._draw_marks(data, traces)
+        with self.figure.hold_sync():
+            self.figure.plot_data = traces  # unchanged values are not sent
+            self.figure.plot_layout = layout
 
     def _ms(self, t: np.ndarray) -> np.ndarray:
         """Epoch seconds as the milliseconds of a plotly date axis, in local time."""
         return (np.asarray(t, dtype=float) + self._tz) * 1000.0
 
     def _rebuild(self, data: DashboardData, structure: tuple[Any, ...]) -> None:
-        """New panels: traces (empty: the update fills them) and axes."""
-        import plotly.graph_objects as go
-
-        fig = self.figure
+        """New panels: the traces (their arrays are filled by each draw) and axes."""
         self._structure = structure
         if data.first_time is not None:
             self._tz = float(time.localtime(data.first_time).tm_gmtoff)
         groups = panels(data.metric_names(), self.options.grouping)
         has_sys = len(data.util) > 0
         time_x = self.options.x == "time"
-        fig.data = ()
-        traces: list[Any] = []
+        specs: list[dict[str, Any]] = []
         self._panels, self._traces = [], {}
         order = {name: i for i, name in enumerate(data.metric_names())}
         for n, (title, members) in enumerate(groups):
@@ -198,56 +173,46 @@ class Plots:
                      else "%{fullData.name}: %{y:.4g} at step %{x}<extra></extra>")
             for name in members:
                 colour = COLOURS[order[name] % len(COLOURS)]
-                first = len(traces)
-                traces += [
-                    go.Scatter(name=name, mode="lines", legendgroup=name, showlegend=several,
-                               line={"color": colour, "width": 1.6}, hovertemplate=hover,
-                               x=[], y=[], **axes),
-                    go.Scatter(name=f"{name} (smoothed)", mode="lines", legendgroup=name,
-                               showlegend=False, visible=False,
-                               line={"color": colour, "width": 2}, hovertemplate=hover,
-                               x=[], y=[], **axes),
-                    go.Scatter(name="redone steps", mode="markers", legendgroup="redone",
-                               showlegend=not self._traces,
-                               marker={"color": REDONE_COLOUR, "size": 5, "symbol": "x"},
-                               hovertemplate=f"{name} %{{y:.4g}}: logged by an interrupted "
-                                             "instance after its last checkpoint, then "
-                                             "redone<extra></extra>",
-                               x=[], y=[], **axes),
+                first = len(specs)
+                specs += [
+                    _scatter(name=name, mode="lines", legendgroup=name, showlegend=several,
+                             line={"color": colour, "width": 1.6}, hovertemplate=hover,
+                             **axes),
+                    _scatter(name=f"{name} (smoothed)", mode="lines", legendgroup=name,
+                             showlegend=False, visible=False,
+                             line={"color": colour, "width": 2}, hovertemplate=hover,
+                             **axes),
+                    _scatter(name="redone steps", mode="markers", legendgroup="redone",
+                             showlegend=not self._traces,
+                             marker={"color": REDONE_COLOUR, "size": 5, "symbol": "x"},
+                             hovertemplate=f"{_escape(name)} %{{y:.4g}}: logged by an "
+                                           "interrupted instance after its last checkpoint, "
+                                           "then redone<extra></extra>", **axes),
                 ]
                 self._traces[name] = (first, first + 1, first + 2)
-            panel.marks = (len(traces), len(traces) + 1)
-            traces += [_mark_trace("interruption", INTERRUPT_COLOUR, "dash", n == 0, axes),
-                       _mark_trace("resume on a replacement", RESUME_COLOUR, "dot", n == 0,
-                                   axes)]
+            panel.marks = (len(specs), len(specs) + 1)
+            specs += [_mark_trace("interruption", INTERRUPT_COLOUR, "dash", axes),
+                      _mark_trace("resume on a replacement", RESUME_COLOUR, "dot", axes)]
         self._sys = None
         self._sys_axis = _axis(len(groups))
         if has_sys:
             axes = {"xaxis": f"x{self._sys_axis}", "yaxis": f"y{self._sys_axis}"}
             hover = "%{fullData.name}: %{y:.0f} at %{x|%H:%M:%S}<extra></extra>"
-            self._sys = (len(traces), len(traces) + 1)
-            traces += [
-                go.Scatter(name="utilisation %", mode="lines", line={"color": UTIL_COLOUR},
-                           hovertemplate=hover, x=[], y=[], **axes),
-                go.Scatter(name="memory %", mode="lines", line={"color": MEM_COLOUR},
-                           hovertemplate=hover, x=[], y=[], **axes),
+            self._sys = (len(specs), len(specs) + 1)
+            specs += [
+                _scatter(name="utilisation %", mode="lines", line={"color": UTIL_COLOUR},
+                         hovertemplate=hover, **axes),
+                _scatter(name="memory %", mode="lines", line={"color": MEM_COLOUR},
+                         hovertemplate=hover, **axes),
             ]
-        layout = _layout(self._panels, has_sys, self._sys_axis, data.sys_kind, self.options)
-        if self.width:
-            layout["width"] = self.width
-        used = {p.axis for p in self._panels} | ({self._sys_axis} if has_sys else set())
-        # The front end keeps the axes a new layout does not name: hide the old panels'.
-        for gone in self._axes - used:
-            layout[f"xaxis{gone}"] = layout[f"yaxis{gone}"] = {"visible": False}
-        self._axes |= used
-        fig.layout = layout
-        if traces:
-            fig.add_traces(traces)
-        self._rebuilt = True
+        self._specs = specs
+        self._layout = _layout(self._panels, has_sys, self._sys_axis, data.sys_kind,
+                               self.options)
 
-    def _draw_marks(self, data: DashboardData) -> None:
-        """The interruption and resume lines of every panel, spanning its data."""
-        fig = self.figure
+    def _draw_marks(self, data: DashboardData, traces: list[dict[str, Any]]
+                    ) -> list[dict[str, Any]]:
+        """The interruption and resume lines of every metric panel, spanning its data,
+        and those of the system panel (shapes, against time)."""
         time_x = self.options.x == "time"
         legend = {0: False, 1: False}  # one legend entry each, on a trace with lines
         for panel in self._panels:
@@ -258,10 +223,9 @@ class Plots:
                     strict=True)):
                 x, y, text = _mark_points([m for m in data.markers if m.kind in kinds],
                                           lo, hi, self.options.log_y, time_x, self._ms)
-                fig.data[index].x, fig.data[index].y, fig.data[index].text = x, y, text
-                fig.data[index].showlegend = bool(len(x)) and not legend[which]
+                traces[index].update(x=_buffer(x), y=_buffer(y), text=text,
+                                     showlegend=bool(len(x)) and not legend[which])
                 legend[which] = legend[which] or bool(len(x))
-        # The system panel is against time: its marks are shapes.
         shapes = []
         if self._sys is not None:
             for marker in data.markers:
@@ -272,17 +236,30 @@ class Plots:
                                "yref": f"y{self._sys_axis} domain", "x0": at, "x1": at,
                                "y0": 0, "y1": 1,
                                "line": {"color": colour, "dash": dash, "width": 1.2}})
-        if len(shapes) != len(fig.layout.shapes or ()):
-            fig.layout.shapes = shapes
+        return shapes
 
 
-def _mark_trace(name: str, colour: str, dash: str, legend: bool, axes: dict[str, str]
-                ) -> Any:
-    import plotly.graph_objects as go
+def _buffer(values: np.ndarray) -> memoryview:
+    """An array as float64 bytes: it travels as a binary buffer, not as JSON numbers."""
+    return memoryview(np.ascontiguousarray(values, dtype=np.float64).tobytes())
 
-    return go.Scatter(name=name, mode="lines", legendgroup=name, showlegend=legend,
-                      line={"color": colour, "dash": dash, "width": 1.5},
-                      hovertemplate="%{text}<extra></extra>", x=[], y=[], text=[], **axes)
+
+def values(trace: dict[str, Any], key: str) -> np.ndarray:
+    """A trace's ``x`` or ``y`` back as an array (tests, the static copy)."""
+    raw = trace.get(key)
+    if raw is None:
+        return np.empty(0)
+    return np.frombuffer(bytes(raw), dtype=np.float64)
+
+
+def _scatter(**props: Any) -> dict[str, Any]:
+    return {"type": "scatter", "x": _buffer(np.empty(0)), "y": _buffer(np.empty(0)), **props}
+
+
+def _mark_trace(name: str, colour: str, dash: str, axes: dict[str, str]) -> dict[str, Any]:
+    return _scatter(name=name, mode="lines", legendgroup=name, showlegend=False,
+                    line={"color": colour, "dash": dash, "width": 1.5}, text=[],
+                    hovertemplate="%{text}<extra></extra>", **axes)
 
 
 def _span(ys: list[np.ndarray], log: bool) -> tuple[float, float]:
@@ -321,9 +298,16 @@ def _mark_points(markers: list[Marker], lo: float, hi: float, log: bool, time_x:
     return np.array(xs, dtype=float), np.array(ys, dtype=float), texts
 
 
+@functools.cache
+def _template() -> dict[str, Any]:
+    """plotly's "plotly_white" look, as a layout template (sent with each new layout)."""
+    import plotly.io as pio
+
+    return {"layout": pio.templates["plotly_white"].to_plotly_json()["layout"]}
+
+
 def _base_layout() -> dict[str, Any]:
-    return {"autosize": True, "height": _TOP_PX + _PANEL_PX + _BOTTOM_PX,
-            "template": "plotly_white",
+    return {"height": _TOP_PX + _PANEL_PX + _BOTTOM_PX, "template": _template(),
             "margin": {"l": 60, "r": 16, "t": _TOP_PX, "b": _BOTTOM_PX},
             "annotations": [{"text": "waiting for the first metric…", "showarrow": False,
                              "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5,
@@ -342,8 +326,8 @@ def _layout(panels_: list[_Panel], has_sys: bool, sys_axis: str, sys_kind: str |
         plot_px += (_GAP_PX if rows else 0) + _SYS_PX
     plot_px = max(plot_px, 1)
     layout: dict[str, Any] = {
-        "autosize": True, "height": plot_px + _TOP_PX + _BOTTOM_PX,
-        "template": "plotly_white", "hovermode": "closest",
+        "height": plot_px + _TOP_PX + _BOTTOM_PX, "template": _template(),
+        "hovermode": "closest",
         "margin": {"l": 60, "r": 16, "t": _TOP_PX, "b": _BOTTOM_PX},
         "legend": {"orientation": "h", "yref": "container", "y": 1.0, "yanchor": "top",
                    "x": 0.0, "xanchor": "left", "font": {"size": 11}},

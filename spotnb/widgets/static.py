@@ -5,7 +5,8 @@ or VS Code) the live dashboard; elsewhere (GitHub, nbviewer, an HTML export read
 offline, a notebook reopened without its widget state) a PNG of the same figure.
 :func:`bundle` is that PNG as one output: ``image/png``, and ``text/html`` with the
 image inline and a style rule that hides it on a page where the job's live dashboard
-has drawn its figure (``body:has(.spotnb-live-JOB .js-plotly-plot)``). No script and
+has drawn its figure (``body:has(.spotnb-live-JOB .spotnb-figure .js-plotly-plot)``).
+No script and
 no CDN: it reads the same offline.
 
 The PNG is drawn with matplotlib (:func:`spotnb.records.figures.render`), in about a
@@ -57,7 +58,7 @@ def bundle(image: bytes, job_id: str, caption: str) -> tuple[dict[str, Any], dic
     """
     encoded = base64.b64encode(image).decode()
     static = f"spotnb-static-{job_id}"
-    rule = (f"body:has(.{live_class(job_id)} .js-plotly-plot) .{static} "
+    rule = (f"body:has(.{live_class(job_id)} .spotnb-figure .js-plotly-plot) .{static} "
             "{ display: none; }")
     alt = html.escape(caption, quote=True)
     page = (f"<style>{rule}</style><div class='spotnb-static {static}'>"
