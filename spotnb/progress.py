@@ -168,8 +168,10 @@ class Progress:
         if closing is not None:  # steps logged after the notice, before the last save
             closing.last_step, closing.last_progress = self._last[attempt]
         for gone in self.interruptions:
+            # Caught up: a later attempt passes the step this one reached (or logs at
+            # all, if this one had logged nothing).
             if gone.recovered_at is None and gone.attempt < attempt and \
-                    gone.last_step is not None and step > gone.last_step:
+                    (gone.last_step is None or step > gone.last_step):
                 gone.recovered_at = t
         self.furthest = step if self.furthest is None else max(self.furthest, step)
 

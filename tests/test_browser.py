@@ -108,13 +108,13 @@ def lab(spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 @pytest.fixture
 def page(tmp_path: Path) -> Iterator[tuple[Any, list[str]]]:
-    """A Chromium page (new empty profile) that may only talk to loopback; the list of
-    refused URLs comes with it."""
+    """A Chromium page (new empty profile) that may only talk to loopback (and read
+    local files); the list of refused URLs comes with it."""
     refused: list[str] = []
 
     def only_loopback(route: Any) -> None:
         url = route.request.url
-        if _LOOPBACK.match(url) or url.startswith(("data:", "blob:")):
+        if _LOOPBACK.match(url) or url.startswith(("data:", "blob:", "file:")):
             route.continue_()
         else:
             refused.append(url)
@@ -126,14 +126,26 @@ def page(tmp_path: Path) -> Iterator[tuple[Any, list[str]]]:
             args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 1500})
         try:
             context.route("**/*", only_loopback)
-            yield context.new_page(), refused
+            page = context.new_page()
+            # Bounds, not expectations: a shared 2-core machine can be very slow.
+            page.set_default_timeout(120_000)
+            yield page, refused
         finally:
             context.close()
 
 
 def _shot(locator: Any, name: str) -> None:
+    """A screenshot of what ``locator`` shows, now (a live dashboard never holds still
+    long enough for Playwright's own element screenshots)."""
     ARTIFACTS.mkdir(exist_ok=True)
-    locator.screenshot(path=str(ARTIFACTS / name))
+    locator.evaluate("e => e.scrollIntoView({block: 'start'})")
+    box = locator.bounding_box()
+    page = locator.page
+    viewport = page.viewport_size
+    clip = {"x": max(0.0, box["x"]), "y": max(0.0, box["y"]),
+            "width": min(box["width"], viewport["width"] - max(0.0, box["x"])),
+            "height": min(box["height"], viewport["height"] - max(0.0, box["y"]))}
+    page.screenshot(path=str(ARTIFACTS / name), clip=clip)
 
 
 @pytest.mark.timeout(900)  # JupyterLab, a 300-step job with two interruptions, an export
@@ -192,12 +204,12 @@ def _run_and_check(url: str, p: Any) -> None:
 
     # Live: the dashboard plots while the job runs, an interruption is marked.
     board = p.locator(".spotnb-dashboard")
-    board.locator(".js-plotly-plot").wait_for(timeout=90_000)
+    board.locator(".spotnb-figure .js-plotly-plot").wait_for(timeout=90_000)
     p.wait_for_function(
         "() => [...document.querySelectorAll('.spotnb-log-line')]"
         ".some(l => l.textContent.includes('spot interruption notice'))",
         timeout=RUN_SECONDS * 1000)
-    board.locator(".spotnb-logpanel-box").scroll_into_view_if_needed()
+    board.locator(".spotnb-logpanel-box").evaluate("e => e.scrollIntoView({block: 'end'})")
     # The log panel follows its newest line...
     p.wait_for_function(f"() => ({_NEWEST_LINE_VISIBLE})()?.visible", timeout=30_000)
     newest = p.evaluate(_NEWEST_LINE_VISIBLE)
@@ -233,7 +245,7 @@ def _run_and_check(url: str, p: Any) -> None:
     assert "completed" in header and re.search(r"interruptions\s+2", header), header
     assert re.search(r"saving\s+\d+%", header), header
     assert "step 300 of 300 (100%)" in header, header
-    board.locator(".spotnb-logpanel-box").scroll_into_view_if_needed()
+    board.locator(".spotnb-logpanel-box").evaluate("e => e.scrollIntoView({block: 'end'})")
     p.wait_for_function(f"() => ({_NEWEST_LINE_VISIBLE})()?.visible", timeout=30_000)
     assert p.evaluate(_NEWEST_LINE_VISIBLE)["text"].startswith("test accuracy")
     # Plots with data: the loss line has its 300 steps; the time plot has lines too.
@@ -304,6 +316,10 @@ def _export_offline(url: str, root: Path, p: Any) -> None:
     saved = root / "quickstart.ipynb"
     p.get_by_role("menuitem", name="File", exact=True).click()
     p.locator("li[data-command='docmanager:save']").click()
+    # JupyterLab may find the file's time on disk newer than its own record (it saved
+    # it itself meanwhile): it asks, and the notebook open here is the one to keep.
+    with contextlib.suppress(playwright_sync.TimeoutError):
+        p.locator(".jp-Dialog button", has_text="Overwrite").click(timeout=10_000)
     deadline = time.monotonic() + 120
     while "Final dashboard of spotnb job" not in saved.read_text():
         assert time.monotonic() < deadline, (

@@ -64,6 +64,22 @@ def test_pace_time_left_and_what_an_interruption_took() -> None:
     assert proj.ondemand_usd == pytest.approx(0.05 - 38 / 3600 + 10 / 3600)
 
 
+def test_an_attempt_that_logged_nothing_takes_time_until_progress_resumes() -> None:
+    p = Progress()
+    for event in [*[metric(1, s, s) for s in range(10)],
+                  Event("notice", T0 + 12, 1, "i-1", {"kind": "instance-action"}),
+                  Event("status", T0 + 15, 2, "i-2", {"state": "booting"}),
+                  Event("notice", T0 + 25, 2, "i-2", {"kind": "instance-action"}),
+                  Event("status", T0 + 30, 3, "i-3", {"state": "booting"}),
+                  *[metric(3, s, 40 + s) for s in range(5, 20)]]:
+        p.apply(event)
+    first, second = p.interruptions
+    assert second.last_step is None and second.recovered_at == T0 + 45
+    # From step 9 (at 9 s) until step 10 (at 50 s); the second lies within it.
+    assert p.lost_seconds(T0 + 100) == pytest.approx(41.0)
+    assert first.redone == 5
+
+
 def test_an_instance_lost_without_a_notice_counts_too() -> None:
     p = Progress()
     for event in [Event("status", T0, 1, "i-1", {"state": "booting"}),

@@ -112,12 +112,18 @@ function render({ model, el }) {
   el.append(plot);
   let Plotly = null;
   const config = { displaylogo: false, responsive: false };
+  // One redraw per frame at most, however many changes came in it.
+  let pending = false;
   const draw = () => {
-    if (!Plotly) return;
-    const layout = { ...model.get("plot_layout") };
-    const width = Math.floor(el.getBoundingClientRect().width);
-    if (width > 0) layout.width = width;
-    Plotly.react(plot, arrays(model.get("plot_data")), layout, config);
+    if (!Plotly || pending) return;
+    pending = true;
+    requestAnimationFrame(() => {
+      pending = false;
+      const layout = { ...model.get("plot_layout") };
+      const width = Math.floor(el.getBoundingClientRect().width);
+      if (width > 0) layout.width = width;
+      Plotly.react(plot, arrays(model.get("plot_data")), layout, config);
+    });
   };
   const waiting = document.createElement("div");
   waiting.className = "spotnb-figure-waiting";
@@ -356,7 +362,8 @@ def plotly_loader() -> Any:
     JupyterLab (or Notebook 7) load plotly.js, which :class:`LiveFigure` then uses."""
     import ipywidgets as w
 
-    loader = w.Output(layout=w.Layout(height="0px", overflow="hidden"))
+    # Laid out (1 px) but not seen: plotly complains about resizing a plot not displayed.
+    loader = w.Output(layout=w.Layout(height="1px", overflow="hidden", visibility="hidden"))
     loader.outputs = ({"output_type": "display_data", "metadata": {},
                        "data": {PLOTLY_MIME: {"data": [], "layout": {"height": 10}},
                                 "text/plain": ""}},)

@@ -226,6 +226,14 @@ class Plots:
                 traces[index].update(x=_buffer(x), y=_buffer(y), text=text,
                                      showlegend=bool(len(x)) and not legend[which])
                 legend[which] = legend[which] or bool(len(x))
+        # Marks at no known step (an attempt that logged nothing) are still on the system
+        # panel: their legend entry must be somewhere.
+        for which, kinds in enumerate((("interrupted", "lost", "retry"), ("resumed",))):
+            if self._panels and not legend[which] and \
+                    any(m.kind in kinds for m in data.markers):
+                nan = np.array([np.nan])
+                traces[self._panels[0].marks[which]].update(
+                    x=_buffer(nan), y=_buffer(nan), text=[""], showlegend=True)
         shapes = []
         if self._sys is not None:
             for marker in data.markers:
