@@ -192,14 +192,14 @@ def test_a_resumed_attempt_moves_the_lost_steps_and_breaks_the_line() -> None:
 
 
 def test_smoothing_is_a_debiased_moving_average_that_keeps_gaps() -> None:
-    flat = series.ema(np.full(20, 3.0), 0.9)
+    flat = plots.ema(np.full(20, 3.0), 0.9)
     assert np.allclose(flat, 3.0)  # no start-up bias
     noisy = np.array([0.0, 10.0] * 50)
-    smooth = series.ema(noisy, 0.9)
+    smooth = plots.ema(noisy, 0.9)
     assert np.ptp(smooth[-20:]) < np.ptp(noisy[-20:]) / 5
-    gapped = series.ema(np.array([1.0, np.nan, 1.0]), 0.5)
+    gapped = plots.ema(np.array([1.0, np.nan, 1.0]), 0.5)
     assert np.isnan(gapped[1]) and gapped[2] == pytest.approx(1.0)
-    assert series.ema(noisy, 0.0) is noisy
+    assert plots.ema(noisy, 0.0) is noisy
 
 
 # -- the dashboard: messages and their cost --------------------------------------------
@@ -350,7 +350,7 @@ def test_grouping_log_scale_time_axis_and_smoothing_are_the_users_choice() -> No
     board.controls["smoothing"].value = 0.9
     smooth = trace(board, "val/loss (smoothed)")
     assert smooth["visible"] and trace(board, "val/loss")["opacity"] < 1
-    assert np.allclose(ys(smooth), series.ema(ys(trace(board, "val/loss")), 0.9))
+    assert np.allclose(ys(smooth), plots.ema(ys(trace(board, "val/loss")), 0.9))
 
 
 def test_interruptions_and_resumes_are_marked_with_a_legend_and_hover_text() -> None:

@@ -1,8 +1,9 @@
 """What a record keeps of an executed notebook, and its HTML export.
 
-**Widget state.** A plotly ``FigureWidget`` is an anywidget whose saved state carries
-the whole plotly.js bundle (``_esm``, about 5 MB) for every figure. Neither a record nor
-``spotnb run``'s executed copy keeps it: :func:`drop_bundled_widgets` removes every
+**Widget state.** A plotly ``FigureWidget`` (a user's own, or the dashboard figure of
+an older spotnb) is an anywidget whose saved state carries the whole plotly.js bundle
+(``_esm``, about 5 MB) for every figure. Neither a record nor ``spotnb run``'s executed
+copy keeps it: :func:`drop_bundled_widgets` removes every
 anywidget model whose ``_esm`` passes :data:`MAX_WIDGET_ESM_BYTES` and unlinks it from
 the boxes that held it. The rest of the widget state stays (the dashboard's header,
 output panel, controls and buttons; the instance picker), and the figure survives as

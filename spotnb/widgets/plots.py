@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from spotnb.widgets.series import DashboardData, Marker, ema
+from spotnb.widgets.series import DashboardData, Marker
 
 __all__ = ["COLOURS", "GROUPINGS", "INTERRUPT_COLOUR", "RESUME_COLOUR", "PlotOptions", "Plots",
-           "panels", "values"]
+           "ema", "panels", "values"]
 
 #: Metric colours, in the order metrics appear. Red is the interruptions' and dark grey
 #: the resumes': no metric uses either.
@@ -262,6 +262,26 @@ def values(trace: dict[str, Any], key: str) -> np.ndarray:
 
 def _scatter(**props: Any) -> dict[str, Any]:
     return {"type": "scatter", "x": _buffer(np.empty(0)), "y": _buffer(np.empty(0)), **props}
+
+
+def ema(y: np.ndarray, weight: float) -> np.ndarray:
+    """TensorBoard's smoothing: an exponential moving average with its start-up bias
+    removed (``weight`` 0: none; 0.99: very smooth). NaN points stay NaN (gaps) and do
+    not reset the average. Applied to the displayed (reduced) points, as TensorBoard
+    and W&B do, so its cost is bounded like theirs."""
+    if weight <= 0 or not len(y):
+        return y
+    out = np.empty_like(y)
+    last = 0.0
+    count = 0
+    for i, value in enumerate(y.tolist()):
+        if not math.isfinite(value):
+            out[i] = value
+            continue
+        last = last * weight + (1 - weight) * value
+        count += 1
+        out[i] = last / (1 - weight ** count)
+    return out
 
 
 def _mark_trace(name: str, colour: str, dash: str, axes: dict[str, str]) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -32,8 +31,7 @@ import numpy as np
 from spotnb.events import GROUP_STREAM, Event
 from spotnb.tb import TB_SYNC_NAME
 
-__all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets",
-           "ema"]
+__all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
 
 #: Points per displayed trace are at most twice this (a min and a max per bucket):
 #: enough for a curve's shape on any screen, few enough for a fast update message.
@@ -235,26 +233,6 @@ class MetricSeries:
         at = np.searchsorted(x, np.asarray(self.gaps), side="left")
         nan = np.full(len(at), np.nan)
         return np.insert(x, at, nan), np.insert(y, at, nan), np.insert(t, at, nan)
-
-
-def ema(y: np.ndarray, weight: float) -> np.ndarray:
-    """TensorBoard's smoothing: an exponential moving average with its start-up bias
-    removed (``weight`` 0: none; 0.99: very smooth). NaN points stay NaN (gaps) and do
-    not reset the average. Applied to the displayed (reduced) points, as TensorBoard
-    and W&B do, so its cost is bounded like theirs."""
-    if weight <= 0 or not len(y):
-        return y
-    out = np.empty_like(y)
-    last = 0.0
-    count = 0
-    for i, value in enumerate(y.tolist()):
-        if not math.isfinite(value):
-            out[i] = value
-            continue
-        last = last * weight + (1 - weight) * value
-        count += 1
-        out[i] = last / (1 - weight ** count)
-    return out
 
 
 @dataclasses.dataclass
