@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Protocol
 
-from spotnb.events import FINAL_STATES, GROUP_STREAM, Event
+from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, expand
 from spotnb.events.live import Follower
 from spotnb.jobs import (
     FOLLOW_WAIT_SECONDS,
@@ -88,8 +88,10 @@ class JobView:
     detached: bool = False
     # Steps, pace, time left and what interruptions took (spotnb.progress).
     progress: Progress = dataclasses.field(default_factory=Progress)
-    # spotnb's own AWS requests at list price, part of cost_usd (None: not accounted).
+    # spotnb's own AWS requests at list price, part of cost_usd (None: not accounted),
+    # and what cost_usd includes, in words (the JobResult's, where it says).
     requests_usd: float | None = None
+    cost_includes: str | None = None
     # When the figures were last accounted: the live clock, or the job's end.
     now: float = 0.0
 
@@ -104,7 +106,11 @@ class JobView:
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
 
     def apply(self, event: Event) -> None:
-        """Update the view with one event."""
+        """Update the view with one event (a ``metrics`` batch: with each of its rows)."""
+        if event.type == "metrics":
+            for row in expand(event):
+                self.apply(row)
+            return
         d = event.data
         self.progress.apply(event)
         if event.type == "status" and event.attempt != GROUP_STREAM:
@@ -146,6 +152,7 @@ class JobView:
         self.interruptions = result.interruptions
         self.elapsed = result.duration
         self.requests_usd = getattr(result, "requests_usd", None)
+        self.cost_includes = getattr(result, "cost_includes", None)
         self.now = self.created + result.duration if result.status in FINAL_STATES \
             else time.time()
         if result.status in FINAL_STATES:
@@ -459,9 +466,8 @@ def header(view: JobView) -> Header:
                          f"${proj.ondemand_usd:.4f} on-demand for the same work")
             if proj.savings_pct is not None:
                 projected += f" (saving {proj.savings_pct:.0f}%)"
-    note = "instances billed per second from launch (boot included) to termination"
-    if view.requests_usd is not None:
-        note += f", plus ${view.requests_usd:.4f} of spotnb's own AWS requests"
+    note = view.cost_includes or ("instances billed per second from launch (boot "
+                                  "included) to termination")
     lost = ""
     if p.interruptions:
         lost_usd, _ = p.lost_usd(now)

@@ -32,7 +32,7 @@ import linecache
 from types import FrameType
 from typing import Any
 
-from spotnb.events import GROUP_STREAM, Event
+from spotnb.events import GROUP_STREAM, Event, expand
 
 __all__ = ["RATE_WINDOW_SECONDS", "Interruption", "Progress", "Projection", "loop_total"]
 
@@ -104,6 +104,7 @@ class Progress:
         self._window: collections.deque[tuple[float, float]] = collections.deque()
         self._booted: set[int] = set()
         self._last: dict[int, tuple[float, float]] = {}  # attempt -> (step, time)
+        self._first: dict[int, float] = {}  # attempt -> the first step it logged
         self._ended: dict[int, Interruption] = {}
         self._instances: dict[str, _Instance] = {}
         self._prices: dict[str, tuple[list[float], list[float]]] = {}
@@ -111,7 +112,11 @@ class Progress:
     # -- input ---------------------------------------------------------------------
 
     def apply(self, e: Event) -> None:
-        """Take one event (events come in time order)."""
+        """Take one event (events come in time order; a ``metrics`` batch: its rows)."""
+        if e.type == "metrics":
+            for row in expand(e):
+                self.apply(row)
+            return
         d = e.data
         if e.type == "metric" and d.get("step") is not None:
             self._metric(e.attempt, float(d["step"]), float(d.get("t") or e.time))
@@ -146,6 +151,7 @@ class Progress:
 
     def _metric(self, attempt: int, step: float, t: float) -> None:
         if attempt not in self._last:
+            self._first[attempt] = step
             # An attempt's first step: the newest earlier attempt that logged steps
             # learns how many of them are redone (one in between may have logged none).
             for earlier in sorted((a for a in self._ended if a < attempt), reverse=True):
@@ -167,6 +173,12 @@ class Progress:
         closing = self._ended.get(attempt)
         if closing is not None:  # steps logged after the notice, before the last save
             closing.last_step, closing.last_progress = self._last[attempt]
+            # A late row (a follower reads an ended attempt's last rows from the log
+            # after the next attempt's live ones): the next attempt's start is known.
+            later = [a for a in self._first if a > attempt]
+            if closing.redone is not None and later:
+                closing.redone = max(closing.redone,
+                                     int(self._last[attempt][0] - self._first[min(later)] + 1))
         for gone in self.interruptions:
             # Caught up: a later attempt passes the step this one reached (or logs at
             # all, if this one had logged nothing).

@@ -33,6 +33,21 @@ def launched(instance: str, at: float, price: float = 0.36) -> Event:
                   "price": price, "ondemand": 1.0})
 
 
+def test_late_rows_of_an_ended_attempt_count_as_redone() -> None:
+    """An ended attempt's last rows, read after the next attempt's first ones (the
+    follower reads them from the log), still count: 25-29 were logged again."""
+    p = Progress()
+    events = [metric(1, s, s) for s in range(25)]
+    events += [Event("notice", T0 + 30, 1, "i-1", {"kind": "instance-action"}),
+               Event("status", T0 + 45, 2, "i-2", {"state": "booting"})]
+    events += [metric(2, s, 50 + s) for s in range(25, 60)]
+    for event in [*events, *(metric(1, s, s) for s in range(25, 30))]:
+        p.apply(event)
+    (gone,) = p.interruptions
+    assert (gone.last_step, gone.redone) == (29, 5)
+    assert p.step == 59
+
+
 def test_pace_time_left_and_what_an_interruption_took() -> None:
     p = Progress()
     events = [launched("i-1", 0), Event("progress", T0 + 1, 1, "i-1", {"total": 100})]

@@ -23,7 +23,7 @@ import comm
 
 from spotnb import display
 from spotnb.display import JobView
-from spotnb.events import Event
+from spotnb.events import Event, merge_metrics, metrics_data
 from spotnb.widgets import dashboard as dashboard_mod
 from spotnb.widgets import plots, series, static
 from spotnb.widgets.dashboard import Dashboard, DetachRequested
@@ -127,7 +127,18 @@ def dashboard(clock: FakeClock | None = None, **kwargs: Any) -> Dashboard:
 def interrupted_run(board: Dashboard) -> None:
     """Attempt 1 logs steps 0-59, checkpoints at 49, is interrupted; attempt 2 resumes
     at 50, so steps 50-59 were redone."""
-    board.events([
+    board.events(interrupted_events())
+
+
+def as_batch(e: Event) -> Event:
+    """A ``metric`` event as the one-row ``metrics`` batch an agent writes."""
+    return Event("metrics", e.time, e.attempt, e.instance,
+                 metrics_data([(e.data["step"], e.data["t"], e.data["values"])]), n=e.n)
+
+
+def interrupted_events() -> list[Event]:
+    """The events of :func:`interrupted_run`."""
+    return [
         Event("instance", T0, 0, "i-1", {"action": "launched", "pool": "g4dn.xlarge@a",
                                          "instance_id": "i-1", "price": 0.2,
                                          "ondemand": 0.5}),
@@ -153,7 +164,7 @@ def interrupted_run(board: Dashboard) -> None:
                                                   "values": {"loss": 0.5}})
           for s in range(50, 100)],
         sys_sample(120, attempt=2),
-    ])
+    ]
 
 
 # -- the series --------------------------------------------------------------------------
@@ -189,6 +200,27 @@ def test_a_resumed_attempt_moves_the_lost_steps_and_breaks_the_line() -> None:
     gap = int(np.flatnonzero(np.isnan(y))[0])
     assert (x[gap - 1], x[gap + 1]) == (49, 50)  # no line from attempt 1 to attempt 2
     assert t[gap + 1] - t[gap - 1] > 100
+
+
+def test_late_rows_of_an_ended_attempt_go_where_they_belong() -> None:
+    """A follower may read an ended attempt's last rows from the log after the next
+    attempt's live ones: those from the step the next attempt resumed at are redone,
+    the others fill in the curve, and the interruption learns the steps redone."""
+    data = series.DashboardData()
+    data.add([*metrics(0, 52),
+              Event("notice", T0 + 60, 1, "i-1", {"kind": "instance-action"}),
+              Event("status", T0 + 70, 2, "i-2", {"state": "booting"}),
+              *[Event("metric", T0 + 80 + s, 2, "i-2",
+                      {"step": s, "t": T0 + 80 + s, "values": {"loss": 0.5}})
+                for s in range(55, 100)],
+              *metrics(52, 8)])  # attempt 1's steps 52-59, read late
+    loss = data.metrics["loss"]
+    assert list(loss.redone.view.points()[0]) == [55, 56, 57, 58, 59]
+    x, y, _ = loss.points()
+    assert list(x[np.isfinite(x)]) == list(range(100))
+    assert list(y[np.isfinite(x)][52:56]) == [1 / 53, 1 / 54, 1 / 55, 0.5]
+    (interrupted,) = [m for m in data.markers if m.kind == "interrupted"]
+    assert (interrupted.step, interrupted.redone) == (59, 5)
 
 
 def test_smoothing_is_a_debiased_moving_average_that_keeps_gaps() -> None:
@@ -438,6 +470,45 @@ def test_the_header_answers_progress_cost_and_interruptions_at_a_glance() -> Non
     for part in ("step 100 of 400 (25%)", "interruptions 1", "saving 67%", "<svg",
                  "2020-01-12 14:00", "replayed by the local cloud"):
         assert part in page, part
+
+
+def test_metric_batches_read_as_their_rows() -> None:
+    """A reader with ``batches=True`` hands over ``metrics`` events (binary columns,
+    merged by compaction): the plots, the header and the progress read them as rows."""
+    rows = interrupted_events()
+    batched: list[Event] = []
+    for e in rows:
+        if e.type == "metric" and batched and batched[-1].type == "metrics" and \
+                batched[-1].attempt == e.attempt:
+            batched[-1] = merge_metrics([batched[-1], as_batch(e)])
+        else:
+            batched.append(as_batch(e) if e.type == "metric" else e)
+    assert sum(e.type == "metrics" for e in batched) == 3  # between other events
+    by_rows, by_batches = dashboard(), dashboard()
+    by_rows.events(rows)
+    by_batches.events(batched)
+    for board in (by_rows, by_batches):
+        board.flush()
+    for name in ("loss", "interruption"):
+        a, b = trace(by_rows, name), trace(by_batches, name)
+        assert np.array_equal(xs(a), xs(b), equal_nan=True), name
+        assert np.array_equal(ys(a), ys(b), equal_nan=True), name
+    views = [_view(events, now=T0 + 200) for events in (rows, batched)]
+    assert views[0].step == views[1].step == 99
+    assert display.status_lines(views[0]) == display.status_lines(views[1])
+
+
+def test_the_cost_note_says_what_the_summary_includes() -> None:
+    from spotnb.jobs import JobResult
+
+    view = JobView(job_id="job-1", name="test", created=T0)
+    result = JobResult(job_id="job-1", name="test", status="completed", reason="",
+                       attempts=(), interruptions=0, cost_usd=0.0125,
+                       ondemand_cost_usd=0.05, metrics={}, duration=60.0,
+                       requests_usd=0.0005)
+    view.account(result)
+    assert display.header(view).cost_note == result.cost_includes
+    assert "$0.0005" in display.header(view).cost_note
 
 
 def test_during_a_relaunch_the_header_names_the_attempt_being_launched() -> None:

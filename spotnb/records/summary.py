@@ -24,7 +24,7 @@ from typing import Any
 
 from spotnb import layout
 from spotnb.checkpoints import CheckpointStore
-from spotnb.events import Event, EventReader
+from spotnb.events import Event, EventReader, expand
 from spotnb.jobs import JobHandle, JobResult, summarize
 from spotnb.records.scrub import scrub
 
@@ -114,7 +114,7 @@ def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
     """Each metric against step as it finally stands (a step logged again by a later
     attempt replaces the lost one), thinned to :data:`MAX_CURVE_POINTS`."""
     by_metric: dict[str, dict[float, float | None]] = {}
-    for e in events:
+    for e in (row for batch in events for row in expand(batch)):  # batches as rows
         if e.type != "metric" or e.data.get("step") is None:
             continue
         step = _number(e.data["step"])

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from spotnb.events import GROUP_STREAM, Event
+from spotnb.events import GROUP_STREAM, Event, expand
 from spotnb.tb import TB_SYNC_NAME
 
 __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
@@ -162,22 +162,43 @@ class Reduced:
 
     def __init__(self, max_buckets: int = DEFAULT_BUCKETS) -> None:
         self.full = Column()
-        self.view = MinMaxBuckets(max_buckets)
+        self._view = MinMaxBuckets(max_buckets)
+        self._stale = False  # a point went in out of order: the view is rebuilt
 
     def __len__(self) -> int:
         return len(self.full)
 
+    @property
+    def view(self) -> MinMaxBuckets:
+        """The reduced series (rebuilt here, O(n), after out-of-order inserts)."""
+        if self._stale:
+            self.full.sort_by_x()
+            self._rebuild()
+        return self._view
+
     def add(self, x: float, y: float, t: float | None = None) -> None:
         self.full.append(x, y, t)
-        self.view.add(x, y, t)
+        if not self._stale:
+            self._view.add(x, y, t)
+
+    def insert(self, x: float, y: float, t: float | None = None) -> None:
+        """Add a point that may belong before others (the view is rebuilt when next
+        read, once for a run of inserts)."""
+        self.full.append(x, y, t)
+        self._stale = True
 
     def keep_first(self, n: int) -> None:
         """Drop every point after the first ``n`` (rebuilds the reduced view: O(n))."""
-        if n >= len(self.full):
+        self.full.sort_by_x()
+        if n >= len(self.full) and not self._stale:
             return
         self.full.truncate(n)
-        self.view = MinMaxBuckets(self.view.max_buckets)
-        self.view.extend(self.full.x, self.full.y, self.full.t)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._view = MinMaxBuckets(self._view.max_buckets)
+        self._view.extend(self.full.x, self.full.y, self.full.t)
+        self._stale = False
 
 
 class MetricSeries:
@@ -196,9 +217,23 @@ class MetricSeries:
         self.attempt = 0
         self.last_step = -np.inf
         self.gaps: list[float] = []
+        self.starts: dict[int, float] = {}  # attempt -> the first step it logged here
 
     def add(self, attempt: int, step: float, value: float, t: float) -> int:
         """Add a point; how many earlier points it showed to be redone (moved)."""
+        if attempt < self.attempt:
+            # A late row of an earlier attempt (a follower reads an ended attempt's last
+            # rows from the log after the next attempt's live ones). From a step that
+            # the attempt after it logged again, it was lost with its instance (redone);
+            # before that step, it belongs to the curve.
+            later = [a for a in self.starts if a > attempt]
+            if later and step >= self.starts[min(later)]:
+                self.redone.insert(step, value, t)
+            else:
+                self.curve.insert(step, value, t)
+            return 0
+        if attempt not in self.starts:
+            self.starts[attempt] = step
         moved = 0
         if attempt > self.attempt and len(self.curve):
             if step <= self.last_step:
@@ -366,11 +401,13 @@ class DashboardData:
     def add(self, events: list[Event]) -> None:
         """Take a batch of events (in time order). Output (``stream``) events are
         left to :meth:`write`, which the display calls in order with milestones."""
-        for event in events:
-            if self.first_time is None:
-                self.first_time = event.time
-            self.last_time = max(self.last_time, event.time)
-            self._add(event)
+        for batch in events:
+            # A ``metrics`` batch (a reader with ``batches=True``) as its rows.
+            for event in expand(batch):
+                if self.first_time is None:
+                    self.first_time = event.time
+                self.last_time = max(self.last_time, event.time)
+                self._add(event)
 
     def _add(self, e: Event) -> None:
         d = e.data
@@ -444,6 +481,12 @@ class DashboardData:
         ended = self._ended.get(a)
         if ended is not None:
             ended.step = self._last_step[a]
+            # A late row of an ended attempt: the next attempt's start says how many
+            # of its steps were redone.
+            later = [b for b in self._first_step if b > a]
+            if ended.redone is not None and later:
+                ended.redone = max(ended.redone,
+                                   int(self._last_step[a] - self._first_step[min(later)] + 1))
 
     def _first_logged(self, attempt: int, step: float, moved: int) -> None:
         """An attempt's first step: the resume marker learns it, and the attempt it
