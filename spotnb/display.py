@@ -179,6 +179,9 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
             return f"attempt {event.attempt}: {verb}, {where} ({event.instance})"
         if state == "interrupted" and not detail.startswith(
                 ("spot interruption notice", "final checkpoint")):
+            if view is not None and any(i.attempt == event.attempt and i.noticed
+                                        for i in view.progress.interruptions):
+                return None  # the notice's line said it (the termination follows it)
             return f"attempt {event.attempt}: {detail}"
         if state == "stopped":
             return detail

@@ -560,9 +560,15 @@ def test_one_log_line_per_interruption_and_per_resume() -> None:
         Event("status", T0 + 11, 1, "i-1", {"state": "interrupted",
                                             "detail": "final checkpoint at step 5 is "
                                                       "durable; waiting"}),
+        # The agent, still running when its instance goes (a slow start), says so too.
+        Event("status", T0 + 12, 1, "i-1", {"state": "interrupted",
+                                            "detail": "the instance was terminated"}),
         Event("status", T0 + 20, 2, "i-2", {"state": "booting"}),
         Event("status", T0 + 25, 2, "i-2", {"state": "running",
                                             "detail": "restored checkpoint of step 5"}),
+        # An instance gone without a notice: that line is the only one.
+        Event("status", T0 + 30, 2, "i-2", {"state": "interrupted",
+                                            "detail": "the instance was terminated"}),
     ]
     lines = []
     for event in events:
@@ -570,9 +576,10 @@ def test_one_log_line_per_interruption_and_per_resume() -> None:
         text = display.milestone(event, view)
         if text is not None:
             lines.append(text)
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     assert lines[1].startswith("attempt 1: spot interruption notice for i-1")
     assert lines[2].startswith("attempt 2: resuming on a replacement instance")
+    assert lines[3] == "attempt 2: the instance was terminated"
 
 
 # -- the buttons -----------------------------------------------------------------------
