@@ -217,7 +217,8 @@ class Agent:
         try:
             control = queue_for(self.store, self.spec.job_id, CONTROL_QUEUE)
             control.create()
-            self.live = LiveSender(control, self._on_stop_message, self.store).start()
+            self.live = LiveSender(control, self._on_stop_message, self.store,
+                                   before_send=self._emit_rows).start()
         except Exception as err:
             log.warning("no live channel (%s): followers read the log", err)
         threads = [
