@@ -135,7 +135,7 @@ class JobView:
 
 def milestone(event: Event) -> str | None:
     """A line for the events a user wants to see in the log: interruptions, resumes,
-    retries, capacity fallbacks. None for every other event."""
+    retries, capacity fallbacks, warnings. None for every other event."""
     d = event.data
     if event.type == "status" and event.attempt != GROUP_STREAM:
         state, detail = d.get("state"), str(d.get("detail", ""))
@@ -159,6 +159,8 @@ def milestone(event: Event) -> str | None:
     if event.type == "instance" and d.get("action") == "capacity_error":
         return (f"no spot capacity for {d.get('instance_type')} in {d.get('az')}: "
                 "trying the next pool")
+    if event.type == "warning":
+        return f"warning: {d.get('text', '')}"
     if event.type == "error" and d.get("retrying"):
         return (f"attempt {event.attempt} failed with {d.get('ename')}: {d.get('evalue')}; "
                 "retrying (max_restarts_on_error)")

@@ -19,12 +19,15 @@ their data (the vocabulary every reader may rely on):
 ``sys``         ``kind`` ("gpu" or "cpu"), ``util`` (%), ``mem_used``, ``mem_total``
                 (bytes), for GPUs also ``gpus`` (per-device list)
 ``checkpoint``  ``phase`` (begin, durable, failed), ``id``, ``step``, ``bytes``,
-                ``seconds``, ``forced``
+                ``seconds`` (to durable), ``forced``; durable ones also ``stall`` (the
+                seconds the training loop waited)
 ``notice``      ``kind`` (instance-action, rebalance), ``action``, ``notice_time``
 ``price``       ``pool``, ``instance_type``, ``az``, ``price``, ``ondemand``
 ``instance``    ``action`` (launched, terminated, capacity_error), ``instance_id``,
                 ``instance_type``, ``az``, ``reason``
 ``error``       ``ename``, ``evalue``, ``traceback`` (list of str), ``retrying``
+``warning``     ``kind`` (``notice-fit``: checkpoints take too long for the notice),
+                ``text`` (what happens and what to do)
 ``result``      ``status`` (completed, failed, stopped), ``reason``
 """
 

@@ -12,14 +12,17 @@ process group. See :mod:`spotnb.ckpt` for the layout.
 How a rank's items are written (:meth:`StoreWriter.write_data`):
 
 1. Split the items into files ``__<rank>_<i>.distcp``: one per
-   :data:`FILE_MIN_BYTES` of data, at most :data:`MAX_FILES`; *live* items (written
-   from the training process's own tensors, so training waits for them) are spread
-   over the files first, then the copied ones, each time to the lightest file.
-2. One thread per file streams its items into the store, live ones first, each at an
-   offset aligned to :data:`ALIGN` bytes: a tensor as its raw bytes (from a GPU
-   through a small pinned staging buffer), anything else as ``torch.save`` bytes.
-   The file is hashed (SHA-256) as it is written. When the last live item of every
-   file is written, :attr:`StoreWriter.live_written` is set: training may go on.
+   :data:`FILE_MIN_BYTES` of data, at most :data:`MAX_FILES`, each item to the
+   lightest file. *Live* items (written from the training process's own tensors, so
+   training waits for them) get files of their own, apart from the copied ones.
+2. One thread per file streams its items into the store, each at an offset aligned
+   to :data:`ALIGN` bytes: a tensor as its raw bytes (from a GPU through a small
+   pinned staging buffer), anything else as ``torch.save`` bytes. The file is hashed
+   (SHA-256) as it is written. When every live file's items are written,
+   :attr:`StoreWriter.live_written` is set: training may go on. A file the store
+   fails to take is written again (``spotnb.store.retrying``), a live one only while
+   training still waits for it; a live file that fails later abandons the checkpoint
+   (the next save retries).
 3. Each file's size and hash travel with the write results (an extra result per
    file), so that the coordinator, which gathers every rank's results, can list every
    file of every rank in the manifest.
@@ -66,7 +69,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotnb.checkpoints import FileEntry, PendingCheckpoint
+from spotnb.checkpoints import CheckpointError, FileEntry, PendingCheckpoint
 from spotnb.ckpt import (
     ALIGN,
     DATA_SUFFIX,
@@ -75,6 +78,7 @@ from spotnb.ckpt import (
     METADATA_FILE,
     PIECE_BYTES,
 )
+from spotnb.store import retrying
 
 __all__ = [
     "ALIGN",
@@ -186,33 +190,48 @@ class StoreWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _Prefix) else \
             f"__{self.rank}_"
-        buckets = self._buckets(plan.items)
-        live_left = [sum(1 for item in bucket if item.index.fqn in self.live)
-                     for bucket in buckets]
-        if not any(live_left):
+        files = self._files(plan.items)
+        live_files = sum(1 for _, live in files if live)
+        if not live_files:
             self.live_written.set()
-        counter = _Countdown(sum(live_left), self.live_written)
-        results: list[list[WriteResult]] = [[] for _ in buckets]
+        counter = _Countdown(live_files, self.live_written)
+        results: list[list[WriteResult]] = [[] for _ in files]
         errors: list[BaseException] = []
 
         def run(i: int) -> None:
+            items, live = files[i]
+            name = f"{prefix}{i}{DATA_SUFFIX}"
+            handed_over = threading.Event()
+
+            def once() -> list[WriteResult]:
+                if live and handed_over.is_set() and self.live_written.is_set():
+                    # Training has gone on: these tensors are no longer what was saved.
+                    raise CheckpointError(
+                        f"{name} failed after training went on, so it cannot be written "
+                        "again; this checkpoint is abandoned and the next save retries")
+                return self._write_file(name, items, planner,
+                                        None if handed_over.is_set() else counter,
+                                        handed_over if live else None)
+
             try:
-                results[i] = self._write_file(f"{prefix}{i}{DATA_SUFFIX}", buckets[i],
-                                              planner, counter)
+                # A store that fails for a while (full, read-only, unreachable) delays
+                # the file rather than failing the checkpoint.
+                results[i] = retrying(once, f"writing {self.pending.key(name)}",
+                                      check=self._check_cancelled)
             except BaseException as e:
                 errors.append(e)
                 self._failed.set()  # the other files stop at their next item
                 self.live_written.set()  # nobody waits for a write that failed
 
         threads = [threading.Thread(target=run, args=(i,), name=f"spotnb-write-{i}",
-                                    daemon=True) for i in range(1, len(buckets))]
+                                    daemon=True) for i in range(1, len(files))]
         for thread in threads:
             thread.start()
         run(0)
         for thread in threads:
             thread.join()
         if errors:
-            raise errors[0]
+            raise next((e for e in errors if not isinstance(e, _Cancelled)), errors[0])
         future: Future[list[WriteResult]] = Future()
         future.set_result(list(itertools.chain.from_iterable(results)))
         return future
@@ -231,28 +250,44 @@ class StoreWriter(StorageWriter):
 
     # -- writing ---------------------------------------------------------------------
 
-    def _buckets(self, items: list[WriteItem]) -> list[list[WriteItem]]:
-        """Items per file: live first, each to the lightest file (step 1)."""
+    def _files(self, items: list[WriteItem]) -> list[tuple[list[WriteItem], bool]]:
+        """Items per file, and whether the file holds live items (step 1).
+
+        Live items get files of their own: a file that fails is written again, which
+        is possible for live items only while training still waits for them.
+        """
+        live = [item for item in items if item.index.fqn in self.live]
+        rest = [item for item in items if item.index.fqn not in self.live]
+        files = [(bucket, True) for bucket in self._spread(live)]
+        files += [(bucket, False) for bucket in self._spread(rest)]
+        return files or [([], False)]
+
+    def _spread(self, items: list[WriteItem]) -> list[list[WriteItem]]:
+        """One file per FILE_MIN_BYTES (at most max_files), each item to the lightest."""
+        if not items:
+            return []
         total = sum(_item_bytes(item) for item in items)
         count = max(1, min(self.max_files, math.ceil(total / FILE_MIN_BYTES)))
         buckets: list[list[WriteItem]] = [[] for _ in range(count)]
         sizes = [0] * count
-        live = [item for item in items if item.index.fqn in self.live]
-        rest = [item for item in items if item.index.fqn not in self.live]
-        for group in (live, rest):
-            for item in sorted(group, key=_item_bytes, reverse=True):
-                i = min(range(count), key=sizes.__getitem__)
-                buckets[i].append(item)
-                sizes[i] += _item_bytes(item)
+        for item in sorted(items, key=_item_bytes, reverse=True):
+            i = min(range(count), key=sizes.__getitem__)
+            buckets[i].append(item)
+            sizes[i] += _item_bytes(item)
         return buckets
 
+    def _check_cancelled(self) -> None:
+        if self._failed.is_set():
+            raise _Cancelled("another file of this checkpoint failed")
+
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner,
-                    counter: _Countdown) -> list[WriteResult]:
+                    counter: _Countdown | None, handed_over: threading.Event | None
+                    ) -> list[WriteResult]:
+        """Write one file; ``handed_over`` is set once its items are all written."""
         results = []
         with self.pending.open(name, parts_in_flight=self.parts_in_flight) as out:
             for item in items:
-                if self._failed.is_set():
-                    raise _Cancelled("another file of this checkpoint failed")
+                self._check_cancelled()
                 pad = -out.size % ALIGN
                 if pad:
                     out.write(bytes(pad))
@@ -267,7 +302,11 @@ class StoreWriter(StorageWriter):
                 length = out.size - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=ItemLocation(name, offset, length)))
-                if item.index.fqn in self.live:
+            # Every live byte is out of the training tensors (in the page cache, or in
+            # upload part buffers): training may go on once every live file is here.
+            if handed_over is not None:
+                handed_over.set()
+                if counter is not None:
                     counter.done()
         entry = FileEntry(name, out.size, out.sha256)
         results.append(WriteResult(index=MetadataIndex(_FILE_RESULT + name),

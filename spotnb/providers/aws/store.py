@@ -398,7 +398,7 @@ class _S3Writer(ObjectWriter):
             if part.done() and part.exception() is not None:
                 self.abort()
                 raise self._part_error(part.exception())  # type: ignore[arg-type]
-        number, body = len(self._parts) + 1, bytes(self._buf)
+        number, body = len(self._parts) + 1, self._buf  # handed over, not copied
         self._buf = bytearray()
         slots = self._slots
         slots.acquire()  # back-pressure: at most parts_in_flight parts in memory
@@ -410,7 +410,7 @@ class _S3Writer(ObjectWriter):
         future.add_done_callback(lambda _: slots.release())
         self._parts.append(future)
 
-    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
+    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
         reply = self._store.client.upload_part(**self._params(), UploadId=self._upload_id,
                                                PartNumber=number, Body=body,
                                                ChecksumAlgorithm="CRC32")
