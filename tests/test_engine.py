@@ -139,6 +139,10 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
         cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulate a slow network so that a checkpoint upload is visibly in flight.
     monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.05")
+    # One upload takes about 1.1 s on it; a final save that shares the link with one in
+    # flight (the instance's bandwidth is shared) needs up to twice that, then commits:
+    # a notice period with room for it.
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "4")
     inputs = {"STEPS": 160, "STEP_SECONDS": 0.03}
     common = dict(instance_types=["g4dn.xlarge"], inputs=inputs,
                   outputs=["digest", "accuracy"], checkpoint_every="20 steps")
