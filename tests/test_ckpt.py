@@ -229,7 +229,7 @@ _KILLED = textwrap.dedent(
     small.wait()
     # A slow network from here on, and a state that does not fit the budget: the save
     # streams it straight from the tensor while the loop waits.
-    os.environ["SPOTNB_LOCAL_UPLOAD_MBPS"] = "20"
+    os.environ["SPOTNB_LOCAL_UPLOAD_MBPS"] = "4"
     big = spot.Checkpoint(weights=torch.randn(16 * 2**20 // 4), host_memory=1 << 20)
     print("saving", flush=True)
     big.save(2)
@@ -248,7 +248,7 @@ def test_a_streamed_save_killed_midway_leaves_the_previous_checkpoint(tmp_path: 
         assert proc.stdout.readline().strip() == "saving"
         deadline = time.monotonic() + 60
         partial: list[Path] = []
-        # Kill once part of the 16 MB state is in the store (at 20 MB/s: within 0.8 s).
+        # Kill once part of the 16 MB state is in the store (it takes 4 s at 4 MB/s).
         while time.monotonic() < deadline and not partial:
             partial = [p for p in (store.root / "checkpoints").glob("000000000002-*/.tmp-*")
                        if p.stat().st_size > 2**20]
