@@ -421,11 +421,14 @@ class CheckpointStore:
         :class:`PendingCheckpoint`), then :meth:`commit` its manifest."""
         return PendingCheckpoint(self, checkpoint_id or new_id(step, attempt), step, attempt)
 
-    def commit(self, manifest: Manifest, fence: Callable[[], bool] | None = None) -> Manifest:
+    def commit(self, manifest: Manifest, fence: Callable[[], bool] | None = None,
+               prune: bool = True) -> Manifest:
         """Steps 3-6: make an uploaded checkpoint current, then prune.
 
         ``fence`` is asked just before ``LATEST`` moves; if it returns False,
-        :class:`FencedOff` is raised and ``LATEST`` stays.
+        :class:`FencedOff` is raised and ``LATEST`` stays. ``prune=False`` leaves step 6
+        to the caller (:meth:`prune_quietly`), e.g. after it has reported the
+        checkpoint durable: deleting old checkpoints is no part of making one durable.
         """
         cid, step = manifest.id, manifest.step
         # Step 3: the ETag we will compare-and-swap against.
@@ -456,12 +459,17 @@ class CheckpointStore:
         log.debug("checkpoint %s/%s is current (step %d)", self.prefix, cid, step)
 
         # Step 6: prune, best effort.
+        if prune:
+            self.prune_quietly(manifest)
+        return manifest
+
+    def prune_quietly(self, current: Manifest) -> None:
+        """Step 6 after committing ``current``: :meth:`prune`, logging a failure."""
         try:
-            self.prune(current=cid, attempt=manifest.attempt)
+            self.prune(current=current.id, attempt=current.attempt)
         except Exception:
             log.warning("pruning old checkpoints under %s failed; will retry next time",
                         self.prefix, exc_info=True)
-        return manifest
 
     def ids(self) -> list[str]:
         """Ids of every checkpoint directory, complete or not, in sort order."""

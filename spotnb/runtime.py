@@ -257,6 +257,8 @@ class _Upload:
         self._after = after
         #: Set when the live tensors are written (or the write ended, either way).
         self.live_written = _Moment()
+        # Durable (or failed: reported either way), then done (old checkpoints pruned).
+        self._durable = threading.Event()
         self._done = threading.Event()
         rt.last_upload = self
         self._thread = threading.Thread(target=self._run, name=f"spotnb-upload-{step}",
@@ -271,6 +273,10 @@ class _Upload:
         self._report("begin", bytes=0, seconds=0.0)
         try:
             self._write_and_commit()
+            self._durable.set()
+            assert self.manifest is not None
+            # Old checkpoints go once this one is durable (and the save has returned).
+            self.cs.prune_quietly(self.manifest)
         except FencedOff as e:
             self.error = e
             self.rt.fenced = True
@@ -285,6 +291,7 @@ class _Upload:
             self._files = None
             self._after = None
             self.live_written.set()
+            self._durable.set()
             self._done.set()
 
     def _write_and_commit(self) -> None:
@@ -304,7 +311,8 @@ class _Upload:
         if self._after is not None:
             self._after.wait()
             self._after = None
-        self.manifest = retrying(lambda: self.cs.commit(uploaded, fence=self.rt.fence),
+        self.manifest = retrying(lambda: self.cs.commit(uploaded, fence=self.rt.fence,
+                                                        prune=False),
                                  f"committing the checkpoint of step {self.step}")
         seconds = time.monotonic() - self.started
         self._report("durable", bytes=self.manifest.total_bytes,
@@ -322,16 +330,15 @@ class _Upload:
 
     def done(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds; whether the upload has ended (either way)."""
-        return self._done.wait(timeout)
+        return self._durable.wait(timeout)
 
     def wait(self) -> Manifest | None:
         """The manifest once durable, or None if the save failed (already reported).
 
-        Also waits for the thread to end: until then it may still be releasing the
-        host buffers' references (and an interpreter must not exit under it).
+        By then the thread holds no reference to the captured state (its buffers are
+        free to reuse or to release); it may still be deleting old checkpoints.
         """
-        self._done.wait()
-        self._thread.join()
+        self._durable.wait()
         return self.manifest
 
 
