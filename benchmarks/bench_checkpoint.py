@@ -20,11 +20,13 @@ process, same disk:
   quarter of the state (``host_memory``), where three quarters are written straight
   from the training tensors while the loop waits (streamed).
 
-"Peak extra RSS" is the highest resident memory of the process during the case
-(``VmHWM``, reset before it) less its resident memory just before: what the case costs
-in host memory beyond the state itself (page cache not included). Durable ratios are
-against ``torch.save`` with an fsync (the same bytes made durable on the same disk);
-stall ratios against ``torch.save`` into the page cache.
+The cases take turns, REPEAT rounds, and each reports its median (and range). "Peak
+extra RSS" is the highest resident memory of the process during the case (``VmHWM``,
+reset before it) less its resident memory just before, the highest over the rounds:
+what the case costs in host memory beyond the state itself (page cache not included;
+the steady state's buffers were allocated by the cold save before it). Durable ratios
+are against ``torch.save`` with an fsync (the same bytes made durable on the same
+disk); stall ratios against ``torch.save`` into the page cache.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,21 +89,13 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
     opt.step()
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 2
     out: dict[str, Any] = {"bytes": state, "cpus": os.cpu_count(),
-                           "torch": torch.__version__}
+                           "torch": torch.__version__, "stream_budget": state // 4}
+    runs: dict[str, list[tuple[float, float, int]]] = {}
 
-    def case(name: str, runs: list[tuple[float, float]], peak: int) -> None:
-        out[name] = {"stall": statistics.median(s for s, _ in runs),
-                     "durable": statistics.median(d for _, d in runs),
-                     "peak_extra": peak}
-        print(f"  {name}: {out[name]}", file=sys.stderr, flush=True)
-
-    def measured(fn: Callable[[], tuple[float, float]], times: int) -> tuple[list[Any], int]:
-        runs, peak = [], 0
-        for _ in range(times):
-            before = reset_peak()
-            runs.append(fn())
-            peak = max(peak, rss()[1] - before)
-        return runs, peak
+    def record(name: str, before: int, stall: float, durable: float) -> None:
+        runs.setdefault(name, []).append((stall, durable, rss()[1] - before))
+        print(f"  {name}: stall {stall:.3f} durable {durable:.3f}", file=sys.stderr,
+              flush=True)
 
     def torch_save(sync: bool) -> tuple[float, float]:
         path = os.path.join(work, "sync.pt")
@@ -116,11 +109,6 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         os.unlink(path)
         return took, took
 
-    case("torch.save", *measured(lambda: torch_save(False), repeat))
-    case("torch.save + fsync", *measured(lambda: torch_save(True), repeat))
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
     def dcp_async() -> tuple[float, float]:
         path = os.path.join(work, "dcp")
         t0 = time.perf_counter()
@@ -132,9 +120,6 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         shutil.rmtree(path)
         return stall, durable
 
-    case("dcp.async_save", *measured(dcp_async, repeat))
-    dist.destroy_process_group()
-
     def save(ckpt: Any, step: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         ckpt.save(step)
@@ -145,37 +130,59 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
     whole = state * 2  # a budget the state fits in
     spot.Checkpoint(x=torch.zeros(1)).save(0)  # first-use costs (imports) outside
     spot._finish()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # The cases take turns, round after round: on a shared machine, whatever else runs
+    # meanwhile weighs on all of them alike.
+    for rnd in range(repeat):
+        step = 1000 * rnd
+        for name, fn in (("torch.save", lambda: torch_save(False)),
+                         ("torch.save + fsync", lambda: torch_save(True)),
+                         ("dcp.async_save", dcp_async)):
+            before = reset_peak()
+            record(name, before, *fn())
 
-    before = reset_peak()
-    cold = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
-    case("spotnb, first save, cold", [save(cold, 0)], rss()[1] - before)
-    del cold
-    spot._finish()
+        before = reset_peak()
+        ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
+        record("spotnb, first save, cold", before, *save(ckpt, step))
+        before = reset_peak()
+        record("spotnb, steady state", before, *save(ckpt, step + 1))
+        del ckpt
+        spot._finish()
 
-    before = reset_peak()
-    ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
-    ckpt.maybe_save(0)  # not due (every 60 s): warms the buffers in the background
-    ckpt._pool.wait_warm()  # the training loop would be running meanwhile
-    case("spotnb, first save after maybe_save warmed", [save(ckpt, 1)], rss()[1] - before)
-    case("spotnb, steady state", *measured(lambda: save(ckpt, 2), repeat))
-    del ckpt
-    spot._finish()
+        before = reset_peak()
+        ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
+        ckpt.maybe_save(step)  # not due (every 60 s): warms the buffers in the background
+        ckpt._pool.wait_warm()  # the training loop would be running meanwhile
+        record("spotnb, first save after maybe_save warmed", before, *save(ckpt, step + 2))
+        del ckpt
+        spot._finish()
 
-    before = reset_peak()
-    ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
-    ckpt.restore()
-    ckpt._pool.wait_warm()
-    case("spotnb, first save after restore()", [save(ckpt, 100)], rss()[1] - before)
-    del ckpt
-    spot._finish()
+        before = reset_peak()
+        ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
+        ckpt.restore()
+        ckpt._pool.wait_warm()
+        record("spotnb, first save after restore()", before, *save(ckpt, step + 3))
+        del ckpt
+        spot._finish()
 
-    before = reset_peak()
-    budget = state // 4
-    ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=budget)
-    runs = [save(ckpt, 200 + i) for i in range(repeat)]
-    case("spotnb, streamed (budget = state / 4)", runs, rss()[1] - before)
-    out["stream_budget"] = budget
-    spot._finish()
+        before = reset_peak()
+        ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=state // 4)
+        record("spotnb, streamed (budget = state / 4)", before, *save(ckpt, step + 4))
+        del ckpt
+        spot._finish()
+    dist.destroy_process_group()
+    save_rows, fsync_rows = runs["torch.save"], runs["torch.save + fsync"]
+    for name, rows in runs.items():
+        # Ratios round by round (same moment, same load), then their median and range.
+        stall_x = [r[0] / b[0] for r, b in zip(rows, save_rows, strict=True)]
+        durable_x = [r[1] / b[1] for r, b in zip(rows, fsync_rows, strict=True)]
+        out[name] = {"stall": statistics.median(r[0] for r in rows),
+                     "durable": statistics.median(r[1] for r in rows),
+                     "stall_x": statistics.median(stall_x),
+                     "stall_x_range": [min(stall_x), max(stall_x)],
+                     "durable_x": statistics.median(durable_x),
+                     "durable_x_range": [min(durable_x), max(durable_x)],
+                     "peak_extra": max(r[2] for r in rows)}
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -191,26 +198,24 @@ def main() -> None:
             print(f"{size}: failed\n{run.stderr[-3000:]}")
             continue
         res = json.loads(run.stdout.strip().splitlines()[-1])
-        base_stall = res["torch.save"]["stall"]
-        base_durable = res["torch.save + fsync"]["durable"]
         print(f"\nstate {res['bytes'] / 2**30:.2f} GiB (model + SGD momentum), "
-              f"{res['cpus']} CPUs, torch {res['torch']}; medians of {REPEAT}")
-        print(f"{'':44} {'stall s':>8} {'x save':>7} {'durable s':>10} {'x save+fsync':>13} "
-              f"{'peak extra RSS':>15}")
+              f"{res['cpus']} CPUs, torch {res['torch']}; medians of {REPEAT} rounds, ratios "
+              "taken round by round (median, range)")
+        print(f"{'':44} {'stall s':>8} {'x torch.save':>18} {'durable s':>10} "
+              f"{'x save+fsync':>18} {'peak extra RSS':>15}")
         for name, r in res.items():
             if not isinstance(r, dict):
                 continue
-            print(f"{name:44} {r['stall']:8.3f} {r['stall'] / base_stall:7.2f} "
-                  f"{r['durable']:10.3f} {r['durable'] / base_durable:13.2f} "
-                  f"{r['peak_extra'] / 2**20:12.0f} MiB")
+            sx, dx = r["stall_x_range"], r["durable_x_range"]
+            print(f"{name:44} {r['stall']:8.3f} {r['stall_x']:6.2f} ({sx[0]:.2f}-{sx[1]:.2f}) "
+                  f"{r['durable']:10.3f} {r['durable_x']:6.2f} ({dx[0]:.2f}-{dx[1]:.2f}) "
+                  f"{r['peak_extra'] / 2**20:11.0f} MiB")
         steady = res["spotnb, steady state"]
-        worst = max(r["stall"] for n, r in res.items() if isinstance(r, dict)
+        worst = max(r["stall_x"] for n, r in res.items() if isinstance(r, dict)
                     and n.startswith("spotnb") and "streamed" not in n)
-        print(f"stall / torch.save: worst unstreamed {worst / base_stall:.2f} (target <= 0.3), "
-              f"steady {steady['stall'] / base_stall:.2f} (target <= 0.1); durable / "
-              f"(torch.save + fsync): steady {steady['durable'] / base_durable:.2f} "
-              "(target <= 1.2)")
-
+        print(f"stall / torch.save: worst unstreamed case {worst:.2f} (target <= 0.3), "
+              f"steady {steady['stall_x']:.2f} (target <= 0.1); durable / (torch.save + "
+              f"fsync): steady {steady['durable_x']:.2f} (target <= 1.2)")
 
 if __name__ == "__main__":
     main()
