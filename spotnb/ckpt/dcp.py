@@ -44,7 +44,7 @@ import mmap
 import os
 import pickle
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -372,6 +372,14 @@ class FileReader(StorageReader):
         self.path = Path(path)
         self.metadata: Metadata | None = None
         self._maps: dict[str, mmap.mmap] = {}
+        self._staging: torch.Tensor | None = None
+
+    def _staging_buffer(self) -> torch.Tensor:
+        # One pinned buffer for every read into a GPU tensor (pinning is slow).
+        if self._staging is None:
+            self._staging = torch.empty(PIECE_BYTES, dtype=torch.uint8,
+                                        pin_memory=torch.cuda.is_available())
+        return self._staging
 
     def __repr__(self) -> str:
         return f"FileReader({str(self.path)!r})"
@@ -429,10 +437,10 @@ class FileReader(StorageReader):
                     with torch.no_grad():
                         if whole and target.is_contiguous() and \
                                 target.dtype == saved.properties.dtype:
-                            _read_into(f, loc.offset, target)
+                            _read_into(f, loc.offset, target, self._staging_buffer)
                         else:
                             tmp = torch.empty(tuple(chunk.sizes), dtype=saved.properties.dtype)
-                            _read_into(f, loc.offset, tmp)
+                            _read_into(f, loc.offset, tmp, self._staging_buffer)
                             target.copy_(_narrow(tmp, req.storage_offsets, req.lengths))
                     planner.commit_tensor(req, target)
         future: Future[None] = Future()
@@ -474,8 +482,12 @@ def _pread(f: Any, offset: int, length: int) -> bytes:
     return data
 
 
-def _read_into(f: Any, offset: int, t: torch.Tensor) -> None:
-    """Fill the contiguous tensor ``t`` with the bytes at ``offset`` of file ``f``."""
+def _read_into(f: Any, offset: int, t: torch.Tensor,
+               staging: Callable[[], torch.Tensor]) -> None:
+    """Fill the contiguous tensor ``t`` with the bytes at ``offset`` of file ``f``.
+
+    A GPU tensor is filled piece by piece through the host buffer ``staging()``.
+    """
     if t.device.type == "cpu":
         view = _byte_view(t)
         done = 0
@@ -486,11 +498,10 @@ def _read_into(f: Any, offset: int, t: torch.Tensor) -> None:
             done += n
         return
     flat = t.reshape(-1).view(torch.uint8)
-    staging = torch.empty(min(PIECE_BYTES, flat.numel()), dtype=torch.uint8,
-                          pin_memory=torch.cuda.is_available())
+    host = staging()
     for start in range(0, flat.numel(), PIECE_BYTES):
-        piece = staging[:min(PIECE_BYTES, flat.numel() - start)]
-        _read_into(f, offset + start, piece)
+        piece = host[:min(PIECE_BYTES, flat.numel() - start)]
+        _read_into(f, offset + start, piece, staging)
         flat[start:start + piece.numel()].copy_(piece)
 
 
