@@ -13,11 +13,13 @@ An id is ``f"{step:012d}-a{attempt:04d}-{random hex}"``: ids sort by step, then 
 and two writers never pick the same one.
 
 Writing a checkpoint, step by step (:meth:`CheckpointStore.write`, which is
-:meth:`~CheckpointStore.upload` for steps 1-2, then :meth:`~CheckpointStore.commit`):
+:meth:`~CheckpointStore.upload` for steps 1-2, then :meth:`~CheckpointStore.commit`;
+or :meth:`CheckpointStore.begin`, which streams the files of step 1 straight into the
+store through :class:`PendingCheckpoint`, hashing them as they are written):
 
 1. Upload the data files under a fresh ``<id>/``. Nothing points there yet, so a
    writer killed here leaves ``LATEST`` on the previous complete checkpoint.
-2. Write ``MANIFEST.json``.
+2. Write ``MANIFEST.json``, listing every file with its size and SHA-256.
 3. Read ``LATEST`` and its ETag (absent the first time).
 4. Ask the fence (``spotnb.lease.still_holds`` in the runtime): a writer that lost the
    lease stops here with :class:`FencedOff` and never moves ``LATEST``.
@@ -37,7 +39,8 @@ Reading: :meth:`CheckpointStore.latest` reads ``LATEST`` then the manifest;
 (:class:`CorruptCheckpoint` names the bad file).
 
 Large files are never held in memory: :class:`HashingWriter` hashes while the caller
-serialises to a local file, and verification reads files in chunks.
+writes (into a local file, or straight into the store), and verification reads files
+in chunks.
 """
 
 from __future__ import annotations
@@ -50,12 +53,14 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any
 
-from spotnb.store import NotFound, Store
+from spotnb.store import NotFound, ObjectWriter, Store
 
 __all__ = [
     "LATEST",
@@ -67,6 +72,7 @@ __all__ = [
     "FileEntry",
     "HashingWriter",
     "Manifest",
+    "PendingCheckpoint",
     "copy_hashing",
     "hash_file",
     "new_id",
@@ -179,10 +185,11 @@ class HashingWriter:
     """A binary file object that hashes (SHA-256) and counts what is written through it.
 
     ``torch.save`` and ``pickle.dump`` write into it directly, so a large checkpoint is
-    hashed while it is serialised, not read back afterwards.
+    hashed while it is serialised, not read back afterwards. ``raw`` is a local file or
+    a store's :class:`~spotnb.store.ObjectWriter`.
     """
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes] | ObjectWriter) -> None:
         self._raw = raw
         self._hash = hashlib.sha256()
         self.size = 0
@@ -195,7 +202,9 @@ class HashingWriter:
         return view.nbytes
 
     def flush(self) -> None:
-        self._raw.flush()
+        flush = getattr(self._raw, "flush", None)
+        if flush is not None:
+            flush()
 
     def writable(self) -> bool:
         return True
@@ -227,6 +236,116 @@ def copy_hashing(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> t
         while chunk := fin.read(_CHUNK):
             writer.write(chunk)
     return writer.size, writer.sha256
+
+
+class _StreamedFile(HashingWriter):
+    """One file of a :class:`PendingCheckpoint`, streamed into the store and hashed."""
+
+    def __init__(self, pending: PendingCheckpoint, name: str, raw: ObjectWriter) -> None:
+        super().__init__(raw)
+        self.name = name
+        self._pending = pending
+        self._object = raw
+
+    def close(self) -> None:
+        """The file is complete: make it durable in the store and list it."""
+        self._object.close()
+        self._pending.add_entry(FileEntry(self.name, self.size, self.sha256))
+
+    def abort(self) -> None:
+        self._object.abort()
+
+    def __enter__(self) -> _StreamedFile:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class PendingCheckpoint:
+    """A checkpoint being written: steps 1-2 of the module docstring.
+
+    Files go straight into the store under ``<prefix>/<id>/`` (:meth:`open` streams
+    one, hashing it on the way; :meth:`put_bytes` and :meth:`add_file` for small and
+    local ones), from any number of threads; :meth:`finish` writes the manifest that
+    lists them all. Files written by other processes into the same id (the ranks of a
+    multi-node checkpoint) are listed with :meth:`add_entry`.
+    """
+
+    def __init__(self, cs: CheckpointStore, checkpoint_id: str, step: int,
+                 attempt: int) -> None:
+        self.cs = cs
+        self.id = checkpoint_id
+        self.step = step
+        self.attempt = attempt
+        self._entries: dict[str, FileEntry] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PendingCheckpoint({self.cs.prefix}/{self.id}, {len(self._entries)} files)"
+
+    @property
+    def store(self) -> Store:
+        return self.cs.store
+
+    @property
+    def entries(self) -> tuple[FileEntry, ...]:
+        with self._lock:
+            return tuple(self._entries[name] for name in sorted(self._entries))
+
+    def open(self, name: str, *, parts_in_flight: int | None = None) -> _StreamedFile:
+        """Stream file ``name`` into the store: ``with pending.open("x") as f: ...``.
+
+        Closing it makes it durable and lists it; an exception in the block drops it.
+        ``parts_in_flight``: see :meth:`spotnb.store.Store.open_writer`.
+        """
+        return _StreamedFile(self, name, self.store.open_writer(
+            self.key(name), parts_in_flight=parts_in_flight))
+
+    def key(self, name: str) -> str:
+        """The store key of file ``name`` of this checkpoint."""
+        return self.cs._key(self.id, _check_name(name))
+
+    def put_bytes(self, name: str, data: bytes) -> FileEntry:
+        """Write a small file whole."""
+        self.store.put(self.key(name), data)
+        entry = FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+        self.add_entry(entry)
+        return entry
+
+    def add_file(self, name: str, path: str | os.PathLike[str],
+                 digest: tuple[int, str] | None = None) -> FileEntry:
+        """Upload a local file; ``digest`` is its ``(size, sha256)`` if already known."""
+        size, sha = digest if digest is not None else hash_file(path)
+        self.store.upload_file(self.key(name), path)
+        entry = FileEntry(name, size, sha)
+        self.add_entry(entry)
+        return entry
+
+    def add_entry(self, entry: FileEntry) -> None:
+        """List a file that is already durable in the store under this id."""
+        _check_name(entry.name)
+        with self._lock:
+            self._entries[entry.name] = entry
+
+    def finish(self, fmt: str = "files", metadata: Mapping[str, Any] | None = None
+               ) -> Manifest:
+        """Step 2: the manifest makes ``<id>/`` complete (but not yet current)."""
+        manifest = Manifest(
+            id=self.id,
+            step=self.step,
+            attempt=self.attempt,
+            created=time.time(),
+            files=self.entries,
+            format=fmt,
+            metadata=dict(metadata or {}),
+        )
+        self.store.put(self.cs._key(self.id, MANIFEST), manifest.to_json().encode())
+        return manifest
 
 
 class CheckpointStore:
@@ -288,34 +407,28 @@ class CheckpointStore:
         ``digests`` gives ``(size, sha256)`` of files the caller already hashed (with
         :class:`HashingWriter`); the others are hashed here, in chunks.
         """
-        cid = checkpoint_id or new_id(step, attempt)
+        pending = self.begin(step, attempt=attempt, checkpoint_id=checkpoint_id)
         digests = digests or {}
         # Step 1: the data. Nothing points at <id>/ yet.
-        entries = []
         for name, path in files.items():
-            _check_name(name)
-            size, sha = digests[name] if name in digests else hash_file(path)
-            self.store.upload_file(self._key(cid, name), path)
-            entries.append(FileEntry(name, size, sha))
-
+            pending.add_file(name, path, digests.get(name))
         # Step 2: the manifest makes <id>/ complete (but not yet current).
-        manifest = Manifest(
-            id=cid,
-            step=step,
-            attempt=attempt,
-            created=time.time(),
-            files=tuple(entries),
-            format=fmt,
-            metadata=dict(metadata or {}),
-        )
-        self.store.put(self._key(cid, MANIFEST), manifest.to_json().encode())
-        return manifest
+        return pending.finish(fmt, metadata)
 
-    def commit(self, manifest: Manifest, fence: Callable[[], bool] | None = None) -> Manifest:
+    def begin(self, step: int, *, attempt: int = 0, checkpoint_id: str | None = None
+              ) -> PendingCheckpoint:
+        """Start a checkpoint whose files are streamed in (steps 1-2; see
+        :class:`PendingCheckpoint`), then :meth:`commit` its manifest."""
+        return PendingCheckpoint(self, checkpoint_id or new_id(step, attempt), step, attempt)
+
+    def commit(self, manifest: Manifest, fence: Callable[[], bool] | None = None,
+               prune: bool = True) -> Manifest:
         """Steps 3-6: make an uploaded checkpoint current, then prune.
 
         ``fence`` is asked just before ``LATEST`` moves; if it returns False,
-        :class:`FencedOff` is raised and ``LATEST`` stays.
+        :class:`FencedOff` is raised and ``LATEST`` stays. ``prune=False`` leaves step 6
+        to the caller (:meth:`prune_quietly`), e.g. after it has reported the
+        checkpoint durable: deleting old checkpoints is no part of making one durable.
         """
         cid, step = manifest.id, manifest.step
         # Step 3: the ETag we will compare-and-swap against.
@@ -346,12 +459,17 @@ class CheckpointStore:
         log.debug("checkpoint %s/%s is current (step %d)", self.prefix, cid, step)
 
         # Step 6: prune, best effort.
+        if prune:
+            self.prune_quietly(manifest)
+        return manifest
+
+    def prune_quietly(self, current: Manifest) -> None:
+        """Step 6 after committing ``current``: :meth:`prune`, logging a failure."""
         try:
-            self.prune(current=cid, attempt=manifest.attempt)
+            self.prune(current=current.id, attempt=current.attempt)
         except Exception:
             log.warning("pruning old checkpoints under %s failed; will retry next time",
                         self.prefix, exc_info=True)
-        return manifest
 
     def ids(self) -> list[str]:
         """Ids of every checkpoint directory, complete or not, in sort order."""

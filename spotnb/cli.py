@@ -50,6 +50,8 @@ def format_event(event: Event) -> str | None:
         return f"{where} instance {d.get('action')}: {detail}"
     if event.type == "checkpoint" and d.get("phase") == "durable":
         return f"{where} checkpoint at step {d.get('step')} durable ({d.get('bytes', 0):,} bytes)"
+    if event.type == "warning":
+        return f"{where} warning: {d.get('text', '')}"
     if event.type == "display":
         text = (d.get("data") or {}).get("text/plain")
         return str(text) if text else None

@@ -163,7 +163,7 @@ class JobView:
 
 def milestone(event: Event, view: JobView | None = None) -> str | None:
     """A line for the events a user wants to see in the log: interruptions, resumes,
-    retries, capacity fallbacks. None for every other event.
+    retries, capacity fallbacks, warnings. None for every other event.
 
     One line per event: an interruption is its notice's line, a resume its boot's line.
     What happens in between (the final checkpoint, the restore) is status, which the
@@ -200,6 +200,8 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
     if event.type == "instance" and d.get("action") == "capacity_error":
         return (f"no spot capacity for {d.get('instance_type')} in {d.get('az')}: "
                 "trying the next pool")
+    if event.type == "warning":
+        return f"warning: {d.get('text', '')}"
     if event.type == "error" and d.get("retrying"):
         return (f"attempt {event.attempt} failed with {d.get('ename')}: {d.get('evalue')}; "
                 "retrying (max_restarts_on_error)")

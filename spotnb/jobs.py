@@ -258,6 +258,7 @@ def submit(
         spotnb_version=__version__,
     )
     prov.validate(spec)
+    warnings = _notice_warnings(prov, spec, inputs or {})
     # Inputs first: an agent that can read spec.json can read everything it names.
     job_store.put(layout.INPUTS, payload)
     if archive is not None:
@@ -279,7 +280,30 @@ def submit(
         raise
     _index(spec)
     log.info("submitted job %s (%s) to %s", job_id, spec.name, provider)
-    return JobHandle(job_store, spec, prov)
+    handle = JobHandle(job_store, spec, prov)
+    handle.warnings = warnings
+    return handle
+
+
+def _notice_warnings(prov: Provider, spec: JobSpec, inputs: Mapping[str, Any]
+                     ) -> tuple[str, ...]:
+    """Whether a checkpoint of the captured inputs would miss the interruption notice.
+
+    A lower bound of the state (the inputs' tensors; the cell may create more) over the
+    provider's expected upload bandwidth; see :mod:`spotnb.ckpt.notice`. Nothing to
+    say when the bandwidth is unknown (the runtime warns after the first save).
+    """
+    from spotnb.ckpt.notice import NoticeFit, input_state_bytes
+
+    mbps = prov.upload_mbps(spec)
+    if mbps is None or not inputs:
+        return ()
+    fit = NoticeFit.at_rate(input_state_bytes(inputs.values()), mbps, prov.notice_seconds())
+    if fit.fits:
+        return ()
+    text = f"the cell's inputs alone are large to checkpoint: {fit.advice()}"
+    log.warning("job %s: %s", spec.job_id, text)
+    return (text,)
 
 
 def _check_code(code: str) -> None:
@@ -384,6 +408,9 @@ class JobHandle:
         self.spec = spec
         self._provider = provider
         self._supervision_checked = -SUPERVISION_CHECK_SECONDS
+        #: What ``submit`` found worth telling before the job ran (e.g. that its
+        #: checkpoints may not fit in the interruption notice); empty for ``attach``.
+        self.warnings: tuple[str, ...] = ()
         self._result_checked = -RESULT_CHECK_SECONDS
 
     def __repr__(self) -> str:

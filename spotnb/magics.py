@@ -267,6 +267,8 @@ class SpotMagics(Magics):
                                    **request.submit)
         self.last_job = handle.job_id
         print(_shipping_line(cap), *cap.notes, sep="\n")
+        for warning in handle.warnings:
+            print(f"[spotnb] warning: {warning}")
         if request.detach:
             print(f"[spotnb] submitted job {handle.job_id} ({handle.spec.name!r}); it runs "
                   f"on its own. Follow it with `%spot_attach {handle.job_id}`, stop it with "

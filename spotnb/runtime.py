@@ -34,17 +34,29 @@ before EC2 terminates the instance)::
     next attempt: cell re-runs from the top -> ckpt.restore() == step + 1
 
 If an earlier save is still uploading when the notice comes, the forced save does not
-queue behind it: it uploads alongside and is committed (made ``LATEST``) right after
-it, so the final checkpoint costs one upload time, not two. Otherwise each save waits
-for the previous upload. A ``rebalance`` recommendation only forces the next save. A
-save that finds the lease lost (another agent took over the job) never moves
-``LATEST`` and holds the cell too.
+queue behind it: it uploads alongside (written straight from the training tensors,
+since the earlier save's host buffers are still being written) and is committed (made
+``LATEST``) right after it, so the final checkpoint shares the link rather than waiting
+for a whole upload first. A notice that arrives while a save is stalled writing live
+tensors makes that save the final one. Otherwise each save waits for the previous
+upload. A ``rebalance`` recommendation only forces the next save. A save that finds
+the lease lost (another agent took over the job) never moves ``LATEST`` and holds the
+cell too.
+
+A save, in memory and time (see :mod:`spotnb.ckpt` for the format)::
+
+    save(step): capture (copy what fits the host_memory budget into reused buffers)
+        -> background: DCP planner + StoreWriter stream every tensor into the store,
+           live ones (not copied) first; the loop waits for those only
+        -> .metadata, MANIFEST.json -> after the previous save: fence, LATEST
+        -> "durable" (with the stall and the time to durable); after the first one,
+           a warning if it would not fit in half the interruption notice
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
+import importlib
 import json
 import logging
 import os
@@ -53,7 +65,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +75,12 @@ from spotnb.checkpoints import (
     CheckpointStore,
     CorruptCheckpoint,
     FencedOff,
-    HashingWriter,
     Manifest,
+    PendingCheckpoint,
     new_id,
 )
+from spotnb.ckpt import MAX_FILES, PIECE_BYTES
+from spotnb.ckpt.memory import MemoryBudget
 from spotnb.kernel_remote import channel
 from spotnb.session import LOCAL_DIR, ROWS, Session
 from spotnb.spec import parse_duration
@@ -78,14 +92,19 @@ __all__ = ["LOCAL_DIR", "Checkpoint", "OutputError", "SyncDir", "history", "last
 
 _logger = logging.getLogger(__name__)
 
-# The file of a checkpoint that carries the metric rows the event log had not confirmed
-# when it was saved: a resume records those the log lacks (DESIGN invariant 8).
-METRICS_FILE = "metrics.json"
 # How long restore() waits for the agent's checkpoint download before doing its own.
 PREFETCH_WAIT_SECONDS = 600.0
 # While a save waits for the previous upload, how often it looks for a termination
 # notice (which ends the wait: the last save must fit in the notice period).
 PARK_CHECK_SECONDS = 0.02
+# Without torch the state is one pickle, under this name.
+PICKLE_FILE = "state.pkl"
+# The file of a checkpoint that carries the metric rows the event log had not confirmed
+# when it was saved: a resume records those the log lacks (DESIGN invariant 8).
+METRICS_FILE = "metrics.json"
+# Upload parts in flight per checkpoint file, at most (stores that upload in parts):
+# S3's default (spotnb.providers.aws.store.STREAM_PARTS_IN_FLIGHT).
+MAX_PARTS_IN_FLIGHT = 10
 
 # log_params keeps a record small: a model config or TrainingArguments has ~100 fields.
 MAX_PARAMS = 300
@@ -290,27 +309,54 @@ def __dir__() -> list[str]:
                    "tensorboard", "callbacks"])
 
 
+#: What a checkpoint's files are: {part name: writes that part's file(s) into the
+#: pending checkpoint}. The state is one part (several files, see spotnb.ckpt); more
+#: can be added next to it.
+FileWriters = dict[str, Callable[[PendingCheckpoint], None]]
+
+
+class _Moment(threading.Event):
+    """An event that remembers when it was first set (monotonic seconds)."""
+
+    at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+        super().set()
+
+
 class _Upload:
-    """One checkpoint being serialised and written by a background thread."""
+    """One checkpoint being written by a background thread.
+
+    Sequence: the thread writes every part of ``files`` into a fresh checkpoint id
+    (live tensors first; ``live_written`` is set once they are out and training may
+    change them) -> the manifest -> waits for ``after`` (so ``LATEST`` moves in step
+    order) -> commits (fencing check, then ``LATEST``) -> reports "durable".
+    """
 
     def __init__(self, rt: Session, cs: CheckpointStore, cid: str, step: int,
-                 state: dict[str, Any], forced: bool, started: float,
-                 after: _Upload | None = None,
-                 rows: list[list[Any]] | None = None) -> None:
+                 files: Callable[[_Upload], FileWriters], fmt: str, forced: bool,
+                 started: float, live: bool, after: _Upload | None = None) -> None:
         self.rt = rt
-        # The metric rows the event log has not confirmed yet (see METRICS_FILE).
-        self._rows = rows or []
         self.cs = cs
         self.cid = cid
         self.step = step
         self.forced = forced
         self.started = started
+        self.fmt = fmt
+        # How long training waited: the capture, and the live tensors' writes if any.
+        self.live = live
+        self.capture_seconds = time.monotonic() - started
         self.manifest: Manifest | None = None
         self.error: BaseException | None = None
-        self._state: dict[str, Any] | None = state
+        self._files: Callable[[_Upload], FileWriters] | None = files
         # Commit only after this upload is done, so LATEST moves in step order.
         self._after = after
-        self._serialized = threading.Event()
+        #: Set when the live tensors are written (or the write ended, either way).
+        self.live_written = _Moment()
+        # Durable (or failed: reported either way), then done (old checkpoints pruned).
+        self._durable = threading.Event()
         self._done = threading.Event()
         rt.last_upload = self
         self._thread = threading.Thread(target=self._run, name=f"spotnb-upload-{step}",
@@ -322,42 +368,13 @@ class _Upload:
                       "forced": self.forced, **extra})
 
     def _run(self) -> None:
-        fmt = "torch" if "torch" in sys.modules else "pickle"
-        name = "state.pt" if fmt == "torch" else "state.pkl"
-        path = self.rt.scratch / f"{self.cid}.{name}"
         self._report("begin", bytes=0, seconds=0.0)
         try:
-            with open(path, "wb") as f:
-                writer = HashingWriter(f)
-                snapshot.dump(self._state, writer, fmt)
-            self._state = None  # the host copy is on disk now; its buffers are free
-            self._serialized.set()
-            files: dict[str, Path] = {name: path}
-            digests = {name: (writer.size, writer.sha256)}
-            if self._rows:
-                rows_path = path.with_name(f"{self.cid}.{METRICS_FILE}")
-                with open(rows_path, "wb") as f:
-                    rows_writer = HashingWriter(f)
-                    rows_writer.write(json.dumps(self._rows, separators=(",", ":")).encode())
-                files[METRICS_FILE] = rows_path
-                digests[METRICS_FILE] = (rows_writer.size, rows_writer.sha256)
-                self._rows = []
-            # A store that fails for a while (full, read-only, out of reach) delays the
-            # checkpoint rather than losing it.
-            uploaded = retrying(lambda: self.cs.upload(
-                self.step, files, attempt=self.rt.attempt, fmt=fmt,
-                digests=digests, checkpoint_id=self.cid,
-                metadata={"spotnb": __version__},
-            ), f"uploading the checkpoint of step {self.step}")
-            if self._after is not None:
-                self._after.wait()
-                self._after = None
-            self.manifest = retrying(lambda: self.cs.commit(uploaded, fence=self.rt.fence),
-                                     f"committing the checkpoint of step {self.step}")
-            self._report("durable", bytes=self.manifest.total_bytes,
-                         seconds=round(time.monotonic() - self.started, 3))
-            _logger.info("checkpoint of step %d is durable (%s, %.1f MB)", self.step,
-                         self.cid, self.manifest.total_bytes / 1e6)
+            self._write_and_commit()
+            self._durable.set()
+            assert self.manifest is not None
+            # Old checkpoints go once this one is durable (and the save has returned).
+            self.cs.prune_quietly(self.manifest)
         except FencedOff as e:
             self.error = e
             self.rt.fenced = True
@@ -369,27 +386,104 @@ class _Upload:
             _logger.exception("the checkpoint of step %d failed; the next save retries",
                               self.step)
         finally:
-            self._state = None
+            self._files = None
             self._after = None
-            self._serialized.set()
-            with contextlib.suppress(OSError):
-                path.unlink()
-            with contextlib.suppress(OSError):
-                path.with_name(f"{self.cid}.{METRICS_FILE}").unlink()
+            self.live_written.set()
+            self._durable.set()
             self._done.set()
 
-    def wait_serialized(self) -> None:
-        """Wait until the host copy is written out (its buffers may be reused)."""
-        self._serialized.wait()
+    def _write_and_commit(self) -> None:
+        # Its own frame: the captured state it references is released when it returns.
+        assert self._files is not None
+        files = self._files(self)
+        self._files = None
+        pending = self.cs.begin(self.step, attempt=self.rt.attempt, checkpoint_id=self.cid)
+        for write in files.values():
+            write(pending)
+        self.live_written.set()
+        # A store that fails for a while (full, read-only, out of reach) delays the
+        # checkpoint rather than losing it (the data files retry the same way).
+        uploaded = retrying(lambda: pending.finish(self.fmt, metadata={"spotnb": __version__}),
+                            f"writing the manifest of the checkpoint of step {self.step}")
+        written = time.monotonic() - self.started  # this save's own time to durable
+        if self._after is not None:
+            self._after.wait()
+            self._after = None
+        self.manifest = retrying(lambda: self.cs.commit(uploaded, fence=self.rt.fence,
+                                                        prune=False),
+                                 f"committing the checkpoint of step {self.step}")
+        seconds = time.monotonic() - self.started
+        self._report("durable", bytes=self.manifest.total_bytes,
+                     seconds=round(seconds, 3), stall=round(self.stall, 3))
+        _logger.info("checkpoint of step %d is durable (%s, %.1f MB)", self.step,
+                     self.cid, self.manifest.total_bytes / 1e6)
+        self.rt.check_notice_fit(self.manifest.total_bytes, written)
+
+    @property
+    def stall(self) -> float:
+        """Seconds the training loop waited for this save."""
+        if self.live and self.live_written.at is not None:
+            return self.live_written.at - self.started
+        return self.capture_seconds
 
     def done(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds; whether the upload has ended (either way)."""
-        return self._done.wait(timeout)
+        return self._durable.wait(timeout)
 
     def wait(self) -> Manifest | None:
-        """The manifest once durable, or None if the save failed (already reported)."""
-        self._done.wait()
+        """The manifest once durable, or None if the save failed (already reported).
+
+        By then the thread holds no reference to the captured state (its buffers are
+        free to reuse or to release); it may still be deleting old checkpoints.
+        """
+        self._durable.wait()
         return self.manifest
+
+
+_writer_import: threading.Thread | None = None
+
+
+def _import_writer_in_background() -> None:
+    """Import the DCP writer now, off the training thread: importing
+    ``torch.distributed.checkpoint`` takes a second or more in a fresh process (less
+    once an optimizer has imported what it shares), which the first save, or the
+    final one after a notice, should not wait for."""
+    global _writer_import
+    if _writer_import is None:
+        _writer_import = threading.Thread(target=importlib.import_module,
+                                          args=("spotnb.ckpt.dcp",),
+                                          name="spotnb-import", daemon=True)
+        _writer_import.start()
+
+
+def _rows_writer(rows: list[list[Any]], step: int) -> Callable[[PendingCheckpoint], None]:
+    """The part that carries the metric rows the event log has not confirmed."""
+    data = json.dumps(rows, separators=(",", ":")).encode()
+
+    def write_rows(pending: PendingCheckpoint) -> None:
+        retrying(lambda: pending.put_bytes(METRICS_FILE, data),
+                 f"writing the metric rows of the checkpoint of step {step}")
+    return write_rows
+
+
+def _state_writer(captured: snapshot.Captured, upload: _Upload,
+                  parts_in_flight: int | None) -> Callable[[PendingCheckpoint], None]:
+    """The part that writes the captured state: DCP files with torch, else a pickle."""
+    if upload.fmt == "pickle":
+        def write_pickle(pending: PendingCheckpoint) -> None:
+            def once() -> None:
+                with pending.open(PICKLE_FILE) as f:
+                    snapshot.dump(captured.state, f, "pickle")
+            retrying(once, f"writing the checkpoint of step {upload.step}")
+        return write_pickle
+
+    def write_dcp(pending: PendingCheckpoint) -> None:
+        from spotnb.ckpt.dcp import StoreWriter, save_state, state_key
+
+        writer = StoreWriter(pending, live=captured.live, parts_in_flight=parts_in_flight,
+                             live_written=upload.live_written)
+        save_state({**captured.tensors, state_key(): captured.state}, writer)
+    return write_dcp
 
 
 class Checkpoint:
@@ -407,15 +501,25 @@ class Checkpoint:
     :meth:`restore` returns ``step + 1``, the first step still to do (0 if there is
     no checkpoint). So ``for step in range(ckpt.restore(), n)`` resumes correctly.
 
-    Use one ``Checkpoint`` per job. It keeps a host-memory copy of the tensors between
-    saves (that is what makes a save a fast memory copy).
+    ``host_memory`` bounds the extra host memory a save uses (bytes, ``"8GB"``, or a
+    share of the free RAM, ``"25%"``; default ``SPOTNB_CHECKPOINT_MEMORY``, else half
+    the free RAM): a state that fits is copied whole and written in the background
+    (the save stalls only for the copy); of a larger one, what does not fit is written
+    straight from the training tensors while the save stalls. Either way a save never
+    holds more than the budget. The copy's buffers are kept between saves (that is
+    what makes a save a fast memory copy).
+
+    Use one ``Checkpoint`` per job.
     """
 
-    def __init__(self, **state: Any) -> None:
+    def __init__(self, *, host_memory: int | str | None = None, **state: Any) -> None:
         if not state:
             raise TypeError("Checkpoint() needs the state to save, e.g. "
                             "spot.Checkpoint(model=model, optimizer=optimizer)")
+        self._budget = MemoryBudget(host_memory)
         self._objects: dict[str, Any] = dict(state)
+        if "torch" in sys.modules:
+            _import_writer_in_background()
         rt = _rt()
         self._store = CheckpointStore(rt.store, layout.CHECKPOINTS, keep=rt.keep)
         self._pool = snapshot.BufferPool()
@@ -441,12 +545,37 @@ class Checkpoint:
     def __contains__(self, name: object) -> bool:
         return name in self._objects
 
+    # -- memory ----------------------------------------------------------------------
+
+    def _plan_memory(self) -> tuple[int, int | None]:
+        """(bytes of tensors a capture may copy, upload parts in flight per file).
+
+        The budget less what the writer needs besides the copies: upload part buffers
+        (stores that upload in parts) and GPU staging buffers, for every file a
+        checkpoint may be written as at once.
+        """
+        budget = self._budget.bytes(held=self._pool.held)
+        torch = sys.modules.get("torch")
+        reserve = MAX_FILES * PIECE_BYTES if torch is not None and \
+            torch.cuda.is_available() else 0
+        part = self._rt.store.part_bytes
+        parts: int | None = None
+        if part:
+            # Up to a quarter of the budget for upload parts, within what a writer uses
+            # at most, and at least one part uploading while the next one fills.
+            per_file = budget // 4 // MAX_FILES // part - 1
+            parts = max(1, min(per_file, MAX_PARTS_IN_FLIGHT))
+            reserve += MAX_FILES * (parts + 1) * part
+        return max(0, budget - reserve), parts
+
     # -- restore ---------------------------------------------------------------------
 
     def restore(self) -> int:
         """Load the latest checkpoint into the registered objects; return the next step.
 
-        Returns 0 when the job has no checkpoint yet, else ``saved_step + 1``.
+        Returns 0 when the job has no checkpoint yet, else ``saved_step + 1``. Saved
+        tensors are read straight into the registered objects' tensors where shapes
+        and dtypes match, so a restore needs no second copy of the state in memory.
         """
         self.wait()
         started = time.monotonic()
@@ -454,13 +583,13 @@ class Checkpoint:
         if found is None:
             _logger.info("no checkpoint yet: starting from step 0")
             return 0
-        manifest, path, downloaded = found
+        manifest, directory, downloaded = found
         try:
-            state = snapshot.load(path, manifest.format)
-            carried = _read_rows(manifest, path.parent)
+            state = self._read(manifest, directory)
+            carried = _read_rows(manifest, directory)
         finally:
             if downloaded:
-                shutil.rmtree(path.parent, ignore_errors=True)
+                shutil.rmtree(directory, ignore_errors=True)
         if carried:
             # Rows the checkpoint's attempt logged that its agent may not have written
             # (it died with them): the agent records those its log lacks.
@@ -480,7 +609,7 @@ class Checkpoint:
         del state, saved  # the loaded copy is in the objects now
         # The state exists in full now (optimizer state too): allocate the host buffers
         # for the first save in the background, so that save is a memory copy.
-        self._pool.warm_async(snapshot.tensor_specs(self._objects))
+        self._pool.warm_async(snapshot.tensor_specs(self._objects), self._plan_memory()[0])
         self._last_step = manifest.step
         self._last_time = time.monotonic()
         seconds = time.monotonic() - started
@@ -489,6 +618,50 @@ class Checkpoint:
         _logger.info("restored checkpoint %s in %.1f s: continuing at step %d", manifest.id,
                      seconds, manifest.step + 1)
         return manifest.step + 1
+
+    def _read(self, manifest: Manifest, directory: Path) -> dict[str, Any]:
+        """The saved state tree of a verified local copy, tensors resolved."""
+        if manifest.format in ("torch", "pickle"):  # one state file (pickle; spotnb < 0.2)
+            entry = next((f for f in manifest.files if f.name.startswith("state.")), None)
+            if entry is None:
+                raise CheckpointError(f"checkpoint {manifest.id} has no state file; it "
+                                      "was not written by spot.Checkpoint")
+            state: dict[str, Any] = snapshot.load(directory / entry.name, manifest.format)
+            return state
+        if manifest.format != "dcp":
+            raise CheckpointError(f"checkpoint {manifest.id} is in format "
+                                  f"{manifest.format!r}, which spot.Checkpoint does not "
+                                  "read: it was written by sync_dir or a newer spotnb")
+        import torch
+
+        from spotnb.ckpt.dcp import FileReader, load_state, state_key, tensor_names
+
+        reader = FileReader(directory)
+        live = snapshot.live_tensors(self._objects)
+        targets: dict[str, Any] = {}
+        tensors: dict[str, Any] = {}
+        for name, saved in tensor_names(reader.read_metadata()):
+            own = live.get(name)
+            if own is not None and tuple(own.shape) == tuple(saved.size) and \
+                    own.dtype == saved.properties.dtype:
+                targets[name] = own  # read in place: no second copy of the state
+                continue
+            mapped = reader.mapped(name)  # no own tensor (fresh optimizer state): a view
+            if mapped is not None:
+                tensors[name] = mapped
+            else:
+                targets[name] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+        key = state_key()
+        targets[key] = None
+        load_state(targets, reader)
+        tree = targets.pop(key)
+        if tree is None:
+            raise CheckpointError(f"checkpoint {manifest.id} has no spotnb state; it was "
+                                  "not written by spot.Checkpoint")
+        tensors.update(targets)
+        tree["objects"] = {name: (kind, snapshot.resolve_refs(payload, tensors))
+                           for name, (kind, payload) in tree["objects"].items()}
+        return dict(tree)
 
     def _fetch_newest_intact(self) -> tuple[Manifest, Path, bool] | None:
         """The newest checkpoint whose files verify, fetched; None if there is none.
@@ -499,12 +672,12 @@ class Checkpoint:
         damaged = []
         for manifest in self._store.manifests():
             try:
-                path, downloaded = self._fetch(manifest)
+                directory, downloaded = self._fetch(manifest)
             except CorruptCheckpoint as e:
                 _logger.error("%s; trying the checkpoint before it", e)
                 damaged.append(manifest.id)
                 continue
-            return manifest, path, downloaded
+            return manifest, directory, downloaded
         if damaged:
             raise CorruptCheckpoint(
                 f"every checkpoint of this job is damaged ({', '.join(damaged)}); delete "
@@ -513,12 +686,8 @@ class Checkpoint:
         return None
 
     def _fetch(self, manifest: Manifest) -> tuple[Path, bool]:
-        """The local state file: the agent's prefetch if it is this checkpoint, else
-        a fresh download. The second item says whether we downloaded it."""
-        entry = next((f for f in manifest.files if f.name.startswith("state.")), None)
-        if entry is None:
-            raise CheckpointError(f"checkpoint {manifest.id} has no state file; it was not "
-                                  "written by spot.Checkpoint")
+        """A verified local copy of the checkpoint: the agent's prefetch if it is this
+        checkpoint, else a fresh download. The second item says whether we downloaded it."""
         restore_dir = self._rt.restore_dir
         if restore_dir is not None:
             _wait_for_prefetch(restore_dir)
@@ -526,23 +695,31 @@ class Checkpoint:
             try:
                 local = Manifest.read_local(restore_dir)
                 if local.id == manifest.id:
-                    return self._store.verify_local(manifest, restore_dir)[entry.name], False
+                    self._store.verify_local(manifest, restore_dir)
+                    return restore_dir, False
                 _logger.info("the prefetched checkpoint %s is not the latest (%s); "
                              "downloading", local.id, manifest.id)
             except (CheckpointError, OSError, ValueError, KeyError) as e:
                 _logger.warning("the prefetched checkpoint in %s is unusable (%s); "
                                 "downloading", restore_dir, e)
         dest = self._rt.scratch / f"runtime-restore-{uuid.uuid4().hex[:8]}"
-        return self._store.download(manifest, dest)[entry.name], True
+        try:
+            self._store.download(manifest, dest)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        return dest, True
 
     # -- save ------------------------------------------------------------------------
 
     def save(self, step: int) -> None:
         """Checkpoint now: "step ``step`` is done". Stalls only to copy state to memory.
 
-        Serialising and uploading happen in the background; the next save (or the end
-        of the job) waits for this one. After an interruption notice the save waits
-        until it is durable and then holds the cell (see the module docstring).
+        Writing to the store happens in the background; the next save (or the end of
+        the job) waits for this one. Of a state larger than the memory budget, the part
+        that does not fit is written before this returns. After an interruption notice
+        the save waits until it is durable and then holds the cell (see the module
+        docstring).
         """
         self._save(int(step), forced=False)
 
@@ -567,7 +744,7 @@ class Checkpoint:
             # background, so the first save is a memory copy too (the optimizer state
             # exists by now, after a first step).
             self._warmed = True
-            self._pool.warm_async(snapshot.tensor_specs(self._objects))
+            self._pool.warm_async(snapshot.tensor_specs(self._objects), self._plan_memory()[0])
         return False
 
     def wait(self) -> Manifest | None:
@@ -586,26 +763,25 @@ class Checkpoint:
             while not previous.done(PARK_CHECK_SECONDS) and not rt.park_requested:
                 pass
         park = rt.park_requested
-        if park and previous is not None:
+        if park and previous is not None and not previous.done(0):
             # The save before termination: do not wait for the previous upload to
             # finish before uploading this one (two uploads in a row may not fit in
-            # the notice period); only for its buffers, and commit after it.
-            previous.wait_serialized()
+            # the notice period); commit after it. Its buffers are still being
+            # written, so this save writes straight from the training tensors (the
+            # cell is held after it anyway: its stall does not matter).
             self._upload = None
+            copy_budget, parts = 0, self._plan_memory()[1]
         else:
             previous = None
             self.wait()
+            copy_budget, parts = self._plan_memory()
         if rt.fenced:
             rt.hold_fenced()
         started = time.monotonic()
         forced = forced or rt.force_save
+        fmt = "dcp" if "torch" in sys.modules else "pickle"
         try:
-            state = {
-                "format": 1,
-                "step": step,
-                "objects": snapshot.capture(self._objects, self._pool),
-                "rng": snapshot.capture_rng(),
-            }
+            captured = snapshot.capture(self._objects, self._pool, step, copy_budget)
         except BaseException:
             self._upload = self._upload or previous
             raise
@@ -613,10 +789,25 @@ class Checkpoint:
         rt.force_save = False
         self._warmed = True
         cid = new_id(step, rt.attempt)
-        self._upload = _Upload(rt, self._store, cid, step, state, forced, started,
-                               after=previous, rows=rt.rows_not_durable())
+
+        rows = rt.rows_not_durable()
+
+        def files(upload: _Upload) -> FileWriters:
+            parts_of = {"state": _state_writer(captured, upload, parts)}
+            if rows:
+                parts_of["metrics"] = _rows_writer(rows, step)
+            return parts_of
+
+        upload = self._upload = _Upload(rt, self._store, cid, step, files, fmt, forced,
+                                        started, bool(captured.live), after=previous)
+        if captured.live:
+            # Live tensors (what did not fit in the budget) are written from the
+            # training state itself: training must not change them until they are out.
+            upload.live_written.wait()
         self._last_step = step
         self._last_time = time.monotonic()
+        # A notice that came while this save stalled makes it the last one.
+        park = park or rt.park_requested
         if park:
             if self.wait() is not None:
                 rt.park(step)
@@ -731,8 +922,6 @@ def _bootstrap(user_ns: dict[str, Any] | None = None,
     captured inputs (``inputs.pkl`` in the job store, cloudpickled
     ``{name: value}``) into the namespace, and binds ``spot`` to this module there.
     """
-    import importlib
-
     import cloudpickle
 
     os.environ.update(env or {})
@@ -774,6 +963,8 @@ def _finish() -> None:
     with _runtime_lock:
         rt, _runtime = _runtime, None
         _total_pending = True  # the next session looks for its loop's total again
+    if _writer_import is not None:
+        _writer_import.join()  # an interpreter must not exit in the middle of it
     if rt is None:
         return
     problems = rt.finish()

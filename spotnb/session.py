@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from spotnb import lease as lease_mod
 from spotnb import usage
+from spotnb.ckpt.notice import EC2_NOTICE_SECONDS, NoticeFit
 from spotnb.kernel_remote import channel
 from spotnb.spec import CheckpointEvery
 from spotnb.store import LocalStore, Store, open_store
@@ -181,6 +182,7 @@ class Session:
         scratch: Path | None,
         restore_dir: Path | None,
         socket_path: str | None,
+        notice_seconds: float = EC2_NOTICE_SECONDS,
     ) -> None:
         self.remote = remote
         self.job_id = job_id
@@ -192,6 +194,8 @@ class Session:
         self._scratch = scratch
         self._own_scratch = False
         self.restore_dir = restore_dir
+        self.notice_seconds = notice_seconds
+        self._notice_fit_checked = False
         # Notice state, written by the receiver thread, read by the cell's thread.
         self.notice: str | None = None
         self.interrupt_pending = False
@@ -254,6 +258,10 @@ class Session:
                                 "every 5 minutes", channel.ENV_CHECKPOINT_EVERY, raw_every)
         scratch = env.get(channel.ENV_SCRATCH)
         restore = env.get(channel.ENV_RESTORE_DIR)
+        try:
+            notice = float(env.get(channel.ENV_NOTICE_SECONDS) or EC2_NOTICE_SECONDS)
+        except ValueError:
+            notice = EC2_NOTICE_SECONDS
         return cls(
             remote=True,
             job_id=env.get(channel.ENV_JOB_ID, "unknown"),
@@ -265,6 +273,7 @@ class Session:
             scratch=Path(scratch) if scratch else None,
             restore_dir=Path(restore) if restore else None,
             socket_path=env.get(channel.ENV_SOCKET),
+            notice_seconds=notice,
         )
 
     @property
@@ -320,6 +329,23 @@ class Session:
         self.send({"op": "progress", "total": total, "source": source})
 
     # -- notices ---------------------------------------------------------------------
+
+    def check_notice_fit(self, nbytes: int, seconds: float) -> None:
+        """After a durable save: warn once if a save this long would not fit a notice.
+
+        The first save of the session tells the real size and the measured time to
+        durable (:class:`spotnb.ckpt.notice.NoticeFit`); the warning becomes an event
+        the notebook shows.
+        """
+        if not self.remote or self._notice_fit_checked:
+            return
+        self._notice_fit_checked = True
+        fit = NoticeFit(nbytes, seconds, self.notice_seconds, measured=True)
+        if fit.fits:
+            return
+        text = fit.advice()
+        _logger.warning("%s", text)
+        self.send({"op": "warning", "kind": "notice-fit", "text": text})
 
     def _on_message(self, message: dict[str, Any]) -> None:
         self._heard = time.monotonic()

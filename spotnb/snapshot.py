@@ -1,13 +1,28 @@
 """Training state in host memory: capture it fast, write it, read it back in place.
 
 :func:`capture` is the only part of a checkpoint that runs on the training loop's
-thread: it copies every registered object into host memory so that training can go on
-while a background thread serialises (:func:`dump`) and uploads the copy. Tensors are
-copied (detached, to CPU) into buffers kept from the previous save
-(:class:`BufferPool`): a copy into memory that is already mapped is several times
-faster than a fresh allocation, which must fault in every page. Plain containers are
-rebuilt; other objects are pickled on the spot, so an unpicklable one fails the save
-at once, with its name, instead of later in the background.
+thread. It walks every registered object and returns a :class:`Captured`: the
+*state*, a small tree holding everything but the tensors (containers rebuilt, kinds,
+RNG states, other objects pickled on the spot so that an unpicklable one fails the
+save at once, with its name), in which every tensor (and NumPy array, when torch is
+there) is replaced by a :class:`TensorRef` naming it; and the *tensors*, by name.
+
+Which tensors are copied is the memory budget's call (:mod:`spotnb.ckpt.memory`):
+
+* the state fits in the budget: every tensor is copied (detached, to CPU) into a
+  buffer kept from the previous save (:class:`BufferPool`); training goes on while a
+  background thread writes the copies out (a copy into memory that is already mapped
+  is several times faster than into a fresh allocation, which must fault in each page);
+* it does not: the tensors that fit are copied, the others are *live*: written
+  straight from the training process's own tensors (from a GPU through a small
+  staging buffer) while the loop waits, so the extra host memory stays within the
+  budget. See :mod:`spotnb.ckpt` for the writer.
+
+A tensor's name is its path joined by dots (``model.fc.weight``,
+``optimizer.state.0.exp_avg``), as ``torch.distributed.checkpoint`` names the entries
+of ``{"model": model.state_dict(), ...}``; a tensor met twice (tied weights) is
+written once. :func:`live_tensors` names the tensors of the live objects the same
+way, so a restore can read each saved tensor straight into the tensor it came from.
 
 How each registered object is captured and restored (the *kind*):
 
@@ -24,36 +39,87 @@ How each registered object is captured and restored (the *kind*):
 
 The global RNGs (Python ``random``, NumPy's legacy global RNG, torch CPU and CUDA) are
 captured with :func:`capture_rng` and restored with :func:`restore_rng`.
+
+Without torch, arrays stay in the state (copied) and the state is pickled whole
+(:func:`dump`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import pickle
 import random
 import sys
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import IO, Any
+
+from spotnb.ckpt.memory import host_empty
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "STATE_FORMAT",
     "BufferPool",
+    "Captured",
     "Pickled",
+    "TensorRef",
     "capture",
     "capture_rng",
     "dump",
     "kind_of",
+    "live_tensors",
     "load",
+    "nbytes",
+    "resolve_refs",
     "restore",
     "restore_rng",
     "tensor_specs",
 ]
 
+#: The version of the state tree (``{"format", "step", "objects", "rng"}``): 1 held
+#: the tensors themselves; 2 holds :class:`TensorRef` placeholders for them.
+STATE_FORMAT = 2
+
 # Values that cannot change under us: kept by reference in a snapshot.
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis))
+
+
+class TensorRef:
+    """Where a tensor was in the captured state: its name among the saved tensors.
+
+    ``numpy``: the value was a NumPy array (saved as a tensor, read back as an array).
+    """
+
+    __slots__ = ("fqn", "numpy")
+
+    def __init__(self, fqn: str, numpy: bool = False) -> None:
+        self.fqn = fqn
+        self.numpy = numpy
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.fqn!r}{', numpy=True' if self.numpy else ''})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TensorRef, (self.fqn, self.numpy))
+
+
+@dataclasses.dataclass
+class Captured:
+    """One capture: the state tree and the tensors it refers to (see the module doc).
+
+    ``live`` names the tensors that were not copied: they must be written before
+    training changes them. ``nbytes`` counts every tensor's bytes; ``copied`` those
+    copied into host buffers.
+    """
+
+    state: dict[str, Any]
+    tensors: dict[str, Any]
+    live: frozenset[str]
+    nbytes: int
+    copied: int
 
 
 class Pickled:
@@ -124,21 +190,38 @@ def kind_of(obj: Any) -> str:
     return "value"
 
 
+def nbytes(t: Any) -> int:
+    """Bytes of a tensor's elements."""
+    return int(t.numel()) * int(t.element_size())
+
+
+def _streamable(torch: Any, t: Any) -> bool:
+    """Whether a tensor is written as raw bytes (dense); others stay in the state."""
+    return bool(t.layout == torch.strided and not t.is_quantized and not t.is_nested
+                and t.device.type != "meta")
+
+
 class BufferPool:
     """Host-memory buffers for tensor copies, reused from one save to the next.
 
     A buffer is keyed by where its tensor sits in the state (``("model", "fc.weight")``)
-    and reused while shape and dtype match (contiguous tensors; others are copied
-    afresh each time). :meth:`warm_async` allocates and
-    touches buffers in the background ahead of the first save. The pool keeps one host
-    copy of the state alive between saves: that memory is what makes a save cheap.
-    Callers never capture while a previous capture is still being serialised.
+    and reused while shape and dtype match. :meth:`warm_async` allocates and touches
+    buffers in the background ahead of the first save. The pool keeps a host copy of
+    (as much of the state as the budget allows) alive between saves: that memory is
+    what makes a save cheap, and it counts against the budget. Callers never capture
+    while a previous capture is still being written.
     """
 
     def __init__(self) -> None:
         self._bufs: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
         self._warming: list[threading.Thread] = []
+
+    @property
+    def held(self) -> int:
+        """Bytes of host memory the buffers hold."""
+        with self._lock:
+            return sum(nbytes(b) for b in self._bufs.values())
 
     def copy(self, key: Hashable, t: Any) -> tuple[Any, bool]:
         """A host copy of tensor ``t``; the second item says whether it is still in flight.
@@ -147,11 +230,10 @@ class BufferPool:
         """
         torch = _torch()
         t = t.detach()
-        if t.layout != torch.strided or not t.is_contiguous() or t.is_quantized:
-            return t.to("cpu", copy=True), False
         with self._lock:
             buf = self._bufs.get(key)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                self._bufs.pop(key, None)  # free the old one before allocating
                 buf = _empty_like(torch, t)
                 self._bufs[key] = buf
         non_blocking = t.is_cuda and buf.is_pinned()
@@ -159,20 +241,28 @@ class BufferPool:
             buf.copy_(t, non_blocking=non_blocking)
         return buf, non_blocking
 
-    def warm_async(self, specs: list[tuple[Hashable, Any]]) -> None:
-        """Allocate and touch buffers for ``[(key, tensor), ...]`` in a background thread.
+    def retain(self, keys: set[Hashable]) -> None:
+        """Free the buffers of every other key (their tensors are no longer copied)."""
+        with self._lock:
+            for key in [k for k in self._bufs if k not in keys]:
+                del self._bufs[key]
 
-        Only shapes and dtypes are read from the tensors, on the caller's thread.
+    def warm_async(self, specs: list[tuple[Hashable, str, Any]], budget: int) -> None:
+        """Allocate and touch buffers for ``[(key, name, tensor), ...]`` in the background.
+
+        Only the tensors a capture with this ``budget`` would copy (the same greedy
+        choice, in the same order); only shapes and dtypes are read from the tensors,
+        on the caller's thread.
         """
         torch = _torch()
         if torch is None:
             return
+        chosen = _choose([t for _, _, t in specs], budget)
         wanted = []
         with self._lock:
-            for key, t in specs:
+            for (key, _, t), copy_it in zip(specs, chosen, strict=True):
                 buf = self._bufs.get(key)
-                if (t.layout == torch.strided and t.is_contiguous() and not t.is_quantized
-                        and (buf is None or buf.shape != t.shape or buf.dtype != t.dtype)):
+                if copy_it and (buf is None or buf.shape != t.shape or buf.dtype != t.dtype):
                     wanted.append((key, t.shape, t.dtype, t.is_cuda))
         if not wanted:
             return
@@ -198,37 +288,74 @@ class BufferPool:
 
 def _empty(torch: Any, shape: Any, dtype: Any, on_gpu: bool) -> Any:
     # Pinned memory makes copies from the GPU asynchronous and faster.
-    pin = on_gpu and torch.cuda.is_available()
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+    return host_empty(torch, shape, dtype, pin=on_gpu and torch.cuda.is_available())
 
 
 def _empty_like(torch: Any, t: Any) -> Any:
     return _empty(torch, t.shape, t.dtype, t.is_cuda)
 
 
-class _Capture:
-    """One capture: dedupes shared tensors and remembers pending GPU copies."""
+def _choose(tensors: list[Any], budget: int) -> list[bool]:
+    """Which tensors to copy: all if they fit, else greedily in order while they fit."""
+    sizes = [nbytes(t) for t in tensors]
+    if sum(sizes) <= budget:
+        return [True] * len(tensors)
+    chosen, used = [], 0
+    for size in sizes:
+        fits = used + size <= budget
+        chosen.append(fits)
+        used += size if fits else 0
+    return chosen
 
-    def __init__(self, pool: BufferPool) -> None:
-        self.pool = pool
+
+class _Walker:
+    """Walks registered objects the same way for capture, restore and warming.
+
+    ``tree`` rebuilds containers (dicts keep their type and attributes, e.g.
+    ``OrderedDict._metadata``) and hands every tensor (and, with torch, every numeric
+    NumPy array) to ``on_tensor(key, name, tensor, was_numpy)``, whose result takes its
+    place. A tensor met again (tied weights) is handed over once; later places get the
+    first result. Other leaves are pickled when ``pickle_leaves``, else left as they are.
+    """
+
+    def __init__(self, on_tensor: Callable[[tuple[Hashable, ...], str, Any, bool], Any],
+                 pickle_leaves: bool) -> None:
+        self.on_tensor = on_tensor
+        self.pickle_leaves = pickle_leaves
         self.memo: dict[int, tuple[Any, Any]] = {}
-        self.async_copies = False
+        self.names: set[str] = set()
+        self.torch = _torch()
+        self.np = sys.modules.get("numpy")
+
+    def _name(self, key: tuple[Hashable, ...]) -> str:
+        name = base = ".".join(map(str, key))
+        n = 1
+        while name in self.names:  # "a.b" as a key and as a path: keep both
+            n += 1
+            name = f"{base}#{n}"
+        self.names.add(name)
+        return name
+
+    def _tensor(self, x: Any, key: tuple[Hashable, ...], t: Any, was_numpy: bool) -> Any:
+        if id(x) in self.memo:
+            return self.memo[id(x)][0]
+        out = self.on_tensor(key, self._name(key), t, was_numpy)
+        self.memo[id(x)] = (out, x)  # holding x keeps its id() unique meanwhile
+        return out
 
     def tree(self, x: Any, key: tuple[Hashable, ...], what: str) -> Any:
         if _is_atomic(x):
             return x
-        torch = _torch()
+        torch, np = self.torch, self.np
         if torch is not None and isinstance(x, torch.Tensor):
-            # Tied weights stay one tensor, as torch.save would keep them.
-            if id(x) in self.memo:
-                return self.memo[id(x)][0]
-            host, pending = self.pool.copy(key, x)
-            self.async_copies |= pending
-            self.memo[id(x)] = (host, x)  # holding x keeps its id() unique meanwhile
-            return host
-        np = sys.modules.get("numpy")
+            if not _streamable(torch, x):
+                return x.detach().to("cpu", copy=True)  # sparse, quantized: in the state
+            return self._tensor(x, key, x.detach(), False)
         if np is not None and isinstance(x, np.ndarray) and x.dtype != object:
-            return x.copy()
+            as_tensor = _from_numpy(torch, np, x)
+            if as_tensor is None:
+                return x.copy()
+            return self._tensor(x, key, as_tensor, True)
         if type(x) is dict or (isinstance(x, dict) and type(x).__module__ == "collections"):
             out = copy.copy(x)  # keeps the type and attributes (OrderedDict._metadata)
             for k in out:
@@ -240,7 +367,37 @@ class _Capture:
             return tuple(self.tree(v, (*key, i), what) for i, v in enumerate(x))
         if isinstance(x, tuple) and hasattr(x, "_fields"):
             return type(x)(*(self.tree(v, (*key, i), what) for i, v in enumerate(x)))
-        return _pickle(x, what)
+        return _pickle(x, what) if self.pickle_leaves else x
+
+    def objects(self, objects: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+        """{name: (kind, payload)} of every registered object."""
+        out: dict[str, tuple[str, Any]] = {}
+        for name, obj in objects.items():
+            kind = kind_of(obj)
+            if kind == "state_dict":
+                payload = self.tree(obj.state_dict(), (name,), name)
+            elif kind == "pystate":
+                payload = obj.getstate()
+            elif kind == "torch_gen":
+                payload = obj.get_state()
+            elif kind == "np_gen":
+                payload = copy.deepcopy(obj.bit_generator.state)
+            else:
+                payload = self.tree(obj, (name,), name)
+            out[name] = (kind, payload)
+        return out
+
+
+def _from_numpy(torch: Any, np: Any, x: Any) -> Any:
+    """A tensor sharing ``x``'s memory, or None (no torch, or a dtype torch lacks)."""
+    if torch is None or not x.flags.c_contiguous or not x.dtype.isnative:
+        return None
+    if not x.flags.writeable:
+        x = x.copy()  # torch refuses to share read-only memory
+    try:
+        return torch.from_numpy(x)
+    except TypeError:  # e.g. a dtype torch has no equivalent for
+        return None
 
 
 def _pickle(x: Any, what: str) -> Pickled:
@@ -261,61 +418,87 @@ def _pickle(x: Any, what: str) -> Pickled:
         ) from e
 
 
-def capture(objects: dict[str, Any], pool: BufferPool) -> dict[str, tuple[str, Any]]:
-    """Copy every registered object into host memory: {name: (kind, payload)}.
+def capture(objects: dict[str, Any], pool: BufferPool, step: int,
+            budget: int | None = None) -> Captured:
+    """Capture every registered object (see the module docstring).
 
-    Runs on the caller's thread; returns once nothing in the result can change when
-    training goes on (pending GPU copies are synchronised).
+    ``budget``: the bytes of tensors that may be copied into host buffers (None: all).
+    Runs on the caller's thread; returns once nothing that was copied can change when
+    training goes on (pending GPU copies are synchronised). The live tensors can.
     """
     pool.wait_warm()
-    cap = _Capture(pool)
-    out: dict[str, tuple[str, Any]] = {}
-    for name, obj in objects.items():
-        kind = kind_of(obj)
-        if kind == "state_dict":
-            payload = cap.tree(obj.state_dict(), (name,), name)
-        elif kind == "pystate":
-            payload = obj.getstate()
-        elif kind == "torch_gen":
-            payload = obj.get_state()
-        elif kind == "np_gen":
-            payload = copy.deepcopy(obj.bit_generator.state)
+    found: list[tuple[tuple[Hashable, ...], str, Any]] = []
+
+    def on_tensor(key: tuple[Hashable, ...], name: str, t: Any, was_numpy: bool) -> Any:
+        found.append((key, name, t))
+        return TensorRef(name, was_numpy)
+
+    walker = _Walker(on_tensor, pickle_leaves=True)
+    state = {"format": STATE_FORMAT, "step": step, "objects": walker.objects(objects),
+             "rng": capture_rng()}
+    chosen = _choose([t for _, _, t in found],
+                     budget if budget is not None else sum(nbytes(t) for *_, t in found))
+    tensors: dict[str, Any] = {}
+    live: set[str] = set()
+    copied = 0
+    async_copies = False
+    for (key, name, t), copy_it in zip(found, chosen, strict=True):
+        if copy_it:
+            tensors[name], pending = pool.copy(key, t)
+            async_copies |= pending
+            copied += nbytes(t)
         else:
-            payload = cap.tree(obj, (name,), name)
-        out[name] = (kind, payload)
+            tensors[name] = t
+            live.add(name)
+    pool.retain({key for (key, _, _), copy_it in zip(found, chosen, strict=True) if copy_it})
     torch = _torch()
-    if cap.async_copies and torch is not None:
+    if async_copies and torch is not None:
         torch.cuda.synchronize()
-    return out
+    return Captured(state, tensors, frozenset(live),
+                    sum(nbytes(t) for *_, t in found), copied)
 
 
-def tensor_specs(objects: dict[str, Any]) -> list[tuple[Hashable, Any]]:
-    """The tensors a capture of ``objects`` would copy, keyed as :func:`capture` keys them.
+def tensor_specs(objects: dict[str, Any]) -> list[tuple[Hashable, str, Any]]:
+    """``[(key, name, tensor), ...]`` that a capture of ``objects`` would save, in order.
 
     Used to warm a :class:`BufferPool`; cheap (``state_dict()`` returns references).
     """
-    torch = _torch()
-    if torch is None:
-        return []
-    specs: list[tuple[Hashable, Any]] = []
+    specs: list[tuple[Hashable, str, Any]] = []
 
-    def walk(x: Any, key: tuple[Hashable, ...]) -> None:
-        if isinstance(x, torch.Tensor):
-            specs.append((key, x))
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, (*key, k))
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, (*key, i))
+    def on_tensor(key: tuple[Hashable, ...], name: str, t: Any, was_numpy: bool) -> None:
+        specs.append((key, name, t))
 
-    for name, obj in objects.items():
-        kind = kind_of(obj)
-        if kind == "state_dict":
-            walk(obj.state_dict(), (name,))
-        elif kind in ("tensor", "dict", "list"):
-            walk(obj, (name,))
+    if _torch() is not None:
+        _Walker(on_tensor, pickle_leaves=False).objects(objects)
     return specs
+
+
+def live_tensors(objects: dict[str, Any]) -> dict[str, Any]:
+    """The registered objects' own tensors by name (as :func:`capture` names them).
+
+    A restore reads saved tensors straight into these (same shape and dtype), so
+    loading a checkpoint needs no second copy of the state in memory.
+    """
+    return {name: t for _, name, t in tensor_specs(objects)}
+
+
+def resolve_refs(x: Any, tensors: dict[str, Any]) -> Any:
+    """Replace the :class:`TensorRef` leaves of a state tree with ``tensors[name]``."""
+    if isinstance(x, TensorRef):
+        t = tensors[x.fqn]
+        return t.numpy() if x.numpy else t
+    if isinstance(x, dict):
+        out = copy.copy(x)
+        for k in out:
+            out[k] = resolve_refs(x[k], tensors)
+        return out
+    if type(x) is list:
+        return [resolve_refs(v, tensors) for v in x]
+    if type(x) is tuple:
+        return tuple(resolve_refs(v, tensors) for v in x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(resolve_refs(v, tensors) for v in x))
+    return x
 
 
 def _unwrap(x: Any) -> Any:

@@ -11,11 +11,17 @@ Contract (every implementation keeps it; the S3 store later follows the same one
   the only primitives the lease and the ``LATEST`` pointers are built on.
 * ``list_keys`` returns keys in lexicographic order, optionally strictly after a key
   (S3 ``StartAfter``): the event log is tailed with it.
+* ``open_writer`` streams a large object (a checkpoint file) into the store without a
+  local copy first; the object appears whole when the writer is closed, or not at all
+  if it is aborted or the writer dies (S3: a multipart upload, completed at close).
 
 The local implementation uses a directory: writes go to a temporary file in the same
 directory followed by ``rename``; create-if-absent uses ``link`` (which fails if the
 name exists); compare-and-swap holds an ``flock`` on a sidecar lock file. ETags are
-the hex SHA-256 of the content, so they are stable across processes.
+the hex SHA-256 of the content, so they are stable across processes. A streamed
+object is written straight into its temporary file, asks the kernel to start writing
+it back to disk as it goes (so the closing ``fsync`` has little left to do), and is
+renamed into place at close.
 """
 
 from __future__ import annotations
@@ -28,32 +34,45 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import urllib.parse
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from types import TracebackType
+from typing import Any, TypeVar
 
 __all__ = [
     "LocalStore",
     "NotFound",
+    "ObjectWriter",
     "Store",
     "StoreError",
     "StoreUnavailable",
     "open_store",
     "retrying",
     "transient",
+    "upload_mbps",
 ]
 
 _log = logging.getLogger(__name__)
 
 # The local cloud can simulate an instance's upload bandwidth (MB/s) for uploads of
-# files (checkpoints), so that "an interruption during an upload" can be staged.
+# files (checkpoints), so that "an interruption during an upload" can be staged. The
+# bandwidth is the instance's: every upload of a process shares it.
 UPLOAD_MBPS_ENV = "SPOTNB_LOCAL_UPLOAD_MBPS"
 # ... and a failing store: while the file this names exists, every write to a local
 # store fails as on a full (its content "full") or read-only disk; reads still work.
 STORE_FAULT_ENV = "SPOTNB_LOCAL_STORE_FAULT"
+# A streamed local object asks the kernel to write back what it has written every
+# this many bytes (posix_fadvise DONTNEED starts the writeback of dirty pages and
+# drops clean ones): the disk works while the writer goes on, instead of all at the
+# closing fsync, and a checkpoint does not fill the page cache.
+_WRITEBACK_BYTES = 32 * 1024 * 1024
+# Throttled writes go out in pieces of this size so that the simulated network
+# delivers bytes steadily (a kill mid-upload leaves part of an object, as on S3).
+_THROTTLE_PIECE = 1 << 18
 
 # Temporary files and lock files carry these markers; listings never show them.
 _TMP_MARK = ".tmp-"
@@ -87,6 +106,108 @@ def _check_fault() -> None:
     if kind == "full":
         raise OSError(errno.ENOSPC, "No space left on device (simulated)", switch)
     raise OSError(errno.EROFS, "Read-only file system (simulated)", switch)
+def upload_mbps() -> float | None:
+    """The simulated upload bandwidth in MB/s (``SPOTNB_LOCAL_UPLOAD_MBPS``), or None."""
+    try:
+        mbps = float(os.environ.get(UPLOAD_MBPS_ENV) or 0)
+    except ValueError:
+        return None
+    return mbps if mbps > 0 else None
+
+
+class _Throttle:
+    """The simulated network of an instance: bytes pass at ``mbps`` MB/s in total.
+
+    Shared by every upload of the process, so two uploads side by side each get half
+    the bandwidth, as on a real network link.
+    """
+
+    _shared: dict[float, _Throttle] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, mbps: float) -> None:
+        self.rate = mbps * 1e6  # bytes per second
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the link is next idle (monotonic)
+
+    @classmethod
+    def current(cls) -> _Throttle | None:
+        mbps = upload_mbps()
+        if mbps is None:
+            return None
+        with cls._shared_lock:
+            return cls._shared.setdefault(mbps, cls(mbps))
+
+    def wait(self, nbytes: int) -> None:
+        """Block until ``nbytes`` more may go out."""
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(self._free_at, now) + nbytes / self.rate
+            delay = self._free_at - now
+        if delay > 0:
+            time.sleep(delay)
+
+
+class ObjectWriter(ABC):
+    """A large object being streamed into a store: ``write`` then ``close``.
+
+    Until :meth:`close` returns nothing is visible at the key (a reader sees the old
+    object or none); :meth:`abort` (or an exception inside a ``with`` block) drops
+    what was written. ``write`` accepts any bytes-like object and may keep no
+    reference to it once it returns.
+    """
+
+    key: str
+
+    @abstractmethod
+    def write(self, data: Any) -> int:
+        """Append ``data``; returns its length."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Make the object durable and visible at its key, atomically."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop the object; nothing appears at the key. Safe to call twice."""
+
+    def writable(self) -> bool:
+        return True
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class _SpooledWriter(ObjectWriter):
+    """For stores without streaming: spool to a local temporary file, then upload it."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.key = key
+        self._store = store
+        # Closed by close() or abort(): the writer outlives any one block.
+        self._file = tempfile.NamedTemporaryFile(prefix="spotnb-spool-", delete=False)  # noqa: SIM115
+
+    def write(self, data: Any) -> int:
+        return self._file.write(data)
+
+    def close(self) -> None:
+        self._file.close()
+        try:
+            self._store.upload_file(self.key, self._file.name)
+        finally:
+            os.unlink(self._file.name)
+
+    def abort(self) -> None:
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._file.name)
 
 
 def etag_of(data: bytes) -> str:
@@ -142,6 +263,21 @@ class Store(ABC):
     @abstractmethod
     def child(self, prefix: str) -> Store:
         """A view of this store rooted at ``prefix`` below this one."""
+
+    #: Stores that upload a streamed object in parts hold each part in memory until
+    #: it is sent: its size in bytes (0: no buffers, the data goes straight out). A
+    #: writer holds at most ``parts_in_flight + 1`` parts.
+    part_bytes: int = 0
+
+    def open_writer(self, key: str, *, parts_in_flight: int | None = None) -> ObjectWriter:
+        """Stream a large object to ``key`` (see :class:`ObjectWriter`).
+
+        ``parts_in_flight``: at most this many parts uploading at once (stores with
+        :attr:`part_bytes`; None: the store's default). The default implementation
+        spools to a local temporary file and uploads it at close; both of spotnb's
+        stores write straight to their destination.
+        """
+        return _SpooledWriter(self, _check_key(key))
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists."""
@@ -346,6 +482,9 @@ class LocalStore(Store):
         else:
             super().delete_prefix(prefix)
 
+    def open_writer(self, key: str, *, parts_in_flight: int | None = None) -> ObjectWriter:
+        return _LocalWriter(key, self._path(key))
+
     def upload_file(self, key: str, path: str | os.PathLike[str]) -> None:
         _check_fault()
         dest = self._path(key)
@@ -353,9 +492,9 @@ class LocalStore(Store):
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=_TMP_MARK)
         os.close(fd)
         try:
-            mbps = float(os.environ.get(UPLOAD_MBPS_ENV) or 0)
-            if mbps > 0:
-                _throttled_copy(path, tmp, mbps)
+            throttle = _Throttle.current()
+            if throttle is not None:
+                _throttled_copy(path, tmp, throttle)
             else:
                 shutil.copyfile(path, tmp)
             with open(tmp, "rb") as f:
@@ -388,18 +527,73 @@ class LocalStore(Store):
         return LocalStore(self.root / _check_key(prefix.strip("/")))
 
 
-def _throttled_copy(src: str | os.PathLike[str], dest: str, mbps: float) -> None:
-    """Copy at ``mbps`` megabytes per second: the local cloud's simulated network."""
-    chunk = 1 << 18
-    start = time.monotonic()
-    done = 0
+class _LocalWriter(ObjectWriter):
+    """A streamed object of a :class:`LocalStore`: a temporary file renamed at close."""
+
+    def __init__(self, key: str, dest: Path) -> None:
+        _check_fault()
+        self.key = key
+        self._dest = dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self._fd, self._tmp = tempfile.mkstemp(dir=dest.parent, prefix=_TMP_MARK)
+        self._throttle = _Throttle.current()
+        self._size = 0
+        self._written_back = 0  # bytes handed to the kernel's writeback so far
+        self._open = True
+
+    def write(self, data: Any) -> int:
+        _check_fault()  # a disk that fills up mid-write
+        view = memoryview(data).cast("B")
+        total = len(view)
+        step = _THROTTLE_PIECE if self._throttle is not None else total or 1
+        for start in range(0, total, step):
+            piece = view[start:start + step]
+            if self._throttle is not None:
+                self._throttle.wait(len(piece))
+            while piece:
+                n = os.write(self._fd, piece)
+                piece = piece[n:]
+        self._size += total
+        if self._size - self._written_back >= _WRITEBACK_BYTES and _FADVISE:
+            os.posix_fadvise(self._fd, self._written_back, self._size - self._written_back,
+                             os.POSIX_FADV_DONTNEED)
+            self._written_back = self._size
+        return total
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        try:
+            os.fsync(self._fd)
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self._fd)
+        self._open = False
+        try:
+            os.replace(self._tmp, self._dest)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+            raise
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            os.close(self._fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
+
+
+_FADVISE = hasattr(os, "posix_fadvise")
+
+
+def _throttled_copy(src: str | os.PathLike[str], dest: str, throttle: _Throttle) -> None:
+    """Copy through the local cloud's simulated network (:class:`_Throttle`)."""
     with open(src, "rb") as fin, open(dest, "wb") as fout:
-        while block := fin.read(chunk):
+        while block := fin.read(_THROTTLE_PIECE):
+            throttle.wait(len(block))
             fout.write(block)
-            done += len(block)
-            ahead = done / (mbps * 1e6) - (time.monotonic() - start)
-            if ahead > 0:
-                time.sleep(ahead)
 
 
 def open_store(uri: str | os.PathLike[str]) -> Store:

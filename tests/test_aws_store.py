@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from test_store import (  # the shared store contract
     test_a_restarted_writer_continues_the_stream,
+    test_a_streamed_object_appears_whole_at_close_or_not_at_all,
     test_event_chunks_are_immutable_and_a_fenced_writer_writes_nothing,
     test_event_log_round_trip_in_order_across_streams,
     test_keys_that_escape_the_prefix_are_refused,
@@ -44,6 +45,7 @@ from spotnb.testing import DEFAULT_ACCOUNT, MotoServer, aws_environment
 
 __all__ = [
     "test_a_restarted_writer_continues_the_stream",
+    "test_a_streamed_object_appears_whole_at_close_or_not_at_all",
     "test_event_chunks_are_immutable_and_a_fenced_writer_writes_nothing",
     "test_event_log_round_trip_in_order_across_streams",
     "test_keys_that_escape_the_prefix_are_refused",
@@ -256,6 +258,45 @@ def test_every_request_names_the_expected_bucket_owner(store: S3Store, tmp_path:
     assert {"PutObject", "GetObject", "HeadObject", "ListObjectsV2", "DeleteObject",
             "DeleteObjects"} <= operations
     assert all(owner == DEFAULT_ACCOUNT for _, owner in seen), seen
+
+
+def test_a_checkpoint_streams_to_s3_in_parts_with_checksums(
+        store: S3Store, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from spotnb.checkpoints import CheckpointStore
+    from spotnb.ckpt.dcp import FileReader, StoreWriter, load_state, save_state, state_key
+
+    seen: list[tuple[str, str | None]] = []
+
+    def record(event_name: str, params: dict[str, Any], **kwargs: Any) -> None:
+        headers = {k.lower(): v for k, v in params.get("headers", {}).items()}
+        seen.append((event_name.rsplit(".", 1)[1], headers.get("x-amz-expected-bucket-owner")))
+
+    weights = torch.randn(5 * 2**20)  # 20 MiB: two parts of a multipart upload
+    cs = CheckpointStore(store, "checkpoints")
+    pending = cs.begin(3, attempt=1)
+    writer = StoreWriter(pending, live=["w"], parts_in_flight=1)
+    remove = _boto.add_hook("before-call.s3.*", record)
+    try:
+        save_state({"w": weights, state_key(): {"step": 3}}, writer)
+    finally:
+        remove()
+    assert writer.live_written.is_set()
+    manifest = cs.commit(pending.finish("dcp"))
+    operations = [op for op, _ in seen]
+    assert operations.count("UploadPart") == 2
+    assert {"CreateMultipartUpload", "CompleteMultipartUpload", "PutObject"} <= set(operations)
+    assert all(owner == DEFAULT_ACCOUNT for _, owner in seen), seen
+    data = next(f for f in manifest.files if f.name.endswith(".distcp"))
+    head = store.client.head_object(Bucket=store.bucket, ChecksumMode="ENABLED",
+                                    Key=f"{store.prefix}/checkpoints/{manifest.id}/{data.name}")
+    assert head["ContentLength"] == data.size and head.get("ChecksumCRC32")
+    assert not store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads")
+
+    cs.download(manifest, tmp_path / "copy")  # checks sizes and SHA-256
+    targets: dict[str, Any] = {"w": torch.empty_like(weights), state_key(): None}
+    load_state(targets, FileReader(tmp_path / "copy"))
+    assert torch.equal(targets["w"], weights) and targets[state_key()] == {"step": 3}
 
 
 # ------------------------------------------------------------- buckets, errors

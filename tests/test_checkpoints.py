@@ -272,3 +272,36 @@ def test_restore_falls_back_past_a_damaged_latest(tmp_path: Path,
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["3", "2"]
     assert "damaged" in out.stderr
+
+
+def test_a_pending_checkpoint_lists_the_files_streamed_into_it(
+        store: LocalStore, tmp_path: Path) -> None:
+    import hashlib
+    import threading
+
+    cs = CheckpointStore(store)
+    pending = cs.begin(4, attempt=2)
+    blobs = {f"part{i}": os.urandom(300_000 + i) for i in range(3)}
+
+    def stream(name: str) -> None:
+        with pending.open(name) as f:
+            for start in range(0, len(blobs[name]), 65_536):
+                f.write(blobs[name][start:start + 65_536])
+
+    threads = [threading.Thread(target=stream, args=(name,)) for name in blobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    pending.put_bytes("meta/small", b"tiny")
+    with pytest.raises(RuntimeError), pending.open("dropped") as f:
+        f.write(b"half of it")
+        raise RuntimeError("the writer died")
+    assert cs.latest() is None  # nothing is current before the manifest and LATEST
+    manifest = cs.commit(pending.finish("raw", {"note": 1}))
+    assert {e.name: (e.size, e.sha256) for e in manifest.files} == {
+        **{n: (len(b), hashlib.sha256(b).hexdigest()) for n, b in blobs.items()},
+        "meta/small": (4, hashlib.sha256(b"tiny").hexdigest())}
+    assert not store.exists(f"checkpoints/{manifest.id}/dropped")
+    paths = cs.download(cs.latest() or manifest, tmp_path / "out")  # verifies every hash
+    assert paths["part1"].read_bytes() == blobs["part1"]

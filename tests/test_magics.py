@@ -372,6 +372,8 @@ def _fake_job(home: Path, job_id: str, *, status: str | None, outputs: dict[str,
     second.emit("status", state="booting", detail="attempt 2", instance_type="g5.xlarge",
                 az="use1-az2")
     second.emit("status", state="running", detail="restored checkpoint of step 0 in 0.1s")
+    second.emit("warning", kind="notice-fit", text="a checkpoint of 24.0 GB took 240 s to "
+                "become durable (100 MB/s), more than 50% of the 120 s interruption notice")
     second.emit("stream", name="stdout", text="step 1\n")
     second.emit("display", kind="display_data", data={"text/plain": "a figure"},
                 metadata={}, display_id=None)
@@ -406,6 +408,7 @@ def test_follow_replays_history_and_shows_the_last_value_once(spotnb_home: Path)
     assert any("spot interruption notice for i-1" in m for m in milestones)
     assert any(m.startswith("attempt 2: resuming") for m in milestones)
     assert any("restored checkpoint of step 0" in m for m in milestones)
+    assert any(m.startswith("warning: a checkpoint of 24.0 GB took 240 s") for m in milestones)
     assert kinds[-1] == ("finished", ("completed", 1))
 
 

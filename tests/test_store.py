@@ -13,7 +13,7 @@ import pytest
 
 from spotnb import lease
 from spotnb.events import EventReader, EventWriter
-from spotnb.store import LocalStore, NotFound, open_store
+from spotnb.store import LocalStore, NotFound, Store, open_store
 
 
 @pytest.fixture
@@ -100,6 +100,30 @@ def test_readers_never_see_a_half_written_object(store: LocalStore) -> None:
     stop.set()
     reader.join()
     assert seen <= {b"aa4000000", b"bb4000000"}
+
+
+def test_a_streamed_object_appears_whole_at_close_or_not_at_all(store: Store) -> None:
+    # Larger than an S3 part (16 MiB), written in pieces that straddle part boundaries.
+    data = os.urandom(17 * 2**20 + 12_345)
+    writer = store.open_writer("ckpt/1/data")
+    for start in range(0, len(data), 3_000_001):
+        writer.write(memoryview(data)[start:start + 3_000_001])
+    assert not store.exists("ckpt/1/data")
+    assert store.list_keys("ckpt/") == []
+    writer.close()
+    assert store.get("ckpt/1/data") == data
+
+    with store.open_writer("ckpt/1/small") as small:
+        small.write(b"tiny")
+    assert store.get("ckpt/1/small") == b"tiny"
+
+    with pytest.raises(RuntimeError, match="mid-write"), store.open_writer("ckpt/2/x") as w:
+        w.write(data)
+        raise RuntimeError("the writer failed mid-write")
+    aborted = store.open_writer("ckpt/2/y")
+    aborted.write(data[:1000])
+    aborted.abort()
+    assert store.list_keys("ckpt/") == ["ckpt/1/data", "ckpt/1/small"]
 
 
 def test_keys_that_escape_the_prefix_are_refused(store: LocalStore) -> None:

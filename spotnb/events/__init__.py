@@ -45,7 +45,8 @@ vocabulary every reader may rely on):
 ``sys``         ``kind`` ("gpu" or "cpu"), ``util`` (%), ``mem_used``, ``mem_total``
                 (bytes), for GPUs also ``gpus`` (per-device list)
 ``checkpoint``  ``phase`` (begin, durable, failed), ``id``, ``step``, ``bytes``,
-                ``seconds``, ``forced``; a synced directory's snapshot has ``kind``
+                ``seconds`` (to durable), ``forced``; durable ones also ``stall`` (the
+                seconds the training loop waited); a synced directory's snapshot has ``kind``
                 "sync", ``name``, ``files``, ``bytes`` (and ``step``, ``forced``
                 when taken at a framework's save point)
 ``params``      ``params`` {name: value} (hyperparameters), ``source`` (optional:
@@ -56,6 +57,8 @@ vocabulary every reader may rely on):
                 ``instance_type``, ``az``, ``reason``
 ``usage``       ``requests`` {"service:operation": count} made so far by the
                 ``process`` (job-agent, instance-agent, ...) that emits it
+``warning``     ``kind`` (``notice-fit``: checkpoints take too long for the notice),
+                ``text`` (what happens and what to do)
 ``error``       ``ename``, ``evalue``, ``traceback`` (list of str), ``retrying``
 ``result``      ``status`` (completed, failed, stopped), ``reason``
 """

@@ -387,6 +387,7 @@ class Agent:
                 {"seconds": every.seconds, "steps": every.steps}),
             channel.ENV_KEEP_CHECKPOINTS: str(self.spec.policy.keep_checkpoints),
             channel.ENV_SCRATCH: str(self._scratch),
+            channel.ENV_NOTICE_SECONDS: str(_notice_seconds(self.spec.provider)),
             "PYTHONUNBUFFERED": "1",
             "SPOTNB_ORIGIN": "runtime",
         })
@@ -827,6 +828,8 @@ class Agent:
                 self.live.send_now()
             if self.held is not None:
                 self._done_with_lease()
+        elif op == "warning":
+            ev.emit("warning", kind=msg.get("kind"), text=msg.get("text", ""))
         elif op == "params":
             ev.emit("params", **{k: v for k, v in msg.items() if k != "op"})
         elif op == "progress":
@@ -1066,6 +1069,20 @@ def _sweep_descendants() -> None:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(family, timeout=5)
+
+
+def _notice_seconds(provider: str) -> float:
+    """The job's interruption notice period: the runtime judges its checkpoints by it."""
+    from spotnb.providers import notice_seconds
+
+    try:
+        return notice_seconds(provider)
+    except Exception:  # a bad local cloud setting: the group reports it, not the agent
+        log.warning("cannot tell the notice period of provider %s; assuming EC2's",
+                    provider, exc_info=True)
+        from spotnb.ckpt.notice import EC2_NOTICE_SECONDS
+
+        return EC2_NOTICE_SECONDS
 
 
 def _process_started() -> float | None:

@@ -21,6 +21,8 @@ runtime -> agent
     around the first ``spot.log``)
     ``{"op": "parked", "step": int}``: the save forced by an interruption notice is
     durable; user code is now held until the instance is terminated.
+    ``{"op": "warning", "kind": str, "text": str}``: something the user should know
+    (``notice-fit``: a checkpoint takes too long to fit in the interruption notice).
 
 agent -> runtime
     ``{"op": "notice", "kind": "instance-action"|"rebalance", "action": str,
@@ -30,7 +32,8 @@ agent -> runtime
 The kernel's environment (set by the agent when it spawns the kernel, before it holds
 the lease): ``SPOTNB_JOB_URI``, ``SPOTNB_JOB_ID``, ``SPOTNB_AGENT_SOCKET``,
 ``SPOTNB_CHECKPOINT_EVERY`` (JSON ``{"seconds", "steps"}``), ``SPOTNB_KEEP_CHECKPOINTS``,
-``SPOTNB_SCRATCH`` (a local directory for this attempt). The attempt's own settings are
+``SPOTNB_SCRATCH`` (a local directory for this attempt), ``SPOTNB_NOTICE_SECONDS``
+(the provider's interruption notice period). The attempt's own settings are
 added to it by the bootstrap (``spotnb.runtime._bootstrap(env=...)``), before anything
 reads them: ``SPOTNB_ATTEMPT``, ``SPOTNB_INSTANCE_ID`` and ``SPOTNB_RESTORE_DIR``
 (where the agent prefetches the latest checkpoint while the kernel starts and the
@@ -53,6 +56,7 @@ ENV_CHECKPOINT_EVERY = "SPOTNB_CHECKPOINT_EVERY"
 ENV_KEEP_CHECKPOINTS = "SPOTNB_KEEP_CHECKPOINTS"
 ENV_SCRATCH = "SPOTNB_SCRATCH"
 ENV_RESTORE_DIR = "SPOTNB_RESTORE_DIR"
+ENV_NOTICE_SECONDS = "SPOTNB_NOTICE_SECONDS"
 PREFETCH_DONE = ".prefetch-done"
 
 

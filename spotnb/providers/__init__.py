@@ -43,6 +43,14 @@ contract" rather than repeat it):
     ``terminated`` or unknown). A replacement whose job's lease is held by that
     instance takes it over at once rather than waiting out the lease's TTL; False
     when unsure.
+``notice_seconds()`` (optional)
+    The interruption notice period of the provider's instances (default: EC2's 120 s).
+    :func:`notice_seconds` answers it for the agent without importing the provider.
+``upload_mbps(spec)`` (optional)
+    The bandwidth (MB/s) an instance of the job can be expected to write checkpoints to
+    its store with, or None if unknown: spotnb warns at submit time when a checkpoint
+    of the captured inputs would not be durable within the notice
+    (:mod:`spotnb.ckpt.notice`).
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ from abc import ABC, abstractmethod
 
 from spotnb.spec import JobSpec, SpecError
 
-__all__ = ["PROVIDERS", "PoolPrice", "Provider", "ProviderError", "get_provider"]
+__all__ = ["PROVIDERS", "PoolPrice", "Provider", "ProviderError", "get_provider",
+           "notice_seconds"]
 
 PROVIDERS = ("local", "aws")
 
@@ -107,6 +116,25 @@ class Provider(ABC):
     def instance_gone(self, job_id: str, instance_id: str) -> bool:
         """Whether ``instance_id`` is known to be terminated (see the contract)."""
         return False
+
+    def notice_seconds(self) -> float:
+        """The interruption notice period of this provider's instances, in seconds."""
+        return notice_seconds(self.name)
+
+    def upload_mbps(self, spec: JobSpec) -> float | None:
+        """MB/s an instance of ``spec`` can write checkpoints to its store; None: unknown."""
+        return None
+
+
+def notice_seconds(provider: str) -> float:
+    """The interruption notice period of ``provider``'s instances (cheap to call)."""
+    if provider == "local":
+        from spotnb.providers.local.state import Settings
+
+        return Settings.load().notice_seconds
+    from spotnb.ckpt.notice import EC2_NOTICE_SECONDS
+
+    return EC2_NOTICE_SECONDS
 
 
 def get_provider(name: str) -> Provider:

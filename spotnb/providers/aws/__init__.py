@@ -141,6 +141,13 @@ def _delete_once(fn: Callable[[], Any], codes: tuple[str, ...]) -> bool:
     return True
 
 
+#: What spotnb assumes an instance writes checkpoints to S3 at, before a job has
+#: measured it (the submit-time check of spotnb.ckpt.notice): a conservative figure for
+#: parallel multipart uploads from the smaller GPU instances, whose network is "up to"
+#: 10-25 Gbps. After a job's first save the runtime judges by the measured rate.
+ASSUMED_S3_UPLOAD_MBPS = 300.0
+
+
 class AwsProvider(Provider):
     """spot instances on EC2 through Auto Scaling. See the module docstring."""
 
@@ -173,6 +180,9 @@ class AwsProvider(Provider):
             if key not in self._clients:
                 self._clients[key] = _boto.client(service, region)
             return self._clients[key]
+
+    def upload_mbps(self, spec: JobSpec) -> float | None:
+        return ASSUMED_S3_UPLOAD_MBPS
 
     def default_store(self, region: str) -> str:
         """``s3://spotnb-<account>-<region>``: where jobs go when no store is given."""

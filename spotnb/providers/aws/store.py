@@ -15,7 +15,15 @@ URI: ``s3://bucket/prefix`` (:func:`spotnb.store.open_store` returns an
   ``Delimiter="/"``;
 * ``upload_file``/``download_file`` use boto3's managed transfer with
   :func:`~spotnb.providers.aws._boto.transfer_config` (16 MiB parts, 10 threads); a
-  download lands in a temporary file that is renamed into place.
+  download lands in a temporary file that is renamed into place;
+* ``open_writer`` streams an object (a checkpoint file) as a multipart upload: parts
+  of :data:`STREAM_PART_BYTES` are sent by a thread pool shared by every writer of the
+  store while the caller goes on writing, at most :data:`STREAM_PARTS_IN_FLIGHT` at a
+  time (so a writer holds at most that many parts of memory), each with S3's own
+  CRC32 checksum (fewer when the checkpoint's memory budget is small).
+  ``CompleteMultipartUpload`` at close makes the object appear whole;
+  an aborted or killed writer leaves none (the bucket's lifecycle rule cleans up parts
+  a killed writer left). An object smaller than one part is a single ``PutObject``.
 
 Every request carries ``ExpectedBucketOwner`` (the caller's account, from STS, unless
 given): S3 refuses it with ``403`` if someone else owns the bucket, so a typo in a bucket
@@ -28,6 +36,7 @@ enforced object ownership and the lifecycle rules in :data:`LIFECYCLE_RULES`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -41,7 +50,7 @@ from typing import Any
 
 from spotnb.providers.aws import _boto
 from spotnb.spec import SpecError
-from spotnb.store import NotFound, Store, StoreError, _check_key
+from spotnb.store import NotFound, ObjectWriter, Store, StoreError, _check_key
 
 __all__ = ["LIFECYCLE_RULES", "S3Store", "bucket_problem", "default_bucket", "ensure_bucket"]
 
@@ -51,6 +60,17 @@ _TMP_MARK = ".tmp-"
 # A conditional write that met a concurrent one (409) is retried this often.
 _CONFLICT_RETRIES = 5
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys
+
+#: A streamed object goes up in parts of this size: S3's minimum is 5 MiB and its
+#: maximum part count 10,000, so one streamed object may reach 156 GiB (a checkpoint
+#: is split into several files, each far smaller). 16 MiB parts keep a part's upload
+#: long enough that request overhead is small, and are what boto3's transfer uses.
+STREAM_PART_BYTES = 16 * 2**20
+#: Parts uploading at once, per streamed object and across all of a store's objects
+#: (one connection each): enough to fill an instance's link to S3 (boto3's transfer
+#: uses 10 threads). A writer holds this many parts, plus the one it fills, in memory
+#: (176 MiB), which a checkpoint's memory budget sets aside.
+STREAM_PARTS_IN_FLIGHT = 10
 
 #: Checkpoints of finished jobs are the bulk of a bucket: objects over 1 MiB under
 #: ``jobs/`` (checkpoint data; specs, events and results are far smaller) expire after
@@ -91,9 +111,12 @@ class S3Store(Store):
         self.prefix = prefix.strip("/")
         self.region = region
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        # Shared with child views: one client (thread-safe) and one owner lookup.
+        # Shared with child views: one client (thread-safe), one owner lookup, one pool
+        # of part uploads (so every streamed object of the store shares the link).
         self._shared: dict[str, Any] = {"client": client, "owner": expected_owner,
-                                        "transfer": transfer, "lock": threading.Lock()}
+                                        "transfer": transfer, "lock": threading.Lock(),
+                                        "parts": None}
+        self.part_bytes = STREAM_PART_BYTES
 
     @classmethod
     def from_uri(cls, uri: str, **kwargs: Any) -> S3Store:
@@ -124,6 +147,16 @@ class S3Store(Store):
             except SpecError as err:
                 raise StoreError(str(err)) from None
         return str(shared["owner"])
+
+    def _part_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        shared = self._shared
+        if shared["parts"] is None:
+            with shared["lock"]:
+                if shared["parts"] is None:
+                    shared["parts"] = concurrent.futures.ThreadPoolExecutor(
+                        STREAM_PARTS_IN_FLIGHT, thread_name_prefix="spotnb-s3-part")
+        pool: concurrent.futures.ThreadPoolExecutor = shared["parts"]
+        return pool
 
     def _transfer(self) -> Any:
         if self._shared["transfer"] is None:
@@ -290,6 +323,10 @@ class S3Store(Store):
         except Exception as err:
             raise self._fail(_boto.unwrap_transfer_error(err), f"uploading {key}") from None
 
+    def open_writer(self, key: str, *, parts_in_flight: int | None = None) -> ObjectWriter:
+        return _S3Writer(self, key, self._key(key),
+                         max(1, parts_in_flight or STREAM_PARTS_IN_FLIGHT))
+
     def download_file(self, key: str, path: str | os.PathLike[str]) -> None:
         full = self._key(key)
         dest = Path(path)
@@ -317,6 +354,122 @@ class S3Store(Store):
                        region=self.region)
         view._shared = self._shared
         return view
+
+
+class _S3Writer(ObjectWriter):
+    """A streamed object of an :class:`S3Store` (see the module docstring).
+
+    Sequence: ``write`` fills a part buffer; each full part is handed to the store's
+    part pool (blocking while ``parts_in_flight`` parts of this object are already
+    going up: back-pressure, so memory stays bounded) -> ``close`` sends the last part, waits
+    for every part, then ``CompleteMultipartUpload`` with the parts' CRC32s. Any
+    failure aborts the multipart upload and raises :class:`StoreError`.
+    """
+
+    def __init__(self, store: S3Store, key: str, full: str, parts_in_flight: int) -> None:
+        self.key = key
+        self._store = store
+        self._full = full
+        self._slots = threading.BoundedSemaphore(parts_in_flight)
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
+        self._done = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            room = STREAM_PART_BYTES - len(self._buf)
+            self._buf += view[:room]
+            view = view[room:]
+            if len(self._buf) >= STREAM_PART_BYTES:
+                self._send_part()
+        return total
+
+    def _params(self) -> dict[str, Any]:
+        return {"Bucket": self._store.bucket, "Key": self._full,
+                "ExpectedBucketOwner": self._store.owner}
+
+    def _send_part(self) -> None:
+        client = self._store.client
+        if self._upload_id is None:
+            try:
+                reply = client.create_multipart_upload(**self._params(),
+                                                       ChecksumAlgorithm="CRC32")
+            except Exception as err:
+                raise self._store._fail(err, f"starting the upload of {self.key}") from None
+            self._upload_id = str(reply["UploadId"])
+        for part in self._parts:
+            if part.done() and part.exception() is not None:
+                self.abort()
+                raise self._part_error(part.exception())  # type: ignore[arg-type]
+        number, body = len(self._parts) + 1, self._buf  # handed over, not copied
+        self._buf = bytearray()
+        slots = self._slots
+        slots.acquire()  # back-pressure: at most parts_in_flight parts in memory
+        try:
+            future = self._store._part_pool().submit(self._upload_part, number, body)
+        except BaseException:
+            slots.release()
+            raise
+        future.add_done_callback(lambda _: slots.release())
+        self._parts.append(future)
+
+    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
+        reply = self._store.client.upload_part(**self._params(), UploadId=self._upload_id,
+                                               PartNumber=number, Body=body,
+                                               ChecksumAlgorithm="CRC32")
+        part = {"PartNumber": number, "ETag": reply["ETag"]}
+        if reply.get("ChecksumCRC32"):
+            part["ChecksumCRC32"] = reply["ChecksumCRC32"]
+        return part
+
+    def _part_error(self, err: BaseException) -> StoreError:
+        return self._store._fail(_boto.unwrap_transfer_error(err), f"uploading {self.key}")
+
+    def close(self) -> None:
+        if self._done:
+            return
+        if self._upload_id is None:
+            # Smaller than one part: one PutObject (atomic like every S3 write).
+            self._done = True
+            try:
+                self._store.client.put_object(**self._params(), Body=bytes(self._buf))
+            except Exception as err:
+                raise self._store._fail(err, f"uploading {self.key}") from None
+            return
+        if self._buf:
+            self._send_part()
+        try:
+            parts = [future.result() for future in self._parts]
+        except Exception as err:
+            self.abort()
+            raise self._part_error(err) from None
+        try:
+            self._store.client.complete_multipart_upload(
+                **self._params(), UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts})
+        except Exception as err:
+            self.abort()
+            raise self._store._fail(err, f"completing the upload of {self.key}") from None
+        self._done = True
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        for future in self._parts:
+            future.cancel()
+        concurrent.futures.wait(self._parts)
+        if self._upload_id is not None:
+            try:
+                self._store.client.abort_multipart_upload(**self._params(),
+                                                          UploadId=self._upload_id)
+            except Exception:
+                # The bucket's lifecycle rule removes the parts after a day.
+                log.warning("aborting the upload of %s failed; its parts expire in a day",
+                            self.key, exc_info=True)
 
 
 # --------------------------------------------------------------------- the bucket

@@ -74,7 +74,7 @@ from spotnb.providers.local.state import (
     write_json,
 )
 from spotnb.spec import JobSpec, SpecError
-from spotnb.store import StoreError, open_store
+from spotnb.store import StoreError, open_store, upload_mbps
 
 __all__ = ["LocalProvider", "Settings"]
 
@@ -110,6 +110,11 @@ class LocalProvider(Provider):
             open_store(spec.store_uri)
         except StoreError as e:
             raise SpecError(str(e)) from None
+
+    def upload_mbps(self, spec: JobSpec) -> float | None:
+        # The simulated network (SPOTNB_LOCAL_UPLOAD_MBPS), which instances inherit;
+        # without it uploads go at the local disk's speed: no figure to judge by.
+        return upload_mbps()
 
     def launch(self, spec: JobSpec) -> None:
         self.validate(spec)

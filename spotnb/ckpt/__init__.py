@@ -1,0 +1,68 @@
+"""Checkpoint data at model scale: spotnb's on-store format, streamed, in bounded memory.
+
+``spot.Checkpoint`` writes the training state in the format of
+``torch.distributed.checkpoint`` (DCP), as one rank of a DCP checkpoint: a single-node
+job is the one-shard case of a multi-node one, and the same writer, reader and
+manifest serve both.
+
+Layout of one checkpoint in the job's store (the protocol around it, manifest then
+``LATEST``, is :mod:`spotnb.checkpoints`')::
+
+    checkpoints/<id>/__<rank>_<i>.distcp   rank <rank>'s items, file <i> (one file per
+                                           FILE_MIN_BYTES, at most MAX_FILES per rank,
+                                           written in parallel): each tensor's raw bytes
+                                           (C order, its own dtype) at an ALIGN-aligned
+                                           offset; other items as torch.save bytes
+    checkpoints/<id>/.metadata             DCP's Metadata, pickled: every tensor's name,
+                                           dtype, global shape and chunks (which part of
+                                           it each rank saved), and storage_data: where
+                                           each item's bytes are (ItemLocation)
+    checkpoints/<id>/MANIFEST.json         spotnb's: step, attempt, format "dcp", every
+                                           file of every rank with its size and SHA-256
+    checkpoints/LATEST                     the newest complete checkpoint
+
+Names follow DCP's flattening of ``{"model": model.state_dict(), ...}``:
+``model.fc.weight``, ``optimizer.state.0.exp_avg``; ``spotnb/state/rank<r>`` holds
+rank ``r``'s state tree (object kinds, RNG states, small non-tensor values; see
+:mod:`spotnb.snapshot`). So ``dcp.load({"model": m.state_dict()},
+storage_reader=FileReader(dir))`` loads a downloaded spotnb checkpoint into a model,
+and DCP's planners reshard it: a checkpoint saved by N ranks loads on M.
+
+What multi-node training adds (issue 13) is the process group, not a format: each rank
+calls ``dcp.save``/``dcp.async_save`` with a :class:`~spotnb.ckpt.dcp.StoreWriter` on
+the same :class:`~spotnb.checkpoints.PendingCheckpoint` id; DCP gathers every rank's
+write results on the coordinator, whose ``finish`` writes ``.metadata`` and lists every
+rank's files (their sizes and hashes travel with the results), then the coordinator
+writes the manifest and moves ``LATEST`` after the fencing check. A rank that died
+mid-save leaves no manifest, so invariant 2 holds across all shards.
+
+Memory (:mod:`spotnb.ckpt.memory`): a save copies into host buffers only what its
+budget allows; the rest is written straight from the training tensors while the loop
+waits (from a GPU through a pinned staging buffer of :data:`PIECE_BYTES` per file).
+A restore reads each saved tensor straight into the registered object's own tensor.
+
+Timing (:mod:`spotnb.ckpt.notice`): whether a final checkpoint fits in the
+interruption notice.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ALIGN", "DATA_SUFFIX", "FILE_MIN_BYTES", "MAX_FILES", "METADATA_FILE",
+           "PIECE_BYTES"]
+
+#: DCP's name for the pickled ``Metadata`` of a checkpoint.
+METADATA_FILE = ".metadata"
+#: Data files of a rank's items: ``__<rank>_<i>.distcp``, as DCP names them.
+DATA_SUFFIX = ".distcp"
+#: A file per this many bytes of a rank's data: small checkpoints stay one file (one
+#: object to create and fsync), large ones are written by several threads at once.
+FILE_MIN_BYTES = 256 * 2**20
+#: At most this many files (threads) per rank: each hashes on its own core while the
+#: store writes; more would only contend for the disk or the link.
+MAX_FILES = 4
+#: Items start at offsets aligned to this many bytes, so that a tensor read back can
+#: be a view of a memory-mapped file (any dtype's alignment, and a cache line).
+ALIGN = 64
+#: Tensor bytes go to the store in pieces of this size: a GPU tensor needs a staging
+#: buffer of this size only, and a simulated network delivers them steadily.
+PIECE_BYTES = 8 * 2**20

@@ -1,0 +1,501 @@
+"""Checkpoints at model scale: bounded host memory, streamed saves, the DCP format.
+
+States here are small (tens of MB) with budgets smaller still, so that a save must
+stream most of its state; the 1-4 GB figures are ``benchmarks/bench_checkpoint.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from spotnb import runtime as spot
+from spotnb.checkpoints import MANIFEST, CheckpointStore
+from spotnb.ckpt import METADATA_FILE
+from spotnb.ckpt.dcp import FileReader, ItemLocation, StoreWriter, load_state, save_state, state_key
+from spotnb.ckpt.memory import MemoryBudget, parse_size
+from spotnb.ckpt.notice import NoticeFit, input_state_bytes
+from spotnb.store import LocalStore
+
+# Environment variables of a job (set by other tests' fixtures): a subprocess here
+# runs standalone, against ./.spotnb-local.
+_JOB_ENV = ("SPOTNB_JOB_URI", "SPOTNB_AGENT_SOCKET", "SPOTNB_ATTEMPT", "SPOTNB_RESTORE_DIR",
+            "SPOTNB_CHECKPOINT_MEMORY", "SPOTNB_LOCAL_UPLOAD_MBPS")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_ENV}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def standalone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    spot._finish()
+    for key in _JOB_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    try:
+        yield tmp_path
+    finally:
+        spot._finish()
+
+
+# -- the memory budget -----------------------------------------------------------------
+
+
+def test_budget_accepts_sizes_and_shares_and_names_the_forms() -> None:
+    assert parse_size("8GB") == 8 * 10**9
+    assert parse_size("512 MiB") == 512 * 2**20
+    assert parse_size(1_000_000) == 1_000_000
+    assert parse_size("25%") == 0.25
+    for bad in ("lots", "0MB", "150%", -3, "8 parsecs"):
+        with pytest.raises(ValueError, match=r"as bytes, a size such as '8GB'|share must"):
+            parse_size(bad)  # type: ignore[arg-type]
+    assert MemoryBudget("64MB").bytes() == 64 * 10**6
+    # A share is of the free RAM, counting what the checkpoint itself already holds.
+    share = MemoryBudget("50%")
+    assert share.bytes(held=10**9) > share.bytes() > 0
+
+
+# -- bounded memory (subprocesses: peak RSS is per process) ------------------------------
+
+_PEAK = textwrap.dedent(
+    """
+    import json, re, sys
+    import torch
+    import spotnb.ckpt.dcp  # imported first: imports are not the save's memory
+    from spotnb import runtime as spot
+
+    def rss():
+        status = open("/proc/self/status").read()
+        return [int(re.search(key + r":\\s+(\\d+)", status).group(1)) * 1024
+                for key in ("VmRSS", "VmHWM")]
+
+    budget = sys.argv[1]
+    torch.manual_seed(0)
+    # 128 MB of state: 64 MB of weights and 64 MB of SGD momentum.
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    small = spot.Checkpoint(x=torch.zeros(4))  # first-use costs, outside the measure
+    small.save(0)
+    small.wait()
+    ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=budget)
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    before, _ = rss()
+    ckpt.save(1)
+    manifest = ckpt.wait()
+    _, peak = rss()
+    print(json.dumps({"extra": peak - before, "bytes": manifest.total_bytes}))
+    spot._finish()
+    """
+)
+
+
+def _peak_extra(tmp_path: Path, budget: str) -> tuple[int, int]:
+    work = tmp_path / budget
+    work.mkdir()
+    run = subprocess.run([sys.executable, "-c", _PEAK, budget], env=_env(), cwd=work,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    return int(out["extra"]), int(out["bytes"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_peak_host_memory_of_a_save_stays_within_the_budget(tmp_path: Path) -> None:
+    budget = 16 * 10**6
+    extra, state = _peak_extra(tmp_path, "16MB")
+    assert state > 7 * budget  # the state is far larger than the budget
+    # The budget, and a little for the save's own Python objects (plans, threads).
+    assert extra < budget + 4 * 10**6, f"a save used {extra / 1e6:.1f} MB over its RSS"
+    # The measure sees a whole copy when the budget allows one.
+    whole, _ = _peak_extra(tmp_path, "1GB")
+    assert whole > 0.9 * state
+
+
+# -- a streamed save restores byte-exactly -------------------------------------------------
+
+
+class Tied(torch.nn.Module):
+    """Tied weights, odd dtypes and shapes: what a state_dict can hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(300, 64)
+        self.head = torch.nn.Linear(64, 300, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = torch.nn.LayerNorm(64)
+        self.register_buffer("bf16", torch.randn(31, 17).to(torch.bfloat16))
+        self.register_buffer("counts", torch.arange(1000, dtype=torch.int64))
+        self.register_buffer("mask", torch.rand(333) > 0.5)
+        self.register_buffer("scalar", torch.tensor(3.25))
+        self.register_buffer("nothing", torch.empty(0, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(x)))
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, per_param in opt.state_dict()["state"].items():
+        for k, v in per_param.items():
+            out[f"opt.{i}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def test_a_streamed_save_restores_byte_exactly_in_place(
+        standalone: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(1)
+    model = Tied()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        loss = model(torch.randint(0, 300, (8,))).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    transposed = torch.randn(40, 30).t()  # not contiguous
+    array = np.random.default_rng(0).standard_normal((20, 7)).astype(np.float32)
+    swapped = np.arange(12, dtype=">i4")  # not native byte order: kept in the state
+    ckpt = spot.Checkpoint(model=model, optimizer=opt, transposed=transposed, array=array,
+                           swapped=swapped, host_memory=4096)
+    expected = _state(model, opt)
+    expected_t, expected_a = transposed.clone(), array.copy()
+    # A slow link: the save is still writing when training goes on.
+    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "1")
+    ckpt.save(9)
+    # save() returned: the live tensors are written, so training may change them all.
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers(), transposed):
+            t.add_(7) if t.dtype != torch.bool else t.logical_not_()
+        for per_param in opt.state.values():
+            per_param["exp_avg"].add_(7)
+    array += 7
+    manifest = ckpt.wait()
+    assert manifest is not None and manifest.format == "dcp"
+    spot._finish()
+    monkeypatch.delenv("SPOTNB_LOCAL_UPLOAD_MBPS")
+
+    # A resumed attempt: fresh objects (other values), a fresh optimizer (no state yet).
+    torch.manual_seed(2)
+    fresh = Tied()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    weight_at = fresh.embed.weight.data_ptr()
+    t2, a2 = torch.zeros(40, 30).t(), np.zeros((20, 7), np.float32)
+    again = spot.Checkpoint(model=fresh, optimizer=fresh_opt, transposed=t2, array=a2,
+                            swapped=np.zeros(12, ">i4"))
+    assert again.restore() == 10
+    got = _state(fresh, fresh_opt)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+    # Read into the registered tensors themselves; tied weights stay tied.
+    assert fresh.embed.weight.data_ptr() == weight_at
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(t2, expected_t) and np.array_equal(a2, expected_a)
+    assert again["swapped"].tolist() == list(range(12))
+
+
+# -- invariant 2 when a streamed save is killed ---------------------------------------------
+
+_KILLED = textwrap.dedent(
+    """
+    import os
+    import torch
+    from spotnb import runtime as spot
+
+    small = spot.Checkpoint(tag={"step": 1})
+    small.save(1)
+    small.wait()
+    # A slow network from here on, and a state that does not fit the budget: the save
+    # streams it straight from the tensor while the loop waits.
+    os.environ["SPOTNB_LOCAL_UPLOAD_MBPS"] = "4"
+    big = spot.Checkpoint(weights=torch.randn(16 * 2**20 // 4), host_memory=1 << 20)
+    print("saving", flush=True)
+    big.save(2)
+    print("saved", flush=True)
+    """
+)
+
+
+def _size(path: Path) -> int:
+    """A file's size; 0 once it is gone (a finished part is renamed into place)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def test_a_streamed_save_killed_midway_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / spot.LOCAL_DIR)
+    cs = CheckpointStore(store, "checkpoints")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED], env=_env(), cwd=tmp_path,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 60
+        partial: list[Path] = []
+        # Kill once part of the 16 MB state is in the store (it takes 4 s at 4 MB/s).
+        while time.monotonic() < deadline and not partial:
+            partial = [p for p in (store.root / "checkpoints").glob("000000000002-*/.tmp-*")
+                       if _size(p) > 2**20]
+            time.sleep(0.01)  # a poll, not a wait on time: leave the CPU to the save
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert partial, "the save never got going"
+    assert proc.returncode == -signal.SIGKILL
+    (cut,) = [i for i in cs.ids() if i.startswith("000000000002-")]
+    assert not store.exists(f"checkpoints/{cut}/{MANIFEST}")
+    latest = cs.latest()
+    assert latest is not None and latest.step == 1
+    # A new attempt resumes from the complete checkpoint; the partial one is invisible.
+    spot._finish()
+    tag: dict[str, int] = {}
+    os.chdir(tmp_path)
+    try:
+        assert spot.Checkpoint(tag=tag).restore() == 2
+    finally:
+        spot._finish()
+    assert tag == {"step": 1}
+
+
+# -- the format is DCP's -----------------------------------------------------------------
+
+
+def test_torch_distributed_checkpoint_reads_a_spotnb_checkpoint(standalone: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    ckpt = spot.Checkpoint(model=model)
+    ckpt.save(4)
+    manifest = ckpt.wait()
+    assert manifest is not None
+    names = {f.name for f in manifest.files}
+    assert names == {METADATA_FILE, "__0_0.distcp"}
+    directory = standalone / spot.LOCAL_DIR / "checkpoints" / manifest.id
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    target = {"model": other.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: assuming one process"
+        dcp.load(target, storage_reader=FileReader(directory))
+    for key, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value), key
+    # DCP's metadata: one chunk per tensor, each item at an aligned offset of the file.
+    metadata = FileReader(directory).read_metadata()
+    assert metadata.state_dict_metadata["model.0.weight"].size == torch.Size([16, 8])
+    assert all(isinstance(loc, ItemLocation) and loc.offset % 64 == 0
+               for loc in metadata.storage_data.values())
+
+
+def test_dcp_save_with_a_process_group_writes_through_the_store_writer(tmp_path: Path) -> None:
+    """The multi-node path: ``dcp.save`` runs the collectives and calls the writer."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(32, 32)
+        cs = CheckpointStore(LocalStore(tmp_path / "store"), "checkpoints")
+        pending = cs.begin(7, attempt=1)
+        writer = StoreWriter(pending)
+        dcp.save({"model": model.state_dict(), "extra": {"epoch": 3}},
+                 storage_writer=writer)
+        cs.commit(pending.finish("dcp"))
+        latest = cs.latest()
+        assert latest is not None and latest.step == 7
+        local = cs.download(latest, tmp_path / "copy")
+        assert set(local) == {METADATA_FILE, "__0_0.distcp"}
+        other = torch.nn.Linear(32, 32)
+        target: dict[str, Any] = {"model": other.state_dict(), "extra": {"epoch": 0}}
+        dcp.load(target, storage_reader=FileReader(tmp_path / "copy"))
+        assert torch.equal(other.weight, model.weight) and target["extra"] == {"epoch": 3}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_store_writer_spreads_a_large_state_over_parallel_files(tmp_path: Path) -> None:
+    cs = CheckpointStore(LocalStore(tmp_path / "store"), "checkpoints")
+    pending = cs.begin(1)
+    # 80 MB in 40 tensors: 2 files of at least FILE_MIN_BYTES... made smaller here.
+    tensors = {f"w.{i}": torch.full((2**19,), float(i)) for i in range(40)}
+    writer = StoreWriter(pending, live=["w.0", "w.1"])
+    import spotnb.ckpt.dcp as dcp_mod
+
+    old = dcp_mod.FILE_MIN_BYTES
+    dcp_mod.FILE_MIN_BYTES = 20 * 2**20
+    try:
+        save_state({**tensors, state_key(): {"n": 40}}, writer)
+    finally:
+        dcp_mod.FILE_MIN_BYTES = old
+    assert writer.live_written.is_set()
+    manifest = pending.finish("dcp")
+    data = sorted(f.name for f in manifest.files if f.name != METADATA_FILE)
+    # The two live tensors in a file of their own, the other 76 MB in four.
+    assert data == [f"__0_{i}.distcp" for i in range(5)]
+    live_file = next(f for f in manifest.files if f.name == "__0_0.distcp")
+    assert 2 * 2**21 <= live_file.size < 2 * 2**21 + 4096
+    cs.commit(manifest)
+    copy = tmp_path / "copy"
+    cs.download(manifest, copy)  # checks every size and SHA-256
+    reader = FileReader(copy)
+    targets: dict[str, Any] = {name: torch.empty(2**19) for name in tensors}
+    targets[state_key()] = None
+    load_state(targets, reader)
+    assert targets[state_key()] == {"n": 40}
+    for name, value in tensors.items():
+        assert torch.equal(targets[name], value), name
+    # The metadata is DCP's, pickled.
+    with open(copy / METADATA_FILE, "rb") as f:
+        assert type(pickle.load(f)).__name__ == "Metadata"
+
+
+# -- the notice ------------------------------------------------------------------------------
+
+
+def test_notice_fit_says_what_to_do() -> None:
+    slow = NoticeFit.at_rate(24 * 10**9, 100.0, 120.0)  # 24 GB at 100 MB/s: 240 s
+    assert not slow.fits and round(slow.seconds) == 240
+    text = slow.advice()
+    assert "24.0 GB" in text and "would take about 240 s" in text
+    assert "Save more often" in text and "across nodes" in text and "smaller state" in text
+    assert NoticeFit.at_rate(2 * 10**9, 100.0, 120.0).fits  # 20 s
+    model = torch.nn.Linear(1000, 1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert input_state_bytes([model]) == 4 * (1000 * 1000 + 1000)
+    model(torch.randn(2, 1000)).sum().backward()
+    opt.step()
+    # The optimizer's momentum counts once it exists; shared tensors count once.
+    assert input_state_bytes([{"m": model, "o": opt}, model.weight]) == 8 * (1000 * 1000 + 1000)
+
+
+def test_submit_warns_when_the_inputs_alone_would_miss_the_notice(
+        spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotnb.jobs import _notice_warnings
+    from spotnb.providers.local import LocalProvider
+    from spotnb.spec import JobSpec, Policy, Resources
+
+    spec = JobSpec(job_id="20250101-000000-ffffff", name="big", code="x", provider="local",
+                   resources=Resources(instance_types=("g5.xlarge",)), policy=Policy(),
+                   store_uri=str(spotnb_home / "store"), created=time.time())
+    inputs = {"model": torch.nn.Linear(1000, 1000), "lr": 0.1}  # 4 MB of weights
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "2")
+    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "1")  # 4 s: more than half the notice
+    (text,) = _notice_warnings(LocalProvider(), spec, inputs)
+    assert "the cell's inputs alone" in text and "would take about 4 s" in text
+    assert "Save more often" in text
+    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "100")  # 0.04 s
+    assert _notice_warnings(LocalProvider(), spec, inputs) == ()
+    monkeypatch.delenv("SPOTNB_LOCAL_UPLOAD_MBPS")  # no figure to judge by
+    assert _notice_warnings(LocalProvider(), spec, inputs) == ()
+
+
+_RANK = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from spotnb.checkpoints import CheckpointStore
+    from spotnb.ckpt.dcp import FileReader, StoreWriter
+    from spotnb.store import LocalStore
+
+    rank, world, rendezvous, root, what = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24 * 6, dtype=torch.float32).reshape(24, 6)
+    if what == "save":  # each rank saves its rows into one checkpoint id
+        cs = CheckpointStore(LocalStore(root), "checkpoints")
+        pending = cs.begin(5, checkpoint_id="000000000005-a0001-0000beef")
+        dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)])},
+                 storage_writer=StoreWriter(pending))
+        if rank == 0:  # the coordinator lists every rank's files, then commits
+            cs.commit(pending.finish("dcp"))
+    else:  # each rank loads its columns of a checkpoint saved whole
+        target = {"w": distribute_tensor(torch.zeros(24, 6), mesh, [Shard(1)])}
+        dcp.load(target, storage_reader=FileReader(root))
+        expected = full[:, rank * 6 // world:(rank + 1) * 6 // world]
+        assert torch.equal(target["w"].to_local(), expected), rank
+    dist.destroy_process_group()
+    print("ok", rank, flush=True)
+    """
+)
+
+
+def _ranks(tmp_path: Path, world: int, root: Path, what: str) -> None:
+    rendezvous = tmp_path / f"rendezvous-{what}"
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), str(world),
+                               str(rendezvous), str(root), what], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(world)]
+    outs = [proc.communicate(timeout=240) for proc in procs]
+    for proc, (out, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0 and out.startswith("ok"), err[-3000:]
+
+
+def test_a_checkpoint_of_n_ranks_loads_on_m(tmp_path: Path) -> None:
+    """The format is DCP's: sharded saves, and resharding on load (N -> M)."""
+    full = torch.arange(24 * 6, dtype=torch.float32).reshape(24, 6)
+    store = LocalStore(tmp_path / "store")
+    _ranks(tmp_path, 2, tmp_path / "store", "save")
+    cs = CheckpointStore(store, "checkpoints")
+    latest = cs.latest()
+    assert latest is not None and latest.step == 5
+    assert {f.name for f in latest.files} == {METADATA_FILE, "__0_0.distcp", "__1_0.distcp"}
+    cs.download(latest, tmp_path / "two")
+    # Two ranks' rows -> one process, whole: a read per saved chunk.
+    targets: dict[str, Any] = {"w": torch.zeros(24, 6)}
+    load_state(targets, FileReader(tmp_path / "two"))
+    assert torch.equal(targets["w"], full)
+
+    # One whole tensor -> two ranks' columns: each reads part of a saved chunk.
+    one = CheckpointStore(LocalStore(tmp_path / "one"), "checkpoints")
+    pending = one.begin(1)
+    save_state({"w": full, state_key(): {}}, StoreWriter(pending))
+    _ranks(tmp_path, 2, tmp_path / "one" / "checkpoints" / pending.id, "load")
+
+
+def test_checkpoints_of_the_previous_format_still_restore(standalone: Path) -> None:
+    """A job resumed by a newer spotnb reads what the older one wrote (one state.pt)."""
+    torch.manual_seed(4)
+    model = torch.nn.Linear(5, 3)
+    state = {"format": 1, "step": 11, "rng": {"torch": torch.get_rng_state()},
+             "objects": {"model": ("state_dict", {k: v.clone()
+                                                  for k, v in model.state_dict().items()})}}
+    old = standalone / "state.pt"
+    torch.save(state, old)
+    cs = CheckpointStore(LocalStore(standalone / spot.LOCAL_DIR), "checkpoints")
+    cs.write(11, {"state.pt": old}, fmt="torch")
+    fresh = torch.nn.Linear(5, 3)
+    assert spot.Checkpoint(model=fresh).restore() == 12
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
