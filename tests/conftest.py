@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +54,18 @@ def spotnb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
     assert not leftovers, f"processes outlived the test: {[p.info['cmdline'] for p in leftovers]}"
+
+
+@pytest.fixture
+def private_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A temporary directory of the test's own, for this process and the processes it
+    starts (agents make their socket directories there): `spotnb cleanup` then sees
+    this test's leftovers only. Short, as Unix socket paths must be."""
+    path = Path(tempfile.mkdtemp(prefix="sn-"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _processes_under(base: Path) -> list[psutil.Process]:

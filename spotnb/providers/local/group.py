@@ -41,8 +41,9 @@ every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
 
 Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``); the
 spec's ``simulate_interruptions`` ``{"count": N}`` (reason ``simulated``: once an
-instance's attempt has a durable checkpoint and a later metric, or after
-``interrupt_after`` seconds without any checkpoint) or ``{"schedule": [s, ...]}``
+instance's attempt has a durable checkpoint and any later event, or after
+``interrupt_after`` seconds without any checkpoint; see ``_interruption_due``) or
+``{"schedule": [s, ...]}``
 (reason ``scheduled``, seconds since the first launch); the market price rising above
 ``max_price`` (``price``); and the Spot Advisor's interruption rate (``hazard``).
 """
@@ -404,9 +405,12 @@ class Supervisor:
             self.schedule_next += 1
             return "scheduled"
         if self.sim_done < self.sim_count and inst.running_since is not None:
-            silent = (inst.durable_at is None
-                      and now - inst.running_since >= self.settings.interrupt_after)
-            if inst.progressed or silent:
+            # After the attempt's first durable checkpoint, at its next sign of life
+            # (output, a metric, a CPU sample: about a second) or interrupt_after seconds
+            # later; without a checkpoint, interrupt_after seconds into the attempt. Not
+            # only after a metric: a cell need not call spot.log.
+            since = inst.durable_at if inst.durable_at is not None else inst.running_since
+            if inst.progressed or now - since >= self.settings.interrupt_after:
                 self.sim_done += 1
                 return "simulated"
         if inst.hazard_at is not None and now >= inst.hazard_at:
@@ -414,7 +418,7 @@ class Supervisor:
         return None
 
     def _track_progress(self, inst: LocalInstance) -> None:
-        """Watch the instance's attempt for a durable checkpoint followed by a metric."""
+        """Watch the instance's attempt for a durable checkpoint followed by any event."""
         assert self.reader is not None
         for event in self.reader.poll():
             if event.instance != inst.id or event.attempt == GROUP_STREAM:
@@ -422,8 +426,7 @@ class Supervisor:
             if (event.type == "checkpoint" and event.data.get("phase") == "durable"
                     and inst.durable_at is None):
                 inst.durable_at = event.time
-            elif (event.type == "metric" and inst.durable_at is not None
-                  and event.time >= inst.durable_at):
+            elif inst.durable_at is not None and event.time > inst.durable_at:
                 inst.progressed = True
         if self.sim_done >= self.sim_count:
             self.reader = None  # nothing left to simulate: stop reading the log
@@ -573,8 +576,12 @@ class Supervisor:
     def _spawn(self, inst: LocalInstance, now: float) -> None:
         cmd = [*(self.settings.agent_cmd or (sys.executable, *AGENT_MODULE)),
                "--job", self.store.uri]
+        # The job's env names without a value are this machine's variables, passed on
+        # purpose (the agent sets those with a value in the kernel's environment).
+        passed = [*self.settings.instance_env,
+                  *(name for name, value in self.spec.env.items() if value is None)]
         try:
-            inst.spawn(cmd, self.spec.job_id, now)
+            inst.spawn(cmd, self.spec.job_id, now, passed)
         except OSError as e:
             # A missing interpreter or agent: the same outcome as an agent that crashed.
             log.error("cannot start the agent %s: %s", cmd, e)
