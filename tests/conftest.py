@@ -76,7 +76,8 @@ def _processes_under(base: Path) -> list[psutil.Process]:
             home = (proc.info["environ"] or {}).get("SPOTNB_HOME", "")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if proc.pid != os.getpid() and home.startswith(str(base)):
+        # base/..., not a sibling whose name starts the same (pytest-4 and pytest-41).
+        if proc.pid != os.getpid() and (home + os.sep).startswith(str(base) + os.sep):
             found.append(proc)
     return found
 

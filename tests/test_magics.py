@@ -6,7 +6,10 @@ Real kernels and real jobs are in ``test_notebooks.py``.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import re
 import sys
 import textwrap
 import threading
@@ -465,6 +468,78 @@ def test_attach_sets_outputs_and_returns_the_remote_value(ip: Any, spotnb_home: 
               if o.data["text/plain"].startswith("spotnb job")][-1]
     assert "completed" in status and "interruptions 1" in status
     assert "on-demand $" in status and "outputs set in the notebook: model" in status
+
+
+def test_spot_result_reads_well_and_carries_the_outputs(ip: Any, spotnb_home: Path) -> None:
+    job_id = "20250101-000000-ffffff"
+    _fake_job(spotnb_home, job_id, status="completed",
+              outputs={"model": {"w": [1.5] * 40}, "accuracy": 0.97})
+    ip.run_cell("r = %spot_result ffffff")
+    result = ip.user_ns["r"]
+    assert result.outputs == {"model": {"w": [1.5] * 40}, "accuracy": 0.97}
+    text = repr(result)
+    assert text.splitlines()[0] == f"JobResult {job_id} 'fake'"
+    # Every field is there, readable: dates, durations, dollars, the outputs.
+    for field in dataclasses.fields(result):
+        if field.name not in ("job_id", "name"):
+            assert re.search(rf"^\s+{field.name}\s", text, re.M), field.name
+    assert re.search(r"start \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", text)
+    assert re.search(r"cost_usd\s+\$\d+\.\d{4}$", text, re.M)
+    assert re.search(r"duration\s+\d+\.\ds$", text, re.M)
+    assert "accuracy = 0.97" in text and "savings_pct" in text
+    assert re.search(r"^  interruptions +1$", text, re.M)
+    assert "e+09" not in text  # no epoch floats
+    html = result._repr_html_()
+    assert "<table>" in html and "ondemand_cost_usd" in html and "<th>instance_type</th>" in html
+
+
+def test_a_new_result_field_appears_in_the_repr_without_further_work() -> None:
+    @dataclasses.dataclass(frozen=True, repr=False)
+    class Richer(spotnb.JobResult):
+        control_plane_cost_usd: float = 0.00042
+        finished_at: float = 1.7e9
+
+    result = Richer(job_id="j", name="n", status="completed", reason="", attempts=(),
+                    interruptions=0, cost_usd=0.1, ondemand_cost_usd=0.3, metrics={},
+                    duration=4000.0)
+    text = repr(result)
+    assert re.search(r"control_plane_cost_usd\s+\$0\.0004$", text, re.M)
+    assert re.search(r"finished_at\s+20\d\d-\d\d-\d\d \d\d:\d\d:\d\d$", text, re.M)
+    assert re.search(r"duration\s+1h 06m 40s$", text, re.M)
+    assert "control_plane_cost_usd" in result._repr_html_()
+
+
+def test_magics_find_jobs_by_name_and_list_an_ambiguous_one(
+        ip: Any, spotnb_home: Path) -> None:
+    first = "20250101-000000-aaaaa1"
+    second = "20250101-000000-aaaaa2"
+    _fake_job(spotnb_home, first, status="completed", outputs={})
+    _fake_job(spotnb_home, second, status="completed", outputs={})
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("spot_result", "fake")  # both are called 'fake'
+    assert "'fake' matches 2 jobs" in str(err.value)
+    assert first in str(err.value) and second in str(err.value)
+    assert ip.run_line_magic("spot_result", "aaaaa2").job_id == second
+
+
+def test_spot_logs_writes_the_history_at_once(
+        ip: Any, spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job_id = "20250101-000000-ababab"
+    _fake_job(spotnb_home, job_id, status="completed", outputs={})
+
+    class Flushes(io.StringIO):
+        """A stdout that counts flushes: each one is an output message in Jupyter."""
+
+        count = 0
+
+        def flush(self) -> None:
+            self.count += 1
+
+    out = Flushes()
+    monkeypatch.setattr(sys, "stdout", out)
+    ip.run_line_magic("spot_logs", job_id)
+    assert out.count == 1
+    assert "step 0" in out.getvalue() and "step 1" in out.getvalue()
 
 
 def test_a_failed_job_shows_the_remote_traceback_with_the_cells_number(
