@@ -163,13 +163,15 @@ class JobResult:
     def __repr__(self) -> str:
         """Every field on a line (``r = %spot_result`` shows this), readable: money in
         USD, times as dates, durations in h/m/s, attempts one per line."""
+        fields = _fields(self)
+        width = max(len(label) for label, _ in fields) + 2
         lines = [f"JobResult {self.job_id} {self.name!r}"]
-        for label, value in _fields(self):
+        for label, value in fields:
             if label == "attempts":
-                lines.append(f"  {'attempts':<20}{len(value)}")
+                lines.append(f"  {label:<{width}}{len(value)}")
                 lines += [f"    {_attempt_line(a)}" for a in value]
             else:
-                lines.append(f"  {label:<20}{_text(label, value)}")
+                lines.append(f"  {label:<{width}}{_text(label, value)}".rstrip())
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -198,9 +200,9 @@ def _fields(obj: Any) -> list[tuple[str, Any]]:
     class has, so a new one appears in the repr without further work."""
     pairs = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)
              if f.name not in ("job_id", "name")]
-    pairs += [(name, getattr(obj, name)) for name, member in vars(type(obj)).items()
-              if isinstance(member, property)]
-    return pairs
+    properties = {name for klass in type(obj).__mro__ for name, member in vars(klass).items()
+                  if isinstance(member, property)}
+    return pairs + [(name, getattr(obj, name)) for name in sorted(properties)]
 
 
 def _text(name: str, value: Any) -> str:
