@@ -36,6 +36,9 @@ __all__ = ["SpotMagics", "TrainRequest"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MIB = 1 << 20
+# Set by `spotnb run` (spotnb.notebook): %%spot_train appends "<job id> followed" (or
+# "detached") to this file for each job it starts.
+ENV_RUN_JOBS = "SPOTNB_RUN_JOBS_FILE"
 
 
 class _NameList(List):
@@ -97,29 +100,27 @@ def _job_arg(func: F) -> F:
              "(default: the latest job)")(func)
 
 
-# The magic's option for each spotnb.submit argument, and the SpotMagics setting that
-# gives its default: a SpecError names what the user typed (--budget, not budget_usd).
-_OPTIONS = {
-    "provider": ("--provider", "provider"),
-    "instance_types": ("--instance-type", "instance_types"),
-    "region": ("--region", "region"),
-    "max_price": ("--max-price", "max_price"),
-    "name": ("--name", None),
-    "outputs": ("--out", None),
-    "inputs": ("--in", None),
-    "checkpoint_every": ("--checkpoint-every", "checkpoint_every"),
-    "max_restarts_on_error": ("--max-restarts-on-error", "max_restarts_on_error"),
-    "budget_usd": ("--budget", "budget"),
-    "max_duration": ("--max-duration", "max_duration"),
-    "keep_checkpoints": ("--keep-checkpoints", "keep_checkpoints"),
-    "simulate_interruptions": ("--simulate-interruptions", None),
-    "env": ("--env", None),
-    "store": ("SpotMagics.store", "store"),
+# Each spotnb.submit argument: the magic's option for it, the option's argparse
+# destination, and the SpotMagics setting that gives its default. A SpecError names
+# what the user typed (--budget, not budget_usd), or the setting the value came from.
+_OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
+    "provider": ("--provider", "provider", "provider"),
+    "instance_types": ("--instance-type", "instance_types", "instance_types"),
+    "region": ("--region", "region", "region"),
+    "max_price": ("--max-price", "max_price", "max_price"),
+    "name": ("--name", "name", None),
+    "outputs": ("--out", "outputs", None),
+    "inputs": ("--in", "inputs", None),
+    "checkpoint_every": ("--checkpoint-every", "checkpoint_every", "checkpoint_every"),
+    "max_restarts_on_error": ("--max-restarts-on-error", "max_restarts_on_error",
+                              "max_restarts_on_error"),
+    "budget_usd": ("--budget", "budget", "budget"),
+    "max_duration": ("--max-duration", "max_duration", "max_duration"),
+    "keep_checkpoints": ("--keep-checkpoints", "keep_checkpoints", "keep_checkpoints"),
+    "simulate_interruptions": ("--simulate-interruptions", "simulate_interruptions", None),
+    "env": ("--env", "env", None),
+    "store": ("SpotMagics.store", None, "store"),
 }
-
-
-# The argparse destination of each submit argument whose option is named differently.
-_DESTS = {"budget_usd": "budget", "store": "_no_option"}
 
 
 # -- the request %%spot_train builds ------------------------------------------------------
@@ -258,8 +259,8 @@ class SpotMagics(Magics):
     @_policy_args
     @argument("--simulate-interruptions", metavar="N|TIMES",
               help="local cloud: interrupt the job N times, each soon after an attempt's "
-                   "first checkpoint (or SPOTNB_LOCAL_INTERRUPT_AFTER seconds into an "
-                   "attempt without one) (--simulate-interruptions 2), or at these times "
+                   "first checkpoint (or SPOTNB_LOCAL_INTERRUPT_AFTER seconds into a "
+                   "cell that saves none) (--simulate-interruptions 2), or at these times "
                    "after launch (--simulate-interruptions 20s,45s)")
     @argument("--env", action="append", metavar="NAME[=VALUE]",
               help="an environment variable for the cell (repeat for several): "
@@ -302,14 +303,8 @@ class SpotMagics(Magics):
             handle = spotnb.submit(code, inputs=cap.inputs, files=cap.files,
                                    **request.submit)
         self.last_job = handle.job_id
-        # The first output names the job in its metadata: `spotnb run` stops the jobs
-        # of a cell that runs past its timeout.
-        from IPython.display import display as show
-
-        show({"text/plain": _shipping_line(cap)}, raw=True,
-             metadata={"spotnb": {"job_id": handle.job_id}})
-        for note in cap.notes:
-            print(note)
+        _tell_runner(handle.job_id, followed=not request.detach)
+        print(_shipping_line(cap), *cap.notes, sep="\n")
         if request.detach:
             print(f"[spotnb] submitted job {handle.job_id} ({handle.spec.name!r}); it runs "
                   f"on its own. Follow it with `%spot_attach {handle.job_id}`, stop it with "
@@ -350,8 +345,8 @@ class SpotMagics(Magics):
             "store": self.store,
         }
         names = {}
-        for field, (option, setting) in _OPTIONS.items():
-            typed = getattr(args, _DESTS.get(field, field), None) is not None
+        for field, (option, dest, setting) in _OPTIONS.items():
+            typed = dest is not None and getattr(args, dest) is not None
             names[field] = option if typed or setting is None else f"SpotMagics.{setting}"
         return TrainRequest(submit=submit,
                             inputs=_names(args.inputs) if args.inputs is not None else None,
@@ -610,6 +605,15 @@ def _widgets_render(ip: Any) -> bool:
     return getattr(ip, "kernel", None) is not None and widgets.available()
 
 
+def _tell_runner(job_id: str, followed: bool) -> None:
+    """Under `spotnb run`, note the job in the file it named (``spotnb.notebook``
+    stops the followed job of a cell that runs past its timeout)."""
+    path = os.environ.get(ENV_RUN_JOBS)
+    if path:
+        with contextlib.suppress(OSError), open(path, "a") as out:
+            out.write(f"{job_id} {'followed' if followed else 'detached'}\n")
+
+
 def _simulation_shortfall(spec: Any, result: spotnb.JobResult) -> str | None:
     """A note when ``--simulate-interruptions N`` got fewer than N interruptions."""
     asked = (spec.simulate_interruptions or {}).get("count")
@@ -617,8 +621,8 @@ def _simulation_shortfall(spec: Any, result: spotnb.JobResult) -> str | None:
         return None
     return (f"[spotnb] --simulate-interruptions {asked}: the job ended after "
             f"{result.interruptions} of them. Each comes soon after an attempt's first "
-            "checkpoint, or SPOTNB_LOCAL_INTERRUPT_AFTER seconds (default 20) into an "
-            "attempt that saves none; a job that ends sooner is not interrupted.")
+            "checkpoint, or SPOTNB_LOCAL_INTERRUPT_AFTER seconds (default 20) into a "
+            "cell that saves none; a job that ends sooner is not interrupted.")
 
 
 def _shipping_line(cap: capture.Capture) -> str:

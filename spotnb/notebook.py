@@ -8,9 +8,10 @@ failed cell is described by a :class:`CellFailure`, never printed here.
 The kernel talks to this process over IPC sockets in a private directory (no TCP port,
 nothing to encrypt), and knows the notebook's path as Jupyter would tell it
 (``JPY_SESSION_NAME``), so its jobs are named after the notebook. A cell that runs past
-the timeout is not left running: the jobs it started (the ``%%spot_train`` output that
-carries ``metadata.spotnb.job_id``) are stopped, since nobody would watch or stop them
-after the run, and the executed copy says so in the cell.
+the timeout is not left running: the job it follows is stopped, since nobody would
+watch or stop it after the run, and the executed copy says so in the cell. The kernel's
+``%%spot_train`` writes each job it starts to the file named by
+:data:`spotnb.magics.ENV_RUN_JOBS`.
 """
 
 from __future__ import annotations
@@ -122,10 +123,14 @@ def execute(nb: nbformat.NotebookNode, directory: str | os.PathLike[str], *,
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from traitlets.config import Config
 
+    from spotnb.magics import ENV_RUN_JOBS
+
     # IPC sockets in a short private directory (Unix socket paths are limited to ~107
     # bytes): no TCP port, and no "running over TCP without encryption" warning.
     sockets = Path(tempfile.mkdtemp(prefix="spotnb-nb-"))
     config = Config({"KernelManager": {"transport": "ipc", "ip": str(sockets / "kernel")}})
+    run_jobs = sockets / "jobs"
+    env = {**(os.environ if env is None else env), ENV_RUN_JOBS: str(run_jobs)}
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
                             extra_arguments=list(extra_arguments), config=config,
                             resources={"metadata": {"path": str(directory)}})
@@ -138,7 +143,7 @@ def execute(nb: nbformat.NotebookNode, directory: str | os.PathLike[str], *,
     failure = None
     kernel_usable = True
     try:
-        with client.setup_kernel(**({"env": dict(env)} if env is not None else {})):
+        with client.setup_kernel(env=env):
             assert client.kc is not None  # setup_kernel started it
             info = client.wait_for_reply(client.kc.kernel_info())
             if info is not None and "language_info" in info["content"]:
@@ -156,7 +161,7 @@ def execute(nb: nbformat.NotebookNode, directory: str | os.PathLike[str], *,
                     "\n".join(reply.get("traceback") or []))
             except CellTimeoutError:
                 kernel_usable = False
-                failure = _timed_out(client, nb, index, timeout)
+                failure = _timed_out(client, nb, index, timeout, run_jobs)
             except DeadKernelError as err:
                 kernel_usable = False
                 failure = _failure(nb, index, "DeadKernelError",
@@ -185,21 +190,23 @@ def _failure(nb: nbformat.NotebookNode, index: int, ename: str, evalue: str,
 
 
 def _timed_out(client: Any, nb: nbformat.NotebookNode, index: int,
-               timeout: float | None) -> CellFailure:
-    """The cell at ``index`` ran past ``timeout`` and is still running: stop the jobs
-    it started, and let the kernel end the cell.
+               timeout: float | None, run_jobs: Path) -> CellFailure:
+    """The cell at ``index`` ran past ``timeout`` and is still running: stop the job
+    it follows, and let the kernel end the cell.
 
-    Step 1: stop each job the cell started (nobody would watch it after the run; it
-    would keep costing). Its follow loop then sees the job end, and the cell ends.
+    Step 1: stop each job a ``%%spot_train`` cell of this run started and follows that
+    has not ended: the timed-out cell's (a cell that follows a job ends only when the
+    job does). Nobody would watch it after the run; it would keep costing. Its follow
+    loop then sees the job end, and the cell ends. Jobs started with ``--detach`` run
+    on, as asked.
     Step 2: a cell without a job (or one that still runs) is interrupted.
     Step 3: wait, a bounded time, for the kernel to finish the cell, so that it is shut
     down idle.
     """
     import spotnb
 
-    cell = nb.cells[index]
     stopped = []
-    for job_id in _cell_jobs(cell):
+    for job_id in _followed_jobs(run_jobs):
         try:
             handle = spotnb.attach(job_id)
             if handle.result_record() is None:
@@ -218,14 +225,14 @@ def _timed_out(client: Any, nb: nbformat.NotebookNode, index: int,
                     stopped_jobs=tuple(stopped))
 
 
-def _cell_jobs(cell: nbformat.NotebookNode) -> list[str]:
-    """The ids of the jobs a cell started (``%%spot_train`` marks its first output)."""
-    found = []
-    for output in cell.get("outputs", []):
-        job_id = (output.get("metadata") or {}).get("spotnb", {}).get("job_id")
-        if isinstance(job_id, str):
-            found.append(job_id)
-    return found
+def _followed_jobs(run_jobs: Path) -> list[str]:
+    """The ids of the jobs this run's cells started and followed (``ENV_RUN_JOBS``)."""
+    try:
+        lines = run_jobs.read_text().splitlines()
+    except OSError:
+        return []
+    return [parts[0] for line in lines if len(parts := line.split()) == 2
+            and parts[1] == "followed"]
 
 
 def _kernel_settles(client: Any, seconds: float) -> bool:

@@ -628,9 +628,7 @@ def test_detach_interrupt_logs_and_stop_a_real_job(
     assert value is None
     job_id = _magics(ip).last_job
     assert job_id is not None
-    shipping = out.outputs[0]
-    assert shipping.data["text/plain"].startswith("[spotnb] shipping inputs PAUSE")
-    assert shipping.metadata == {"spotnb": {"job_id": job_id}}
+    assert "[spotnb] shipping inputs PAUSE" in out.stdout
     assert f"submitted job {job_id}" in out.stdout and f"%spot_stop {job_id}" in out.stdout
 
     handle = spotnb.attach(job_id)

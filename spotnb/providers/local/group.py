@@ -42,7 +42,8 @@ every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
 Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``); the
 spec's ``simulate_interruptions`` ``{"count": N}`` (reason ``simulated``: once an
 instance's attempt has a durable checkpoint and any later event, or after
-``interrupt_after`` seconds without any checkpoint; see ``_interruption_due``) or
+``interrupt_after`` seconds into a cell without any checkpoint; see
+``_interruption_due``) or
 ``{"schedule": [s, ...]}``
 (reason ``scheduled``, seconds since the first launch); the market price rising above
 ``max_price`` (``price``); and the Spot Advisor's interruption rate (``hazard``).
@@ -404,13 +405,15 @@ class Supervisor:
                 and now >= self.first_launch + self.schedule[self.schedule_next]):
             self.schedule_next += 1
             return "scheduled"
-        if self.sim_done < self.sim_count and inst.running_since is not None:
+        if self.sim_done < self.sim_count:
             # After the attempt's first durable checkpoint, at its next sign of life
             # (output, a metric, a CPU sample: about a second) or interrupt_after seconds
-            # later; without a checkpoint, interrupt_after seconds into the attempt. Not
+            # later; without a checkpoint, interrupt_after seconds after its cell started
+            # (not after the instance started: a slow boot is not the cell's time). Not
             # only after a metric: a cell need not call spot.log.
-            since = inst.durable_at if inst.durable_at is not None else inst.running_since
-            if inst.progressed or now - since >= self.settings.interrupt_after:
+            since = inst.durable_at if inst.durable_at is not None else inst.cell_started
+            if since is not None and (inst.progressed
+                                      or now - since >= self.settings.interrupt_after):
                 self.sim_done += 1
                 return "simulated"
         if inst.hazard_at is not None and now >= inst.hazard_at:
@@ -418,11 +421,15 @@ class Supervisor:
         return None
 
     def _track_progress(self, inst: LocalInstance) -> None:
-        """Watch the instance's attempt for a durable checkpoint followed by any event."""
+        """Watch the instance's attempt: its cell's start, its first durable checkpoint,
+        and any event after that."""
         assert self.reader is not None
         for event in self.reader.poll():
             if event.instance != inst.id or event.attempt == GROUP_STREAM:
                 continue
+            if (event.type == "status" and event.data.get("state") == "running"
+                    and inst.cell_started is None):
+                inst.cell_started = event.time
             if (event.type == "checkpoint" and event.data.get("phase") == "durable"
                     and inst.durable_at is None):
                 inst.durable_at = event.time

@@ -74,6 +74,7 @@ class LocalInstance:
     notice_reason: str | None = None
     terminate_at: float | None = None
     ended: float | None = None
+    cell_started: float | None = None  # when its attempt started running the cell
     durable_at: float | None = None  # first durable checkpoint of its attempt
     progressed: bool = False  # any event of its attempt after that checkpoint
 
