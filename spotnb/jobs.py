@@ -546,8 +546,10 @@ def find_job(job: str | None = None, store: str | None = None) -> JobRef:
             return JobRef(spec.job_id, spec.name, spec.created, job_store.uri)
         except JobNotFound:
             pass
-    refs = _job_refs(store)
     where = store or layout.default_store_root()
+    if job is not None and not job.strip():
+        raise JobNotFound(job, str(where))  # every id ends with ""
+    refs = _job_refs(store)
     if job is None:
         if not refs:
             raise JobNotFound(None, str(where))

@@ -259,8 +259,9 @@ class SpotMagics(Magics):
     @_policy_args
     @argument("--simulate-interruptions", metavar="N|TIMES",
               help="local cloud: interrupt the job N times, each soon after an attempt's "
-                   "first checkpoint (or SPOTNB_LOCAL_INTERRUPT_AFTER seconds into a "
-                   "cell that saves none) (--simulate-interruptions 2), or at these times "
+                   "first checkpoint (or SPOTNB_LOCAL_INTERRUPT_AFTER seconds after the "
+                   "first output of a cell that saves none) (--simulate-interruptions 2), "
+                   "or at these times "
                    "after launch (--simulate-interruptions 20s,45s)")
     @argument("--env", action="append", metavar="NAME[=VALUE]",
               help="an environment variable for the cell (repeat for several): "
@@ -621,8 +622,9 @@ def _simulation_shortfall(spec: Any, result: spotnb.JobResult) -> str | None:
         return None
     return (f"[spotnb] --simulate-interruptions {asked}: the job ended after "
             f"{result.interruptions} of them. Each comes soon after an attempt's first "
-            "checkpoint, or SPOTNB_LOCAL_INTERRUPT_AFTER seconds (default 20) into a "
-            "cell that saves none; a job that ends sooner is not interrupted.")
+            "checkpoint, or SPOTNB_LOCAL_INTERRUPT_AFTER seconds (default 20) after the "
+            "first output of a cell that saves none; a job that ends sooner is not "
+            "interrupted.")
 
 
 def _shipping_line(cap: capture.Capture) -> str:

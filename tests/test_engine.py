@@ -444,3 +444,29 @@ def test_simulated_interruptions_need_no_spot_log(cloud: Path) -> None:
     assert result.interruptions == 1 and len(result.attempts) == 2
     assert result.outputs["done"] == 50
     wait_no_processes(cloud)
+
+
+QUIET_THEN_TICKING = textwrap.dedent("""
+    import time
+    time.sleep(PAUSE)  # imports, data loading: nothing to show yet
+    for i in range(TICKS):
+        print(f"tick {i}", flush=True)
+        time.sleep(0.2)
+""")
+
+
+def test_a_cell_without_checkpoints_is_interrupted_after_it_shows_output(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Counted from the cell's first output, not from the instance's start: slow imports
+    # on a busy machine do not use up the time before the interruption.
+    monkeypatch.setenv("SPOTNB_LOCAL_INTERRUPT_AFTER", "3")
+    handle = spotnb.submit(QUIET_THEN_TICKING, inputs={"PAUSE": 2, "TICKS": 30},
+                           simulate_interruptions=1)
+    result = handle.wait(timeout=180)
+    assert result.status == "completed", result.error
+    assert result.interruptions == 1
+    events = list(handle.events(follow=False))
+    notice = next(e for e in events if e.type == "notice" and e.attempt == 1)
+    first_tick = next(e for e in events if e.type == "stream" and e.attempt == 1)
+    assert notice.time >= first_tick.time + 3
+    wait_no_processes(cloud)

@@ -34,8 +34,8 @@ are refused with :class:`~spotnb.spec.SpecError` before anything starts):
 ``SPOTNB_LOCAL_INTERRUPT_AFTER`` [interrupt_after]
     For ``simulate_interruptions={"count": N}``: an attempt is interrupted at its first
     sign of life after its first durable checkpoint, or this many seconds after that
-    checkpoint, or this many seconds after its cell started if it writes none.
-    Default 20.
+    checkpoint; without a checkpoint, this many seconds after the cell's first output
+    (three times as long after the cell started, while it shows nothing). Default 20.
 ``SPOTNB_LOCAL_STOP_GRACE`` [stop_grace]
     Seconds the agent has to finish by itself after a stop request (or after writing
     the result) before its instance is terminated. Default 15.

@@ -42,8 +42,8 @@ every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
 Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``); the
 spec's ``simulate_interruptions`` ``{"count": N}`` (reason ``simulated``: once an
 instance's attempt has a durable checkpoint and any later event, or after
-``interrupt_after`` seconds into a cell without any checkpoint; see
-``_interruption_due``) or
+``interrupt_after`` seconds after the first output of a cell without any checkpoint;
+see ``_simulated_due``) or
 ``{"schedule": [s, ...]}``
 (reason ``scheduled``, seconds since the first launch); the market price rising above
 ``max_price`` (``price``); and the Spot Advisor's interruption rate (``hazard``).
@@ -106,6 +106,9 @@ STORE_BACKOFF_SECONDS = 5.0
 STORE_MAX_BACKOFF_SECONDS = 120.0
 # The agent's exit code when it gave up on the store (spotnb.kernel_remote.agent).
 AGENT_EXIT_STORE = 4
+# simulate_interruptions={"count": N}, for a cell that saves no checkpoint and shows
+# nothing yet (still importing, loading data): wait this many times interrupt_after.
+QUIET_CELL_FACTOR = 3
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
 
@@ -405,20 +408,32 @@ class Supervisor:
                 and now >= self.first_launch + self.schedule[self.schedule_next]):
             self.schedule_next += 1
             return "scheduled"
-        if self.sim_done < self.sim_count:
-            # After the attempt's first durable checkpoint, at its next sign of life
-            # (output, a metric, a CPU sample: about a second) or interrupt_after seconds
-            # later; without a checkpoint, interrupt_after seconds after its cell started
-            # (not after the instance started: a slow boot is not the cell's time). Not
-            # only after a metric: a cell need not call spot.log.
-            since = inst.durable_at if inst.durable_at is not None else inst.cell_started
-            if since is not None and (inst.progressed
-                                      or now - since >= self.settings.interrupt_after):
-                self.sim_done += 1
-                return "simulated"
+        if self.sim_done < self.sim_count and self._simulated_due(inst, now):
+            self.sim_done += 1
+            return "simulated"
         if inst.hazard_at is not None and now >= inst.hazard_at:
             return "hazard"
         return None
+
+    def _simulated_due(self, inst: LocalInstance, now: float) -> bool:
+        """Whether to interrupt ``inst`` for ``simulate_interruptions={"count": N}``.
+
+        Step 1: after the attempt's first durable checkpoint, at its next sign of life
+        (output, a metric, a CPU sample: about a second), or ``interrupt_after`` seconds
+        after the checkpoint. Not only after a metric: a cell need not call spot.log.
+        Step 2: an attempt without a checkpoint, ``interrupt_after`` seconds after the
+        cell's first output or metric (its imports and data loading are then done: on
+        a busy machine they alone can take longer than that), or
+        :data:`QUIET_CELL_FACTOR` times as long after the cell started, if it shows
+        nothing. Never counted from the instance's start: a slow boot is not the cell's.
+        """
+        limit = self.settings.interrupt_after
+        if inst.durable_at is not None:
+            return inst.progressed or now - inst.durable_at >= limit
+        if inst.first_output is not None:
+            return now - inst.first_output >= limit
+        return inst.cell_started is not None and \
+            now - inst.cell_started >= QUIET_CELL_FACTOR * limit
 
     def _track_progress(self, inst: LocalInstance) -> None:
         """Watch the instance's attempt: its cell's start, its first durable checkpoint,
@@ -430,6 +445,8 @@ class Supervisor:
             if (event.type == "status" and event.data.get("state") == "running"
                     and inst.cell_started is None):
                 inst.cell_started = event.time
+            if event.type in ("stream", "display", "metric") and inst.first_output is None:
+                inst.first_output = event.time
             if (event.type == "checkpoint" and event.data.get("phase") == "durable"
                     and inst.durable_at is None):
                 inst.durable_at = event.time

@@ -75,6 +75,7 @@ class LocalInstance:
     terminate_at: float | None = None
     ended: float | None = None
     cell_started: float | None = None  # when its attempt started running the cell
+    first_output: float | None = None  # the cell's first output or metric
     durable_at: float | None = None  # first durable checkpoint of its attempt
     progressed: bool = False  # any event of its attempt after that checkpoint
 
