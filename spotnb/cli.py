@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "next to the notebook)")
     p.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
                    help="seconds each cell may run (default 3600); a cell past it fails "
-                        "the run and its jobs are stopped")
+                        "the run, and the job it follows is stopped")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("cleanup", help="remove the local cloud's leftovers")
     p.add_argument("--dry-run", action="store_true",
