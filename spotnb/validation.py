@@ -18,6 +18,7 @@ import os
 import secrets
 import tarfile
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,12 @@ def _check_code(code: Any) -> None:
     if not code.strip():
         raise SpecError("the cell is empty: put the training code below the magic line")
     try:
-        python = TransformerManager().transform_cell(code)
-        compile(python, "<cell>", "exec")
+        with warnings.catch_warnings():
+            # IPython warns about line ends str.splitlines knows and it does not
+            # (\x1c-\x1e, \x85, ...): whether the cell compiles is what matters here.
+            warnings.simplefilter("ignore")
+            python = TransformerManager().transform_cell(code)
+            compile(python, "<cell>", "exec")
     except SyntaxError as err:
         line = (err.text or "").rstrip()
         raise SpecError(

@@ -109,7 +109,10 @@ def result_of(spec: JobSpec) -> dict[str, Any] | None:
 
 def identity_of(instance_id: str) -> dict[str, Any] | None:
     path = instance_dir(instance_id) / "identity.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not written yet, or half-written: the stand-in
+        return None  # writes it in place, not atomically
 
 
 def group_gone(cloud: Cloud, spec: JobSpec) -> bool:

@@ -29,7 +29,7 @@ EDGE_VALUES = [
     None, 0, 1, 2, -1, 2.5, 2.0, 1e300, -0.0, float("nan"), float("inf"), -float("inf"),
     True, False, "", " ", "class", "None", "model", "5m", "100 steps", "0 steps", "nan",
     "inf", "2h", "-5m", "g5.xlarge", "g4dn.xlarge,g5.xlarge", "us-east-1", "NAME=value",
-    "X", "a,b", "1X", "PATH", "\x00", "line\nbreak", ["x"], ["class"], ["g5.xlarge"],
+    "X", "a,b", "1X", "PATH", "\x00", "0\x1e", "line\nbreak", ["x"], ["class"], ["g5.xlarge"],
     [20, "45s"], [0], [-1], [float("nan")], [], {}, {"count": 2}, {"A": "1"}, {"A": None},
     {"class": 1}, ("a", "a"), np.int64(3), np.float32(2.5), np.float64("nan"),
     np.bool_(True), b"bytes", object(),
