@@ -100,7 +100,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     handle = _job(args)
-    for batch in handle.event_batches(follow=args.follow):
+    # Metric batches stay batches: no line shows them, and a long job has millions.
+    for batch in handle.event_batches(follow=args.follow, batches=True):
         text = format_events(batch)
         if text:
             print(text, flush=True)

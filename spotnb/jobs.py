@@ -13,6 +13,7 @@ process (after a kernel restart) sees exactly what the submitting process saw.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -25,8 +26,18 @@ from typing import Any
 
 import cloudpickle
 
-from spotnb import layout
-from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, EventReader, log_state
+from spotnb import layout, usage
+from spotnb.events import (
+    FINAL_STATES,
+    GROUP_STREAM,
+    Event,
+    EventReader,
+    last_values,
+    log_state,
+    metric_rows,
+)
+from spotnb.events.live import CONTROL_QUEUE, Follower, request_stop
+from spotnb.events.queues import queue_for
 from spotnb.providers import Provider, get_provider
 from spotnb.spec import JobSpec, SpecError
 from spotnb.store import NotFound, Store, StoreError, open_store
@@ -60,6 +71,13 @@ GROUP_END_GRACE_SECONDS = 30.0
 POLL_SECONDS = 0.25
 # How often a process following a job checks that its capacity group is supervised.
 SUPERVISION_CHECK_SECONDS = 10.0
+# A follower waits this long for live events per poll (an SQS long poll each time).
+FOLLOW_WAIT_SECONDS = 1.0
+# While following, result.json is looked up this often (an S3 HEAD; the result event
+# normally comes first, live: this is for an agent that died right after writing it);
+# wait() looks every POLL_SECONDS at first, then less often.
+RESULT_CHECK_SECONDS = 60.0
+WAIT_MAX_SECONDS = 10.0
 
 
 class JobNotFound(LookupError):
@@ -138,19 +156,33 @@ class JobResult:
     reason: str
     attempts: tuple[Attempt, ...]
     interruptions: int
+    #: What the job cost: its instances, billed per second from launch (boot included)
+    #: at their pools' spot prices, plus :attr:`requests_usd`.
     cost_usd: float
+    #: The same instance-seconds at the on-demand price.
     ondemand_cost_usd: float
     metrics: dict[str, float]
     duration: float
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: dict[str, Any] | None = None
+    #: spotnb's own AWS requests (S3, SQS) at list prices, as its agents, runtime and
+    #: followers reported them; 0 on the local cloud, whose requests cost nothing.
+    requests_usd: float = 0.0
 
     @property
     def savings_pct(self) -> float | None:
-        """Savings versus on-demand in percent (None before any cost)."""
+        """Savings versus on-demand in percent (None before any cost): what the job
+        cost, boot time and spotnb's own requests included, against its instance time
+        at the on-demand price."""
         if self.ondemand_cost_usd <= 0:
             return None
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+
+    @property
+    def cost_includes(self) -> str:
+        """What :attr:`cost_usd` includes, for a person."""
+        return (f"instances billed from launch (boot included) and spotnb's own requests "
+                f"(${self.requests_usd:.4f})")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the outputs (they are arbitrary objects)."""
@@ -278,7 +310,7 @@ def submit(
     name: str | None = None,
     inputs: Mapping[str, Any] | None = None,
     outputs: Sequence[str] | str | None = None,
-    checkpoint_every: float | str = "60s",
+    checkpoint_every: float | str = "5m",
     max_restarts_on_error: int = 0,
     budget_usd: float | None = None,
     max_duration: float | str | None = None,
@@ -318,8 +350,15 @@ def submit(
         job_store.put(layout.WORKDIR, job.workdir)
     job_store.put(layout.SPEC, spec.to_json().encode())
     try:
+        # The agent long-polls it for followers and stop requests (spotnb.events.live).
+        queue_for(job_store, spec.job_id, CONTROL_QUEUE).create()
+    except Exception as err:
+        log.warning("no control queue for job %s (%s): followers read its log", spec.job_id, err)
+    try:
         prov.launch(spec)
     except BaseException:
+        with contextlib.suppress(Exception):
+            queue_for(job_store, spec.job_id, CONTROL_QUEUE).delete()
         job_store.put_if_absent(layout.RESULT, json.dumps(
             {"status": "failed", "reason": "the capacity group could not be created",
              "time": time.time()}).encode())
@@ -349,6 +388,7 @@ class JobHandle:
         self.spec = spec
         self._provider = provider
         self._supervision_checked = -SUPERVISION_CHECK_SECONDS
+        self._result_checked = -RESULT_CHECK_SECONDS
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.job_id} {self.spec.name!r}>"
@@ -391,78 +431,117 @@ class JobHandle:
     @property
     def status(self) -> str:
         """The job's state (see :data:`spotnb.events.STATES`)."""
-        return _status(EventReader(self.store).poll(), self.result_record())[0]
+        return _status(EventReader(self.store, batches=True).poll(), self.result_record())[0]
 
-    def events(self, follow: bool = True, timeout: float | None = None) -> Iterator[Event]:
+    def events(self, follow: bool = True, timeout: float | None = None,
+               batches: bool = False) -> Iterator[Event]:
         """Every event from the start; with ``follow``, then new ones until the job ends
-        (see :meth:`event_batches`)."""
-        for batch in self.event_batches(follow=follow, timeout=timeout):
+        (see :meth:`event_batches`). ``batches`` gives ``metrics`` events as batches
+        rather than one ``metric`` event per row."""
+        for batch in self.event_batches(follow=follow, timeout=timeout, batches=batches):
             yield from batch
 
-    def event_batches(self, follow: bool = True,
-                      timeout: float | None = None) -> Iterator[list[Event]]:
+    def event_batches(self, follow: bool = True, timeout: float | None = None,
+                      batches: bool = False) -> Iterator[list[Event]]:
         """The events as they are read, one non-empty list per read: the first holds
-        the history so far. With ``follow``, reads go on until the job has ended and
+        the history so far.
+
+        Following registers with the job's agent for live events (see
+        :mod:`spotnb.events.live`): they arrive within about a second, at a fraction
+        of what tailing the log would cost. Reads go on until the job has ended and
         its capacity group has reported each of its instances terminated, so that a
         followed log always ends the same way (the group reports the last termination
         a moment after the job's result). That wait is bounded, since a group that is
         gone reports nothing: :data:`GROUP_END_GRACE_SECONDS`.
         """
-        reader = EventReader(self.store)
+        if not follow:
+            history = EventReader(self.store, batches=batches).poll()
+            if history:
+                yield history
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
-        result_event = False
+        result_seen = False  # the agent's result event
+        group_read = False  # the group's events read from the log since that
         ended_at: float | None = None  # when the job's end was first seen
         running: set[str] = set()  # instances the group launched and has not terminated
-        while True:
-            batch = reader.poll()
-            for e in batch:
-                if e.type == "result":
-                    result_event = True
-                elif e.type == "instance" and e.attempt == GROUP_STREAM and e.instance:
-                    if e.data.get("action") == "launched":
-                        running.add(e.instance)
-                    elif e.data.get("action") == "terminated":
-                        running.discard(e.instance)
-            if batch:
-                yield batch
-            if not follow or (result_event and not running):
-                return
-            now = time.monotonic()
-            if ended_at is None and (result_event or self.store.exists(layout.RESULT)):
-                ended_at = now
-            # A result file without the agent's closing events: the agent died between.
-            grace = GROUP_END_GRACE_SECONDS if result_event else RESULT_WITHOUT_EVENTS_GRACE
-            if ended_at is not None and now - ended_at > grace:
-                return
-            if deadline is not None and now > deadline:
-                return
-            self.keep_supervised()
-            time.sleep(POLL_SECONDS)
+        with Follower(self.store, self.job_id, batches=batches) as follower:
+            while True:
+                if not result_seen:
+                    batch = follower.poll(wait=FOLLOW_WAIT_SECONDS)
+                else:
+                    # Only the log has the group's events (the live channel carries
+                    # the attempts'): read it, after a pause while it has not reported
+                    # every instance's end yet.
+                    if group_read:
+                        time.sleep(FOLLOW_WAIT_SECONDS)
+                    batch, group_read = follower.read_log(), True
+                for e in batch:
+                    if e.type == "result":
+                        result_seen = True
+                    elif e.type == "instance" and e.attempt == GROUP_STREAM and e.instance:
+                        if e.data.get("action") == "launched":
+                            running.add(e.instance)
+                        elif e.data.get("action") == "terminated":
+                            running.discard(e.instance)
+                if batch:
+                    yield batch
+                if group_read and not running:
+                    return
+                now = time.monotonic()
+                if ended_at is None and (result_seen or self.result_written()):
+                    ended_at = now
+                # A result file without the agent's closing events: the agent died
+                # between the two.
+                grace = GROUP_END_GRACE_SECONDS if result_seen else RESULT_WITHOUT_EVENTS_GRACE
+                if ended_at is not None and now - ended_at > grace:
+                    return
+                if deadline is not None and now > deadline:
+                    return
+                self.keep_supervised()
+
+    def result_written(self) -> bool:
+        """Whether result.json exists, looked up at most every RESULT_CHECK_SECONDS (an
+        S3 HEAD each time)."""
+        now = time.monotonic()
+        if now - self._result_checked < RESULT_CHECK_SECONDS:
+            return False
+        self._result_checked = now
+        return self.store.exists(layout.RESULT)
 
     def wait(self, timeout: float | None = None) -> JobResult:
         """Block until the job ends; its :class:`JobResult` (with outputs).
 
         Raises ``TimeoutError`` if ``timeout`` seconds pass first; the job keeps going.
+        Looks for the result every second at first, then less often (one S3 HEAD each
+        time, at most every WAIT_MAX_SECONDS).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_SECONDS
         while not self.store.exists(layout.RESULT):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(
                     f"job {self.job_id} still runs after {timeout}s; it keeps running: "
                     f"wait again, or stop it with spotnb.attach({self.job_id!r}).stop()")
             self.keep_supervised()
-            time.sleep(POLL_SECONDS)
+            pause = delay if deadline is None else min(delay, max(0.0, deadline -
+                                                                  time.monotonic()))
+            time.sleep(pause)
+            delay = min(delay * 1.5, WAIT_MAX_SECONDS)
         # The agent writes its closing events right after result.json.
         end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
-        while time.monotonic() < end:
-            if any(e.type == "result" for e in EventReader(self.store).poll()):
-                break
+        reader = EventReader(self.store, batches=True)
+        events = reader.poll()
+        while not any(e.type == "result" for e in events) and time.monotonic() < end:
             time.sleep(POLL_SECONDS)
-        return self.summary(with_outputs=True)
+            events += reader.poll()
+        return self.summary(with_outputs=True, events=sorted(events, key=lambda e: e.time))
 
-    def summary(self, with_outputs: bool = False) -> JobResult:
-        """Where the job stands now, from its full event history."""
-        events = EventReader(self.store).poll()
+    def summary(self, with_outputs: bool = False,
+                events: list[Event] | None = None) -> JobResult:
+        """Where the job stands now, from its full event history (read now, unless
+        ``events`` is that history)."""
+        if events is None:
+            events = EventReader(self.store, batches=True).poll()
         result = summarize(self.spec, events, self.result_record())
         if with_outputs and result.status == "completed" and self.spec.outputs:
             outputs = cloudpickle.loads(self.store.get(layout.OUTPUTS))
@@ -472,10 +551,10 @@ class JobHandle:
     def metrics(self) -> dict[str, list[tuple[int, float]]]:
         """Every logged metric as (step, value) pairs, in logging order."""
         series: dict[str, list[tuple[int, float]]] = {}
-        for event in EventReader(self.store).poll():
-            if event.type == "metric":
-                for key, value in event.data["values"].items():
-                    series.setdefault(key, []).append((event.data["step"], value))
+        for event in EventReader(self.store, batches=True).poll():
+            for step, _t, values in metric_rows(event):
+                for key, value in values.items():
+                    series.setdefault(key, []).append((step, value))
         return series
 
     def interrupt(self) -> None:
@@ -486,8 +565,7 @@ class JobHandle:
 
     def stop(self, reason: str = "requested") -> None:
         """Stop the job: the cell is interrupted, the capacity group deleted."""
-        self.store.put_if_absent(layout.STOP, json.dumps(
-            {"reason": reason, "time": time.time()}).encode())
+        request_stop(self.store, self.job_id, {"reason": reason, "time": time.time()})
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         while not self.store.exists(layout.RESULT) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
@@ -698,6 +776,14 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
         elif e.type == "price":
             prices.setdefault(e.data.get("pool", ""), []).append((e.time, e.data["price"]))
 
+    # spotnb's own requests: the newest count each process reported (they are totals).
+    reported: dict[tuple[Any, int, str | None], dict[str, Any]] = {}
+    for e in events:
+        if e.type == "usage":
+            reported[(e.data.get("process"), e.attempt, e.instance)] = \
+                e.data.get("requests") or {}
+    requests_usd = sum(usage.cost(counts) for counts in reported.values())
+
     cost = ondemand = 0.0
     for inst in launched.values():
         start, stop = inst["start"], inst["end"] or end_of_job
@@ -720,8 +806,8 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
         instance = launched.get(boot.instance or "", {})
         end_reason = "running"
         for e in evs:
-            if e.type == "metric":
-                metrics.update(e.data["values"])
+            if e.type in ("metric", "metrics"):
+                metrics.update(last_values(e))
             elif e.type == "notice" and e.data.get("kind") == "instance-action":
                 end_reason = "interrupted"
             elif e.type == "error":
@@ -750,9 +836,10 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,
         attempts=tuple(attempts), interruptions=interruptions,
-        cost_usd=cost, ondemand_cost_usd=ondemand, metrics=metrics,
+        cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=metrics,
         duration=max(0.0, end_of_job - min(start, spec.created)),
         error=(result or {}).get("error") or (error if status == "failed" else None),
+        requests_usd=requests_usd,
     )
 
 

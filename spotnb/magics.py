@@ -195,7 +195,7 @@ class SpotMagics(Magics):
     max_price = Float(None, allow_none=True,
                       help="USD per instance-hour at most (None: the on-demand price)."
                       ).tag(config=True)
-    checkpoint_every = Unicode("60s", help="When Checkpoint.maybe_save saves: '5m' or "
+    checkpoint_every = Unicode("5m", help="When Checkpoint.maybe_save saves: '5m' or "
                                            "'500 steps'.").tag(config=True)
     max_restarts_on_error = Int(0, help="Reruns of the cell after an error in it."
                                 ).tag(config=True)
@@ -492,7 +492,7 @@ class SpotMagics(Magics):
         args = parse_argstring(self.spot_logs, line)
         handle = self._resolve(args.job)
         with contextlib.suppress(KeyboardInterrupt):
-            for batch in handle.event_batches(follow=args.follow):
+            for batch in handle.event_batches(follow=args.follow, batches=True):
                 text = format_events(batch)
                 if text:
                     print(text, flush=True)

@@ -63,7 +63,7 @@ class PreparedJob:
 def prepare_job(
     code: Any, *, provider: Any = "local", instance_types: Any = DEFAULT_INSTANCE_TYPES,
     region: Any = "us-east-1", max_price: Any = None, name: Any = None, inputs: Any = None,
-    outputs: Any = None, checkpoint_every: Any = "60s", max_restarts_on_error: Any = 0,
+    outputs: Any = None, checkpoint_every: Any = "5m", max_restarts_on_error: Any = 0,
     budget_usd: Any = None, max_duration: Any = None, keep_checkpoints: Any = 3,
     simulate_interruptions: Any = None, env: Any = None, files: Any = None,
     store: Any = None,

@@ -49,6 +49,14 @@ def wait_for(what: str, check: object, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def wait_for_first_metric(handle: spotnb.JobHandle, timeout: float = 120) -> None:
+    """Until the cell has logged (it runs, not merely booted). Followed live: an
+    unwatched job writes its metrics to the store once a minute."""
+    live = handle.events(timeout=timeout)
+    assert any(e.type == "metric" for e in live), "the job logged no metric"
+    live.close()
+
+
 def group_exited(job_id: str) -> bool:
     group = LocalProvider().group(job_id)
     return group is not None and not group["alive"]
@@ -75,9 +83,8 @@ def ended_job(home: Path, job_id: str, name: str, lines: int = 3) -> str:
 
 def test_jobs_interrupt_and_logs_follow_a_job_to_its_end(
         cloud: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    handle = spotnb.submit(TICKING, name="ticker", inputs={"TICKS": 25})
-    # Interrupt once the cell has started (it has logged), not merely booted.
-    wait_for("the first metric", lambda: handle.metrics().get("x"))
+    handle = spotnb.submit(TICKING, name="ticker", inputs={"TICKS": 50})
+    wait_for_first_metric(handle)
     assert main(["jobs"]) == 0
     listing = capsys.readouterr().out
     assert handle.job_id in listing and "ticker" in listing and "running" in listing
@@ -87,11 +94,11 @@ def test_jobs_interrupt_and_logs_follow_a_job_to_its_end(
     assert main(["logs", handle.job_id, "-f"]) == 0
     log = capsys.readouterr().out
     # Without checkpoints the cell starts over on the replacement: tick 0 twice.
-    assert log.count("tick 0") == 2 and "tick 24" in log
+    assert log.count("tick 0") == 2 and "tick 49" in log
     assert "notice: instance-action terminate" in log
     lines = log.splitlines()
     completed = max(i for i, line in enumerate(lines) if "completed" in line)
-    assert completed > lines.index("tick 24")
+    assert completed > max(i for i, line in enumerate(lines) if line == "tick 49")
     # Following ends with the job's end: after its result, the group's report that
     # each instance it launched is terminated (the last one a moment after the result).
     launched = re.findall(r"instance launched: (i-\w+)", log)
@@ -110,7 +117,7 @@ def test_jobs_interrupt_and_logs_follow_a_job_to_its_end(
 def test_stop_ends_the_job_and_cleanup_lists_exactly_what_it_does(
         cloud: Path, private_tmpdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     handle = spotnb.submit(TICKING, inputs={"TICKS": 1000})
-    wait_for("the first metric", lambda: handle.metrics().get("x"))
+    wait_for_first_metric(handle)
     assert main(["stop", handle.job_id[-6:]]) == 0
     out = capsys.readouterr().out
     assert f"job {handle.job_id} stopped" in out

@@ -137,8 +137,6 @@ class Interrupter:
 
 def test_torch_training_with_three_interruptions_is_bitwise_identical(
         cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Simulate a slow network so that a checkpoint upload is visibly in flight.
-    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.05")
     inputs = {"STEPS": 160, "STEP_SECONDS": 0.03}
     common = dict(instance_types=["g4dn.xlarge"], inputs=inputs,
                   outputs=["digest", "accuracy"], checkpoint_every="20 steps")
@@ -146,7 +144,20 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
     baseline = spotnb.submit(TORCH_TRAINING, name="baseline", **common).wait(timeout=240)
     assert baseline.status == "completed", baseline.error
 
-    handle = spotnb.submit(TORCH_TRAINING, name="interrupted", **common)
+    # Attempt 2 is interrupted while a checkpoint uploads: the cell itself asks the
+    # local cloud for the notice right after its first save starts (the notice then
+    # lands within a second), over a network slow enough that the upload takes
+    # seconds. The notice period leaves the forced save time to upload beside it.
+    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.01")
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "12")
+    during_upload = TORCH_TRAINING.replace("    ckpt.maybe_save(step)\n", (
+        "    if ckpt.maybe_save(step) and spot.attempt == 2 and not spot.interrupt_pending:\n"
+        "        from spotnb.providers.local import LocalProvider\n"
+        "        if not globals().get('_asked'):\n"
+        "            _asked = True\n"
+        "            LocalProvider().interrupt(spot.job_id)\n"))
+    assert during_upload != TORCH_TRAINING
+    handle = spotnb.submit(during_upload, name="interrupted", **common)
     interrupt = Interrupter(handle)
     in_flight: dict[int, str] = {}
 
@@ -155,11 +166,11 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
             in_flight[e.attempt] = e.data["id"]
         if e.type == "checkpoint" and e.data.get("phase") == "durable":
             in_flight.pop(e.attempt, None)
-        if e.type != "metric" or len(interrupt.delivered) >= 3:
+        if e.type == "notice" and e.attempt == 2 and e.data["kind"] == "instance-action":
+            interrupt.delivered.append((2, "during an upload"))
+        if e.type != "metric" or e.attempt == 2:
             return
-        if e.attempt == 2 and in_flight.get(2):
-            interrupt(e, "during an upload")
-        elif e.attempt in (1, 3) and e.data["step"] >= 25 * e.attempt:
+        if e.attempt in (1, 3) and e.data["step"] >= 25 * e.attempt:
             interrupt(e, "between checkpoints")
 
     events = follow(handle, on_event)
@@ -190,7 +201,7 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
 
 
 def test_pure_python_training_survives_interruptions(cloud: Path) -> None:
-    inputs = {"STEPS": 160, "STEP_SECONDS": 0.02}
+    inputs = {"STEPS": 160, "STEP_SECONDS": 0.05}  # time for three interruptions
     common = dict(inputs=inputs, outputs=["weights"], checkpoint_every="10 steps")
     baseline = spotnb.submit(PYTHON_TRAINING, **common).wait(timeout=120)
     handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=3, **common)

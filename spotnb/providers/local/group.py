@@ -66,6 +66,7 @@ from typing import Any
 from spotnb import catalog
 from spotnb.catalog import Pool
 from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
+from spotnb.events.live import Follower, request_stop
 from spotnb.layout import RESULT, SPEC, STOP
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
@@ -87,6 +88,9 @@ from spotnb.store import NotFound, Store, StoreError, open_store
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.1
+# The group's events are few and each matters to a follower (launches, notices): write
+# them within this long.
+GROUP_FLUSH_SECONDS = 0.5
 # The store is read less often than the local control directory: on S3 it costs requests.
 STORE_POLL_SECONDS = 0.5
 CAPACITY_RETRY_SECONDS = 3.0
@@ -109,6 +113,8 @@ AGENT_EXIT_STORE = 4
 # simulate_interruptions={"count": N}, for a cell that saves no checkpoint and shows
 # nothing yet (still importing, loading data): wait this many times interrupt_after.
 QUIET_CELL_FACTOR = 3
+# The events that show a cell got past its imports: output, or metrics (one row or a batch).
+OUTPUT_EVENTS = ("stream", "display", "metric", "metrics")
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
 
@@ -133,7 +139,7 @@ class Supervisor:
         self.home = home
         self.control = home / CONTROL_DIR
         self.control.mkdir(parents=True, exist_ok=True)
-        self.events = EventWriter(store, attempt=GROUP_STREAM)
+        self.events = EventWriter(store, attempt=GROUP_STREAM, flush_seconds=GROUP_FLUSH_SECONDS)
         previous = (read_json(home / GROUP_FILE) or {}) if adopt else {}
         # The market replays from the group's first start, across supervisors.
         self.started = float(previous.get("started") or time.time())
@@ -157,7 +163,11 @@ class Supervisor:
         self.sim_done = 0
         self.schedule = sorted(float(s) for s in sim.get("schedule", ()))
         self.schedule_next = 0
-        self.reader = EventReader(store) if self.sim_count else None
+        # Simulated interruptions wait for progress after a checkpoint: follow the job
+        # live (the local queue is free), as a notebook would.
+        self.reader = (Follower(store, spec.job_id, batches=True,
+                                quiet_log_seconds=STORE_POLL_SECONDS)
+                       if self.sim_count else None)
         seed = settings.seed
         self.rng = random.Random(f"{seed}:{spec.job_id}") if seed is not None else random.Random()
         if adopt:
@@ -171,7 +181,8 @@ class Supervisor:
         Step 2  each instance still on record: its agent alive -> adopt it (same IMDS
                 endpoint, same notice); dead -> end it ("lost while unsupervised").
         """
-        history = [e for e in EventReader(self.store).poll() if e.attempt == GROUP_STREAM]
+        history = [e for e in EventReader(self.store, batches=True).poll()
+                   if e.attempt == GROUP_STREAM]
         launches = [e for e in history if e.type == "instance"
                     and e.data.get("action") == "launched"]
         ended = {e.data.get("instance_id") for e in history if e.type == "instance"
@@ -183,7 +194,7 @@ class Supervisor:
         self.sim_done = min(self.sim_count, reasons.count("simulated"))
         self.schedule_next = min(len(self.schedule), reasons.count("scheduled"))
         if self.sim_done >= self.sim_count:
-            self.reader = None
+            self._stop_following()
         self._emit("status", None, state="launching",
                    detail="the local cloud's supervisor of this job was restarted; "
                           "taking over its instances")
@@ -249,6 +260,7 @@ class Supervisor:
                         self._end(inst, time.time(), "group-ended")
                     except Exception:
                         log.exception("could not end instance %s", inst.id)
+            self._stop_following()
             self.events.close()
             self._write_group("exited", supervisor=me.to_dict(), exit_code=code,
                               cost_usd=round(self.cost(time.time()), 6))
@@ -426,6 +438,8 @@ class Supervisor:
         a busy machine they alone can take longer than that), or
         :data:`QUIET_CELL_FACTOR` times as long after the cell started, if it shows
         nothing. Never counted from the instance's start: a slow boot is not the cell's.
+        Both are the events' own times: the simulated interruption comes that long
+        after the cell showed something, however late the supervisor read of it.
         """
         limit = self.settings.interrupt_after
         if inst.durable_at is not None:
@@ -439,13 +453,13 @@ class Supervisor:
         """Watch the instance's attempt: its cell's start, its first durable checkpoint,
         and any event after that."""
         assert self.reader is not None
-        for event in self.reader.poll():
+        for event in self.reader.poll(wait=0):
             if event.instance != inst.id or event.attempt == GROUP_STREAM:
                 continue
             if (event.type == "status" and event.data.get("state") == "running"
                     and inst.cell_started is None):
                 inst.cell_started = event.time
-            if event.type in ("stream", "display", "metric") and inst.first_output is None:
+            if event.type in OUTPUT_EVENTS and inst.first_output is None:
                 inst.first_output = event.time
             if (event.type == "checkpoint" and event.data.get("phase") == "durable"
                     and inst.durable_at is None):
@@ -453,7 +467,12 @@ class Supervisor:
             elif inst.durable_at is not None and event.time > inst.durable_at:
                 inst.progressed = True
         if self.sim_done >= self.sim_count:
-            self.reader = None  # nothing left to simulate: stop reading the log
+            self._stop_following()  # nothing left to simulate: stop reading the log
+
+    def _stop_following(self) -> None:
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            reader.close()
 
     def _notice(self, inst: LocalInstance, now: float, reason: str) -> None:
         """Interrupt like EC2: the notice now, the termination after the notice period."""
@@ -639,7 +658,7 @@ class Supervisor:
     def _request_stop(self, now: float, reason: str, detail: str) -> None:
         log.info("stopping the job: %s", detail)
         body = {"reason": reason, "detail": detail, "time": now, "by": "local-cloud"}
-        self.store.put_if_absent(STOP, json.dumps(body).encode())
+        request_stop(self.store, self.spec.job_id, body)
         # Someone may have asked to stop first: their reason wins.
         self._begin_stop(now, self._read_stop() or body)
 
