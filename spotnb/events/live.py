@@ -330,6 +330,14 @@ class Follower:
             out += self._release()
         return out if self.batches else [row for e in out for row in expand(e)]
 
+    def read_log(self) -> list[Event]:
+        """Read the log now, whatever the schedule, with the live events that waited
+        for it: what only the log has (the capacity group's events) is then delivered
+        up to this moment."""
+        out = self._read_log()
+        out += self._release()
+        return out if self.batches else [row for e in out for row in expand(e)]
+
     def close(self) -> None:
         """Unregister and delete this follower's queue (idempotent); on AWS, report the
         requests following cost (a ``usage`` event in the group's stream)."""

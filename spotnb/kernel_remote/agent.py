@@ -379,6 +379,9 @@ class Agent:
         self._workdir.mkdir(exist_ok=True)
         every = self.spec.policy.checkpoint_every
         env = dict(os.environ)
+        # The job's own variables (submit's env); those without a value are passed to
+        # the instance by the local cloud, from the user's environment.
+        env.update({k: v for k, v in self.spec.env.items() if v is not None})
         env.update({
             channel.ENV_JOB_URI: self.job_uri,
             channel.ENV_JOB_ID: self.spec.job_id,
