@@ -330,3 +330,14 @@ def test_redone_steps_count_what_the_first_row_moved() -> None:
     assert [m.redone for m in by_batches.markers] == [m.redone for m in by_rows.markers] \
         == [1, None]
     assert _dashboard(by_batches) == _dashboard(by_rows)
+
+
+@pytest.mark.parametrize(("seed", "rows", "batched"), runs(), ids=[f"seed{s}" for s in SEEDS])
+def test_a_records_curves_are_those_of_the_rows(seed: int, rows: list[Event],
+                                                batched: list[Event]) -> None:
+    """A record's curves (each metric against step as it finally stands, NaN as None)
+    from batches are those from the rows."""
+    from spotnb.records.summary import _curves
+
+    by_rows, by_batches = _curves(rows), _curves(batched)
+    assert repr(by_batches) == repr(by_rows)
