@@ -1,8 +1,8 @@
 """What a job has done, what is left, and what its interruptions cost it.
 
 The figures a display's header answers at a glance, computed in the notebook from the
-job's events alone (:class:`Progress` takes every event, O(1) each), so a replay after
-a kernel restart shows the same numbers:
+job's events alone (:class:`Progress` takes every event, O(1) each, and a batch of
+metric rows in bulk), so a replay after a kernel restart shows the same numbers:
 
 * the step reached, of how many (the total comes from the job's ``progress`` event:
   ``spot.progress(total=...)``, or the ``range`` of the loop that calls ``spot.log``),
@@ -114,7 +114,8 @@ class Progress:
     # -- input ---------------------------------------------------------------------
 
     def apply(self, e: Event) -> None:
-        """Take one event (events come in time order; a ``metrics`` batch: its rows)."""
+        """Take one event (events come in time order; a ``metrics`` batch: its rows, in
+        bulk)."""
         if e.type == "metrics":
             columns = metric_columns(e)
             self._metrics(e.attempt, columns[0], columns[1])
