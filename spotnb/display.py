@@ -24,7 +24,14 @@ import sys
 import time
 from typing import Any, Protocol
 
-from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, metric_columns, metric_names
+from spotnb.events import (
+    FINAL_STATES,
+    GROUP_STREAM,
+    Event,
+    expand,
+    metric_columns,
+    metric_names,
+)
 from spotnb.events.live import Follower
 from spotnb.jobs import (
     FOLLOW_WAIT_SECONDS,
@@ -146,7 +153,11 @@ class JobView:
             self.reason = str(d.get("reason", ""))
 
     def _metrics(self, event: Event) -> None:
-        steps, _times, columns = metric_columns(event)
+        steps, times, columns = metric_columns(event)
+        if len(steps) != len(times):  # a damaged batch: what its rows say, row by row
+            for row in expand(event):
+                self.apply(row)
+            return
         if not len(steps):
             return
         self.progress.apply(event)
@@ -251,8 +262,8 @@ class Renderer(Protocol):
     and ``events(batch)`` with every batch of events as read (every poll, maybe empty),
     before the calls above for the same events; metrics come in it as ``metrics``
     batches (:func:`spotnb.events.metric_columns` reads them; ``metric_rows`` gives
-    their rows). ``events`` may raise
-    ``KeyboardInterrupt`` to detach, like the notebook's stop button.
+    their rows). ``events`` may raise ``KeyboardInterrupt`` to detach, like the
+    notebook's stop button.
     """
 
     def update(self, view: JobView) -> None:

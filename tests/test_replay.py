@@ -341,3 +341,26 @@ def test_a_records_curves_are_those_of_the_rows(seed: int, rows: list[Event],
 
     by_rows, by_batches = _curves(rows), _curves(batched)
     assert repr(by_batches) == repr(by_rows)
+
+
+def test_a_damaged_batch_reads_as_its_rows() -> None:
+    """A batch whose columns disagree in length (a hand-edited log) shows what its
+    rows say, as before."""
+    batch = _batch(1, 1, [(0, {"loss": 1.0}), (1, {"loss": 0.5}), (2, {"loss": 0.25})])
+    batch.data["t"] = metrics_data([(0, T0, {}), (1, T0 + 1, {})])["t"]
+    rows = expand(batch)
+    assert len(rows) == 2
+    views = [JobView(job_id="j", name="n", created=T0) for _ in range(2)]
+    boards = [series.DashboardData(), series.DashboardData()]
+    for e in rows:
+        views[0].apply(e)
+        boards[0].add([e])
+    views[1].apply(batch)
+    boards[1].add([batch])
+    assert views[1].step == views[0].step == 1
+    assert views[1].metrics == views[0].metrics == {"loss": 0.5}
+    assert _dashboard(boards[1]) == _dashboard(boards[0])
+    from spotnb.records.summary import _curves
+
+    assert _curves([batch]) == _curves(rows) == ({"loss": {"step": [0, 1],
+                                                          "value": [1.0, 0.5]}}, [])

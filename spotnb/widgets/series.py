@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from spotnb.events import GROUP_STREAM, Event, metric_columns, metric_names
+from spotnb.events import GROUP_STREAM, Event, expand, metric_columns, metric_names
 from spotnb.tb import TB_SYNC_NAME
 
 __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
@@ -583,6 +583,10 @@ class DashboardData:
         """A ``metrics`` batch in bulk, a column at a time: the same as its rows one by
         one (:meth:`_metric`), each series taking its points in order."""
         steps, times, columns = metric_columns(e)
+        if len(steps) != len(times):  # a damaged batch: what its rows say, row by row
+            for row in expand(e):
+                self.add([row])
+            return
         if not len(steps):
             return
         step = np.frombuffer(steps, dtype=np.int64).astype(float)
@@ -596,12 +600,12 @@ class DashboardData:
         moved = 0
         for name in metric_names(columns):  # new series in the order the rows name them
             idx, vals = columns[name]
-            if not len(vals):
+            n = min(len(vals), len(step) if idx is None else len(idx))
+            if not n:
                 continue
             series = self.metrics.get(name)
             if series is None:
                 series = self.metrics[name] = MetricSeries(name, self.max_buckets)
-            n = min(len(vals), len(step) if idx is None else len(idx))
             values = np.frombuffer(vals, dtype=float)[:n]
             rows = slice(0, n) if idx is None else np.frombuffer(idx, dtype=np.int32)[:n]
             first_moved = series.add_many(a, step[rows], values, t[rows])
