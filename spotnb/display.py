@@ -24,7 +24,14 @@ import sys
 import time
 from typing import Any, Protocol
 
-from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, expand
+from spotnb.events import (
+    FINAL_STATES,
+    GROUP_STREAM,
+    Event,
+    expand,
+    metric_columns,
+    metric_names,
+)
 from spotnb.events.live import Follower
 from spotnb.jobs import (
     FOLLOW_WAIT_SECONDS,
@@ -106,10 +113,10 @@ class JobView:
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
 
     def apply(self, event: Event) -> None:
-        """Update the view with one event (a ``metrics`` batch: with each of its rows)."""
+        """Update the view with one event (a ``metrics`` batch: as with each of its rows
+        in turn, in bulk)."""
         if event.type == "metrics":
-            for row in expand(event):
-                self.apply(row)
+            self._metrics(event)
             return
         d = event.data
         self.progress.apply(event)
@@ -144,6 +151,22 @@ class JobView:
         elif event.type == "result":
             self.state = str(d.get("status", self.state))
             self.reason = str(d.get("reason", ""))
+
+    def _metrics(self, event: Event) -> None:
+        steps, times, columns = metric_columns(event)
+        if len(steps) != len(times):  # a damaged batch: what its rows say, row by row
+            for row in expand(event):
+                self.apply(row)
+            return
+        if not len(steps):
+            return
+        self.progress.apply(event)
+        self.step = steps[-1]
+        for name in metric_names(columns):  # new names in the order the rows name them
+            rows, values = columns[name]
+            n = min(len(values), len(steps) if rows is None else len(rows))
+            if n:
+                self.metrics[name] = values[n - 1]
 
     def account(self, result: JobResult) -> None:
         """Take the cost, interruptions and duration from a summary."""
@@ -239,8 +262,10 @@ class Renderer(Protocol):
     Two optional methods, for displays that plot (the widget dashboard): ``start(handle)``
     is called once with the job's :class:`~spotnb.jobs.JobHandle` before anything else,
     and ``events(batch)`` with every batch of events as read (every poll, maybe empty),
-    before the calls above for the same events. ``events`` may raise
-    ``KeyboardInterrupt`` to detach, like the notebook's stop button.
+    before the calls above for the same events; metrics come in it as ``metrics``
+    batches (:func:`spotnb.events.metric_columns` reads them; ``metric_rows`` gives
+    their rows). ``events`` may raise ``KeyboardInterrupt`` to detach, like the
+    notebook's stop button.
     """
 
     def update(self, view: JobView) -> None:
@@ -272,7 +297,9 @@ def follow(handle: JobHandle, renderer: Renderer,
     """
     spec = handle.spec
     view = JobView(job_id=spec.job_id, name=spec.name, created=spec.created)
-    follower = Follower(handle.store, spec.job_id)
+    # Metric batches stay batches: the view and the renderers take them in bulk (a
+    # day's history of a million rows replays in about a second).
+    follower = Follower(handle.store, spec.job_id, batches=True)
     control: list[Event] = []
     start = getattr(renderer, "start", None)
     on_events = getattr(renderer, "events", None)

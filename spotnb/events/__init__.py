@@ -87,6 +87,7 @@ __all__ = [
     "log_state",
     "merge_metrics",
     "metric_columns",
+    "metric_names",
     "metric_rows",
     "metrics_data",
     "parse_chunk",
@@ -226,6 +227,19 @@ def metric_columns(event: Event) -> Columns:
         else:
             values[name] = (None, _unpack("d", column))
     return steps, times, values
+
+
+def metric_names(columns: dict[str, tuple[Any, Any]]) -> list[str]:
+    """A batch's metric names (of :func:`metric_columns`) in the order its rows name
+    them one by one: by the first row that has each, then as stored. A reader that
+    takes a batch in bulk keeps the order a reader of its rows would (new names are
+    added to a display in this order)."""
+    def first_row(name: str) -> int:
+        rows, values = columns[name]
+        if not len(values):
+            return sys.maxsize
+        return 0 if rows is None else int(rows[0])
+    return sorted(columns, key=first_row)
 
 
 def metric_rows(event: Event) -> Iterator[tuple[int, float, dict[str, float]]]:

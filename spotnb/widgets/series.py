@@ -12,7 +12,9 @@ after an interruption) and reduced for display (:class:`MinMaxBuckets`): an incr
 min/max per bucket of consecutive points, at most ``2 * max_buckets`` points however
 long the run. Adding a point costs O(1) amortised and reading the reduced series
 O(max_buckets), so an update of the plots costs the same at 1k and at 1M logged steps
-(``benchmarks/bench_dashboard.py``).
+(``benchmarks/bench_dashboard.py``). A ``metrics`` batch goes in a column at a time,
+whole buckets at once in numpy: re-attaching to a day-long job replays its million
+rows in a fraction of a second.
 
 A metric's curve is made of *segments*, one per attempt that logged it: where the
 replacement instance took over, :meth:`MetricSeries.points` puts a gap (NaN), so a line
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from spotnb.events import GROUP_STREAM, Event, expand
+from spotnb.events import GROUP_STREAM, Event, expand, metric_columns, metric_names
 from spotnb.tb import TB_SYNC_NAME
 
 __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
@@ -56,6 +58,16 @@ class Column:
             self._grow(self.n + 1)
         self._a[:, self.n] = (x, y, x if t is None else t)
         self.n += 1
+
+    def extend(self, x: np.ndarray, y: np.ndarray, t: np.ndarray | None = None) -> None:
+        """Append many points at once (``t`` defaults to ``x``, as in :meth:`append`)."""
+        m = len(x)
+        if self.n + m > self._a.shape[1]:
+            self._grow(self.n + m)
+        self._a[0, self.n:self.n + m] = x
+        self._a[1, self.n:self.n + m] = y
+        self._a[2, self.n:self.n + m] = x if t is None else t
+        self.n += m
 
     def _grow(self, need: int) -> None:
         new = np.empty((3, max(need, 2 * self._a.shape[1])))
@@ -125,9 +137,52 @@ class MinMaxBuckets:
         self.count += 1
 
     def extend(self, x: np.ndarray, y: np.ndarray, t: np.ndarray | None = None) -> None:
-        ts = x if t is None else t
-        for xi, yi, ti in zip(x.tolist(), y.tolist(), ts.tolist(), strict=True):
-            self.add(xi, yi, ti)
+        """Add many points: the same buckets as :meth:`add` for each in turn, whole
+        buckets at a time (a partial bucket's points one by one)."""
+        x = np.asarray(x, dtype=float)
+        y = np.asarray(y, dtype=float)
+        ts = x if t is None else np.asarray(t, dtype=float)
+        i, n = 0, len(x)
+        while i < n:
+            if self.count % self.width or n - i < self.width:
+                # Fill the partial bucket (or start the last, partial one) point by point.
+                for xi, yi, ti in zip(x[i:i + self.width].tolist(),
+                                      y[i:i + self.width].tolist(),
+                                      ts[i:i + self.width].tolist(), strict=True):
+                    self.add(xi, yi, ti)
+                    i += 1
+                    if self.count % self.width == 0:
+                        break
+                continue
+            if self._nb == self.max_buckets:
+                self._merge()
+            k = min(self.max_buckets - self._nb, (n - i) // self.width)
+            self._fill(x[i:], y[i:], ts[i:], k)
+            i += k * self.width
+
+    def _fill(self, x: np.ndarray, y: np.ndarray, t: np.ndarray, k: int) -> None:
+        """``k`` whole new buckets from the first ``k * width`` points."""
+        w = self.width
+        ys = y[:k * w].reshape(k, w)
+        nan = np.isnan(ys)
+        # The first minimum and the first maximum win, and NaN never wins over a number
+        # (as in add): NaN is +inf for the min, -inf for the max. Where the winner is
+        # then a NaN or may be a NaN's stand-in (a bucket of NaNs and infinities), the
+        # bucket is scanned as add does.
+        lo = np.argmin(np.where(nan, np.inf, ys), axis=1)
+        hi = np.argmax(np.where(nan, -np.inf, ys), axis=1)
+        rows = np.arange(k)
+        odd = nan.any(axis=1) & (np.isinf(ys[rows, lo]) | np.isinf(ys[rows, hi])
+                                 | nan[rows, lo] | nan[rows, hi])
+        for r in np.flatnonzero(odd).tolist():
+            lo[r], hi[r] = _scan(ys[r].tolist())
+        first = rows * w
+        b, nb = self._b, self._nb
+        for row, column in enumerate((x, y, t)):
+            b[row, nb:nb + k] = column[first + lo]
+            b[row + 3, nb:nb + k] = column[first + hi]
+        self._nb += k
+        self.count += k * w
 
     def _merge(self) -> None:
         b = self._b
@@ -157,6 +212,18 @@ class MinMaxBuckets:
         return out[0], out[1], out[2]
 
 
+def _scan(ys: list[float]) -> tuple[int, int]:
+    """The positions of a bucket's min and max as :meth:`MinMaxBuckets.add` keeps them
+    point by point (for buckets whose NaNs the vectorised pick cannot tell apart)."""
+    lo = hi = 0
+    for i, y in enumerate(ys[1:], 1):
+        if y < ys[lo] or ys[lo] != ys[lo]:
+            lo = i
+        if y > ys[hi] or ys[hi] != ys[hi]:
+            hi = i
+    return lo, hi
+
+
 class Reduced:
     """A series kept in full (:class:`Column`) and reduced (:class:`MinMaxBuckets`)."""
 
@@ -180,6 +247,12 @@ class Reduced:
         self.full.append(x, y, t)
         if not self._stale:
             self._view.add(x, y, t)
+
+    def add_many(self, x: np.ndarray, y: np.ndarray, t: np.ndarray | None = None) -> None:
+        """Add points in bulk (as :meth:`add` for each in turn)."""
+        self.full.extend(x, y, t)
+        if not self._stale:
+            self._view.extend(x, y, t)
 
     def insert(self, x: float, y: float, t: float | None = None) -> None:
         """Add a point that may belong before others (the view is rebuilt when next
@@ -251,6 +324,23 @@ class MetricSeries:
         self.attempt = max(self.attempt, attempt)
         self.curve.add(step, value, t)
         self.last_step = step
+        return moved
+
+    def add_many(self, attempt: int, steps: np.ndarray, values: np.ndarray,
+                 times: np.ndarray) -> int:
+        """Add points in bulk, as :meth:`add` for each in turn; how many earlier points
+        the first one showed to be redone (the others show none)."""
+        if not len(steps):
+            return 0
+        moved = self.add(attempt, float(steps[0]), float(values[0]), float(times[0]))
+        if attempt == self.attempt:  # the rest continue the current attempt's curve
+            self.curve.add_many(steps[1:], values[1:], times[1:])
+            if len(steps) > 1:
+                self.last_step = float(steps[-1])
+        else:  # late rows of an earlier attempt, each to the curve or the redone
+            for point in zip(steps[1:].tolist(), values[1:].tolist(), times[1:].tolist(),
+                             strict=True):
+                self.add(attempt, *point)
         return moved
 
     def points(self, full: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -401,13 +491,14 @@ class DashboardData:
     def add(self, events: list[Event]) -> None:
         """Take a batch of events (in time order). Output (``stream``) events are
         left to :meth:`write`, which the display calls in order with milestones."""
-        for batch in events:
-            # A ``metrics`` batch (a reader with ``batches=True``) as its rows.
-            for event in expand(batch):
-                if self.first_time is None:
-                    self.first_time = event.time
-                self.last_time = max(self.last_time, event.time)
-                self._add(event)
+        for event in events:
+            if event.type == "metrics":  # a batch of rows (a reader with batches=True)
+                self._metrics(event)
+                continue
+            if self.first_time is None:
+                self.first_time = event.time
+            self.last_time = max(self.last_time, event.time)
+            self._add(event)
 
     def _add(self, e: Event) -> None:
         d = e.data
@@ -487,6 +578,54 @@ class DashboardData:
             if ended.redone is not None and later:
                 ended.redone = max(ended.redone,
                                    int(self._last_step[a] - self._first_step[min(later)] + 1))
+
+    def _metrics(self, e: Event) -> None:
+        """A ``metrics`` batch in bulk, a column at a time: the same as its rows one by
+        one (:meth:`_metric`), each series taking its points in order."""
+        steps, times, columns = metric_columns(e)
+        if len(steps) != len(times):  # a damaged batch: what its rows say, row by row
+            for row in expand(e):
+                self.add([row])
+            return
+        if not len(steps):
+            return
+        step = np.frombuffer(steps, dtype=np.int64).astype(float)
+        t = np.frombuffer(times, dtype=float)
+        if self.first_time is None:
+            self.first_time = float(t[0])
+        known = t[~np.isnan(t)]
+        if len(known):
+            self.last_time = max(self.last_time, float(known.max()))
+        a = e.attempt
+        moved = 0
+        for name in metric_names(columns):  # new series in the order the rows name them
+            idx, vals = columns[name]
+            n = min(len(vals), len(step) if idx is None else len(idx))
+            if not n:
+                continue
+            series = self.metrics.get(name)
+            if series is None:
+                series = self.metrics[name] = MetricSeries(name, self.max_buckets)
+            values = np.frombuffer(vals, dtype=float)[:n]
+            rows = slice(0, n) if idx is None else np.frombuffer(idx, dtype=np.int32)[:n]
+            first_moved = series.add_many(a, step[rows], values, t[rows])
+            if idx is None or idx[0] == 0:  # a point of the first row
+                moved = max(moved, first_moved)
+        first = float(step[0])
+        if a not in self._first_step:
+            self._first_step[a] = first
+            self._first_logged(a, first, moved)
+        self._last_step[a] = max(self._last_step.get(a, first), float(step.max()))
+        ended = self._ended.get(a)
+        if ended is not None:
+            ended.step = self._last_step[a]
+            later = [b for b in self._first_step if b > a]
+            if ended.redone is not None and later:
+                ended.redone = max(ended.redone,
+                                   int(self._last_step[a] - self._first_step[min(later)] + 1))
+        if a != GROUP_STREAM:
+            self._attempt = max(self._attempt, a)
+        self.version += len(step)
 
     def _first_logged(self, attempt: int, step: float, moved: int) -> None:
         """An attempt's first step: the resume marker learns it, and the attempt it
