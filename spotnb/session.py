@@ -69,6 +69,8 @@ _PARK_SLEEP_SECONDS = 1.0
 AGENT_SILENT_SECONDS = 15.0
 # How long a fencing question waits for the agent's answer.
 FENCE_REPLY_SECONDS = 30.0
+# Between two questions while the agent cannot confirm the lease (a store outage).
+FENCE_RETRY_SECONDS = 1.0
 # How often the kernel reports the AWS requests it made (its uploads) to the agent.
 USAGE_SECONDS = 300.0
 # Rows kept for the next checkpoint while the log has not confirmed them (each ~200 B).
@@ -206,7 +208,7 @@ class Session:
         # Rows sent to the agent and not yet confirmed durable in the event log.
         self.unacked: collections.deque[list[Any]] = collections.deque()
         self._unacked_lock = threading.Lock()
-        self._fence_replies: dict[int, tuple[threading.Event, list[bool]]] = {}
+        self._fence_replies: dict[int, tuple[threading.Event, list[bool | None]]] = {}
         self._fence_ids = 0
         self._heard = time.monotonic()
         # The watchdog is armed by the agent's first ping (an agent that never pings,
@@ -294,24 +296,30 @@ class Session:
         """
         if not self.remote:
             return True
-        chan = self.channel
-        if chan is None or chan.broken or not self._pinged:
-            return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
-        with self._unacked_lock:
-            self._fence_ids += 1
-            ask = self._fence_ids
-            answer: tuple[threading.Event, list[bool]] = (threading.Event(), [])
-            self._fence_replies[ask] = answer
-        try:
-            if not chan.send({"op": "fence", "id": ask}):
+        while True:
+            chan = self.channel
+            if chan is None or chan.broken or not self._pinged:
                 return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
-            if not answer[0].wait(FENCE_REPLY_SECONDS):
-                raise FenceUnknown(
-                    f"the spotnb agent did not answer within {FENCE_REPLY_SECONDS:g} s "
-                    "whether it still holds the job's lease")
-            return answer[1][0]
-        finally:
-            self._fence_replies.pop(ask, None)
+            with self._unacked_lock:
+                self._fence_ids += 1
+                ask = self._fence_ids
+                answer: tuple[threading.Event, list[bool | None]] = (threading.Event(), [])
+                self._fence_replies[ask] = answer
+            try:
+                if not chan.send({"op": "fence", "id": ask}):
+                    return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
+                if not answer[0].wait(FENCE_REPLY_SECONDS):
+                    raise FenceUnknown(
+                        f"the spotnb agent did not answer within {FENCE_REPLY_SECONDS:g} s "
+                        "whether it still holds the job's lease")
+                holds = answer[1][0]
+            finally:
+                self._fence_replies.pop(ask, None)
+            if holds is not None:
+                return holds
+            # The agent could not confirm the lease (the store fails): neither held nor
+            # lost. Wait until it knows; it pauses this kernel meanwhile anyway.
+            time.sleep(FENCE_RETRY_SECONDS)
 
     def send(self, message: dict[str, Any]) -> None:
         if self.channel is not None:
@@ -359,7 +367,7 @@ class Session:
         if op == "fence":
             answer = self._fence_replies.get(int(message.get("id", -1)))
             if answer is not None:
-                answer[1].append(bool(message.get("ok")))
+                answer[1].append(None if message.get("unknown") else bool(message.get("ok")))
                 answer[0].set()
             return
         if op != "notice":

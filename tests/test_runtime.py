@@ -54,6 +54,9 @@ class FakeAgent:
         self.listener.bind(self.path)
         self.listener.listen(4)
         self.messages: list[dict[str, Any]] = []
+        # Scripted answers to the runtime's "fence" questions, in order; while there is
+        # none, the question goes unanswered (the runtime then reads the lease itself).
+        self.fence_replies: list[dict[str, Any]] = []
         self.cond = threading.Condition()
         self.conns: list[socket.socket] = []
         self.readers: list[threading.Thread] = []
@@ -79,6 +82,10 @@ class FakeAgent:
                 with self.cond:
                     self.messages.append(message)
                     self.cond.notify_all()
+                    reply = (self.fence_replies.pop(0) if message["op"] == "fence"
+                             and self.fence_replies else None)
+                if reply is not None:
+                    conn.sendall(channel.encode({"op": "fence", "id": message["id"], **reply}))
 
     def notice(self, kind: str, hellos: int = 1) -> None:
         """Send a notice once ``hellos`` runtimes have connected (and said hello)."""
@@ -522,6 +529,34 @@ def test_fenced_save_does_not_move_latest(job: Job) -> None:
         spot._save_outputs(["out"], ns)
     assert not job.store.exists(layout.OUTPUTS)
     # The end of the job reports that its newest checkpoint is not durable.
+    with pytest.raises(CheckpointError, match="checkpoint of step 2 could not be made durable"):
+        spot._finish()
+
+
+def test_a_lease_the_agent_cannot_confirm_is_not_a_lost_one(job: Job) -> None:
+    # A store outage: the agent's last renewals failed, so it can say neither "held"
+    # nor "lost". The commit waits for an answer; it does not give the job up (which
+    # held the cell forever while the agent kept the lease: found by the fault soak).
+    ckpt = spot.Checkpoint(stats={"n": 0})
+    ckpt.save(0)
+    assert ckpt.wait() is not None
+    job.agent.fence_replies = [{"ok": False, "unknown": True},
+                               {"ok": False, "unknown": True}, {"ok": True}]
+    job.agent.send({"op": "ping"})  # the runtime now asks the agent, not the store
+    deadline = time.monotonic() + 20
+    while not (spot._runtime is not None and spot._runtime._pinged):
+        assert time.monotonic() < deadline, "the runtime never read the ping"
+        time.sleep(0.01)
+    ckpt.save(1)
+    assert ckpt.wait() is not None
+    assert job.checkpoints().latest() is not None
+    assert job.checkpoints().latest().step == 1
+    assert len(job.agent.ops("fence")) == 3
+    # A lost lease still fences the save off.
+    job.agent.fence_replies = [{"ok": False, "unknown": False}]
+    ckpt.save(2)
+    assert ckpt.wait() is None
+    assert job.checkpoints().latest().step == 1
     with pytest.raises(CheckpointError, match="checkpoint of step 2 could not be made durable"):
         spot._finish()
 

@@ -811,10 +811,14 @@ class Agent:
             self._replay(int(msg.get("attempt", 0)), msg.get("rows") or [])
         elif op == "fence":
             # The runtime asks before it moves LATEST or writes the outputs.
+            # UNCONFIRMED (the store did not answer the last renewals) is not LOST:
+            # the runtime asks again until the lease is confirmed or lost.
             held = self.held
-            ok = held is not None and held.status() is Standing.HELD \
-                and not self.fenced.is_set()
-            self._reply(conn, {"op": "fence", "id": msg.get("id"), "ok": ok})
+            standing = held.status() if held is not None else Standing.LOST
+            fenced = self.fenced.is_set()
+            self._reply(conn, {"op": "fence", "id": msg.get("id"),
+                               "ok": standing is Standing.HELD and not fenced,
+                               "unknown": standing is Standing.UNCONFIRMED and not fenced})
         elif op == "mark":
             waiting = self._marks_waiting.get(str(msg.get("token")))
             if waiting is not None:
