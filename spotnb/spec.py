@@ -19,6 +19,7 @@ __all__ = [
     "Resources",
     "SpecError",
     "parse_duration",
+    "parse_nodes",
 ]
 
 SPEC_SCHEMA = 1
@@ -82,13 +83,65 @@ class CheckpointEvery:
         return f"every {self.steps} steps" if self.steps else f"every {self.seconds:g}s"
 
 
+# A multi-node job's nodes, at most: one node slot (lease, event stream) per node.
+MAX_NODES = 64
+
+
+def parse_nodes(value: int | str | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """``(min, max)`` nodes from ``4``, ``"4"``, ``"3:4"`` or ``(3, 4)``.
+
+    MIN is how few nodes training goes on with while a lost node's replacement boots
+    (torchrun's ``--nnodes MIN:MAX``); MAX is how many the capacity group keeps.
+    """
+    usage = ("nodes must be a count (--nodes 4) or MIN:MAX (--nodes 3:4: train on 3 while "
+             f"a lost node's replacement boots, on 4 otherwise), not {value!r}")
+    if isinstance(value, bool):
+        raise SpecError(usage)
+    if isinstance(value, int):
+        low = high = value
+    elif isinstance(value, (tuple, list)):
+        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                      for v in value):
+            raise SpecError(usage)
+        low, high = value
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(value))
+        if not m:
+            raise SpecError(usage)
+        low = int(m.group(1))
+        high = int(m.group(2)) if m.group(2) is not None else low
+    if low < 1 or high < 1:
+        raise SpecError(f"a job needs at least one node, not {value!r}: use --nodes 1 (the "
+                        "default) or more")
+    if low > high:
+        raise SpecError(f"--nodes {low}:{high} asks for at least {low} nodes but at most "
+                        f"{high}: MIN must not exceed MAX (e.g. --nodes {high}:{low})")
+    if high > MAX_NODES:
+        raise SpecError(f"--nodes {value} is above spotnb's limit of {MAX_NODES} nodes")
+    return low, high
+
+
 @dataclasses.dataclass(frozen=True)
 class Resources:
-    """Where the job may run: instance types in order of preference, region, price cap."""
+    """Where the job may run: instance types in order of preference, region, price cap,
+    and how many nodes (``min_nodes``..``max_nodes``) with how many worker processes each.
+
+    A job with ``max_nodes > 1`` or ``procs_per_node > 1`` is *distributed*: its cell runs
+    in ``procs_per_node`` kernels on each node, as torchrun's workers (see
+    :mod:`spotnb.multinode`).
+    """
 
     instance_types: tuple[str, ...]
     region: str = "us-east-1"
     max_price: float | None = None
+    min_nodes: int = 1
+    max_nodes: int = 1
+    procs_per_node: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the cell runs as torchrun workers (several nodes or processes)."""
+        return self.max_nodes > 1 or self.procs_per_node > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +153,10 @@ class Policy:
     budget_usd: float | None = None
     max_duration: float | None = None
     keep_checkpoints: int = 3
+    # Distributed jobs: the longest any rank waits on a peer (collectives of process
+    # groups created in the cell without a timeout of their own, connections to the
+    # rendezvous) before the peer is taken for lost and the world re-forms.
+    peer_timeout: float = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +197,9 @@ class JobSpec:
                 instance_types=tuple(res["instance_types"]),
                 region=res.get("region", "us-east-1"),
                 max_price=res.get("max_price"),
+                min_nodes=int(res.get("min_nodes", 1)),
+                max_nodes=int(res.get("max_nodes", 1)),
+                procs_per_node=int(res.get("procs_per_node", 1)),
             ),
             policy=Policy(checkpoint_every=CheckpointEvery(**every), **pol),
             inputs=tuple(raw.pop("inputs", ())),

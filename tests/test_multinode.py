@@ -1,0 +1,187 @@
+"""Multi-node jobs: node counts, node-slot leases, the rendezvous record.
+
+Real parts: a LocalStore for the job's prefix, a real c10d TCPStore for the hosted
+rendezvous store.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from spotnb import lease
+from spotnb.layout import LEASE, lease_key
+from spotnb.spec import MAX_NODES, JobSpec, Resources, SpecError, parse_nodes
+from spotnb.store import LocalStore
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- node counts ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1, (1, 1)), (4, (4, 4)), ("4", (4, 4)), ("3:4", (3, 4)), (" 2 : 3 ", (2, 3)),
+    ((3, 4), (3, 4)), ([1, 2], (1, 2)),
+])
+def test_parse_nodes(value: object, expected: tuple[int, int]) -> None:
+    assert parse_nodes(value) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value, words", [
+    (0, "at least one node"), ("0", "at least one node"), ("0:2", "at least one node"),
+    ("4:3", "MIN must not exceed MAX"), ("x", "MIN:MAX"), ("3:", "MIN:MAX"),
+    (True, "MIN:MAX"), ((1, 2, 3), "MIN:MAX"), (MAX_NODES + 1, "limit"),
+])
+def test_bad_node_counts_are_refused_with_the_next_step(value: object, words: str) -> None:
+    with pytest.raises(SpecError, match=words):
+        parse_nodes(value)  # type: ignore[arg-type]
+
+
+def test_resources_say_whether_a_job_is_distributed() -> None:
+    assert not Resources(("g5.xlarge",)).distributed
+    assert Resources(("g5.xlarge",), min_nodes=3, max_nodes=4).distributed
+    assert Resources(("g5.xlarge",), procs_per_node=2).distributed
+
+
+def test_node_counts_survive_the_spec_round_trip() -> None:
+    spec = JobSpec.from_json(JobSpec.from_json(_spec_json()).to_json())
+    assert (spec.resources.min_nodes, spec.resources.max_nodes,
+            spec.resources.procs_per_node) == (3, 4, 2)
+
+
+def _spec_json() -> str:
+    import json
+
+    from spotnb.spec import Policy
+
+    base = {
+        "job_id": "j-1", "name": "n", "code": "pass", "provider": "local",
+        "store_uri": "/tmp/none", "created": 0.0,
+        "resources": {"instance_types": ["g5.xlarge"], "min_nodes": 3, "max_nodes": 4,
+                      "procs_per_node": 2},
+        "policy": {"checkpoint_every": {"seconds": 60.0, "steps": None}},
+    }
+    assert Policy().peer_timeout > 0
+    return json.dumps(base)
+
+
+# -- node-slot leases ----------------------------------------------------------------
+
+
+def test_each_node_slot_has_its_own_lease_and_epochs_are_unique_job_wide(
+        tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "job")
+    nodes = 3
+    held = [lease.acquire(store, f"i-{k}", slot=k, stride=nodes) for k in range(nodes)]
+    assert all(h is not None for h in held)
+    assert [lease_key(k) for k in range(nodes)] == [LEASE, "lease.1.json", "lease.2.json"]
+    assert all(store.exists(lease_key(k)) for k in range(nodes))
+    # A slot with a live holder is taken; the others are unaffected.
+    assert lease.acquire(store, "i-x", slot=1, stride=nodes) is None
+    epochs = [h.lease.epoch for h in held if h is not None]
+    assert epochs == [1, 2, 3]
+    # Retries in place and takeovers move each slot's epoch by the node count.
+    held[0].bump()  # type: ignore[union-attr]
+    held[2].release()  # type: ignore[union-attr]
+    again = lease.acquire(store, "i-y", slot=2, stride=nodes)
+    assert again is not None
+    seen = {held[0].lease.epoch, held[1].lease.epoch,  # type: ignore[union-attr]
+            again.lease.epoch}
+    assert seen == {4, 2, 6}
+    assert all((e - 1) % nodes == k for k, e in
+               ((0, 4), (1, 2), (2, 6)))
+    # Fencing checks read the right slot.
+    assert lease.still_holds(store, 6, "i-y", slot=2)
+    assert not lease.still_holds(store, 6, "i-y", slot=1)
+
+
+def test_a_single_node_job_keeps_its_one_lease_and_epochs(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "job")
+    held = lease.acquire(store, "i-a")
+    assert held is not None and held.lease.epoch == 1 and held.lease.key == LEASE
+    held.bump()
+    assert held.lease.epoch == 2
+    held.release()
+    nxt = lease.acquire(store, "i-b")
+    assert nxt is not None and nxt.lease.epoch == 3
+    assert not store.exists(lease_key(1))
+
+
+# -- the rendezvous record -----------------------------------------------------------
+
+
+def test_first_node_hosts_the_rendezvous_and_the_others_join(tmp_path: Path) -> None:
+    from torch.distributed import TCPStore
+
+    from spotnb.multinode import rendezvous as rdzv
+
+    store = LocalStore(tmp_path / "job")
+    held = lease.acquire(store, "i-a", slot=0, stride=2)
+    assert held is not None
+    record, hosted = rdzv.elect(store, "j-1", "i-a", 0, "127.0.0.1", None,
+                                "the first node", timeout=30)
+    assert hosted is not None and record.generation == 1 and not record.vacant
+    assert record.run_id == "j-1-g1" and record.host == "i-a"
+    assert rdzv.host_alive(store, record)
+    # A second node that raced on the same empty record loses and gets the winner's.
+    lost, none = rdzv.elect(store, "j-1", "i-b", 1, "127.0.0.1", None, "the first node",
+                            timeout=30)
+    assert none is None and lost == record
+    # The endpoint is a real c10d store the others connect to.
+    host, port = str(record.endpoint).rsplit(":", 1)
+    client = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    client.set("k", "v")
+    assert client.get("k") == b"v"
+    hosted.close()
+
+
+def test_a_host_with_notice_vacates_and_one_survivor_hosts_the_next_generation(
+        tmp_path: Path) -> None:
+    from spotnb.multinode import rendezvous as rdzv
+
+    store = LocalStore(tmp_path / "job")
+    a = lease.acquire(store, "i-a", slot=0, stride=3)
+    assert a is not None
+    record, hosted = rdzv.elect(store, "j-1", "i-a", 0, "127.0.0.1", None, "first", 30)
+    assert hosted is not None
+    vacant = rdzv.vacate(store, record, "its host got an interruption notice")
+    assert vacant is not None and vacant.vacant and vacant.generation == 2
+    assert not rdzv.host_alive(store, vacant)
+    assert rdzv.vacate(store, record, "again") is None  # the record moved on
+    hosted.close()
+    current = rdzv.read(store)
+    assert current is not None
+    # Two survivors race on the vacant generation: exactly one hosts it.
+    b = rdzv.elect(store, "j-1", "i-b", 1, "127.0.0.1", current, "vacant", 30)
+    c = rdzv.elect(store, "j-1", "i-c", 2, "127.0.0.1", current, "vacant", 30)
+    hosts = [h for _, h in (b, c) if h is not None]
+    assert len(hosts) == 1
+    assert b[0] == c[0] and b[0].generation == 2 and b[0].host == "i-b"
+    for h in hosts:
+        h.close()
+
+
+def test_a_dead_host_is_replaced_by_the_next_generation(tmp_path: Path) -> None:
+    from spotnb.multinode import rendezvous as rdzv
+
+    store = LocalStore(tmp_path / "job")
+    a = lease.acquire(store, "i-a", slot=0, stride=2)
+    b = lease.acquire(store, "i-b", slot=1, stride=2)
+    assert a is not None and b is not None
+    record, hosted = rdzv.elect(store, "j-1", "i-a", 0, "127.0.0.1", None, "first", 30)
+    assert hosted is not None and rdzv.host_alive(store, record)
+    # The provider says the host's instance is terminated (a kill without notice).
+    assert not rdzv.host_alive(store, record, instance_gone=lambda i: i == "i-a")
+    # Its lease released (or expired): gone as well.
+    a.release()
+    assert not rdzv.host_alive(store, record)
+    current = rdzv.read(store)
+    new, mine = rdzv.elect(store, "j-1", "i-b", 1, "127.0.0.1", current,
+                           "its host i-a is gone", 30)
+    assert mine is not None and new.generation == 2 and new.run_id == "j-1-g2"
+    assert new.host_slot == 1 and rdzv.host_alive(store, new)
+    hosted.close()
+    mine.close()
