@@ -31,7 +31,15 @@ import cloudpickle
 from spotnb import __version__, layout
 from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, EventReader, log_state
 from spotnb.providers import Provider, get_provider
-from spotnb.spec import CheckpointEvery, JobSpec, Policy, Resources, SpecError, parse_duration
+from spotnb.spec import (
+    CheckpointEvery,
+    JobSpec,
+    Policy,
+    Resources,
+    SpecError,
+    parse_duration,
+    parse_nodes,
+)
 from spotnb.store import NotFound, Store, open_store
 
 __all__ = [
@@ -146,6 +154,9 @@ def submit(
     simulate_interruptions: int | Sequence[float] | None = None,
     files: Mapping[str, str | os.PathLike[str]] | None = None,
     store: str | None = None,
+    nodes: int | str | tuple[int, int] = 1,
+    procs_per_node: int = 1,
+    peer_timeout: float | str = "2m",
 ) -> JobHandle:
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
 
@@ -157,6 +168,11 @@ def submit(
     ``simulate_interruptions`` (local cloud): a count, or seconds after launch.
     ``files`` maps paths relative to the remote working directory to local files
     (helper modules next to the notebook): they are importable in the cell.
+    ``nodes`` (``4`` or ``"3:4"``: MIN:MAX) and ``procs_per_node`` make the job
+    distributed: the cell runs as torchrun's workers on every node (``RANK``,
+    ``WORLD_SIZE``, ... set), and goes on with MIN nodes while a lost node's
+    replacement boots (:mod:`spotnb.multinode`); ``peer_timeout`` bounds every wait on
+    a peer.
     """
     _check_code(code)
     prov = get_provider(provider)
@@ -170,6 +186,16 @@ def submit(
         raise SpecError("max_restarts_on_error must be 0 or more")
     if keep_checkpoints < 1:
         raise SpecError("keep_checkpoints must be at least 1")
+    min_nodes, max_nodes = parse_nodes(nodes)
+    if isinstance(procs_per_node, bool) or not isinstance(procs_per_node, int) \
+            or procs_per_node < 1:
+        raise SpecError(f"procs_per_node must be a whole number of at least 1, not "
+                        f"{procs_per_node!r} (one worker process per GPU of the type)")
+    if (max_nodes > 1 or procs_per_node > 1) and provider != "local":
+        raise SpecError(f"multi-node jobs run on the local cloud only so far; provider "
+                        f"{provider!r} cannot run --nodes {nodes}: use provider='local', "
+                        "or one node")
+    peer_seconds = parse_duration(peer_timeout, "peer_timeout")
     out_names = tuple(outputs or ())
     for out in out_names:
         if not _NAME.match(out):
@@ -184,7 +210,9 @@ def submit(
         name=name or "job",
         code=code,
         provider=provider,
-        resources=Resources(instance_types=types, region=region, max_price=max_price),
+        resources=Resources(instance_types=types, region=region, max_price=max_price,
+                            min_nodes=min_nodes, max_nodes=max_nodes,
+                            procs_per_node=procs_per_node),
         policy=Policy(
             checkpoint_every=CheckpointEvery.parse(checkpoint_every),
             max_restarts_on_error=max_restarts_on_error,
@@ -192,6 +220,7 @@ def submit(
             max_duration=(parse_duration(max_duration, "max_duration")
                           if max_duration is not None else None),
             keep_checkpoints=keep_checkpoints,
+            peer_timeout=peer_seconds,
         ),
         store_uri=job_store.uri,
         created=time.time(),

@@ -185,3 +185,49 @@ def test_a_dead_host_is_replaced_by_the_next_generation(tmp_path: Path) -> None:
     assert new.host_slot == 1 and rdzv.host_alive(store, new)
     hosted.close()
     mine.close()
+
+
+# -- end to end on the local cloud ---------------------------------------------------
+
+ALL_REDUCE = """
+import os
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+total = t.item()
+world = dist.get_world_size()
+seen = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_run_one_cell_as_torchrun_workers(
+        spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import spotnb
+
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    job = spotnb.submit(ALL_REDUCE, nodes=2, outputs=["total", "world", "seen"],
+                        instance_types="g4dn.xlarge")
+    result = job.wait(timeout=240)
+    assert result.status == "completed", (result.status, result.reason)
+    # Rank 0's values come back: the all-reduce saw both ranks (1 + 2).
+    assert result.outputs["total"] == 3.0 and result.outputs["world"] == 2
+    assert result.outputs["seen"]["RANK"] == "0"
+    assert result.outputs["seen"]["WORLD_SIZE"] == "2"
+    assert result.outputs["seen"]["MASTER_ADDR"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("nodes, words", [
+    (0, "at least one node"), ("4:3", "MIN must not exceed MAX")])
+def test_submit_refuses_bad_node_counts_before_launch(
+        spotnb_home: Path, nodes: object, words: str) -> None:
+    import spotnb
+
+    with pytest.raises(SpecError, match=words):
+        spotnb.submit("pass", nodes=nodes)  # type: ignore[arg-type]
+    assert not (spotnb_home / "local").exists() or not any(
+        (spotnb_home / "local").rglob("group.json"))
