@@ -231,3 +231,90 @@ def test_submit_refuses_bad_node_counts_before_launch(
         spotnb.submit("pass", nodes=nodes)  # type: ignore[arg-type]
     assert not (spotnb_home / "local").exists() or not any(
         (spotnb_home / "local").rglob("group.json"))
+
+
+UNTIL_GO = """
+import os, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+steps = 0
+while True:
+    flag = torch.tensor([1.0 if os.path.exists(GO) else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+    if flag.item() > 0:
+        break
+    steps += 1
+    time.sleep(0.05)
+world = dist.get_world_size()
+dist.destroy_process_group()
+"""
+
+
+def _worlds(store: LocalStore) -> list[dict[str, object]]:
+    from spotnb.events import EventReader
+
+    return [dict(e.data, instance=e.instance) for e in EventReader(store).replay()
+            if e.type == "world"]
+
+
+def _wait(check: object, what: str, timeout: float = 240) -> object:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()  # type: ignore[operator]
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--nodes 1:2: the node hosting the rendezvous is killed outright (no notice); the
+    survivor elects itself host of the next generation and trains on alone while no
+    capacity is left for a replacement; capacity returns, the replacement joins and
+    the world re-forms at 2."""
+    import json
+    import os
+    import signal
+
+    import spotnb
+    from spotnb.multinode import rendezvous as rdzv
+    from spotnb.providers.local import LocalProvider
+
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    go = tmp_path / "go"
+    job = spotnb.submit(UNTIL_GO, nodes="1:2", inputs={"GO": str(go)},
+                        outputs=["world", "steps"], instance_types="g4dn.xlarge")
+    store = LocalStore(job.spec.store_uri.removeprefix("file://"))
+    _wait(lambda: [w for w in _worlds(store) if w["world_size"] == 2], "a world of 2")
+    current = rdzv.read(store)
+    assert current is not None and current[0].generation == 1
+    host = current[0].host
+    # No capacity from now on: the killed node is not replaced yet.
+    config = spotnb_home / "cloud" / "config.json"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps({"no_capacity": ["g4dn.xlarge"]}))
+    meta = next(m for m in LocalProvider().instances(job.job_id)
+                if m["instance_id"] == host)
+    os.kill(int(meta["pid"]), signal.SIGKILL)
+    # The survivor hosts generation 2 and trains on alone.
+    alone = _wait(lambda: [w for w in _worlds(store)
+                           if w["world_size"] == 1 and w["generation"] == 2],
+                  "the survivor alone in generation 2")
+    survivor = alone[0]["instance"]  # type: ignore[index]
+    assert survivor != host
+    record = rdzv.read(store)
+    assert record is not None and record[0].host == survivor
+    # Capacity returns: the replacement joins, the world re-forms at 2.
+    config.write_text(json.dumps({"no_capacity": []}))
+    _wait(lambda: [w for w in _worlds(store) if w["world_size"] == 2
+                   and w["generation"] == 2], "the world re-formed at 2")
+    go.write_text("go")
+    result = job.wait(timeout=240)
+    assert result.status == "completed", (result.status, result.reason)
+    assert result.outputs["world"] == 2
