@@ -318,3 +318,96 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
     result = job.wait(timeout=240)
     assert result.status == "completed", (result.status, result.reason)
     assert result.outputs["world"] == 2
+
+
+DDP_TRAINING = """
+import os, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+X = torch.randn(512, 16, generator=torch.Generator().manual_seed(1))
+y = X @ torch.randn(16, 1, generator=torch.Generator().manual_seed(2))
+model = torch.nn.Linear(16, 1)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+ckpt = spot.Checkpoint(model=model, optimizer=opt)
+start = ckpt.restore()
+GLOBAL_BATCH = 48  # the same global batch at any world size (1, 2 or 3 ranks)
+for step in range(start, STEPS):
+    idx = torch.randperm(len(X), generator=torch.Generator().manual_seed(step))[:GLOBAL_BATCH]
+    mine = idx.chunk(world)[rank]
+    loss = ((ddp(X[mine]) - y[mine]) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    spot.log(step, loss=loss.item())
+    while step == PAUSE_AT and not os.path.exists(GO):
+        time.sleep(0.05)  # the test's gate: it delivers the notice meanwhile
+    ckpt.maybe_save(step)
+weights = [p.detach().clone() for p in model.parameters()]
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrupted(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two nodes of seeded DDP code (--nodes 1:2, the same global batch at any world
+    size). The node hosting the rendezvous gets its notice mid-training: every rank
+    saves at the same step (rank 0 writes), the host leaves, the other node re-forms
+    (alone, or with the replacement if it already joined) from that checkpoint, and
+    the replacement joins. The final weights match an uninterrupted run of the same
+    code: bitwise where every round had 2 ranks, else within float tolerance (the
+    gradient of the same global batch is then reduced in a different order)."""
+
+    import torch
+
+    import spotnb
+    from spotnb.events import EventReader
+    from spotnb.multinode import rendezvous as rdzv
+
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "20")
+    go = tmp_path / "go"
+    common = {"nodes": "1:2", "outputs": ["weights"], "instance_types": "g4dn.xlarge",
+              "checkpoint_every": "5 steps"}
+    reference_go = tmp_path / "reference-go"
+    reference_go.write_text("go")
+    reference = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 30, "PAUSE_AT": 12,
+                                                    "GO": str(reference_go)}, **common)
+    job = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 30, "PAUSE_AT": 12, "GO": str(go)},
+                        **common)
+    store = LocalStore(job.spec.store_uri.removeprefix("file://"))
+
+    def events(type: str) -> list[object]:
+        return [e for e in EventReader(store).replay() if e.type == type]
+
+    _wait(lambda: [e for e in events("metric")], "training to start")
+    current = rdzv.read(store)
+    assert current is not None
+    host = current[0].host
+    job.provider.interrupt(job.job_id, instance=host)  # type: ignore[call-arg]
+    _wait(lambda: [e for e in events("status") if e.instance == host  # type: ignore[attr-defined]
+                   and "interruption notice" in str(e.data.get("detail"))],  # type: ignore[attr-defined]
+          "the host's agent to see its notice")
+    go.write_text("go")
+    result = job.wait(timeout=300)
+    assert result.status == "completed", (result.status, result.reason)
+    ref = reference.wait(timeout=300)
+    assert ref.status == "completed", (ref.status, ref.reason)
+    # The coordinated checkpoint: one forced save, at the gate's step.
+    forced = [e for e in events("checkpoint") if e.data.get("phase") == "durable"  # type: ignore[attr-defined]
+              and e.data.get("forced")]  # type: ignore[attr-defined]
+    assert [e.data["step"] for e in forced] == [12]  # type: ignore[attr-defined]
+    record = rdzv.read(store)
+    assert record is not None and record[0].generation >= 2 and record[0].host != host
+    sizes = {w["world_size"] for w in _worlds(store)}
+    got, want = result.outputs["weights"], ref.outputs["weights"]
+    if sizes == {2}:
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    else:
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                   for a, b in zip(got, want, strict=True))

@@ -173,6 +173,11 @@ class WorkerRun:
         except Fenced:
             self.state = "fenced"
         except Exception:
+            if self.node.stopping:
+                # Its kernel was killed under it (a re-formation): expected.
+                log.debug("worker %d ended while stopping", self.local_rank, exc_info=True)
+                self.state = "stopped"
+                return
             log.exception("worker %d failed", self.local_rank)
             if not self.node.stopping:
                 self._end("user", {"ename": "AgentError", "evalue": "the agent failed "
