@@ -30,7 +30,7 @@ from traitlets import Float, Int, List, TraitError, Type, Unicode, validate
 import spotnb
 from spotnb import capture, display
 from spotnb.cli import format_age
-from spotnb.spec import SpecError, parse_duration
+from spotnb.spec import SpecError, parse_duration, parse_nodes
 
 __all__ = ["SpotMagics", "TrainRequest"]
 
@@ -215,6 +215,12 @@ class SpotMagics(Magics):
     @argument("--no-capture", action="store_true",
               help="ship no notebook variable: the cell must create everything it uses")
     @argument("--name", help="a name for the job, shown by %%spot_jobs")
+    @argument("--nodes", metavar="N|MIN:MAX",
+              help="train on N instances as torchrun's workers (RANK, WORLD_SIZE, ... set "
+                   "in the cell), e.g. --nodes 4; --nodes 3:4 goes on with 3 while a lost "
+                   "node's replacement boots (local cloud; default 1)")
+    @argument("--procs-per-node", type=int, metavar="P",
+              help="worker processes per instance, e.g. one per GPU (default 1)")
     @_policy_args
     @argument("--simulate-interruptions", metavar="N|TIMES",
               help="local cloud: interrupt the job N times (--simulate-interruptions 2), "
@@ -296,6 +302,11 @@ class SpotMagics(Magics):
             "simulate_interruptions": _simulation(args.simulate_interruptions),
             "store": self.store,
         }
+        # Only a distributed job passes these (submit's defaults: one node, one process).
+        if args.nodes is not None:
+            submit["nodes"] = parse_nodes(args.nodes)
+        if args.procs_per_node is not None:
+            submit["procs_per_node"] = args.procs_per_node
         return TrainRequest(submit=submit,
                             inputs=_names(args.inputs) if args.inputs is not None else None,
                             capture=not args.no_capture, detach=args.detach)
