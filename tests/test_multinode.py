@@ -219,6 +219,11 @@ def test_two_nodes_run_one_cell_as_torchrun_workers(
     assert result.outputs["seen"]["RANK"] == "0"
     assert result.outputs["seen"]["WORLD_SIZE"] == "2"
     assert result.outputs["seen"]["MASTER_ADDR"] == "127.0.0.1"
+    # Each node is an attempt of its own (its slot's epoch) on its own instance, and
+    # the cost counts both instances.
+    assert sorted(a.number for a in result.attempts) == [1, 2]
+    assert len({a.instance_id for a in result.attempts}) == 2
+    assert result.cost_usd > 0
 
 
 @pytest.mark.parametrize("nodes, words", [
