@@ -475,3 +475,18 @@ def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
     else:
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                    for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_processes_on_each_of_two_nodes(
+        spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import spotnb
+
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    job = spotnb.submit(ALL_REDUCE, nodes=2, procs_per_node=2,
+                        outputs=["total", "world", "seen"], instance_types="g4dn.xlarge")
+    result = job.wait(timeout=240)
+    assert result.status == "completed", (result.status, result.reason)
+    assert result.outputs["world"] == 4 and result.outputs["total"] == 1 + 2 + 3 + 4
+    assert result.outputs["seen"]["LOCAL_RANK"] == "0"
