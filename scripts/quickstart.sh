@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The README's main job: set up .venv, then execute notebooks/quickstart.ipynb head-less
-# on the local cloud (a PyTorch training run that is interrupted twice and resumes),
-# write the executed notebook, and show its accuracy and cost lines.
+# The README's main job: set up .venv with only what the notebook uses (no development
+# tools, no system package: scripts/test.sh installs the rest), then execute
+# notebooks/quickstart.ipynb head-less on the local cloud (a PyTorch training run that is
+# interrupted twice and resumes), write the executed notebook, and show its accuracy and
+# cost lines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh quickstart
 OUT=notebooks/quickstart.executed.ipynb
 .venv/bin/spotnb run notebooks/quickstart.ipynb -o "$OUT"
 echo

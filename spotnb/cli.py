@@ -75,7 +75,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     handle = spotnb.attach(args.job, store=args.store)
-    for event in handle.events(follow=args.follow):
+    # Metric batches stay batches: no line shows them, and a long job has millions.
+    for event in handle.events(follow=args.follow, batches=True):
         line = format_event(event)
         if line is not None:
             print(line, flush=True)

@@ -24,9 +24,15 @@ import sys
 import time
 from typing import Any, Protocol
 
-from spotnb import layout
-from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, EventReader
-from spotnb.jobs import POLL_SECONDS, RESULT_WITHOUT_EVENTS_GRACE, JobHandle, JobResult, summarize
+from spotnb.events import FINAL_STATES, GROUP_STREAM, Event
+from spotnb.events.live import Follower
+from spotnb.jobs import (
+    FOLLOW_WAIT_SECONDS,
+    RESULT_WITHOUT_EVENTS_GRACE,
+    JobHandle,
+    JobResult,
+    summarize,
+)
 
 __all__ = [
     "Detached",
@@ -45,7 +51,8 @@ __all__ = [
 # enough for the elapsed time and the cost to tick, rarely enough for a notebook file.
 REFRESH_SECONDS = 1.0
 # Events the cost and attempt summary need (the rest are output, metrics, samples).
-_CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result"})
+_CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result",
+                            "usage"})
 
 
 @dataclasses.dataclass
@@ -231,7 +238,7 @@ def follow(handle: JobHandle, renderer: Renderer,
     """
     spec = handle.spec
     view = JobView(job_id=spec.job_id, name=spec.name, created=spec.created)
-    reader = EventReader(handle.store)
+    follower = Follower(handle.store, spec.job_id)
     control: list[Event] = []
     start = getattr(renderer, "start", None)
     on_events = getattr(renderer, "events", None)
@@ -242,16 +249,16 @@ def follow(handle: JobHandle, renderer: Renderer,
         last_draw = time.monotonic()
         result_seen_at: float | None = None
         while True:
-            batch = reader.poll()
-            ended = any(e.type == "result" for e in batch)
+            batch = follower.poll(wait=FOLLOW_WAIT_SECONDS)
+            ended = follower.ended
             if ended:
-                batch += reader.poll()  # the agent's last events come with the result
+                batch += follower.poll(wait=0)  # the group's last events
             if on_events is not None:
                 on_events(batch)
             changed = _apply(batch, view, control, renderer)
             if ended:
                 break
-            if result_seen_at is None and handle.store.exists(layout.RESULT):
+            if result_seen_at is None and handle.result_written():
                 result_seen_at = time.monotonic()
             if result_seen_at is not None and \
                     time.monotonic() - result_seen_at > RESULT_WITHOUT_EVENTS_GRACE:
@@ -261,7 +268,6 @@ def follow(handle: JobHandle, renderer: Renderer,
                 view.account(summarize(spec, control, None))
                 renderer.update(view)
                 last_draw = time.monotonic()
-            time.sleep(POLL_SECONDS)
         outputs_error = None
         try:
             result = handle.summary(with_outputs=True)
@@ -272,6 +278,8 @@ def follow(handle: JobHandle, renderer: Renderer,
         view.detached = True
         renderer.detached(view)
         return Detached(spec.job_id)
+    finally:
+        follower.close()
     view.account(result)
     renderer.finished(view, result)
     return Finished(result, view.execute_result, outputs_error)

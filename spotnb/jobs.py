@@ -13,6 +13,7 @@ process (after a kernel restart) sees exactly what the submitting process saw.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -28,8 +29,18 @@ from typing import Any
 
 import cloudpickle
 
-from spotnb import __version__, layout
-from spotnb.events import FINAL_STATES, GROUP_STREAM, Event, EventReader, log_state
+from spotnb import __version__, layout, usage
+from spotnb.events import (
+    FINAL_STATES,
+    GROUP_STREAM,
+    Event,
+    EventReader,
+    last_values,
+    log_state,
+    metric_rows,
+)
+from spotnb.events.live import CONTROL_QUEUE, Follower, request_stop
+from spotnb.events.queues import queue_for
 from spotnb.providers import Provider, get_provider
 from spotnb.spec import (
     CheckpointEvery,
@@ -67,6 +78,13 @@ RESULT_WITHOUT_EVENTS_GRACE = 5.0
 POLL_SECONDS = 0.25
 # How often a process following a job checks that its capacity group is supervised.
 SUPERVISION_CHECK_SECONDS = 10.0
+# A follower waits this long for live events per poll (an SQS long poll each time).
+FOLLOW_WAIT_SECONDS = 1.0
+# While following, result.json is looked up this often (an S3 HEAD; the result event
+# normally comes first, live: this is for an agent that died right after writing it);
+# wait() looks every POLL_SECONDS at first, then less often.
+RESULT_CHECK_SECONDS = 60.0
+WAIT_MAX_SECONDS = 10.0
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -98,19 +116,33 @@ class JobResult:
     reason: str
     attempts: tuple[Attempt, ...]
     interruptions: int
+    #: What the job cost: its instances, billed per second from launch (boot included)
+    #: at their pools' spot prices, plus :attr:`requests_usd`.
     cost_usd: float
+    #: The same instance-seconds at the on-demand price.
     ondemand_cost_usd: float
     metrics: dict[str, float]
     duration: float
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: dict[str, Any] | None = None
+    #: spotnb's own AWS requests (S3, SQS) at list prices, as its agents, runtime and
+    #: followers reported them; 0 on the local cloud, whose requests cost nothing.
+    requests_usd: float = 0.0
 
     @property
     def savings_pct(self) -> float | None:
-        """Savings versus on-demand in percent (None before any cost)."""
+        """Savings versus on-demand in percent (None before any cost): what the job
+        cost, boot time and spotnb's own requests included, against its instance time
+        at the on-demand price."""
         if self.ondemand_cost_usd <= 0:
             return None
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+
+    @property
+    def cost_includes(self) -> str:
+        """What :attr:`cost_usd` includes, for a person."""
+        return (f"instances billed from launch (boot included) and spotnb's own requests "
+                f"(${self.requests_usd:.4f})")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the outputs (they are arbitrary objects)."""
@@ -146,7 +178,7 @@ def submit(
     name: str | None = None,
     inputs: Mapping[str, Any] | None = None,
     outputs: Sequence[str] | None = None,
-    checkpoint_every: float | str = "60s",
+    checkpoint_every: float | str = "5m",
     max_restarts_on_error: int = 0,
     budget_usd: float | None = None,
     max_duration: float | str | None = None,
@@ -237,8 +269,15 @@ def submit(
         job_store.put(layout.WORKDIR, archive)
     job_store.put(layout.SPEC, spec.to_json().encode())
     try:
+        # The agent long-polls it for followers and stop requests (spotnb.events.live).
+        queue_for(job_store, job_id, CONTROL_QUEUE).create()
+    except Exception as err:
+        log.warning("no control queue for job %s (%s): followers read its log", job_id, err)
+    try:
         prov.launch(spec)
     except BaseException:
+        with contextlib.suppress(Exception):
+            queue_for(job_store, job_id, CONTROL_QUEUE).delete()
         job_store.put_if_absent(layout.RESULT, json.dumps(
             {"status": "failed", "reason": "the capacity group could not be created",
              "time": time.time()}).encode())
@@ -376,6 +415,7 @@ class JobHandle:
         #: What ``submit`` found worth telling before the job ran (e.g. that its
         #: checkpoints may not fit in the interruption notice); empty for ``attach``.
         self.warnings: tuple[str, ...] = ()
+        self._result_checked = -RESULT_CHECK_SECONDS
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.job_id} {self.spec.name!r}>"
@@ -418,55 +458,81 @@ class JobHandle:
     @property
     def status(self) -> str:
         """The job's state (see :data:`spotnb.events.STATES`)."""
-        return _status(EventReader(self.store).poll(), self.result_record())[0]
+        return _status(EventReader(self.store, batches=True).poll(), self.result_record())[0]
 
-    def events(self, follow: bool = True, timeout: float | None = None) -> Iterator[Event]:
-        """Every event from the start; with ``follow``, then new ones until the job ends."""
-        reader = EventReader(self.store)
+    def events(self, follow: bool = True, timeout: float | None = None,
+               batches: bool = False) -> Iterator[Event]:
+        """Every event from the start; with ``follow``, then new ones until the job ends.
+
+        Following registers with the job's agent for live events (see
+        :mod:`spotnb.events.live`): they arrive within about a second, at a fraction
+        of what tailing the log would cost. ``batches`` gives ``metrics`` events as
+        batches rather than one ``metric`` event per row.
+        """
+        if not follow:
+            yield from EventReader(self.store, batches=batches).poll()
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         result_seen_at: float | None = None
-        while True:
-            batch = reader.poll()
-            yield from batch
-            if not follow:
-                return
-            if any(e.type == "result" for e in batch):
-                yield from reader.poll()
-                return
-            if result_seen_at is None and self.store.exists(layout.RESULT):
-                result_seen_at = time.monotonic()
-            if result_seen_at is not None and \
-                    time.monotonic() - result_seen_at > RESULT_WITHOUT_EVENTS_GRACE:
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                return
-            self.keep_supervised()
-            time.sleep(POLL_SECONDS)
+        with Follower(self.store, self.job_id, batches=batches) as follower:
+            while True:
+                batch = follower.poll(wait=FOLLOW_WAIT_SECONDS)
+                yield from batch
+                if follower.ended:
+                    yield from follower.poll(wait=0)  # the group's last events
+                    return
+                if deadline is not None and time.monotonic() > deadline:
+                    return
+                if result_seen_at is None and self.result_written():
+                    result_seen_at = time.monotonic()
+                if result_seen_at is not None and \
+                        time.monotonic() - result_seen_at > RESULT_WITHOUT_EVENTS_GRACE:
+                    return
+                self.keep_supervised()
+
+    def result_written(self) -> bool:
+        """Whether result.json exists, looked up at most every RESULT_CHECK_SECONDS (an
+        S3 HEAD each time)."""
+        now = time.monotonic()
+        if now - self._result_checked < RESULT_CHECK_SECONDS:
+            return False
+        self._result_checked = now
+        return self.store.exists(layout.RESULT)
 
     def wait(self, timeout: float | None = None) -> JobResult:
         """Block until the job ends; its :class:`JobResult` (with outputs).
 
         Raises ``TimeoutError`` if ``timeout`` seconds pass first; the job keeps going.
+        Looks for the result every second at first, then less often (one S3 HEAD each
+        time, at most every WAIT_MAX_SECONDS).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_SECONDS
         while not self.store.exists(layout.RESULT):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(
                     f"job {self.job_id} still runs after {timeout}s; it keeps running: "
                     f"wait again, or stop it with spotnb.attach({self.job_id!r}).stop()")
             self.keep_supervised()
-            time.sleep(POLL_SECONDS)
+            pause = delay if deadline is None else min(delay, max(0.0, deadline -
+                                                                  time.monotonic()))
+            time.sleep(pause)
+            delay = min(delay * 1.5, WAIT_MAX_SECONDS)
         # The agent writes its closing events right after result.json.
         end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
-        while time.monotonic() < end:
-            if any(e.type == "result" for e in EventReader(self.store).poll()):
-                break
+        reader = EventReader(self.store, batches=True)
+        events = reader.poll()
+        while not any(e.type == "result" for e in events) and time.monotonic() < end:
             time.sleep(POLL_SECONDS)
-        return self.summary(with_outputs=True)
+            events += reader.poll()
+        return self.summary(with_outputs=True, events=sorted(events, key=lambda e: e.time))
 
-    def summary(self, with_outputs: bool = False) -> JobResult:
-        """Where the job stands now, from its full event history."""
-        events = EventReader(self.store).poll()
+    def summary(self, with_outputs: bool = False,
+                events: list[Event] | None = None) -> JobResult:
+        """Where the job stands now, from its full event history (read now, unless
+        ``events`` is that history)."""
+        if events is None:
+            events = EventReader(self.store, batches=True).poll()
         result = summarize(self.spec, events, self.result_record())
         if with_outputs and result.status == "completed" and self.spec.outputs:
             outputs = cloudpickle.loads(self.store.get(layout.OUTPUTS))
@@ -476,10 +542,10 @@ class JobHandle:
     def metrics(self) -> dict[str, list[tuple[int, float]]]:
         """Every logged metric as (step, value) pairs, in logging order."""
         series: dict[str, list[tuple[int, float]]] = {}
-        for event in EventReader(self.store).poll():
-            if event.type == "metric":
-                for key, value in event.data["values"].items():
-                    series.setdefault(key, []).append((event.data["step"], value))
+        for event in EventReader(self.store, batches=True).poll():
+            for step, _t, values in metric_rows(event):
+                for key, value in values.items():
+                    series.setdefault(key, []).append((step, value))
         return series
 
     def interrupt(self) -> None:
@@ -490,8 +556,7 @@ class JobHandle:
 
     def stop(self, reason: str = "requested") -> None:
         """Stop the job: the cell is interrupted, the capacity group deleted."""
-        self.store.put_if_absent(layout.STOP, json.dumps(
-            {"reason": reason, "time": time.time()}).encode())
+        request_stop(self.store, self.job_id, {"reason": reason, "time": time.time()})
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         while not self.store.exists(layout.RESULT) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
@@ -639,6 +704,14 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
         elif e.type == "price":
             prices.setdefault(e.data.get("pool", ""), []).append((e.time, e.data["price"]))
 
+    # spotnb's own requests: the newest count each process reported (they are totals).
+    reported: dict[tuple[Any, int, str | None], dict[str, Any]] = {}
+    for e in events:
+        if e.type == "usage":
+            reported[(e.data.get("process"), e.attempt, e.instance)] = \
+                e.data.get("requests") or {}
+    requests_usd = sum(usage.cost(counts) for counts in reported.values())
+
     cost = ondemand = 0.0
     for inst in launched.values():
         start, stop = inst["start"], inst["end"] or end_of_job
@@ -661,8 +734,8 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
         instance = launched.get(boot.instance or "", {})
         end_reason = "running"
         for e in evs:
-            if e.type == "metric":
-                metrics.update(e.data["values"])
+            if e.type in ("metric", "metrics"):
+                metrics.update(last_values(e))
             elif e.type == "notice" and e.data.get("kind") == "instance-action":
                 end_reason = "interrupted"
             elif e.type == "error":
@@ -691,9 +764,10 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,
         attempts=tuple(attempts), interruptions=interruptions,
-        cost_usd=cost, ondemand_cost_usd=ondemand, metrics=metrics,
+        cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=metrics,
         duration=max(0.0, end_of_job - min(start, spec.created)),
         error=(result or {}).get("error") or (error if status == "failed" else None),
+        requests_usd=requests_usd,
     )
 
 

@@ -154,7 +154,7 @@ class SpotMagics(Magics):
     max_price = Float(None, allow_none=True,
                       help="USD per instance-hour at most (None: the on-demand price)."
                       ).tag(config=True)
-    checkpoint_every = Unicode("60s", help="When Checkpoint.maybe_save saves: '5m' or "
+    checkpoint_every = Unicode("5m", help="When Checkpoint.maybe_save saves: '5m' or "
                                            "'500 steps'.").tag(config=True)
     max_restarts_on_error = Int(0, help="Reruns of the cell after an error in it."
                                 ).tag(config=True)

@@ -17,10 +17,13 @@ A typical cell::
         spot.log(step, loss=loss)                      # cheap: no sync, no I/O
         ckpt.maybe_save(step)                          # by policy, or now on a notice
 
-Public API: :func:`log`, :class:`Checkpoint`, :func:`sync_dir`, :func:`history`, the
-module attributes ``spot.interrupt_pending`` (an ``instance-action`` notice arrived;
-a ``rebalance`` recommendation does not set it), ``spot.job_id`` and ``spot.attempt``,
-and ``spot.tensorboard()`` (:func:`spotnb.tb.tensorboard`).
+Public API: :func:`log`, :func:`log_params`, :class:`Checkpoint`, :func:`sync_dir`,
+:func:`last_checkpoint`, :func:`history`, the module attributes
+``spot.interrupt_pending`` (an ``instance-action`` notice arrived; a ``rebalance``
+recommendation does not set it), ``spot.save_requested`` (a notice asks for a save at
+the next step), ``spot.job_id`` and ``spot.attempt``, ``spot.tensorboard()``
+(:func:`spotnb.tb.tensorboard`) and ``spot.callbacks`` (the framework integrations of
+:mod:`spotnb.integrations`: ``spot.callbacks.transformers()`` ...).
 
 What happens on an interruption (the ``instance-action`` notice, about two minutes
 before EC2 terminates the instance)::
@@ -62,7 +65,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +85,10 @@ from spotnb.kernel_remote import channel
 from spotnb.session import LOCAL_DIR, ROWS, Session
 from spotnb.spec import parse_duration
 from spotnb.store import NotFound, retrying
-from spotnb.syncdir import SyncDir, sync_name
+from spotnb.syncdir import Select, SyncDir, find_checkpoints, sync_name
 
-__all__ = ["LOCAL_DIR", "Checkpoint", "OutputError", "SyncDir", "history", "log", "sync_dir"]
+__all__ = ["LOCAL_DIR", "Checkpoint", "OutputError", "SyncDir", "history", "last_checkpoint",
+           "log", "log_params", "sync_dir"]
 
 _logger = logging.getLogger(__name__)
 
@@ -101,6 +105,11 @@ METRICS_FILE = "metrics.json"
 # Upload parts in flight per checkpoint file, at most (stores that upload in parts):
 # S3's default (spotnb.providers.aws.store.STREAM_PARTS_IN_FLIGHT).
 MAX_PARTS_IN_FLIGHT = 10
+
+# log_params keeps a record small: a model config or TrainingArguments has ~100 fields.
+MAX_PARAMS = 300
+MAX_PARAM_CHARS = 200
+MAX_PARAM_ITEMS = 32
 
 # The hot path of log(): bound once, so a call is one global lookup each.
 _append = ROWS.append
@@ -183,6 +192,54 @@ def log(step: int, **metrics: Any) -> None:
     _append((step, _now(), metrics))
 
 
+def log_params(params: Mapping[str, Any] | None = None, /, *, source: str | None = None,
+               **more: Any) -> None:
+    """Record the run's hyperparameters: ``spot.log_params(lr=0.1, batch_size=64)``.
+
+    They appear in the job's record (``params``, see :mod:`spotnb.records`). Values are
+    kept when they are numbers, booleans, ``None`` or short strings, and short lists of
+    those; anything else is kept as its ``repr``, shortened. A later call adds to (and
+    overrides) the names of earlier ones. ``source`` says where they come from (the
+    integrations pass ``"transformers"``, ``"lightning"`` ...).
+    """
+    merged = {**(params or {}), **more}
+    clean = {str(k): _param_value(v) for k, v in list(merged.items())[:MAX_PARAMS]}
+    if len(merged) > MAX_PARAMS:
+        _logger.warning("log_params: %d parameters given; the record keeps the first %d",
+                        len(merged), MAX_PARAMS)
+    rt = _rt()
+    rt.params.update(clean)
+    message: dict[str, Any] = {"op": "params", "params": clean}
+    if source:
+        message["source"] = source
+    rt.send(message)
+
+
+def _param_value(value: Any) -> Any:
+    """What the record keeps of one hyperparameter (JSON, bounded)."""
+    import enum
+    import math
+
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, str):
+        return value if len(value) <= MAX_PARAM_CHARS else value[:MAX_PARAM_CHARS] + "…"
+    if isinstance(value, (list, tuple)) and len(value) <= MAX_PARAM_ITEMS:
+        items = [_param_value(v) for v in value]
+        if all(v is None or isinstance(v, (bool, int, float, str)) for v in items):
+            return items
+    text = repr(value)
+    return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS] + "…"
+
+
 def history() -> list[tuple[int, float, dict[str, float]]]:
     """Standalone mode: every row logged so far as ``(step, time, {name: value})``.
 
@@ -201,6 +258,14 @@ def __getattr__(name: str) -> Any:
         return _rt().job_id
     if name == "attempt":
         return _rt().attempt
+    if name == "save_requested":
+        return _rt().save_requested
+    if name == "callbacks":
+        # spot.callbacks.transformers() ...: the integrations import their framework
+        # only when called (spotnb.integrations).
+        from spotnb import integrations
+
+        return integrations
     if name == "tensorboard":
         # spot.tensorboard(): a SummaryWriter on a synced directory (spotnb.tb).
         from spotnb.tb import tensorboard
@@ -210,7 +275,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), "interrupt_pending", "job_id", "attempt", "tensorboard"])
+    return sorted([*globals(), "interrupt_pending", "job_id", "attempt", "save_requested",
+                   "tensorboard", "callbacks"])
 
 
 #: What a checkpoint's files are: {part name: writes that part's file(s) into the
@@ -630,7 +696,7 @@ class Checkpoint:
     def maybe_save(self, step: int) -> bool:
         """Save if the policy says so or a notice is pending; return whether it saved.
 
-        The policy (``checkpoint_every`` of the job; 60 s standalone) counts seconds
+        The policy (``checkpoint_every`` of the job; 5 minutes standalone) counts seconds
         and steps since the last save or restore. Cheap when there is nothing to do.
         """
         rt = self._rt
@@ -793,32 +859,66 @@ def _read_rows(manifest: Manifest, directory: Path) -> list[list[Any]]:
 # -- directories the user writes to --------------------------------------------------
 
 
-def sync_dir(path: str | os.PathLike[str], every: float | str = "60s") -> SyncDir:
+def sync_dir(path: str | os.PathLike[str], every: float | str | None = "5m", *,
+             select: Select | None = None) -> SyncDir:
     """Keep a directory you write your own checkpoint files to in the job's store.
 
     Before returning, restores the directory's latest snapshot (files of the snapshot
     are written into it; other files are left alone). Then uploads it every ``every``
-    (``"60s"``, ``"5m"``, or seconds) when something changed, at once on an
+    (``"5m"``, the default, ``"60s"``, or seconds) when something changed, at once on an
     interruption notice, and a last time at the end of the job. Each upload is a
     complete snapshot (files, then manifest, then ``LATEST``), so a resume never sees
     half a directory; write each file atomically (to a temporary name, then rename)
     so a snapshot never catches a file half-written.
 
+    ``every=None``: no timer and no upload on the notice by itself; call
+    ``sd.save(step)`` (:meth:`SyncDir.save`) each time your code has written a
+    complete checkpoint into the directory, and after a notice make the next step
+    save (``spot.save_requested``): that save is made durable and the cell is held
+    until the instance goes. The integrations (``spot.callbacks``) do this for you.
+    ``select`` narrows what a snapshot holds (see :mod:`spotnb.syncdir`). Called again
+    with the same path it returns the same :class:`SyncDir`, with the new ``every``
+    unless it uploads at save points (``every=None`` stays).
+
     The snapshot's name comes from ``path`` as written: use the same path, relative
     to the working directory, on every run.
     """
-    seconds = parse_duration(every, "sync_dir every")
+    seconds = None if every is None else parse_duration(every, "sync_dir every")
     rt = _rt()
     name = sync_name(path)
     existing = rt.sync_dirs.get(name)
     if existing is not None:
-        existing.every = seconds
+        # A directory saved at a framework's save points (every=None, set by an
+        # integration) stays so: a timer must not catch a checkpoint half-written.
+        if existing.every is not None:
+            existing.every = seconds
+        if select is not None:
+            existing.select = select
         return existing
-    sd = SyncDir(rt, path, seconds)
+    sd = SyncDir(rt, path, seconds, select=select)
     sd.restore()
     rt.sync_dirs[name] = sd
     sd.start()
     return sd
+
+
+def last_checkpoint(path: str | os.PathLike[str]) -> str | None:
+    """The newest checkpoint in ``path``, restored from the job's store; None if none.
+
+    ``path`` becomes a synced directory (:func:`sync_dir`) if it is not one yet, which
+    restores its latest snapshot first. The checkpoint is the numbered folder (or
+    file) with the highest number: Hugging Face's ``checkpoint-500``, Accelerate's
+    ``checkpoints/checkpoint_3`` or ``step_500`` (:data:`spotnb.syncdir.CHECKPOINT_NAME`).
+    Pass it to the framework's own resume argument::
+
+        trainer.train(resume_from_checkpoint=spot.last_checkpoint(args.output_dir))
+
+    On the first attempt (nothing saved yet) it returns None, which starts afresh.
+    """
+    if sync_name(path) not in _rt().sync_dirs:
+        sync_dir(path)
+    found = find_checkpoints(path)
+    return os.fspath(found[-1]) if found else None
 
 
 # -- hooks the agent calls inside the kernel -----------------------------------------

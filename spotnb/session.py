@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from spotnb import lease as lease_mod
+from spotnb import usage
 from spotnb.ckpt.notice import EC2_NOTICE_SECONDS, NoticeFit
 from spotnb.kernel_remote import channel
 from spotnb.spec import CheckpointEvery
@@ -68,6 +69,8 @@ _PARK_SLEEP_SECONDS = 1.0
 AGENT_SILENT_SECONDS = 15.0
 # How long a fencing question waits for the agent's answer.
 FENCE_REPLY_SECONDS = 30.0
+# How often the kernel reports the AWS requests it made (its uploads) to the agent.
+USAGE_SECONDS = 300.0
 # Rows kept for the next checkpoint while the log has not confirmed them (each ~200 B).
 MAX_UNACKED_ROWS = 1_000_000
 # Standalone mode keeps its store here, relative to the working directory.
@@ -209,6 +212,8 @@ class Session:
         # The watchdog is armed by the agent's first ping (an agent that never pings,
         # such as a test's, is never taken for a frozen one).
         self._pinged = False
+        #: Hyperparameters given to ``spot.log_params`` (also sent to the agent).
+        self.params: dict[str, Any] = {}
         self.sync_dirs: dict[str, SyncDir] = {}
         # The newest checkpoint upload: the end of the job waits until it is durable.
         self.last_upload: Upload | None = None
@@ -249,7 +254,7 @@ class Session:
                 every = CheckpointEvery(seconds=parsed.get("seconds"), steps=parsed.get("steps"))
             except (ValueError, TypeError, AttributeError):
                 _logger.warning("ignoring %s=%r: not JSON like {\"seconds\": 60}; saving "
-                                "every 60 s", channel.ENV_CHECKPOINT_EVERY, raw_every)
+                                "every 5 minutes", channel.ENV_CHECKPOINT_EVERY, raw_every)
         scratch = env.get(channel.ENV_SCRATCH)
         restore = env.get(channel.ENV_RESTORE_DIR)
         try:
@@ -359,6 +364,12 @@ class Session:
         for sd in list(self.sync_dirs.values()):
             sd.wake()
 
+    @property
+    def save_requested(self) -> bool:
+        """Whether the next step should save: a notice is pending (or the lease was
+        lost, which a save turns into holding the cell)."""
+        return self.force_save or self.park_requested or self.fenced
+
     def park(self, step: int) -> NoReturn:
         """Report the forced save durable and hold the cell until the instance is gone."""
         self.drain()
@@ -433,11 +444,22 @@ class Session:
         self.send({"op": "mark", "token": token})
 
     def _drain_loop(self) -> None:
+        reported = time.monotonic()
         while not self._stop.wait(_DRAIN_SECONDS):
             try:
                 self.drain()
+                if time.monotonic() - reported >= USAGE_SECONDS:
+                    reported = time.monotonic()
+                    self.report_usage()
             except Exception:
                 _logger.exception("sending metrics failed; will retry")
+
+    def report_usage(self) -> None:
+        """Tell the agent the AWS requests this kernel made (checkpoint uploads...): the
+        cost a job shows includes them (spotnb.usage)."""
+        counts = usage.snapshot()
+        if counts:
+            self.send({"op": "usage", "requests": counts})
 
     def drain(self) -> None:
         """Convert the rows logged so far and send them (or keep them, standalone)."""
@@ -505,6 +527,7 @@ class Session:
         self._stop.set()
         self._drainer.join(timeout=10)
         self.drain()
+        self.report_usage()
         if self.channel is not None:
             self.channel.close()
         if self._own_scratch and self._scratch is not None:

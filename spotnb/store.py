@@ -292,6 +292,11 @@ class Store(ABC):
         for key in self.list_keys(prefix):
             self.delete(key)
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete these keys (S3: one request per 1,000); missing ones are no error."""
+        for key in keys:
+            self.delete(key)
+
 
 # A store that fails is retried with backoff from RETRY_SECONDS up to MAX_RETRY_SECONDS
 # apart; after OUTAGE_SECONDS without a success the caller gives up (StoreUnavailable).

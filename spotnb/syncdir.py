@@ -11,6 +11,21 @@ Sequence over a job's life::
 
     sync_dir(path) -> restore the latest snapshot into path -> periodic thread:
     every N s (or at once on a notice) upload if changed -> finish(): last upload
+
+A directory a framework writes its checkpoints to (``every=None``; the integrations of
+:mod:`spotnb.integrations` set it up) is uploaded at the framework's save points only,
+never by a timer, so a snapshot never catches a checkpoint half-written::
+
+    framework wrote checkpoint N -> save(N): copy to scratch now (the only pause),
+        upload in the background (the next save waits for it)
+    notice pending -> the framework saves at the next step -> save(N): upload
+        alongside any upload in flight, commit after it, wait until durable
+        -> Session.park (the cell is held; the agent gives the lease up)
+
+``select`` narrows what a snapshot holds: :func:`newest_checkpoint_only` keeps one
+checkpoint folder of a directory that holds many (Hugging Face's ``checkpoint-N``),
+so each upload, and the last one before termination above all, carries one
+checkpoint, not every one the framework keeps.
 """
 
 from __future__ import annotations
@@ -21,8 +36,9 @@ import os
 import re
 import shutil
 import threading
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,11 +49,80 @@ from spotnb.store import _check_key, retrying
 if TYPE_CHECKING:
     from spotnb.session import Session
 
-__all__ = ["SyncDir", "sync_name"]
+__all__ = ["CHECKPOINT_NAME", "SyncDir", "find_checkpoints", "newest_checkpoint_only",
+           "sync_name"]
 
 _logger = logging.getLogger(__name__)
 # How long finish() waits for a periodic upload in progress before the last one.
 _JOIN_SECONDS = 600.0
+# While save() waits for the previous upload, how often it looks for a termination
+# notice (which ends the wait: the last upload must fit in the notice period).
+_PARK_CHECK_SECONDS = 0.02
+
+#: The names frameworks give their checkpoints: Hugging Face's ``checkpoint-500``,
+#: Accelerate's ``checkpoint_3`` (automatic naming), spotnb's Accelerate helper's
+#: ``step_500``; a folder or a file (``checkpoint-500.pt``). The number orders them.
+CHECKPOINT_NAME = re.compile(r"^(?:checkpoint|step)[-_](\d+)(?:\.[A-Za-z0-9]+)?$")
+# Where a framework keeps its numbered checkpoints, relative to the synced directory:
+# the directory itself, or Accelerate's project_dir/checkpoints.
+_CHECKPOINT_PARENTS = ("", "checkpoints")
+
+#: Which of a directory's files a snapshot holds: given every relative path
+#: (``a/b.bin``), the ones to keep.
+Select = Callable[[list[str]], Iterable[str]]
+
+
+def find_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
+    """The numbered checkpoints (:data:`CHECKPOINT_NAME`) in ``path`` or its
+    ``checkpoints/`` folder, oldest first."""
+    found: list[tuple[int, str, Path]] = []
+    for parent in _CHECKPOINT_PARENTS:
+        base = Path(path, parent)
+        try:
+            entries = list(os.scandir(base))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            match = CHECKPOINT_NAME.match(entry.name)
+            if match:
+                found.append((int(match.group(1)), parent, Path(entry.path)))
+    return [p for _n, _parent, p in sorted(found)]
+
+
+def newest_checkpoint_only(keep: Callable[[], Iterable[str]] | None = None) -> Select:
+    """A ``select`` that drops every numbered checkpoint but the newest (and the
+    top-level names ``keep()`` returns when it runs, e.g. the best checkpoint's).
+
+    Other files (logs, a final model saved next to the checkpoints) are all kept.
+    """
+
+    def select(rels: list[str]) -> list[str]:
+        numbered: dict[str, int] = {}
+        for rel in rels:
+            parts = rel.split("/")
+            for depth in range(min(2, len(parts))):
+                if "/".join(parts[:depth]) not in _CHECKPOINT_PARENTS:
+                    break
+                match = CHECKPOINT_NAME.match(parts[depth])
+                if match:
+                    numbered["/".join(parts[:depth + 1])] = int(match.group(1))
+                    break
+        kept = set(keep() if keep is not None else ())
+        if numbered:
+            kept.add(max(numbered, key=lambda name: numbered[name]))
+        return [rel for rel in rels
+                if not (top := _numbered_top(rel, numbered)) or top in kept
+                or os.path.basename(top) in kept]
+
+    return select
+
+
+def _numbered_top(rel: str, numbered: dict[str, int]) -> str | None:
+    """The numbered checkpoint ``rel`` lies in (or is), if any."""
+    for name in numbered:
+        if rel == name or rel.startswith(name + "/"):
+            return name
+    return None
 
 
 def sync_name(path: str | os.PathLike[str]) -> str:
@@ -62,11 +147,15 @@ class SyncDir:
     # the snapshot's MANIFEST.json.
     _FILES = "files/"
 
-    def __init__(self, rt: Session, path: str | os.PathLike[str], every: float) -> None:
+    def __init__(self, rt: Session, path: str | os.PathLike[str], every: float | None,
+                 select: Select | None = None) -> None:
         self.rt = rt
         self.path = Path(path)
         self.name = sync_name(path)
+        #: Seconds between periodic uploads; None: uploaded by :meth:`save` only.
         self.every = every
+        #: Which files a snapshot holds (None: all).
+        self.select = select
         self._store = CheckpointStore(rt.store, f"{layout.SYNC}/{self.name}", keep=rt.keep)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -74,9 +163,11 @@ class SyncDir:
         self._seq = 0
         self._signature: tuple[tuple[str, int, int], ...] | None = None
         self._thread: threading.Thread | None = None
+        self._upload: _DirUpload | None = None
 
     def __repr__(self) -> str:
-        return f"SyncDir({str(self.path)!r}, name={self.name!r}, every={self.every:g}s)"
+        every = "at saves" if self.every is None else f"{self.every:g}s"
+        return f"SyncDir({str(self.path)!r}, name={self.name!r}, every={every})"
 
     def _scan(self) -> list[tuple[str, Path, os.stat_result]]:
         found = []
@@ -93,6 +184,9 @@ class SyncDir:
                     continue
                 found.append((rel, full, st))
         found.sort()
+        if self.select is not None:
+            wanted = set(self.select([rel for rel, _f, _st in found]))
+            found = [f for f in found if f[0] in wanted]
         return found
 
     def restore(self) -> Manifest | None:
@@ -130,37 +224,111 @@ class SyncDir:
         upload, so a file rewritten meanwhile cannot disagree with the manifest.
         """
         with self._lock:
-            files = self._scan()
-            signature = self._sig(files)
-            if signature == self._signature:
+            staged = self._stage()
+            if staged is None:
                 return None
-            stage = self.rt.scratch / f"sync-up-{self.name}-{uuid.uuid4().hex[:8]}"
             try:
-                staged: dict[str, Path] = {}
-                digests: dict[str, tuple[int, str]] = {}
-                for rel, full, _st in files:
-                    key = self._FILES + rel
-                    dest = stage / rel
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    try:
-                        digests[key] = copy_hashing(full, dest)
-                    except FileNotFoundError:
-                        continue  # deleted since the scan
-                    staged[key] = dest
                 manifest = retrying(lambda: self._store.write(
-                    self._seq, staged, attempt=self.rt.attempt, fence=self.rt.fence,
-                    fmt="dir", digests=digests, metadata={"path": str(self.path)},
+                    staged.seq, staged.files, attempt=self.rt.attempt, fence=self.rt.fence,
+                    fmt="dir", digests=staged.digests, metadata={"path": str(self.path)},
                 ), f"uploading {self.path}")
-            except FencedOff:
-                self.rt.fenced = True
+            except BaseException as e:
+                self._signature = None  # not uploaded: the next sync tries again
+                if isinstance(e, FencedOff):
+                    self.rt.fenced = True
                 raise
             finally:
-                shutil.rmtree(stage, ignore_errors=True)
-            self._seq += 1
-            self._signature = signature
-        self.rt.send({"op": "sync", "name": self.name, "phase": "durable",
-                      "files": len(manifest.files), "bytes": manifest.total_bytes})
+                staged.discard()
+        self._report(manifest, staged.step, forced=False)
         return manifest
+
+    def _stage(self, step: int | None = None) -> _Staged | None:
+        """Copy the directory to scratch space (hashing as it copies): the snapshot to
+        upload, or None if nothing changed since the last one. Call with the lock held."""
+        files = self._scan()
+        signature = self._sig(files)
+        if signature == self._signature:
+            return None
+        stage = self.rt.scratch / f"sync-up-{self.name}-{uuid.uuid4().hex[:8]}"
+        staged = _Staged(stage, self._seq, step)
+        try:
+            for rel, full, _st in files:
+                key = self._FILES + rel
+                dest = stage / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    staged.digests[key] = copy_hashing(full, dest)
+                except FileNotFoundError:
+                    continue  # deleted since the scan
+                staged.files[key] = dest
+        except BaseException:
+            staged.discard()
+            raise
+        self._seq += 1
+        self._signature = signature
+        return staged
+
+    def _report(self, manifest: Manifest, step: int | None, forced: bool) -> None:
+        message = {"op": "sync", "name": self.name, "phase": "durable",
+                   "files": len(manifest.files), "bytes": manifest.total_bytes}
+        if step is not None:
+            message.update(step=step, forced=forced)
+        self.rt.send(message)
+
+    def save(self, step: int, hold: bool = True) -> None:
+        """The code (a framework) has written a complete checkpoint of ``step`` into the
+        directory: snapshot it now and upload it in the background.
+
+        The pause is the copy into scratch space. The next :meth:`save` waits for this
+        upload. After an interruption notice the snapshot uploads alongside any upload
+        in flight (committed after it), and once it is durable the cell is held until
+        the instance is terminated (:meth:`hold`; ``hold=False`` leaves that call to
+        the caller, for a framework that still has the step's metrics to log). A save
+        that fails is reported and retried at the next save point, which the notice
+        makes the next step (``spot.save_requested`` stays true).
+        """
+        rt = self.rt
+        previous = self._upload
+        if previous is not None and not rt.park_requested:
+            # Wait for the previous upload; a termination notice arriving meanwhile
+            # makes this save the last one, which must not queue behind it.
+            while not previous.done(_PARK_CHECK_SECONDS) and not rt.park_requested:
+                pass
+        park = rt.park_requested
+        if rt.fenced:
+            rt.hold_fenced()
+        forced = rt.force_save or park
+        with self._lock:
+            staged = self._stage(step)
+        # Only now is the notice served: if the copy raised, it is still pending.
+        rt.force_save = False
+        if staged is not None:
+            after = previous if previous is not None and not previous.done(0) else None
+            self._upload = _DirUpload(self, staged, forced, after)
+        if park and hold:
+            self.hold(step)
+
+    def hold(self, step: int) -> None:
+        """After a notice: wait until the last :meth:`save` is durable, then hold the
+        cell until the instance is terminated (:meth:`spotnb.session.Session.park`).
+
+        Returns only if that save failed (reported): the next step saves again.
+        """
+        rt = self.rt
+        last = self._upload
+        if last is None or last.wait() is not None:
+            rt.park(step)
+        if rt.fenced:
+            rt.hold_fenced()
+        # The upload failed for another reason (reported): try again at the next step.
+        self._signature = None
+        rt.force_save = True
+
+    def wait(self) -> Manifest | None:
+        """Wait for the upload :meth:`save` started; its manifest, or None (none, or it
+        failed)."""
+        upload = self._upload
+        return upload.wait() if upload is not None else None
 
     def sync_quietly(self) -> BaseException | None:
         """:meth:`sync`, logging a failure instead of raising it (returned instead)."""
@@ -186,6 +354,11 @@ class SyncDir:
             self._wake.clear()
             if self._stop.is_set():
                 return
+            if self.every is None:
+                # Switched to uploads at save points (an integration took the
+                # directory over): a timer or a notice must not catch a checkpoint
+                # half-written.
+                continue
             self.sync_quietly()
 
     def stop(self) -> None:
@@ -199,6 +372,83 @@ class SyncDir:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=_JOIN_SECONDS)
+        upload = self._upload
+        if upload is not None and upload.wait() is None and upload.error is not None:
+            self._signature = None  # upload it again below
         if self.rt.fenced:
             return FencedOff(f"{self.path} was not uploaded: this agent lost the job's lease")
         return self.sync_quietly()
+
+
+class _Staged:
+    """A snapshot copied to scratch space, waiting to be uploaded."""
+
+    def __init__(self, root: Path, seq: int, step: int | None) -> None:
+        self.root = root
+        self.seq = seq
+        self.step = step
+        self.files: dict[str, Path] = {}
+        self.digests: dict[str, tuple[int, str]] = {}
+
+    def discard(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class _DirUpload:
+    """One snapshot of :meth:`SyncDir.save` being uploaded by a background thread.
+
+    Committed only after ``after`` (the upload in flight when it started), so
+    ``LATEST`` moves in order.
+    """
+
+    def __init__(self, sd: SyncDir, staged: _Staged, forced: bool,
+                 after: _DirUpload | None) -> None:
+        self.sd = sd
+        self.staged = staged
+        self.forced = forced
+        self.started = time.monotonic()
+        self.manifest: Manifest | None = None
+        self.error: BaseException | None = None
+        self._after = after
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name=f"spotnb-sync-save-{sd.name}",
+                         daemon=True).start()
+
+    def _run(self) -> None:
+        sd, rt = self.sd, self.sd.rt
+        try:
+            uploaded = retrying(lambda: sd._store.upload(
+                self.staged.seq, self.staged.files, attempt=rt.attempt, fmt="dir",
+                digests=self.staged.digests, metadata={"path": str(sd.path),
+                                                       "step": self.staged.step}),
+                f"uploading {sd.path}")
+            if self._after is not None:
+                self._after.wait()
+            self.manifest = retrying(lambda: sd._store.commit(uploaded, fence=rt.fence),
+                                     f"committing the snapshot of {sd.path}")
+            sd._report(self.manifest, self.staged.step, self.forced)
+            _logger.info("snapshot of %s at step %s is durable (%.1f MB, %.1f s)", sd.path,
+                         self.staged.step, self.manifest.total_bytes / 1e6,
+                         time.monotonic() - self.started)
+        except FencedOff as e:
+            self.error = e
+            rt.fenced = True
+            _logger.error("%s", e)
+        except Exception as e:
+            self.error = e
+            sd._signature = None  # not uploaded: the next save uploads again
+            _logger.exception("uploading %s (step %s) failed; the next save retries",
+                              sd.path, self.staged.step)
+        finally:
+            self._after = None
+            self.staged.discard()
+            self._done.set()
+
+    def done(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; whether the upload has ended (either way)."""
+        return self._done.wait(timeout)
+
+    def wait(self) -> Manifest | None:
+        """The manifest once durable, or None if the upload failed (logged)."""
+        self._done.wait()
+        return self.manifest

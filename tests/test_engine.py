@@ -137,12 +137,6 @@ class Interrupter:
 
 def test_torch_training_with_three_interruptions_is_bitwise_identical(
         cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Simulate a slow network so that a checkpoint upload is visibly in flight.
-    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.05")
-    # One upload takes about 1.1 s on it; a final save that shares the link with one in
-    # flight (the instance's bandwidth is shared) needs up to twice that, then commits:
-    # a notice period with room for it.
-    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "4")
     inputs = {"STEPS": 160, "STEP_SECONDS": 0.03}
     common = dict(instance_types=["g4dn.xlarge"], inputs=inputs,
                   outputs=["digest", "accuracy"], checkpoint_every="20 steps")
@@ -150,7 +144,22 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
     baseline = spotnb.submit(TORCH_TRAINING, name="baseline", **common).wait(timeout=240)
     assert baseline.status == "completed", baseline.error
 
-    handle = spotnb.submit(TORCH_TRAINING, name="interrupted", **common)
+    # Attempt 2 is interrupted while a checkpoint uploads: the cell itself asks the
+    # local cloud for the notice right after its first save starts (the notice then
+    # lands within a second), over a network slow enough that the upload takes
+    # seconds (about 5.5 s for this state). The notice period leaves the forced save
+    # time to upload beside it: the instance's link is shared by its uploads, so the
+    # forced save is durable after up to two uploads' worth (about 11 s), then commits.
+    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.01")
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "20")
+    during_upload = TORCH_TRAINING.replace("    ckpt.maybe_save(step)\n", (
+        "    if ckpt.maybe_save(step) and spot.attempt == 2 and not spot.interrupt_pending:\n"
+        "        from spotnb.providers.local import LocalProvider\n"
+        "        if not globals().get('_asked'):\n"
+        "            _asked = True\n"
+        "            LocalProvider().interrupt(spot.job_id)\n"))
+    assert during_upload != TORCH_TRAINING
+    handle = spotnb.submit(during_upload, name="interrupted", **common)
     interrupt = Interrupter(handle)
     in_flight: dict[int, str] = {}
 
@@ -159,11 +168,11 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
             in_flight[e.attempt] = e.data["id"]
         if e.type == "checkpoint" and e.data.get("phase") == "durable":
             in_flight.pop(e.attempt, None)
-        if e.type != "metric" or len(interrupt.delivered) >= 3:
+        if e.type == "notice" and e.attempt == 2 and e.data["kind"] == "instance-action":
+            interrupt.delivered.append((2, "during an upload"))
+        if e.type != "metric" or e.attempt == 2:
             return
-        if e.attempt == 2 and in_flight.get(2):
-            interrupt(e, "during an upload")
-        elif e.attempt in (1, 3) and e.data["step"] >= 25 * e.attempt:
+        if e.attempt in (1, 3) and e.data["step"] >= 25 * e.attempt:
             interrupt(e, "between checkpoints")
 
     events = follow(handle, on_event)
@@ -179,8 +188,12 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
     assert result.outputs["digest"] == baseline.outputs["digest"]
     assert result.outputs["accuracy"] == baseline.outputs["accuracy"] > 0.8
     # With a notice and steps much shorter than it, no step is done twice.
-    steps = [s for attempt in steps_by_attempt(events).values() for s in attempt]
-    assert sorted(steps) == list(range(160))
+    by_attempt = steps_by_attempt(events)
+    steps = [s for attempt in by_attempt.values() for s in attempt]
+    assert sorted(steps) == list(range(160)), (
+        {a: (min(s), max(s)) for a, s in by_attempt.items() if s},
+        [(e.attempt, e.data) for e in events if e.type == "metric"
+         and steps.count(e.data["step"]) > 1])
     # The notice of attempt 2 landed between a checkpoint's begin and its durability.
     a2 = [e for e in events if e.attempt == 2 and e.type in ("checkpoint", "notice")]
     kinds = [(e.type, e.data.get("phase")) for e in a2]
@@ -194,7 +207,7 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
 
 
 def test_pure_python_training_survives_interruptions(cloud: Path) -> None:
-    inputs = {"STEPS": 160, "STEP_SECONDS": 0.02}
+    inputs = {"STEPS": 160, "STEP_SECONDS": 0.05}  # time for three interruptions
     common = dict(inputs=inputs, outputs=["weights"], checkpoint_every="10 steps")
     baseline = spotnb.submit(PYTHON_TRAINING, **common).wait(timeout=120)
     handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=3, **common)

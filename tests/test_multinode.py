@@ -390,7 +390,7 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
     def events(type: str) -> list[object]:
         return [e for e in EventReader(store).replay() if e.type == type]
 
-    _wait(lambda: [e for e in events("metric")], "training to start")
+    _wait(lambda: job.metrics().get("loss"), "training to start")
     current = rdzv.read(store)
     assert current is not None
     host = current[0].host
@@ -434,7 +434,6 @@ def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
     import torch
 
     import spotnb
-    from spotnb.events import EventReader
     from spotnb.providers.local import LocalProvider
 
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
@@ -450,7 +449,7 @@ def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
     store = LocalStore(job.spec.store_uri.removeprefix("file://"))
 
     def metric_steps() -> list[int]:
-        return [e.data["step"] for e in EventReader(store).replay() if e.type == "metric"]
+        return [step for step, _ in job.metrics().get("loss", [])]
 
     # Mid-epoch: past a checkpoint (step 9), held at step 12 before its maybe_save.
     _wait(lambda: 12 in metric_steps(), "training to reach step 12")

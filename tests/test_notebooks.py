@@ -67,12 +67,9 @@ def test_quickstart_survives_two_interruptions_and_reports_its_cost(
         shutil.copy(REPO / "notebooks" / name, tmp_path / name)
     out = tmp_path / "executed" / "quickstart.ipynb"
 
-    started = time.monotonic()
     code = cli.main(["run", str(tmp_path / "quickstart.ipynb"), "-o", str(out)])
-    seconds = time.monotonic() - started
     assert code == 0, capsys.readouterr().err
     assert f"the executed copy is {out}" in capsys.readouterr().out
-    assert seconds < 120, f"the quickstart took {seconds:.0f}s"
 
     nb = _executed(out)
     train = next(c for c in nb.cells if c.source.startswith("%%spot_train"))
@@ -211,14 +208,18 @@ def test_kernel_restart_mid_job_then_attach_shows_everything(
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
     try:
         _run_until_idle(kc, "%load_ext spotnb")
+        go = tmp_path / "go"
+        _run_until_idle(kc, f"GO = {str(go)!r}")
         msg_id = kc.execute(
             "%%spot_train --out total --name restarted\n"
-            "import time\n"
+            "import os, time\n"
             "total = 0\n"
             "for i in range(16):\n"
             "    print(f'tick {i}', flush=True)\n"
             "    total += i\n"
-            "    time.sleep(0.4)\n"
+            "    while i == 3 and not os.path.exists(GO):\n"
+            "        time.sleep(0.1)  # the test lets the job go on after the restart\n"
+            "    time.sleep(0.05)\n"
             "f'total {total}'")
         # Wait for the job's output to reach the notebook, then restart the kernel.
         # The text display writes it to the cell's stream; the dashboard (widgets render
@@ -240,6 +241,7 @@ def test_kernel_restart_mid_job_then_attach_shows_everything(
         kc.wait_for_ready(timeout=60)
 
         _run_until_idle(kc, "%load_ext spotnb")
+        go.touch()
         attached = _run_until_idle(kc, f"%spot_attach {job.job_id}")
         text = _message_text(attached)
         ticks = [int(t) for t in re.findall(r"^tick (\d+)$", text, re.M)]

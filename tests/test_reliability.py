@@ -28,6 +28,7 @@ from test_engine import live_processes, steps_by_attempt, wait_no_processes
 import spotnb
 from spotnb import lease
 from spotnb.events import Event, EventReader
+from spotnb.events.live import Follower
 from spotnb.store import LocalStore
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,30 @@ def wait_for(check: Callable[[], T | None], what: str, timeout: float = 120.0) -
 
 
 def events_of(handle: spotnb.JobHandle) -> list[Event]:
+    """What the job's log holds now (written every minute, and at once on what is
+    urgent: a status change, a checkpoint, a notice)."""
     return list(handle.events(follow=False))
+
+
+def wait_event(handle: spotnb.JobHandle, match: Callable[[Event], bool], what: str,
+               timeout: float = 120.0) -> Event:
+    """The first event of the job, old or new, that ``match`` accepts: the job is
+    followed live, as a notebook follows it."""
+    deadline = time.monotonic() + timeout
+    with Follower(handle.store, handle.job_id) as follower:
+        while time.monotonic() < deadline:
+            for event in follower.poll(wait=1.0):
+                if match(event):
+                    return event
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def is_metric(e: Event) -> bool:
+    return e.type == "metric"
+
+
+def is_durable(e: Event) -> bool:
+    return e.type == "checkpoint" and e.data.get("phase") == "durable"
 
 
 def booted(handle: spotnb.JobHandle, attempt: int) -> Event | None:
@@ -119,19 +143,17 @@ def test_a_sigkilled_agent_loses_no_metric_step(
     code = "import os\nos.environ.pop('SPOTNB_LOCAL_STORE_FAULT', None)\n" + COUNTING
     handle = spotnb.submit(code, inputs=inputs, outputs=["total"])
     boot = wait_for(lambda: booted(handle, 1), "attempt 1")
-    wait_for(lambda: any(e.type == "checkpoint" and e.data.get("phase") == "durable"
-                         for e in events_of(handle)), "a first checkpoint")
+    first = wait_event(handle, is_durable, "a first checkpoint").data["step"]
     from spotnb.providers.local.state import instance_dir
 
     agent_log = instance_dir(str(boot.instance)) / "agent.log"
     latest = handle.store.child("checkpoints")
-    logged_steps = all_steps(events_of(handle))
     switch.write_text("read-only")
     wait_for(lambda: "Read-only file system (simulated)" in agent_log.read_text(),
              "the agent's writes to fail")
-    # A checkpoint well past what the log holds becomes LATEST (the kernel writes).
-    wait_for(lambda: latest.exists("LATEST") and json.loads(latest.get("LATEST"))["step"]
-             > max(logged_steps) + 40, "a newer checkpoint than the log's rows")
+    # Two more checkpoints become LATEST (the kernel writes) whose rows the log lacks.
+    wait_for(lambda: json.loads(latest.get("LATEST"))["step"] >= first + 80,
+             "newer checkpoints than the log's rows")
     agent = psutil.Process(boot.data["pid"])
     kernel = kernel_of(agent.pid)
     agent.send_signal(signal.SIGKILL)
@@ -160,8 +182,7 @@ def test_a_frozen_agent_writes_nothing_once_another_took_over(
     inputs = {"STEPS": 300, "STEP_SECONDS": 0.02, "CKPT": 20}
     handle = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
     boot = wait_for(lambda: booted(handle, 1), "attempt 1")
-    wait_for(lambda: any(e.type == "checkpoint" and e.data.get("phase") == "durable"
-                         for e in events_of(handle)), "a first checkpoint")
+    wait_event(handle, is_durable, "a first checkpoint")
     agent = psutil.Process(boot.data["pid"])
     kernel = kernel_of(agent.pid)
     agent.suspend()
@@ -201,11 +222,10 @@ def test_a_parked_attempt_whose_kernel_dies_writes_nothing(
                             "time.sleep(STEP_SECONDS)\n    ckpt.maybe_save(step)")
     handle = spotnb.submit(code, inputs=inputs, outputs=["total"], max_restarts_on_error=1)
     boot = wait_for(lambda: booted(handle, 1), "attempt 1")
-    wait_for(lambda: any(e.type == "metric" for e in events_of(handle)), "a metric")
+    wait_event(handle, is_metric, "a metric")
     handle.interrupt()
-    wait_for(lambda: any(e.type == "status" and "waiting for the instance to be terminated"
-                         in e.data.get("detail", "") for e in events_of(handle)),
-             "the attempt to park")
+    wait_event(handle, lambda e: e.type == "status" and "waiting for the instance to be "
+               "terminated" in e.data.get("detail", ""), "the attempt to park")
     kernel_of(boot.data["pid"]).send_signal(signal.SIGKILL)
     result = handle.wait(timeout=240)
     assert result.status == "completed", result.error
@@ -222,7 +242,7 @@ def test_a_store_that_fails_for_a_while_loses_nothing_and_starts_no_storm(
     inputs = {"STEPS": 400, "STEP_SECONDS": 0.02, "CKPT": 50}
     handle = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
     boot = wait_for(lambda: booted(handle, 1), "attempt 1")
-    wait_for(lambda: any(e.type == "metric" for e in events_of(handle)), "a metric")
+    wait_event(handle, is_metric, "a metric")
     from spotnb.providers.local.state import instance_dir
 
     agent_log = instance_dir(str(boot.instance)) / "agent.log"
@@ -262,7 +282,7 @@ def test_jobs_resume_after_their_supervisor_dies(cloud: Path,
     second = spotnb.submit(code, inputs={**inputs, "CKPT": 1000}, outputs=["total"])
     provider = LocalProvider()
     for handle in (first, second):
-        wait_for(lambda h=handle: any(e.type == "metric" for e in events_of(h)), "a metric")
+        wait_event(handle, is_metric, "a metric")
 
     boot = booted(first, 1)
     assert boot is not None
@@ -273,7 +293,7 @@ def test_jobs_resume_after_their_supervisor_dies(cloud: Path,
         proc.kill()
 
     second.interrupt()
-    wait_for(lambda: any(e.type == "notice" for e in events_of(second)), "the notice")
+    wait_event(second, lambda e: e.type == "notice", "the notice")
     os.kill(provider.group(second.job_id)["supervisor"]["pid"], signal.SIGKILL)
 
     results = [spotnb.attach(h.job_id).wait(timeout=240) for h in (first, second)]

@@ -64,8 +64,11 @@ from typing import Any, TypeVar
 
 import psutil
 
-from spotnb import layout, lease
-from spotnb.events import EVENTS_PREFIX, Event, EventWriter, parse_chunk, stream_name
+from spotnb import layout, lease, usage
+from spotnb.events import EVENTS_PREFIX, Event, EventWriter, metric_rows, parse_chunk, stream_name
+from spotnb.events.live import CONTROL_QUEUE, LiveSender
+from spotnb.events.queues import queue_for
+from spotnb.events.writer import StreamObject, read_object
 from spotnb.kernel_remote import channel
 from spotnb.kernel_remote.imds import ImdsClient
 from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
@@ -91,10 +94,20 @@ T = TypeVar("T")
 # standing. IMDS is on the instance: free. EC2 gives two minutes of notice; half a
 # second leaves the runtime the most time.
 IMDS_POLL_SECONDS = 0.5
-# How often the store loop looks for a stop request (a GET each time: 3,600/h =
-# $0.0014/h on S3); a distributed job's agents also look for a result another node
-# wrote (one more request each time).
-STOP_POLL_SECONDS = 1.0
+# How often the store loop reads control/stop.json (a GET: 60/h = $0.000024/h). A stop
+# also arrives at once as a message on the job's control queue; the object is the
+# record, read here in case the message was lost. A distributed job's agents also look
+# for a result another node wrote (one more request each time).
+STOP_POLL_SECONDS = 60.0
+# Metric rows become one `metrics` event this often (or at the live channel's pace, if
+# faster), or at once when this many have gathered.
+ROWS_SECONDS = 1.0
+ROWS_PER_EVENT = 5000
+# GPU/CPU samples are kept one in this many seconds while nobody watches.
+SYS_IDLE_SECONDS = 10.0
+# How often the agent reports the requests it made (a `usage` event; the cost a job
+# shows includes them).
+USAGE_SECONDS = 300.0
 KERNEL_READY_TIMEOUT = 120.0
 # EC2 gives processes a moment between SIGTERM and power-off; use well under it.
 TERMINATION_GRACE_SECONDS = 0.8
@@ -154,12 +167,18 @@ class Agent:
         self._metric_marks: collections.deque[tuple[int, float]] = collections.deque()
         self._marks_lock = threading.Lock()
         self._marks_waiting: dict[str, threading.Event] = {}
+        # Metric rows from the runtime, not yet an event (see _emit_rows).
+        self._rows: list[list[Any]] = []
+        self._rows_at = time.monotonic()
+        self._rows_lock = threading.Lock()
+        self._sampled_at = -SYS_IDLE_SECONDS
         self._scratch = Path(tempfile.mkdtemp(prefix="spotnb-agent-", dir=os.getcwd()))
         # The runtime's channel and the kernel's sockets. Unix socket paths are
         # limited to ~107 bytes: keep it short, in /tmp.
         self._socket_dir = Path(tempfile.mkdtemp(prefix="spotnb-"))
         self._socket_path = self._socket_dir / "agent.sock"
         self._listener: socket.socket | None = None
+        self.live: LiveSender | None = None
 
     # -- the attempt -----------------------------------------------------------------
 
@@ -191,6 +210,8 @@ class Agent:
             return EXIT_STORE
         finally:
             self._done.set()
+            if self.live is not None:
+                self.live.stop()
             self._shutdown_kernel()
             if self._listener is not None:
                 self._listener.close()
@@ -200,6 +221,12 @@ class Agent:
 
     def _run_attempts(self) -> int:
         assert self.held is not None and self._listener is not None
+        try:
+            control = queue_for(self.store, self.spec.job_id, CONTROL_QUEUE)
+            control.create()
+            self.live = LiveSender(control, self._on_stop_message, self.store).start()
+        except Exception as err:
+            log.warning("no live channel (%s): followers read the log", err)
         threads = [
             threading.Thread(target=self._instance_loop, name="instance", daemon=True),
             threading.Thread(target=self._store_loop, name="store", daemon=True),
@@ -227,12 +254,15 @@ class Agent:
         self.events = EventWriter(self.store, attempt, self.identity["instance_id"],
                                   may_write=held.status)
         ev = self.events
+        if self.live is not None:
+            self.live.attach(ev)
         ev.emit("status", state="booting", detail=f"attempt {attempt} on {self._where()}",
                 instance_type=self.identity.get("instance_type"),
                 az=self.identity.get("az_id") or self.identity.get("az"),
                 region=self.identity.get("region"), pid=os.getpid(),
                 process_started=_process_started())
-        sampler = Sampler(lambda data: self._emit("sys", **data))
+        ev.flush_soon()
+        sampler = Sampler(self._on_sample)
         sampler.start()
         try:
             # Step 4: the checkpoint downloads while the kernel finishes booting and
@@ -261,6 +291,7 @@ class Agent:
                 return self._finish("failed", "the runtime could not start in the kernel",
                                     error=boot_error)
             ev.emit("status", state="running", detail="running the cell")
+            ev.flush_soon()
             error = self._execute(kc, self.spec.code, silent=False)
             self._check_fence()
             if self.stop_requested:
@@ -292,6 +323,8 @@ class Agent:
         assert self.held is not None
         self.events = EventWriter(self.store, self.held.epoch, self.identity["instance_id"],
                                   may_write=self.held.status)
+        if self.live is not None:
+            self.live.attach(self.events)
         res = self.spec.resources
         self.events.emit("status", state="booting",
                          detail=f"attempt {self.held.epoch} on {self._where()}, node slot "
@@ -300,7 +333,8 @@ class Agent:
                          az=self.identity.get("az_id") or self.identity.get("az"),
                          region=self.identity.get("region"), pid=os.getpid(),
                          process_started=_process_started(), slot=self.held.lease.slot)
-        sampler = Sampler(lambda data: self._emit("sys", **data))
+        self.events.flush_soon()
+        sampler = Sampler(self._on_sample)
         sampler.start()
         try:
             self._retry(self._unpack_workdir, "reading the job's files")
@@ -334,6 +368,7 @@ class Agent:
                              detail=f"retrying after {error['ename']} "
                                     f"({errors_so_far + 1} of "
                                     f"{self.spec.policy.max_restarts_on_error})")
+            self._report_usage()
             self._shutdown_kernel()
             self._drain_channel()
             return "retry"
@@ -352,10 +387,15 @@ class Agent:
             "the result")
         if written is None:
             log.warning("a result already exists; leaving it as it is")
+        self._emit_rows()
         if error is not None:
             self.events.emit("error", retrying=False, **error)
+        self._report_usage()
         self.events.emit("result", status=status, reason=reason)
         self.events.emit("status", state=status, detail=reason)
+        if self.live is not None:
+            self.live.send_now()
+            self.live.attach(None)
         self._close_events()
         self.held.release()
         return status
@@ -393,6 +433,7 @@ class Agent:
             channel.ENV_NOTICE_SECONDS: str(_notice_seconds(self.spec.provider)),
             channel.ENV_PEER_TIMEOUT: str(self.spec.policy.peer_timeout),
             "PYTHONUNBUFFERED": "1",
+            "SPOTNB_ORIGIN": "runtime",
         })
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(self._workdir), env.get("PYTHONPATH", "")) if p)
@@ -474,6 +515,12 @@ class Agent:
                 if self.stop_requested:
                     self._interrupt_kernel()
                 continue
+            except Exception:
+                # The kernel's sockets were closed under us: the instance is going, or
+                # another agent took the job.
+                if self.terminating.is_set() or self.fenced.is_set():
+                    raise Fenced() from None
+                raise
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind = msg["header"]["msg_type"]
@@ -562,10 +609,15 @@ class Agent:
     def _instance_loop(self) -> None:
         """IMDS, pings, durable-row acknowledgements, and the kernel's pause/resume:
         everything that needs no store request, every IMDS_POLL_SECONDS."""
-        while not self._done.wait(IMDS_POLL_SECONDS):
+        pace = IMDS_POLL_SECONDS if self.live is None else min(IMDS_POLL_SECONDS,
+                                                               self.live.cadence)
+        while not self._done.wait(pace):
             try:
                 self._watch_imds()
                 self._send({"op": "ping"})
+                pace = ROWS_SECONDS if self.live is None else self.live.cadence
+                if time.monotonic() - self._rows_at >= pace:
+                    self._emit_rows()
                 self._acknowledge_rows()
                 self._mind_kernel()
             except Exception:
@@ -577,8 +629,10 @@ class Agent:
         every = lease.heartbeat_seconds(self.held.lease.ttl if self.held else lease.TTL_SECONDS)
         next_renew = time.monotonic() + every
         next_stop = time.monotonic() + STOP_POLL_SECONDS
+        next_usage = time.monotonic() + USAGE_SECONDS
         backoff = STORE_RETRY_SECONDS
-        while not self._done.wait(max(0.05, min(next_renew, next_stop) - time.monotonic())):
+        while not self._done.wait(
+                max(0.05, min(next_renew, next_stop, next_usage) - time.monotonic())):
             now = time.monotonic()
             held = self.held
             if held is not None and now >= next_renew and held.status() is not Standing.LOST:
@@ -597,6 +651,9 @@ class Agent:
             if now >= next_stop and self.stop_requested is None:
                 next_stop = now + STOP_POLL_SECONDS
                 self._watch_stop()
+            if now >= next_usage:
+                next_usage = now + USAGE_SECONDS
+                self._report_usage()
 
     def _mind_kernel(self) -> None:
         """Keep the kernel running only while the lease is confirmed.
@@ -623,6 +680,7 @@ class Agent:
                 self._emit("status", state="paused", detail=(
                     "paused: the job's lease could not be confirmed in the store (store "
                     "unavailable?); training resumes when it is"))
+                self._flush_soon()
         else:
             if self._paused_since is not None:
                 paused = time.time() - self._paused_since
@@ -683,6 +741,7 @@ class Agent:
             self.rebalance = rebalance
             self._emit("notice", kind="rebalance", action="rebalance",
                        notice_time=rebalance.get("noticeTime"))
+            self._flush_soon()
             self._send({"op": "notice", "kind": "rebalance", "action": "rebalance",
                         "time": rebalance.get("noticeTime")})
 
@@ -705,11 +764,21 @@ class Agent:
             request = json.loads(raw or b"{}")
         except ValueError:
             request = {}
-        self.stop_requested = request if isinstance(request, dict) else {}
+        self._on_stop(request if isinstance(request, dict) else {})
+
+    def _on_stop_message(self, msg: dict[str, Any]) -> None:
+        """A stop request on the control queue (the notebook wrote stop.json too)."""
+        self._on_stop({k: v for k, v in msg.items() if k != "op"})
+
+    def _on_stop(self, request: dict[str, Any]) -> None:
+        if self.stop_requested is not None:
+            return
+        self.stop_requested = request
         self._emit("status", state="stopped", detail=f"stopping: {self._stop_reason()}")
+        self._flush_soon()
         self._interrupt_kernel()
-        if node is not None:
-            node.on_job_ended()
+        if self.node is not None:
+            self.node.on_job_ended()
 
     def _stop_reason(self) -> str:
         req = self.stop_requested or {}
@@ -787,7 +856,8 @@ class Agent:
             if reader.is_alive():
                 log.warning("the runtime's channel did not close within %gs; going on",
                             CHANNEL_DRAIN_SECONDS)
-                return
+                break
+        self._emit_rows()
 
     def _on_message(self, msg: dict[str, Any], conn: socket.socket | None = None) -> None:
         ev = self.events
@@ -795,13 +865,17 @@ class Agent:
             return
         op = msg["op"]
         if op == "metrics":
-            rows = msg["rows"]
-            for step, t, values in rows:
-                ev.emit("metric", step=step, t=t, values=values)
-            if rows:
-                with self._marks_lock:
-                    self._metric_marks.append((ev.emitted, float(rows[-1][1])))
-        elif op == "checkpoint":
+            # Rows are gathered into one `metrics` event a second (the live channel's
+            # pace): a day of logging is ~86,000 events, whatever the rate of spot.log.
+            with self._rows_lock:
+                self._rows.extend(msg["rows"])
+                full = len(self._rows) >= ROWS_PER_EVENT
+            if full:
+                self._emit_rows()
+            return
+        # Anything else comes after the rows sent before it.
+        self._emit_rows()
+        if op == "checkpoint":
             data = {k: v for k, v in msg.items() if k != "op"}
             ev.emit("checkpoint", **data)
             if data.get("phase") == "begin":
@@ -810,13 +884,17 @@ class Agent:
             else:
                 if not self.notice:
                     ev.emit("status", state="running", detail="running the cell")
-                ev.flush_soon()
+                if data.get("phase") == "failed" or data.get("forced"):
+                    ev.flush_soon()  # a periodic save waits for the next flush
         elif op == "restored":
             ev.emit("status", state="running",
                     detail=f"restored checkpoint of step {msg.get('step')} "
                            f"in {msg.get('seconds', 0):.1f}s")
+            ev.flush_soon()
         elif op == "sync":
             ev.emit("checkpoint", kind="sync", **{k: v for k, v in msg.items() if k != "op"})
+        elif op == "usage":
+            ev.emit("usage", process="runtime", requests=msg.get("requests") or {})
         elif op == "replay":
             self._replay(int(msg.get("attempt", 0)), msg.get("rows") or [])
         elif op == "fence":
@@ -838,6 +916,9 @@ class Agent:
             ev.emit("status", state="interrupted",
                     detail=f"final checkpoint at step {msg.get('step')} is durable; "
                            "waiting for the instance to be terminated")
+            self._report_usage()
+            if self.live is not None:
+                self.live.send_now()
             if self.held is not None:
                 self._done_with_lease()
             if self.node is not None:
@@ -852,6 +933,8 @@ class Agent:
                 self.node.on_reform()
         elif op == "warning":
             ev.emit("warning", kind=msg.get("kind"), text=msg.get("text", ""))
+        elif op == "params":
+            ev.emit("params", **{k: v for k, v in msg.items() if k != "op"})
         elif op == "hello":
             pass
         else:
@@ -886,6 +969,27 @@ class Agent:
         # From here on this agent writes nothing: the replacement owns the job. The
         # kernel stays parked until the instance is terminated.
         self.events.stop_writing()
+
+    def _on_sample(self, data: dict[str, Any]) -> None:
+        """A GPU/CPU sample: every one while a follower watches, else one in
+        SYS_IDLE_SECONDS (the history needs no more; a day is 8,640 events)."""
+        now = time.monotonic()
+        watched = self.live is not None and self.live.watched
+        if watched or now - self._sampled_at >= SYS_IDLE_SECONDS:
+            self._sampled_at = now
+            self._emit("sys", **data)
+
+    def _emit_rows(self) -> None:
+        """The metric rows gathered so far, as one ``metrics`` event."""
+        ev = self.events
+        with self._rows_lock:
+            rows, self._rows = self._rows, []
+            self._rows_at = time.monotonic()
+            if ev is None or not rows:
+                return
+            ev.emit_metrics((step, round(float(t), 3), values) for step, t, values in rows)
+            with self._marks_lock:
+                self._metric_marks.append((ev.emitted, float(rows[-1][1])))
 
     def _acknowledge_rows(self) -> None:
         """Tell the runtime up to which time its metric rows are durable in the log, so
@@ -922,6 +1026,10 @@ class Agent:
     def _emit(self, type: str, **data: Any) -> None:
         if self.events is not None and not self.fenced.is_set():
             self.events.emit(type, **data)
+
+    def _report_usage(self) -> None:
+        """A ``usage`` event: the requests this agent made so far (spotnb.usage)."""
+        self._emit("usage", process="job-agent", requests=usage.snapshot())
 
     def _flush_soon(self) -> None:
         if self.events is not None:
@@ -994,15 +1102,15 @@ class Agent:
 
 def _newest_metric_time(store: Store, attempt: int) -> float:
     """The time of the newest metric row in an attempt's log (-inf without any):
-    its chunks are read from the last one back until one holds a metric."""
-    keys = store.list_keys(f"{EVENTS_PREFIX}{stream_name(attempt)}/")
-    for key in reversed(keys):
+    its objects are read from the last one back until one holds a metric."""
+    objs = [o for k in store.list_keys(f"{EVENTS_PREFIX}{stream_name(attempt)}/")
+            if (o := StreamObject.parse(k)) is not None]
+    for obj in sorted(objs, key=lambda o: (o.last, o.first), reverse=True):
         try:
-            body = store.get(key)
+            body = read_object(store, obj)
         except NotFound:
             continue
-        newest = [float(e.data.get("t", e.time)) for e in parse_chunk(body)
-                  if e.type == "metric"]
+        newest = [float(t) for e in parse_chunk(body) for _, t, _ in metric_rows(e)]
         if newest:
             return max(newest)
     return float("-inf")
@@ -1095,4 +1203,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ["SPOTNB_ORIGIN"] = "job-agent"  # in the User-Agent of its AWS requests
     return Agent(args.job).run()

@@ -12,7 +12,10 @@ runtime -> agent
     "bytes": int, "seconds": float, "forced": bool, "error": str (failed only)}``
     ``{"op": "restored", "id": str, "step": int, "seconds": float}``
     ``{"op": "sync", "name": str, "phase": "durable"|"restored", "files": int,
-    "bytes": int}``
+    "bytes": int}``; a snapshot taken at a framework's save point
+    (``SyncDir.save``) also has ``"step": int, "forced": bool``
+    ``{"op": "params", "params": {name: value}, "source": str (optional)}``: the run's
+    hyperparameters (``spot.log_params``), recorded as a ``params`` event
     ``{"op": "parked", "step": int}``: the save forced by an interruption notice is
     durable; user code is now held until the instance is terminated. (A distributed
     job: this node leaves the world.)

@@ -22,6 +22,9 @@ and, in a notebook run by hand, the output metadata ``spotnb.job`` of its cell):
     options       provider, instance_types, region, max_price, checkpoint_every,
                   max_restarts_on_error, budget_usd, max_duration, keep_checkpoints,
                   inputs, outputs, simulate_interruptions
+    params        the hyperparameters the job logged (spot.log_params; the framework
+                  integrations log TrainingArguments, a LightningModule's hparams, an
+                  Accelerate tracker's config), params_source (which framework)
     created, end, duration_s
     attempts      number, instance_id, instance_type, pool, start, end, end_reason,
                   spot_price_usd_per_hour

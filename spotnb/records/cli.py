@@ -14,6 +14,8 @@ __all__ = ["add_record_commands"]
 
 # spotnb.notebook.DEFAULT_CELL_TIMEOUT, without importing nbformat for every command.
 _CELL_TIMEOUT = 3600.0
+# `records show` lists this many hyperparameters of a job; --json has them all.
+_PARAMS_SHOWN = 12
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -131,6 +133,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  types {','.join(options.get('instance_types') or [])}, "
               f"region {options.get('region')}, provider {options.get('provider')}, "
               f"checkpoint {options.get('checkpoint_every')}")
+        params = job.get("params") or {}
+        if params:
+            shown = ", ".join(f"{k}={v}" for k, v in list(params.items())[:_PARAMS_SHOWN])
+            more = len(params) - _PARAMS_SHOWN
+            print(f"  params ({', '.join(job.get('params_source') or []) or 'logged'}): "
+                  f"{shown}" + (f" and {more} more (--json)" if more > 0 else ""))
         attempts = [[str(a.get("number")), str(a.get("instance_type")), str(a.get("pool")),
                      str(a.get("start")), str(a.get("end") or "-"), str(a.get("end_reason")),
                      f"{a.get('spot_price_usd_per_hour') or 0:.4f}"]

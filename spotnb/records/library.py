@@ -211,6 +211,10 @@ def compare_rows(a: Record, b: Record) -> list[tuple[str, list[tuple[str, str, s
     for name, ja, jb in _pairs(a.jobs, b.jobs):
         oa, ob = ja.get("options") or {}, jb.get("options") or {}
         rows = [(k, _show(oa.get(k)), _show(ob.get(k))) for k in dict.fromkeys([*oa, *ob])]
+        # Hyperparameters (a TrainingArguments has ~100): only those that differ.
+        pa_job, pb_job = ja.get("params") or {}, jb.get("params") or {}
+        rows += [(f"param {k}", _show(pa_job.get(k)), _show(pb_job.get(k)))
+                 for k in dict.fromkeys([*pa_job, *pb_job]) if pa_job.get(k) != pb_job.get(k)]
         rows += [
             ("instances", _instances(ja), _instances(jb)),
             ("status", _show(ja.get("status")), _show(jb.get("status"))),

@@ -136,6 +136,20 @@ def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
     return curves, omitted
 
 
+def _params(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
+    """The hyperparameters the job logged (``spot.log_params``; the integrations log
+    the framework's own), as the last attempt left them, and where they came from."""
+    params: dict[str, Any] = {}
+    sources: dict[str, None] = {}
+    for e in events:
+        if e.type != "params" or not isinstance(e.data.get("params"), dict):
+            continue
+        params.update(e.data["params"])
+        if e.data.get("source"):
+            sources[str(e.data["source"])] = None
+    return params, list(sources)
+
+
 def _checkpoints(handle: JobHandle, events: Iterable[Event]) -> dict[str, Any]:
     written = [e.data for e in events if e.type == "checkpoint"
                and e.data.get("phase") == "durable" and e.data.get("kind") != "sync"]
@@ -190,6 +204,7 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
     final = dict(metrics)
     final.update({k: v for k, v in described.items() if _number(v) is not None})
     curves, omitted = _curves(events)
+    params, param_sources = _params(events)
     ended = result.status in ("completed", "failed", "stopped")
     last_time = max((e.time for e in events), default=None)
     record: dict[str, Any] = {
@@ -202,6 +217,8 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
         "spotnb_version": spec.spotnb_version,
         "code_sha256": hashlib.sha256(spec.code.encode()).hexdigest(),
         "options": _options(handle),
+        "params": params,
+        "params_source": param_sources,
         "created": iso(spec.created),
         "end": iso(last_time) if ended else None,
         "duration_s": round(result.duration, 3),

@@ -4,15 +4,20 @@ environment that points boto3 at it. See :mod:`spotnb.testing`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import io
 import logging
 import os
+import re
 import threading
+import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "MotoServer",
-           "aws_environment"]
+__all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "MotoServer", "Request",
+           "RequestLog", "aws_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +57,128 @@ def _moto_server_class() -> Any:
             log.debug("moto %s: " + message, type, *args)
 
     class Server(ThreadedMotoServer):
+        requests: RequestLog
+
         def _server_entry(self) -> None:
-            app = _S3Middleware(DomainDispatcherApplication(create_backend_app))
+            app = self.requests.wrap(
+                _S3Middleware(DomainDispatcherApplication(create_backend_app)))
             self._server = make_server(self._ip_address, self._port, app, True,
                                        request_handler=QuietHandler)
             self._server_ready_event.set()
             self._server.serve_forever(poll_interval=0.1)
 
     return Server
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request that reached the simulated AWS."""
+
+    time: float
+    service: str
+    operation: str
+    origin: str
+    status: int
+
+
+class RequestLog:
+    """Every request the server answered: service, operation, origin, status.
+
+    The origin is the ``spotnb-origin/<name>`` part of the User-Agent that spotnb's
+    clients send (:func:`spotnb.providers.aws._boto.client`): ``job-agent``,
+    ``instance-agent``, ``runtime``, ``notebook``, ``cli``, ``simulator``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: list[Request] = []
+
+    def snapshot(self) -> list[Request]:
+        with self._lock:
+            return list(self._requests)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._requests.clear()
+
+    def wrap(self, app: Callable[..., Any]) -> Callable[..., Any]:
+        def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            service, operation, origin = _describe(environ)
+            status: list[int] = []
+
+            def respond(code: str, headers: Any, *args: Any) -> Any:
+                status.append(int(code.split()[0]))
+                return start_response(code, headers, *args)
+
+            result = app(environ, respond)
+            if service:
+                with self._lock:
+                    self._requests.append(Request(time.time(), service, operation, origin,
+                                                  status[0] if status else 0))
+            return result
+        return logged
+
+
+_CREDENTIAL = re.compile(r"Credential=[^/]+/\d{8}/[^/]+/([^/]+)/aws4_request")
+_ORIGIN = re.compile(r"spotnb-origin/([\w.-]+)")
+
+
+def _describe(environ: dict[str, Any]) -> tuple[str, str, str]:
+    """(service, operation, origin) of a WSGI request to moto; ("", "", "") for moto's
+    own API."""
+    path = environ.get("PATH_INFO", "/")
+    if path.startswith("/moto-api"):
+        return "", "", ""
+    m = _CREDENTIAL.search(environ.get("HTTP_AUTHORIZATION", ""))
+    service = m.group(1) if m else ""
+    o = _ORIGIN.search(environ.get("HTTP_USER_AGENT", ""))
+    origin = o.group(1) if o else "other"
+    method = environ.get("REQUEST_METHOD", "GET")
+    query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    target = environ.get("HTTP_X_AMZ_TARGET")
+    if target:
+        return service, target.rsplit(".", 1)[-1], origin
+    if service == "s3":
+        return service, _s3_operation(method, path, query, environ), origin
+    action = query.get("Action", [""])[0]
+    if not action and method == "POST":
+        # Query protocol: the action is in the form body; read it, then put it back.
+        size = int(environ.get("CONTENT_LENGTH") or 0)
+        body = environ["wsgi.input"].read(size) if size else b""
+        environ["wsgi.input"] = io.BytesIO(body)
+        action = urllib.parse.parse_qs(body.decode(errors="replace")).get("Action", [""])[0]
+    return service, action or method, origin
+
+
+def _s3_operation(method: str, path: str, query: dict[str, list[str]],
+                  environ: dict[str, Any]) -> str:
+    key = path.lstrip("/").partition("/")[2]
+    if method == "GET":
+        if key:
+            return "GetObject"
+        return "ListObjectsV2" if "list-type" in query else (
+            "GetBucketLocation" if "location" in query else "ListObjects")
+    if method == "HEAD":
+        return "HeadObject" if key else "HeadBucket"
+    if method == "PUT":
+        if "partNumber" in query:
+            return "UploadPart"
+        if key:
+            return "CopyObject" if "HTTP_X_AMZ_COPY_SOURCE" in environ else "PutObject"
+        return "PutBucket" + (next(iter(query), "").capitalize())
+    if method == "POST":
+        if "delete" in query:
+            return "DeleteObjects"
+        if "uploads" in query:
+            return "CreateMultipartUpload"
+        if "uploadId" in query:
+            return "CompleteMultipartUpload"
+        return "PostObject"
+    if method == "DELETE":
+        if "uploadId" in query:
+            return "AbortMultipartUpload"
+        return "DeleteObject" if key else "DeleteBucket"
+    return method
 
 
 class _S3Middleware:
@@ -100,6 +219,9 @@ class MotoServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._server = _moto_server_class()(ip_address=host, port=port, verbose=False)
+        #: Every request the server answered (see :class:`RequestLog`).
+        self.requests = RequestLog()
+        self._server.requests = self.requests
         self.endpoint = ""
 
     def start(self) -> MotoServer:

@@ -295,7 +295,7 @@ class AwsSimulator:
     def _client(self, service: str) -> Any:
         from spotnb.providers.aws import _boto
 
-        return _boto.client(service, self.region, attempts=3)
+        return _boto.client(service, self.region, attempts=3, origin="simulator")
 
     # ------------------------------------------------------------------- FIS
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from functools import partial
@@ -108,13 +109,33 @@ def _code(err: BaseException) -> str:
 
 
 def _ignore_missing(fn: Callable[[], Any], *codes: str) -> bool:
-    """Run a delete; False if the resource was already gone (``codes`` or "not found")."""
+    """Run a delete; False if the resource was already gone (``codes`` or "not found").
+
+    Two parties may delete the same resource at once (the instance's own teardown and
+    the notebook's stop): an answer that is not even an AWS error (an HTTP 500 without
+    a body botocore can parse) is tried again a few times.
+    """
+    for attempt in range(_DELETE_TRIES):
+        try:
+            return _delete_once(fn, codes)
+        except Exception as err:
+            if type(err).__name__ != "ResponseParserError" or attempt == _DELETE_TRIES - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    return False
+
+
+_DELETE_TRIES = 3
+
+
+def _delete_once(fn: Callable[[], Any], codes: tuple[str, ...]) -> bool:
     try:
         fn()
     except Exception as err:
         code = _code(err)
         if code in codes or "NotFound" in code or "not found" in str(err) or \
-                code == "NoSuchEntity":
+                code in ("NoSuchEntity", "AWS.SimpleQueueService.NonExistentQueue",
+                         "QueueDoesNotExist"):
             return False
         raise
     return True
@@ -305,7 +326,12 @@ class AwsProvider(Provider):
             ids = [i["InstanceId"] for i in leftovers]
             self.client("ec2", region).terminate_instances(InstanceIds=ids)
         self._delete_role(job_id, region)
-        log.info("deleted job %s's capacity group, template and role", job_id)
+        try:
+            self._delete_queues(job_id, region)
+        except Exception as err:
+            log.warning("could not delete job %s's queues (%s); `spotnb aws cleanup` will",
+                        job_id, err)
+        log.info("deleted job %s's capacity group, template, role and queues", job_id)
 
     def cleanup(self, dry_run: bool = False) -> list[str]:
         done: list[str] = []
@@ -350,6 +376,21 @@ class AwsProvider(Provider):
                     done.append(f"{verb} instance {inst['InstanceId']} in {region} ({why})")
                     if not dry_run:
                         ec2.terminate_instances(InstanceIds=[inst["InstanceId"]])
+        for region in sorted(regions):
+            sqs = self.client("sqs", region)
+            urls = sqs.list_queues(QueueNamePrefix="spotnb-").get("QueueUrls", [])
+            for url in urls:
+                try:
+                    found = sqs.list_queue_tags(QueueUrl=url).get("Tags", {})
+                except Exception as err:
+                    if "NonExistentQueue" in _code(err) or _code(err) == "QueueDoesNotExist":
+                        continue
+                    raise
+                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+                if ended:
+                    done.append(f"{verb} queue {url.rsplit('/', 1)[-1]} in {region} ({why})")
+                    if not dry_run:
+                        _ignore_missing(partial(sqs.delete_queue, QueueUrl=url))
         iam = self.client("iam", self.region())
         for role in _paginate(iam, "list_roles", "Roles", PathPrefix=IAM_PATH):
             name = role["RoleName"]
@@ -376,6 +417,25 @@ class AwsProvider(Provider):
                     _ignore_missing(partial(iam.delete_instance_profile,
                                             InstanceProfileName=name))
         return done
+
+    def _delete_queues(self, job_id: str, region: str,
+                       names: list[str] | None = None) -> None:
+        """Delete the job's queues: those named (the instance's teardown, whose role
+        may not list queues), else every ``spotnb-<job_id>-*`` queue."""
+        sqs = self.client("sqs", region)
+        if names is None:
+            urls = sqs.list_queues(QueueNamePrefix=f"spotnb-{job_id}-").get("QueueUrls", [])
+        else:
+            urls = []
+            for name in names:
+                try:
+                    urls.append(sqs.get_queue_url(QueueName=name)["QueueUrl"])
+                except Exception as err:
+                    if "NonExistentQueue" not in _code(err) and \
+                            _code(err) != "QueueDoesNotExist":
+                        raise
+        for url in urls:
+            _ignore_missing(partial(sqs.delete_queue, QueueUrl=url))
 
     def instance_gone(self, job_id: str, instance_id: str) -> bool:
         """See the contract: one DescribeInstances (free, rate-limited), only when a

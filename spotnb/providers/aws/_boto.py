@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import random
 import threading
 import time
@@ -49,7 +50,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal, TypeVar
 
-from spotnb import __version__
+from spotnb import __version__, usage
 from spotnb.providers import ProviderError
 from spotnb.spec import SpecError
 
@@ -224,11 +225,16 @@ def session(region: str | None = None, profile: str | None = None) -> Any:
 
 def client(service: str, region: str | None = None, *, sess: Any = None,
            attempts: int = DEFAULT_ATTEMPTS, read_timeout: float = READ_TIMEOUT_SECONDS,
-           pool: int = MAX_POOL_CONNECTIONS) -> Any:
+           pool: int = MAX_POOL_CONNECTIONS, origin: str | None = None) -> Any:
     """A botocore client with adaptive retries and spotnb's test hooks.
 
     ``attempts=1`` makes a best-effort client that fails fast (callers fall back).
+    ``origin`` (default ``$SPOTNB_ORIGIN``, else ``notebook``) names the part of spotnb
+    that makes the requests, in their User-Agent: the request benchmark sorts them by
+    it. Every request is counted in :mod:`spotnb.usage`, but a test harness's own
+    (origin ``simulator``).
     """
+    origin = origin or os.environ.get(ENV_ORIGIN) or "notebook"
     from botocore.config import Config
 
     retries: dict[str, Any] = ({"mode": "adaptive", "max_attempts": attempts}
@@ -238,7 +244,7 @@ def client(service: str, region: str | None = None, *, sess: Any = None,
         connect_timeout=CONNECT_TIMEOUT_SECONDS,
         read_timeout=read_timeout,
         max_pool_connections=pool,
-        user_agent_extra=f"spotnb/{__version__}",
+        user_agent_extra=f"spotnb/{__version__} spotnb-origin/{origin}",
     )
     with _SESSION_LOCK:
         sess = sess if sess is not None else session(region)
@@ -248,7 +254,19 @@ def client(service: str, region: str | None = None, *, sess: Any = None,
             raise fatal_error(err, f"creating an AWS {service} client") from None
     for event in ("before-parameter-build", "before-call", "after-call"):
         made.meta.events.register(event, _dispatch)
+    # Every request is a line item (spotnb.usage): count each one this process makes.
+    if origin != "simulator":
+        made.meta.events.register("before-call", _count_request)
     return made
+
+
+#: Names the part of spotnb a process is (job-agent, instance-agent, runtime, cli...).
+ENV_ORIGIN = "SPOTNB_ORIGIN"
+
+
+def _count_request(model: Any = None, **kwargs: Any) -> None:
+    if model is not None:
+        usage.count(model.service_model.endpoint_prefix, model.name)
 
 
 def account_id(sess: Any = None, region: str | None = None) -> str:

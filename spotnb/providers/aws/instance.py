@@ -45,8 +45,9 @@ import threading
 import time
 from typing import Any
 
-from spotnb import layout
+from spotnb import layout, usage
 from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
+from spotnb.events.live import request_stop
 from spotnb.kernel_remote.imds import ImdsClient
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import capacity_failures, group_name
@@ -56,7 +57,15 @@ from spotnb.store import NotFound, Store, open_store
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
+# Budget and deadline are checked this often, from what this agent knows (the group's
+# history read once at boot, and its own price): no request.
 LIMITS_SECONDS = 5.0
+# A stop request is looked for this often (an S3 HEAD: 60/h = $0.000024/h).
+STOP_CHECK_SECONDS = 60.0
+# The group's events are few and each matters (launches, notices): written within this.
+GROUP_FLUSH_SECONDS = 0.5
+# How often the requests this agent made are reported (a `usage` event).
+USAGE_SECONDS = 300.0
 # Spot prices change a few times a day at most; AWS throttles DescribeSpotPriceHistory.
 PRICE_SECONDS = 300.0
 # As on the local cloud: time the job agent has to stop the cell after a stop request.
@@ -79,7 +88,8 @@ class InstanceAgent:
         self.imds = imds or ImdsClient()
         self.identity: dict[str, str] = {}
         self.events: EventWriter | None = None
-        self.reader = EventReader(self.store)
+        self.reader = EventReader(self.store, batches=True)
+        self._stop_checked = -STOP_CHECK_SECONDS
         self.history: list[Event] = []
         self.agent: subprocess.Popen[bytes] | None = None
         self.notice: dict[str, Any] | None = None
@@ -99,7 +109,8 @@ class InstanceAgent:
         iid = self.identity["instance_id"]
         # boto3 here and in the job agent: the instance's region unless told otherwise.
         os.environ.setdefault("AWS_DEFAULT_REGION", self.identity["region"])
-        self.events = EventWriter(self.store, GROUP_STREAM, instance=iid)
+        self.events = EventWriter(self.store, GROUP_STREAM, instance=iid,
+                                  flush_seconds=GROUP_FLUSH_SECONDS)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if self.store.exists(layout.RESULT):
             log.info("job %s already has a result: tearing down", self.spec.job_id)
@@ -153,11 +164,14 @@ class InstanceAgent:
             self.agent = subprocess.Popen(
                 [sys.executable, "-m", AGENT_MODULE, "--job", self.job_uri],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-        last_limits = last_price = time.monotonic()
+        last_limits = last_price = last_usage = time.monotonic()
         while self.agent.poll() is None:
             time.sleep(POLL_SECONDS)
             now = time.monotonic()
             self._watch_notice()
+            if now - last_usage >= USAGE_SECONDS:
+                last_usage = now
+                self._report_usage()
             if now - last_limits >= LIMITS_SECONDS:
                 last_limits = now
                 self._watch_limits()
@@ -175,7 +189,31 @@ class InstanceAgent:
 
     def _emit(self, type: str, **data: Any) -> None:
         if self.events is not None:
-            self.events.emit(type, **data)
+            # What the budget check counts: this instance's own events too.
+            self.history.append(self.events.emit(type, **data))
+
+    def _queue_names(self) -> list[str]:
+        """The job's queues: its control queue and the registered followers' (a
+        follower deletes its own when it stops; `spotnb aws cleanup` finds the rest)."""
+        from spotnb.events.live import CONTROL_QUEUE, WATCHERS_PREFIX
+        from spotnb.events.queues import sqs_name
+
+        names = [sqs_name(self.spec.job_id, CONTROL_QUEUE)]
+        try:
+            keys = self.store.list_keys(WATCHERS_PREFIX)
+        except Exception:
+            keys = []
+        names += [k.rsplit("/", 1)[-1].removesuffix(".json") for k in keys]
+        return names
+
+    def _report_usage(self) -> None:
+        """A ``usage`` event: the requests this process made so far (spotnb.usage)."""
+        self._emit("usage", process="instance-agent", requests=usage.snapshot())
+
+    def _emit_event(self, event: Event) -> None:
+        if self.events is not None:
+            self.events.emit_event(event)
+            self.history.append(event)
 
     def _describe(self, instance_ids: list[str]) -> dict[str, Any]:
         ec2 = _boto.client("ec2", self.identity["region"])
@@ -225,8 +263,7 @@ class InstanceAgent:
                           and e.instance == instance_id for e in group)
             data = {k: launched[instance_id].data.get(k)
                     for k in ("instance_id", "instance_type", "az", "pool")}
-            assert self.events is not None
-            self.events.emit_event(Event(
+            self._emit_event(Event(
                 type="instance", time=last, attempt=GROUP_STREAM, instance=instance_id,
                 data={**data, "action": "terminated", "reported_by": self.identity["instance_id"],
                       "reason": "spot-interruption" if noticed else "terminated"}))
@@ -258,7 +295,7 @@ class InstanceAgent:
         assert self.events is not None
         self._emit("status", state="launching", detail=detail,
                    instance_type=ident["instance_type"], az=ident.get("az_id"))
-        self.events.emit_event(Event(
+        self._emit_event(Event(
             type="instance", time=started, attempt=GROUP_STREAM, instance=iid, data={
                 "action": "launched", "instance_id": iid,
                 "instance_type": ident["instance_type"], "az": ident.get("az_id"),
@@ -292,9 +329,11 @@ class InstanceAgent:
         from spotnb.jobs import summarize
 
         policy = self.spec.policy
-        self.history += self.reader.poll()
-        if self.stop_seen_at is None and self.store.exists(layout.STOP):
-            self.stop_seen_at = time.monotonic()
+        now_m = time.monotonic()
+        if self.stop_seen_at is None and now_m - self._stop_checked >= STOP_CHECK_SECONDS:
+            self._stop_checked = now_m
+            if self.store.exists(layout.STOP):
+                self.stop_seen_at = now_m
         if self.stop_seen_at is not None or (policy.budget_usd is None
                                              and policy.max_duration is None):
             return
@@ -318,7 +357,7 @@ class InstanceAgent:
         log.info("stopping the job: %s", detail)
         body = {"reason": reason, "detail": detail, "time": time.time(), "by": "aws-instance",
                 "instance_id": self.identity["instance_id"]}
-        self.store.put_if_absent(layout.STOP, json.dumps(body).encode())
+        request_stop(self.store, self.spec.job_id, body)
         self.stop_seen_at = time.monotonic()
         self._emit("status", state="stopped", detail=f"stopping: {detail}")
 
@@ -360,6 +399,7 @@ class InstanceAgent:
         from spotnb.providers.aws import AwsProvider
 
         self.tearing_down.set()
+        self._report_usage()
         ident = self.identity
         self._emit("instance", action="terminated", reason=reason,
                    instance_id=ident["instance_id"], instance_type=ident.get("instance_type"),
@@ -371,7 +411,9 @@ class InstanceAgent:
         job_id = self.spec.job_id
         # The template first and the role last: deleting the group terminates this
         # instance, and the role's credentials are what the deletions run with.
-        for label, step in (("launch template", provider._delete_template),
+        for label, step in (("queues", lambda j, r: provider._delete_queues(
+                                j, r, names=self._queue_names())),
+                            ("launch template", provider._delete_template),
                             ("Auto Scaling group", provider._delete_group),
                             ("IAM role", lambda j, r: provider._delete_role(j, r))):
             try:
@@ -415,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("botocore").setLevel(logging.WARNING)
+    os.environ["SPOTNB_ORIGIN"] = "instance-agent"  # the job agent sets its own
     return InstanceAgent(args.job).run()
 
 

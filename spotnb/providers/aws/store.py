@@ -293,7 +293,13 @@ class S3Store(Store):
             raise self._fail(err, f"deleting {key}") from None
 
     def delete_prefix(self, prefix: str) -> None:
-        keys = [self._key(k) for k in self.list_keys(prefix)]
+        self._delete_full([self._key(k) for k in self.list_keys(prefix)], prefix)
+
+    def delete_many(self, keys: list[str]) -> None:
+        """One DeleteObjects per 1,000 keys."""
+        self._delete_full([self._key(k) for k in keys], f"{len(keys)} objects")
+
+    def _delete_full(self, keys: list[str], prefix: str) -> None:
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = [{"Key": k} for k in keys[start:start + _DELETE_BATCH]]
             try:

@@ -70,6 +70,7 @@ from typing import Any
 from spotnb import catalog
 from spotnb.catalog import Pool
 from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
+from spotnb.events.live import Follower, request_stop
 from spotnb.layout import RESULT, SPEC, STOP
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
@@ -91,6 +92,9 @@ from spotnb.store import NotFound, Store, StoreError, open_store
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.1
+# The group's events are few and each matters to a follower (launches, notices): write
+# them within this long.
+GROUP_FLUSH_SECONDS = 0.5
 # The store is read less often than the local control directory: on S3 it costs requests.
 STORE_POLL_SECONDS = 0.5
 CAPACITY_RETRY_SECONDS = 3.0
@@ -134,7 +138,7 @@ class Supervisor:
         self.home = home
         self.control = home / CONTROL_DIR
         self.control.mkdir(parents=True, exist_ok=True)
-        self.events = EventWriter(store, attempt=GROUP_STREAM)
+        self.events = EventWriter(store, attempt=GROUP_STREAM, flush_seconds=GROUP_FLUSH_SECONDS)
         previous = (read_json(home / GROUP_FILE) or {}) if adopt else {}
         # The market replays from the group's first start, across supervisors.
         self.started = float(previous.get("started") or time.time())
@@ -161,7 +165,11 @@ class Supervisor:
         self.sim_done = 0
         self.schedule = sorted(float(s) for s in sim.get("schedule", ()))
         self.schedule_next = 0
-        self.reader = EventReader(store) if self.sim_count else None
+        # Simulated interruptions wait for progress after a checkpoint: follow the job
+        # live (the local queue is free), as a notebook would.
+        self.reader = (Follower(store, spec.job_id, batches=True,
+                                quiet_log_seconds=STORE_POLL_SECONDS)
+                       if self.sim_count else None)
         seed = settings.seed
         self.rng = random.Random(f"{seed}:{spec.job_id}") if seed is not None else random.Random()
         if adopt:
@@ -175,7 +183,8 @@ class Supervisor:
         Step 2  each instance still on record: its agent alive -> adopt it (same IMDS
                 endpoint, same notice); dead -> end it ("lost while unsupervised").
         """
-        history = [e for e in EventReader(self.store).poll() if e.attempt == GROUP_STREAM]
+        history = [e for e in EventReader(self.store, batches=True).poll()
+                   if e.attempt == GROUP_STREAM]
         launches = [e for e in history if e.type == "instance"
                     and e.data.get("action") == "launched"]
         ended = {e.data.get("instance_id") for e in history if e.type == "instance"
@@ -187,7 +196,7 @@ class Supervisor:
         self.sim_done = min(self.sim_count, reasons.count("simulated"))
         self.schedule_next = min(len(self.schedule), reasons.count("scheduled"))
         if self.sim_done >= self.sim_count:
-            self.reader = None
+            self._stop_following()
         self._emit("status", None, state="launching",
                    detail="the local cloud's supervisor of this job was restarted; "
                           "taking over its instances")
@@ -253,6 +262,7 @@ class Supervisor:
                         self._end(inst, time.time(), "group-ended")
                     except Exception:
                         log.exception("could not end instance %s", inst.id)
+            self._stop_following()
             self.events.close()
             self._write_group("exited", supervisor=me.to_dict(), exit_code=code,
                               cost_usd=round(self.cost(time.time()), 6))
@@ -416,8 +426,12 @@ class Supervisor:
             self.schedule_next += 1
             return "scheduled"
         if self.sim_done < self.sim_count and inst.running_since is not None:
+            # A cell that never checkpoints is interrupted anyway, interrupt_after
+            # seconds after its first metric (its loop runs: its imports are done, however
+            # slow the machine), or after its start if it logs none.
+            began = inst.first_metric_at or inst.running_since
             silent = (inst.durable_at is None
-                      and now - inst.running_since >= self.settings.interrupt_after)
+                      and now - began >= self.settings.interrupt_after)
             if inst.progressed or silent:
                 self.sim_done += 1
                 return "simulated"
@@ -428,17 +442,24 @@ class Supervisor:
     def _track_progress(self, inst: LocalInstance) -> None:
         """Watch the instance's attempt for a durable checkpoint followed by a metric."""
         assert self.reader is not None
-        for event in self.reader.poll():
+        for event in self.reader.poll(wait=0):
             if event.instance != inst.id or event.attempt == GROUP_STREAM:
                 continue
             if (event.type == "checkpoint" and event.data.get("phase") == "durable"
                     and inst.durable_at is None):
                 inst.durable_at = event.time
-            elif (event.type == "metric" and inst.durable_at is not None
-                  and event.time >= inst.durable_at):
-                inst.progressed = True
+            elif event.type in ("metric", "metrics"):
+                if inst.first_metric_at is None:
+                    inst.first_metric_at = time.time()
+                if inst.durable_at is not None and event.time >= inst.durable_at:
+                    inst.progressed = True
         if self.sim_done >= self.sim_count:
-            self.reader = None  # nothing left to simulate: stop reading the log
+            self._stop_following()  # nothing left to simulate: stop reading the log
+
+    def _stop_following(self) -> None:
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            reader.close()
 
     def _notice(self, inst: LocalInstance, now: float, reason: str) -> None:
         """Interrupt like EC2: the notice now, the termination after the notice period."""
@@ -628,7 +649,7 @@ class Supervisor:
     def _request_stop(self, now: float, reason: str, detail: str) -> None:
         log.info("stopping the job: %s", detail)
         body = {"reason": reason, "detail": detail, "time": now, "by": "local-cloud"}
-        self.store.put_if_absent(STOP, json.dumps(body).encode())
+        request_stop(self.store, self.spec.job_id, body)
         # Someone may have asked to stop first: their reason wins.
         self._begin_stop(now, self._read_stop() or body)
 

@@ -29,9 +29,11 @@ import datetime
 import json
 import logging
 import secrets
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 __all__ = ["ImdsServer", "InstanceIdentity", "iso_utc"]
 
@@ -172,6 +174,13 @@ class ImdsServer:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     imds: ImdsServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that gave up waiting (its short timeout, on a busy machine) closed
+        # the connection before the answer: nothing to report.
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

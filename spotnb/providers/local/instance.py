@@ -73,6 +73,7 @@ class LocalInstance:
     terminate_at: float | None = None
     ended: float | None = None
     durable_at: float | None = None  # first durable checkpoint of its attempt
+    first_metric_at: float | None = None  # when its attempt's first metric was seen
     progressed: bool = False  # a metric after that checkpoint
 
     @classmethod

@@ -1,0 +1,205 @@
+"""The event log's mechanics on a real local store: chunks rolled into segments, readers
+that see every event exactly once (in the middle of a compaction too), metric batches,
+and the live channel (queues, followers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from spotnb.events import (
+    Event,
+    EventReader,
+    EventWriter,
+    expand,
+    last_values,
+    metric_rows,
+)
+from spotnb.events.live import Follower, LiveSender
+from spotnb.events.queues import LocalQueue, pack, queue_for, unpack
+from spotnb.events.writer import COMPACT_FANOUT, StreamObject
+from spotnb.store import LocalStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "job")
+
+
+def _stream_objects(store: LocalStore, attempt: int = 1) -> list[StreamObject]:
+    objs = [StreamObject.parse(k) for k in store.list_keys(f"events/{attempt:06d}/")]
+    return [o for o in objs if o is not None]
+
+
+def test_chunks_roll_into_segments_and_readers_see_each_event_once(store: LocalStore) -> None:
+    writer = EventWriter(store, 1, "i-1", flush_seconds=3600)
+    chunks = COMPACT_FANOUT * COMPACT_FANOUT + 7  # two levels of segments, and some
+    for i in range(chunks):
+        writer.emit("stream", name="stdout", text=f"line {i}\n")
+        assert writer.flush()
+    writer.close()
+    objs = _stream_objects(store)
+    assert len(objs) < 3 * COMPACT_FANOUT, "compaction keeps a stream small"
+    assert {o.level for o in objs} >= {0, 2}
+    events = EventReader(store).poll()
+    assert [e.data["text"] for e in events] == [f"line {i}\n" for i in range(chunks)]
+    assert [e.n for e in events] == list(range(chunks))
+
+
+def test_a_reader_in_the_middle_of_compactions_misses_and_repeats_nothing(
+        store: LocalStore) -> None:
+    total = COMPACT_FANOUT * 20
+    writer = EventWriter(store, 1, "i-1", flush_seconds=3600)
+    done = threading.Event()
+
+    def write() -> None:
+        for i in range(total):
+            writer.emit("stream", name="stdout", text=f"{i}")
+            writer.flush()
+        done.set()
+
+    reader = EventReader(store)
+    seen: list[int] = []
+    thread = threading.Thread(target=write)
+    thread.start()
+    while not done.is_set():
+        seen += [int(e.data["text"]) for e in reader.poll()]
+    thread.join()
+    seen += [int(e.data["text"]) for e in reader.poll()]
+    writer.close()
+    assert seen == list(range(total))
+
+
+def test_a_restarted_writer_continues_numbers_and_cleans_an_interrupted_compaction(
+        store: LocalStore) -> None:
+    first = EventWriter(store, 1, "i-1", flush_seconds=3600, compact=False)
+    for i in range(COMPACT_FANOUT + 2):
+        first.emit("stream", name="stdout", text=str(i))
+        first.flush()
+    first.close()
+    # A compaction that wrote its segment but died before deleting the chunks.
+    objs = _stream_objects(store)
+    import gzip
+
+    body = b"".join(store.get(o.key) for o in objs[:COMPACT_FANOUT])
+    store.put(f"events/000001/{COMPACT_FANOUT - 1:08d}.00000000.L1.jsonl.gz",
+              gzip.compress(body))
+    assert EventReader(store).poll()[-1].n == COMPACT_FANOUT + 1  # no duplicate
+    second = EventWriter(store, 1, "i-1", flush_seconds=3600)
+    second.emit("stream", name="stdout", text="after")
+    second.close()
+    events = EventReader(store).poll()
+    assert [e.n for e in events] == list(range(COMPACT_FANOUT + 3))
+    assert len(_stream_objects(store)) == 4  # the segment, 2 chunks, the new one
+
+
+def test_the_group_stream_keeps_every_writer_s_events(store: LocalStore) -> None:
+    # Several processes write the group's stream (supervisor, instance agents, the
+    # notebook's capacity watch): nothing may be taken for a duplicate.
+    writers = [EventWriter(store, 0, f"i-{k}", flush_seconds=3600) for k in range(3)]
+    for round_ in range(5):
+        for k, w in enumerate(writers):
+            w.emit("instance", action="launched", instance_id=f"i-{k}-{round_}")
+            w.flush()
+    for w in writers:
+        w.close()
+    ids = sorted(e.data["instance_id"] for e in EventReader(store).poll())
+    assert ids == sorted(f"i-{k}-{r}" for k in range(3) for r in range(5))
+
+
+def test_metric_batches_round_trip_with_sparse_metrics(store: LocalStore) -> None:
+    rows = [(0, 1.0, {"loss": 2.0}), (1, 1.1, {"loss": 1.5, "acc": 0.25}),
+            (2, 1.2, {"loss": float("nan")}), (3, 1.3, {"lr": 0.1, "loss": 1.0})]
+    writer = EventWriter(store, 1, "i-1", flush_seconds=3600)
+    writer.emit_metrics(rows)
+    writer.close()
+    (batch,) = EventReader(store, batches=True).poll()
+    assert batch.type == "metrics"
+    got = list(metric_rows(batch))
+    assert [r[0] for r in got] == [0, 1, 2, 3] and got[1][2] == {"loss": 1.5, "acc": 0.25}
+    assert got[2][2]["loss"] != got[2][2]["loss"]  # NaN kept
+    assert last_values(batch) == {"loss": 1.0, "acc": 0.25, "lr": 0.1}
+    singles = EventReader(store).poll()
+    assert [e.type for e in singles] == ["metric"] * 4
+    assert [e.to_json() for e in singles] == [e.to_json() for e in expand(batch)]
+    assert [e.data["step"] for e in singles] == [0, 1, 2, 3]
+
+
+def test_queue_messages_pack_small_and_survive_the_trip(tmp_path: Path) -> None:
+    queue = LocalQueue(tmp_path / "q")
+    queue.create()
+    big = {"op": "events", "lines": ["x" * 100] * 200}
+    assert len(pack(big)) < 2000 and unpack(pack(big)) == big
+    for i in range(5):
+        queue.send_message({"op": "n", "i": i})
+    assert [m["i"] for m in queue.receive_messages(1.0)] == list(range(5))
+    assert queue.receive(0.1) == []
+
+
+def test_a_follower_gets_each_event_once_live_and_fills_gaps_from_the_log(
+        store: LocalStore) -> None:
+    writer = EventWriter(store, 1, "i-1", flush_seconds=3600)
+    for i in range(5):
+        writer.emit("stream", name="stdout", text=f"early {i}")
+    writer.flush()  # the log holds events 0..4
+    for i in range(5, 8):
+        writer.emit("stream", name="stdout", text=f"early {i}")  # 5..7 only queued
+    control = queue_for(store, "job-1", "control")
+    control.create()
+    stops: list[dict[str, object]] = []
+    sender = LiveSender(control, stops.append).start()
+    sender.attach(writer)
+    got: list[Event] = []
+    try:
+        with Follower(store, "job-1") as follower:
+            got += follower.poll(wait=1.0)  # the log, then it registers
+            deadline = time.monotonic() + 60
+            while len(got) < 8 and time.monotonic() < deadline:
+                got += follower.poll(wait=1.0)
+            # Live from here: these arrive without any write to the log.
+            flushed = writer.written
+            for i in range(8, 20):
+                writer.emit("stream", name="stdout", text=f"live {i}")
+            while len(got) < 20 and time.monotonic() < deadline:
+                got += follower.poll(wait=1.0)
+            assert writer.written == flushed, "the live events were not written to the log"
+            control.send_message({"op": "stop", "reason": "test"})
+            while not stops and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        sender.stop()
+        writer.close()
+    assert [e.n for e in got] == list(range(20))
+    assert stops and stops[0]["reason"] == "test"
+
+
+def test_compaction_rolls_metric_batches_and_readers_still_get_each_row_once(
+        store: LocalStore) -> None:
+    writer = EventWriter(store, 1, "i-1", flush_seconds=3600)
+    reader = EventReader(store)  # reads along the way: some chunks before their merge
+    got: list[int] = []
+    step = 0
+    for chunk in range(COMPACT_FANOUT * 3 + 5):
+        for _ in range(4):  # four batches a chunk, with another event between them
+            writer.emit_metrics([(step + i, 100.0 + step + i, {"loss": 1.0 / (step + i + 1),
+                                                              **({"acc": 0.5} if i == 0
+                                                                 else {})})
+                                 for i in range(3)])
+            step += 3
+            writer.emit("sys", kind="cpu", util=1.0)
+        writer.flush()
+        if chunk % 7 == 3:
+            got += [e.data["step"] for e in reader.poll() if e.type == "metric"]
+    writer.close()
+    got += [e.data["step"] for e in reader.poll() if e.type == "metric"]
+    assert got == list(range(step))
+    fresh = EventReader(store, batches=True).poll()
+    batches = [e for e in fresh if e.type == "metrics"]
+    assert len(batches) < 40, "the segments' batches were rolled into one each"
+    rows = [r for e in batches for r in metric_rows(e)]
+    assert [r[0] for r in rows] == list(range(step))
+    assert all(("acc" in r[2]) == (r[0] % 3 == 0) for r in rows)
+    assert all(r[2]["loss"] == 1.0 / (r[0] + 1) for r in rows)
