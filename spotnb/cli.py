@@ -66,9 +66,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         print("no jobs yet; submit one with %%spot_train in a notebook or spotnb.submit()")
         return 0
     now = time.time()
-    print(f"{'JOB':<24} {'NAME':<16} {'STATUS':<22} {'ATT':>3} {'INT':>3} {'COST $':>9} AGE")
+    print(f"{'JOB':<24} {'NAME':<16} {'STATUS':<22} {'NODES':>5} {'ATT':>3} {'INT':>3} "
+          f"{'COST $':>9} AGE")
     for r in rows:
-        print(f"{r.job_id:<24} {r.name[:16]:<16} {r.status:<22} {r.attempts:>3} "
+        print(f"{r.job_id:<24} {r.name[:16]:<16} {r.status:<22} {r.nodes:>5} {r.attempts:>3} "
               f"{r.interruptions:>3} {r.cost_usd:>9.4f} {format_age(r.created, now)}")
     return 0
 

@@ -164,6 +164,16 @@ class JobInfo:
     interruptions: int
     cost_usd: float
     created: float
+    #: How many nodes: ``"1"``, ``"4"``, ``"3:4"`` (MIN:MAX); ``"x2"`` appended with
+    #: two worker processes per node.
+    nodes: str = "1"
+
+
+def nodes_label(resources: Resources) -> str:
+    """A job's nodes as ``%spot_jobs`` shows them (see :attr:`JobInfo.nodes`)."""
+    low, high = resources.min_nodes, resources.max_nodes
+    label = str(high) if low == high else f"{low}:{high}"
+    return label + (f"x{resources.procs_per_node}" if resources.procs_per_node > 1 else "")
 
 
 # -- submitting ----------------------------------------------------------------------
@@ -631,7 +641,7 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 1
+_LISTING_VERSION = 2  # 2: rows have nodes
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -658,7 +668,8 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
     s = handle.summary()
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
                   attempts=len(s.attempts), interruptions=s.interruptions,
-                  cost_usd=s.cost_usd, created=spec.created)
+                  cost_usd=s.cost_usd, created=spec.created,
+                  nodes=nodes_label(spec.resources))
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

@@ -460,7 +460,7 @@ class SpotMagics(Magics):
 
     @line_magic
     def spot_jobs(self, line: str) -> None:
-        """A table of jobs: name, status, attempts, interruptions, cost, age."""
+        """A table of jobs: name, status, nodes, attempts, interruptions, cost, age."""
         from IPython.display import display as show
 
         with _as_usage_errors():
@@ -469,8 +469,9 @@ class SpotMagics(Magics):
             print("no jobs yet: put %%spot_train on a cell to start one")
             return
         now = time.time()
-        header = ("job", "name", "status", "attempts", "interruptions", "cost $", "age")
-        table = [(r.job_id, r.name, r.status, str(r.attempts), str(r.interruptions),
+        header = ("job", "name", "status", "nodes", "attempts", "interruptions", "cost $",
+                  "age")
+        table = [(r.job_id, r.name, r.status, r.nodes, str(r.attempts), str(r.interruptions),
                   f"{r.cost_usd:.4f}", format_age(r.created, now)) for r in rows]
         show(_table_bundle(header, table), raw=True)
 

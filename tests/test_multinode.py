@@ -489,3 +489,6 @@ def test_two_processes_on_each_of_two_nodes(
     assert result.status == "completed", (result.status, result.reason)
     assert result.outputs["world"] == 4 and result.outputs["total"] == 1 + 2 + 3 + 4
     assert result.outputs["seen"]["LOCAL_RANK"] == "0"
+    # %spot_jobs and `spotnb jobs` show the nodes.
+    row = next(r for r in spotnb.jobs() if r.job_id == job.job_id)
+    assert row.nodes == "2x2"
