@@ -359,8 +359,7 @@ class Supervisor:
             if stop is not None:
                 self._begin_stop(now, stop)
         if self.reader is not None:
-            for inst in list(self.running):
-                self._track_progress(inst)
+            self._track_progress(list(self.running))
 
     def _read_stop(self) -> dict[str, Any] | None:
         try:
@@ -439,11 +438,14 @@ class Supervisor:
             return "hazard"
         return None
 
-    def _track_progress(self, inst: LocalInstance) -> None:
-        """Watch the instance's attempt for a durable checkpoint followed by a metric."""
+    def _track_progress(self, instances: list[LocalInstance]) -> None:
+        """Watch each instance's attempt for a durable checkpoint followed by a metric
+        (one read of the log for all of them)."""
         assert self.reader is not None
+        by_id = {inst.id: inst for inst in instances}
         for event in self.reader.poll(wait=0):
-            if event.instance != inst.id or event.attempt == GROUP_STREAM:
+            inst = by_id.get(event.instance or "")
+            if inst is None or event.attempt == GROUP_STREAM:
                 continue
             if (event.type == "checkpoint" and event.data.get("phase") == "durable"
                     and inst.durable_at is None):
