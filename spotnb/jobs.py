@@ -550,7 +550,10 @@ class JobHandle:
         return result
 
     def metrics(self) -> dict[str, list[tuple[int, float]]]:
-        """Every logged metric as (step, value) pairs, in logging order."""
+        """Every logged metric in the store as (step, value) pairs, in logging order.
+
+        While nobody follows a running job its agent writes metrics about once a
+        minute (each write is a billed request); :meth:`events` follows it live."""
         series: dict[str, list[tuple[int, float]]] = {}
         for event in EventReader(self.store, batches=True).poll():
             for step, _t, values in metric_rows(event):

@@ -33,8 +33,13 @@ def _spotnb_processes(home: Path) -> list[psutil.Process]:
             continue
         if proc.pid == os.getpid():
             continue
-        if env.get("SPOTNB_HOME") == str(home) and ("spotnb" in cmd or "ipykernel" in cmd):
-            found.append(proc)
+        if env.get("SPOTNB_HOME") != str(home) or not ("spotnb" in cmd or "ipykernel" in cmd):
+            continue
+        # A zombie has exited: only its exit status is left for a parent to collect (in
+        # a container whose init never reaps, an orphan's stays until the container ends).
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
     return found
 
 

@@ -62,6 +62,8 @@ OTHER_ACCOUNT = "111111111111"
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
     server = MotoServer().start()
+    # moto's backends are global to the process: forget what other modules' servers made.
+    server.reset()
     try:
         with aws_environment(server.endpoint):
             yield server.endpoint

@@ -528,7 +528,10 @@ def test_detach_interrupt_logs_and_stop_a_real_job(
     assert f"submitted job {job_id}" in out.stdout and f"%spot_stop {job_id}" in out.stdout
 
     handle = spotnb.attach(job_id)
-    _wait_for("the first metrics", lambda: handle.metrics().get("total"))
+    # Followed live: an unwatched job writes its metrics to the store once a minute.
+    live = handle.events(timeout=120)
+    assert any(e.type == "metric" and "total" in e.data["values"] for e in live)
+    live.close()
     with capture_output() as out:
         ip.run_line_magic("spot_interrupt", "")  # the latest job
     assert f"interruption notice delivered to job {job_id}" in out.stdout

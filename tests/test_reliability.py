@@ -165,6 +165,9 @@ def test_a_sigkilled_agent_loses_no_metric_step(
     events = events_of(handle)
     rows = [s for e in events if e.type == "metric" for s in [e.data["step"]]]
     assert set(rows) == set(range(240)), "metric steps are missing"
+    for attempt in {e.attempt for e in events if e.type == "metric"}:
+        logged = [e.data["step"] for e in events if e.type == "metric" and e.attempt == attempt]
+        assert len(logged) == len(set(logged)), f"attempt {attempt} has a step twice"
     replayed = [e for e in events if e.type == "metric" and e.data.get("replayed_by")]
     assert replayed and all(e.attempt == 1 for e in replayed)
     baseline = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"]).wait(timeout=120)

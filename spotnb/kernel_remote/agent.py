@@ -275,8 +275,11 @@ class Agent:
             try:
                 kc = self._connect_kernel()
             except KernelNotReady as e:
-                return self._finish("failed", "the kernel could not start", error={
-                    "ename": "KernelDied", "evalue": str(e), "traceback": [str(e)]})
+                # Killed while it started (out of memory in an import, say): an error
+                # like one in the cell, retried as far as the job's policy allows.
+                return self._on_user_error(None, {
+                    "ename": "KernelDied", "evalue": f"the kernel could not start: {e}",
+                    "traceback": [str(e)]})
             self._check_fence()
             # The attempt's own settings reach the kernel with the bootstrap: the
             # kernel was spawned before the lease said which attempt this is.
@@ -350,7 +353,7 @@ class Agent:
         if self.held is not None:
             self.held.release()
 
-    def _on_user_error(self, kc: Any, error: dict[str, Any]) -> str:
+    def _on_user_error(self, kc: Any | None, error: dict[str, Any]) -> str:
         self._check_fence()
         # The rows the cell logged before it failed are still on their way.
         self._sync_runtime(kc)
@@ -953,9 +956,11 @@ class Agent:
                                  "reading the restored attempt's log")
         except (StoreUnavailable, Fenced):
             return
-        missing = [row for row in rows if float(row[1]) > newest]
+        # Compared as logged: the log keeps each row's time to the millisecond.
+        missing = [row for row in rows if _row_time(row[1]) > newest]
         for step, t, values in missing:
-            ev.emit_event(Event(type="metric", time=float(t), attempt=source,
+            t = _row_time(t)
+            ev.emit_event(Event(type="metric", time=t, attempt=source,
                                 instance=None, data={"step": step, "t": t, "values": values,
                                                      "replayed_by": self.held.epoch}))
         if missing:
@@ -987,7 +992,7 @@ class Agent:
             self._rows_at = time.monotonic()
             if ev is None or not rows:
                 return
-            ev.emit_metrics((step, round(float(t), 3), values) for step, t, values in rows)
+            ev.emit_metrics((step, _row_time(t), values) for step, t, values in rows)
             with self._marks_lock:
                 self._metric_marks.append((ev.emitted, float(rows[-1][1])))
 
@@ -1098,6 +1103,12 @@ class Agent:
         parts = [ident.get("instance_type"), ident.get("az_id") or ident.get("az"),
                  ident.get("instance_id")]
         return " ".join(str(p) for p in parts if p)
+
+
+def _row_time(t: Any) -> float:
+    """A metric row's time as the log keeps it: to the millisecond (a smaller column;
+    replays compare carried rows with logged ones in this form)."""
+    return round(float(t), 3)
 
 
 def _newest_metric_time(store: Store, attempt: int) -> float:
