@@ -25,6 +25,7 @@ import comm
 import numpy as np
 
 from spotnb.events import Event
+from spotnb.widgets import plots
 from spotnb.widgets.dashboard import Dashboard
 from spotnb.widgets.series import DEFAULT_BUCKETS, MinMaxBuckets
 
@@ -71,7 +72,7 @@ def events(first: int, count: int) -> list[Event]:
 
 
 def bench_dashboard(steps: int) -> dict[str, float]:
-    board = Dashboard(show=False, flush_seconds=0.0)
+    board = Dashboard(show=False, flush_seconds=0.0, static_copy=False)
     for first in range(0, steps, 50_000):
         board.data.add(events(first, min(50_000, steps - first)))
     board.stream("stdout", "".join(f"line {i}\n" for i in range(300)))
@@ -89,7 +90,7 @@ def bench_dashboard(steps: int) -> dict[str, float]:
         counts.append(len(Recorder.sent))
     return {"bytes": statistics.median(sizes), "ms": 1000 * statistics.median(seconds),
             "messages": statistics.median(counts),
-            "points": len(board.figure.data[-2].x)}
+            "points": len(plots.values(board.figure.trace("loss"), "x"))}
 
 
 def bench_reduction(steps: int) -> dict[str, float | None]:
@@ -136,11 +137,14 @@ def bench_reduction(steps: int) -> dict[str, float | None]:
 def main() -> None:
     comm.create_comm = lambda **kw: Recorder(**kw)  # type: ignore[assignment]
     rows = [(steps, bench_dashboard(steps), bench_reduction(steps)) for steps in SIZES]
-    print(f"dashboard update ({NEW_STEPS} new steps + flush), median of {UPDATES}:")
-    print(f"{'logged steps':>14} {'bytes/update':>13} {'messages':>9} {'ms/update':>10} "
-          f"{'loss points sent':>17}")
+    print(f"dashboard update ({NEW_STEPS} new steps + flush), median of {UPDATES}; "
+          f"'x 1k': against the {SIZES[0]:,}-step run, measured in the same run:")
+    print(f"{'logged steps':>14} {'bytes/update':>13} {'x 1k':>6} {'messages':>9} "
+          f"{'ms/update':>10} {'x 1k':>6} {'loss points sent':>17}")
+    base = rows[0][1]
     for steps, d, _r in rows:
-        print(f"{steps:>14,} {d['bytes']:>13,.0f} {d['messages']:>9.0f} {d['ms']:>10.2f} "
+        print(f"{steps:>14,} {d['bytes']:>13,.0f} {d['bytes'] / base['bytes']:>6.2f} "
+              f"{d['messages']:>9.0f} {d['ms']:>10.2f} {d['ms'] / base['ms']:>6.2f} "
               f"{d['points']:>17,.0f}")
     print("\nreducing the loss series for display (ms per update, median of 5):")
     print(f"{'logged steps':>14} {'incremental':>12} {'numpy full':>11} {'tsdownsample':>13}")

@@ -22,7 +22,9 @@ from spotnb.jobs import (
     JobNotFound,
     JobResult,
     attach,
+    find_job,
     jobs,
+    prepare,
     submit,
 )
 from spotnb.spec import SpecError
@@ -43,7 +45,9 @@ __all__ = [
     "SpecError",
     "__version__",
     "attach",
+    "find_job",
     "jobs",
     "load_ipython_extension",
+    "prepare",
     "submit",
 ]

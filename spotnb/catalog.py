@@ -28,6 +28,7 @@ import difflib
 import functools
 import io
 import json
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
@@ -39,12 +40,14 @@ from spotnb.spec import SpecError
 
 __all__ = [
     "DATA_DATE",
+    "GpuSpeed",
     "InstanceType",
     "InterruptionBucket",
     "Pool",
     "PriceTrace",
     "all_regions",
     "check_instance_type",
+    "gpu_speeds",
     "instance_types",
     "interruption_bucket",
     "ondemand_price",
@@ -62,6 +65,9 @@ DATA_DATE = MappingProxyType({
 })
 
 _CATALOG = "aws_gpu_catalog.csv"
+_THROUGHPUT = "gpu_throughput.csv"
+# A Graviton family: letters, the generation, then suffix letters including a "g".
+_GRAVITON = re.compile(r"[a-z]+\d+[a-z]*g[a-z]*")
 _ADVISOR = "spot_advisor_gpu.json"
 _HISTORY_2019 = "spot_price_history/aws_p2_p3_2019-12_2020-03.csv"
 _HISTORY_2022 = "spot_price_history/aws_gpu_2022-05-31_partial_azid.csv"
@@ -88,6 +94,29 @@ class InstanceType:
     gpu_memory_mib: int | None
     vcpus: int
     memory_gib: float
+
+    @property
+    def cpu_arch(self) -> str:
+        """``"arm64"`` for Graviton types (a ``g`` after the generation number in the
+        family, AWS's naming: ``g5g``), else ``"x86_64"``."""
+        return "arm64" if _GRAVITON.fullmatch(self.family) else "x86_64"
+
+    @property
+    def cuda(self) -> bool:
+        """Whether CUDA training runs here as usual: NVIDIA GPUs on an x86 host (the
+        PyTorch wheels most code uses are built for x86)."""
+        return self.gpu_manufacturer == "NVIDIA" and self.cpu_arch == "x86_64"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpeed:
+    """A GPU model's peak dense FP16 Tensor Core TFLOPS and where the figure is from
+    (``data/gpu_throughput.csv``; ``data/SOURCES.md`` says how to read it)."""
+
+    gpu_model: str
+    tflops: float
+    basis: str
+    source: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +269,14 @@ def _history_2022() -> dict[tuple[str, str, str], _Trace]:
 def instance_types() -> dict[str, InstanceType]:
     """Every instance type in the catalog, by name."""
     return dict(_catalog()[0])
+
+
+@functools.cache
+def gpu_speeds() -> dict[str, GpuSpeed]:
+    """Peak dense FP16 Tensor Core TFLOPS per GPU model (NVIDIA models only)."""
+    return {row["gpu_model"]: GpuSpeed(row["gpu_model"], float(row["fp16_tensor_tflops"]),
+                                       row["basis"], row["source"])
+            for row in _rows(_THROUGHPUT)}
 
 
 def all_regions() -> list[str]:

@@ -24,7 +24,14 @@ import sys
 import time
 from typing import Any, Protocol
 
-from spotnb.events import FINAL_STATES, GROUP_STREAM, Event
+from spotnb.events import (
+    FINAL_STATES,
+    GROUP_STREAM,
+    Event,
+    expand,
+    metric_columns,
+    metric_names,
+)
 from spotnb.events.live import Follower
 from spotnb.jobs import (
     FOLLOW_WAIT_SECONDS,
@@ -33,10 +40,12 @@ from spotnb.jobs import (
     JobResult,
     summarize,
 )
+from spotnb.progress import Progress
 
 __all__ = [
     "Detached",
     "Finished",
+    "Header",
     "JobView",
     "RemoteValue",
     "Renderer",
@@ -44,7 +53,9 @@ __all__ = [
     "TextRenderer",
     "detach_text",
     "follow",
+    "header",
     "milestone",
+    "status_lines",
 ]
 
 # The status display is redrawn at most this often (and on every milestone): often
@@ -82,6 +93,14 @@ class JobView:
     outputs: tuple[str, ...] = ()
     reason: str = ""
     detached: bool = False
+    # Steps, pace, time left and what interruptions took (spotnb.progress).
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    # spotnb's own AWS requests at list price, part of cost_usd (None: not accounted),
+    # and what cost_usd includes, in words (the JobResult's, where it says).
+    requests_usd: float | None = None
+    cost_includes: str | None = None
+    # When the figures were last accounted: the live clock, or the job's end.
+    now: float = 0.0
 
     @property
     def final(self) -> bool:
@@ -94,8 +113,13 @@ class JobView:
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
 
     def apply(self, event: Event) -> None:
-        """Update the view with one event."""
+        """Update the view with one event (a ``metrics`` batch: as with each of its rows
+        in turn, in bulk)."""
+        if event.type == "metrics":
+            self._metrics(event)
+            return
         d = event.data
+        self.progress.apply(event)
         if event.type == "status" and event.attempt != GROUP_STREAM:
             if d.get("state") == "booting" and event.attempt >= self.attempt:
                 if event.attempt > self.attempt:
@@ -128,21 +152,47 @@ class JobView:
             self.state = str(d.get("status", self.state))
             self.reason = str(d.get("reason", ""))
 
+    def _metrics(self, event: Event) -> None:
+        steps, times, columns = metric_columns(event)
+        if len(steps) != len(times):  # a damaged batch: what its rows say, row by row
+            for row in expand(event):
+                self.apply(row)
+            return
+        if not len(steps):
+            return
+        self.progress.apply(event)
+        self.step = steps[-1]
+        for name in metric_names(columns):  # new names in the order the rows name them
+            rows, values = columns[name]
+            n = min(len(values), len(steps) if rows is None else len(rows))
+            if n:
+                self.metrics[name] = values[n - 1]
+
     def account(self, result: JobResult) -> None:
         """Take the cost, interruptions and duration from a summary."""
         self.cost_usd = result.cost_usd
         self.ondemand_cost_usd = result.ondemand_cost_usd
         self.interruptions = result.interruptions
         self.elapsed = result.duration
+        self.requests_usd = getattr(result, "requests_usd", None)
+        self.cost_includes = getattr(result, "cost_includes", None)
+        self.now = self.created + result.duration if result.status in FINAL_STATES \
+            else time.time()
         if result.status in FINAL_STATES:
             self.state, self.reason = result.status, result.reason
             self.metrics = {**self.metrics, **result.metrics}
             self.outputs = tuple(sorted(result.outputs))
 
 
-def milestone(event: Event) -> str | None:
+def milestone(event: Event, view: JobView | None = None) -> str | None:
     """A line for the events a user wants to see in the log: interruptions, resumes,
-    retries, capacity fallbacks, warnings. None for every other event."""
+    retries, capacity fallbacks, warnings. None for every other event.
+
+    One line per event: an interruption is its notice's line, a resume its boot's line.
+    What happens in between (the final checkpoint, the restore) is status, which the
+    display's header shows; a rebalance recommendation that comes with the notice says
+    nothing more. ``view``, the state so far, tells which attempt had a notice.
+    """
     d = event.data
     if event.type == "status" and event.attempt != GROUP_STREAM:
         state, detail = d.get("state"), str(d.get("detail", ""))
@@ -150,19 +200,26 @@ def milestone(event: Event) -> str | None:
             where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
             verb = "starting" if event.attempt == 1 else "resuming on a replacement instance"
             return f"attempt {event.attempt}: {verb}, {where} ({event.instance})"
-        if state == "running" and detail.startswith("restored"):
-            return f"attempt {event.attempt}: {detail}"
-        if state == "interrupted" and not detail.startswith("spot interruption notice"):
+        if state == "interrupted" and not detail.startswith(
+                ("spot interruption notice", "final checkpoint")):
+            if view is not None and any(i.attempt == event.attempt and i.noticed
+                                        for i in view.progress.interruptions):
+                return None  # the notice's line said it (the termination follows it)
             return f"attempt {event.attempt}: {detail}"
         if state == "stopped":
             return detail
         return None
     if event.type == "notice":
         if d.get("kind") == "instance-action":
-            return (f"spot interruption notice for {event.instance}: {d.get('action')} at "
-                    f"{d.get('notice_time')}; saving a checkpoint")
-        return (f"rebalance recommendation for {event.instance}: it is at elevated risk "
-                "of interruption")
+            when = _clock_of(d.get("notice_time"))
+            return (f"attempt {event.attempt}: spot interruption notice for {event.instance} "
+                    f"({d.get('action')} at {when}); saving a checkpoint, then resuming on a "
+                    "replacement")
+        if view is not None and any(i.attempt == event.attempt and i.noticed
+                                    for i in view.progress.interruptions):
+            return None
+        return (f"attempt {event.attempt}: rebalance recommendation for {event.instance}: "
+                "it is at elevated risk of interruption; saving a checkpoint")
     if event.type == "instance" and d.get("action") == "capacity_error":
         return (f"no spot capacity for {d.get('instance_type')} in {d.get('az')}: "
                 "trying the next pool")
@@ -205,8 +262,10 @@ class Renderer(Protocol):
     Two optional methods, for displays that plot (the widget dashboard): ``start(handle)``
     is called once with the job's :class:`~spotnb.jobs.JobHandle` before anything else,
     and ``events(batch)`` with every batch of events as read (every poll, maybe empty),
-    before the calls above for the same events. ``events`` may raise
-    ``KeyboardInterrupt`` to detach, like the notebook's stop button.
+    before the calls above for the same events; metrics come in it as ``metrics``
+    batches (:func:`spotnb.events.metric_columns` reads them; ``metric_rows`` gives
+    their rows). ``events`` may raise ``KeyboardInterrupt`` to detach, like the
+    notebook's stop button.
     """
 
     def update(self, view: JobView) -> None:
@@ -238,7 +297,9 @@ def follow(handle: JobHandle, renderer: Renderer,
     """
     spec = handle.spec
     view = JobView(job_id=spec.job_id, name=spec.name, created=spec.created)
-    follower = Follower(handle.store, spec.job_id)
+    # Metric batches stay batches: the view and the renderers take them in bulk (a
+    # day's history of a million rows replays in about a second).
+    follower = Follower(handle.store, spec.job_id, batches=True)
     control: list[Event] = []
     start = getattr(renderer, "start", None)
     on_events = getattr(renderer, "events", None)
@@ -302,7 +363,7 @@ def _apply(batch: list[Event], view: JobView, control: list[Event],
                         else event.data.get("metadata") or {})
             renderer.rich(kind, event.data.get("data") or {}, metadata,
                           event.data.get("display_id"))
-        text = milestone(event)
+        text = milestone(event, view)
         if text is not None:
             view.last_milestone = text
             renderer.milestone(view, event, text)
@@ -363,33 +424,115 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def _clock_of(iso_time: Any) -> str:
+    """``2026-11-23T06:43:20Z`` as local clock time (``06:43:20``); else as given."""
+    try:
+        when = datetime.datetime.fromisoformat(str(iso_time).replace("Z", "+00:00"))
+    except ValueError:
+        return str(iso_time)
+    return when.astimezone().strftime("%H:%M:%S")
+
+
 def _metric_text(view: JobView, limit: int = 4) -> str:
-    parts = [f"step {view.step}"] if view.step is not None else []
+    parts = []
     for key, value in list(view.metrics.items())[:limit]:
         parts.append(f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}")
     return " ".join(parts)
 
 
-def status_lines(view: JobView) -> list[str]:
-    """The status as two or three text lines (the dashboard shows the same fields)."""
-    state = view.state + (" (detached)" if view.detached else "")
-    head = [f"spotnb job {view.job_id} {view.name!r}", state]
-    if view.attempt:
-        head.append(f"attempt {view.attempt}")
-    where = " ".join(p for p in (view.instance_type, view.az) if p)
-    if where:
-        head.append(where)
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """What a job's header says, as short texts that a display lays out (see
+    :func:`header`); empty strings are facts not known (yet)."""
+
+    attempt: str
+    where: str
+    price: str
+    step: str
+    fraction: float | None
+    pace: str
+    metrics: str
+    elapsed: str
+    cost: str
+    ondemand: str
+    saving: str
+    projected: str
+    cost_note: str
+    interruptions: str
+    lost: str
+
+
+def header(view: JobView) -> Header:
+    """The header's facts (see :mod:`spotnb.progress` for how each is computed)."""
+    p = view.progress
+    now = view.now or time.time()
+    attempt = f"attempt {view.attempt}" if view.attempt else ""
+    if p.launching and not view.final:
+        attempt = p.launching if not attempt else f"{attempt} ended; {p.launching}"
+    price = ""
     if view.spot_price is not None:
-        head.append(f"spot ${view.spot_price:.4f}/h")
-    money = [_clock(view.elapsed), f"cost ${view.cost_usd:.4f}",
-             f"on-demand ${view.ondemand_cost_usd:.4f}"]
-    if view.savings_pct is not None:
-        money.append(f"saving {view.savings_pct:.0f}%")
-    money.append(f"interruptions {view.interruptions}")
-    metrics = _metric_text(view)
-    if metrics:
-        money.append(metrics)
-    lines = [" · ".join(head), " · ".join(money)]
+        price = f"spot ${view.spot_price:.4f}/h"
+        if view.ondemand_price:
+            price += f" (on-demand ${view.ondemand_price:.4f}/h)"
+    step = fraction_text = ""
+    fraction = None
+    if view.step is not None:
+        step = f"step {view.step}"
+        if p.total:
+            fraction = min(1.0, (view.step + 1) / p.total)
+            step = f"step {view.step + 1} of {p.total}"
+            fraction_text = f" ({100 * fraction:.0f}%)"
+    pace = ""
+    rate, left = p.rate(), p.seconds_left()
+    if rate is not None and not view.final:
+        pace = f"{rate:.3g} steps/s"
+        if left is not None:
+            pace += f", {_clock(left)} left"
+    saving = f"saving {view.savings_pct:.0f}%" if view.savings_pct is not None else ""
+    projected = ""
+    if not view.final:
+        proj = p.projection(now, view.cost_usd, view.ondemand_cost_usd, view.spot_price,
+                            view.ondemand_price)
+        if proj is not None:
+            projected = (f"projected ${proj.cost_usd:.4f} at the end vs "
+                         f"${proj.ondemand_usd:.4f} on-demand for the same work")
+            if proj.savings_pct is not None:
+                projected += f" (saving {proj.savings_pct:.0f}%)"
+    note = view.cost_includes or ("instances billed per second from launch (boot "
+                                  "included) to termination")
+    lost = ""
+    if p.interruptions:
+        lost_usd, _ = p.lost_usd(now)
+        redone = p.redone_steps()
+        lost = (f"took {_clock(p.lost_seconds(now))} and ${lost_usd:.4f}; "
+                f"{redone} step{'s' if redone != 1 else ''} redone")
+    return Header(
+        attempt=attempt,
+        where=" ".join(x for x in (view.instance_type, view.az) if x),
+        price=price, step=step + fraction_text, fraction=fraction, pace=pace,
+        metrics=_metric_text(view, limit=3), elapsed=_clock(view.elapsed),
+        cost=f"cost ${view.cost_usd:.4f}",
+        ondemand=f"on-demand ${view.ondemand_cost_usd:.4f} for the same instance-hours",
+        saving=saving, projected=projected, cost_note=note,
+        interruptions=f"interruptions {view.interruptions}", lost=lost)
+
+
+def status_lines(view: JobView) -> list[str]:
+    """The status as a few text lines (the dashboard's header shows the same facts)."""
+    h = header(view)
+    state = view.state.replace("_", " ") + (" (detached)" if view.detached else "")
+
+    def line(*parts: str) -> str:
+        return " · ".join(part for part in parts if part)
+
+    lines = [line(f"spotnb job {view.job_id} {view.name!r}", state, h.attempt, h.where,
+                  h.price)]
+    if h.step or h.metrics:
+        lines.append(line(h.step, h.pace, h.metrics))
+    money = line(h.elapsed, h.cost, h.ondemand, h.saving)
+    lines.append(line(money, h.interruptions + (f" ({h.lost})" if h.lost else "")))
+    if h.projected:
+        lines.append(h.projected)
     if view.final:
         tail = view.reason
         if view.outputs:

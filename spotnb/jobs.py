@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
+import datetime
 import json
 import logging
 import os
 import re
-import secrets
-import tarfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-from spotnb import __version__, layout, usage
+from spotnb import layout, usage
 from spotnb.events import (
     FINAL_STATES,
     GROUP_STREAM,
@@ -42,39 +39,35 @@ from spotnb.events import (
 from spotnb.events.live import CONTROL_QUEUE, Follower, request_stop
 from spotnb.events.queues import queue_for
 from spotnb.providers import Provider, get_provider
-from spotnb.spec import (
-    CheckpointEvery,
-    JobSpec,
-    Policy,
-    Resources,
-    SpecError,
-    parse_duration,
-    parse_nodes,
-)
-from spotnb.store import NotFound, Store, open_store
+from spotnb.spec import JobSpec, Resources, SpecError
+from spotnb.store import NotFound, Store, StoreError, open_store
+from spotnb.validation import DEFAULT_INSTANCE_TYPES, prepare_job
 
 __all__ = [
     "Attempt",
     "JobHandle",
     "JobInfo",
     "JobNotFound",
+    "JobRef",
     "JobResult",
     "attach",
+    "find_job",
     "jobs",
+    "prepare",
     "submit",
     "summarize",
 ]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INSTANCE_TYPES = ("g4dn.xlarge",)
-# Inputs travel inside the job's prefix; past this they belong in the store or in the
-# cell's own loading code.
-MAX_INPUT_BYTES = 1 << 30
 # How long a stop waits for the agent to wind down before the group is deleted.
 STOP_GRACE_SECONDS = 30.0
 # A result file without the agent's closing events: the agent died in between.
 RESULT_WITHOUT_EVENTS_GRACE = 5.0
+# After the job's result, its capacity group reports the last instance terminated: at
+# once when the agent exits by itself, at the latest after the local cloud's stop grace
+# (15 s) for one that does not. A followed log waits this long for that report.
+GROUP_END_GRACE_SECONDS = 30.0
 POLL_SECONDS = 0.25
 # How often a process following a job checks that its capacity group is supervised.
 SUPERVISION_CHECK_SECONDS = 10.0
@@ -85,11 +78,58 @@ FOLLOW_WAIT_SECONDS = 1.0
 # wait() looks every POLL_SECONDS at first, then less often.
 RESULT_CHECK_SECONDS = 60.0
 WAIT_MAX_SECONDS = 10.0
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class JobNotFound(LookupError):
-    """No job with that id in the store."""
+    """No job, or more than one, matches what was asked for.
+
+    ``query`` is what was asked for (None: the latest job), ``where`` the store looked
+    in, ``candidates`` the jobs an ambiguous query matches (empty if none matched).
+    :meth:`message` names the command that lists jobs (the magics say ``%spot_jobs``).
+    """
+
+    def __init__(self, query: str | None, where: str,
+                 candidates: Sequence[JobRef] = ()) -> None:
+        self.query = query
+        self.where = where
+        self.candidates = tuple(candidates)
+        super().__init__(self.message())
+
+    def message(self, lister: str = "`spotnb jobs`") -> str:
+        if self.query is None:
+            return (f"no jobs yet in {self.where}: submit one with %%spot_train in a "
+                    "notebook or spotnb.submit()")
+        if not self.candidates:
+            return (f"no job {self.query!r} in {self.where}: give a job's id, the end of "
+                    f"its id, or its name, as {lister} lists them")
+        rows = "\n".join(f"  {c.job_id}  {c.name}  (submitted {_when(c.created)}, "
+                         f"{c.status()})" for c in self.candidates)
+        return (f"{self.query!r} matches {len(self.candidates)} jobs:\n{rows}\n"
+                "Give the id of the one you mean (or the end of it).")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRef:
+    """A job found by :func:`find_job`: its id and name, when it was submitted, and
+    where it lives."""
+
+    job_id: str
+    name: str
+    created: float
+    store_uri: str
+
+    def status(self) -> str:
+        """``completed``, ``failed``, ``stopped`` or ``not ended`` (one read)."""
+        try:
+            return str(json.loads(open_store(self.store_uri).get(layout.RESULT))["status"])
+        except NotFound:
+            return "not ended"
+        except (StoreError, ValueError, KeyError, TypeError, OSError):
+            return "unknown"
+
+
+def _when(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +192,106 @@ class JobResult:
         out["savings_pct"] = self.savings_pct
         return out
 
+    def __repr__(self) -> str:
+        """Every field on a line (``r = %spot_result`` shows this), readable: money in
+        USD, times as dates, durations in h/m/s, attempts one per line."""
+        fields = _fields(self)
+        width = max(len(label) for label, _ in fields) + 2
+        lines = [f"JobResult {self.job_id} {self.name!r}"]
+        for label, value in fields:
+            if label == "attempts":
+                lines.append(f"  {label:<{width}}{len(value)}")
+                lines += [f"    {_attempt_line(a)}" for a in value]
+            else:
+                lines.append(f"  {label:<{width}}{_text(label, value)}".rstrip())
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The same as a table, for notebooks."""
+        import html
+
+        rows = []
+        for label, value in _fields(self):
+            if label == "attempts" and value:
+                names = [f.name for f in dataclasses.fields(value[0])]
+                head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
+                body = "".join("<tr>" + "".join(
+                    f"<td>{html.escape(_text(n, getattr(a, n)))}</td>" for n in names)
+                    + "</tr>" for a in value)
+                cell = f"<table><tr>{head}</tr>{body}</table>"
+            else:
+                cell = html.escape(_text(label, value)).replace("\n", "<br>")
+            rows.append(f"<tr><th style='text-align:left;vertical-align:top'>"
+                        f"{html.escape(label)}</th><td style='text-align:left'>{cell}</td></tr>")
+        return (f"<b>JobResult {html.escape(self.job_id)} {html.escape(repr(self.name))}</b>"
+                f"<table>{''.join(rows)}</table>")
+
+
+def _fields(obj: Any) -> list[tuple[str, Any]]:
+    """A dataclass's fields, then its properties, as (name, value): whatever fields the
+    class has, so a new one appears in the repr without further work."""
+    pairs = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)
+             if f.name not in ("job_id", "name")]
+    properties = {name for klass in type(obj).__mro__ for name, member in vars(klass).items()
+                  if isinstance(member, property)}
+    return pairs + [(name, getattr(obj, name)) for name in sorted(properties)]
+
+
+def _text(name: str, value: Any) -> str:
+    """One value for a person, by what its name says it is."""
+    import reprlib
+
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if name.endswith("_usd"):
+            return f"${value:,.4f}"
+        if name.endswith("_pct"):
+            return f"{value:.1f}%"
+        if name == "duration" or name.endswith(("_seconds", "_duration")):
+            return _duration(float(value))
+        if name in ("created", "start", "end", "time") or name.endswith("_at"):
+            return _when(float(value))
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+    if isinstance(value, dict) and {"ename", "evalue"} <= set(value):
+        return f"{value['ename']}: {value['evalue']}"
+    if isinstance(value, dict):
+        if not value:
+            return "-"
+        return ", ".join(f"{k} = {_item(str(k), v)}" for k, v in value.items())
+    return str(value) if isinstance(value, str) else reprlib.repr(value)
+
+
+def _item(name: str, value: Any) -> str:
+    """A value inside a dict: numbers formatted, anything else a short repr (an output
+    may be a whole model)."""
+    import reprlib
+
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _text(name, value)
+    return reprlib.repr(value)
+
+
+def _attempt_line(attempt: Any) -> str:
+    return "  ".join(f"{name} {_text(name, value)}" for name, value in _fields(attempt))
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    return (f"{hours}h {rest // 60:02d}m {rest % 60:02d}s" if hours
+            else f"{rest // 60}m {rest % 60:02d}s")
+
 
 @dataclasses.dataclass(frozen=True)
 class JobInfo:
-    """A row of :func:`jobs`."""
+    """A row of :func:`jobs`.
+
+    ``instance_type`` is the last attempt's; ``duration`` in seconds; ``metric`` the
+    last value of the first metric logged, as ``(name, value)``.
+    """
 
     job_id: str
     name: str
@@ -164,9 +300,20 @@ class JobInfo:
     interruptions: int
     cost_usd: float
     created: float
+    instance_type: str | None = None
+    duration: float = 0.0
+    ondemand_cost_usd: float = 0.0
+    metric: tuple[str, float] | None = None
     #: How many nodes: ``"1"``, ``"4"``, ``"3:4"`` (MIN:MAX); ``"x2"`` appended with
     #: two worker processes per node.
     nodes: str = "1"
+
+    @property
+    def savings_pct(self) -> float | None:
+        """Savings versus on-demand in percent (None before any cost)."""
+        if self.ondemand_cost_usd <= 0:
+            return None
+        return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
 
 
 def nodes_label(resources: Resources) -> str:
@@ -187,15 +334,17 @@ def submit(
     max_price: float | None = None,
     name: str | None = None,
     inputs: Mapping[str, Any] | None = None,
-    outputs: Sequence[str] | None = None,
+    outputs: Sequence[str] | str | None = None,
     checkpoint_every: float | str = "5m",
     max_restarts_on_error: int = 0,
     budget_usd: float | None = None,
     max_duration: float | str | None = None,
     keep_checkpoints: int = 3,
-    simulate_interruptions: int | Sequence[float] | None = None,
+    simulate_interruptions: int | Sequence[float | str] | None = None,
+    env: Mapping[str, str | None] | Sequence[str] | None = None,
     files: Mapping[str, str | os.PathLike[str]] | None = None,
-    store: str | None = None,
+    store: str | os.PathLike[str] | None = None,
+    notify_url: str | None = None,
     nodes: int | str | tuple[int, int] = 1,
     procs_per_node: int = 1,
     peer_timeout: float | str = "2m",
@@ -203,97 +352,56 @@ def submit(
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
 
     Everything is checked before anything starts; bad input raises
-    :class:`~spotnb.spec.SpecError` with the fix. ``inputs`` maps names to values that
-    are defined in the remote namespace before the code runs; ``outputs`` names
-    variables whose values :meth:`JobHandle.wait` brings back. ``checkpoint_every`` is
-    a time (``"5m"``) or a step count (``"500 steps"``) for ``Checkpoint.maybe_save``.
-    ``simulate_interruptions`` (local cloud): a count, or seconds after launch.
-    ``files`` maps paths relative to the remote working directory to local files
-    (helper modules next to the notebook): they are importable in the cell.
+    :class:`~spotnb.spec.SpecError` with the fix (its ``field`` names the argument).
+    ``inputs`` maps names to values that are defined in the remote namespace before the
+    code runs; ``outputs`` names variables whose values :meth:`JobHandle.wait` brings
+    back. ``checkpoint_every`` is a time (``"5m"``) or a step count (``"500 steps"``)
+    for ``Checkpoint.maybe_save``. ``simulate_interruptions`` (local cloud): a count, or
+    times after launch. ``env``: environment variables for the cell, as
+    ``{"NAME": "value"}`` or ``["NAME=value"]``; a name without a value (``None``, or
+    ``"NAME"``) passes that variable of this machine's environment through, on the
+    local cloud only. Values are written into the job's spec: no secrets (those that
+    look like one are refused). ``files`` maps paths relative to the remote working
+    directory to local files (helper modules next to the notebook): they are importable
+    in the cell. ``notify_url``: a Slack-compatible webhook the instance posts to when
+    an attempt is interrupted and when the job ends (:mod:`spotnb.notify`).
     ``nodes`` (``4`` or ``"3:4"``: MIN:MAX) and ``procs_per_node`` make the job
     distributed: the cell runs as torchrun's workers on every node (``RANK``,
     ``WORLD_SIZE``, ... set), and goes on with MIN nodes while a lost node's
     replacement boots (:mod:`spotnb.multinode`); ``peer_timeout`` bounds every wait on
     a peer.
     """
-    _check_code(code)
-    prov = get_provider(provider)
-    types = _instance_types(instance_types)
-    if max_price is not None and not max_price > 0:
-        raise SpecError(f"max_price must be above 0 USD/hour, not {max_price!r}; "
-                        "leave it unset to cap at the on-demand price")
-    if budget_usd is not None and not budget_usd > 0:
-        raise SpecError(f"budget_usd must be above 0, not {budget_usd!r}")
-    if max_restarts_on_error < 0:
-        raise SpecError("max_restarts_on_error must be 0 or more")
-    if keep_checkpoints < 1:
-        raise SpecError("keep_checkpoints must be at least 1")
-    min_nodes, max_nodes = parse_nodes(nodes)
-    if isinstance(procs_per_node, bool) or not isinstance(procs_per_node, int) \
-            or procs_per_node < 1:
-        raise SpecError(f"procs_per_node must be a whole number of at least 1, not "
-                        f"{procs_per_node!r} (one worker process per GPU of the type)")
-    if (max_nodes > 1 or procs_per_node > 1) and provider != "local":
-        raise SpecError(f"multi-node jobs run on the local cloud only so far; provider "
-                        f"{provider!r} cannot run --nodes {nodes}: use provider='local', "
-                        "or one node")
-    peer_seconds = parse_duration(peer_timeout, "peer_timeout")
-    out_names = tuple(outputs or ())
-    for out in out_names:
-        if not _NAME.match(out):
-            raise SpecError(f"output {out!r} is not a variable name")
-    payload = _pickle_inputs(inputs or {})
-    archive = _pack_files(files or {})
-    job_id = _new_job_id()
-    root = open_store(store or prov.default_store(region) or layout.default_store_root())
-    job_store = root.child(f"jobs/{job_id}")
-    spec = JobSpec(
-        job_id=job_id,
-        name=name or "job",
-        code=code,
-        provider=provider,
-        resources=Resources(instance_types=types, region=region, max_price=max_price,
-                            min_nodes=min_nodes, max_nodes=max_nodes,
-                            procs_per_node=procs_per_node),
-        policy=Policy(
-            checkpoint_every=CheckpointEvery.parse(checkpoint_every),
-            max_restarts_on_error=max_restarts_on_error,
-            budget_usd=budget_usd,
-            max_duration=(parse_duration(max_duration, "max_duration")
-                          if max_duration is not None else None),
-            keep_checkpoints=keep_checkpoints,
-            peer_timeout=peer_seconds,
-        ),
-        store_uri=job_store.uri,
-        created=time.time(),
-        inputs=tuple(sorted(inputs or ())),
-        outputs=out_names,
-        simulate_interruptions=_simulation(simulate_interruptions, provider),
-        spotnb_version=__version__,
-    )
-    prov.validate(spec)
-    warnings = _notice_warnings(prov, spec, inputs or {})
+    job = prepare_job(code, provider=provider, instance_types=instance_types, region=region,
+                   max_price=max_price, name=name, inputs=inputs, outputs=outputs,
+                   checkpoint_every=checkpoint_every,
+                   max_restarts_on_error=max_restarts_on_error, budget_usd=budget_usd,
+                   max_duration=max_duration, keep_checkpoints=keep_checkpoints,
+                   simulate_interruptions=simulate_interruptions, env=env, files=files,
+                   store=store, notify_url=notify_url, nodes=nodes,
+                   procs_per_node=procs_per_node, peer_timeout=peer_timeout)
+    spec, job_store, prov = job.spec, job.store, job.provider
+    warnings = _notice_warnings(prov, spec, inputs if isinstance(inputs, Mapping) else {})
     # Inputs first: an agent that can read spec.json can read everything it names.
-    job_store.put(layout.INPUTS, payload)
-    if archive is not None:
-        job_store.put(layout.WORKDIR, archive)
+    job_store.put(layout.INPUTS, job.inputs)
+    if job.workdir is not None:
+        job_store.put(layout.WORKDIR, job.workdir)
     job_store.put(layout.SPEC, spec.to_json().encode())
     try:
         # The agent long-polls it for followers and stop requests (spotnb.events.live).
-        queue_for(job_store, job_id, CONTROL_QUEUE).create()
+        queue_for(job_store, spec.job_id, CONTROL_QUEUE).create()
     except Exception as err:
-        log.warning("no control queue for job %s (%s): followers read its log", job_id, err)
+        log.warning("no control queue for job %s (%s): followers read its log", spec.job_id, err)
     try:
         prov.launch(spec)
     except BaseException:
         with contextlib.suppress(Exception):
-            queue_for(job_store, job_id, CONTROL_QUEUE).delete()
+            queue_for(job_store, spec.job_id, CONTROL_QUEUE).delete()
         job_store.put_if_absent(layout.RESULT, json.dumps(
             {"status": "failed", "reason": "the capacity group could not be created",
              "time": time.time()}).encode())
         raise
     _index(spec)
-    log.info("submitted job %s (%s) to %s", job_id, spec.name, provider)
+    log.info("submitted job %s (%s) to %s", spec.job_id, spec.name, spec.provider)
     handle = JobHandle(job_store, spec, prov)
     handle.warnings = warnings
     return handle
@@ -320,96 +428,14 @@ def _notice_warnings(prov: Provider, spec: JobSpec, inputs: Mapping[str, Any]
     return (text,)
 
 
-def _check_code(code: str) -> None:
-    from IPython.core.inputtransformer2 import TransformerManager
+def prepare(code: str, **options: Any) -> JobSpec:
+    """The :class:`~spotnb.spec.JobSpec` that ``submit(code, **options)`` would launch.
 
-    if not code.strip():
-        raise SpecError("the cell is empty: put the training code below the magic line")
-    try:
-        python = TransformerManager().transform_cell(code)
-        compile(python, "<cell>", "exec")
-    except SyntaxError as err:
-        line = (err.text or "").rstrip()
-        raise SpecError(
-            f"the cell does not compile: line {err.lineno}: {err.msg}"
-            + (f"\n    {line}" if line else "")
-            + "\nFix the line and run the cell again; nothing was started."
-        ) from None
-
-
-def _instance_types(value: Sequence[str] | str) -> tuple[str, ...]:
-    types = [value] if isinstance(value, str) else list(value)
-    types = [t.strip() for item in types for t in item.split(",") if t.strip()]
-    if not types:
-        raise SpecError("give at least one instance type, e.g. instance_types=['g5.xlarge']")
-    return tuple(dict.fromkeys(types))
-
-
-def _pickle_inputs(inputs: Mapping[str, Any]) -> bytes:
-    values = {}
-    for key, value in inputs.items():
-        if not _NAME.match(key):
-            raise SpecError(f"input {key!r} is not a variable name")
-        try:
-            blob = cloudpickle.dumps(value)
-        except Exception as err:
-            raise SpecError(
-                f"input {key!r} ({type(value).__name__}) cannot be pickled: {err}. "
-                f"Create it inside the cell instead, or leave it out of the inputs."
-            ) from None
-        if len(blob) > MAX_INPUT_BYTES:
-            raise SpecError(
-                f"input {key!r} is {len(blob) / 2**20:,.0f} MiB pickled, over the "
-                f"{MAX_INPUT_BYTES / 2**20:,.0f} MiB limit: load it inside the cell "
-                "(from a file or a bucket) instead of shipping it."
-            )
-        # {name: pickled value} (layout.INPUTS): pickled once, unpickled one by one.
-        values[key] = blob
-    return cloudpickle.dumps(values)
-
-
-def _pack_files(files: Mapping[str, str | os.PathLike[str]]) -> bytes | None:
-    """A gzipped tar of ``files`` ({remote relative path: local path}), or None."""
-    if not files:
-        return None
-    buf = io.BytesIO()
-    total = 0
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for remote, local in sorted(files.items()):
-            parts = Path(remote).parts
-            if Path(remote).is_absolute() or ".." in parts:
-                raise SpecError(f"shipped file {remote!r} must be a relative path below "
-                                "the working directory")
-            if not Path(local).is_file():
-                raise SpecError(f"shipped file {str(local)!r} does not exist")
-            total += Path(local).stat().st_size
-            if total > MAX_INPUT_BYTES:
-                raise SpecError(f"the shipped files pass {MAX_INPUT_BYTES / 2**20:,.0f} MiB; "
-                                "ship code, and load data inside the cell")
-            tar.add(str(local), arcname=str(Path(*parts)))
-    return buf.getvalue()
-
-
-def _simulation(value: int | Sequence[float] | None, provider: str) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if provider != "local":
-        raise SpecError("simulate_interruptions works on the local cloud only "
-                        "(provider='local'); use interrupt() on a running job elsewhere")
-    if isinstance(value, bool):
-        raise SpecError("simulate_interruptions is a count or a list of seconds")
-    if isinstance(value, int):
-        if value < 0:
-            raise SpecError("simulate_interruptions must be 0 or more")
-        return {"count": value} if value else None
-    schedule = sorted(float(v) for v in value)
-    if any(v < 0 for v in schedule):
-        raise SpecError("simulate_interruptions times are seconds after launch, >= 0")
-    return {"schedule": schedule}
-
-
-def _new_job_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+    Runs every check :func:`submit` runs (and pickles the inputs), but writes and starts
+    nothing. Raises :class:`~spotnb.spec.SpecError` for bad input, ``TypeError`` for an
+    argument :func:`submit` does not have.
+    """
+    return prepare_job(code, **options).spec
 
 
 # -- following -----------------------------------------------------------------------
@@ -472,31 +498,67 @@ class JobHandle:
 
     def events(self, follow: bool = True, timeout: float | None = None,
                batches: bool = False) -> Iterator[Event]:
-        """Every event from the start; with ``follow``, then new ones until the job ends.
+        """Every event from the start; with ``follow``, then new ones until the job ends
+        (see :meth:`event_batches`). ``batches`` gives ``metrics`` events as batches
+        rather than one ``metric`` event per row."""
+        for batch in self.event_batches(follow=follow, timeout=timeout, batches=batches):
+            yield from batch
+
+    def event_batches(self, follow: bool = True, timeout: float | None = None,
+                      batches: bool = False) -> Iterator[list[Event]]:
+        """The events as they are read, one non-empty list per read: the first holds
+        the history so far.
 
         Following registers with the job's agent for live events (see
         :mod:`spotnb.events.live`): they arrive within about a second, at a fraction
-        of what tailing the log would cost. ``batches`` gives ``metrics`` events as
-        batches rather than one ``metric`` event per row.
+        of what tailing the log would cost. Reads go on until the job has ended and
+        its capacity group has reported each of its instances terminated, so that a
+        followed log always ends the same way (the group reports the last termination
+        a moment after the job's result). That wait is bounded, since a group that is
+        gone reports nothing: :data:`GROUP_END_GRACE_SECONDS`.
         """
         if not follow:
-            yield from EventReader(self.store, batches=batches).poll()
+            history = EventReader(self.store, batches=batches).poll()
+            if history:
+                yield history
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        result_seen_at: float | None = None
+        result_seen = False  # the agent's result event
+        group_read = False  # the group's events read from the log since that
+        ended_at: float | None = None  # when the job's end was first seen
+        running: set[str] = set()  # instances the group launched and has not terminated
         with Follower(self.store, self.job_id, batches=batches) as follower:
             while True:
-                batch = follower.poll(wait=FOLLOW_WAIT_SECONDS)
-                yield from batch
-                if follower.ended:
-                    yield from follower.poll(wait=0)  # the group's last events
+                if not result_seen:
+                    batch = follower.poll(wait=FOLLOW_WAIT_SECONDS)
+                else:
+                    # Only the log has the group's events (the live channel carries
+                    # the attempts'): read it, after a pause while it has not reported
+                    # every instance's end yet.
+                    if group_read:
+                        time.sleep(FOLLOW_WAIT_SECONDS)
+                    batch, group_read = follower.read_log(), True
+                for e in batch:
+                    if e.type == "result":
+                        result_seen = True
+                    elif e.type == "instance" and e.attempt == GROUP_STREAM and e.instance:
+                        if e.data.get("action") == "launched":
+                            running.add(e.instance)
+                        elif e.data.get("action") == "terminated":
+                            running.discard(e.instance)
+                if batch:
+                    yield batch
+                if group_read and not running:
                     return
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if ended_at is None and (result_seen or self.result_written()):
+                    ended_at = now
+                # A result file without the agent's closing events: the agent died
+                # between the two.
+                grace = GROUP_END_GRACE_SECONDS if result_seen else RESULT_WITHOUT_EVENTS_GRACE
+                if ended_at is not None and now - ended_at > grace:
                     return
-                if result_seen_at is None and self.result_written():
-                    result_seen_at = time.monotonic()
-                if result_seen_at is not None and \
-                        time.monotonic() - result_seen_at > RESULT_WITHOUT_EVENTS_GRACE:
+                if deadline is not None and now > deadline:
                     return
                 self.keep_supervised()
 
@@ -605,18 +667,81 @@ def _open_job(job_id: str, store: str | None = None) -> tuple[Store, JobSpec]:
     try:
         spec = JobSpec.from_json(job_store.get(layout.SPEC))
     except NotFound:
-        raise JobNotFound(
-            f"no job {job_id!r} in {where}; list jobs with `spotnb jobs`") from None
+        raise JobNotFound(job_id, where) from None
     return job_store, spec
 
 
-def attach(job_id: str, store: str | None = None) -> JobHandle:
+# What a job id looks like (spotnb's are 20250101-120000-ab12cd): only such a query is
+# tried as an id directly, before any listing.
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def find_job(job: str | None = None, store: str | None = None) -> JobRef:
+    """The job that ``job`` names: its id, its name, or the end of its id (tried in
+    this order); None names the latest job. The magics, the CLI and :func:`attach` all
+    resolve jobs here.
+
+    Raises :class:`JobNotFound` if nothing matches, or if a name or an id's end matches
+    several jobs (``candidates`` lists them).
+    """
+    if job is not None and _JOB_ID.match(job):
+        try:  # the common case, a whole id: one read, no listing
+            job_store, spec = _open_job(job, store)
+            return JobRef(spec.job_id, spec.name, spec.created, job_store.uri)
+        except JobNotFound:
+            pass
+    where = store or layout.default_store_root()
+    if job is not None and not job.strip():
+        raise JobNotFound(job, str(where))  # every id ends with ""
+    refs = _job_refs(store)
+    if job is None:
+        if not refs:
+            raise JobNotFound(None, str(where))
+        return max(refs, key=lambda r: r.created)
+    for matches in ([r for r in refs if r.name == job],
+                    [r for r in refs if r.job_id.endswith(job)]):
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise JobNotFound(job, str(where), sorted(matches, key=lambda r: r.created))
+    raise JobNotFound(job, str(where))
+
+
+def _job_refs(store: str | None) -> list[JobRef]:
+    """Every job of ``store`` (default: the local store, and every job submitted from
+    this machine), from the job index where it has them, else from ``spec.json``."""
+    refs: dict[str, JobRef] = {}
+    if store is None and layout.index_dir().is_dir():
+        for path in layout.index_dir().glob("*.json"):
+            try:
+                raw = json.loads(path.read_text())
+                refs[path.stem] = JobRef(path.stem, str(raw["name"]), float(raw["created"]),
+                                         str(raw["store_uri"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    root = open_store(store or layout.default_store_root())
+    for job_id in root.list_children("jobs"):
+        if job_id in refs:
+            continue
+        job_store = root.child(f"jobs/{job_id}")
+        try:
+            spec = JobSpec.from_json(job_store.get(layout.SPEC))
+        except (NotFound, SpecError, ValueError, KeyError, TypeError):
+            continue  # not a job (yet): its spec is written last
+        refs[job_id] = JobRef(job_id, spec.name, spec.created, job_store.uri)
+    return list(refs.values())
+
+
+def attach(job: str | None = None, store: str | None = None) -> JobHandle:
     """A handle on an existing job (after a kernel restart, from another process).
 
-    Without ``store``, a job submitted from this machine is found wherever it lives
-    (local directory or bucket); otherwise it is looked up in ``store``.
+    ``job`` is a job id, a job's name or the end of its id (:func:`find_job`); None is
+    the latest job. Without ``store``, a job submitted from this machine is found
+    wherever it lives (local directory or bucket); otherwise it is looked up in
+    ``store``.
     """
-    job_store, spec = _open_job(job_id, store)
+    ref = find_job(job, store)
+    job_store, spec = _open_job(ref.job_id, store)
     handle = JobHandle(job_store, spec)
     if not job_store.exists(layout.RESULT):
         handle.keep_supervised(force=True)
@@ -644,7 +769,7 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 2  # 2: rows have nodes
+_LISTING_VERSION = 3  # 3: rows have nodes as well as instance, duration and metric
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -662,16 +787,22 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
         try:
             cached = json.loads(cache.read_text())
             if cached["version"] == _LISTING_VERSION and cached["log"] == state:
-                return JobInfo(**cached["row"])
+                fields = dict(cached["row"])
+                fields["metric"] = tuple(fields["metric"]) if fields.get("metric") else None
+                return JobInfo(**fields)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # no cache, or one from another version: compute the row
     handle = JobHandle(job_store, spec)
     if state is None:
         handle.keep_supervised(force=True)
     s = handle.summary()
+    metric = next(((str(k), float(v)) for k, v in s.metrics.items()
+                   if isinstance(v, (int, float))), None)
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
                   attempts=len(s.attempts), interruptions=s.interruptions,
                   cost_usd=s.cost_usd, created=spec.created,
+                  instance_type=s.attempts[-1].instance_type if s.attempts else None,
+                  duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
                   nodes=nodes_label(spec.resources))
     if state is not None:
         try:

@@ -29,13 +29,18 @@ from traitlets import Float, Int, List, TraitError, Type, Unicode, validate
 
 import spotnb
 from spotnb import capture, display
-from spotnb.cli import format_age
+from spotnb.cli import JOB_COLUMNS, jobs_table
 from spotnb.spec import SpecError, parse_duration, parse_nodes
 
 __all__ = ["SpotMagics", "TrainRequest"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MIB = 1 << 20
+# The value of --notify on a %%spot_train line: a webhook URL, a secret.
+_NOTIFY_VALUE = re.compile(r"(--notify[=\s]+)(\S+)")
+# Set by `spotnb run` (spotnb.notebook): %%spot_train appends "<job id> followed" (or
+# "detached") to this file for each job it starts.
+ENV_RUN_JOBS = "SPOTNB_RUN_JOBS_FILE"
 
 
 class _NameList(List):
@@ -59,8 +64,10 @@ def _resource_args(func: F) -> F:
         argument("--max-price", type=float, metavar="USD",
                  help="the most to pay per instance-hour, e.g. --max-price 0.5 (default: "
                       "the on-demand price)"),
-        argument("--provider", help="where instances come from: local (the embedded "
-                                    "local cloud, the default)"),
+        argument("--provider", metavar="NAME",
+                 help="where instances come from: local (the embedded local cloud, the "
+                      "default) or aws (EC2 spot through your AWS account; see `spotnb "
+                      "aws setup`)"),
         argument("--region", help="the cloud region, e.g. --region us-east-1"),
     )):
         func = deco(func)
@@ -82,6 +89,10 @@ def _policy_args(func: F) -> F:
                  help="stop the job after this long, e.g. --max-duration 2h"),
         argument("--keep-checkpoints", type=int, metavar="K",
                  help="how many checkpoints to keep (default 3)"),
+        argument("--notify", metavar="URL",
+                 help="a Slack-compatible webhook that the instance posts to when the job "
+                      "is interrupted, ends or fails, e.g. --notify $webhook (a notebook "
+                      "variable; default: SpotMagics.notify_url)"),
     )):
         func = deco(func)
     return func
@@ -90,9 +101,38 @@ def _policy_args(func: F) -> F:
 def _job_arg(func: F) -> F:
     """The job a command acts on."""
     return argument(
-        "job", nargs="?", default=None,
-        help="a job id (or its name, or the end of its id; default: the latest job) "
-             "as listed by %%spot_jobs")(func)
+        "job", nargs="?", default=None, metavar="JOB",
+        help="a job id, its name, or the end of its id, as %%spot_jobs lists them "
+             "(default: the latest job)")(func)
+
+
+# Each spotnb.submit argument: the magic's option for it, the option's argparse
+# destination, and the SpotMagics setting that gives its default. A SpecError names
+# what the user typed (--budget, not budget_usd), or the setting the value came from.
+_OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
+    "provider": ("--provider", "provider", "provider"),
+    "instance_types": ("--instance-type", "instance_types", "instance_types"),
+    "region": ("--region", "region", "region"),
+    "max_price": ("--max-price", "max_price", "max_price"),
+    "name": ("--name", "name", None),
+    "outputs": ("--out", "outputs", None),
+    "inputs": ("--in", "inputs", None),
+    "checkpoint_every": ("--checkpoint-every", "checkpoint_every", "checkpoint_every"),
+    "max_restarts_on_error": ("--max-restarts-on-error", "max_restarts_on_error",
+                              "max_restarts_on_error"),
+    "budget_usd": ("--budget", "budget", "budget"),
+    "max_duration": ("--max-duration", "max_duration", "max_duration"),
+    "keep_checkpoints": ("--keep-checkpoints", "keep_checkpoints", "keep_checkpoints"),
+    "simulate_interruptions": ("--simulate-interruptions", "simulate_interruptions", None),
+    "env": ("--env", "env", None),
+    "store": ("SpotMagics.store", None, "store"),
+    "nodes": ("--nodes", "nodes", None),
+    "procs_per_node": ("--procs-per-node", "procs_per_node", None),
+}
+
+
+# A SpecError while the line is parsed (a bad --nodes) names the option as typed.
+_TYPED = {field: option for field, (option, _dest, _setting) in _OPTIONS.items()}
 
 
 # -- the request %%spot_train builds ------------------------------------------------------
@@ -102,13 +142,16 @@ class TrainRequest:
     """A parsed ``%%spot_train`` line with the configuration filled in.
 
     ``submit`` holds the keyword arguments of :func:`spotnb.submit` (all but the
-    code, inputs and files); ``inputs`` the ``--in`` names (None: analyse the cell).
+    code, inputs and files); ``inputs`` the ``--in`` names (None: analyse the cell);
+    ``names`` what each ``submit`` argument is called where its value came from (the
+    option on the line, else the ``SpotMagics`` setting).
     """
 
     submit: dict[str, Any]
     inputs: tuple[str, ...] | None
     capture: bool
     detach: bool
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -116,28 +159,38 @@ def _names(text: str | None) -> tuple[str, ...]:
 
 
 def _simulation(text: str | None) -> int | list[float] | None:
-    """``--simulate-interruptions``: a count (``2``) or a schedule (``20s,45s``)."""
+    """``--simulate-interruptions``: a count (``2``) or times with a unit (``20s,45s``);
+    a bare number with a fraction or a list of bare numbers is neither, so it is refused
+    rather than guessed."""
     if text is None:
         return None
     text = text.strip()
     if re.fullmatch(r"\d+", text):
         return int(text)
-    try:
-        return [parse_duration(part, "--simulate-interruptions")
-                for part in text.split(",") if part.strip()]
-    except SpecError:
-        raise UsageError(
-            f"--simulate-interruptions takes a count (--simulate-interruptions 2) or "
-            f"times after launch (--simulate-interruptions 20s,45s), not {text!r}") from None
+    parts = [part.strip() for part in text.split(",")]
+    if parts and all(re.fullmatch(r"[\d.]+\s*[a-z]+", part) for part in parts):
+        try:
+            return [parse_duration(part, "--simulate-interruptions") for part in parts]
+        except SpecError:
+            pass
+    raise UsageError(
+        f"--simulate-interruptions takes a count (--simulate-interruptions 2) or times "
+        f"after launch, with units (--simulate-interruptions 20s,1m), not {text!r}")
+
+
+_MAGIC_JOB_LISTER = "%spot_jobs"
 
 
 @contextlib.contextmanager
-def _as_usage_errors() -> Iterator[None]:
-    """The API's 'bad input' errors, shown as UsageError (no traceback)."""
+def _as_usage_errors(names: dict[str, str] | None = None) -> Iterator[None]:
+    """The API's 'bad input' errors, shown as UsageError (no traceback), naming the
+    options the user typed (``names``: submit argument -> option)."""
     try:
         yield
-    except (SpecError, spotnb.JobNotFound) as err:
-        raise UsageError(str(err)) from None
+    except SpecError as err:
+        raise UsageError(err.message(names)) from None
+    except spotnb.JobNotFound as err:
+        raise UsageError(err.message(_MAGIC_JOB_LISTER)) from None
 
 
 @magics_class
@@ -145,7 +198,7 @@ class SpotMagics(Magics):
     """``%%spot_train`` and friends; ``%spot_config`` lists the settings below."""
 
     provider = Unicode("local", help="Where instances come from: 'local' (the embedded "
-                                     "local cloud).").tag(config=True)
+                                     "local cloud) or 'aws' (EC2 spot).").tag(config=True)
     instance_types = _NameList(
         Unicode(), default_value=["g4dn.xlarge"],
         help="Instance types in order of preference (a list, or one comma-separated "
@@ -169,6 +222,10 @@ class SpotMagics(Magics):
                                          "cell, pickled, in MiB.").tag(config=True)
     files_limit_mb = Float(50.0, help="The most local module files shipped with a cell, "
                                       "in MiB.").tag(config=True)
+    notify_url = Unicode(None, allow_none=True,
+                         help="A Slack-compatible webhook that the instance posts to when a "
+                              "job is interrupted, ends or fails (a secret: set it in "
+                              "ipython_config.py, not in a notebook).").tag(config=True)
     renderer_class = Type(None, klass=object, allow_none=True,
                           help="The display that follows a job (a spotnb.display."
                                "Renderer). None: the widget dashboard where widgets "
@@ -223,8 +280,16 @@ class SpotMagics(Magics):
               help="worker processes per instance, e.g. one per GPU (default 1)")
     @_policy_args
     @argument("--simulate-interruptions", metavar="N|TIMES",
-              help="local cloud: interrupt the job N times (--simulate-interruptions 2), "
-                   "or at these times after launch (--simulate-interruptions 20s,45s)")
+              help="local cloud: interrupt the job N times, each soon after an attempt's "
+                   "first checkpoint (or SPOTNB_LOCAL_INTERRUPT_AFTER seconds after the "
+                   "first output of a cell that saves none) (--simulate-interruptions 2), "
+                   "or at these times "
+                   "after launch (--simulate-interruptions 20s,45s)")
+    @argument("--env", action="append", metavar="NAME[=VALUE]",
+              help="an environment variable for the cell (repeat for several): "
+                   "--env WANDB_MODE=offline. Values are written into the job's spec, so "
+                   "no secrets; on the local cloud a NAME alone passes this machine's "
+                   "variable through (--env HF_TOKEN)")
     @argument("--detach", action="store_true",
               help="return at once; the job runs on its own (follow it with %%spot_attach)")
     @cell_magic
@@ -248,7 +313,8 @@ class SpotMagics(Magics):
 
         Try it on the local cloud with ``--simulate-interruptions 2``.
         """
-        request = self.train_request(line)
+        with _as_usage_errors(_TYPED):
+            request = self.train_request(line)
         if not cell.strip():
             raise UsageError("the cell is empty: put the training code below the "
                              "%%spot_train line")
@@ -256,11 +322,13 @@ class SpotMagics(Magics):
             raise UsageError("a cell magic cannot run inside %%spot_train; use a line "
                              "magic (%time) or plain Python in the cell")
         cap = self._capture(cell, request)
-        code = cap.first_line(line) + "\n" + cell
-        with _as_usage_errors():
+        # The remote cell's line 1 quotes this line: never with the webhook's URL in it.
+        code = cap.first_line(_NOTIFY_VALUE.sub(r"\1[redacted]", line)) + "\n" + cell
+        with _as_usage_errors(request.names):
             handle = spotnb.submit(code, inputs=cap.inputs, files=cap.files,
                                    **request.submit)
         self.last_job = handle.job_id
+        _tell_runner(handle.job_id, followed=not request.detach)
         print(_shipping_line(cap), *cap.notes, sep="\n")
         for warning in handle.warnings:
             print(f"[spotnb] warning: {warning}")
@@ -300,16 +368,22 @@ class SpotMagics(Magics):
             "max_duration": pick(args.max_duration, self.max_duration),
             "keep_checkpoints": pick(args.keep_checkpoints, self.keep_checkpoints),
             "simulate_interruptions": _simulation(args.simulate_interruptions),
+            "env": list(args.env or ()) or None,
             "store": self.store,
+            "notify_url": pick(args.notify, self.notify_url),
         }
         # Only a distributed job passes these (submit's defaults: one node, one process).
         if args.nodes is not None:
             submit["nodes"] = parse_nodes(args.nodes)
         if args.procs_per_node is not None:
             submit["procs_per_node"] = args.procs_per_node
+        names = {}
+        for field, (option, dest, setting) in _OPTIONS.items():
+            typed = dest is not None and getattr(args, dest) is not None
+            names[field] = option if typed or setting is None else f"SpotMagics.{setting}"
         return TrainRequest(submit=submit,
                             inputs=_names(args.inputs) if args.inputs is not None else None,
-                            capture=not args.no_capture, detach=args.detach)
+                            capture=not args.no_capture, detach=args.detach, names=names)
 
     def _default_name(self) -> str:
         # Jupyter tells the kernel which notebook it serves.
@@ -362,6 +436,9 @@ class SpotMagics(Magics):
             return None
         result = outcome.result
         self._keep_record(handle, result)
+        shortfall = _simulation_shortfall(handle.spec, result)
+        if shortfall:
+            print(shortfall)
         if result.status != "completed":
             raise display.SpotJobError(result, cell_number)
         if outcome.outputs_error is not None:
@@ -438,15 +515,18 @@ class SpotMagics(Magics):
     @_job_arg
     @line_magic
     def spot_logs(self, line: str) -> None:
-        """Print a job's output and events (``-f``: follow until it ends)."""
-        from spotnb.cli import format_event
+        """Print a job's output and events (``-f``: follow until it ends).
+
+        Each read of the log is written at once, so the whole history so far is one
+        output, and each later batch one more."""
+        from spotnb.cli import format_events
 
         args = parse_argstring(self.spot_logs, line)
         handle = self._resolve(args.job)
         with contextlib.suppress(KeyboardInterrupt):
-            for event in handle.events(follow=args.follow):
-                text = format_event(event)
-                if text is not None:
+            for batch in handle.event_batches(follow=args.follow, batches=True):
+                text = format_events(batch)
+                if text:
                     print(text, flush=True)
 
     @magic_arguments()
@@ -454,13 +534,22 @@ class SpotMagics(Magics):
     @line_magic
     def spot_result(self, line: str) -> spotnb.JobResult:
         """A job's :class:`spotnb.JobResult` (status, cost, on-demand cost, attempts,
-        metrics), for use in code: ``r = %spot_result`` then ``r.cost_usd``."""
+        metrics, and the ``--out`` values of a completed job), for use in code:
+        ``r = %spot_result`` then ``r.cost_usd``, ``r.outputs["model"]``."""
         args = parse_argstring(self.spot_result, line)
-        return self._resolve(args.job).summary()
+        handle = self._resolve(args.job)
+        try:
+            return handle.summary(with_outputs=True)
+        except Exception as err:  # unpickling runs arbitrary code; report, don't crash
+            print(f"[spotnb] the outputs of job {handle.job_id} ({', '.join(handle.spec.outputs)}) "
+                  f"cannot be loaded here: {type(err).__name__}: {err}. Install what they "
+                  "need in this environment, then run %spot_result again.")
+            return handle.summary()
 
     @line_magic
     def spot_jobs(self, line: str) -> None:
-        """A table of jobs: name, status, nodes, attempts, interruptions, cost, age."""
+        """A table of jobs, newest first: name, status, instance type, duration, cost,
+        saving, last metric, attempts, interruptions, nodes, age."""
         from IPython.display import display as show
 
         with _as_usage_errors():
@@ -468,12 +557,12 @@ class SpotMagics(Magics):
         if not rows:
             print("no jobs yet: put %%spot_train on a cell to start one")
             return
-        now = time.time()
-        header = ("job", "name", "status", "nodes", "attempts", "interruptions", "cost $",
-                  "age")
-        table = [(r.job_id, r.name, r.status, r.nodes, str(r.attempts), str(r.interruptions),
-                  f"{r.cost_usd:.4f}", format_age(r.created, now)) for r in rows]
-        show(_table_bundle(header, table), raw=True)
+        table, notes = jobs_table(rows, time.time())
+        bundle = _table_bundle(JOB_COLUMNS, table)
+        for note in notes:
+            bundle["text/plain"] += f"\n{note}"
+            bundle["text/html"] += f"<p>{note}</p>"
+        show(bundle, raw=True)
 
     @line_magic
     def spot_config(self, line: str) -> None:
@@ -485,7 +574,10 @@ class SpotMagics(Magics):
             value = getattr(self, name)
             if isinstance(value, type):
                 value = f"{value.__module__}.{value.__qualname__}"
-            rows.append((f"SpotMagics.{name}", repr(value), trait.help))
+            shown = repr(value)
+            if name == "notify_url" and value:
+                shown = "(set; a secret, not shown)"
+            rows.append((f"SpotMagics.{name}", shown, trait.help))
         bundle = _table_bundle(("setting", "value", "meaning"), rows)
         note = ("Change a setting with %config SpotMagics.NAME = VALUE, or for every "
                 "notebook in ipython_config.py: c.SpotMagics.NAME = VALUE. A %%spot_train "
@@ -498,11 +590,15 @@ class SpotMagics(Magics):
     @argument("--region", help="the region whose prices to show first (default: "
                                "SpotMagics.region)")
     @argument("--gpu-hours", type=float, default=100.0, metavar="N",
-              help="size of the job to estimate, in GPU-hours (default 100)")
+              help="size of the job to estimate: hours on one reference GPU (default 100)")
+    @argument("--gpu", metavar="MODEL",
+              help="the reference GPU of --gpu-hours, e.g. --gpu A10G (default: the GPU "
+                   "of the first default instance type)")
     @line_magic
     def spot_picker(self, line: str) -> Any:
-        """Choose instance types: GPU, memory, on-demand and spot prices, savings,
-        interruption frequency, $ per GPU-hour, the cost of a job of N GPU-hours.
+        """Choose instance types, ranked by what your job would cost on them: GPU,
+        speed, on-demand and spot prices, savings, interruption frequency, and the
+        expected hours, interruptions and cost of a job of N hours on one GPU.
 
         The types you choose, in order of preference, become the defaults of the next
         ``%%spot_train`` (``SpotMagics.instance_types``), and the equivalent
@@ -519,7 +615,14 @@ class SpotMagics(Magics):
             if args.region not in catalog.all_regions():
                 raise UsageError(f"no prices for region {args.region!r}; regions: "
                                  f"{', '.join(catalog.all_regions())}")
-        return widgets.InstancePicker(args.region, magics=self, gpu_hours=args.gpu_hours)
+        if args.gpu is not None:
+            from spotnb import catalog
+
+            if args.gpu not in catalog.gpu_speeds():
+                raise UsageError(f"no speed figure for GPU {args.gpu!r}; choose one of "
+                                 f"{', '.join(sorted(catalog.gpu_speeds()))}")
+        return widgets.InstancePicker(args.region, magics=self, work_hours=args.gpu_hours,
+                                      reference=args.gpu)
 
     @magic_arguments()
     @_job_arg
@@ -534,24 +637,13 @@ class SpotMagics(Magics):
         print(open_tensorboard(handle))
 
     def _resolve(self, job: str | None) -> spotnb.JobHandle:
-        """A handle on ``job``: an id, a name, the end of an id, or the latest job."""
+        """A handle on ``job`` (:func:`spotnb.jobs.find_job`: an id, a name, the end of
+        an id); without one, the job this notebook started or attached to last, else the
+        latest job."""
         with _as_usage_errors():
             if job is None and self.last_job is not None:
                 return spotnb.attach(self.last_job, store=self.store)
-            rows = spotnb.jobs(store=self.store)
-            if job is None:
-                if not rows:
-                    raise UsageError("no jobs yet: put %%spot_train on a cell to start one")
-                return spotnb.attach(rows[-1].job_id, store=self.store)
-            matches = [r for r in rows if r.job_id == job] or \
-                [r for r in rows if r.name == job] or \
-                [r for r in rows if r.job_id.endswith(job)]
-            if not matches:
-                raise UsageError(f"no job {job!r}; %spot_jobs lists the jobs")
-            if len({r.job_id for r in matches}) > 1 and matches[0].name != job:
-                raise UsageError(f"{job!r} matches several jobs "
-                                 f"({', '.join(r.job_id for r in matches)}); give the whole id")
-            return spotnb.attach(matches[-1].job_id, store=self.store)
+            return spotnb.attach(job, store=self.store)
 
 
 def _widgets_render(ip: Any) -> bool:
@@ -560,6 +652,27 @@ def _widgets_render(ip: Any) -> bool:
     from spotnb import widgets
 
     return getattr(ip, "kernel", None) is not None and widgets.available()
+
+
+def _tell_runner(job_id: str, followed: bool) -> None:
+    """Under `spotnb run`, note the job in the file it named (``spotnb.notebook``
+    stops the followed job of a cell that runs past its timeout)."""
+    path = os.environ.get(ENV_RUN_JOBS)
+    if path:
+        with contextlib.suppress(OSError), open(path, "a") as out:
+            out.write(f"{job_id} {'followed' if followed else 'detached'}\n")
+
+
+def _simulation_shortfall(spec: Any, result: spotnb.JobResult) -> str | None:
+    """A note when ``--simulate-interruptions N`` got fewer than N interruptions."""
+    asked = (spec.simulate_interruptions or {}).get("count")
+    if not asked or result.interruptions >= asked:
+        return None
+    return (f"[spotnb] --simulate-interruptions {asked}: the job ended after "
+            f"{result.interruptions} of them. Each comes soon after an attempt's first "
+            "checkpoint, or SPOTNB_LOCAL_INTERRUPT_AFTER seconds (default 20) after the "
+            "first output of a cell that saves none; a job that ends sooner is not "
+            "interrupted.")
 
 
 def _shipping_line(cap: capture.Capture) -> str:

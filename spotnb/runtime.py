@@ -17,8 +17,8 @@ A typical cell::
         spot.log(step, loss=loss)                      # cheap: no sync, no I/O
         ckpt.maybe_save(step)                          # by policy, or now on a notice
 
-Public API: :func:`log`, :func:`log_params`, :class:`Checkpoint`, :func:`sync_dir`,
-:func:`last_checkpoint`, :func:`history`, the module attributes
+Public API: :func:`log`, :func:`log_params`, :func:`progress`, :class:`Checkpoint`,
+:func:`sync_dir`, :func:`last_checkpoint`, :func:`history`, the module attributes
 ``spot.interrupt_pending`` (an ``instance-action`` notice arrived; a ``rebalance``
 recommendation does not set it), ``spot.save_requested`` (a notice asks for a save at
 the next step), ``spot.job_id`` and ``spot.attempt``, ``spot.tensorboard()``
@@ -88,7 +88,7 @@ from spotnb.store import NotFound, retrying
 from spotnb.syncdir import Select, SyncDir, find_checkpoints, sync_name
 
 __all__ = ["LOCAL_DIR", "Checkpoint", "OutputError", "SyncDir", "history", "last_checkpoint",
-           "log", "log_params", "sync_dir"]
+           "log", "log_params", "progress", "sync_dir"]
 
 _logger = logging.getLogger(__name__)
 
@@ -118,6 +118,8 @@ _now = time.time
 _runtime: Session | None = None
 _runtime_lock = threading.Lock()
 _atexit_registered = False
+# The first log() call looks once for the range of the loop it is in (progress.py).
+_total_pending = True
 
 
 def _wait_for_prefetch(restore_dir: Path) -> None:
@@ -164,8 +166,9 @@ def _rt() -> Session:
 def _forget_in_child() -> None:
     # A forked child (a DataLoader worker) must not send the parent's rows or use its
     # threads and socket; if it logs, it opens its own session.
-    global _runtime, _runtime_lock
+    global _runtime, _runtime_lock, _total_pending
     _runtime = None
+    _total_pending = True
     _runtime_lock = threading.Lock()  # another thread may have held it at fork time
     ROWS.clear()
 
@@ -189,6 +192,8 @@ def log(step: int, **metrics: Any) -> None:
         _rt()
     if os.environ.get("RANK", "0") != "0":
         return  # a distributed job records global rank 0's rows (spotnb.multinode)
+    if _total_pending:
+        _find_total()
     _append((step, _now(), metrics))
 
 
@@ -238,6 +243,33 @@ def _param_value(value: Any) -> Any:
             return items
     text = repr(value)
     return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS] + "…"
+
+
+def progress(total: int) -> None:
+    """Say how many steps the run has: ``spot.progress(total=epochs * len(loader))``.
+
+    The notebook then shows step N of ``total``, the pace and the time left. Not
+    needed when the loop that calls :func:`log` is ``for step in range(..., N)`` with
+    ``spot.log(step, ...)``: the first ``log`` call finds ``N`` by itself.
+    """
+    global _total_pending
+    _total_pending = False
+    _rt().report_total(int(total), "spot.progress")
+
+
+def _find_total() -> None:
+    """Once per process: the total of the loop around the first ``log`` call."""
+    global _total_pending
+    _total_pending = False
+    from spotnb.progress import loop_total
+
+    try:
+        total = loop_total(sys._getframe(2))
+    except Exception:  # a guess that fails costs nothing but the total
+        _logger.debug("could not find the loop's range", exc_info=True)
+        return
+    if total is not None:
+        _rt().report_total(total, "range")
 
 
 def history() -> list[tuple[int, float, dict[str, float]]]:
@@ -985,9 +1017,10 @@ def _finish() -> None:
     checkpoint or a last directory upload is not durable. Safe to call twice; the
     next use of the API starts afresh.
     """
-    global _runtime
+    global _runtime, _total_pending
     with _runtime_lock:
         rt, _runtime = _runtime, None
+        _total_pending = True  # the next session looks for its loop's total again
     if _writer_import is not None:
         _writer_import.join()  # an interpreter must not exit in the middle of it
     if rt is None:

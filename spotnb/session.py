@@ -214,6 +214,7 @@ class Session:
         self._pinged = False
         #: Hyperparameters given to ``spot.log_params`` (also sent to the agent).
         self.params: dict[str, Any] = {}
+        self.total: int | None = None
         self.sync_dirs: dict[str, SyncDir] = {}
         # The newest checkpoint upload: the end of the job waits until it is durable.
         self.last_upload: Upload | None = None
@@ -316,6 +317,17 @@ class Session:
         if self.channel is not None:
             self.channel.send(message)
 
+    @property
+    def _say_level(self) -> int:
+        # Under an agent, notices and parking are events the notebook shows as its own
+        # one line each; a warning on the kernel's stderr would say it twice.
+        return logging.INFO if self.channel is not None else logging.WARNING
+
+    def report_total(self, total: int, source: str) -> None:
+        """The run's total number of steps (``spot.progress``, or the loop's range)."""
+        self.total = total
+        self.send({"op": "progress", "total": total, "source": source})
+
     # -- notices ---------------------------------------------------------------------
 
     def check_notice_fit(self, nbytes: int, seconds: float) -> None:
@@ -354,8 +366,8 @@ class Session:
             _logger.debug("ignoring %s from the agent", op)
             return
         kind = message.get("kind")
-        _logger.warning("spot %s notice (%s): saving at the next opportunity",
-                        kind, message.get("action"))
+        _logger.log(self._say_level, "spot %s notice (%s): saving at the next opportunity",
+                    kind, message.get("action"))
         self.notice = kind
         if kind == "instance-action":
             self.interrupt_pending = True
@@ -377,9 +389,9 @@ class Session:
             sd.sync_quietly()
             sd.stop()  # the agent gives the lease up on "parked": no upload after it
         self.send({"op": "parked", "step": step})
-        _logger.warning("interruption: the checkpoint of step %d is durable; holding the "
-                        "cell until the instance is terminated (the job resumes on a new "
-                        "instance)", step)
+        _logger.log(self._say_level, "interruption: the checkpoint of step %d is durable; "
+                    "holding the cell until the instance is terminated (the job resumes on "
+                    "a new instance)", step)
         while True:
             time.sleep(_PARK_SLEEP_SECONDS)
 

@@ -1,14 +1,25 @@
 """What a job is: the frozen, JSON-serialisable :class:`JobSpec` and its parts.
 
 A spec is written once to ``spec.json`` in the job's store prefix and never changed.
-It holds no credentials (DESIGN invariant 7): only names, code and settings.
+It holds no cloud credentials (DESIGN invariant 7): only names, code and settings, and
+the webhook URL of notifications, which is never copied out of it.
+
+Every part checks its fields when it is made (``__post_init__``), so a spec that exists
+is a valid one: a bad value is a :class:`SpecError` before anything starts, whether it
+came from :func:`spotnb.submit`, the magics or a ``spec.json``. The normalisers below
+(:func:`whole_number`, :func:`amount`, :func:`parse_duration`) turn what a user typed
+into the exact types a spec holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import keyword
+import math
+import numbers
 import re
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -18,15 +29,85 @@ __all__ = [
     "Policy",
     "Resources",
     "SpecError",
+    "amount",
+    "check_env_name",
+    "check_variable_name",
     "parse_duration",
     "parse_nodes",
+    "whole_number",
 ]
 
 SPEC_SCHEMA = 1
 
+# A job's name is shown in one row of `spotnb jobs`; longer is a mistake, not a name.
+MAX_NAME_CHARS = 200
+
 
 class SpecError(ValueError):
-    """A job's settings are invalid; the message says how to fix them."""
+    """A job's settings are invalid; the message says how to fix them.
+
+    ``field`` is the :func:`spotnb.submit` argument at fault (or None). Its message is
+    written with ``{option}`` where that argument is named, so that the magics and the
+    CLI can name the option the user typed instead (``--budget``, not ``budget_usd``):
+    ``str(err)`` names the argument, :meth:`message` whatever the caller says.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.template = message
+        self.field = field
+        super().__init__(self.message())
+
+    def message(self, names: Mapping[str, str] | None = None) -> str:
+        """The message, naming ``field`` as ``names[field]`` when given."""
+        if self.field is None:
+            return self.template
+        return self.template.replace("{option}", (names or {}).get(self.field, self.field))
+
+
+def _bad(field: str, what: str, value: Any, fix: str = "") -> SpecError:
+    return SpecError(f"{{option}} must be {what}, not {value!r}" + (f"; {fix}" if fix else ""),
+                     field=field)
+
+
+def whole_number(value: Any, field: str, minimum: int = 0) -> int:
+    """``value`` as an ``int`` of at least ``minimum``; SpecError for anything else
+    (booleans, floats such as ``2.5`` or ``2.0``, strings, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _bad(field, f"a whole number of at least {minimum}", value)
+    if value < minimum:
+        raise _bad(field, f"at least {minimum}", value)
+    return int(value)
+
+
+def amount(value: Any, field: str, unit: str, fix: str) -> float:
+    """``value`` as a finite ``float`` above 0 (a price, a budget); SpecError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _bad(field, f"a positive number of {unit}", value, fix)
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise _bad(field, f"a positive, finite number of {unit}", value, fix)
+    return number
+
+
+def check_variable_name(name: Any, field: str) -> str:
+    """``name`` if it can be a Python variable (``class`` cannot); SpecError otherwise."""
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        what = "a Python keyword" if isinstance(name, str) and keyword.iskeyword(name) \
+            else "not a variable name"
+        raise SpecError(f"{{option}}: {name!r} is {what}; name variables of the cell, "
+                        "e.g. model, accuracy", field=field)
+    return name
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_env_name(name: Any, field: str = "env") -> str:
+    """``name`` if it can name an environment variable; SpecError otherwise."""
+    if not isinstance(name, str) or not _ENV_NAME.match(name):
+        raise SpecError(f"{{option}}: {name!r} is not an environment variable name "
+                        "(letters, digits and _)", field=field)
+    return name
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|secs|m|min|mins|h|hr|hrs|d)?\s*$")
@@ -35,20 +116,20 @@ _UNITS = {None: 1.0, "s": 1.0, "sec": 1.0, "secs": 1.0, "m": 60.0, "min": 60.0,
 
 
 def parse_duration(value: float | int | str, what: str = "duration") -> float:
-    """Seconds from ``90``, ``"90s"``, ``"5m"``, ``"2h"`` or ``"1.5d"``."""
-    if isinstance(value, bool):
-        raise SpecError(f"{what} must be a duration like 90, '90s', '5m' or '2h', not {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        m = _DURATION.match(str(value))
+    """Seconds from ``90``, ``"90s"``, ``"5m"``, ``"2h"`` or ``"1.5d"``: finite and
+    above 0. ``what`` is the field the value is for (it names it in the SpecError)."""
+    usage = "a duration like 90, '90s', '5m' or '2h'"
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise _bad(what, usage, value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
         if not m:
-            raise SpecError(
-                f"{what} must be a duration like 90, '90s', '5m' or '2h', not {value!r}"
-            )
+            raise _bad(what, usage, value)
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    if seconds <= 0:
-        raise SpecError(f"{what} must be positive, not {value!r}")
+    else:
+        seconds = float(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise _bad(what, f"{usage}, finite and above 0", value)
     return seconds
 
 
@@ -68,25 +149,33 @@ class CheckpointEvery:
     seconds: float | None = DEFAULT_CHECKPOINT_SECONDS
     steps: int | None = None
 
+    def __post_init__(self) -> None:
+        if (self.seconds is None) == (self.steps is None):
+            raise SpecError("{option} needs exactly one of seconds and steps, not "
+                            f"{self.seconds!r} and {self.steps!r}", field="checkpoint_every")
+        if self.seconds is not None:
+            parse_duration(self.seconds, "checkpoint_every")
+        if self.steps is not None:
+            whole_number(self.steps, "checkpoint_every", minimum=1)
+
     @classmethod
-    def parse(cls, value: float | int | str | CheckpointEvery) -> CheckpointEvery:
+    def parse(cls, value: Any) -> CheckpointEvery:
         """``300``/``"5m"`` (seconds) or ``"100 steps"``/``"100steps"``."""
         if isinstance(value, CheckpointEvery):
             return value
-        text = str(value).strip().lower()
-        m = re.match(r"^(\d+)\s*(steps?)$", text)
-        if m:
-            steps = int(m.group(1))
-            if steps <= 0:
-                raise SpecError(f"checkpoint_every must be positive, not {value!r}")
-            return cls(seconds=None, steps=steps)
+        usage = ("{option} must be a time like '60s' or '5m', or a step count like "
+                 f"'500 steps', not {value!r}")
+        if isinstance(value, str):
+            m = re.match(r"^\s*(\d+)\s*(steps?)\s*$", value.lower())
+            if m:
+                steps = int(m.group(1))
+                if steps <= 0:
+                    raise SpecError(usage, field="checkpoint_every")
+                return cls(seconds=None, steps=steps)
         try:
             return cls(seconds=parse_duration(value, "checkpoint_every"), steps=None)
         except SpecError:
-            raise SpecError(
-                f"checkpoint_every must be a time like '60s' or '5m', or a step count like "
-                f"'500 steps', not {value!r}"
-            ) from None
+            raise SpecError(usage, field="checkpoint_every") from None
 
     def describe(self) -> str:
         return f"every {self.steps} steps" if self.steps else f"every {self.seconds:g}s"
@@ -96,38 +185,47 @@ class CheckpointEvery:
 MAX_NODES = 64
 
 
-def parse_nodes(value: int | str | tuple[int, int] | list[int]) -> tuple[int, int]:
-    """``(min, max)`` nodes from ``4``, ``"4"``, ``"3:4"`` or ``(3, 4)``.
+def parse_nodes(value: Any, field: str = "nodes") -> tuple[int, int]:
+    """``(min, max)`` nodes from ``4``, ``"4"``, ``"3:4"`` or ``(3, 4)``; SpecError
+    (about ``field``) for anything else.
 
     MIN is how few nodes training goes on with while a lost node's replacement boots
     (torchrun's ``--nnodes MIN:MAX``); MAX is how many the capacity group keeps.
     """
-    usage = ("nodes must be a count (--nodes 4) or MIN:MAX (--nodes 3:4: train on 3 while "
-             f"a lost node's replacement boots, on 4 otherwise), not {value!r}")
-    if isinstance(value, bool):
-        raise SpecError(usage)
-    if isinstance(value, int):
-        low = high = value
+    usage = ("{option} must be a count of nodes (4) or MIN:MAX ('3:4': train on 3 while a "
+             f"lost node's replacement boots, on 4 otherwise), not {value!r}")
+
+    def count(v: Any) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    if count(value):
+        low = high = int(value)
     elif isinstance(value, (tuple, list)):
-        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
-                                      for v in value):
-            raise SpecError(usage)
-        low, high = value
-    else:
-        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(value))
+        if len(value) != 2 or not all(count(v) for v in value):
+            raise SpecError(usage, field=field)
+        low, high = int(value[0]), int(value[1])
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", value, flags=re.ASCII)
         if not m:
-            raise SpecError(usage)
+            raise SpecError(usage, field=field)
         low = int(m.group(1))
         high = int(m.group(2)) if m.group(2) is not None else low
-    if low < 1 or high < 1:
-        raise SpecError(f"a job needs at least one node, not {value!r}: use --nodes 1 (the "
-                        "default) or more")
-    if low > high:
-        raise SpecError(f"--nodes {low}:{high} asks for at least {low} nodes but at most "
-                        f"{high}: MIN must not exceed MAX (e.g. --nodes {high}:{low})")
-    if high > MAX_NODES:
-        raise SpecError(f"--nodes {value} is above spotnb's limit of {MAX_NODES} nodes")
+    else:
+        raise SpecError(usage, field=field)
+    _check_nodes(low, high, field, value)
     return low, high
+
+
+def _check_nodes(low: int, high: int, field: str, value: Any) -> None:
+    if low < 1 or high < 1:
+        raise SpecError(f"{{option}}: a job needs at least one node, not {value!r}; use 1 "
+                        "(the default) or more", field=field)
+    if low > high:
+        raise SpecError(f"{{option}} {low}:{high} asks for at least {low} nodes but at most "
+                        f"{high}: MIN must not exceed MAX (e.g. {high}:{low})", field=field)
+    if high > MAX_NODES:
+        raise SpecError(f"{{option}} {value!r} is above spotnb's limit of {MAX_NODES} nodes",
+                        field=field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +250,34 @@ class Resources:
         """Whether the cell runs as torchrun workers (several nodes or processes)."""
         return self.max_nodes > 1 or self.procs_per_node > 1
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.instance_types, tuple) or not all(
+                isinstance(t, str) and t and t == t.strip() and "," not in t
+                for t in self.instance_types):
+            raise _bad("instance_types", "instance type names such as 'g5.xlarge'",
+                       self.instance_types)
+        if not isinstance(self.region, str) or not self.region.strip():
+            raise _bad("region", "a region name such as 'us-east-1'", self.region)
+        if self.max_price is not None:
+            amount(self.max_price, "max_price", "USD per hour",
+                   "leave it unset to cap at the on-demand price")
+            _exact_float(self.max_price, "max_price")
+        _exact_int(self.min_nodes, "nodes", 1)
+        _exact_int(self.max_nodes, "nodes", 1)
+        _check_nodes(self.min_nodes, self.max_nodes, "nodes",
+                     f"{self.min_nodes}:{self.max_nodes}")
+        _exact_int(self.procs_per_node, "procs_per_node", 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """How the job is run and when it is given up."""
+    """How the job is run and when it is given up.
+
+    ``notify_url``: a Slack-compatible webhook that the instance posts to when an
+    attempt is interrupted and when the job ends (:mod:`spotnb.notify`). It is a
+    secret: it stays in ``spec.json``, in the job's private store prefix, and is never
+    copied into an event or a record.
+    """
 
     checkpoint_every: CheckpointEvery = CheckpointEvery()
     max_restarts_on_error: int = 0
@@ -166,11 +288,44 @@ class Policy:
     # groups created in the cell without a timeout of their own, connections to the
     # rendezvous) before the peer is taken for lost and the world re-forms.
     peer_timeout: float = 120.0
+    notify_url: str | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.checkpoint_every, CheckpointEvery):
+            raise _bad("checkpoint_every", "a CheckpointEvery", self.checkpoint_every)
+        _exact_int(self.max_restarts_on_error, "max_restarts_on_error", 0)
+        if self.budget_usd is not None:
+            amount(self.budget_usd, "budget_usd", "USD", "leave it unset for no budget")
+            _exact_float(self.budget_usd, "budget_usd")
+        if self.max_duration is not None:
+            parse_duration(self.max_duration, "max_duration")
+            _exact_float(self.max_duration, "max_duration")
+        _exact_int(self.keep_checkpoints, "keep_checkpoints", 1)
+        parse_duration(self.peer_timeout, "peer_timeout")
+        _exact_float(self.peer_timeout, "peer_timeout")
+
+
+def _exact_int(value: Any, field: str, minimum: int) -> None:
+    """A spec holds a plain ``int`` (JSON-serialisable), not a numpy integer."""
+    whole_number(value, field, minimum)
+    if type(value) is not int:
+        raise _bad(field, "a plain int", value)
+
+
+def _exact_float(value: Any, field: str) -> None:
+    if type(value) not in (int, float):
+        raise _bad(field, "a plain number", value)
 
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """Everything an agent needs to run a job. Written once as ``spec.json``."""
+    """Everything an agent needs to run a job. Written once as ``spec.json``.
+
+    ``env``: environment variables of the job's kernel, by name; a value of None takes
+    the variable from the local cloud's own environment (local provider only), so its
+    value is never written anywhere. Values written here must not be secrets
+    (:func:`spotnb.submit` refuses those that look like one).
+    """
 
     job_id: str
     name: str
@@ -184,8 +339,36 @@ class JobSpec:
     outputs: tuple[str, ...] = ()
     # Local cloud only: {"count": N} or {"schedule": [seconds since launch, ...]}.
     simulate_interruptions: dict[str, Any] | None = None
+    env: dict[str, str | None] = dataclasses.field(default_factory=dict)
     spotnb_version: str = ""
     schema: int = SPEC_SCHEMA
+
+    def __post_init__(self) -> None:
+        for field in ("job_id", "code", "provider", "store_uri"):
+            if not isinstance(getattr(self, field), str):
+                raise _bad(field, "a string", getattr(self, field))
+        if not isinstance(self.name, str) or not self.name.strip() or \
+                len(self.name) > MAX_NAME_CHARS or not self.name.isprintable():
+            raise _bad("name", f"a printable name of 1 to {MAX_NAME_CHARS} characters on "
+                       "one line", self.name)
+        if not isinstance(self.resources, Resources) or not isinstance(self.policy, Policy):
+            raise SpecError("a JobSpec needs Resources and a Policy; this is a spotnb bug, "
+                            "please report it")
+        for field in ("inputs", "outputs"):
+            names = getattr(self, field)
+            if not isinstance(names, tuple):
+                raise _bad(field, "a tuple of variable names", names)
+            for name in names:
+                check_variable_name(name, field)
+            if len(set(names)) != len(names):
+                raise _bad(field, "names without repeats", names)
+        _check_simulation(self.simulate_interruptions)
+        if not isinstance(self.env, dict):
+            raise _bad("env", "a dict of environment variables", self.env)
+        for key, value in self.env.items():
+            check_env_name(key)
+            if value is not None and (not isinstance(value, str) or "\0" in value):
+                raise _bad("env", "text values (or None)", {key: value})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
@@ -206,12 +389,32 @@ class JobSpec:
                 instance_types=tuple(res["instance_types"]),
                 region=res.get("region", "us-east-1"),
                 max_price=res.get("max_price"),
-                min_nodes=int(res.get("min_nodes", 1)),
-                max_nodes=int(res.get("max_nodes", 1)),
-                procs_per_node=int(res.get("procs_per_node", 1)),
+                min_nodes=res.get("min_nodes", 1),
+                max_nodes=res.get("max_nodes", 1),
+                procs_per_node=res.get("procs_per_node", 1),
             ),
             policy=Policy(checkpoint_every=CheckpointEvery(**every), **pol),
             inputs=tuple(raw.pop("inputs", ())),
             outputs=tuple(raw.pop("outputs", ())),
             **raw,
         )
+
+
+def _check_simulation(sim: Any) -> None:
+    """``{"count": N}`` with N >= 1, or ``{"schedule": [seconds >= 0, ...]}``."""
+    if sim is None:
+        return
+    usage = ("{option} must be a count of interruptions or a list of times after launch "
+             f"(seconds), not {sim!r}")
+    if not isinstance(sim, dict) or len(sim) != 1 or not set(sim) <= {"count", "schedule"}:
+        raise SpecError(usage, field="simulate_interruptions")
+    if "count" in sim:
+        count = sim["count"]
+        if isinstance(count, bool) or type(count) is not int or count < 1:
+            raise SpecError(usage, field="simulate_interruptions")
+    else:
+        schedule = sim["schedule"]
+        if not isinstance(schedule, (list, tuple)) or not schedule or any(
+                isinstance(t, bool) or type(t) not in (int, float) or not math.isfinite(t)
+                or t < 0 for t in schedule):
+            raise SpecError(usage, field="simulate_interruptions")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +61,18 @@ def spotnb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     assert not leftovers, f"processes outlived the test: {[p.info['cmdline'] for p in leftovers]}"
 
 
+@pytest.fixture
+def private_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A temporary directory of the test's own, for this process and the processes it
+    starts (agents make their socket directories there): `spotnb cleanup` then sees
+    this test's leftovers only. Short, as Unix socket paths must be."""
+    path = Path(tempfile.mkdtemp(prefix="sn-"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _processes_under(base: Path) -> list[psutil.Process]:
     """Processes whose SPOTNB_HOME lies below ``base`` (every test's home does)."""
     found = []
@@ -68,7 +81,8 @@ def _processes_under(base: Path) -> list[psutil.Process]:
             home = (proc.info["environ"] or {}).get("SPOTNB_HOME", "")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if proc.pid != os.getpid() and home.startswith(str(base)):
+        # base/..., not a sibling whose name starts the same (pytest-4 and pytest-41).
+        if proc.pid != os.getpid() and (home + os.sep).startswith(str(base) + os.sep):
             found.append(proc)
     return found
 

@@ -326,11 +326,14 @@ def test_a_stop_before_the_job_agent_starts_ends_the_job(sim: AwsSimulator) -> N
 def test_capacity_error_on_the_first_type_runs_on_the_next_and_says_why(
         sim: AwsSimulator) -> None:
     sim.no_capacity("g5.xlarge")
-    handle = spotnb.submit("import platform\nx = 6 * 7", provider="aws", outputs=["x"],
+    # (A job's env values reach its kernel on AWS as on the local cloud.)
+    handle = spotnb.submit("import os\nx = 6 * 7\nmode = os.environ.get('WANDB_MODE')",
+                           provider="aws", outputs=["x", "mode"],
+                           env={"WANDB_MODE": "offline"},
                            instance_types=["g5.xlarge", "g4dn.xlarge"])
     result = handle.wait(timeout=90)
     assert result.status == "completed", result.error
-    assert result.outputs == {"x": 42}
+    assert result.outputs == {"x": 42, "mode": "offline"}
     assert [a.instance_type for a in result.attempts] == ["g4dn.xlarge"]
     events = group_events(handle)
     errors = [e for e in events if e.type == "instance"

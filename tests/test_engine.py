@@ -404,3 +404,86 @@ def test_bad_input_is_refused_before_anything_starts(cloud: Path) -> None:
     assert not (cloud / "store" / "jobs").exists() or \
         not list((cloud / "store" / "jobs").iterdir())
     assert not live_processes(cloud)
+
+
+SEES = textwrap.dedent("""
+    import os
+    seen = {name: os.environ.get(name) for name in NAMES}
+""")
+
+
+def test_an_instance_sees_what_an_aws_instance_sees(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The user's credentials and settings stay on the user's side, as they would with
+    # an EC2 instance (which has only the job's role); variables passed on purpose come.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA" + "Q" * 16)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t" * 7)
+    monkeypatch.setenv("MY_PROJECT_SETTING", "only-here")
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "t" * 30)
+    names = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MY_PROJECT_SETTING", "HF_TOKEN",
+             "WANDB_MODE", "SPOTNB_HOME", "PATH", "HOME"]
+    handle = spotnb.submit(SEES, inputs={"NAMES": names}, outputs=["seen"],
+                           env={"WANDB_MODE": "offline", "HF_TOKEN": None})
+    result = handle.wait(timeout=120)
+    assert result.status == "completed", result.error
+    seen = result.outputs["seen"]
+    assert seen["AWS_ACCESS_KEY_ID"] is None and seen["AWS_SECRET_ACCESS_KEY"] is None
+    assert seen["MY_PROJECT_SETTING"] is None
+    assert seen["WANDB_MODE"] == "offline"  # a value, from the spec
+    assert seen["HF_TOKEN"] == "hf_" + "t" * 30  # a name: this machine's value
+    assert seen["SPOTNB_HOME"] == str(cloud) and seen["PATH"] and seen["HOME"]
+    # A variable passed by name is not written into the spec (only its name is).
+    spec = handle.store.get(layout.SPEC).decode()
+    assert '"HF_TOKEN": null' in spec and "hf_ttt" not in spec
+    wait_no_processes(cloud)
+
+
+CHECKPOINTS_WITHOUT_METRICS = textwrap.dedent("""
+    import time
+    state = {"step": 0}
+    ckpt = spot.Checkpoint(state=state)
+    ckpt.restore()
+    while state["step"] < STEPS:
+        state["step"] += 1
+        time.sleep(0.1)
+        ckpt.maybe_save(state["step"])
+    done = state["step"]
+""")
+
+
+def test_simulated_interruptions_need_no_spot_log(cloud: Path) -> None:
+    # The cell checkpoints but never logs a metric: it is interrupted all the same.
+    handle = spotnb.submit(CHECKPOINTS_WITHOUT_METRICS, inputs={"STEPS": 50},
+                           outputs=["done"], checkpoint_every="10 steps",
+                           simulate_interruptions=1)
+    result = handle.wait(timeout=180)
+    assert result.status == "completed", result.error
+    assert result.interruptions == 1 and len(result.attempts) == 2
+    assert result.outputs["done"] == 50
+    wait_no_processes(cloud)
+
+
+QUIET_THEN_TICKING = textwrap.dedent("""
+    import time
+    time.sleep(PAUSE)  # imports, data loading: nothing to show yet
+    for i in range(TICKS):
+        print(f"tick {i}", flush=True)
+        time.sleep(0.2)
+""")
+
+
+def test_a_cell_without_checkpoints_is_interrupted_after_it_shows_output(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Counted from the cell's first output, not from the instance's start: slow imports
+    # on a busy machine do not use up the time before the interruption.
+    monkeypatch.setenv("SPOTNB_LOCAL_INTERRUPT_AFTER", "3")
+    handle = spotnb.submit(QUIET_THEN_TICKING, inputs={"PAUSE": 2, "TICKS": 30},
+                           simulate_interruptions=1)
+    result = handle.wait(timeout=180)
+    assert result.status == "completed", result.error
+    assert result.interruptions == 1
+    events = list(handle.events(follow=False))
+    notice = next(e for e in events if e.type == "notice" and e.attempt == 1)
+    first_tick = next(e for e in events if e.type == "stream" and e.attempt == 1)
+    assert notice.time >= first_tick.time + 3
+    wait_no_processes(cloud)

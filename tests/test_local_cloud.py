@@ -62,13 +62,16 @@ def _our_processes(home: Path) -> list[psutil.Process]:
 
 
 @pytest.fixture
-def cloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
+def cloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+          private_tmpdir: Path) -> Iterator[Cloud]:
     home = tmp_path / "home"
     monkeypatch.setenv("SPOTNB_HOME", str(home))
     for name in list(os.environ):
         if name.startswith(("SPOTNB_LOCAL_", "STANDIN_", "SPOTNB_IMDS")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("SPOTNB_LOCAL_AGENT_CMD", shlex.join([sys.executable, str(AGENT)]))
+    # Instances start with a clean environment; the stand-in's settings are let through.
+    monkeypatch.setenv("SPOTNB_LOCAL_INSTANCE_ENV", "STANDIN_*")
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "0.5")
     yield Cloud(home, tmp_path, LocalProvider())
@@ -108,7 +111,10 @@ def result_of(spec: JobSpec) -> dict[str, Any] | None:
 
 def identity_of(instance_id: str) -> dict[str, Any] | None:
     path = instance_dir(instance_id) / "identity.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not written yet, or half-written: the stand-in
+        return None  # writes it in place, not atomically
 
 
 def group_gone(cloud: Cloud, spec: JobSpec) -> bool:

@@ -21,9 +21,13 @@ pytest.importorskip("plotly")
 
 import comm
 
-from spotnb.events import Event
-from spotnb.widgets import series
+from spotnb import display
+from spotnb.display import JobView
+from spotnb.events import Event, merge_metrics, metrics_data
+from spotnb.widgets import dashboard as dashboard_mod
+from spotnb.widgets import plots, series, static
 from spotnb.widgets.dashboard import Dashboard, DetachRequested
+from spotnb.widgets.header import header_html
 from spotnb.widgets.picker import (
     InstancePicker,
     PickerRow,
@@ -94,7 +98,8 @@ T0 = 1_800_000_000.0
 
 def metrics(first: int, count: int, attempt: int = 1, **extra: float) -> list[Event]:
     return [Event("metric", T0 + step, attempt, f"i-{attempt}",
-                  {"step": step, "values": {"loss": 1.0 / (step + 1), **extra}})
+                  {"step": step, "t": T0 + step,
+                   "values": {"loss": 1.0 / (step + 1), **extra}})
             for step in range(first, first + count)]
 
 
@@ -122,22 +127,44 @@ def dashboard(clock: FakeClock | None = None, **kwargs: Any) -> Dashboard:
 def interrupted_run(board: Dashboard) -> None:
     """Attempt 1 logs steps 0-59, checkpoints at 49, is interrupted; attempt 2 resumes
     at 50, so steps 50-59 were redone."""
-    board.events([
+    board.events(interrupted_events())
+
+
+def as_batch(e: Event) -> Event:
+    """A ``metric`` event as the one-row ``metrics`` batch an agent writes."""
+    return Event("metrics", e.time, e.attempt, e.instance,
+                 metrics_data([(e.data["step"], e.data["t"], e.data["values"])]), n=e.n)
+
+
+def interrupted_events() -> list[Event]:
+    """The events of :func:`interrupted_run`."""
+    return [
         Event("instance", T0, 0, "i-1", {"action": "launched", "pool": "g4dn.xlarge@a",
-                                         "price": 0.2, "ondemand": 0.5}),
-        Event("price", T0 + 1, 0, "i-1", {"pool": "g4dn.xlarge@a", "price": 0.2}),
+                                         "instance_id": "i-1", "price": 0.2,
+                                         "ondemand": 0.5}),
+        Event("price", T0 + 1, 0, "i-1", {"pool": "g4dn.xlarge@a", "price": 0.2,
+                                          "history_time": "2020-01-12T14:00:00+00:00",
+                                          "history_scale": 60.0}),
         Event("status", T0 + 1, 1, "i-1", {"state": "booting"}),
         *metrics(0, 50),
         Event("checkpoint", T0 + 50, 1, "i-1", {"phase": "durable", "step": 49,
                                                 "bytes": 4096, "forced": False}),
         *metrics(50, 10),
         sys_sample(55),
-        Event("notice", T0 + 60, 1, "i-1", {"kind": "instance-action"}),
-        Event("status", T0 + 70, 2, "i-2", {"state": "booting"}),
-        *[Event("metric", T0 + 80 + s, 2, "i-2", {"step": s, "values": {"loss": 0.5}})
+        Event("instance", T0 + 60, 0, "i-1", {"action": "notice", "instance_id": "i-1",
+                                              "reason": "requested"}),
+        Event("notice", T0 + 60, 1, "i-1", {"kind": "instance-action",
+                                            "action": "terminate"}),
+        Event("instance", T0 + 62, 0, "i-2", {"action": "launched", "instance_id": "i-2",
+                                              "pool": "g4dn.xlarge@a", "price": 0.2,
+                                              "ondemand": 0.5}),
+        Event("status", T0 + 70, 2, "i-2", {"state": "booting",
+                                            "instance_type": "g4dn.xlarge", "az": "a"}),
+        *[Event("metric", T0 + 80 + s, 2, "i-2", {"step": s, "t": T0 + 80 + s,
+                                                  "values": {"loss": 0.5}})
           for s in range(50, 100)],
         sys_sample(120, attempt=2),
-    ])
+    ]
 
 
 # -- the series --------------------------------------------------------------------------
@@ -149,23 +176,62 @@ def test_min_max_buckets_bound_the_points_and_keep_the_extremes() -> None:
     y[123_457] = 9.0  # a spike a stride would miss
     y[876_543] = -9.0
     for xi, yi in zip(x, y, strict=True):
-        buckets.add(float(xi), float(yi))
-    px, py = buckets.points()
+        buckets.add(float(xi), float(yi), float(xi) + 0.5)
+    px, py, pt = buckets.points()
     assert len(px) <= 1000
     assert np.all(np.diff(px) >= 0)  # in x order
     assert 9.0 in py and -9.0 in py
     assert px[np.argmax(py)] == 123_457
+    assert np.array_equal(pt, px + 0.5)  # each kept point keeps its own time
 
 
-def test_a_resumed_attempt_moves_the_lost_steps_to_the_redone_series() -> None:
+def test_a_resumed_attempt_moves_the_lost_steps_and_breaks_the_line() -> None:
     s = series.MetricSeries("loss")
     for step in range(60):
-        s.add(1, step, 1.0)
+        s.add(1, step, 1.0, T0 + step)
+    moved = 0
     for step in range(50, 70):
-        s.add(2, step, 2.0)
+        moved = max(moved, s.add(2, step, 2.0, T0 + 100 + step))
+    assert moved == 10
     assert list(s.redone.full.x) == list(range(50, 60))
     assert list(s.curve.full.x) == list(range(70))
     assert list(s.curve.full.y[48:52]) == [1.0, 1.0, 2.0, 2.0]
+    x, y, t = s.points()
+    gap = int(np.flatnonzero(np.isnan(y))[0])
+    assert (x[gap - 1], x[gap + 1]) == (49, 50)  # no line from attempt 1 to attempt 2
+    assert t[gap + 1] - t[gap - 1] > 100
+
+
+def test_late_rows_of_an_ended_attempt_go_where_they_belong() -> None:
+    """A follower may read an ended attempt's last rows from the log after the next
+    attempt's live ones: those from the step the next attempt resumed at are redone,
+    the others fill in the curve, and the interruption learns the steps redone."""
+    data = series.DashboardData()
+    data.add([*metrics(0, 52),
+              Event("notice", T0 + 60, 1, "i-1", {"kind": "instance-action"}),
+              Event("status", T0 + 70, 2, "i-2", {"state": "booting"}),
+              *[Event("metric", T0 + 80 + s, 2, "i-2",
+                      {"step": s, "t": T0 + 80 + s, "values": {"loss": 0.5}})
+                for s in range(55, 100)],
+              *metrics(52, 8)])  # attempt 1's steps 52-59, read late
+    loss = data.metrics["loss"]
+    assert list(loss.redone.view.points()[0]) == [55, 56, 57, 58, 59]
+    x, y, _ = loss.points()
+    assert list(x[np.isfinite(x)]) == list(range(100))
+    assert list(y[np.isfinite(x)][52:56]) == [1 / 53, 1 / 54, 1 / 55, 0.5]
+    (interrupted,) = [m for m in data.markers if m.kind == "interrupted"]
+    assert (interrupted.step, interrupted.redone) == (59, 5)
+
+
+def test_smoothing_is_a_debiased_moving_average_that_keeps_gaps() -> None:
+    flat = plots.ema(np.full(20, 3.0), 0.9)
+    assert np.allclose(flat, 3.0)  # no start-up bias
+    noisy = np.array([0.0, 10.0] * 50)
+    smooth = plots.ema(noisy, 0.9)
+    assert np.ptp(smooth[-20:]) < np.ptp(noisy[-20:]) / 5
+    gapped = plots.ema(np.array([1.0, np.nan, 1.0]), 0.5)
+    assert np.isnan(gapped[1]) and gapped[2] == pytest.approx(1.0)
+    assert plots.ema(noisy, 0.0) is noisy
 
 
 # -- the dashboard: messages and their cost --------------------------------------------
@@ -174,20 +240,46 @@ def figure_comm(board: Dashboard) -> RecordingComm:
     return board.figure.comm  # type: ignore[no-any-return]
 
 
-def test_an_update_is_four_figure_messages_with_numpy_buffers(recorder: Recorder) -> None:
+def traces(board: Dashboard) -> list[dict[str, Any]]:
+    return list(board.figure.plot_data)
+
+
+def trace(board: Dashboard, name: str, axis: str | None = None) -> dict[str, Any]:
+    return board.figure.trace(name, axis)
+
+
+def xs(t: dict[str, Any]) -> np.ndarray:
+    return plots.values(t, "x")
+
+
+def ys(t: dict[str, Any]) -> np.ndarray:
+    return plots.values(t, "y")
+
+
+def test_an_update_is_one_figure_message_with_numpy_buffers(recorder: Recorder) -> None:
     board = dashboard()
     board.events([*metrics(0, 1000), sys_sample(1)])
-    mark = recorder.mark()
+    board.flush()
+    comm_ = figure_comm(board)
+    mark = len(comm_.messages)
     board.events([*metrics(1000, 500), sys_sample(2)])
     board.flush()
-    figure = [m for m in figure_comm(board).messages[mark[id(figure_comm(board))]:]]
-    keys = [sorted(data["state"]) for data, _ in figure]
-    assert keys == [["_last_trace_edit_id"], ["_last_layout_edit_id"], ["_py2js_update"],
-                    ["_py2js_update"]], keys
-    data, buffers = figure[2]
+    (message,) = comm_.messages[mark:]
+    data, buffers = message
+    assert sorted(data["state"]) == ["plot_data"]  # the layout did not change
     assert buffers, "numpy arrays must travel as binary buffers, not JSON lists"
-    assert len(json.dumps(data)) < 3000  # the numbers are in the buffers
-    assert figure[3][0]["state"]["_py2js_update"] is None  # transient: reset at once
+    assert len(json.dumps(data)) < 20_000  # the numbers are in the buffers
+    assert len(ys(trace(board, "loss"))) == 1500
+
+
+def test_the_figure_needs_no_plotly_bundle_of_its_own() -> None:
+    # The front end draws with the plotly.js of JupyterLab's plotly extension: a widget
+    # carrying its own 5 MB copy is given up by anywidget on a slow machine.
+    board = dashboard()
+    assert len(board.figure._esm) < 10_000
+    assert "window.Plotly" in board.figure._esm and "Plotly.react" in board.figure._esm
+    loader = next(c for c in board.widget.children if hasattr(c, "outputs"))
+    assert "application/vnd.plotly.v1+json" in loader.outputs[0]["data"]
 
 
 def test_updates_are_throttled_to_a_few_per_second(recorder: Recorder) -> None:
@@ -198,8 +290,7 @@ def test_updates_are_throttled_to_a_few_per_second(recorder: Recorder) -> None:
         clock.now += 0.05
         board.events([*metrics(i * 10, 10), sys_sample(i)])
         board.stream("stdout", f"line {i}\n")
-    updates = [d for d, _ in recorder.since(mark)
-               if d.get("state", {}).get("_py2js_update") is not None]
+    updates = [d for d, _ in recorder.since(mark) if "plot_data" in d.get("state", {})]
     assert 10 <= len(updates) <= 10 / 0.5 + 1, len(updates)
     assert board.flushes == len(updates)
 
@@ -216,6 +307,7 @@ def test_update_messages_and_time_stay_flat_as_the_run_grows(recorder: Recorder)
         return sum(size(m) for m in recorder.since(mark)), seconds
 
     board.events(metrics(0, 1000))
+    board.flush()
     small_bytes, small_seconds = one_update(1000)
     logged = 1100
     while logged < 200_000:  # grow the run to 200k steps (no widget traffic meanwhile)
@@ -227,37 +319,96 @@ def test_update_messages_and_time_stay_flat_as_the_run_grows(recorder: Recorder)
     assert big_seconds < max(10 * small_seconds, 0.05), (small_seconds, big_seconds)
 
 
-def test_the_output_panel_is_bounded_and_scrolls_itself(recorder: Recorder) -> None:
+def test_the_output_panel_is_bounded_and_ends_with_the_newest_line(
+        recorder: Recorder) -> None:
     board = dashboard()
     for i in range(5000):
         board.stream("stdout", f"output line {i}\n")
     board.stream("stderr", "a warning\n")
     mark = recorder.mark()
     board.flush()
-    (panel,) = [d for d, _ in recorder.since(mark) if "value" in d.get("state", {})
-                and "spotnb-log" in d["state"]["value"]]
-    value = panel["state"]["value"]
-    assert "output line 4999" in value and "output line 4000" not in value
-    assert len(value) < 30_000
-    assert "column-reverse" in value  # newest line stays in view
+    (panel,) = [d for d, _ in recorder.since(mark) if "lines" in d.get("state", {})]
+    lines = panel["state"]["lines"]
+    assert lines[-1] == ["stderr", "a warning"] and lines[-2] == ["stdout", "output line 4999"]
+    assert ["stdout", "output line 4000"] not in lines
+    assert len(json.dumps(lines)) < 30_000
+    assert "%spot_logs" in board.panel.caption  # where the rest is
+    # The panel's own front-end code follows the newest line (tests/test_browser.py).
+    assert "scrollHeight" in board.panel._esm
 
 
-# -- interruptions, redone steps, final state ------------------------------------------
+# -- panels, axes, interruptions --------------------------------------------------------
 
-def test_interruptions_and_resumes_are_marked_on_all_three_plots() -> None:
+def test_each_metric_gets_its_own_panel_and_y_axis() -> None:
+    board = dashboard()
+    board.events([*metrics(0, 50, lr=0.1), sys_sample(1)])
+    board.flush()
+    loss, lr = trace(board, "loss"), trace(board, "lr")
+    assert (loss["xaxis"], loss["yaxis"]) != (lr["xaxis"], lr["yaxis"])
+    layout = board.figure.plot_layout
+    titles = [a["text"] for a in layout["annotations"]]
+    assert "<b>loss</b>" in titles and "<b>lr</b>" in titles
+    y_loss, y_lr = (layout[f"yaxis{t['yaxis'][1:]}"] for t in (loss, lr))
+    assert (y_loss["domain"], y_loss["anchor"]) != (y_lr["domain"], y_lr["anchor"])
+    # The width is the cell's, set by the front end (it follows the cell).
+    assert "width" not in layout and "getBoundingClientRect" in board.figure._esm
+    # The system panel is its own too.
+    cpu = trace(board, "CPU utilisation %")
+    assert cpu["yaxis"] not in (loss["yaxis"], lr["yaxis"])
+
+
+def test_grouping_log_scale_time_axis_and_smoothing_are_the_users_choice() -> None:
+    board = dashboard()
+    board.events([Event("metric", T0 + s, 1, "i-1",
+                        {"step": s, "t": T0 + s, "values": {"train/loss": 2.0 / (s + 1),
+                                                           "val/loss": 3.0 / (s + 1),
+                                                           "lr": 0.1}})
+                  for s in range(40)])
+    board.flush()
+    assert len({t["yaxis"] for t in traces(board)
+                if t["name"] in ("train/loss", "val/loss", "lr")}) == 3
+    board.controls["grouping"].value = "name"
+    assert trace(board, "train/loss")["yaxis"] == trace(board, "val/loss")["yaxis"]
+    assert trace(board, "lr")["yaxis"] != trace(board, "val/loss")["yaxis"]
+    board.controls["grouping"].value = "all"
+    assert len({t["yaxis"] for t in traces(board) if t["name"] != "redone steps"}) == 1
+
+    board.controls["log_y"].value = True
+    assert board.figure.plot_layout["yaxis"]["type"] == "log"
+    board.controls["x"].value = "time"
+    assert board.figure.plot_layout["xaxis"]["type"] == "date"
+    x = xs(trace(board, "val/loss"))
+    assert x[0] == pytest.approx((T0 + board.plots._tz) * 1000)  # clock time, in ms
+    board.controls["smoothing"].value = 0.9
+    smooth = trace(board, "val/loss (smoothed)")
+    assert smooth["visible"] and trace(board, "val/loss")["opacity"] < 1
+    assert np.allclose(ys(smooth), plots.ema(ys(trace(board, "val/loss")), 0.9))
+
+
+def test_interruptions_and_resumes_are_marked_with_a_legend_and_hover_text() -> None:
     board = dashboard()
     interrupted_run(board)
     board.flush()
-    fig = board.figure
-    shapes = fig.layout.shapes
-    assert {s.xref for s in shapes} == {"x", "x2", "x3"}
-    assert len(shapes) == 6  # interruption and resume, on each plot
-    assert {s.line.dash for s in shapes} == {"dash", "dot"}
-    loss = next(t for t in fig.data if t.name == "loss")
-    redone = next(t for t in fig.data if t.name == "loss, redone")
-    assert len(loss.x) == 100 and list(redone.x) == list(range(50, 60))
-    marker = next(t for t in fig.data if t.name == "interruption")
-    assert list(marker.x) == [59.0]
+    cuts = [t for t in traces(board) if t["name"] == "interruption"]
+    resumes = [t for t in traces(board) if t["name"] == "resume on a replacement"]
+    assert cuts and resumes and len(cuts) == len(resumes)  # one of each per metric panel
+    assert [t["showlegend"] for t in cuts].count(True) == 1  # one legend entry for all
+    assert {t["line"]["color"] for t in cuts}.isdisjoint(
+        {t["line"]["color"] for t in traces(board) if t["name"] in ("loss", "lr")})
+    assert cuts[0]["line"]["color"] != resumes[0]["line"]["color"]
+    texts = {text for text in cuts[0]["text"] if text}
+    assert texts == {"attempt 1 interrupted at step 59: interruption asked for (Interrupt "
+                     "now, %spot_interrupt) (terminate); 10 steps redone"}
+    cut_x = xs(cuts[0])
+    assert set(cut_x[~np.isnan(cut_x)]) == {59.0}
+    assert {t for t in resumes[0]["text"] if t} == {
+        "attempt 2 resumed from step 50 on g4dn.xlarge a (i-2)"}
+    loss = trace(board, "loss")
+    redone = trace(board, "redone steps", loss["yaxis"])
+    assert np.isnan(ys(loss)).sum() == 1 and len(xs(loss)) == 101  # 100 steps, the gap
+    assert list(xs(redone)) == list(range(50, 60))
+    # Against time, on the system panel: lines too.
+    assert len(board.figure.plot_layout["shapes"]) == 2
     assert "last checkpoint: step 49" in board.checkpoint.value
 
 
@@ -265,43 +416,170 @@ def test_cpu_instances_are_labelled_cpu_and_ram() -> None:
     board = dashboard()
     board.events([sys_sample(1)])
     board.flush()
-    names = {t.name for t in board.figure.data}
+    names = {t["name"] for t in traces(board)}
     assert {"CPU utilisation %", "RAM used %"} <= names
     board2 = dashboard()
     board2.events([sys_sample(1, kind="gpu")])
     board2.flush()
-    assert {"GPU utilisation %", "GPU memory %"} <= {t.name for t in board2.figure.data}
+    assert {"GPU utilisation %", "GPU memory %"} <= {t["name"] for t in traces(board2)}
 
 
-def test_the_price_plot_has_the_max_price_and_on_demand_lines() -> None:
-    board = Dashboard(clock=FakeClock(), show=False)
-    board.start(fake_handle(max_price=0.35))
-    interrupted_run(board)
-    board.flush()
-    by_name = {t.name: t for t in board.figure.data}
-    assert list(by_name["max price"].y) == [0.35, 0.35]
-    assert list(by_name["on-demand"].y) == [0.5, 0.5]
-    # The step function lasts until the latest event.
-    assert by_name["spot $/h"].x[-1] > by_name["spot $/h"].x[0]
-
-
-def test_the_final_data_becomes_the_saved_state(recorder: Recorder) -> None:
+def test_the_figure_is_its_widget_state(recorder: Recorder) -> None:
+    # A notebook saved with its widgets (or a view drawn late) shows the whole figure:
+    # its data and layout are the widget's state, not a stream of updates.
     board = dashboard()
     interrupted_run(board)
-    mark = recorder.mark()
-    board.save_state()
-    (state,) = [d["state"] for d, _ in figure_comm(board).messages[
-        mark[id(figure_comm(board))]:]]
-    assert {"_widget_data", "_widget_layout", "_py2js_update"} <= set(state)
-    loss = next(t for t in state["_widget_data"] if t.get("name") == "loss")
-    assert list(loss["x"]["shape"]) == [100]  # binary, all 100 steps
-    assert len(state["_widget_layout"]["shapes"]) == 6
-    # The last update stays set, with x and y of every trace: every buffer path an
-    # update used has a home in the saved state.
-    update = state["_py2js_update"]
-    n = len(board.figure.data)
-    assert update["style_traces"] == list(range(n))
-    assert len(update["style_data"]["x"]) == n == len(update["style_data"]["y"])
+    board.flush()
+    state = figure_comm(board).opened[0]["state"]  # what a new view starts from...
+    assert state["plot_data"] == []
+    last = [d["state"] for d, _ in figure_comm(board).messages if "plot_data" in d["state"]]
+    assert last and len(last[-1]["plot_data"]) == len(traces(board))  # ... then this
+    loss = trace(board, "loss")
+    assert len(xs(loss)) == 101 and board.figure.plot_layout["shapes"]
+
+
+# -- the header ----------------------------------------------------------------------------
+
+def _view(events: list[Event], now: float, **account: Any) -> JobView:
+    view = JobView(job_id="job-1", name="test", created=T0)
+    for event in events:
+        view.apply(event)
+    view.cost_usd = account.get("cost", 0.01)
+    view.ondemand_cost_usd = account.get("ondemand", 0.03)
+    view.interruptions = account.get("interruptions", 1)
+    view.elapsed = now - T0
+    view.now = now
+    return view
+
+
+def test_the_header_answers_progress_cost_and_interruptions_at_a_glance() -> None:
+    board = dashboard()
+    events = [*_progress_run(), Event("progress", T0 + 2, 1, "i-1", {"total": 400})]
+    events.sort(key=lambda e: e.time)
+    board.events(events)
+    view = _view(events, now=T0 + 200)
+    text = "\n".join(display.status_lines(view))
+    assert "step 100 of 400 (25%)" in text
+    assert "1 steps/s, 0:05:00 left" in text
+    # Lost: from step 59 (at 59 s) until step 60 (at 90 s), while i-1 (until 65 s) and
+    # i-2 (from 62 s) were billed: 6 + 28 instance-seconds at $0.2/h.
+    assert "interruptions 1 (took 0:00:31 and $0.0019; 10 steps redone)" in text
+    assert "projected $" in text and "on-demand for the same work" in text
+    assert "saving 67%" in text
+    page = header_html(view, board.data)
+    for part in ("step 100 of 400 (25%)", "interruptions 1", "saving 67%", "<svg",
+                 "2020-01-12 14:00", "replayed by the local cloud"):
+        assert part in page, part
+
+
+def test_metric_batches_read_as_their_rows() -> None:
+    """A reader with ``batches=True`` hands over ``metrics`` events (binary columns,
+    merged by compaction): the plots, the header and the progress read them as rows."""
+    rows = interrupted_events()
+    batched: list[Event] = []
+    for e in rows:
+        if e.type == "metric" and batched and batched[-1].type == "metrics" and \
+                batched[-1].attempt == e.attempt:
+            batched[-1] = merge_metrics([batched[-1], as_batch(e)])
+        else:
+            batched.append(as_batch(e) if e.type == "metric" else e)
+    assert sum(e.type == "metrics" for e in batched) == 3  # between other events
+    by_rows, by_batches = dashboard(), dashboard()
+    by_rows.events(rows)
+    by_batches.events(batched)
+    for board in (by_rows, by_batches):
+        board.flush()
+    for name in ("loss", "interruption"):
+        a, b = trace(by_rows, name), trace(by_batches, name)
+        assert np.array_equal(xs(a), xs(b), equal_nan=True), name
+        assert np.array_equal(ys(a), ys(b), equal_nan=True), name
+    views = [_view(events, now=T0 + 200) for events in (rows, batched)]
+    assert views[0].step == views[1].step == 99
+    assert display.status_lines(views[0]) == display.status_lines(views[1])
+
+
+def test_the_cost_note_says_what_the_summary_includes() -> None:
+    from spotnb.jobs import JobResult
+
+    view = JobView(job_id="job-1", name="test", created=T0)
+    result = JobResult(job_id="job-1", name="test", status="completed", reason="",
+                       attempts=(), interruptions=0, cost_usd=0.0125,
+                       ondemand_cost_usd=0.05, metrics={}, duration=60.0,
+                       requests_usd=0.0005)
+    view.account(result)
+    assert display.header(view).cost_note == result.cost_includes
+    assert "$0.0005" in display.header(view).cost_note
+
+
+def test_during_a_relaunch_the_header_names_the_attempt_being_launched() -> None:
+    events = [*_progress_run()[:62],
+              Event("status", T0 + 65, 0, None, {"state": "launching",
+                                                 "instance_type": "g5.xlarge",
+                                                 "az": "use1-az2"})]
+    view = _view(events, now=T0 + 66)
+    assert display.header(view).attempt == \
+        "attempt 1 ended; attempt 2: launching g5.xlarge use1-az2"
+
+
+def _progress_run() -> list[Event]:
+    """One step a second; attempt 1 logs 0-59, is interrupted at 60 s and had saved
+    step 49; attempt 2 boots at 70 s and logs 50-99 from 80 s: 10 steps redone, and no
+    progress from 59 s until step 60 at 90 s."""
+    launched = {"action": "launched", "pool": "p@a", "price": 0.2, "ondemand": 0.6,
+                "instance_id": "i-1"}
+    out = [Event("instance", T0, 0, "i-1", launched),
+           Event("status", T0 + 1, 1, "i-1", {"state": "booting"})]
+    out += [Event("metric", T0 + s, 1, "i-1", {"step": s, "t": T0 + s,
+                                               "values": {"loss": 1.0}})
+            for s in range(60)]
+    out += [Event("notice", T0 + 60, 1, "i-1", {"kind": "instance-action"}),
+            Event("instance", T0 + 62, 0, "i-2", {**launched, "instance_id": "i-2"}),
+            Event("instance", T0 + 65, 0, "i-1", {"action": "terminated",
+                                                  "instance_id": "i-1"}),
+            Event("status", T0 + 70, 2, "i-2", {"state": "booting"})]
+    out += [Event("metric", T0 + 30 + s, 2, "i-2", {"step": s, "t": T0 + 30 + s,
+                                                    "values": {"loss": 0.5}})
+            for s in range(50, 100)]
+    out.append(Event("price", T0 + 1, 0, "i-1", {"pool": "p@a", "price": 0.2,
+                                                 "history_time": "2020-01-12T14:00:00Z",
+                                                 "history_scale": 60}))
+    return sorted(out, key=lambda e: e.time)
+
+
+def test_one_log_line_per_interruption_and_per_resume() -> None:
+    view = JobView(job_id="j", name="n", created=T0)
+    events = [
+        Event("status", T0, 1, "i-1", {"state": "booting", "instance_type": "g4dn.xlarge",
+                                       "az": "a"}),
+        Event("notice", T0 + 10, 1, "i-1", {"kind": "instance-action",
+                                            "action": "terminate",
+                                            "notice_time": "2026-01-01T00:00:00Z"}),
+        Event("notice", T0 + 10, 1, "i-1", {"kind": "rebalance"}),
+        Event("status", T0 + 10, 1, "i-1", {"state": "interrupted",
+                                            "detail": "spot interruption notice: x"}),
+        Event("status", T0 + 11, 1, "i-1", {"state": "interrupted",
+                                            "detail": "final checkpoint at step 5 is "
+                                                      "durable; waiting"}),
+        # The agent, still running when its instance goes (a slow start), says so too.
+        Event("status", T0 + 12, 1, "i-1", {"state": "interrupted",
+                                            "detail": "the instance was terminated"}),
+        Event("status", T0 + 20, 2, "i-2", {"state": "booting"}),
+        Event("status", T0 + 25, 2, "i-2", {"state": "running",
+                                            "detail": "restored checkpoint of step 5"}),
+        # An instance gone without a notice: that line is the only one.
+        Event("status", T0 + 30, 2, "i-2", {"state": "interrupted",
+                                            "detail": "the instance was terminated"}),
+    ]
+    lines = []
+    for event in events:
+        view.apply(event)
+        text = display.milestone(event, view)
+        if text is not None:
+            lines.append(text)
+    assert len(lines) == 4, lines
+    assert lines[1].startswith("attempt 1: spot interruption notice for i-1")
+    assert lines[2].startswith("attempt 2: resuming on a replacement instance")
+    assert lines[3] == "attempt 2: the instance was terminated"
 
 
 # -- the buttons -----------------------------------------------------------------------
@@ -315,24 +593,73 @@ def test_detach_button_ends_the_follow_loop_as_an_interrupt_would() -> None:
     board.events([])  # once only
 
 
-def test_stop_and_interrupt_buttons_act_on_the_job() -> None:
-    board = Dashboard(clock=FakeClock(), show=False)
+def _wait_for(predicate: Any) -> None:
+    """Wait for a button's thread (bounded by the suite's timeout, not by a sleep)."""
+    while not predicate():
+        time.sleep(0.01)
+
+
+def test_stop_asks_for_confirmation_and_interrupt_acts() -> None:
+    clock = FakeClock()
+    board = Dashboard(clock=clock, show=False)
     handle = fake_handle()
     board.start(handle)
     assert board.buttons["interrupt"].layout.display is None  # shown on the local cloud
     board.buttons["interrupt"].click()
+    _wait_for(lambda: "interrupt" in handle.calls)
     board.buttons["stop"].click()
-    deadline = time.monotonic() + 5
-    while len(handle.calls) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert "stop" not in " ".join(handle.calls)  # the first click only asks
+    assert board.buttons["stop"].description == "Confirm stop"
+    assert "will not resume" in board.message.value
+    board.buttons["cancel"].click()
+    assert board.buttons["stop"].description == "Stop job…" and not board.message.value
+    board.buttons["stop"].click()
+    clock.now += dashboard_mod.STOP_CONFIRM_SECONDS + 1
+    board.events([])  # the question goes stale
+    assert board.buttons["stop"].description == "Stop job…"
+    board.buttons["stop"].click()
+    board.buttons["stop"].click()
+    _wait_for(lambda: len(handle.calls) == 2)
     assert sorted(handle.calls) == ["interrupt", "stop %spot_stop button"]
     assert board.buttons["stop"].disabled
+
+
+def test_messages_expire() -> None:
+    clock = FakeClock()
+    board = Dashboard(clock=clock, show=False)
+    handle = fake_handle()
+    board.start(handle)
+    board.buttons["interrupt"].click()
+    _wait_for(lambda: "delivered" in board.message.value)
+    clock.now += dashboard_mod.MESSAGE_SECONDS - 1
+    board.events([])
+    assert "delivered" in board.message.value
+    clock.now += 2
+    board.events([])
+    assert board.message.value == ""
 
 
 def test_interrupt_now_is_hidden_off_the_local_cloud() -> None:
     board = Dashboard(clock=FakeClock(), show=False)
     board.start(fake_handle(provider="aws"))
     assert board.buttons["interrupt"].layout.display == "none"
+
+
+def test_the_static_copy_is_a_png_hidden_next_to_its_live_dashboard() -> None:
+    pytest.importorskip("matplotlib")
+    board = dashboard()
+    interrupted_run(board)
+    board.view = _view([], now=T0 + 200)
+    data, meta = board.static_bundle()  # type: ignore[misc]
+    assert data["image/png"] and meta == {"spotnb": {"figure": "dashboard",
+                                                     "job_id": "job-1"}}
+    assert data["text/plain"].startswith("Final dashboard of spotnb job job-1")
+    live = static.live_class("job-1")
+    assert live in board.widget._dom_classes
+    assert (f"body:has(.{live} .spotnb-figure .js-plotly-plot) .spotnb-static-job-1"
+            in data["text/html"])
+    page = data["text/html"].replace(data["image/png"], "")
+    assert "<script" not in page and "http" not in page  # nothing to load: reads offline
 
 
 # -- the picker ------------------------------------------------------------------------
@@ -343,34 +670,66 @@ class FakeMagics:
     checkpoint_every = "10m"
 
 
-def test_picker_filters_sorts_and_chosen_types_become_the_defaults() -> None:
+def test_picker_ranks_by_expected_cost_counting_gpu_speed() -> None:
     magics = FakeMagics()
     picker = InstancePicker(magics=magics)
-    assert picker.shown == sorted(picker.shown, key=lambda r: r.spot_per_gpu_hour)
-    picker.gpu_model.value = "A10G"
-    assert picker.shown and {r.gpu_model for r in picker.shown} == {"A10G"}
-    picker.gpu_count.value = 4
-    assert {r.gpu_count for r in picker.shown} == {4}
-    picker.gpu_count.value = 0  # any
-    picker.max_spot.value = 1.0
-    assert all(r.spot <= 1.0 for r in picker.shown)
-    picker.sort_by.value, picker.descending.value = "memory_gib", True
+    assert picker.reference.value == "T4"  # the default type's GPU
+    costs = [estimate(r, 100.0, 600.0, "T4").spot_usd for r in picker.shown]  # type: ignore[union-attr]
+    assert costs == sorted(costs)
+    rows = {r.instance_type: r for r in picker.shown}
+    t4, h100 = rows["g4dn.xlarge"], rows["p5.48xlarge"]
+    assert h100.speed("T4") > 10 * t4.speed("T4")  # type: ignore[operator]
+    t4_job = estimate(t4, 100.0, 600.0, "T4")
+    h100_job = estimate(h100, 100.0, 600.0, "T4", all_gpus=True)
+    assert t4_job is not None and h100_job is not None
+    assert h100_job.wall_hours < t4_job.wall_hours / 100  # 8 H100s against one T4
+    assert picker.table.rows[0]["id"] == picker.shown[0].instance_type
+    assert "job $ spot" in [c["label"] for c in picker.table.columns]
+
+
+def test_picker_shows_nvidia_on_x86_by_default_and_warns_of_a_hidden_choice() -> None:
+    magics = FakeMagics()
+    picker = InstancePicker(magics=magics)
+    assert picker.shown and all(r.cuda for r in picker.shown)
+    assert not any(r.instance_type.startswith(("g4ad", "g5g")) for r in picker.shown)
+    picker.choose("g5g.xlarge")
+    assert "g5g.xlarge is chosen but hidden" in picker.warning.value
+    assert "ARM (Graviton)" in picker.warning.value
+    picker.cuda_only.value = False
+    assert any(r.instance_type.startswith("g4ad") for r in picker.shown)
+    assert picker.warning.value == ""
+
+
+def test_picker_sorts_by_header_and_chooses_by_row_click() -> None:
+    magics = FakeMagics()
+    picker = InstancePicker(magics=magics)
+    # What the table's front end does on a click on the "RAM GiB" header, twice.
+    picker.table.sort_key = "memory_gib"
+    assert [r.memory_gib for r in picker.shown] == sorted(r.memory_gib for r in picker.shown)
+    picker.table.descending = True
     assert [r.memory_gib for r in picker.shown] == sorted(
         (r.memory_gib for r in picker.shown), reverse=True)
-    picker.choose("g5.2xlarge", "g5.xlarge")
+    # ... and on clicks on two rows.
+    picker.table.chosen = ["g5.2xlarge"]
+    picker.table.chosen = ["g5.2xlarge", "g5.xlarge"]
+    assert list(picker.chosen.value) == ["g5.2xlarge", "g5.xlarge"]
     assert magics.instance_types == ["g5.2xlarge", "g5.xlarge"]
     assert "%%spot_train -t g5.2xlarge,g5.xlarge" in picker.line.value
-    assert "<b>1.</b> g5.2xlarge" in picker.table.value  # preference shown in the table
+    picker.gpu_model.value = "A10G"
+    assert picker.shown and {r.gpu_model for r in picker.shown} == {"A10G"}
     picker.region.value = "eu-west-1"
     picker.choose("g5.xlarge")
-    assert magics.region == "eu-west-1"
+    assert magics.region == "eu-west-1" and picker.table.chosen == ["g5.xlarge"]
     assert "--region eu-west-1" in picker.line.value
 
 
-def test_picker_shows_stale_prices_as_stale() -> None:
+def test_picker_shows_price_staleness_once() -> None:
     picker = InstancePicker(magics=FakeMagics())
     assert all(r.stale() for r in picker.shown)  # the bundled snapshot is from 2025
-    assert "stale</span>" in picker.table.value and "(stale)" in picker.text()
+    assert picker.note.value.count("days old") == 1 and "spotnb-stale" in picker.note.value
+    assert not any("stale" in str(cell) for row in picker.table.rows
+                   for cell in row["cells"].values())
+    assert "days old" in picker.text()
 
 
 def test_the_estimate_adds_the_interruption_overhead_of_the_bucket() -> None:
@@ -378,7 +737,8 @@ def test_the_estimate_adds_the_interruption_overhead_of_the_bucket() -> None:
     g5 = rows["g5.xlarge"]  # >20%: read as up to one interruption a month
     calm = next(r for r in rows.values() if r.interruption_max_pct == 5.0)
     for row in (g5, calm):
-        est = estimate(row, gpu_hours=720.0, checkpoint_seconds=1200.0)
+        est = estimate(row, 720.0, 1200.0, all_gpus=True)
+        assert est is not None
         wall = 720.0 / row.gpu_count
         rate = row.interruption_max_pct / 100 / 720  # type: ignore[operator]
         overhead = 600 / 3600 + 5 / 60
@@ -386,10 +746,11 @@ def test_the_estimate_adds_the_interruption_overhead_of_the_bucket() -> None:
         assert est.interruptions == pytest.approx(rate * est.billed_hours)
         assert est.spot_usd == pytest.approx(est.billed_hours * row.spot)
     busy = estimate(g5, 720.0, 1200.0)
-    assert busy.billed_hours - 720.0 > estimate(calm, 720.0 * calm.gpu_count, 1200.0
-                                                ).billed_hours - 720.0
+    quiet = estimate(calm, 720.0, 1200.0)
+    assert busy is not None and quiet is not None
+    assert busy.billed_hours - 720.0 > quiet.billed_hours - 720.0
     # A longer checkpoint interval costs more when interruptions come.
-    assert estimate(g5, 720.0, 7200.0).spot_usd > busy.spot_usd
+    assert estimate(g5, 720.0, 7200.0).spot_usd > busy.spot_usd  # type: ignore[union-attr]
 
 
 def test_train_line() -> None:
@@ -397,8 +758,9 @@ def test_train_line() -> None:
     assert train_line(["a"], "eu-west-1") == "%%spot_train -t a --region eu-west-1"
 
 
-def test_picker_rows_are_gpu_types_with_spot_prices() -> None:
+def test_picker_rows_are_gpu_types_with_spot_prices_and_speed_figures() -> None:
     rows = picker_rows("us-east-1")
     assert rows and all(isinstance(r, PickerRow) for r in rows)
     assert not any(r.gpu_model in ("Inferentia2", "Trainium") for r in rows)
     assert all(r.spot > 0 and r.pools >= 1 for r in rows)
+    assert all(r.gpu_tflops for r in rows if r.cuda)  # every CUDA GPU has its figure

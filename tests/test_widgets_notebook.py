@@ -1,19 +1,20 @@
 """The widgets in real kernels: an executed notebook keeps them, and buttons act while
 the cell is busy.
 
-The quickstart is executed with nbclient (as ``spotnb run`` does); its saved widget
-state must hold the dashboard's figure with its traces and final data, in a form a
-front end can load, next to the static figure output; the picker in it must show the
-numbers of the bundled data (``../shared/data/``, read here independently).
+The quickstart is executed with ``spotnb run``'s own function: the executed copy must
+stay small (no plotly.js in its widget state), show the finished job's plots once, as
+an image that needs no script, and keep the rest of the dashboard's widgets; the picker
+in it must show the numbers of the bundled data (``../shared/data/``, read here
+independently).
 """
 
 from __future__ import annotations
 
 import base64
 import csv
+import io
 import json
 import queue
-import re
 import shutil
 import time
 from pathlib import Path
@@ -83,71 +84,88 @@ def _resolve(state: dict[str, Any], path: list[Any]) -> Any:
     return obj
 
 
-def test_executed_quickstart_keeps_the_dashboard_the_picker_and_a_static_figure(
+def _model(state: dict[str, Any], model_id: str) -> dict[str, Any]:
+    return dict(state[model_id.removeprefix("IPY_MODEL_")]["state"])
+
+
+def test_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image(
         spotnb_home: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    from spotnb.records.figures import LOSS_COLOUR
+
     for name in ("quickstart.ipynb", "digits_data.py"):
         shutil.copy(REPO / "notebooks" / name, tmp_path / name)
     run = run_notebook(tmp_path / "quickstart.ipynb")
     assert run.ok, run.failure
+    size = run.output.stat().st_size
+    assert size < 2**20, f"the executed quickstart is {size / 2**20:.1f} MB"
     nb = nbformat.read(run.output, as_version=4)
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
-
-    # One figure (its saved state carries plotly.js: one per dashboard, not per plot).
-    (figure,) = [w for w in state.values() if "_widget_data" in w["state"]]
-    assert "plotly" in figure["state"]["_esm"][:100_000].lower()
-    data = figure["state"]["_widget_data"]
-    names = [t.get("name") for t in data]
-    assert {"loss", "loss, redone", "interruption", "spot $/h", "CPU utilisation %",
-            "RAM used %", "max price (= on-demand)", "on-demand"} <= set(names), names
-    # The final data, not the data at display time: the loss curve's 300 steps.
-    buffers = {tuple(b["path"]): b for b in figure["buffers"]}
-    loss = names.index("loss")
-    steps = _decode(buffers[("_widget_data", loss, "x", "buffer")])
-    assert list(steps) == list(range(STEPS))
-    assert np.all(np.isfinite(_decode(buffers[("_widget_data", loss, "y", "buffer")])))
-    marks = _decode(buffers[("_widget_data", names.index("interruption"), "x", "buffer")])
-    assert len(marks) == 2 and 0 < marks[0] < marks[1] < STEPS
-    shapes = figure["state"]["_widget_layout"]["shapes"]
-    assert len(shapes) == 12 and {s["xref"] for s in shapes} == {"x", "x2", "x3"}
-    # Every saved buffer has a home: a front end can load this state.
-    for b in figure["buffers"]:
-        _resolve(figure["state"], b["path"])
+    # No model carries plotly.js (about 5 MB a figure).
+    assert all(len(json.dumps(m)) < 256 * 1024 for m in state.values())
 
     train = next(c for c in nb.cells if c.source.startswith("%%spot_train"))
     kinds = [sorted(o.get("data", {})) for o in train.outputs
              if o["output_type"] == "display_data"]
-    # The dashboard, its static figure, and the job's record line (spotnb.records).
+    # The dashboard, its static copy (a PNG), and the job's record line.
     assert kinds == [["application/vnd.jupyter.widget-view+json", "text/plain"],
-                     ["application/vnd.plotly.v1+json", "text/html", "text/plain"],
-                     ["text/plain"]], kinds
+                     ["image/png", "text/html", "text/plain"], ["text/plain"]], kinds
     dashboard, static, record = (o for o in train.outputs if o["output_type"] == "display_data")
     assert record["metadata"]["spotnb"]["job"]["interruptions"] == 2
+    job_id = record["metadata"]["spotnb"]["job"]["job_id"]
     # Without widgets the dashboard reads as text: status, then the output panel.
     text = dashboard["data"]["text/plain"]
     assert text.startswith("spotnb job") and "completed" in text
+    assert f"step {STEPS} of {STEPS} (100%)" in text and "interruptions 2 (took" in text
     assert text.count("spot interruption notice") == 2 and "test accuracy" in text
-    assert dashboard["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] in state
-    fig = static["data"]["application/vnd.plotly.v1+json"]
-    static_loss = next(t for t in fig["data"] if t.get("name") == "loss")
-    x = static_loss["x"]
-    n = len(base64.b64decode(x["bdata"])) // 8 if isinstance(x, dict) else len(x)
-    assert n == STEPS
-    assert "cdn.plot.ly" in static["data"]["text/html"]
+    assert "saving at the next opportunity" not in text  # one line per interruption
+
+    # The static copy: the final figure as an image, hidden next to a live dashboard.
+    assert static["metadata"]["spotnb"] == {"figure": "dashboard", "job_id": job_id}
+    html = static["data"]["text/html"]
+    assert f"body:has(.spotnb-live-{job_id} .spotnb-figure .js-plotly-plot)" in html
+    assert "<script" not in html
+    png = base64.b64decode(static["data"]["image/png"])
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    assert image.size[0] >= 900
+    target = np.array([int(LOSS_COLOUR[i:i + 2], 16) for i in (1, 3, 5)])
+    loss_pixels = np.all(np.abs(np.asarray(image, dtype=int) - target) <= 24, axis=-1).sum()
+    assert loss_pixels > 500  # the loss curve is drawn
+
+    # The dashboard's widgets stay (header, controls, figure, output panel, buttons),
+    # the figure with its final data: a front end with widgets shows it without a kernel.
+    box = _model(state, dashboard["data"]["application/vnd.jupyter.widget-view+json"]
+                 ["model_id"])
+    assert f"spotnb-live-{job_id}" in box["_dom_classes"]
+    assert all(c.removeprefix("IPY_MODEL_") in state for c in box["children"])
+    children = [_model(state, c) for c in box["children"]]
+    header = children[0]["value"]
+    assert "completed" in header and "interruptions 2" in header
+    panel = next(c for c in children if "lines" in c)
+    assert panel["lines"][-1][1].startswith("test accuracy")
+    (figure,) = [state[c.removeprefix("IPY_MODEL_")] for c in box["children"]
+                 if "plot_data" in _model(state, c)]
+    names = [t["name"] for t in figure["state"]["plot_data"]]
+    assert {"loss", "lr", "interruption", "CPU utilisation %"} <= set(names), names
+    buffers = {tuple(b["path"]): b for b in figure["buffers"]}
+    steps = _decode(buffers[("plot_data", names.index("loss"), "x")])
+    finite = steps[np.isfinite(steps)]
+    assert list(finite) == list(range(STEPS))  # every step, the gaps between instances
 
     # The picker shows the bundled data's numbers.
     picker = next(c for c in nb.cells if c.source.startswith("%spot_picker"))
     (result,) = [o for o in picker.outputs if o["output_type"] == "execute_result"]
-    tables = [w["state"]["value"] for w in state.values()
-              if "spotnb-picker-table" in str(w["state"].get("value", ""))]
-    assert len(tables) == 1
+    (table,) = [w["state"] for w in state.values()
+                if w["state"].get("table_class") == "spotnb-picker-table"]
+    rows = {r["id"]: r["cells"] for r in table["rows"]}
     for name in CHECKED_TYPES:
         want = shared_numbers(name)
-        row = re.search(rf"<tr data-type='{re.escape(name)}'.*?</tr>", tables[0])
-        assert row, name
-        cells = re.findall(r"<td[^>]*>(.*?)</td>", row.group(0))
-        assert cells[6] == f"{want['ondemand']:.3f}" and cells[7] == f"{want['spot']:.4f}"
-        assert cells[9] == want["interruption"].replace(">", "&gt;").replace("<", "&lt;")
-        assert name in result["data"]["text/plain"] or "more" in result["data"]["text/plain"]
+        cells = rows[name]
+        assert cells["ondemand"] == f"{want['ondemand']:.3f}"
+        assert cells["spot"] == f"{want['spot']:.4f}"
+        assert cells["interruption"] == want["interruption"]
+    assert "sorted by job $ spot" in result["data"]["text/plain"]
 
 
 def _iopub_until(kc: Any, predicate: Any, timeout: float) -> list[dict[str, Any]]:
@@ -175,15 +193,20 @@ def test_the_stop_button_works_while_the_cell_follows_the_job(
 
         def stop_button(msg: dict[str, Any]) -> bool:
             state = msg["content"].get("data", {}).get("state", {})
-            return msg["msg_type"] == "comm_open" and state.get("description") == "Stop"
+            return msg["msg_type"] == "comm_open" and state.get("description") == "Stop job…"
 
         opened = _iopub_until(kc, stop_button, 60)
         comm_id = opened[-1]["content"]["comm_id"]
         # Wait until the job runs, then press Stop as JupyterLab does.
         _iopub_until(kc, lambda m: m["msg_type"] == "comm_msg" and "loss" in json.dumps(
             m["content"]["data"].get("state", {}), default=str), 90)
-        kc.shell_channel.send(kc.session.msg("comm_msg", {
-            "comm_id": comm_id, "data": {"method": "custom", "content": {"event": "click"}}}))
+        click = kc.session.msg("comm_msg", {
+            "comm_id": comm_id, "data": {"method": "custom", "content": {"event": "click"}}})
+        kc.shell_channel.send(click)
+        # The first click asks; the second, on "Confirm stop", stops the job.
+        _iopub_until(kc, lambda m: m["msg_type"] == "comm_msg" and m["content"]["data"].get(
+            "state", {}).get("description") == "Confirm stop", 60)
+        kc.shell_channel.send(kc.session.msg("comm_msg", click["content"]))
         done = _iopub_until(kc, lambda m: m["parent_header"].get("msg_id") == cell
                             and m["msg_type"] == "error", 90)
         error = done[-1]["content"]

@@ -38,6 +38,7 @@ vocabulary every reader may rely on):
                 ``metrics`` batch as these unless they ask for batches
                 (``replayed_by`` marks rows a checkpoint carried and a later attempt
                 recorded for the attempt that logged them)
+``progress``    ``total`` (steps in the run), ``source`` (``spot.progress`` or ``range``)
 ``stream``      ``name`` (stdout/stderr), ``text``
 ``display``     ``data`` (MIME bundle), ``metadata``, ``kind`` (display_data,
                 execute_result, update_display_data), ``display_id``
@@ -86,6 +87,7 @@ __all__ = [
     "log_state",
     "merge_metrics",
     "metric_columns",
+    "metric_names",
     "metric_rows",
     "metrics_data",
     "parse_chunk",
@@ -225,6 +227,19 @@ def metric_columns(event: Event) -> Columns:
         else:
             values[name] = (None, _unpack("d", column))
     return steps, times, values
+
+
+def metric_names(columns: dict[str, tuple[Any, Any]]) -> list[str]:
+    """A batch's metric names (of :func:`metric_columns`) in the order its rows name
+    them one by one: by the first row that has each, then as stored. A reader that
+    takes a batch in bulk keeps the order a reader of its rows would (new names are
+    added to a display in this order)."""
+    def first_row(name: str) -> int:
+        rows, values = columns[name]
+        if not len(values):
+            return sys.maxsize
+        return 0 if rows is None else int(rows[0])
+    return sorted(columns, key=first_row)
 
 
 def metric_rows(event: Event) -> Iterator[tuple[int, float, dict[str, float]]]:

@@ -94,10 +94,15 @@ class LiveSender:
     followers registered there. ``on_stop`` is called with a stop message."""
 
     def __init__(self, control: Queue, on_stop: Callable[[dict[str, Any]], None],
-                 store: Store | None = None) -> None:
+                 store: Store | None = None,
+                 before_send: Callable[[], None] | None = None) -> None:
         self.control = control
         self.on_stop = on_stop
         self.store = store
+        # Called just before each send while someone watches: the agent turns the
+        # metric rows it gathered into an event then, so a row waits for one send
+        # interval, not for a gathering interval and then a send interval.
+        self.before_send = before_send
         self.writer: EventWriter | None = None
         self._watchers: dict[str, tuple[Queue, float]] = {}
         self._lock = threading.Lock()
@@ -205,6 +210,11 @@ class LiveSender:
             self._send_due()
 
     def _send_due(self) -> None:
+        if self.before_send is not None and self._watchers:
+            try:
+                self.before_send()
+            except Exception:
+                log.exception("preparing the live events failed; sending what there is")
         with self._lock:
             writer = self.writer
             now = time.time()
@@ -318,6 +328,14 @@ class Follower:
         if now - self._log_read_at >= due:
             out += self._read_log()
             out += self._release()
+        return out if self.batches else [row for e in out for row in expand(e)]
+
+    def read_log(self) -> list[Event]:
+        """Read the log now, whatever the schedule, with the live events that waited
+        for it: what only the log has (the capacity group's events) is then delivered
+        up to this moment."""
+        out = self._read_log()
+        out += self._release()
         return out if self.batches else [row for e in out for row in expand(e)]
 
     def close(self) -> None:

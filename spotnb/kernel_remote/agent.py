@@ -74,6 +74,7 @@ from spotnb.kernel_remote.imds import ImdsClient
 from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
 from spotnb.kernel_remote.sampler import Sampler
 from spotnb.lease import Standing
+from spotnb.notify import Notifier
 from spotnb.spec import JobSpec
 from spotnb.store import (
     NotFound,
@@ -143,6 +144,8 @@ class Agent:
         self.imds = imds or ImdsClient()
         self.spec: JobSpec = JobSpec.from_json(
             _retry_store(lambda: self.store.get(layout.SPEC), "reading the spec"))
+        # Notifications (spotnb.notify): a no-op without the policy's notify_url.
+        self.notifier = Notifier(self.spec.policy.notify_url, self.spec.job_id, self.spec.name)
         self.identity: dict[str, Any] = {}
         self.held: lease.HeldLease | None = None
         self.events: EventWriter | None = None
@@ -210,6 +213,7 @@ class Agent:
             return EXIT_STORE
         finally:
             self._done.set()
+            self.notifier.close()  # bounded: the last message's send, at most
             if self.live is not None:
                 self.live.stop()
             self._shutdown_kernel()
@@ -224,7 +228,8 @@ class Agent:
         try:
             control = queue_for(self.store, self.spec.job_id, CONTROL_QUEUE)
             control.create()
-            self.live = LiveSender(control, self._on_stop_message, self.store).start()
+            self.live = LiveSender(control, self._on_stop_message, self.store,
+                                   before_send=self._emit_rows).start()
         except Exception as err:
             log.warning("no live channel (%s): followers read the log", err)
         threads = [
@@ -262,6 +267,7 @@ class Agent:
                 region=self.identity.get("region"), pid=os.getpid(),
                 process_started=_process_started())
         ev.flush_soon()
+        self.notifier.where = self._where()
         sampler = Sampler(self._on_sample)
         sampler.start()
         try:
@@ -401,6 +407,7 @@ class Agent:
             self.live.attach(None)
         self._close_events()
         self.held.release()
+        self.notifier.ended(status, reason, self.held.epoch)
         return status
 
     # -- kernel ----------------------------------------------------------------------
@@ -425,6 +432,9 @@ class Agent:
         self._workdir.mkdir(exist_ok=True)
         every = self.spec.policy.checkpoint_every
         env = dict(os.environ)
+        # The job's own variables (submit's env); those without a value are passed to
+        # the instance by the local cloud, from the user's environment.
+        env.update({k: v for k, v in self.spec.env.items() if v is not None})
         env.update({
             channel.ENV_JOB_URI: self.job_uri,
             channel.ENV_JOB_ID: self.spec.job_id,
@@ -740,6 +750,9 @@ class Agent:
                 self.node.on_notice()  # a rendezvous host vacates first
             self._send({"op": "notice", "kind": "instance-action",
                         "action": action.get("action"), "time": action.get("time")})
+            if self.held is not None:
+                self.notifier.interrupted(self.held.epoch, action.get("action"),
+                                          action.get("time"))
         if rebalance and not self.rebalance:
             self.rebalance = rebalance
             self._emit("notice", kind="rebalance", action="rebalance",
@@ -873,6 +886,7 @@ class Agent:
             with self._rows_lock:
                 self._rows.extend(msg["rows"])
                 full = len(self._rows) >= ROWS_PER_EVENT
+            self.notifier.saw_metrics(msg["rows"])
             if full:
                 self._emit_rows()
             return
@@ -938,6 +952,9 @@ class Agent:
             ev.emit("warning", kind=msg.get("kind"), text=msg.get("text", ""))
         elif op == "params":
             ev.emit("params", **{k: v for k, v in msg.items() if k != "op"})
+        elif op == "progress":
+            ev.emit("progress", total=msg.get("total"), source=msg.get("source"))
+            self.notifier.saw_total(msg.get("total"))
         elif op == "hello":
             pass
         else:
@@ -978,6 +995,7 @@ class Agent:
     def _on_sample(self, data: dict[str, Any]) -> None:
         """A GPU/CPU sample: every one while a follower watches, else one in
         SYS_IDLE_SECONDS (the history needs no more; a day is 8,640 events)."""
+        self.notifier.saw_sys(data)
         now = time.monotonic()
         watched = self.live is not None and self.live.watched
         if watched or now - self._sampled_at >= SYS_IDLE_SECONDS:

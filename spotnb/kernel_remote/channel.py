@@ -16,6 +16,9 @@ runtime -> agent
     (``SyncDir.save``) also has ``"step": int, "forced": bool``
     ``{"op": "params", "params": {name: value}, "source": str (optional)}``: the run's
     hyperparameters (``spot.log_params``), recorded as a ``params`` event
+    ``{"op": "progress", "total": int, "source": "spot.progress"|"range"}``: how many
+    steps the run has (:func:`spotnb.runtime.progress`, or the range of the loop
+    around the first ``spot.log``)
     ``{"op": "parked", "step": int}``: the save forced by an interruption notice is
     durable; user code is now held until the instance is terminated. (A distributed
     job: this node leaves the world.)

@@ -21,7 +21,8 @@ and, in a notebook run by hand, the output metadata ``spotnb.job`` of its cell):
     job_id, name, status, reason, store_uri, spotnb_version, code_sha256,
     options       provider, instance_types, region, max_price, checkpoint_every,
                   max_restarts_on_error, budget_usd, max_duration, keep_checkpoints,
-                  inputs, outputs, simulate_interruptions
+                  inputs, outputs, simulate_interruptions, notify (whether a
+                  webhook was told; never its URL)
     params        the hyperparameters the job logged (spot.log_params; the framework
                   integrations log TrainingArguments, a LightningModule's hparams, an
                   Accelerate tracker's config), params_source (which framework)

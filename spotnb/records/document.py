@@ -1,19 +1,23 @@
 """What a record keeps of an executed notebook, and its HTML export.
 
-**Widget state.** A plotly ``FigureWidget`` is an anywidget whose saved state carries
-the whole plotly.js bundle (``_esm``, about 5 MB) for every figure. A record does not
-keep it: :func:`drop_bundled_widgets` removes every anywidget model whose ``_esm`` passes
-:data:`MAX_WIDGET_ESM_BYTES` and unlinks it from the boxes that held it. The rest of the
-widget state stays (the dashboard's header, output panel and buttons; the instance
-picker), and the figure itself survives twice, in forms that need no widget: the
-dashboard's own static copy (plotly JSON, which JupyterLab, Notebook 7 and VS Code
-render interactively without a kernel) and a PNG (:func:`add_static_figure`), which
-every viewer shows: GitHub, nbviewer, an HTML export read offline, an image viewer.
+**Widget state.** A plotly ``FigureWidget`` (a user's own, or the dashboard figure of
+an older spotnb) is an anywidget whose saved state carries the whole plotly.js bundle
+(``_esm``, about 5 MB) for every figure. Neither a record nor ``spotnb run``'s executed
+copy keeps it: :func:`drop_bundled_widgets` removes every
+anywidget model whose ``_esm`` passes :data:`MAX_WIDGET_ESM_BYTES` and unlinks it from
+the boxes that held it. The rest of the widget state stays (the dashboard's header,
+output panel, controls and buttons; the instance picker), and the figure survives as
+the PNG that a finished dashboard displays below itself (:mod:`spotnb.widgets.static`;
+for a cell without one, :func:`add_static_figure` adds it), which every viewer shows:
+GitHub, nbviewer, an HTML export read offline, an image viewer, and JupyterLab itself
+wherever the live figure is not drawn.
 
 **HTML export.** :func:`export_html` runs nbconvert's ``lab`` template on a copy of the
-record in which a cell's plotly outputs give way to its PNG: plotly's HTML loads
-plotly.js from a CDN, so offline it would leave a blank box where the curves should be.
-The export is then one self-contained file whose figures need no script and no network.
+record in which a cell's plotly outputs (an older dashboard's static copy) give way to
+its PNG: plotly's HTML loads plotly.js from a CDN, so offline it would leave a blank box
+where the curves should be. The export is then one self-contained file whose figures
+need no script and no network. A plain ``jupyter nbconvert --to html`` of a notebook
+run with this version reads offline too: its figures are that same PNG.
 """
 
 from __future__ import annotations

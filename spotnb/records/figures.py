@@ -1,10 +1,11 @@
 """Static figures for records, drawn with matplotlib (Agg): no browser, no JavaScript.
 
-:func:`dashboard_png` draws the final state of a job's dashboard from its events (the
-same series as the live widget, via :class:`spotnb.widgets.series.DashboardData`):
-metrics against step with the redone points and the interruptions, CPU/GPU use and
-the spot price against time. It is what a reader sees where widgets and plotly do not
-render: GitHub's notebook viewer, an HTML export read offline, an image viewer.
+:func:`render` draws the final state of a job's dashboard (the same series as the live
+widget, :class:`spotnb.widgets.series.DashboardData`): a panel per metric against step
+with the redone points, the interruptions and the resumes, CPU/GPU use against time,
+and a headline with the cost and the spot prices. It is what a reader sees where
+widgets do not render: GitHub's notebook viewer, an HTML export read offline, an image
+viewer. :func:`dashboard_png` draws it from a job's events and record.
 :func:`compare_png` overlays the metric curves of several records.
 
 The figures never touch pyplot's global state, so drawing one inside a kernel does not
@@ -22,16 +23,15 @@ from spotnb.events import Event
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["INSTALL_HINT", "LOSS_COLOUR", "available", "compare_png", "dashboard_png"]
+    from spotnb.widgets.series import DashboardData
+
+__all__ = ["INSTALL_HINT", "LOSS_COLOUR", "available", "compare_png", "dashboard_png",
+           "price_lines", "render"]
 
 INSTALL_HINT = "pip install 'spotnb[records]' (matplotlib)"
 #: The first metric's colour (the dashboard's); nothing else in the figure uses it.
 LOSS_COLOUR = "#1f77b4"
 _METRIC_COLOURS = (LOSS_COLOUR, "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
-_INTERRUPT_COLOUR = "#d62728"
-_RESUME_COLOUR = "#2ca02c"
-_PRICE_COLOUR = "#6f42c1"
-_METRICS_SHOWN = 3
 _SIZE_INCHES = (10.0, 7.6)
 _DPI = 100
 
@@ -67,90 +67,122 @@ def _headline(record: Mapping[str, Any]) -> tuple[str, str]:
 def dashboard_png(events: Sequence[Event], record: Mapping[str, Any]) -> bytes:
     """The job's final dashboard as a PNG: ``events`` is its whole event log and
     ``record`` its :func:`~spotnb.records.summary.job_record` (for the headline)."""
-    import numpy as np
-    from matplotlib.figure import Figure
-
     from spotnb.widgets.series import DashboardData
 
     data = DashboardData()
     data.add(list(events))
-    origin = data.first_time or 0.0
-    fig = Figure(figsize=_SIZE_INCHES, layout="constrained")
     title, line = _headline(record)
+    return render(data, title, [line, *price_lines(data)])
+
+
+def price_lines(data: DashboardData) -> list[str]:
+    """What the spot prices were, per pool the job ran in, and where they come from."""
+    lines = []
+    for pool in data.pools.values():
+        if not pool.prices:
+            continue
+        lo, hi = min(pool.prices), max(pool.prices)
+        span = f"${lo:.4f}/h" if lo == hi else f"${lo:.4f}-{hi:.4f}/h"
+        text = f"spot {pool.pool}: {span}"
+        if pool.ondemand:
+            text += f" (on-demand ${pool.ondemand:.4f}/h)"
+        dates = pool.history_dates(data.last_time)
+        if dates:
+            text += f"; the local cloud replayed real prices of {dates}"
+        lines.append(text)
+    return lines
+
+
+def render(data: DashboardData, title: str, lines: Sequence[str]) -> bytes:
+    """The dashboard's figure as a PNG (see the module docstring): a panel per metric,
+    two per row, each with its own y axis; CPU/GPU use below; interruptions, resumes
+    and redone steps marked as on the live dashboard."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    from spotnb.widgets.plots import (
+        COLOURS,
+        INTERRUPT_COLOUR,
+        MEM_COLOUR,
+        RESUME_COLOUR,
+        UTIL_COLOUR,
+    )
+
+    names = data.metric_names()
+    cols = 1 if len(names) <= 1 else 2
+    rows = max(1, -(-len(names) // cols))
+    has_sys = len(data.util) > 0
+    heights = [2.3] * rows + ([1.5] if has_sys else [])
+    fig = Figure(figsize=(_SIZE_INCHES[0], 1.1 + 0.16 * len(lines) + sum(heights)),
+                 layout="constrained")
     # A "$" starts mathtext in matplotlib: escape the prices.
-    fig.suptitle(f"{title}\n{line}".replace("$", r"\$"), fontsize=10, x=0.01, ha="left")
-    metrics, sys_, price = fig.subplots(3, 1, height_ratios=[0.44, 0.28, 0.28])
-
-    names = data.metric_names()[:_METRICS_SHOWN]
-    for n, name in enumerate(names):
+    fig.suptitle("\n".join([title, *lines]).replace("$", r"\$"), fontsize=9, x=0.01,
+                 ha="left")
+    grid = fig.add_gridspec(len(heights), cols, height_ratios=heights)
+    origin = data.first_time or 0.0
+    for n, name in enumerate(names or [""]):
+        ax = fig.add_subplot(grid[n // cols, n % cols])
+        if not name:
+            ax.text(0.5, 0.5, "no metrics logged", ha="center", va="center",
+                    transform=ax.transAxes, color="#57606a")
+            continue
         series = data.metrics[name]
-        colour = _METRIC_COLOURS[n % len(_METRIC_COLOURS)]
-        metrics.plot(series.curve.full.x, series.curve.full.y, color=colour, lw=1.4,
-                     label=name)
+        x, y, _t = series.points(full=True)
+        ax.plot(x, y, color=COLOURS[n % len(COLOURS)], lw=1.4)
         if len(series.redone):
-            metrics.plot(series.redone.full.x, series.redone.full.y, ls="none", marker="x",
-                         ms=3, color="#7f7f7f", alpha=0.6, label=f"{name}, redone")
-    if not names:
-        metrics.text(0.5, 0.5, "no metrics logged", ha="center", va="center",
-                     transform=metrics.transAxes, color="#57606a")
-    for marker in data.markers:
-        interrupted = marker.kind == "interrupted"
-        style = {"color": _INTERRUPT_COLOUR if interrupted else _RESUME_COLOUR,
-                 "ls": "--" if interrupted else ":", "lw": 1.2}
-        if marker.step is not None:
-            metrics.axvline(marker.step, **style)
-        t = (marker.time - origin) / 60.0
-        sys_.axvline(t, **style)
-        price.axvline(t, **style)
-    kinds = {m.kind for m in data.markers}
-    _legend(metrics, extra=[(label, colour, style) for kind, label, colour, style in (
-        ("interrupted", "interruption", _INTERRUPT_COLOUR, "--"),
-        ("resumed", "resume", _RESUME_COLOUR, ":")) if kind in kinds])
-    metrics.set_xlabel("step", fontsize=9)
-    metrics.set_title("metrics against step", fontsize=9, loc="left")
-
-    gpu = data.sys_kind == "gpu"
-    if len(data.util):
-        sys_.plot((data.util.full.x - origin) / 60.0, data.util.full.y, color="#ff7f0e",
-                  lw=1, label="GPU utilisation %" if gpu else "CPU utilisation %")
-        sys_.plot((data.mem.full.x - origin) / 60.0, data.mem.full.y, color="#7f7f7f",
-                  lw=1, label="GPU memory %" if gpu else "RAM used %")
-        _legend(sys_)
-    sys_.set_ylim(0, 105)
-    sys_.set_ylabel("%", fontsize=9)
-    sys_.set_title("utilisation" + ("" if gpu else " (no GPU)"), fontsize=9, loc="left")
-
-    if len(data.price):
-        end = max(data.last_time, float(data.price.x[-1]))
-        px = (np.append(data.price.x, end) - origin) / 60.0
-        py = np.append(data.price.y, data.price.y[-1])
-        price.step(px, py, where="post", color=_PRICE_COLOUR, lw=1.4, label="spot $/h")
-        cap = (record.get("options") or {}).get("max_price")
-        if cap is not None:
-            price.axhline(float(cap), color=_INTERRUPT_COLOUR, ls="--", lw=1, label="max price")
-        if data.ondemand is not None:
-            price.axhline(data.ondemand, color="#6e7781", ls=":", lw=1, label="on-demand")
-        price.set_ylim(bottom=0)
-        _legend(price)
-    price.set_ylabel("USD / hour", fontsize=9)
-    price.set_xlabel("minutes since the job started", fontsize=9)
-    price.set_title("spot price of the instance's pool", fontsize=9, loc="left")
-    for ax in (metrics, sys_, price):
-        ax.grid(True, color="#eaeef2", lw=0.6)
-        ax.tick_params(labelsize=8)
+            ax.plot(series.redone.full.x, series.redone.full.y, ls="none", marker="x", ms=3,
+                    color="#6e7781", alpha=0.7)
+        for marker in data.markers:
+            if marker.step is not None:
+                ax.axvline(marker.step, **_mark_style(marker.ended, INTERRUPT_COLOUR,
+                                                      RESUME_COLOUR))
+        ax.set_title(name, fontsize=9, loc="left", fontweight="bold")
+        ax.set_xlabel("step", fontsize=8)
+        _style(ax)
+    if has_sys:
+        ax = fig.add_subplot(grid[rows, :])
+        gpu = data.sys_kind == "gpu"
+        x, y = data.sys_points(data.util, full=True)
+        ax.plot((x - origin) / 60.0, y, color=UTIL_COLOUR, lw=1,
+                label="GPU utilisation %" if gpu else "CPU utilisation %")
+        x, y = data.sys_points(data.mem, full=True)
+        ax.plot((x - origin) / 60.0, y, color=MEM_COLOUR, lw=1,
+                label="GPU memory %" if gpu else "RAM used %")
+        for marker in data.markers:
+            ax.axvline((marker.time - origin) / 60.0,
+                       **_mark_style(marker.ended, INTERRUPT_COLOUR, RESUME_COLOUR))
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("%", fontsize=8)
+        ax.set_xlabel("minutes since the job started", fontsize=8)
+        ax.set_title("GPU utilisation and memory" if gpu
+                     else "CPU and RAM (no GPU on this instance)", fontsize=9, loc="left",
+                     fontweight="bold")
+        ax.legend(fontsize=7, loc="lower left", frameon=False, ncols=2)
+        _style(ax)
+    handles = []
+    if any(m.ended for m in data.markers):
+        handles.append(Line2D([], [], label="interruption",
+                              **_mark_style(True, INTERRUPT_COLOUR, RESUME_COLOUR)))
+    if any(not m.ended for m in data.markers):
+        handles.append(Line2D([], [], label="resume on a replacement",
+                              **_mark_style(False, INTERRUPT_COLOUR, RESUME_COLOUR)))
+    if any(len(s.redone) for s in data.metrics.values()):
+        handles.append(Line2D([], [], ls="none", marker="x", ms=4, color="#6e7781",
+                              label="redone steps"))
+    if handles:
+        fig.legend(handles=handles, loc="outside upper right", fontsize=8, frameon=False,
+                   ncols=len(handles))
     return _png(fig)
 
 
-def _legend(ax: Axes, extra: Sequence[tuple[str, str, str]] = ()) -> None:
-    from matplotlib.lines import Line2D
+def _mark_style(ended: bool, interrupt: str, resume: str) -> dict[str, Any]:
+    return {"color": interrupt if ended else resume, "ls": "--" if ended else ":",
+            "lw": 1.2}
 
-    handles, labels = ax.get_legend_handles_labels()
-    for label, colour, style in extra:
-        handles.append(Line2D([], [], color=colour, ls=style, lw=1.2))
-        labels.append(label)
-    if handles:
-        ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                  frameon=False)
+
+def _style(ax: Axes) -> None:
+    ax.grid(True, color="#eaeef2", lw=0.6)
+    ax.tick_params(labelsize=7)
 
 
 def compare_png(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> bytes:

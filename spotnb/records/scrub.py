@@ -11,6 +11,8 @@ What counts as a credential:
   value after an AWS secret key or session token name (``aws_secret_access_key = …``,
   ``"SecretAccessKey": "…"``);
 * PEM private keys;
+* webhook URLs (Slack's ``hooks.slack.com/...``, Discord's, Teams'), and the value of a
+  ``%%spot_train --notify`` option, whatever its host;
 * the password in a URL (``https://user:password@host``);
 * the value after an environment-variable-style name that says it is secret
   (``GITHUB_TOKEN=…``, ``'DB_PASSWORD': '…'``);
@@ -45,6 +47,10 @@ _PATTERNS: tuple[tuple[re.Pattern[str], int], ...] = (
                 r"session_?token)[\"']?\s*[:=]\s*[\"']?([A-Za-z0-9/+=]{16,})"), 1),
     (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----",
                 re.S), 0),
+    (re.compile(r"https?://(?:hooks\.slack\.com/(?:services|workflows|triggers)|"
+                r"(?:[a-z0-9-]+\.)?discord(?:app)?\.com/api/webhooks|"
+                r"[a-z0-9-]+\.webhook\.office\.com)/[^\s\"'<>]+", re.I), 0),
+    (re.compile(r"--notify[=\s]+([^\s\"'<>]+)"), 1),
     (re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^/\s:@'\"]+:([^/\s@'\"]+)@"), 1),
     (re.compile(r"\b[A-Z][A-Z0-9_]*(?:SECRET|TOKEN|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|"
                 r"PRIVATE_KEY|CREDENTIALS?)[A-Z0-9_]*[\"']?\s*[:=]\s*[\"']?"

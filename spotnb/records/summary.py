@@ -24,7 +24,7 @@ from typing import Any
 
 from spotnb import layout
 from spotnb.checkpoints import CheckpointStore
-from spotnb.events import Event, EventReader
+from spotnb.events import Event, EventReader, expand, metric_columns, metric_names
 from spotnb.jobs import JobHandle, JobResult, summarize
 from spotnb.records.scrub import scrub
 
@@ -105,6 +105,8 @@ def _options(handle: JobHandle) -> dict[str, Any]:
         "inputs": list(spec.inputs),
         "outputs": list(spec.outputs),
         "simulate_interruptions": spec.simulate_interruptions,
+        # Whether notifications were sent; never where to (the URL is a secret).
+        "notify": bool(getattr(policy, "notify_url", None)),
     }
 
 
@@ -113,14 +115,25 @@ def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
     attempt replaces the lost one), thinned to :data:`MAX_CURVE_POINTS`."""
     by_metric: dict[str, dict[float, float | None]] = {}
     for e in events:
-        if e.type != "metric" or e.data.get("step") is None:
-            continue
-        step = _number(e.data["step"])
-        if step is None:
-            continue
-        for name, value in (e.data.get("values") or {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                by_metric.setdefault(str(name), {})[step] = _number(value)
+        if e.type == "metrics":  # a batch, a column at a time (a day's rows in C loops)
+            steps, times, columns = metric_columns(e)
+            if len(steps) == len(times):  # else damaged: read as its rows, below
+                for name in metric_names(columns):
+                    rows, values = columns[name]
+                    if len(values) and len(steps):
+                        at = steps if rows is None else map(steps.__getitem__, rows)
+                        by_metric.setdefault(str(name), {}).update(
+                            zip(map(float, at), map(_number, values), strict=False))
+                continue
+        for row in expand(e):  # a metric event, or a damaged batch's rows
+            if row.type != "metric" or row.data.get("step") is None:
+                continue
+            step = _number(row.data["step"])
+            if step is None:
+                continue
+            for name, value in (row.data.get("values") or {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    by_metric.setdefault(str(name), {})[step] = _number(value)
     names = list(by_metric)
     kept, omitted = names[:MAX_CURVES], names[MAX_CURVES:]
     curves = {}

@@ -4,6 +4,12 @@
 render (a Jupyter kernel with ``ipywidgets`` and ``plotly``: ``pip install
 'spotnb[widgets]'``); ``InstancePicker`` is ``%spot_picker``. Both import their
 widget libraries when created, so ``import spotnb.widgets`` is cheap.
+
+The modules: ``dashboard`` (the renderer and its wiring), ``header`` (what the job is
+doing, at a glance), ``plots`` (the figure's panels and marks), ``series`` (what is
+plotted, from events, bounded), ``elements`` (the widgets with front-end code of their
+own: figure, log panel, table), ``static`` (the finished figure as a picture),
+``picker`` and ``kernel`` (button clicks while the cell is busy).
 """
 
 from __future__ import annotations

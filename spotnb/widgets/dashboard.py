@@ -1,34 +1,34 @@
 """The live dashboard of a job: a :class:`~spotnb.display.Renderer` made of widgets.
 
-Layout, top to bottom: a status header (job, state, attempt, instance and pool, spot
-price, elapsed, cost, on-demand equivalent, savings); one plotly ``FigureWidget`` with
-three subplots (metrics against step; GPU utilisation and memory, or CPU and RAM,
-against time; the pool's spot price against time with the max-price and on-demand
-lines), interruptions and resumes marked on all three, the two time plots sharing
-their x axis; the last lines of remote output in a fixed-height panel; the last
-checkpoint; and the buttons Stop, Detach, Interrupt now (local cloud) and TensorBoard.
+Layout, top to bottom:
+
+* the header (:mod:`spotnb.widgets.header`): state, attempt, instance; step of the
+  total, pace and time left; cost against on-demand and the projection; interruptions
+  with what they took; the spot price of each pool with a sparkline;
+* the plot controls: x as step or time, smoothing, log scale, how metrics are grouped;
+* the figure (:mod:`spotnb.widgets.plots`): a panel per metric with its own y axis,
+  GPU or CPU use, interruptions and resumes marked; it fills the cell's width and
+  keeps the user's zoom across updates;
+* the output panel (:class:`~spotnb.widgets.elements.LogPanel`): the last lines of
+  remote output, following the newest, with a filter;
+* the last checkpoint and the buttons: Detach, Interrupt now (local cloud),
+  TensorBoard, and apart from them Stop, which asks for a second click to confirm.
+  Their messages go after :data:`MESSAGE_SECONDS`.
 
 Cost is bounded however long the run (measured in ``benchmarks/bench_dashboard.py``):
+events only update :class:`~spotnb.widgets.series.DashboardData` (numpy, O(1) per
+point); the widgets are redrawn at most every :data:`FLUSH_SECONDS`, the figure in one
+``batch_update`` of at most ``2 * DEFAULT_BUCKETS`` points per trace (binary buffers),
+the panel as its last :data:`~spotnb.widgets.series.LOG_LINES` lines.
 
-* events only update :class:`~spotnb.widgets.series.DashboardData` (numpy, O(1) per
-  point); the widgets are redrawn at most every :data:`FLUSH_SECONDS`, in one
-  ``batch_update`` of the figure and one ``hold_sync`` per other widget;
-* a trace carries at most ``2 * DEFAULT_BUCKETS`` points (min and max per bucket) as
-  numpy arrays, which travel as binary buffers;
-* the output panel is one ``HTML`` value of the last :data:`~spotnb.widgets.series.
-  LOG_LINES` lines, not an ``Output`` widget that resends everything it ever held.
-
-One figure per dashboard, not one per plot: a ``FigureWidget`` carries the plotly.js
-bundle (about 5 MB) in its saved state. When the job ends, the figure's final data is
-written into its saved state (the live updates go through a transient field that a
-saved notebook would not keep) and a static copy of the figure is displayed as well
-(plotly JSON, HTML, and a PNG when kaleido can render one), for readers where widgets
-do not render.
+The figure's data and layout are its widget's state, so a notebook saved with its
+widgets shows the final figure again. When the job ends a PNG of it is displayed below,
+hidden wherever the live figure draws (see :mod:`spotnb.widgets.static`): a finished
+cell shows its plots once.
 """
 
 from __future__ import annotations
 
-import copy
 import html
 import logging
 import sys
@@ -37,38 +37,30 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from spotnb import display
 from spotnb.display import JobView
 from spotnb.events import Event
 from spotnb.widgets import static
-from spotnb.widgets.series import DEFAULT_BUCKETS, DashboardData
+from spotnb.widgets.elements import LogPanel, plotly_loader
+from spotnb.widgets.header import header_html
+from spotnb.widgets.plots import GROUPINGS, Plots
+from spotnb.widgets.series import DEFAULT_BUCKETS, LOG_LINES, DashboardData
 
 if TYPE_CHECKING:
-    import ipywidgets
-
     from spotnb.jobs import JobHandle, JobResult
 
-__all__ = ["FLUSH_SECONDS", "Dashboard", "DetachRequested"]
+__all__ = ["FLUSH_SECONDS", "MESSAGE_SECONDS", "STOP_CONFIRM_SECONDS", "Dashboard",
+           "DetachRequested", "header_html"]
 
 log = logging.getLogger(__name__)
 
 #: The widgets are redrawn at most this often: a few times a second is live enough,
 #: and every redraw is a few messages to the browser (and to a saved notebook).
 FLUSH_SECONDS = 0.5
-# Trace indexes of the fixed traces; metric traces follow, two per metric.
-_UTIL, _MEM, _PRICE, _MAXPRICE, _ONDEMAND, _INTERRUPTS = range(6)
-_FIXED_TRACES = 6
-# Metrics shown at first; later ones start hidden (a click on the legend shows them).
-_VISIBLE_METRICS = 3
-_FIGURE_HEIGHT = 700
-_PANEL_HEIGHT = "11em"
-_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
-_INTERRUPT_COLOUR = "#d62728"
-_RESUME_COLOUR = "#2ca02c"
-_STATE_COLOURS = {"completed": "#1a7f37", "failed": "#cf222e", "stopped": "#9a6700",
-                  "interrupted": "#bc4c00", "waiting_for_capacity": "#9a6700"}
+#: A button's message ("interruption notice delivered") stays this long.
+MESSAGE_SECONDS = 12.0
+#: After a first click on Stop, a second one within this long stops the job.
+STOP_CONFIRM_SECONDS = 10.0
 
 
 class DetachRequested(KeyboardInterrupt):
@@ -85,61 +77,95 @@ class Dashboard:
     Created without arguments by the magics (``SpotMagics.renderer_class``); the
     follow loop calls :meth:`start` with the job's handle, :meth:`events` with every
     batch of events, and the :class:`~spotnb.display.Renderer` methods. ``clock`` and
-    ``flush_seconds`` are there for tests and the benchmark.
+    ``flush_seconds`` are there for tests and the benchmark; ``static_copy`` draws the
+    PNG of the final figure (off in the benchmark).
     """
-
-    #: Add a PNG to the static figure at the end (kaleido and Chromium; ~3.5 s).
-    static_png = False
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  flush_seconds: float = FLUSH_SECONDS,
-                 max_buckets: int = DEFAULT_BUCKETS, show: bool = True) -> None:
+                 max_buckets: int = DEFAULT_BUCKETS, show: bool = True,
+                 static_copy: bool = True) -> None:
         import ipywidgets as w
 
         self._clock = clock
         self.flush_seconds = flush_seconds
         self._show = show
+        self.static_copy = static_copy
         self.data = DashboardData(max_buckets=max_buckets)
         self.handle: JobHandle | None = None
         self.view: JobView | None = None
         self.flushes = 0
+        self._lock = threading.RLock()  # the follow loop and button/control threads
         self._flushed_at = -float("inf")
         self._flushed = (-1, -1, -1)  # data version, log version, header version
         self._header_version = 0
-        self._markers_drawn = -1
-        self._metric_traces: dict[str, int] = {}
+        self._plots_version = 0
         self._detach = threading.Event()
+        self._message_until: float | None = None
+        self._stop_armed_until: float | None = None
         self._output: Any = None  # the display handle of the dashboard's output
-        self.figure = _new_figure()
+        self.plots = Plots()
+        self.figure = self.plots.figure
         self.header = w.HTML(layout=w.Layout(width="100%"))
-        self.panel = w.HTML(layout=w.Layout(width="100%"))
+        self.panel = LogPanel(layout=w.Layout(width="100%"))
         self.checkpoint = w.HTML()
+        self.controls = {
+            "x": w.ToggleButtons(options=[("step", "step"), ("clock time", "time")],
+                                 value="step", tooltips=["metrics against step",
+                                                         "metrics against clock time"],
+                                 style={"button_width": "7.5em"}),
+            "smoothing": w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01,
+                                       description="smoothing", readout_format=".2f",
+                                       continuous_update=False),
+            "log_y": w.Checkbox(value=False, description="log scale", indent=False),
+            "grouping": w.Dropdown(options=[(label, key) for key, label in GROUPINGS],
+                                   value="metric", description="panels"),
+        }
+        for control in self.controls.values():
+            control.style.description_width = "initial"
+            control.observe(self._on_control, names="value")
+        self.controls["smoothing"].layout.width = "19em"
+        self.controls["log_y"].layout.width = "7em"
+        self.controls["grouping"].layout.width = "auto"
         self.buttons = {
-            "stop": w.Button(description="Stop", icon="stop", button_style="danger",
-                             tooltip="stop the job and delete its instance"),
             "detach": w.Button(description="Detach", icon="eject",
                                tooltip="stop following here; the job keeps running"),
             "interrupt": w.Button(description="Interrupt now", icon="bolt",
-                                  button_style="warning",
                                   tooltip="local cloud: send the instance a spot "
-                                          "interruption notice now"),
+                                          "interruption notice now (try a resume)"),
             "tensorboard": w.Button(description="TensorBoard", icon="line-chart",
                                     disabled=True,
                                     tooltip="open the job's TensorBoard logs "
                                             "(written with spot.tensorboard())"),
+            "stop": w.Button(description="Stop job…", icon="stop",
+                             tooltip="stop the job and delete its instance (asks first)"),
+            "cancel": w.Button(description="Keep running", icon="undo",
+                               tooltip="do not stop the job"),
         }
+        for button in self.buttons.values():
+            button.layout.width = "auto"
         self.buttons["interrupt"].layout.display = "none"
-        self.buttons["stop"].on_click(lambda _b: self._act("stop"))
+        self.buttons["cancel"].layout.display = "none"
+        self.buttons["stop"].on_click(lambda _b: self._on_stop())
+        self.buttons["cancel"].on_click(lambda _b: self._disarm_stop())
         self.buttons["detach"].on_click(lambda _b: self._detach.set())
         self.buttons["interrupt"].on_click(lambda _b: self._act("interrupt"))
         self.buttons["tensorboard"].on_click(lambda _b: self._act("tensorboard"))
         self.message = w.HTML()
         # Where the TensorBoard button's %tensorboard shows (the click is no cell's).
         self.extra = w.Output()
-        footer = w.HBox([self.checkpoint, *self.buttons.values(), self.message],
-                        layout=w.Layout(align_items="center", flex_flow="row wrap"))
-        self.widget = w.VBox([self.header, self.figure, self.panel, footer, self.extra],
-                             layout=w.Layout(width="100%"))
+        toolbar = w.HBox([w.Label("x axis"), *self.controls.values()],
+                         layout=w.Layout(flex_flow="row wrap", align_items="center",
+                                         grid_gap="4px 18px"))
+        footer = w.HBox(
+            [self.checkpoint, self.buttons["detach"], self.buttons["interrupt"],
+             self.buttons["tensorboard"],
+             w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0", width="auto")),
+             self.message, self.buttons["cancel"], self.buttons["stop"]],
+            layout=w.Layout(align_items="center", flex_flow="row wrap", width="100%"))
+        self.figure.layout = w.Layout(width="100%")
+        self.widget = w.VBox([self.header, toolbar, self.figure, plotly_loader(), self.panel,
+                              footer, self.extra], layout=w.Layout(width="100%"))
         self.widget.add_class("spotnb-dashboard")
         self._draw_panel()
 
@@ -166,10 +192,11 @@ class Dashboard:
         from spotnb.widgets import kernel
 
         self.handle = handle
+        self.widget.add_class(static.live_class(handle.job_id))
         if handle.spec.provider == "local":
             self.buttons["interrupt"].layout.display = None
-        for button in self.buttons.values():
-            kernel.serve_while_busy(button)
+        for widget in (*self.buttons.values(), *self.controls.values()):
+            kernel.serve_while_busy(widget)
         if self._show and self._output is None:
             from IPython.display import display as show
 
@@ -180,7 +207,9 @@ class Dashboard:
         if self._detach.is_set():
             self._detach.clear()
             raise DetachRequested
-        self.data.add(batch)
+        with self._lock:
+            self.data.add(batch)
+            self._expire()
         self._maybe_flush()
 
     def update(self, view: JobView) -> None:
@@ -207,158 +236,88 @@ class Dashboard:
     def finished(self, view: JobView, result: JobResult) -> None:
         self.view = view
         self._header_version += 1
-        self.flush()
-        for name in ("stop", "detach", "interrupt"):
-            self.buttons[name].disabled = True
-        self.save_state()
+        with self._lock:
+            self._disarm_stop()
+            self._say("")
+            self.flush()
+            for name in ("stop", "detach", "interrupt"):
+                self.buttons[name].disabled = True
         if self._output is not None:
             from IPython.display import display as show
 
             self._output.update(self._bundle(), raw=True)
-            show(static.bundle(self.figure, title=_title(view), png=self.static_png),
-                 raw=True)
+            copy_ = self.static_bundle() if self.static_copy else None
+            if copy_ is not None:
+                show(copy_[0], metadata=copy_[1], raw=True)
 
     def detached(self, view: JobView) -> None:
         self.view = view
         self._header_version += 1
-        self.flush()
-        self.buttons["detach"].disabled = True  # Stop still works: it needs no loop
-        self.save_state()
+        with self._lock:
+            self.flush()
+            self.buttons["detach"].disabled = True  # Stop still works: it needs no loop
         if self._output is not None:
             self._output.update(self._bundle(), raw=True)
         sys.stderr.write(display.detach_text(view))
         sys.stderr.flush()
 
+    def static_bundle(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The PNG copy of the final dashboard as an output ``(data, metadata)``, for
+        readers where widgets do not render (None without matplotlib)."""
+        if self.view is None:
+            return None
+        view = self.view
+        title = f"spotnb job {view.job_id} ({view.name}): {view.state}"
+        from spotnb.records.figures import price_lines
+
+        lines = display.status_lines(view)[1:3] + price_lines(self.data)
+        image = static.png(self.data, title, lines)
+        if image is None:
+            return None
+        caption = (f"Final dashboard of spotnb job {view.job_id} ({view.name}): metrics, "
+                   "interruptions and utilisation")
+        return static.bundle(image, view.job_id, caption)
+
     # -- drawing -------------------------------------------------------------------
 
     def _maybe_flush(self) -> None:
         if self._clock() - self._flushed_at >= self.flush_seconds:
-            self.flush()
+            with self._lock:
+                self.flush()
 
     def flush(self) -> None:
         """Redraw what changed since the last redraw (now, whatever the throttle says)."""
-        self._flushed_at = self._clock()
-        data_v, log_v, head_v = self._flushed
-        if self.data.version != data_v:
-            self._draw_figure()
-        if self.data.log_version != log_v:
-            self._draw_panel()
-        if self._header_version != head_v or self.data.version != data_v:
-            self._draw_header()
-        if (self.data.version, self.data.log_version, self._header_version) != self._flushed:
-            self.flushes += 1
-        self._flushed = (self.data.version, self.data.log_version, self._header_version)
+        with self._lock:
+            self._flushed_at = self._clock()
+            data_v, log_v, head_v = self._flushed
+            now = (self.data.version + self._plots_version, self.data.log_version,
+                   self._header_version)
+            if now[0] != data_v:
+                self.plots.draw(self.data)
+            if now[1] != log_v:
+                self._draw_panel()
+            if now[2] != head_v or now[0] != data_v:
+                self._draw_header()
+            if now != self._flushed:
+                self.flushes += 1
+            self._flushed = now
 
-    def _minutes(self, t: np.ndarray | float) -> Any:
-        """Wall-clock seconds as minutes since the job's first event (the time axes)."""
-        return (np.asarray(t, dtype=float) - (self.data.first_time or 0.0)) / 60.0
-
-    def _draw_figure(self) -> None:
-        d = self.data
-        fig = self.figure
-        new_metrics = [m for m in d.metric_names() if m not in self._metric_traces]
-        for name in new_metrics:  # adding traces is its own message; it happens rarely
-            self._add_metric_traces(name)
-        with fig.batch_update():
-            for name, index in self._metric_traces.items():
-                series = d.metrics[name]
-                x, y = series.curve.view.points()
-                fig.data[index].x, fig.data[index].y = x, y
-                rx, ry = series.redone.view.points()
-                fig.data[index + 1].x, fig.data[index + 1].y = rx, ry
-            if len(d.util):
-                gpu = d.sys_kind == "gpu"
-                fig.data[_UTIL].name = "GPU utilisation %" if gpu else "CPU utilisation %"
-                fig.data[_MEM].name = "GPU memory %" if gpu else "RAM used %"
-                x, y = d.util.view.points()
-                fig.data[_UTIL].x, fig.data[_UTIL].y = self._minutes(x), y
-                x, y = d.mem.view.points()
-                fig.data[_MEM].x, fig.data[_MEM].y = self._minutes(x), y
-                fig.layout.yaxis2.title.text = "GPU %" if gpu else "CPU / RAM % (no GPU)"
-            if len(d.price):
-                # A step function: the last price holds until the latest event.
-                end = max(d.last_time, d.price.x[-1])
-                px = np.append(d.price.x, end)
-                py = np.append(d.price.y, d.price.y[-1])
-                fig.data[_PRICE].x, fig.data[_PRICE].y = self._minutes(px), py
-                span = self._minutes(np.array([px[0], px[-1]]))
-                cap = self._max_price()
-                if cap is not None:
-                    fig.data[_MAXPRICE].x, fig.data[_MAXPRICE].y = span, np.array([cap, cap])
-                    fig.data[_MAXPRICE].name = "max price" if self._capped() else \
-                        "max price (= on-demand)"
-                if d.ondemand is not None:
-                    fig.data[_ONDEMAND].x, fig.data[_ONDEMAND].y = \
-                        span, np.array([d.ondemand, d.ondemand])
-            if len(d.markers) != self._markers_drawn:
-                self._draw_markers()
-
-    def _add_metric_traces(self, name: str) -> None:
-        import plotly.graph_objects as go
-
-        n = len(self._metric_traces)
-        colour = _COLOURS[n % len(_COLOURS)]
-        visible: bool | str = True if n < _VISIBLE_METRICS else "legendonly"
-        self._metric_traces[name] = len(self.figure.data)
-        self.figure.add_traces([
-            go.Scatter(name=name, mode="lines", line={"color": colour, "width": 1.5},
-                         legendgroup=name, visible=visible, x=[], y=[]),
-            go.Scatter(name=f"{name}, redone", mode="markers",
-                         marker={"color": "rgba(127,127,127,0.6)", "size": 4, "symbol": "x"},
-                         legendgroup=name, visible=visible, x=[], y=[],
-                         hovertemplate="step %{x}: %{y}<extra>lost with an interrupted "
-                                       "instance, then redone</extra>"),
-        ], rows=[1, 1], cols=[1, 1])
-
-    def _draw_markers(self) -> None:
-        d = self.data
-        fig = self.figure
-        shapes = []
-        xs, ys, texts = [], [], []
-        first = d.metric_names()[0] if d.metrics else None
-        for marker in d.markers:
-            colour = _INTERRUPT_COLOUR if marker.kind == "interrupted" else _RESUME_COLOUR
-            dash = "dash" if marker.kind == "interrupted" else "dot"
-            line = {"color": colour, "width": 1.5, "dash": dash}
-            if marker.step is not None:
-                shapes.append({"type": "line", "xref": "x", "yref": "y domain",
-                               "x0": marker.step, "x1": marker.step, "y0": 0, "y1": 1,
-                               "line": line})
-            t = float(self._minutes(marker.time))
-            for axis in ("2", "3"):
-                shapes.append({"type": "line", "xref": f"x{axis}", "yref": f"y{axis} domain",
-                               "x0": t, "x1": t, "y0": 0, "y1": 1, "line": line})
-            if marker.kind == "interrupted" and marker.step is not None and first:
-                curve = d.metrics[first].curve.full
-                at = int(np.searchsorted(curve.x, marker.step, side="right")) - 1
-                xs.append(marker.step)
-                ys.append(float(curve.y[at]) if 0 <= at < len(curve) else np.nan)
-                texts.append(marker.text)
-        fig.layout.shapes = shapes
-        fig.data[_INTERRUPTS].x = np.array(xs, dtype=float)
-        fig.data[_INTERRUPTS].y = np.array(ys, dtype=float)
-        fig.data[_INTERRUPTS].text = texts
-        self._markers_drawn = len(d.markers)
-
-    def _capped(self) -> bool:
-        return self.handle is not None and self.handle.spec.resources.max_price is not None
-
-    def _max_price(self) -> float | None:
-        if self.handle is not None and self.handle.spec.resources.max_price is not None:
-            return float(self.handle.spec.resources.max_price)
-        return self.data.ondemand  # no cap given: the on-demand price is the cap
+    def _on_control(self, _change: Any = None) -> None:
+        """A plot control changed (on the kernel's subshell while the cell is busy)."""
+        with self._lock:
+            options = self.plots.options
+            options.x = str(self.controls["x"].value)
+            options.smoothing = float(self.controls["smoothing"].value)
+            options.log_y = bool(self.controls["log_y"].value)
+            options.grouping = str(self.controls["grouping"].value)
+            self._plots_version += 1
+            self.flush()
 
     def _draw_panel(self) -> None:
-        styles = {"stdout": "", "stderr": "color:#b35900", "spotnb": "color:#0969da"}
-        body = "\n".join(f'<span style="{styles[kind]}">{html.escape(text)}</span>'
-                         if styles[kind] else html.escape(text)
-                         for kind, text in self.data.log_lines())
-        # column-reverse keeps the panel scrolled to its newest line.
-        self.panel.value = (
-            f'<div style="height:{_PANEL_HEIGHT};overflow:auto;display:flex;'
-            'flex-direction:column-reverse;border:1px solid #d0d7de;border-radius:4px;'
-            'background:#f6f8fa"><pre class="spotnb-log" style="margin:0;padding:4px 8px;'
-            f'font-size:85%;line-height:1.3">{body or "(no output yet)"}</pre></div>')
+        lines = self.data.log_lines()
+        self.panel.lines = [[kind, text] for kind, text in lines]
+        self.panel.caption = (f"the last {len(lines)} lines; `%spot_logs` prints them all"
+                              if len(lines) >= LOG_LINES else "")
 
     def _draw_header(self) -> None:
         self.header.value = header_html(self.view, self.data)
@@ -374,33 +333,41 @@ class Dashboard:
         if self.data.tensorboard_synced:
             self.buttons["tensorboard"].disabled = False
 
-    def save_state(self) -> None:
-        """Make the figure's current data and layout part of its saved widget state.
-
-        Live updates travel in transient fields (``_py2js_update``) that a saved
-        notebook does not replay; assigning the state fields sends them whole, once.
-
-        A notebook executor (nbclient) keeps every binary buffer it saw, by path, even
-        after the field holding it went back to None; a front end loading such a state
-        fails on a buffer without a home. So the last update is sent again and left in
-        place, with x and y of every trace as arrays: every path an update ever used
-        (``_py2js_update.style_data.{x,y}.<i>``) then exists in the saved state.
-        """
-        fig = self.figure
-        n = len(fig.data)
-        arrays = {key: [np.asarray(getattr(t, key) if getattr(t, key) is not None else (),
-                                   dtype=float) for t in fig.data] for key in ("x", "y")}
-        with fig.hold_sync():
-            fig._widget_data = copy.deepcopy(fig._data)
-            fig._widget_layout = copy.deepcopy(fig._layout)
-            fig._last_trace_edit_id += 1
-            fig._last_layout_edit_id += 1
-            fig._py2js_update = {
-                "style_data": arrays, "layout_data": {}, "style_traces": list(range(n)),
-                "trace_edit_id": fig._last_trace_edit_id,
-                "layout_edit_id": fig._last_layout_edit_id, "source_view_id": None}
-
     # -- buttons -------------------------------------------------------------------
+
+    def _on_stop(self) -> None:
+        """Stop, in two clicks: the first asks, the second (within
+        :data:`STOP_CONFIRM_SECONDS`) stops the job."""
+        handle = self.handle
+        if handle is None:
+            return
+        with self._lock:
+            armed = self._stop_armed_until is not None and \
+                self._clock() < self._stop_armed_until
+            if not armed:
+                self._stop_armed_until = self._clock() + STOP_CONFIRM_SECONDS
+                self.buttons["stop"].description = "Confirm stop"
+                self.buttons["stop"].button_style = "danger"
+                self.buttons["cancel"].layout.display = None
+                self._say(f"Stop job {handle.job_id}? Its instance is deleted and it will "
+                          "not resume. Click “Confirm stop”.")
+                return
+            self._disarm_stop()
+            self.buttons["stop"].disabled = True
+            self._say(f"stopping job {handle.job_id}…", expires=False)
+        threading.Thread(target=self._run, args=(handle.stop, "%spot_stop button",
+                                                 "stopped; its instance is deleted"),
+                         daemon=True).start()
+
+    def _disarm_stop(self) -> None:
+        with self._lock:
+            if self._stop_armed_until is None:
+                return
+            self._stop_armed_until = None
+            self.buttons["stop"].description = "Stop job…"
+            self.buttons["stop"].button_style = ""
+            self.buttons["cancel"].layout.display = "none"
+            self._say("")
 
     def _act(self, action: str) -> None:
         """A button's action; runs wherever the kernel handles the click (see
@@ -408,21 +375,15 @@ class Dashboard:
         handle = self.handle
         if handle is None:
             return
-        if action == "stop":
-            self.buttons["stop"].disabled = True
-            self._say(f"stopping job {handle.job_id}…")
-            threading.Thread(target=self._run, args=(handle.stop, "%spot_stop button",
-                                                     "stopped; its instance is deleted"),
-                             daemon=True).start()
-        elif action == "interrupt":
-            self._say("sending a spot interruption notice…")
+        if action == "interrupt":
+            self._say("sending a spot interruption notice…", expires=False)
             threading.Thread(target=self._run, args=(handle.interrupt, None,
                                                      "interruption notice delivered"),
                              daemon=True).start()
         elif action == "tensorboard":
             from spotnb.widgets.kernel import open_tensorboard
 
-            self._say("fetching the TensorBoard logs…")
+            self._say("fetching the TensorBoard logs…", expires=False)
             with self.extra:
                 self._say(open_tensorboard(handle))
 
@@ -435,95 +396,21 @@ class Dashboard:
         else:
             self._say(done)
 
-    def _say(self, text: str) -> None:
-        self.message.value = f"<span style='margin-left:1em'>{html.escape(text)}</span>"
+    def _say(self, text: str, expires: bool = True) -> None:
+        """Show a button's message; it goes after :data:`MESSAGE_SECONDS`."""
+        with self._lock:
+            self._message_until = self._clock() + MESSAGE_SECONDS if expires and text \
+                else None
+            self.message.value = (f"<span class='spotnb-message' style='margin:0 1em'>"
+                                  f"{html.escape(text)}</span>" if text else "")
 
-
-def _new_figure() -> ipywidgets.DOMWidget:
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(
-        rows=3, cols=1, vertical_spacing=0.11, row_heights=[0.44, 0.28, 0.28],
-        subplot_titles=("metrics against step (click a legend entry to hide or show it)",
-                        "utilisation", "spot price of the instance's pool"))
-    common = {"mode": "lines", "x": [], "y": []}
-    # One legend per plot, beside it (plotly's multiple legends).
-    sys_, price = {"legend": "legend2"}, {"legend": "legend3"}
-    fig.add_trace(go.Scatter(name="utilisation %", line={"color": "#ff7f0e"}, **common,
-                             **sys_), row=2, col=1)
-    fig.add_trace(go.Scatter(name="memory %", line={"color": "#7f7f7f"}, **common, **sys_),
-                  row=2, col=1)
-    fig.add_trace(go.Scatter(name="spot $/h", line={"color": "#1f77b4", "shape": "hv"},
-                             **common, **price), row=3, col=1)
-    fig.add_trace(go.Scatter(name="max price", line={"color": _INTERRUPT_COLOUR,
-                                                     "dash": "dash", "width": 1},
-                             **common, **price), row=3, col=1)
-    fig.add_trace(go.Scatter(name="on-demand", line={"color": "#6e7781", "dash": "dot",
-                                                     "width": 1}, **common, **price),
-                  row=3, col=1)
-    fig.add_trace(go.Scatter(name="interruption", mode="markers", x=[], y=[],
-                             marker={"color": _INTERRUPT_COLOUR, "size": 11,
-                                     "symbol": "x-thin", "line": {"width": 2,
-                                                                  "color": _INTERRUPT_COLOUR}},
-                             hovertemplate="%{text}<extra></extra>"), row=1, col=1)
-    domains = [fig.layout[f"yaxis{n}"].domain for n in ("", "2", "3")]
-    legends = {name: {"x": 1.01, "xanchor": "left", "y": domain[1], "yanchor": "top"}
-               for name, domain in zip(("legend", "legend2", "legend3"), domains,
-                                       strict=True)}
-    fig.update_layout(
-        height=_FIGURE_HEIGHT, margin={"l": 60, "r": 20, "t": 40, "b": 40},
-        template="plotly_white", hovermode="closest", uirevision="spotnb", **legends)
-    fig.update_xaxes(title_text="step", title_standoff=4, row=1, col=1)
-    fig.update_xaxes(row=2, col=1)
-    fig.update_xaxes(matches="x2", title_text="minutes since the job started", row=3, col=1)
-    fig.update_yaxes(title_text="value", row=1, col=1)
-    fig.update_yaxes(title_text="%", range=[0, 105], row=2, col=1)
-    fig.update_yaxes(title_text="USD / hour", rangemode="tozero", row=3, col=1)
-    return go.FigureWidget(fig)
-
-
-def header_html(view: JobView | None, data: DashboardData) -> str:
-    """The status header as HTML (the same fields as the text display)."""
-    if view is None:
-        return "<b>spotnb</b>: starting…"
-    colour = _STATE_COLOURS.get(view.state, "#0969da")
-    state = view.state.replace("_", " ") + (" (detached)" if view.detached else "")
-    cells = [("job", f"{html.escape(view.name)} <code>{view.job_id}</code>"),
-             ("state", f"<b style='color:{colour}'>{html.escape(state)}</b>")]
-    if view.attempt:
-        cells.append(("attempt", str(view.attempt)))
-    where = " ".join(p for p in (view.instance_type, view.az) if p)
-    if where:
-        cells.append(("instance", html.escape(where)))
-    if view.spot_price is not None:
-        cells.append(("spot now", f"${view.spot_price:.4f}/h"))
-    cells += [("elapsed", display._clock(view.elapsed)),
-              ("cost", f"${view.cost_usd:.4f}"),
-              ("on-demand", f"${view.ondemand_cost_usd:.4f}")]
-    if view.savings_pct is not None:
-        cells.append(("saving", f"<b>{view.savings_pct:.0f}%</b>"))
-    cells.append(("interruptions", str(view.interruptions)))
-    if view.step is not None:
-        cells.append(("step", str(view.step)))
-    for key, value in list(view.metrics.items())[:3]:
-        if isinstance(value, (int, float)):
-            cells.append((html.escape(key), f"{value:.4g}"))
-    items = "".join(
-        f"<span style='margin-right:1.2em;white-space:nowrap'><span style='color:#57606a'>"
-        f"{k}</span> {v}</span>" for k, v in cells)
-    detail = view.reason if view.final else view.detail
-    if view.final and view.outputs:
-        detail += f"; outputs set in the notebook: {', '.join(view.outputs)}"
-    tail = (f"<div style='color:#57606a;font-size:90%'>{html.escape(detail)}</div>"
-            if detail else "")
-    return (f"<div class='spotnb-header' style='border-left:4px solid {colour};"
-            f"padding:4px 8px'><div style='display:flex;flex-wrap:wrap;row-gap:2px'>"
-            f"{items}</div>{tail}</div>")
-
-
-def _title(view: JobView | None) -> str:
-    return f"spotnb job {view.job_id} ({view.name})" if view is not None else "spotnb job"
+    def _expire(self) -> None:
+        """Clear a message that has been shown long enough, and a Stop not confirmed."""
+        now = self._clock()
+        if self._stop_armed_until is not None and now >= self._stop_armed_until:
+            self._disarm_stop()
+        if self._message_until is not None and now >= self._message_until:
+            self._say("")
 
 
 def _size(n: int) -> str:

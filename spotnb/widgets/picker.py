@@ -1,15 +1,23 @@
-"""The instance picker: GPU instance types with prices and interruption rates.
+"""The instance picker: GPU instance types ranked by what your job would cost on them.
 
 :func:`picker_rows` is plain Python (one :class:`PickerRow` per instance type with a
-spot pool in the region, from :mod:`spotnb.catalog`); :func:`estimate` prices a job
-of N GPU-hours on a row. :class:`InstancePicker` (``%spot_picker``) shows the rows as
-a table with filters, a sort, the estimate, and a list of chosen types in order of
-preference; choosing sets ``SpotMagics.instance_types`` (and ``region``) for the next
-``%%spot_train`` and shows the equivalent ``%%spot_train -t ...`` line.
+spot pool in the region, from :mod:`spotnb.catalog`); :func:`estimate` prices a job on
+a row. :class:`InstancePicker` (``%spot_picker``) shows the rows as a table (key
+columns frozen on the left, sorted by a click on a header, a row chosen by a click),
+with filters (NVIDIA GPUs on x86 hosts only, by default: what CUDA training needs), and
+a list of chosen types in order of preference; choosing sets
+``SpotMagics.instance_types`` (and ``region``) for the next ``%%spot_train`` and shows
+the equivalent ``%%spot_train -t ...`` line.
 
-The estimate, for a job needing ``N`` GPU-hours on an instance with ``g`` GPUs:
+The job is sized as ``N`` hours on one reference GPU (by default the GPU of the
+current default instance type). GPU models differ in speed: each gets a relative
+throughput from a public figure (peak dense FP16 Tensor Core TFLOPS from the vendor's
+datasheet, ``spotnb/data/gpu_throughput.csv`` with its sources), so on an instance of
+``g`` GPUs of a model ``r`` times the reference's speed the estimate is:
 
-* useful wall time ``T = N / g`` hours (GPUs of different models are not normalised);
+* useful wall time ``T = N / r`` hours on one of the instance's GPUs, the default (a
+  notebook's training loop mostly uses one), or ``T = N / (g * r)`` on all ``g`` of
+  them, scaling perfectly;
 * interruptions arrive at the Spot Advisor bucket's upper bound read as interruptions
   per instance-month (``<5%`` -> 0.05 a month, ``>20%`` -> 1 a month), as the local
   cloud's hazard does: ``rate = max_pct / 100 / 720`` an hour;
@@ -18,6 +26,8 @@ The estimate, for a job needing ``N`` GPU-hours on an instance with ``g`` GPUs:
   :data:`RESTART_HOURS` for the replacement to launch, boot and restore;
 * so the billed hours ``H`` satisfy ``H = T + rate * H * overhead``, hence
   ``H = T / (1 - rate * overhead)``; cost ``H * spot``, against ``T * on-demand``.
+
+The default ranking is that expected cost, cheapest first.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ from typing import Any
 
 from spotnb import catalog
 
-__all__ = ["Estimate", "InstancePicker", "PickerRow", "estimate", "picker_rows"]
+__all__ = ["COLUMNS", "Estimate", "InstancePicker", "PickerRow", "estimate", "filter_rows",
+           "picker_rows", "sort_rows", "train_line"]
 
 #: The Spot Advisor's month, as the local cloud reads it (30 days).
 MONTH_HOURS = 30 * 24.0
@@ -39,23 +50,33 @@ MONTH_HOURS = 30 * 24.0
 RESTART_HOURS = 5 / 60
 #: Prices older than this are shown as stale: spot prices move weekly.
 STALE_DAYS = 7
-#: The bundled catalog's prices: the snapshot's last month (catalog.DATA_DATE).
+#: The reference GPU when the default instance type's GPU has no speed figure.
+FALLBACK_REFERENCE = "A10G"
+# The bundled catalog's prices: the snapshot's last month (catalog.DATA_DATE).
 _YEAR_MONTH = re.compile(r"(\d{4})-(\d{2})")
 
-COLUMNS: dict[str, str] = {
-    "instance_type": "type",
-    "gpu_model": "GPU",
-    "gpu_count": "GPUs",
-    "gpu_memory_gib": "GPU mem GiB",
-    "vcpus": "vCPUs",
-    "memory_gib": "RAM GiB",
-    "ondemand": "on-demand $/h",
-    "spot": "spot $/h",
-    "savings_pct": "savings %",
-    "interruption": "interruptions",
-    "spot_per_gpu_hour": "$/GPU-h",
-    "price_date": "prices from",
+#: The table's columns: key -> (label, tooltip). The first two stay in view.
+COLUMNS: dict[str, tuple[str, str]] = {
+    "instance_type": ("type", "the instance type; click a row to choose it"),
+    "gpu": ("GPUs", "GPU count, model and memory per GPU"),
+    "est_spot_usd": ("job $ spot", "expected cost of the job on spot, interruptions "
+                                   "included"),
+    "est_hours": ("job hours", "expected billed hours, interruptions included"),
+    "est_interruptions": ("interr.", "expected interruptions during the job"),
+    "est_ondemand_usd": ("job $ on-demand", "the same job on on-demand instances"),
+    "spot": ("spot $/h", "the cheapest zone's spot price"),
+    "ondemand": ("on-demand $/h", "the on-demand price"),
+    "savings_pct": ("saving", "spot against on-demand"),
+    "interruption": ("interrupted", "Spot Advisor: how often instances of this type "
+                                    "were interrupted over the last month"),
+    "speed": ("speed", "GPU throughput the job gets, relative to one reference GPU "
+                       "(peak FP16 Tensor TFLOPS, vendor datasheets)"),
+    "work_price": ("spot $/ref-GPU-h", "spot price per hour of reference-GPU work"),
+    "vcpus": ("vCPUs", "virtual CPUs"),
+    "memory_gib": ("RAM GiB", "instance memory"),
 }
+_FROZEN = ("instance_type", "gpu")
+_TEXT = ("instance_type", "gpu", "interruption")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +85,9 @@ class PickerRow:
 
     ``spot`` is the cheapest pool's price (of ``pools`` pools); ``gpu_memory_gib`` is
     per GPU; ``interruption`` the Spot Advisor label and ``interruption_max_pct`` its
-    upper bound (None when the advisor does not list the type); ``price_date`` when the
-    prices were taken and ``source`` from where.
+    upper bound (None when the advisor does not list the type); ``gpu_tflops`` the GPU
+    model's speed figure (None without one); ``price_date`` when the prices were taken
+    and ``source`` from where.
     """
 
     instance_type: str
@@ -83,10 +105,21 @@ class PickerRow:
     interruption_max_pct: float | None
     price_date: datetime.date
     source: str
+    cpu_arch: str = "x86_64"
+    cuda: bool = True
+    gpu_tflops: float | None = None
 
     @property
     def spot_per_gpu_hour(self) -> float:
         return self.spot / self.gpu_count
+
+    def speed(self, reference: str, all_gpus: bool = False) -> float | None:
+        """The instance's GPU throughput in reference GPUs (None without figures): of
+        one of its GPUs, or of all of them (perfect scaling) with ``all_gpus``."""
+        ref = catalog.gpu_speeds().get(reference)
+        if ref is None or self.gpu_tflops is None:
+            return None
+        return (self.gpu_count if all_gpus else 1) * self.gpu_tflops / ref.tflops
 
     def age_days(self, today: datetime.date | None = None) -> int:
         return ((today or datetime.date.today()) - self.price_date).days
@@ -107,6 +140,7 @@ def picker_rows(region: str = "us-east-1", gpus_only: bool = True) -> list[Picke
     """A row per instance type with a spot pool in ``region`` (GPU types only unless
     ``gpus_only`` is False: Inferentia and Trainium are accelerators without CUDA)."""
     date = _catalog_date()
+    speeds = catalog.gpu_speeds()
     rows = []
     for name, spec in sorted(catalog.instance_types().items()):
         if gpus_only and spec.gpu_manufacturer == "AWS":
@@ -117,6 +151,7 @@ def picker_rows(region: str = "us-east-1", gpus_only: bool = True) -> list[Picke
         spot = pools[0].spot
         ondemand = catalog.ondemand_price(name, region)
         bucket = catalog.interruption_bucket(name, region)
+        speed = speeds.get(spec.gpu_model)
         rows.append(PickerRow(
             instance_type=name, region=region, gpu_model=spec.gpu_model,
             gpu_count=spec.gpu_count,
@@ -127,13 +162,15 @@ def picker_rows(region: str = "us-east-1", gpus_only: bool = True) -> list[Picke
             interruption=bucket.label if bucket else None,
             interruption_max_pct=bucket.max_pct if bucket else None,
             price_date=date, source=f"bundled catalog ({catalog.DATA_DATE['catalog']})",
+            cpu_arch=spec.cpu_arch, cuda=spec.cuda,
+            gpu_tflops=speed.tflops if speed is not None else None,
         ))
     return rows
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """What a job of ``gpu_hours`` costs on a row (see the module docstring)."""
+    """What a job costs on a row (see the module docstring)."""
 
     wall_hours: float  # useful time, without interruptions
     billed_hours: float  # with the expected interruption overhead
@@ -142,9 +179,19 @@ class Estimate:
     ondemand_usd: float | None
 
 
-def estimate(row: PickerRow, gpu_hours: float, checkpoint_seconds: float) -> Estimate:
-    """The expected hours, interruptions and cost of ``gpu_hours`` on ``row``."""
-    wall = gpu_hours / row.gpu_count
+def estimate(row: PickerRow, work_hours: float, checkpoint_seconds: float,
+             reference: str | None = None, all_gpus: bool = False) -> Estimate | None:
+    """The expected hours, interruptions and cost of a job of ``work_hours`` on one
+    ``reference`` GPU, run on ``row`` (on one of its GPUs, or on all of them with
+    ``all_gpus``); with ``reference`` None, ``work_hours`` are hours of the row's own
+    GPU. None when the row's GPU has no speed figure."""
+    if reference is None:
+        speed: float | None = float(row.gpu_count if all_gpus else 1)
+    else:
+        speed = row.speed(reference, all_gpus)
+    if not speed:
+        return None
+    wall = work_hours / speed
     rate = (row.interruption_max_pct or 0.0) / 100.0 / MONTH_HOURS
     overhead = checkpoint_seconds / 3600.0 / 2 + RESTART_HOURS
     # Overhead beyond an hour per hour of rate would never finish; cap it sanely.
@@ -155,27 +202,62 @@ def estimate(row: PickerRow, gpu_hours: float, checkpoint_seconds: float) -> Est
         ondemand_usd=wall * row.ondemand if row.ondemand is not None else None)
 
 
-def sort_rows(rows: Sequence[PickerRow], key: str, descending: bool = False
+def _sort_value(row: PickerRow, key: str, est: Estimate | None, reference: str,
+                all_gpus: bool) -> Any:
+    if key == "interruption":
+        return row.interruption_max_pct
+    if key == "gpu":
+        return (row.gpu_tflops or 0) * row.gpu_count
+    if key == "speed":
+        return row.speed(reference, all_gpus)
+    if key == "work_price":
+        speed = row.speed(reference, all_gpus)
+        return row.spot / speed if speed else None
+    if key.startswith("est_"):
+        if est is None:
+            return None
+        return {"est_spot_usd": est.spot_usd, "est_hours": est.billed_hours,
+                "est_interruptions": est.interruptions,
+                "est_ondemand_usd": est.ondemand_usd}[key]
+    return getattr(row, key)
+
+
+def sort_rows(rows: Sequence[PickerRow], key: str, descending: bool = False, *,
+              work_hours: float = 100.0, checkpoint_seconds: float = 600.0,
+              reference: str = FALLBACK_REFERENCE, all_gpus: bool = False
               ) -> list[PickerRow]:
     """Rows sorted by a column of :data:`COLUMNS` (missing values last)."""
-    def value(row: PickerRow) -> tuple[bool, Any]:
-        v = row.interruption_max_pct if key == "interruption" else getattr(row, key)
-        return (v is None, v if v is not None else 0)
+    def value(row: PickerRow) -> Any:
+        est = estimate(row, work_hours, checkpoint_seconds, reference, all_gpus) \
+            if key.startswith("est_") else None
+        return _sort_value(row, key, est, reference, all_gpus)
 
-    present = [r for r in rows if value(r)[0] is False]
-    missing = [r for r in rows if value(r)[0] is True]
-    return sorted(present, key=value, reverse=descending) + missing
+    keyed = [(value(r), r) for r in rows]
+    present = [(v, r) for v, r in keyed if v is not None]
+    missing = [r for v, r in keyed if v is None]
+    present.sort(key=lambda vr: vr[0], reverse=descending)
+    return [r for _v, r in present] + missing
 
 
 def filter_rows(rows: Sequence[PickerRow], *, gpu_model: str | None = None,
                 min_gpu_memory_gib: float = 0.0, gpu_count: int | None = None,
-                max_spot: float | None = None) -> list[PickerRow]:
-    """The rows that pass every filter given (None or 0: no filter)."""
+                max_spot: float | None = None, cuda_only: bool = False) -> list[PickerRow]:
+    """The rows that pass every filter given (None, 0 or False: no filter)."""
     return [r for r in rows
             if (gpu_model is None or r.gpu_model == gpu_model)
             and (not min_gpu_memory_gib or (r.gpu_memory_gib or 0) >= min_gpu_memory_gib)
             and (gpu_count is None or r.gpu_count == gpu_count)
-            and (not max_spot or r.spot <= max_spot)]
+            and (not max_spot or r.spot <= max_spot)
+            and (not cuda_only or r.cuda)]
+
+
+def hidden_reason(row: PickerRow) -> str:
+    """Why the NVIDIA/x86 filter hides a row."""
+    if row.cpu_arch != "x86_64":
+        return (f"{row.instance_type} has an ARM (Graviton) CPU: x86 builds of PyTorch "
+                "and most CUDA code do not run there")
+    return (f"{row.instance_type} has {row.gpu_model} GPUs ({row.gpu_count}) that CUDA "
+            "does not drive")
 
 
 def train_line(types: Sequence[str], region: str, default_region: str = "us-east-1") -> str:
@@ -186,27 +268,44 @@ def train_line(types: Sequence[str], region: str, default_region: str = "us-east
     return line
 
 
+def default_reference(types: Sequence[str]) -> str:
+    """The reference GPU: that of the first instance type with a speed figure."""
+    specs, speeds = catalog.instance_types(), catalog.gpu_speeds()
+    for name in types:
+        spec = specs.get(name)
+        if spec is not None and spec.gpu_model in speeds:
+            return spec.gpu_model
+    return FALLBACK_REFERENCE
+
+
 class InstancePicker:
     """``%spot_picker``: choose instance types from the catalog (module docstring).
 
     ``magics`` is the ``SpotMagics`` whose defaults a choice sets (by default the one
     loaded in this IPython, if any); ``on_choose`` is called with the chosen types.
+    ``work_hours`` sizes the job in hours on one ``reference`` GPU (default: the GPU of
+    the default instance type).
     """
 
     def __init__(self, region: str | None = None, *, magics: Any = None,
-                 checkpoint_every: str | float | None = None, gpu_hours: float = 100.0,
+                 checkpoint_every: str | float | None = None, work_hours: float = 100.0,
+                 reference: str | None = None,
                  on_choose: Callable[[list[str]], None] | None = None) -> None:
         import ipywidgets as w
+
+        from spotnb.widgets.elements import Table
 
         self.magics = magics if magics is not None else _loaded_magics()
         default_region = getattr(self.magics, "region", None) or "us-east-1"
         self.default_region = default_region
         self.on_choose = on_choose
-        regions = catalog.all_regions()
         every = checkpoint_every if checkpoint_every is not None else \
             getattr(self.magics, "checkpoint_every", "10m")
-        self.region = w.Dropdown(options=regions, value=region or default_region,
-                                 description="region")
+        speeds = catalog.gpu_speeds()
+        reference = reference or default_reference(
+            list(getattr(self.magics, "instance_types", None) or ()))
+        self.region = w.Dropdown(options=catalog.all_regions(),
+                                 value=region or default_region, description="region")
         self.gpu_model = w.Dropdown(description="GPU")
         self.min_memory = w.BoundedFloatText(value=0, min=0, max=1024, step=8,
                                              description="min GPU GiB")
@@ -214,41 +313,55 @@ class InstancePicker:
         self.max_spot = w.BoundedFloatText(value=0, min=0, max=1000, step=0.1,
                                            description="max spot $/h",
                                            tooltip="0: no limit")
-        self.sort_by = w.Dropdown(options=[(label, key) for key, label in COLUMNS.items()],
-                                  value="spot_per_gpu_hour", description="sort by")
-        self.descending = w.Checkbox(value=False, description="descending", indent=False)
-        self.gpu_hours = w.BoundedFloatText(value=gpu_hours, min=0.1, max=1e6,
-                                            description="job GPU-h")
-        self.checkpoint = w.Text(value=_every_text(every), description="checkpoint",
+        self.cuda_only = w.Checkbox(value=True, description="NVIDIA on x86 only (CUDA)",
+                                    indent=False)
+        self.work_hours = w.BoundedFloatText(value=work_hours, min=0.01, max=1e6,
+                                             description="job: hours on one")
+        self.reference = w.Dropdown(options=sorted(speeds), value=reference,
+                                    description="GPU")
+        self.all_gpus = w.Dropdown(options=[("on one GPU of the instance", False),
+                                            ("on all its GPUs (scaling perfectly)", True)],
+                                   value=False, description="run")
+        self.checkpoint = w.Text(value=_every_text(every), description="checkpoint every",
                                  tooltip="the checkpoint interval, e.g. 10m")
         self.chosen = w.TagsInput(allowed_tags=[], allow_duplicates=False,
-                                  placeholder="type or pick an instance type")
-        self.table = w.HTML()
+                                  placeholder="type an instance type, or click rows")
+        self.table = Table()
+        self.table.sort_key, self.table.descending = "est_spot_usd", False
         self.line = w.HTML()
         self.note = w.HTML()
+        self.warning = w.HTML()
         for control in (self.region, self.gpu_model, self.min_memory, self.gpu_count,
-                        self.max_spot, self.sort_by, self.descending, self.gpu_hours,
-                        self.checkpoint):
+                        self.max_spot, self.cuda_only, self.work_hours, self.reference,
+                        self.all_gpus, self.checkpoint):
             control.observe(self._refresh, names="value")
+        self.table.observe(self._refresh, names=["sort_key", "descending"])
+        self.table.observe(self._clicked, names="chosen")
         self.chosen.observe(self._choose, names="value")
         for control in (self.region, self.gpu_model, self.min_memory, self.gpu_count,
-                        self.max_spot, self.sort_by, self.gpu_hours, self.checkpoint):
+                        self.max_spot, self.work_hours, self.reference, self.all_gpus,
+                        self.checkpoint):
             control.style.description_width = "initial"
             control.layout.width = "auto"
-        box = w.Layout(flex_flow="row wrap", grid_gap="4px 16px")
+        for control in (self.min_memory, self.max_spot):
+            control.layout.width = "12em"
+        self.work_hours.layout.width = "15em"
+        self.checkpoint.layout.width = "16em"
+        box = w.Layout(flex_flow="row wrap", grid_gap="4px 14px", align_items="center")
         self.widget = w.VBox([
             w.HBox([self.region, self.gpu_model, self.min_memory, self.gpu_count,
-                    self.max_spot], layout=box),
-            w.HBox([self.sort_by, self.descending, self.gpu_hours, self.checkpoint],
+                    self.max_spot, self.cuda_only], layout=box),
+            w.HBox([self.work_hours, self.reference, self.all_gpus, self.checkpoint],
                    layout=box),
-            self.table,
+            self.note, self.table,
             w.HBox([w.HTML("<b>chosen, in order of preference:</b>&nbsp;"), self.chosen],
                    layout=box),
-            self.line, self.note,
-        ])
+            self.warning, self.line,
+        ], layout=w.Layout(width="100%"))
         self.widget.add_class("spotnb-picker")
         self._rows: list[PickerRow] = []
         self._region_loaded: str | None = None
+        self._syncing = False
         self.shown: list[PickerRow] = []
         self._refresh()
 
@@ -262,19 +375,27 @@ class InstancePicker:
 
     def text(self, limit: int = 20) -> str:
         """The table as text (what a saved notebook shows where widgets do not)."""
-        header = ("type", "GPU", "GPUs", "on-demand $/h", "spot $/h", "$/GPU-h",
-                  "interruptions", "prices from")
-        rows = [(r.instance_type, r.gpu_model, str(r.gpu_count), _num(r.ondemand, "{:.3f}"),
-                 f"{r.spot:.4f}", f"{r.spot_per_gpu_hour:.4f}", r.interruption or "?",
-                 r.price_date.isoformat() + (" (stale)" if r.stale() else ""))
-                for r in self.shown[:limit]]
+        ref = self.reference.value
+        header = ("type", "GPUs", "job $ spot", "job hours", "spot $/h", "on-demand $/h",
+                  "interrupted", f"speed (x {ref})")
+        rows = []
+        for r in self.shown[:limit]:
+            est = self._estimate(r)
+            speed = r.speed(ref, self.all_gpus.value)
+            rows.append((r.instance_type, _gpus(r),
+                         _num(est.spot_usd if est else None, "{:.2f}"),
+                         _num(est.billed_hours if est else None, "{:.1f}"),
+                         f"{r.spot:.4f}", _num(r.ondemand, "{:.3f}"), r.interruption or "?",
+                         _num(speed, "{:.2f}")))
         widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                  for row in (header, *rows)]
         more = len(self.shown) - limit
         if more > 0:
             lines.append(f"... and {more} more")
-        lines.append(f"instance types in {self.region.value}, cheapest per GPU-hour first")
+        lines.append(f"instance types in {self.region.value} for a job of "
+                     f"{self.work_hours.value:g} hours on one {ref}, sorted by "
+                     f"{COLUMNS[self.table.sort_key][0]}; {self._staleness()}")
         return "\n".join(lines)
 
     # -- state ---------------------------------------------------------------------
@@ -287,6 +408,10 @@ class InstancePicker:
             return parse_duration(self.checkpoint.value, "checkpoint")
         except SpecError:
             return 600.0
+
+    def _estimate(self, row: PickerRow) -> Estimate | None:
+        return estimate(row, self.work_hours.value, self.checkpoint_seconds(),
+                        self.reference.value, self.all_gpus.value)
 
     def _load_region(self) -> None:
         if self._region_loaded == self.region.value:
@@ -311,14 +436,32 @@ class InstancePicker:
         rows = filter_rows(self._rows, gpu_model=self.gpu_model.value or None,
                            min_gpu_memory_gib=self.min_memory.value,
                            gpu_count=self.gpu_count.value or None,
-                           max_spot=self.max_spot.value or None)
-        self.shown = sort_rows(rows, self.sort_by.value, self.descending.value)
-        self.table.value = self._table_html()
+                           max_spot=self.max_spot.value or None,
+                           cuda_only=self.cuda_only.value)
+        key = self.table.sort_key if self.table.sort_key in COLUMNS else "est_spot_usd"
+        self.shown = sort_rows(rows, key, self.table.descending,
+                               work_hours=self.work_hours.value,
+                               checkpoint_seconds=self.checkpoint_seconds(),
+                               reference=self.reference.value,
+                               all_gpus=self.all_gpus.value)
+        with self.table.hold_sync():
+            self.table.columns = self._columns()
+            self.table.rows = [self._cells(r) for r in self.shown]
+        self.note.value = self._note()
         self._show_line()
 
+    def _clicked(self, change: Any) -> None:
+        """Rows clicked in the table: the chosen list follows (in click order)."""
+        if not self._syncing:
+            self.chosen.value = list(change["new"])
+
     def _choose(self, _change: Any = None) -> None:
-        self.table.value = self._table_html()
         types = list(self.chosen.value)
+        self._syncing = True
+        try:
+            self.table.chosen = types
+        finally:
+            self._syncing = False
         if types and self.magics is not None:
             self.magics.instance_types = types
             self.magics.region = self.region.value
@@ -332,9 +475,20 @@ class InstancePicker:
 
     def _show_line(self) -> None:
         types = list(self.chosen.value)
+        shown = {r.instance_type for r in self.shown}
+        rows = {r.instance_type: r for r in self._rows}
+        hidden = [rows[t] for t in types if t in rows and t not in shown]
+        notes = []
+        for row in hidden:
+            why = hidden_reason(row) if not row.cuda and self.cuda_only.value \
+                else "the filters above leave it out"
+            notes.append(f"⚠ {row.instance_type} is chosen but hidden: {why}.")
+        self.warning.value = "".join(
+            f"<div class='spotnb-picker-warning' style='color:#9a6700'>{html.escape(n)}</div>"
+            for n in notes)
         if not types:
-            self.line.value = ("<span style='color:#57606a'>Type or pick instance types "
-                               "above, most preferred first.</span>")
+            self.line.value = ("<span style='color:#57606a'>Click rows or type instance "
+                               "types above, most preferred first.</span>")
             return
         line = train_line(types, self.region.value, "us-east-1")
         where = ("these are now the defaults of the next %%spot_train"
@@ -344,53 +498,78 @@ class InstancePicker:
 
     # -- the table -----------------------------------------------------------------
 
-    def _table_html(self) -> str:
-        chosen = list(self.chosen.value)
-        hours = self.gpu_hours.value
-        seconds = self.checkpoint_seconds()
-        labels = [*COLUMNS.values(), f"est. h for {hours:g} GPU-h", "est. interruptions",
-                  "est. spot $", "on-demand $"]
-        head = "".join(f"<th style='{_CELL}'>{html.escape(label)}</th>" for label in labels)
-        body = []
-        for row in self.shown:
-            est = estimate(row, hours, seconds)
-            rank = chosen.index(row.instance_type) + 1 if row.instance_type in chosen else 0
-            stale = row.stale()
-            cells = [
-                (f"<b>{rank}.</b> " if rank else "") + html.escape(row.instance_type),
-                html.escape(row.gpu_model), str(row.gpu_count),
-                _num(row.gpu_memory_gib, "{:.0f}"), str(row.vcpus), f"{row.memory_gib:g}",
-                _num(row.ondemand, "{:.3f}"), f"{row.spot:.4f}",
-                _num(row.savings_pct, "{:.0f}"), html.escape(row.interruption or "?"),
-                f"{row.spot_per_gpu_hour:.4f}",
-                (f"<span class='spotnb-stale' style='color:#9a6700' "
-                 f"title='{html.escape(row.source)}: {row.age_days()} days old'>"
-                 f"⚠ {row.price_date.isoformat()} stale</span>"
-                 if stale else row.price_date.isoformat()),
-                f"{est.billed_hours:.1f}", f"{est.interruptions:.2f}", f"{est.spot_usd:.2f}",
-                _num(est.ondemand_usd, "{:.2f}"),
-            ]
-            style = " style='background:#ddf4ff'" if rank else ""
-            body.append(f"<tr data-type='{html.escape(row.instance_type)}'{style}>"
-                        + "".join(f"<td style='{_CELL}'>{c}</td>" for c in cells) + "</tr>")
-        stale_note = ""
-        if any(r.stale() for r in self.shown):
-            stale_note = (f"<div style='color:#9a6700;font-size:85%'>⚠ prices from the "
-                          f"bundled catalog ({html.escape(catalog.DATA_DATE['catalog'])}); "
-                          "spot prices today may differ. Interruption buckets: Spot Advisor "
-                          f"{html.escape(catalog.DATA_DATE['advisor'])}.</div>")
+    def _columns(self) -> list[dict[str, Any]]:
+        ref = self.reference.value
+        labels = {"speed": f"speed (x {ref})", "work_price": f"spot $ per {ref}-h"}
+        return [{"key": key, "label": labels.get(key, label), "title": title,
+                 "frozen": key in _FROZEN, "numeric": key not in _TEXT,
+                 "descending_first": key in ("speed", "savings_pct", "gpu", "vcpus",
+                                             "memory_gib")}
+                for key, (label, title) in COLUMNS.items()]
+
+    def _cells(self, row: PickerRow) -> dict[str, Any]:
+        ref = self.reference.value
+        est = self._estimate(row)
+        speed = row.speed(ref, self.all_gpus.value)
+        no_speed = f"no public throughput figure for {row.gpu_model}"
+        cells = {
+            "instance_type": row.instance_type,
+            "gpu": _gpus(row),
+            "est_spot_usd": _num(est.spot_usd if est else None, "{:,.2f}"),
+            "est_hours": _num(est.billed_hours if est else None, "{:,.1f}"),
+            "est_interruptions": _num(est.interruptions if est else None, "{:.2f}"),
+            "est_ondemand_usd": _num(est.ondemand_usd if est else None, "{:,.2f}"),
+            "spot": f"{row.spot:.4f}",
+            "ondemand": _num(row.ondemand, "{:.3f}"),
+            "savings_pct": _num(row.savings_pct, "{:.0f}%"),
+            "interruption": row.interruption or "?",
+            "speed": _num(speed, "{:.2f}"),
+            "work_price": _num(row.spot / speed if speed else None, "{:.4f}"),
+            "vcpus": str(row.vcpus),
+            "memory_gib": f"{row.memory_gib:g}",
+        }
+        titles = {}
+        if est is None:
+            titles = {k: no_speed for k in ("est_spot_usd", "est_hours", "speed")}
+        if not row.cuda:
+            titles["instance_type"] = hidden_reason(row)
+        return {"id": row.instance_type, "cells": cells, "titles": titles}
+
+    def _staleness(self) -> str:
+        rows = self._rows or picker_rows(self.region.value)
+        if not rows:
+            return "no prices"
+        age = rows[0].age_days()
+        when = f"prices from spotnb's bundled catalog ({catalog.DATA_DATE['catalog']})"
+        return f"{when}, {age} days old" + (": spot prices today may differ"
+                                            if rows[0].stale() else "")
+
+    def _note(self) -> str:
+        stale = bool(self._rows) and self._rows[0].stale()
+        colour = "#9a6700" if stale else "#57606a"
+        hidden = len(self._rows) - len(filter_rows(self._rows, cuda_only=True))
+        filtered = (f" {hidden} types without CUDA (AMD GPUs, ARM hosts) are hidden: "
+                    "untick “NVIDIA on x86 only” to see them." if self.cuda_only.value
+                    and hidden else "")
         return (
-            "<div style='max-height:22em;overflow:auto'><table class='spotnb-picker-table' "
-            "style='border-collapse:collapse;font-size:85%'><thead style='position:sticky;"
-            f"top:0;background:#fff'><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
-            f"</table></div>{stale_note}"
-            f"<div style='font-size:85%;color:#57606a'>{len(self.shown)} of "
-            f"{len(self._rows)} types in {html.escape(self.region.value)}. Spot: the "
-            "cheapest zone. Estimate: interruptions at the bucket's upper bound per month, "
-            "each costing half a checkpoint interval plus a 5-minute restart.</div>")
+            f"<div style='font-size:85%;color:#57606a'>"
+            f"<span class='spotnb-stale' style='color:{colour}'>{'⚠ ' if stale else ''}"
+            f"{html.escape(self._staleness())}.</span> Interruption rates: Spot Advisor "
+            f"{html.escape(catalog.DATA_DATE['advisor'])}. {len(self.shown)} of "
+            f"{len(self._rows)} types in {html.escape(self.region.value)}, ranked by the "
+            "job's expected spot cost: its hours on one "
+            f"{html.escape(self.reference.value)} divided by the speed of "
+            f"{'all its GPUs' if self.all_gpus.value else 'one of its GPUs'} "
+            "(peak FP16 Tensor TFLOPS from the vendors' datasheets, against the reference; "
+            "real speed also depends on memory bandwidth and your model), plus "
+            "interruptions at the Spot Advisor rate, each costing half a checkpoint "
+            f"interval and a 5-minute restart. Spot: the cheapest zone.{filtered} "
+            "Click a header to sort, a row to choose.</div>")
 
 
-_CELL = "white-space:nowrap;padding:1px 6px;text-align:right"
+def _gpus(row: PickerRow) -> str:
+    memory = f" {row.gpu_memory_gib:.0f} GiB" if row.gpu_memory_gib else ""
+    return f"{row.gpu_count} x {row.gpu_model}{memory}"
 
 
 def _num(value: float | None, fmt: str) -> str:

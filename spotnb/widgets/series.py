@@ -3,26 +3,34 @@
 No widgets here: :class:`DashboardData` takes events (:meth:`DashboardData.add`) and
 keeps, per metric, the curve as it now stands and the points that were *redone* (logged
 by an attempt that was interrupted before its next checkpoint, then logged again by the
-replacement), GPU or CPU samples, the spot price, interruptions and resumes, the last
-checkpoint and the last lines of output.
+replacement), GPU or CPU samples, the spot price of each pool the job ran in,
+interruptions and resumes, the last checkpoint and the last lines of output.
 
-Every series is kept twice: in full (:class:`Column`, growable numpy arrays, for the
-final figure and for recomputing a curve after an interruption) and reduced for display
-(:class:`MinMaxBuckets`): an incremental min/max per bucket of consecutive points, at
-most ``2 * max_buckets`` points however long the run. Adding a point costs O(1)
-amortised and reading the reduced series O(max_buckets), so an update of the plots
-costs the same at 1k and at 1M logged steps (``benchmarks/bench_dashboard.py``).
+Every series is kept twice: in full (:class:`Column`, growable numpy arrays of x, y and
+the wall-clock time of each point, for the final figure and for recomputing a curve
+after an interruption) and reduced for display (:class:`MinMaxBuckets`): an incremental
+min/max per bucket of consecutive points, at most ``2 * max_buckets`` points however
+long the run. Adding a point costs O(1) amortised and reading the reduced series
+O(max_buckets), so an update of the plots costs the same at 1k and at 1M logged steps
+(``benchmarks/bench_dashboard.py``). A ``metrics`` batch goes in a column at a time,
+whole buckets at once in numpy: re-attaching to a day-long job replays its million
+rows in a fraction of a second.
+
+A metric's curve is made of *segments*, one per attempt that logged it: where the
+replacement instance took over, :meth:`MetricSeries.points` puts a gap (NaN), so a line
+is never drawn across the time between two instances.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 from typing import Any
 
 import numpy as np
 
-from spotnb.events import GROUP_STREAM, Event
+from spotnb.events import GROUP_STREAM, Event, expand, metric_columns, metric_names
 from spotnb.tb import TB_SYNC_NAME
 
 __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
@@ -36,49 +44,57 @@ _LINE_CHARS = 400
 
 
 class Column:
-    """A growable pair of float64 arrays ``(x, y)``; appends are amortised O(1)."""
+    """Growable float64 arrays ``x``, ``y`` and ``t`` (time); appends are amortised O(1)."""
 
     def __init__(self, capacity: int = 256) -> None:
-        self._x = np.empty(capacity)
-        self._y = np.empty(capacity)
+        self._a = np.empty((3, capacity))
         self.n = 0
 
     def __len__(self) -> int:
         return self.n
 
-    def append(self, x: float, y: float) -> None:
-        if self.n == len(self._x):
+    def append(self, x: float, y: float, t: float | None = None) -> None:
+        if self.n == self._a.shape[1]:
             self._grow(self.n + 1)
-        self._x[self.n] = x
-        self._y[self.n] = y
+        self._a[:, self.n] = (x, y, x if t is None else t)
         self.n += 1
 
-    def extend(self, x: np.ndarray, y: np.ndarray) -> None:
-        end = self.n + len(x)
-        if end > len(self._x):
-            self._grow(end)
-        self._x[self.n:end] = x
-        self._y[self.n:end] = y
-        self.n = end
+    def extend(self, x: np.ndarray, y: np.ndarray, t: np.ndarray | None = None) -> None:
+        """Append many points at once (``t`` defaults to ``x``, as in :meth:`append`)."""
+        m = len(x)
+        if self.n + m > self._a.shape[1]:
+            self._grow(self.n + m)
+        self._a[0, self.n:self.n + m] = x
+        self._a[1, self.n:self.n + m] = y
+        self._a[2, self.n:self.n + m] = x if t is None else t
+        self.n += m
 
     def _grow(self, need: int) -> None:
-        size = max(need, 2 * len(self._x))
-        for name in ("_x", "_y"):
-            old = getattr(self, name)
-            new = np.empty(size)
-            new[:self.n] = old[:self.n]
-            setattr(self, name, new)
+        new = np.empty((3, max(need, 2 * self._a.shape[1])))
+        new[:, :self.n] = self._a[:, :self.n]
+        self._a = new
 
     @property
     def x(self) -> np.ndarray:
-        return self._x[:self.n]
+        return self._a[0, :self.n]
 
     @property
     def y(self) -> np.ndarray:
-        return self._y[:self.n]
+        return self._a[1, :self.n]
+
+    @property
+    def t(self) -> np.ndarray:
+        return self._a[2, :self.n]
 
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
+
+    def sort_by_x(self) -> None:
+        """Put the points in x order (stable), once, if they are not."""
+        x = self.x
+        if np.any(x[1:] < x[:-1]):
+            order = np.argsort(x, kind="stable")
+            self._a[:, :self.n] = self._a[:, :self.n][:, order]
 
 
 class MinMaxBuckets:
@@ -87,7 +103,8 @@ class MinMaxBuckets:
     Buckets hold ``width`` consecutive points; when there are ``max_buckets`` of them,
     neighbours are merged pairwise and ``width`` doubles. :meth:`points` returns, per
     bucket, its min and its max in x order (one point while ``width`` is 1), so spikes
-    survive the reduction, unlike with a plain stride. NaN values are kept as gaps.
+    survive the reduction, unlike with a plain stride. Each kept point keeps its time.
+    NaN values never win a bucket over a number.
     """
 
     def __init__(self, max_buckets: int = DEFAULT_BUCKETS) -> None:
@@ -96,60 +113,115 @@ class MinMaxBuckets:
         self.max_buckets = max_buckets
         self.width = 1
         self.count = 0  # points added
-        # Per bucket: x and y of its min, x and y of its max.
-        self._b = np.empty((4, max_buckets))
+        # Per bucket: x, y, t of its min, then x, y, t of its max.
+        self._b = np.empty((6, max_buckets))
         self._nb = 0  # buckets in use (the last may be partial)
 
     def __len__(self) -> int:
         return self.count
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, x: float, y: float, t: float | None = None) -> None:
+        t = x if t is None else t
         if self.count % self.width == 0:  # starts a new bucket
             if self._nb == self.max_buckets:
                 self._merge()
-            self._b[:, self._nb] = (x, y, x, y)
+            self._b[:, self._nb] = (x, y, t, x, y, t)
             self._nb += 1
         else:
             b = self._b
             i = self._nb - 1
             if y < b[1, i] or b[1, i] != b[1, i]:  # smaller, or replacing a NaN
-                b[0, i], b[1, i] = x, y
-            if y > b[3, i] or b[3, i] != b[3, i]:
-                b[2, i], b[3, i] = x, y
+                b[0, i], b[1, i], b[2, i] = x, y, t
+            if y > b[4, i] or b[4, i] != b[4, i]:
+                b[3, i], b[4, i], b[5, i] = x, y, t
         self.count += 1
 
-    def extend(self, x: np.ndarray, y: np.ndarray) -> None:
-        for xi, yi in zip(x.tolist(), y.tolist(), strict=True):
-            self.add(xi, yi)
+    def extend(self, x: np.ndarray, y: np.ndarray, t: np.ndarray | None = None) -> None:
+        """Add many points: the same buckets as :meth:`add` for each in turn, whole
+        buckets at a time (a partial bucket's points one by one)."""
+        x = np.asarray(x, dtype=float)
+        y = np.asarray(y, dtype=float)
+        ts = x if t is None else np.asarray(t, dtype=float)
+        i, n = 0, len(x)
+        while i < n:
+            if self.count % self.width or n - i < self.width:
+                # Fill the partial bucket (or start the last, partial one) point by point.
+                for xi, yi, ti in zip(x[i:i + self.width].tolist(),
+                                      y[i:i + self.width].tolist(),
+                                      ts[i:i + self.width].tolist(), strict=True):
+                    self.add(xi, yi, ti)
+                    i += 1
+                    if self.count % self.width == 0:
+                        break
+                continue
+            if self._nb == self.max_buckets:
+                self._merge()
+            k = min(self.max_buckets - self._nb, (n - i) // self.width)
+            self._fill(x[i:], y[i:], ts[i:], k)
+            i += k * self.width
+
+    def _fill(self, x: np.ndarray, y: np.ndarray, t: np.ndarray, k: int) -> None:
+        """``k`` whole new buckets from the first ``k * width`` points."""
+        w = self.width
+        ys = y[:k * w].reshape(k, w)
+        nan = np.isnan(ys)
+        # The first minimum and the first maximum win, and NaN never wins over a number
+        # (as in add): NaN is +inf for the min, -inf for the max. Where the winner is
+        # then a NaN or may be a NaN's stand-in (a bucket of NaNs and infinities), the
+        # bucket is scanned as add does.
+        lo = np.argmin(np.where(nan, np.inf, ys), axis=1)
+        hi = np.argmax(np.where(nan, -np.inf, ys), axis=1)
+        rows = np.arange(k)
+        odd = nan.any(axis=1) & (np.isinf(ys[rows, lo]) | np.isinf(ys[rows, hi])
+                                 | nan[rows, lo] | nan[rows, hi])
+        for r in np.flatnonzero(odd).tolist():
+            lo[r], hi[r] = _scan(ys[r].tolist())
+        first = rows * w
+        b, nb = self._b, self._nb
+        for row, column in enumerate((x, y, t)):
+            b[row, nb:nb + k] = column[first + lo]
+            b[row + 3, nb:nb + k] = column[first + hi]
+        self._nb += k
+        self.count += k * w
 
     def _merge(self) -> None:
         b = self._b
         lo = np.where(b[1, 1::2] < b[1, 0::2], 1, 0)  # which of each pair has the min
-        hi = np.where(b[3, 1::2] > b[3, 0::2], 1, 0)
+        hi = np.where(b[4, 1::2] > b[4, 0::2], 1, 0)
         half = self.max_buckets // 2
         idx = np.arange(half) * 2
         merged = np.empty_like(b)
-        merged[0, :half] = b[0, idx + lo]
-        merged[1, :half] = b[1, idx + lo]
-        merged[2, :half] = b[2, idx + hi]
-        merged[3, :half] = b[3, idx + hi]
+        for row in range(3):
+            merged[row, :half] = b[row, idx + lo]
+            merged[row + 3, :half] = b[row + 3, idx + hi]
         self._b = merged
         self._nb = half
         self.width *= 2
 
-    def points(self) -> tuple[np.ndarray, np.ndarray]:
-        """The reduced series ``(x, y)``, in x order, at most ``2 * max_buckets`` points."""
+    def points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The reduced series ``(x, y, t)``, in x order, at most ``2 * max_buckets``
+        points."""
         b = self._b[:, :self._nb]
         if self.width == 1:
-            return b[0].copy(), b[1].copy()
-        first_min = b[0] <= b[2]
-        xs = np.empty(2 * self._nb)
-        ys = np.empty(2 * self._nb)
-        xs[0::2] = np.where(first_min, b[0], b[2])
-        ys[0::2] = np.where(first_min, b[1], b[3])
-        xs[1::2] = np.where(first_min, b[2], b[0])
-        ys[1::2] = np.where(first_min, b[3], b[1])
-        return xs, ys
+            return b[0].copy(), b[1].copy(), b[2].copy()
+        first_min = b[0] <= b[3]
+        out = np.empty((3, 2 * self._nb))
+        for row in range(3):
+            out[row, 0::2] = np.where(first_min, b[row], b[row + 3])
+            out[row, 1::2] = np.where(first_min, b[row + 3], b[row])
+        return out[0], out[1], out[2]
+
+
+def _scan(ys: list[float]) -> tuple[int, int]:
+    """The positions of a bucket's min and max as :meth:`MinMaxBuckets.add` keeps them
+    point by point (for buckets whose NaNs the vectorised pick cannot tell apart)."""
+    lo = hi = 0
+    for i, y in enumerate(ys[1:], 1):
+        if y < ys[lo] or ys[lo] != ys[lo]:
+            lo = i
+        if y > ys[hi] or ys[hi] != ys[hi]:
+            hi = i
+    return lo, hi
 
 
 class Reduced:
@@ -157,22 +229,49 @@ class Reduced:
 
     def __init__(self, max_buckets: int = DEFAULT_BUCKETS) -> None:
         self.full = Column()
-        self.view = MinMaxBuckets(max_buckets)
+        self._view = MinMaxBuckets(max_buckets)
+        self._stale = False  # a point went in out of order: the view is rebuilt
 
     def __len__(self) -> int:
         return len(self.full)
 
-    def add(self, x: float, y: float) -> None:
-        self.full.append(x, y)
-        self.view.add(x, y)
+    @property
+    def view(self) -> MinMaxBuckets:
+        """The reduced series (rebuilt here, O(n), after out-of-order inserts)."""
+        if self._stale:
+            self.full.sort_by_x()
+            self._rebuild()
+        return self._view
+
+    def add(self, x: float, y: float, t: float | None = None) -> None:
+        self.full.append(x, y, t)
+        if not self._stale:
+            self._view.add(x, y, t)
+
+    def add_many(self, x: np.ndarray, y: np.ndarray, t: np.ndarray | None = None) -> None:
+        """Add points in bulk (as :meth:`add` for each in turn)."""
+        self.full.extend(x, y, t)
+        if not self._stale:
+            self._view.extend(x, y, t)
+
+    def insert(self, x: float, y: float, t: float | None = None) -> None:
+        """Add a point that may belong before others (the view is rebuilt when next
+        read, once for a run of inserts)."""
+        self.full.append(x, y, t)
+        self._stale = True
 
     def keep_first(self, n: int) -> None:
         """Drop every point after the first ``n`` (rebuilds the reduced view: O(n))."""
-        if n >= len(self.full):
+        self.full.sort_by_x()
+        if n >= len(self.full) and not self._stale:
             return
         self.full.truncate(n)
-        self.view = MinMaxBuckets(self.view.max_buckets)
-        self.view.extend(self.full.x, self.full.y)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._view = MinMaxBuckets(self._view.max_buckets)
+        self._view.extend(self.full.x, self.full.y, self.full.t)
+        self._stale = False
 
 
 class MetricSeries:
@@ -181,6 +280,7 @@ class MetricSeries:
     When an attempt logs a step that an earlier attempt already logged, the earlier
     attempt's points from that step on were lost with its instance (they came after its
     last checkpoint): they move to ``redone`` and the curve continues from the resume.
+    ``gaps`` holds the step at which each later attempt's segment starts.
     """
 
     def __init__(self, name: str, max_buckets: int = DEFAULT_BUCKETS) -> None:
@@ -189,35 +289,113 @@ class MetricSeries:
         self.redone = Reduced(max_buckets)
         self.attempt = 0
         self.last_step = -np.inf
+        self.gaps: list[float] = []
+        self.starts: dict[int, float] = {}  # attempt -> the first step it logged here
 
-    def add(self, attempt: int, step: float, value: float) -> None:
-        if attempt > self.attempt and step <= self.last_step and len(self.curve):
-            x, y = self.curve.full.x, self.curve.full.y
-            if np.any(x[1:] < x[:-1]):  # logged out of order: sort once, by step
-                order = np.argsort(x, kind="stable")
-                x[:], y[:] = x[order], y[order]
-            keep = int(np.searchsorted(x, step, side="left"))
-            for lost_x, lost_y in zip(x[keep:].tolist(), y[keep:].tolist(), strict=True):
-                self.redone.add(lost_x, lost_y)
-            self.curve.keep_first(keep)
+    def add(self, attempt: int, step: float, value: float, t: float) -> int:
+        """Add a point; how many earlier points it showed to be redone (moved)."""
+        if attempt < self.attempt:
+            # A late row of an earlier attempt (a follower reads an ended attempt's last
+            # rows from the log after the next attempt's live ones). From a step that
+            # the attempt after it logged again, it was lost with its instance (redone);
+            # before that step, it belongs to the curve.
+            later = [a for a in self.starts if a > attempt]
+            if later and step >= self.starts[min(later)]:
+                self.redone.insert(step, value, t)
+            else:
+                self.curve.insert(step, value, t)
+            return 0
+        if attempt not in self.starts:
+            self.starts[attempt] = step
+        moved = 0
+        if attempt > self.attempt and len(self.curve):
+            if step <= self.last_step:
+                full = self.curve.full
+                full.sort_by_x()
+                keep = int(np.searchsorted(full.x, step, side="left"))
+                for lost in zip(full.x[keep:].tolist(), full.y[keep:].tolist(),
+                                full.t[keep:].tolist(), strict=True):
+                    self.redone.add(*lost)
+                moved = len(full) - keep
+                self.curve.keep_first(keep)
+                self.gaps = [g for g in self.gaps if g < step]
+            if len(self.curve):
+                self.gaps.append(step)
         self.attempt = max(self.attempt, attempt)
-        self.curve.add(step, value)
+        self.curve.add(step, value, t)
         self.last_step = step
+        return moved
+
+    def add_many(self, attempt: int, steps: np.ndarray, values: np.ndarray,
+                 times: np.ndarray) -> int:
+        """Add points in bulk, as :meth:`add` for each in turn; how many earlier points
+        the first one showed to be redone (the others show none)."""
+        if not len(steps):
+            return 0
+        moved = self.add(attempt, float(steps[0]), float(values[0]), float(times[0]))
+        if attempt == self.attempt:  # the rest continue the current attempt's curve
+            self.curve.add_many(steps[1:], values[1:], times[1:])
+            if len(steps) > 1:
+                self.last_step = float(steps[-1])
+        else:  # late rows of an earlier attempt, each to the curve or the redone
+            for point in zip(steps[1:].tolist(), values[1:].tolist(), times[1:].tolist(),
+                             strict=True):
+                self.add(attempt, *point)
+        return moved
+
+    def points(self, full: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The reduced curve ``(step, value, time)`` (every point with ``full``) with a
+        NaN row where each later attempt's segment starts, so no line joins two
+        instances."""
+        if full:
+            self.curve.full.sort_by_x()
+            c = self.curve.full
+            x, y, t = c.x.copy(), c.y.copy(), c.t.copy()
+        else:
+            x, y, t = self.curve.view.points()
+        if not self.gaps or not len(x):
+            return x, y, t
+        at = np.searchsorted(x, np.asarray(self.gaps), side="left")
+        nan = np.full(len(at), np.nan)
+        return np.insert(x, at, nan), np.insert(y, at, nan), np.insert(t, at, nan)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Marker:
-    """An interruption (``kind="interrupted"``) or a resume (``"resumed"``).
+    """An interruption, a lost instance, a retry or a resume, as the plots mark it.
 
-    ``time`` is the wall clock; ``step`` the last step logged before it (None before
-    any); ``attempt`` the attempt it ended or started.
+    ``kind``: ``"interrupted"`` (a spot notice), ``"lost"`` (the instance went away
+    without one), ``"retry"`` (a user-code error rerun in place) or ``"resumed"``.
+    ``time`` is the wall clock; ``attempt`` the attempt it ended or started; ``step``
+    the last step that attempt logged (interruptions) or the first step it logged
+    (resumes), None until known; ``redone`` the steps lost with an interrupted
+    attempt, None until the next attempt logs. ``detail`` says why or where.
     """
 
     kind: str
     time: float
     attempt: int
-    step: float | None
-    text: str
+    step: float | None = None
+    redone: int | None = None
+    detail: str = ""
+
+    @property
+    def ended(self) -> bool:
+        """Whether it marks the end of an attempt (not the start of one)."""
+        return self.kind != "resumed"
+
+    @property
+    def text(self) -> str:
+        """The hover text: what happened, at which step, and what it cost."""
+        at = f" at step {self.step:.0f}" if self.step is not None else ""
+        if self.kind == "resumed":
+            start = f" from step {self.step:.0f}" if self.step is not None else ""
+            return f"attempt {self.attempt} resumed{start} {self.detail}".strip()
+        verb = {"interrupted": "interrupted", "lost": "lost",
+                "retry": "failed"}[self.kind]
+        redone = ("steps redone: not known yet" if self.redone is None
+                  else f"{self.redone} step{'s' if self.redone != 1 else ''} redone")
+        return f"attempt {self.attempt} {verb}{at}: {self.detail}; {redone}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +406,51 @@ class Checkpoint:
     bytes: int
     time: float
     forced: bool
+
+
+@dataclasses.dataclass
+class PoolPrices:
+    """The spot price of one pool while the job ran there: a step function.
+
+    ``history`` is what the prices are (the local cloud: which stretch of real price
+    history it replays; AWS: the live price), from the group's events.
+    """
+
+    pool: str
+    times: list[float] = dataclasses.field(default_factory=list)
+    prices: list[float] = dataclasses.field(default_factory=list)
+    ondemand: float | None = None
+    history: str = ""
+    # The local cloud's replay: the real moment shown at wall time ``replay_wall``, and
+    # how many real seconds pass per wall second.
+    replay_wall: float | None = None
+    replay_from: float | None = None
+    replay_scale: float = 1.0
+
+    def history_dates(self, end: float) -> str:
+        """The span of real history replayed up to wall time ``end``, as
+        ``2020-01-12 14:00-16:10 UTC`` ("" when the prices are live)."""
+        if self.replay_from is None or self.replay_wall is None:
+            return ""
+        import datetime
+
+        def utc(t: float) -> str:
+            return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M")
+
+        a = utc(self.replay_from)
+        b = utc(self.replay_from + max(0.0, end - self.replay_wall) * self.replay_scale)
+        if a[:10] == b[:10]:
+            return f"{a}-{b[11:]} UTC" if a != b else f"{a} UTC"
+        return f"{a} - {b} UTC"
+
+
+_NOTICE_REASONS = {
+    "requested": "interruption asked for (Interrupt now, %spot_interrupt)",
+    "price": "the spot price rose above the max price",
+    "scheduled": "simulated interruption (--simulate-interruptions)",
+    "hazard": "spot capacity reclaimed (the pool's interruption rate)",
+}
 
 
 class DashboardData:
@@ -243,9 +466,10 @@ class DashboardData:
         self.util = Reduced(max_buckets)  # percent
         self.mem = Reduced(max_buckets)  # percent of the total
         self.sys_kind: str | None = None  # "gpu" or "cpu"
-        self.price = Column()  # step function of the pool's spot price, USD/hour
-        self.ondemand: float | None = None
-        self.pool: str | None = None
+        self.sys_gaps: list[float] = []  # where a new instance's samples start (time)
+        self._sys_attempt = 0
+        self.pools: dict[str, PoolPrices] = {}  # in the order the job used them
+        self.pool: str | None = None  # the current one
         self.markers: list[Marker] = []
         self.checkpoint: Checkpoint | None = None
         self.tensorboard_synced = False
@@ -255,9 +479,12 @@ class DashboardData:
         self.log_version = 0
         self.first_time: float | None = None  # the time axes start here
         self.last_time = 0.0
-        self._step: float | None = None
         self._attempt = 0
-        self._interrupted: set[int] = set()
+        self._first_step: dict[int, float] = {}
+        self._last_step: dict[int, float] = {}
+        self._ended: dict[int, Marker] = {}  # the marker that ended each attempt
+        self._notice_reason: dict[str, str] = {}  # instance id -> the group's reason
+        self._booted: set[int] = set()
 
     # -- input ---------------------------------------------------------------------
 
@@ -265,6 +492,9 @@ class DashboardData:
         """Take a batch of events (in time order). Output (``stream``) events are
         left to :meth:`write`, which the display calls in order with milestones."""
         for event in events:
+            if event.type == "metrics":  # a batch of rows (a reader with batches=True)
+                self._metrics(event)
+                continue
             if self.first_time is None:
                 self.first_time = event.time
             self.last_time = max(self.last_time, event.time)
@@ -273,20 +503,13 @@ class DashboardData:
     def _add(self, e: Event) -> None:
         d = e.data
         if e.type == "metric":
-            step = d.get("step")
-            if step is None:
-                return
-            for name, value in (d.get("values") or {}).items():
-                if not isinstance(value, (int, float)):
-                    continue
-                series = self.metrics.get(name)
-                if series is None:
-                    series = self.metrics[name] = MetricSeries(name, self.max_buckets)
-                series.add(e.attempt, float(step), float(value))
-            self._step = float(step)
+            self._metric(e)
         elif e.type == "sys":
             self.sys_kind = str(d.get("kind") or self.sys_kind or "cpu")
             t = e.time
+            if e.attempt != self._sys_attempt and len(self.util):
+                self.sys_gaps.append(t)  # another instance: no line across the gap
+            self._sys_attempt = e.attempt
             self.util.add(t, float(d.get("util", np.nan)))
             total = d.get("mem_total") or 0
             used = d.get("mem_used")
@@ -294,17 +517,27 @@ class DashboardData:
         elif e.type == "instance" and d.get("action") == "launched":
             self.pool = d.get("pool") or self.pool
             self._price(e.time, d)
-        elif e.type == "price" and d.get("pool") in (None, self.pool):
+        elif e.type == "instance" and d.get("action") == "notice":
+            self._notice_reason[str(d.get("instance_id") or e.instance)] = \
+                str(d.get("reason") or "")
+            return
+        elif e.type == "price":
             self._price(e.time, d)
-        elif e.type == "notice" and d.get("kind") == "instance-action" and \
-                e.attempt not in self._interrupted:
-            self._interrupted.add(e.attempt)
-            self.markers.append(Marker("interrupted", e.time, e.attempt, self._step,
-                                       f"attempt {e.attempt} interrupted (spot notice)"))
         elif e.type == "status" and e.attempt != GROUP_STREAM and \
-                d.get("state") == "booting" and e.attempt > max(self._attempt, 1):
-            self.markers.append(Marker("resumed", e.time, e.attempt, self._step,
-                                       f"attempt {e.attempt} started on {e.instance}"))
+                d.get("state") == "booting" and e.attempt not in self._booted:
+            if e.attempt > max(self._attempt, 1, *self._booted):
+                self._resume(e)
+            self._booted.add(e.attempt)
+        elif e.type == "notice" and d.get("kind") == "instance-action" and \
+                e.attempt not in self._ended:
+            reason = _NOTICE_REASONS.get(self._notice_reason.get(str(e.instance), ""),
+                                         "spot interruption notice")
+            action = d.get("action")
+            detail = f"{reason} ({action})" if action else reason
+            self._end_attempt(Marker("interrupted", e.time, e.attempt, detail=detail))
+        elif e.type == "error" and d.get("retrying") and e.attempt not in self._ended:
+            self._end_attempt(Marker("retry", e.time, e.attempt,
+                                     detail=f"{d.get('ename')}, retried in place"))
         elif e.type == "checkpoint" and d.get("kind") == "sync":
             if d.get("name") == TB_SYNC_NAME and d.get("phase") == "durable":
                 self.tensorboard_synced = True
@@ -317,11 +550,140 @@ class DashboardData:
             self._attempt = max(self._attempt, e.attempt)
         self.version += 1
 
+    def _metric(self, e: Event) -> None:
+        step = e.data.get("step")
+        if step is None:
+            return
+        step = float(step)
+        t = float(e.data.get("t") or e.time)
+        moved = 0
+        for name, value in (e.data.get("values") or {}).items():
+            if not isinstance(value, (int, float)):
+                continue
+            series = self.metrics.get(name)
+            if series is None:
+                series = self.metrics[name] = MetricSeries(name, self.max_buckets)
+            moved = max(moved, series.add(e.attempt, step, float(value), t))
+        a = e.attempt
+        if a not in self._first_step:
+            self._first_step[a] = step
+            self._first_logged(a, step, moved)
+        self._last_step[a] = max(self._last_step.get(a, step), step)
+        ended = self._ended.get(a)
+        if ended is not None:
+            ended.step = self._last_step[a]
+            # A late row of an ended attempt: the next attempt's start says how many
+            # of its steps were redone.
+            later = [b for b in self._first_step if b > a]
+            if ended.redone is not None and later:
+                ended.redone = max(ended.redone,
+                                   int(self._last_step[a] - self._first_step[min(later)] + 1))
+
+    def _metrics(self, e: Event) -> None:
+        """A ``metrics`` batch in bulk, a column at a time: the same as its rows one by
+        one (:meth:`_metric`), each series taking its points in order."""
+        steps, times, columns = metric_columns(e)
+        if len(steps) != len(times):  # a damaged batch: what its rows say, row by row
+            for row in expand(e):
+                self.add([row])
+            return
+        if not len(steps):
+            return
+        step = np.frombuffer(steps, dtype=np.int64).astype(float)
+        t = np.frombuffer(times, dtype=float)
+        if self.first_time is None:
+            self.first_time = float(t[0])
+        known = t[~np.isnan(t)]
+        if len(known):
+            self.last_time = max(self.last_time, float(known.max()))
+        a = e.attempt
+        moved = 0
+        for name in metric_names(columns):  # new series in the order the rows name them
+            idx, vals = columns[name]
+            n = min(len(vals), len(step) if idx is None else len(idx))
+            if not n:
+                continue
+            series = self.metrics.get(name)
+            if series is None:
+                series = self.metrics[name] = MetricSeries(name, self.max_buckets)
+            values = np.frombuffer(vals, dtype=float)[:n]
+            rows = slice(0, n) if idx is None else np.frombuffer(idx, dtype=np.int32)[:n]
+            first_moved = series.add_many(a, step[rows], values, t[rows])
+            if idx is None or idx[0] == 0:  # a point of the first row
+                moved = max(moved, first_moved)
+        first = float(step[0])
+        if a not in self._first_step:
+            self._first_step[a] = first
+            self._first_logged(a, first, moved)
+        self._last_step[a] = max(self._last_step.get(a, first), float(step.max()))
+        ended = self._ended.get(a)
+        if ended is not None:
+            ended.step = self._last_step[a]
+            later = [b for b in self._first_step if b > a]
+            if ended.redone is not None and later:
+                ended.redone = max(ended.redone,
+                                   int(self._last_step[a] - self._first_step[min(later)] + 1))
+        if a != GROUP_STREAM:
+            self._attempt = max(self._attempt, a)
+        self.version += len(step)
+
+    def _first_logged(self, attempt: int, step: float, moved: int) -> None:
+        """An attempt's first step: the resume marker learns it, and the attempt it
+        replaced learns how many steps were redone."""
+        for marker in reversed(self.markers):
+            if marker.kind == "resumed" and marker.attempt == attempt:
+                marker.step = step
+                break
+        # The newest earlier attempt that logged steps is the one whose steps are redone
+        # (one in between may have died before logging any).
+        for earlier in sorted((a for a in self._ended if a < attempt), reverse=True):
+            ended = self._ended[earlier]
+            last = self._last_step.get(earlier)
+            if ended.redone is None and last is not None:
+                ended.redone = max(moved, int(last - step + 1) if last >= step else 0)
+                break
+
+    def _end_attempt(self, marker: Marker) -> None:
+        marker.step = self._last_step.get(marker.attempt)
+        self._ended[marker.attempt] = marker
+        self.markers.append(marker)
+
+    def _resume(self, e: Event) -> None:
+        previous = max((a for a in self._booted if a < e.attempt), default=None)
+        if previous is not None and previous not in self._ended:
+            # The attempt before ended without a notice or an error: its instance died.
+            self._end_attempt(Marker("lost", e.time, previous,
+                                     detail="the instance went away without a notice"))
+        where = " ".join(str(p) for p in (e.data.get("instance_type"), e.data.get("az")) if p)
+        where += f" ({e.instance})" if e.instance else ""
+        detail = str(e.data.get("detail") or "")
+        how = detail if detail.startswith("retrying") else f"on {where.strip()}"
+        self.markers.append(Marker("resumed", e.time, e.attempt, detail=how))
+
     def _price(self, when: float, d: dict[str, Any]) -> None:
+        name = str(d.get("pool") or self.pool or "")
+        if not name:
+            return
+        pool = self.pools.get(name)
+        if pool is None:
+            pool = self.pools[name] = PoolPrices(name)
         if d.get("price") is not None:
-            self.price.append(when, float(d["price"]))
+            pool.times.append(when)
+            pool.prices.append(float(d["price"]))
         if d.get("ondemand"):
-            self.ondemand = float(d["ondemand"])
+            pool.ondemand = float(d["ondemand"])
+        source = d.get("price_source") or d.get("source")
+        if source:
+            pool.history = str(source)
+        if d.get("history_time") and pool.replay_from is None:
+            import datetime
+
+            try:
+                replayed = datetime.datetime.fromisoformat(str(d["history_time"]))
+            except ValueError:
+                return
+            pool.replay_wall, pool.replay_from = when, replayed.timestamp()
+            pool.replay_scale = float(d.get("history_scale") or 1.0)
 
     def write(self, text: str, stderr: bool = False) -> None:
         """Remote output text (may hold partial lines)."""
@@ -340,6 +702,34 @@ class DashboardData:
         self.log_version += 1
 
     # -- output --------------------------------------------------------------------
+
+    @property
+    def ondemand(self) -> float | None:
+        """The on-demand price of the current pool (USD/hour)."""
+        pool = self.pools.get(self.pool or "")
+        return pool.ondemand if pool is not None else None
+
+    def price_at(self, when: float) -> float | None:
+        """The current pool's spot price at ``when`` (the step function's value)."""
+        pool = self.pools.get(self.pool or "")
+        if pool is None or not pool.prices:
+            return None
+        i = bisect.bisect_right(pool.times, when) - 1
+        return pool.prices[max(i, 0)]
+
+    def sys_points(self, which: Reduced, full: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Utilisation or memory against time, with a NaN where another instance's
+        samples start (reduced for display, or every sample with ``full``)."""
+        if full:
+            x, y = which.full.x.copy(), which.full.y.copy()
+        else:
+            x, y, _t = which.view.points()
+        if not self.sys_gaps or not len(x):
+            return x, y
+        at = np.searchsorted(x, np.asarray(self.sys_gaps), side="left")
+        nan = np.full(len(at), np.nan)
+        return np.insert(x, at, nan), np.insert(y, at, nan)
 
     def log_lines(self) -> list[tuple[str, str]]:
         """The panel's lines as (kind, text): kind is stdout, stderr or spotnb."""
@@ -364,7 +754,7 @@ class DashboardData:
         return {
             "metrics": {k: (len(s.curve), len(s.redone)) for k, s in self.metrics.items()},
             "sys": len(self.util),
-            "price": len(self.price),
+            "price": sum(len(p.prices) for p in self.pools.values()),
             "markers": len(self.markers),
         }
 

@@ -1,61 +1,68 @@
-"""A static copy of the dashboard's figure, for readers where widgets do not render.
+"""The static copy of a finished dashboard, for readers where widgets do not render.
 
-:func:`bundle` gives a MIME bundle: plotly's own JSON (``application/vnd.plotly.v1+json``,
-rendered by JupyterLab, Notebook 7 and VS Code without a kernel), HTML that loads
-plotly.js from its CDN (nbviewer, an HTML export; front ends that render the JSON never
-use it, and untrusted notebooks do not run its script), and plain text. :func:`to_png`
-renders a PNG with kaleido, which drives a Chrome or Chromium: measured here with
-Debian's chromium, about 3.5 s a figure, so it is not part of the bundle unless asked.
+A finished ``%%spot_train`` cell shows its plots once: in JupyterLab (or Notebook 7,
+or VS Code) the live dashboard; elsewhere (GitHub, nbviewer, an HTML export read
+offline, a notebook reopened without its widget state) a PNG of the same figure.
+:func:`bundle` is that PNG as one output: ``image/png``, and ``text/html`` with the
+image inline and a style rule that hides it on a page where the job's live dashboard
+has drawn its figure (``body:has(.spotnb-live-JOB .spotnb-figure .js-plotly-plot)``).
+No script and
+no CDN: it reads the same offline.
+
+The PNG is drawn with matplotlib (:func:`spotnb.records.figures.render`), in about a
+second, from the data the dashboard already holds; it is not drawn when matplotlib is
+missing (``pip install 'spotnb[widgets]'`` installs it).
 """
 
 from __future__ import annotations
 
-import json
+import base64
+import html
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["bundle", "to_png"]
+from spotnb.widgets.series import DashboardData
+
+__all__ = ["bundle", "live_class", "png"]
 
 log = logging.getLogger(__name__)
 
-PLOTLY_MIME = "application/vnd.plotly.v1+json"
+#: ``metadata.spotnb.figure`` of the static copy (what ``spotnb record`` looks for).
+FIGURE_KIND = "dashboard"
 
 
-def _static_figure(figure: Any) -> Any:
-    import plotly.graph_objects as go
-
-    static = go.Figure(figure)
-    static.layout.uirevision = None
-    return static
+def live_class(job_id: str) -> str:
+    """The CSS class of a job's live dashboard (its static copy hides next to it)."""
+    return f"spotnb-live-{job_id}"
 
 
-def bundle(figure: Any, title: str = "spotnb job", png: bool = False) -> dict[str, Any]:
-    """A MIME bundle of ``figure`` (a ``FigureWidget`` or ``Figure``); see the module
-    docstring. ``png`` adds ``image/png`` when kaleido can render it."""
-    import plotly.io as pio
-
-    static = _static_figure(figure)
-    names = [t.name for t in static.data if t.name and len(t.x if t.x is not None else ())]
-    out: dict[str, Any] = {
-        PLOTLY_MIME: json.loads(pio.to_json(static, validate=False)),
-        "text/html": pio.to_html(static, include_plotlyjs="cdn", full_html=False,
-                                 validate=False),
-        "text/plain": f"<{title}: figure of {', '.join(names) or 'no data'}>",
-    }
-    if png:
-        image = to_png(static)
-        if image is not None:
-            out["image/png"] = image
-    return out
-
-
-def to_png(figure: Any, width: int = 1000, height: int = 640) -> bytes | None:
-    """The figure as a PNG (kaleido and a Chrome or Chromium needed), or None."""
-    import plotly.io as pio
-
+def png(data: DashboardData, title: str, lines: Sequence[str]) -> bytes | None:
+    """The dashboard's figure as a PNG, or None (no matplotlib, or it failed)."""
     try:
-        return bytes(pio.to_image(_static_figure(figure), format="png", width=width,
-                                  height=height))
-    except Exception as err:  # no kaleido, no browser: the bundle goes without a PNG
-        log.info("no PNG of the figure: %s", err)
+        from spotnb.records import figures
+
+        if not figures.available():
+            log.info("no static copy of the dashboard: %s", figures.INSTALL_HINT)
+            return None
+        return figures.render(data, title, lines)
+    except Exception:  # the cell's outcome must not depend on a picture
+        log.warning("drawing the static copy of the dashboard failed", exc_info=True)
         return None
+
+
+def bundle(image: bytes, job_id: str, caption: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The static copy as ``(data, metadata)`` of one display output (module docstring).
+
+    ``caption`` is the image's text: its ``alt`` and the output's ``text/plain``.
+    """
+    encoded = base64.b64encode(image).decode()
+    static = f"spotnb-static-{job_id}"
+    rule = (f"body:has(.{live_class(job_id)} .spotnb-figure .js-plotly-plot) .{static} "
+            "{ display: none; }")
+    alt = html.escape(caption, quote=True)
+    page = (f"<style>{rule}</style><div class='spotnb-static {static}'>"
+            f"<img src='data:image/png;base64,{encoded}' alt='{alt}' "
+            "style='max-width:100%'></div>")
+    data = {"image/png": encoded, "text/html": page, "text/plain": caption}
+    return data, {"spotnb": {"figure": FIGURE_KIND, "job_id": job_id}}

@@ -32,28 +32,48 @@ are refused with :class:`~spotnb.spec.SpecError` before anything starts):
 ``SPOTNB_LOCAL_SEED`` [seed]
     Makes the hazard draws reproducible (combined with the job id). Unset: random.
 ``SPOTNB_LOCAL_INTERRUPT_AFTER`` [interrupt_after]
-    For ``simulate_interruptions={"count": N}``: seconds an instance runs before its
-    interruption when its attempt writes no checkpoint. Default 20.
+    For ``simulate_interruptions={"count": N}``: an attempt is interrupted at its first
+    sign of life after its first durable checkpoint, or this many seconds after that
+    checkpoint; without a checkpoint, this many seconds after the cell's first output
+    (three times as long after the cell started, while it shows nothing). Default 20.
 ``SPOTNB_LOCAL_STOP_GRACE`` [stop_grace]
     Seconds the agent has to finish by itself after a stop request (or after writing
     the result) before its instance is terminated. Default 15.
 ``SPOTNB_LOCAL_AGENT_CMD`` [agent_cmd]
     The command an instance runs instead of ``python -m spotnb.kernel_remote``
     (``--job <store-uri>`` is appended). For tests and for debugging agents.
+``SPOTNB_LOCAL_INSTANCE_ENV`` [instance_env]
+    Comma-separated names (or ``PREFIX*``) of this machine's environment variables that
+    every local instance gets, like variables baked into an AMI. Default none.
+
+An instance starts with a clean environment, as an EC2 instance does: not the user's
+credentials, tokens or other variables, only what runs the same Python and spotnb
+(``PATH``, ``HOME``, locale, ``PYTHONPATH``, the library path, ``SPOTNB_*``); see
+:func:`.state.instance_base_environment`. A job passes more on purpose with
+``env=`` (``%%spot_train --env NAME[=VALUE]``).
+
+``cleanup`` plans before it acts (:meth:`LocalProvider.cleanup_plan`): the dry run
+prints the plan, the real run carries it out, action for action.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from spotnb import catalog
 from spotnb.layout import RESULT, SPEC
@@ -76,7 +96,7 @@ from spotnb.providers.local.state import (
 from spotnb.spec import JobSpec, SpecError
 from spotnb.store import StoreError, open_store, upload_mbps
 
-__all__ = ["LocalProvider", "Settings"]
+__all__ = ["CleanupAction", "LocalProvider", "Settings", "abandoned_socket_dirs"]
 
 log = logging.getLogger(__name__)
 
@@ -235,54 +255,81 @@ class LocalProvider(Provider):
             _write_stopped_result(info.get("store_uri"))
 
     def cleanup(self, dry_run: bool = False) -> list[str]:
-        done: list[str] = []
+        """See the contract. The dry run and the real run describe the same
+        :meth:`cleanup_plan`, action for action: ``would ...`` or ``did ...``."""
+        done = []
+        for action in self.cleanup_plan():
+            if not dry_run:
+                action.apply()
+            done.append(f"{'would' if dry_run else 'did'} {action.what}")
+        return done
+
+    def cleanup_plan(self) -> list[CleanupAction]:
+        """Everything a cleanup does now, in order: kill what is left of jobs that ended
+        or lost their supervisor, then remove their directories, then the socket
+        directories that killed agents left in the temporary directory. A running job
+        (its supervisor alive, no result) is left alone.
+        """
+        kills: list[CleanupAction] = []
+        removals: list[CleanupAction] = []
         live_jobs = set()
-        described: set[int] = set()  # pids already in the list (dry run: still alive)
-        verb = "would" if dry_run else "did"
-        for home in sorted(groups_dir().iterdir()) if groups_dir().is_dir() else []:
-            info = read_json(home / GROUP_FILE) or {}
-            job_id = str(info.get("job_id") or home.name)
+        covered: set[int] = set()  # pids some action already kills
+        instances_of: dict[str, list[Path]] = {}
+        for home in _subdirs(instances_dir()):
+            job = (read_json(home / "meta.json") or {}).get("job_id")
+            instances_of.setdefault(str(job), []).append(home)
+        groups = {home.name: home for home in _subdirs(groups_dir())}
+        for job_id in sorted(set(groups) | set(instances_of) - {"None"}):
+            info = (read_json(groups[job_id] / GROUP_FILE) if job_id in groups else None) or {}
             alive = _alive(info)
-            finished = _has_result(info.get("store_uri"))
+            finished = _has_result(info.get("store_uri") or _instance_store(instances_of,
+                                                                                 job_id))
             if alive and not finished:
                 live_jobs.add(job_id)
                 continue
-            if finished and not alive:
-                # A group that ended properly leaves only its logs: history, not a
-                # leftover. A real cleanup clears them too.
-                if not dry_run:
-                    done.append(f"did remove the logs of finished job {job_id}")
-                    shutil.rmtree(home, ignore_errors=True)
-                continue
-            why = "its job has a result" if finished else "its supervisor is gone"
-            done.append(f"{verb} remove capacity group {job_id} ({why})")
-            if not dry_run:
-                supervisor = ProcessRecord.from_dict(info.get("supervisor"))
-                if supervisor is not None:
-                    kill_tree(supervisor, grace=SUPERVISOR_KILL_GRACE_SECONDS)
-                done += [f"did kill {k}" for k in self._kill_instances(job_id)]
-                shutil.rmtree(home, ignore_errors=True)
-        for home in sorted(instances_dir().iterdir()) if instances_dir().is_dir() else []:
-            meta = read_json(home / "meta.json") or {}
-            if meta.get("job_id") in live_jobs:
-                continue
-            record = ProcessRecord.from_dict(read_json(home / "pid.json"))
-            if record is not None and record.alive():
-                done.append(f"{verb} kill orphan instance {home.name} (job "
-                            f"{meta.get('job_id')}, pid {record.pid})")
-                described.add(record.pid)
-                if not dry_run:
-                    kill_tree(record)
-            if not dry_run:
-                shutil.rmtree(home, ignore_errors=True)
+            # Step 1: processes. A supervisor still up after its job's result, then the
+            # instance processes that outlived their group.
+            supervisor = ProcessRecord.from_dict(info.get("supervisor")) if alive else None
+            if supervisor is not None:
+                covered |= _family(supervisor)
+                kills.append(CleanupAction(
+                    f"stop the capacity group of job {job_id} (pid {supervisor.pid}): its "
+                    "job has a result", _kill_action(supervisor, SUPERVISOR_KILL_GRACE_SECONDS)))
+            for home in instances_of.get(job_id, []):
+                record = ProcessRecord.from_dict(read_json(home / "pid.json"))
+                if record is not None and record.alive() and record.pid not in covered:
+                    covered |= _family(record)
+                    kills.append(CleanupAction(
+                        f"kill orphan instance {home.name} of job {job_id} (pid {record.pid})",
+                        _kill_action(record, 1.0)))
+            # Step 2: its directories in the local cloud (the job's history stays in
+            # its store: `spotnb logs` still shows it).
+            dirs = ([groups[job_id]] if job_id in groups else []) + instances_of.get(job_id, [])
+            count = len(instances_of.get(job_id, []))
+            instances = f"{count} instance director{'y' if count == 1 else 'ies'}"
+            if job_id not in groups:
+                what = f"the {instances} of job {job_id} (its capacity group is gone)"
+            elif finished and not alive:
+                what = (f"the logs of finished job {job_id} (its capacity group and "
+                        f"{instances}; its history stays in its store)")
+            else:
+                why = "its job has a result" if finished else "its supervisor is gone"
+                what = f"capacity group {job_id} ({why}) and its {instances}"
+            removals.append(CleanupAction(f"remove {what}", _remove_action(dirs)))
+        for home in instances_of.get("None", []):
+            removals.append(CleanupAction(f"remove the unreadable instance directory {home}",
+                                          _remove_action([home])))
         for proc, instance_id, job_id in marked_processes():
-            if job_id in live_jobs or proc.pid in described:
+            if job_id in live_jobs or proc.pid in covered:
                 continue
-            done.append(f"{verb} kill orphan process {proc.pid} of instance {instance_id} "
-                        f"(job {job_id})")
-            if not dry_run:
-                kill_processes([proc], grace=1.0)
-        return done
+            kills.append(CleanupAction(
+                f"kill orphan process {proc.pid} of instance {instance_id} (job {job_id})",
+                _kill_processes_action(proc)))
+        for path in abandoned_socket_dirs():
+            removals.append(CleanupAction(
+                f"remove {path}, left by a killed agent (it holds its kernel's connection "
+                "file, with the kernel's key)", _remove_action([path])))
+        return kills + removals
 
     def prices(self, instance_type: str, region: str) -> PoolPrice:
         catalog.check_instance_type(instance_type, region)
@@ -337,6 +384,101 @@ class LocalProvider(Provider):
         if supervisor is not None:
             kill_tree(supervisor, grace=SUPERVISOR_KILL_GRACE_SECONDS)
         self._kill_instances(job_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class CleanupAction:
+    """One step of a cleanup: ``what`` it does, in words, and ``apply`` to do it."""
+
+    what: str
+    apply: Callable[[], None]
+
+
+def _family(record: ProcessRecord) -> set[int]:
+    """The pids of a recorded process and its descendants (killing it kills them)."""
+    proc = record.process()
+    if proc is None:
+        return set()
+    try:
+        return {proc.pid, *(child.pid for child in proc.children(recursive=True))}
+    except psutil.Error:
+        return {proc.pid}
+
+
+def _subdirs(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
+
+
+def _instance_store(instances_of: dict[str, list[Path]], job_id: str) -> str | None:
+    """The job's store URI from one of its instances' records (its group may be gone)."""
+    for home in instances_of.get(job_id, []):
+        uri = (read_json(home / "meta.json") or {}).get("store_uri")
+        if uri:
+            return str(uri)
+    return None
+
+
+def _kill_action(record: ProcessRecord, grace: float) -> Callable[[], None]:
+    def apply() -> None:
+        kill_tree(record, grace=grace)  # verifies the pid is still that process first
+    return apply
+
+
+def _kill_processes_action(proc: Any) -> Callable[[], None]:
+    def apply() -> None:
+        kill_processes([proc], grace=1.0)
+    return apply
+
+
+def _remove_action(paths: list[Path]) -> Callable[[], None]:
+    def apply() -> None:
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+    return apply
+
+
+# The agent keeps the runtime's socket and its kernel's sockets and connection file
+# (which holds the kernel's key) in a directory made with tempfile.mkdtemp(prefix=...).
+AGENT_SOCKET_DIR_PREFIX = "spotnb-"
+
+
+def abandoned_socket_dirs() -> list[Path]:
+    """This user's agent socket directories in the temporary directory that no live
+    process uses: left by agents that were killed (a clean exit removes its own).
+
+    A directory counts once it holds the agent's socket or a kernel connection file
+    (an agent binds its socket as it starts), and is abandoned when none of its sockets
+    is bound any more (``/proc/net/unix``). Where that cannot be read, nothing is
+    reported: a live agent's directory must never be removed.
+    """
+    bound = _bound_unix_sockets()
+    if bound is None:
+        return []
+    found = []
+    me = os.getuid()
+    for path in sorted(Path(tempfile.gettempdir()).glob(AGENT_SOCKET_DIR_PREFIX + "*")):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != me:
+                continue
+            names = [p.name for p in path.iterdir()]
+        except OSError:
+            continue
+        if "agent.sock" not in names and not any(re.fullmatch(r"k\d+\.json", n) for n in names):
+            continue
+        if any(str(path / name) in bound for name in names):
+            continue
+        found.append(path)
+    return found
+
+
+def _bound_unix_sockets() -> set[str] | None:
+    """The paths of every bound Unix socket on this machine, or None if unknown."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    # Num RefCount Protocol Flags Type St Inode [Path]
+    return {parts[7] for line in lines if len(parts := line.split(None, 7)) == 8}
 
 
 def _alive(info: dict[str, Any]) -> bool:

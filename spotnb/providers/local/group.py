@@ -47,8 +47,10 @@ of a single-node job; the job ends for all of them with its result.
 Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``; of one
 named instance, or of the first running one); the
 spec's ``simulate_interruptions`` ``{"count": N}`` (reason ``simulated``: once an
-instance's attempt has a durable checkpoint and a later metric, or after
-``interrupt_after`` seconds without any checkpoint) or ``{"schedule": [s, ...]}``
+instance's attempt has a durable checkpoint and any later event, or after
+``interrupt_after`` seconds after the first output of a cell without any checkpoint;
+see ``_simulated_due``) or
+``{"schedule": [s, ...]}``
 (reason ``scheduled``, seconds since the first launch); the market price rising above
 ``max_price`` (``price``); and the Spot Advisor's interruption rate (``hazard``).
 """
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -114,6 +117,11 @@ STORE_BACKOFF_SECONDS = 5.0
 STORE_MAX_BACKOFF_SECONDS = 120.0
 # The agent's exit code when it gave up on the store (spotnb.kernel_remote.agent).
 AGENT_EXIT_STORE = 4
+# simulate_interruptions={"count": N}, for a cell that saves no checkpoint and shows
+# nothing yet (still importing, loading data): wait this many times interrupt_after.
+QUIET_CELL_FACTOR = 3
+# The events that show a cell got past its imports: output, or metrics (one row or a batch).
+OUTPUT_EVENTS = ("stream", "display", "metric", "metrics")
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
 
@@ -424,37 +432,54 @@ class Supervisor:
                 and now >= self.first_launch + self.schedule[self.schedule_next]):
             self.schedule_next += 1
             return "scheduled"
-        if self.sim_done < self.sim_count and inst.running_since is not None:
-            # A cell that never checkpoints is interrupted anyway, interrupt_after
-            # seconds after its first metric (its loop runs: its imports are done, however
-            # slow the machine), or after its start if it logs none.
-            began = inst.first_metric_at or inst.running_since
-            silent = (inst.durable_at is None
-                      and now - began >= self.settings.interrupt_after)
-            if inst.progressed or silent:
-                self.sim_done += 1
-                return "simulated"
+        if self.sim_done < self.sim_count and self._simulated_due(inst, now):
+            self.sim_done += 1
+            return "simulated"
         if inst.hazard_at is not None and now >= inst.hazard_at:
             return "hazard"
         return None
 
+    def _simulated_due(self, inst: LocalInstance, now: float) -> bool:
+        """Whether to interrupt ``inst`` for ``simulate_interruptions={"count": N}``.
+
+        Step 1: after the attempt's first durable checkpoint, at its next sign of life
+        (output, a metric, a CPU sample: about a second), or ``interrupt_after`` seconds
+        after the checkpoint. Not only after a metric: a cell need not call spot.log.
+        Step 2: an attempt without a checkpoint, ``interrupt_after`` seconds after the
+        cell's first output or metric (its imports and data loading are then done: on
+        a busy machine they alone can take longer than that), or
+        :data:`QUIET_CELL_FACTOR` times as long after the cell started, if it shows
+        nothing. Never counted from the instance's start: a slow boot is not the cell's.
+        Both are the events' own times: the simulated interruption comes that long
+        after the cell showed something, however late the supervisor read of it.
+        """
+        limit = self.settings.interrupt_after
+        if inst.durable_at is not None:
+            return inst.progressed or now - inst.durable_at >= limit
+        if inst.first_output is not None:
+            return now - inst.first_output >= limit
+        return inst.cell_started is not None and \
+            now - inst.cell_started >= QUIET_CELL_FACTOR * limit
+
     def _track_progress(self, instances: list[LocalInstance]) -> None:
-        """Watch each instance's attempt for a durable checkpoint followed by a metric
-        (one read of the log for all of them)."""
+        """Watch each instance's attempt: its cell's start, its first durable checkpoint,
+        and any event after that (one read of the log for all of them)."""
         assert self.reader is not None
         by_id = {inst.id: inst for inst in instances}
         for event in self.reader.poll(wait=0):
             inst = by_id.get(event.instance or "")
             if inst is None or event.attempt == GROUP_STREAM:
                 continue
+            if (event.type == "status" and event.data.get("state") == "running"
+                    and inst.cell_started is None):
+                inst.cell_started = event.time
+            if event.type in OUTPUT_EVENTS and inst.first_output is None:
+                inst.first_output = event.time
             if (event.type == "checkpoint" and event.data.get("phase") == "durable"
                     and inst.durable_at is None):
                 inst.durable_at = event.time
-            elif event.type in ("metric", "metrics"):
-                if inst.first_metric_at is None:
-                    inst.first_metric_at = time.time()
-                if inst.durable_at is not None and event.time >= inst.durable_at:
-                    inst.progressed = True
+            elif inst.durable_at is not None and event.time > inst.durable_at:
+                inst.progressed = True
         if self.sim_done >= self.sim_count:
             self._stop_following()  # nothing left to simulate: stop reading the log
 
@@ -616,8 +641,12 @@ class Supervisor:
     def _spawn(self, inst: LocalInstance, now: float) -> None:
         cmd = [*(self.settings.agent_cmd or (sys.executable, *AGENT_MODULE)),
                "--job", self.store.uri]
+        # The job's env names without a value are this machine's variables, passed on
+        # purpose (the agent sets those with a value in the kernel's environment).
+        passed = [*self.settings.instance_env,
+                  *(name for name, value in self.spec.env.items() if value is None)]
         try:
-            inst.spawn(cmd, self.spec.job_id, now)
+            inst.spawn(cmd, self.spec.job_id, now, passed)
         except OSError as e:
             # A missing interpreter or agent: the same outcome as an agent that crashed.
             log.error("cannot start the agent %s: %s", cmd, e)
@@ -698,8 +727,15 @@ class Supervisor:
                                      attempt=GROUP_STREAM, instance=instance, data=data))
 
     def _emit_price(self, inst: LocalInstance) -> None:
-        self._emit("price", inst.id, pool=inst.pool.name, instance_type=inst.pool.instance_type,
-                   az=inst.pool.az, price=inst.price, ondemand=inst.pool.ondemand)
+        now = time.time()
+        # Which real prices these are: the history's source and the moment replayed.
+        replayed = datetime.datetime.fromtimestamp(inst.market.history_time(now),
+                                                   datetime.timezone.utc)
+        self._emit("price", inst.id, at=now, pool=inst.pool.name,
+                   instance_type=inst.pool.instance_type, az=inst.pool.az, price=inst.price,
+                   ondemand=inst.pool.ondemand, price_source=inst.market.source,
+                   history_time=replayed.isoformat(timespec="seconds"),
+                   history_scale=inst.market.time_scale)
 
     def _write_group(self, state: str, **fields: Any) -> None:
         write_json(self.home / GROUP_FILE, {

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from spotnb.providers.local.market import Market
 from spotnb.providers.local.state import (
     ProcessRecord,
     az_name,
+    instance_base_environment,
     instance_dir,
     instance_environment,
     kill_processes,
@@ -72,9 +74,10 @@ class LocalInstance:
     notice_reason: str | None = None
     terminate_at: float | None = None
     ended: float | None = None
+    cell_started: float | None = None  # when its attempt started running the cell
+    first_output: float | None = None  # the cell's first output or metric
     durable_at: float | None = None  # first durable checkpoint of its attempt
-    first_metric_at: float | None = None  # when its attempt's first metric was seen
-    progressed: bool = False  # a metric after that checkpoint
+    progressed: bool = False  # any event of its attempt after that checkpoint
 
     @classmethod
     def create(cls, pool: Pool, market: Market, index: int, now: float, boot_seconds: float,
@@ -147,9 +150,14 @@ class LocalInstance:
         return {"instance_id": self.id, "instance_type": self.pool.instance_type,
                 "az": self.pool.az, "pool": self.pool.name}
 
-    def spawn(self, cmd: list[str], job_id: str, now: float) -> None:
-        """Boot: start the agent, detached, in the instance directory. Raises OSError."""
-        env = {**os.environ, "SPOTNB_IMDS_ENDPOINT": self.imds.endpoint,
+    def spawn(self, cmd: list[str], job_id: str, now: float, passed: Sequence[str] = ()) -> None:
+        """Boot: start the agent, detached, in the instance directory. Raises OSError.
+
+        The agent gets a clean environment, as on EC2 (:func:`.state.instance_base_environment`):
+        none of this machine's variables but the basics and ``passed`` (names or
+        ``PREFIX*``)."""
+        env = {**instance_base_environment(os.environ, passed),
+               "SPOTNB_IMDS_ENDPOINT": self.imds.endpoint,
                **instance_environment(self.id, job_id)}
         self.running_since = now
         try:

@@ -74,6 +74,10 @@ class Market:
         """Market seconds since the start of the trace's first cycle (not wrapped)."""
         return self.offset + (wall_time - self.start_wall) * self.time_scale
 
+    def history_time(self, wall_time: float) -> float:
+        """The moment of the real history that ``wall_time`` replays (epoch seconds)."""
+        return self.trace.points[0][0] + self.market_time(wall_time) % self.period
+
     def _index(self, position: float) -> int:
         return max(bisect.bisect_right(self._times, position) - 1, 0)
 

@@ -25,6 +25,7 @@ import shlex
 import signal
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class Settings:
     interrupt_after: float = 20.0
     stop_grace: float = 15.0
     agent_cmd: tuple[str, ...] | None = None
+    instance_env: tuple[str, ...] = ()
 
     @classmethod
     def load(cls) -> Settings:
@@ -97,6 +99,7 @@ class Settings:
             interrupt_after=_number(raw, "interrupt_after", 20.0),
             stop_grace=_number(raw, "stop_grace", 15.0, allow_zero=True),
             agent_cmd=_command(raw.get("agent_cmd")),
+            instance_env=tuple(_names(raw.get("instance_env", ()))),
         )
 
     def has_capacity(self, instance_type: str, az: str) -> bool:
@@ -115,6 +118,7 @@ _ENV = {
     "interrupt_after": "SPOTNB_LOCAL_INTERRUPT_AFTER",
     "stop_grace": "SPOTNB_LOCAL_STOP_GRACE",
     "agent_cmd": "SPOTNB_LOCAL_AGENT_CMD",
+    "instance_env": "SPOTNB_LOCAL_INSTANCE_ENV",
 }
 
 
@@ -314,6 +318,34 @@ def kill_tree(record: ProcessRecord, grace: float = 1.0) -> bool:
         family = [proc]
     kill_processes(family, grace)
     return True
+
+
+# What an instance's processes inherit of this machine's environment. An EC2 instance's
+# agent sees its own system's variables and the job's role, never the user's
+# credentials, tokens or other settings; a local instance sees the same, so that a cell
+# that works here works there. Kept: what runs the same Python and spotnb (the search
+# path, the library path, PYTHONPATH so the instance imports the notebook's spotnb), the
+# user's home and locale, and spotnb's own settings (SPOTNB_*: the local cloud's).
+_INSTANCE_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH",
+})
+_INSTANCE_ENV_PREFIXES = ("LC_", "SPOTNB_")
+
+
+def instance_base_environment(environ: Mapping[str, str],
+                              passed: Iterable[str] = ()) -> dict[str, str]:
+    """The variables of ``environ`` a local instance starts with: the basics above,
+    plus ``passed``: names, or prefixes ending in ``*`` (the job's ``env`` names without
+    a value, and the ``instance_env`` setting)."""
+    names = set(_INSTANCE_ENV_NAMES)
+    prefixes = list(_INSTANCE_ENV_PREFIXES)
+    for item in passed:
+        if item.endswith("*"):
+            prefixes.append(item[:-1])
+        else:
+            names.add(item)
+    return {k: v for k, v in environ.items() if k in names or k.startswith(tuple(prefixes))}
 
 
 def instance_environment(instance_id: str, job_id: str) -> dict[str, str]:

@@ -1,0 +1,433 @@
+"""What a job has done, what is left, and what its interruptions cost it.
+
+The figures a display's header answers at a glance, computed in the notebook from the
+job's events alone (:class:`Progress` takes every event, O(1) each, and a batch of
+metric rows in bulk), so a replay after a kernel restart shows the same numbers:
+
+* the step reached, of how many (the total comes from the job's ``progress`` event:
+  ``spot.progress(total=...)``, or the ``range`` of the loop that calls ``spot.log``),
+  the rate in steps per second and the time left;
+* for each interruption, the time it took (from the interrupted attempt's last logged
+  step until a later attempt logs a step beyond it: the notice, the wait, the boot,
+  the restore and the redone steps) and what the instances billed meanwhile;
+* the steps redone (logged by an attempt after its last checkpoint, then logged again);
+* the attempt being launched while a replacement boots.
+
+On the instance, :func:`loop_total` is how ``spot.log`` finds the total by itself.
+
+Cost so far is the job's own accounting (:func:`spotnb.jobs.summarize`); the
+projection adds the time left at the current spot price, and compares it with
+on-demand for the same work: the useful instance-hours (without the time interruptions
+took) at the on-demand price.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import collections
+import dataclasses
+import functools
+import linecache
+import math
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+from spotnb.events import GROUP_STREAM, Event, metric_columns
+
+__all__ = ["RATE_WINDOW_SECONDS", "Interruption", "Progress", "Projection", "loop_total"]
+
+#: The rate is measured over the last minute of logged steps: long enough to smooth
+#: out a slow step, short enough to follow a change of pace.
+RATE_WINDOW_SECONDS = 60.0
+
+
+@dataclasses.dataclass
+class Interruption:
+    """One attempt that ended before the job did: a spot notice, or an instance lost.
+
+    ``last_step``/``last_progress``: the last step the attempt logged and when;
+    ``recovered_at``: when a later attempt first logged a step beyond it (None while
+    the job has not caught up); ``redone``: the steps logged again (None until the next
+    attempt logs its first step).
+    """
+
+    attempt: int
+    time: float
+    noticed: bool
+    last_step: float | None = None
+    last_progress: float | None = None
+    recovered_at: float | None = None
+    redone: int | None = None
+
+    def lost_window(self, now: float) -> tuple[float, float] | None:
+        """The time this interruption took, as a ``(start, end)`` wall-clock span."""
+        start = self.last_progress if self.last_progress is not None else self.time
+        end = self.recovered_at if self.recovered_at is not None else now
+        return (start, end) if end > start else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """The cost at the end of the job, if it keeps its current pace and price."""
+
+    seconds_left: float
+    cost_usd: float
+    ondemand_usd: float
+
+    @property
+    def savings_pct(self) -> float | None:
+        if self.ondemand_usd <= 0:
+            return None
+        return 100.0 * (1.0 - self.cost_usd / self.ondemand_usd)
+
+
+@dataclasses.dataclass
+class _Instance:
+    start: float
+    pool: str
+    price: float
+    ondemand: float
+    end: float | None = None
+
+
+class Progress:
+    """Steps, pace and interruption losses of one job, from its events (module doc)."""
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.total_source = ""
+        self.step: float | None = None  # the last step logged, by the newest attempt
+        self.furthest: float | None = None  # the furthest step any attempt logged
+        self.attempt = 0  # the newest attempt that logged a step
+        self.interruptions: list[Interruption] = []
+        self.launching: str | None = None  # the replacement being launched, if any
+        self._window: collections.deque[tuple[float, float]] = collections.deque()
+        self._booted: set[int] = set()
+        self._last: dict[int, tuple[float, float]] = {}  # attempt -> (step, time)
+        self._first: dict[int, float] = {}  # attempt -> the first step it logged
+        self._ended: dict[int, Interruption] = {}
+        self._instances: dict[str, _Instance] = {}
+        self._prices: dict[str, tuple[list[float], list[float]]] = {}
+
+    # -- input ---------------------------------------------------------------------
+
+    def apply(self, e: Event) -> None:
+        """Take one event (events come in time order; a ``metrics`` batch: its rows, in
+        bulk)."""
+        if e.type == "metrics":
+            columns = metric_columns(e)
+            self._metrics(e.attempt, columns[0], columns[1])
+            return
+        d = e.data
+        if e.type == "metric" and d.get("step") is not None:
+            self._metric(e.attempt, float(d["step"]), float(d.get("t") or e.time))
+        elif e.type == "progress" and d.get("total"):
+            self.total = int(d["total"])
+            self.total_source = str(d.get("source") or "")
+        elif e.type == "notice" and d.get("kind") == "instance-action" and \
+                e.attempt != GROUP_STREAM and e.attempt not in self._ended:
+            self._end(Interruption(e.attempt, e.time, noticed=True))
+        elif e.type == "status" and e.attempt != GROUP_STREAM and \
+                d.get("state") == "booting" and e.attempt not in self._booted:
+            earlier = [a for a in self._booted if a < e.attempt]
+            if earlier and max(earlier) not in self._ended and \
+                    not str(d.get("detail", "")).startswith("retrying"):
+                self._end(Interruption(max(earlier), e.time, noticed=False))
+            self._booted.add(e.attempt)
+            self.launching = None
+        elif e.type == "error" and d.get("retrying") and e.attempt not in self._ended:
+            self._ended[e.attempt] = Interruption(e.attempt, e.time, noticed=False)
+        elif e.type == "status" and e.attempt == GROUP_STREAM and \
+                d.get("state") in ("launching", "waiting_for_capacity") and self._booted:
+            where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
+            verb = "launching" if d.get("state") == "launching" else "waiting for capacity"
+            self.launching = (f"attempt {max(self._booted) + 1}: {verb}"
+                              + (f" {where}" if where else ""))
+        elif e.type == "instance" and e.attempt == GROUP_STREAM:
+            self._instance(e)
+        elif e.type == "price" and d.get("pool") and d.get("price") is not None:
+            times, prices = self._prices.setdefault(str(d["pool"]), ([], []))
+            times.append(e.time)
+            prices.append(float(d["price"]))
+
+    def _metric(self, attempt: int, step: float, t: float) -> None:
+        if attempt not in self._last:
+            self._first[attempt] = step
+            # An attempt's first step: the newest earlier attempt that logged steps
+            # learns how many of them are redone (one in between may have logged none).
+            for earlier in sorted((a for a in self._ended if a < attempt), reverse=True):
+                ended = self._ended[earlier]
+                if ended.redone is None and ended.last_step is not None:
+                    ended.redone = max(0, int(ended.last_step - step + 1))
+                    break
+        if attempt > self.attempt:
+            self.attempt = attempt
+            self._window.clear()
+        if attempt == self.attempt:
+            self.step = step
+            self._window.append((t, step))
+            while self._window and self._window[0][0] < t - RATE_WINDOW_SECONDS:
+                self._window.popleft()
+        last = self._last.get(attempt)
+        if last is None or step >= last[0]:
+            self._last[attempt] = (step, t)
+        closing = self._ended.get(attempt)
+        if closing is not None:  # steps logged after the notice, before the last save
+            closing.last_step, closing.last_progress = self._last[attempt]
+            # A late row (a follower reads an ended attempt's last rows from the log
+            # after the next attempt's live ones): the next attempt's start is known.
+            later = [a for a in self._first if a > attempt]
+            if closing.redone is not None and later:
+                closing.redone = max(closing.redone,
+                                     int(self._last[attempt][0] - self._first[min(later)] + 1))
+        for gone in self.interruptions:
+            # Caught up: a later attempt passes the step this one reached (or logs at
+            # all, if this one had logged nothing).
+            if gone.recovered_at is None and gone.attempt < attempt and \
+                    (gone.last_step is None or step > gone.last_step):
+                gone.recovered_at = t
+        self.furthest = step if self.furthest is None else max(self.furthest, step)
+
+    def _metrics(self, attempt: int, steps: Sequence[float], times: Sequence[float]) -> None:
+        """Rows of one attempt in bulk: the same state as :meth:`_metric` for each in
+        turn. The first row goes through :meth:`_metric` (an attempt's first step, a
+        new newest attempt); the rest are taken whole (a day of rows in a few passes
+        of C loops: the text display needs no numpy)."""
+        n = min(len(steps), len(times))
+        if not n:
+            return
+        self._metric(attempt, float(steps[0]), float(times[0]))
+        s = list(map(float, steps[1:n]))
+        t = list(map(float, times[1:n]))
+        if not s:
+            return
+        if any(map(math.isnan, s)) or any(map(math.isnan, t)) or sorted(t) != t:
+            # Times out of order: what the rate window keeps depends on it; row by row.
+            for step, when in zip(s, t, strict=True):
+                self._metric(attempt, step, when)
+            return
+        if attempt == self.attempt:
+            self.step = s[-1]
+            # Trimming once at the last row's time leaves what trimming at each row's
+            # would (the times only grow), without queueing the rows it drops.
+            start = t[-1] - RATE_WINDOW_SECONDS
+            while self._window and self._window[0][0] < start:
+                self._window.popleft()
+            keep = 0 if self._window else bisect.bisect_left(t, start)
+            self._window.extend(zip(t[keep:], s[keep:], strict=True))
+        top = max(s)
+        if top >= self._last[attempt][0]:
+            k = len(s) - 1 - s[::-1].index(top)  # the last row at the top
+            self._last[attempt] = (s[k], t[k])
+        closing = self._ended.get(attempt)
+        if closing is not None:
+            closing.last_step, closing.last_progress = self._last[attempt]
+            later = [a for a in self._first if a > attempt]
+            if closing.redone is not None and later:
+                closing.redone = max(closing.redone,
+                                     int(self._last[attempt][0] - self._first[min(later)] + 1))
+        for gone in self.interruptions:
+            if gone.recovered_at is None and gone.attempt < attempt:
+                passed = gone.last_step
+                if passed is None:
+                    gone.recovered_at = t[0]
+                elif top > passed:
+                    gone.recovered_at = next(w for x, w in zip(s, t, strict=True) if x > passed)
+        self.furthest = top if self.furthest is None else max(self.furthest, top)
+
+    def _end(self, gone: Interruption) -> None:
+        last = self._last.get(gone.attempt)
+        if last is not None:
+            gone.last_step, gone.last_progress = last
+        self._ended[gone.attempt] = gone
+        self.interruptions.append(gone)
+
+    def _instance(self, e: Event) -> None:
+        d = e.data
+        iid = str(d.get("instance_id") or e.instance or "")
+        if d.get("action") == "launched" and iid:
+            self._instances[iid] = _Instance(
+                start=e.time, pool=str(d.get("pool") or ""),
+                price=float(d.get("price") or 0.0), ondemand=float(d.get("ondemand") or 0.0))
+            if d.get("pool") and d.get("price") is not None:
+                times, prices = self._prices.setdefault(str(d["pool"]), ([], []))
+                times.append(e.time)
+                prices.append(float(d["price"]))
+        elif d.get("action") == "terminated" and iid in self._instances:
+            self._instances[iid].end = e.time
+
+    # -- figures -------------------------------------------------------------------
+
+    def rate(self) -> float | None:
+        """Steps per second over the newest attempt's last minute of steps."""
+        if len(self._window) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._window[0], self._window[-1]
+        if t1 <= t0 or s1 <= s0:
+            return None
+        return (s1 - s0) / (t1 - t0)
+
+    def steps_left(self) -> float | None:
+        """Steps still to run (the loop runs steps ``0 .. total - 1``)."""
+        if self.total is None or self.step is None:
+            return None
+        return max(0.0, self.total - (self.step + 1))
+
+    def seconds_left(self) -> float | None:
+        """The time left at the current pace (None without a total or a pace)."""
+        left, rate = self.steps_left(), self.rate()
+        if left is None or rate is None:
+            return None
+        return left / rate
+
+    def redone_steps(self) -> int:
+        """Steps logged again after an interruption, so far."""
+        return sum(i.redone or 0 for i in self.interruptions)
+
+    def _windows(self, now: float) -> list[tuple[float, float]]:
+        """The spans that interruptions took, merged where they overlap."""
+        spans = sorted(w for i in self.interruptions if (w := i.lost_window(now)) is not None)
+        merged: list[tuple[float, float]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+            else:
+                merged.append((start, end))
+        return merged
+
+    def lost_seconds(self, now: float) -> float:
+        """Wall-clock seconds the job made no new progress because of interruptions."""
+        return sum(end - start for start, end in self._windows(now))
+
+    def lost_usd(self, now: float) -> tuple[float, float]:
+        """What the instances billed while interruptions took their time: at the spot
+        price, and at the on-demand price."""
+        spot = ondemand = 0.0
+        for start, end in self._windows(now):
+            for inst in self._instances.values():
+                a, b = max(start, inst.start), min(end, inst.end or now)
+                if b <= a:
+                    continue
+                spot += self._integrate(inst, a, b)
+                ondemand += inst.ondemand * (b - a) / 3600.0
+        return spot, ondemand
+
+    def _integrate(self, inst: _Instance, a: float, b: float) -> float:
+        """USD for [a, b] at the pool's spot price (a step function)."""
+        times, prices = self._prices.get(inst.pool, ([], []))
+        i = bisect.bisect_right(times, a) - 1
+        price = prices[i] if i >= 0 else inst.price
+        total, t = 0.0, a
+        for when, value in zip(times[i + 1:], prices[i + 1:], strict=True):
+            if when >= b:
+                break
+            total += price * (when - t)
+            price, t = value, when
+        return (total + price * (b - t)) / 3600.0
+
+    def projection(self, now: float, cost_usd: float, ondemand_cost_usd: float,
+                   spot_price: float | None, ondemand_price: float | None
+                   ) -> Projection | None:
+        """The cost at the end at the current pace and spot price, against on-demand
+        for the same work (the instance-hours without the time interruptions took,
+        plus the time left, at the on-demand price). None without a total or a pace."""
+        left = self.seconds_left()
+        if left is None or spot_price is None or not ondemand_price:
+            return None
+        _lost_spot, lost_ondemand = self.lost_usd(now)
+        useful_ondemand = max(0.0, ondemand_cost_usd - lost_ondemand)
+        return Projection(seconds_left=left,
+                          cost_usd=cost_usd + left / 3600.0 * spot_price,
+                          ondemand_usd=useful_ondemand + left / 3600.0 * ondemand_price)
+
+    def summary(self, now: float) -> dict[str, Any]:
+        """The figures as a dict (tests, text displays)."""
+        lost_spot, _ = self.lost_usd(now)
+        return {"step": self.step, "total": self.total, "rate": self.rate(),
+                "seconds_left": self.seconds_left(),
+                "interruptions": len(self.interruptions),
+                "lost_seconds": self.lost_seconds(now), "lost_usd": lost_spot,
+                "redone": self.redone_steps(), "launching": self.launching}
+
+
+# -- on the instance: the total of the loop around spot.log ---------------------------
+
+# What a range's end may be made of to be evaluated again: names, attributes, numbers,
+# arithmetic and these calls. The loop already evaluated it once; these have no effect.
+_SAFE_CALLS = frozenset({"len", "int", "min", "max", "round", "abs"})
+_SAFE_NODES = (ast.Expression, ast.Name, ast.Load, ast.Attribute, ast.Constant, ast.BinOp,
+               ast.UnaryOp, ast.operator, ast.unaryop, ast.Call)
+
+
+def loop_total(frame: FrameType) -> int | None:
+    """The number of steps of the loop in which ``frame`` calls ``spot.log``.
+
+    Found when the call is ``spot.log(step, ...)`` (or ``log(step, ...)``) inside
+    ``for step in range(..., stop[, stride])``: the total is ``stop``, since steps run
+    ``0 .. stop - 1``. ``stop`` is evaluated again in the frame if it is a plain
+    expression (names, attributes, numbers, arithmetic, ``len(...)``); else None, as
+    for any other loop: then ``spot.progress(total=...)`` says it.
+    """
+    tree = _parsed(frame.f_code.co_filename)
+    if tree is None:
+        return None
+    for loop in _loops_around(tree, frame.f_lineno):
+        if not (isinstance(loop.target, ast.Name) and isinstance(loop.iter, ast.Call)
+                and isinstance(loop.iter.func, ast.Name) and loop.iter.func.id == "range"
+                and 1 <= len(loop.iter.args) <= 3 and not loop.iter.keywords):
+            continue
+        if not _logs_step(loop, loop.target.id, frame.f_lineno):
+            continue
+        stop = loop.iter.args[0 if len(loop.iter.args) == 1 else 1]
+        if not _plain(stop):
+            return None
+        value = eval(compile(ast.Expression(stop), "<range stop>", "eval"),
+                     frame.f_globals, frame.f_locals)
+        return int(value) if int(value) > 0 else None
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_text(text: str) -> ast.Module | None:
+    try:
+        return ast.parse(text)
+    except SyntaxError:
+        return None
+
+
+def _parsed(filename: str) -> ast.Module | None:
+    # IPython keeps each cell's source in linecache under the file name it compiled it as.
+    lines = linecache.getlines(filename)
+    return _parsed_text("".join(lines)) if lines else None
+
+
+def _loops_around(tree: ast.AST, lineno: int) -> list[ast.For]:
+    """The ``for`` loops whose body holds ``lineno``, innermost first."""
+    found = [node for node in ast.walk(tree) if isinstance(node, ast.For)
+             and node.body and node.body[0].lineno <= lineno <= (node.end_lineno or 0)]
+    return sorted(found, key=lambda n: n.lineno, reverse=True)
+
+
+def _logs_step(loop: ast.For, name: str, lineno: int) -> bool:
+    """Whether the ``log`` call on ``lineno`` logs the loop variable as its step."""
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Call) and node.lineno <= lineno <= (node.end_lineno or 0):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else \
+                func.id if isinstance(func, ast.Name) else None
+            if called == "log" and node.args and isinstance(node.args[0], ast.Name) \
+                    and node.args[0].id == name:
+                return True
+    return False
+
+
+def _plain(node: ast.expr) -> bool:
+    for part in ast.walk(node):
+        if not isinstance(part, _SAFE_NODES):
+            return False
+        if isinstance(part, ast.Call) and not (isinstance(part.func, ast.Name)
+                                               and part.func.id in _SAFE_CALLS):
+            return False
+    return True

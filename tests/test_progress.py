@@ -1,0 +1,178 @@
+"""What the header says about a job's progress, and the jobs listing.
+
+:mod:`spotnb.progress` from scripted events (pace, time left, the time and money an
+interruption took, steps redone), the loop's total found by ``spot.log`` (and given by
+``spot.progress``), and ``spotnb jobs`` / ``%spot_jobs``: newest first, with the
+instance, duration, cost, saving and last metric, and a note where names repeat.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import FrameType
+
+import pytest
+
+from spotnb import cli
+from spotnb.events import Event
+from spotnb.jobs import JobInfo
+from spotnb.progress import Progress, loop_total
+
+T0 = 1_800_000_000.0
+
+
+def metric(attempt: int, step: int, at: float) -> Event:
+    return Event("metric", T0 + at, attempt, f"i-{attempt}",
+                 {"step": step, "t": T0 + at, "values": {"loss": 1.0}})
+
+
+def launched(instance: str, at: float, price: float = 0.36) -> Event:
+    return Event("instance", T0 + at, 0, instance,
+                 {"action": "launched", "instance_id": instance, "pool": "p@a",
+                  "price": price, "ondemand": 1.0})
+
+
+def test_late_rows_of_an_ended_attempt_count_as_redone() -> None:
+    """An ended attempt's last rows, read after the next attempt's first ones (the
+    follower reads them from the log), still count: 25-29 were logged again."""
+    p = Progress()
+    events = [metric(1, s, s) for s in range(25)]
+    events += [Event("notice", T0 + 30, 1, "i-1", {"kind": "instance-action"}),
+               Event("status", T0 + 45, 2, "i-2", {"state": "booting"})]
+    events += [metric(2, s, 50 + s) for s in range(25, 60)]
+    for event in [*events, *(metric(1, s, s) for s in range(25, 30))]:
+        p.apply(event)
+    (gone,) = p.interruptions
+    assert (gone.last_step, gone.redone) == (29, 5)
+    assert p.step == 59
+
+
+def test_pace_time_left_and_what_an_interruption_took() -> None:
+    p = Progress()
+    events = [launched("i-1", 0), Event("progress", T0 + 1, 1, "i-1", {"total": 100})]
+    events += [metric(1, s, 10 + s / 2) for s in range(30)]  # 2 steps a second
+    events += [Event("notice", T0 + 25, 1, "i-1", {"kind": "instance-action"}),
+               launched("i-2", 30),
+               Event("instance", T0 + 40, 0, "i-1", {"action": "terminated",
+                                                     "instance_id": "i-1"}),
+               Event("status", T0 + 45, 2, "i-2", {"state": "booting"})]
+    # The replacement resumes at step 20 (the last checkpoint), 4 steps a second.
+    events += [metric(2, s, 50 + (s - 20) / 4) for s in range(20, 60)]
+    for event in sorted(events, key=lambda e: e.time):
+        p.apply(event)
+    assert (p.step, p.total) == (59, 100)
+    assert p.rate() == pytest.approx(4.0)
+    assert p.seconds_left() == pytest.approx(40 / 4.0)
+    (gone,) = p.interruptions
+    assert gone.noticed and gone.last_step == 29 and gone.redone == 10
+    # No new step from 24.5 s (step 29) until step 30 at 52.5 s.
+    assert p.lost_seconds(T0 + 100) == pytest.approx(28.0)
+    spot, ondemand = p.lost_usd(T0 + 100)
+    # i-1 billed from 24.5 s to 40 s, i-2 from 30 s to 52.5 s: 38 instance-seconds.
+    assert spot == pytest.approx(38 * 0.36 / 3600)
+    assert ondemand == pytest.approx(38 * 1.0 / 3600)
+    proj = p.projection(T0 + 100, cost_usd=0.01, ondemand_cost_usd=0.05, spot_price=0.36,
+                        ondemand_price=1.0)
+    assert proj is not None
+    assert proj.cost_usd == pytest.approx(0.01 + 10 / 3600 * 0.36)
+    assert proj.ondemand_usd == pytest.approx(0.05 - 38 / 3600 + 10 / 3600)
+
+
+def test_an_attempt_that_logged_nothing_takes_time_until_progress_resumes() -> None:
+    p = Progress()
+    for event in [*[metric(1, s, s) for s in range(10)],
+                  Event("notice", T0 + 12, 1, "i-1", {"kind": "instance-action"}),
+                  Event("status", T0 + 15, 2, "i-2", {"state": "booting"}),
+                  Event("notice", T0 + 25, 2, "i-2", {"kind": "instance-action"}),
+                  Event("status", T0 + 30, 3, "i-3", {"state": "booting"}),
+                  *[metric(3, s, 40 + s) for s in range(5, 20)]]:
+        p.apply(event)
+    first, second = p.interruptions
+    assert second.last_step is None and second.recovered_at == T0 + 45
+    # From step 9 (at 9 s) until step 10 (at 50 s); the second lies within it.
+    assert p.lost_seconds(T0 + 100) == pytest.approx(41.0)
+    assert first.redone == 5
+
+
+def test_an_instance_lost_without_a_notice_counts_too() -> None:
+    p = Progress()
+    for event in [Event("status", T0, 1, "i-1", {"state": "booting"}),
+                  *[metric(1, s, s) for s in range(10)],
+                  Event("status", T0 + 30, 2, "i-2", {"state": "booting"}),
+                  *[metric(2, s, 40 + s) for s in range(10)]]:
+        p.apply(event)
+    (gone,) = p.interruptions
+    assert not gone.noticed and gone.redone == 10 and gone.recovered_at is None
+    assert p.launching is None
+
+
+def _total_seen_by_log(code: str, **names: object) -> int | None:
+    """What :func:`loop_total` says inside ``log`` called from ``code`` (registered in
+    linecache, as IPython does with a cell)."""
+    import linecache
+
+    filename = f"<cell-{abs(hash(code))}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    seen: list[int | None] = []
+
+    def log(*_args: object, **_kw: object) -> None:
+        caller: FrameType = sys._getframe(1)
+        seen.append(loop_total(caller))
+
+    exec(compile(code, filename, "exec"), {"log": log, **names})
+    return seen[0]
+
+
+@pytest.mark.parametrize(("code", "total"), [
+    ("for step in range(start, STEPS):\n    log(step, loss=1)\n    break\n", 300),
+    ("for i in range(2 * STEPS):\n    x = i\n    log(i)\n    break\n", 600),
+    ("for i in range(0, len(data), 2):\n    log(i)\n    break\n", 4),
+    ("for i in range(STEPS):\n    log(i + 1)\n    break\n", None),  # not the loop variable
+    ("for i in range(fetch()):\n    log(i)\n    break\n", None),  # not re-evaluated
+    ("for b in batches:\n    log(b)\n    break\n", None),
+])
+def test_spot_log_finds_the_total_of_its_loop(code: str, total: int | None) -> None:
+    calls: list[int] = []
+
+    def fetch() -> int:
+        calls.append(1)
+        return 5
+
+    found = _total_seen_by_log(code, start=0, STEPS=300, data=[1, 2, 3, 4], batches=[7],
+                               fetch=fetch)
+    assert found == total
+    assert len(calls) == (1 if "fetch" in code else 0)  # the loop's own call only
+
+
+def test_spot_progress_sets_the_total(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                      ) -> None:
+    monkeypatch.chdir(tmp_path)  # standalone mode keeps its files here
+    from spotnb import runtime
+
+    try:
+        runtime.progress(total=1234)
+        assert runtime._rt().total == 1234
+    finally:
+        runtime._finish()
+
+
+# -- the jobs listing ----------------------------------------------------------------------
+
+def test_the_listing_is_newest_first_with_the_facts_and_notes_shared_names() -> None:
+    old = JobInfo(job_id="20250101-000000-aaaaaa", name="run", status="completed",
+                  attempts=3, interruptions=2, cost_usd=0.02, created=T0,
+                  instance_type="g5.xlarge", duration=3725.0, ondemand_cost_usd=0.05,
+                  metric=("loss", 0.12345))
+    new = JobInfo(job_id="20250102-000000-bbbbbb", name="run", status="waiting_for_capacity",
+                  attempts=0, interruptions=0, cost_usd=0.0, created=T0 + 86400)
+    table, notes = cli.jobs_table([old, new], T0 + 2 * 86400)
+    assert [row[0] for row in table] == [new.job_id, old.job_id]
+    row = dict(zip(cli.JOB_COLUMNS, table[1], strict=True))
+    assert row == {"job": old.job_id, "name": "run", "status": "completed",
+                   "instance": "g5.xlarge", "duration": "1:02:05", "cost $": "0.0200",
+                   "saving": "60%", "last metric": "loss 0.1235", "attempts": "3",
+                   "interruptions": "2", "nodes": "1", "age": "2d"}
+    assert table[0][2] == "waiting for capacity" and table[0][6] == ""
+    assert notes == ["1 name(s) are shared by several jobs (run): a name picks the newest "
+                     "of its jobs; give the job id for another"]
