@@ -1,7 +1,8 @@
 """What spotnb's own AWS traffic costs per job-hour, counted on the AWS simulator.
 
-Run by hand: ``python benchmarks/bench_requests.py [SECONDS]`` (default 60; the 10x
-runs take ten times that). Every request that reaches the simulator's moto server is
+Run by hand: ``python benchmarks/bench_requests.py [SECONDS] [--reattach-only]``
+(default 60; the 10x runs take ten times that; ``--reattach-only``: only the re-attach
+cases). Every request that reaches the simulator's moto server is
 recorded with its service, operation and origin (the ``spotnb-origin/...`` part of the
 User-Agent: job-agent, runtime, instance-agent, notebook, cli); the simulator's own
 fulfilment traffic (origin ``simulator``) is left out. Prices are us-east-1 list
@@ -220,7 +221,9 @@ def report_jobs(name: str, short: dict[str, Any], long: dict[str, Any], price: f
 
 
 def main() -> None:
-    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    reattach_only = "--reattach-only" in sys.argv[1:]
+    seconds = float(args[0]) if args else 60.0
     price = spot_price()
     with tempfile.TemporaryDirectory() as home, AwsSimulator(Path(home) / "sim") as sim:
         import os
@@ -229,18 +232,19 @@ def main() -> None:
         print(f"spot price of {TYPE} in {REGION} (bundled catalog): ${price:.4f}/h; "
               f"targets: 1% = ${0.01 * price:.5f}/h unattended, "
               f"3% = ${0.03 * price:.5f}/h followed")
-        runs = {}
-        for follow in (False, True):
-            runs[follow] = [run_job(sim, s, follow) for s in (seconds, 10 * seconds)]
-        report_jobs("unattended", runs[False][0], runs[False][1], price, 0.01)
-        report_jobs("followed live", runs[True][0], runs[True][1], price, 0.03)
+        if not reattach_only:
+            runs = {}
+            for follow in (False, True):
+                runs[follow] = [run_job(sim, s, follow) for s in (seconds, 10 * seconds)]
+            report_jobs("unattended", runs[False][0], runs[False][1], price, 0.01)
+            report_jobs("followed live", runs[True][0], runs[True][1], price, 0.03)
         print("\n== re-attach to a job that has ended")
         print(f"{'job':<28}{'how':<28}{'requests':>10}{'seconds':>10}")
         for hours, metrics in ((2.4, 100_000), (24.0, 1_000_000)):
             handle = long_job(sim, hours, metrics)
             for how, (n, secs) in reattach(sim, handle).items():
                 print(f"{f'{hours:g} h, {metrics:,} metrics':<28}{how:<28}{n:>10}"
-                      f"{secs:>10.2f}")
+                      f"{secs:>10.2f}", flush=True)
         print(json.dumps({"price": price}))
 
 
