@@ -78,7 +78,7 @@ def format_event(event: Event) -> str | None:
 
 #: The columns of ``spotnb jobs`` and ``%spot_jobs``.
 JOB_COLUMNS = ("job", "name", "status", "instance", "duration", "cost $", "saving",
-               "last metric", "attempts", "interruptions", "age")
+               "last metric", "attempts", "interruptions", "nodes", "age")
 
 
 def jobs_table(rows: Sequence[spotnb.JobInfo], now: float
@@ -93,7 +93,7 @@ def jobs_table(rows: Sequence[spotnb.JobInfo], now: float
         hours, minutes = divmod(minutes, 60)
         table.append((r.job_id, r.name, r.status.replace("_", " "), r.instance_type or "",
                       f"{hours}:{minutes:02d}:{seconds:02d}", f"{r.cost_usd:.4f}", saving,
-                      metric, str(r.attempts), str(r.interruptions),
+                      metric, str(r.attempts), str(r.interruptions), r.nodes,
                       format_age(r.created, now)))
     counts: dict[str, int] = {}
     for r in rows:

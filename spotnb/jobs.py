@@ -39,7 +39,7 @@ from spotnb.events import (
 from spotnb.events.live import CONTROL_QUEUE, Follower, request_stop
 from spotnb.events.queues import queue_for
 from spotnb.providers import Provider, get_provider
-from spotnb.spec import JobSpec, SpecError
+from spotnb.spec import JobSpec, Resources, SpecError
 from spotnb.store import NotFound, Store, StoreError, open_store
 from spotnb.validation import DEFAULT_INSTANCE_TYPES, prepare_job
 
@@ -304,6 +304,9 @@ class JobInfo:
     duration: float = 0.0
     ondemand_cost_usd: float = 0.0
     metric: tuple[str, float] | None = None
+    #: How many nodes: ``"1"``, ``"4"``, ``"3:4"`` (MIN:MAX); ``"x2"`` appended with
+    #: two worker processes per node.
+    nodes: str = "1"
 
     @property
     def savings_pct(self) -> float | None:
@@ -311,6 +314,13 @@ class JobInfo:
         if self.ondemand_cost_usd <= 0:
             return None
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+
+
+def nodes_label(resources: Resources) -> str:
+    """A job's nodes as ``%spot_jobs`` shows them (see :attr:`JobInfo.nodes`)."""
+    low, high = resources.min_nodes, resources.max_nodes
+    label = str(high) if low == high else f"{low}:{high}"
+    return label + (f"x{resources.procs_per_node}" if resources.procs_per_node > 1 else "")
 
 
 # -- submitting ----------------------------------------------------------------------
@@ -335,6 +345,9 @@ def submit(
     files: Mapping[str, str | os.PathLike[str]] | None = None,
     store: str | os.PathLike[str] | None = None,
     notify_url: str | None = None,
+    nodes: int | str | tuple[int, int] = 1,
+    procs_per_node: int = 1,
+    peer_timeout: float | str = "2m",
 ) -> JobHandle:
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
 
@@ -352,6 +365,11 @@ def submit(
     directory to local files (helper modules next to the notebook): they are importable
     in the cell. ``notify_url``: a Slack-compatible webhook the instance posts to when
     an attempt is interrupted and when the job ends (:mod:`spotnb.notify`).
+    ``nodes`` (``4`` or ``"3:4"``: MIN:MAX) and ``procs_per_node`` make the job
+    distributed: the cell runs as torchrun's workers on every node (``RANK``,
+    ``WORLD_SIZE``, ... set), and goes on with MIN nodes while a lost node's
+    replacement boots (:mod:`spotnb.multinode`); ``peer_timeout`` bounds every wait on
+    a peer.
     """
     job = prepare_job(code, provider=provider, instance_types=instance_types, region=region,
                    max_price=max_price, name=name, inputs=inputs, outputs=outputs,
@@ -359,7 +377,8 @@ def submit(
                    max_restarts_on_error=max_restarts_on_error, budget_usd=budget_usd,
                    max_duration=max_duration, keep_checkpoints=keep_checkpoints,
                    simulate_interruptions=simulate_interruptions, env=env, files=files,
-                   store=store, notify_url=notify_url)
+                   store=store, notify_url=notify_url, nodes=nodes,
+                   procs_per_node=procs_per_node, peer_timeout=peer_timeout)
     spec, job_store, prov = job.spec, job.store, job.provider
     warnings = _notice_warnings(prov, spec, inputs if isinstance(inputs, Mapping) else {})
     # Inputs first: an agent that can read spec.json can read everything it names.
@@ -750,7 +769,7 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 2
+_LISTING_VERSION = 3  # 3: rows have nodes as well as instance, duration and metric
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -783,7 +802,8 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
                   attempts=len(s.attempts), interruptions=s.interruptions,
                   cost_usd=s.cost_usd, created=spec.created,
                   instance_type=s.attempts[-1].instance_type if s.attempts else None,
-                  duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric)
+                  duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
+                  nodes=nodes_label(spec.resources))
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

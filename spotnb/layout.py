@@ -7,6 +7,10 @@ Job prefix (in the store, one per job)::
     workdir.tar.gz              files shipped with the job (helper modules), unpacked
                                 into the kernel's working directory
     lease.json                  who runs the job: {"epoch", "holder", "heartbeat", ...}
+                                (a multi-node job: who runs node slot 0)
+    lease.<k>.json              multi-node jobs: who runs node slot k (k >= 1)
+    rendezvous.json             multi-node jobs: which agent hosts the rendezvous store
+                                of which generation (spotnb.multinode.rendezvous)
     events/<stream>/<seq>.jsonl the event log (see spotnb.events)
     checkpoints/<id>/...        checkpoint data, then checkpoints/<id>/MANIFEST.json
     checkpoints/LATEST          pointer to the newest complete checkpoint
@@ -37,12 +41,19 @@ SPEC = "spec.json"
 INPUTS = "inputs.pkl"
 WORKDIR = "workdir.tar.gz"
 LEASE = "lease.json"
+RENDEZVOUS = "rendezvous.json"
 CHECKPOINTS = "checkpoints"
 SYNC = "sync"
 STOP = "control/stop.json"
 OUTPUTS = "outputs.pkl"
 RESULT = "result.json"
 SUMMARY = "summary.json"
+
+
+def lease_key(slot: int = 0) -> str:
+    """The lease of node slot ``slot``: ``lease.json`` for slot 0 (every single-node
+    job's one lease), ``lease.<slot>.json`` for the other slots of a multi-node job."""
+    return LEASE if slot == 0 else f"lease.{slot}.json"
 
 
 def home() -> Path:

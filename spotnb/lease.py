@@ -25,6 +25,13 @@ Sequence on an interruption with notice::
 Without notice (an instance killed outright) the replacement sees that the holder's
 instance is gone and takes over at once. Only a holder that is alive but silent (a
 frozen VM, a partition) costs the replacement a wait of up to ``ttl``.
+
+Multi-node jobs (:mod:`spotnb.multinode`): one lease per *node slot*, ``lease.json`` for
+slot 0 and ``lease.<k>.json`` for slot k (:func:`spotnb.layout.lease_key`); exactly one
+agent works on each slot. Slot k's epochs are k+1, k+1+stride, k+1+2*stride, ... with
+``stride`` = the job's node count, so every epoch (every attempt, and so every event
+stream) is unique job-wide and has one writer. A single-node job is slot 0 with stride
+1: epochs 1, 2, 3, ... as ever.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from spotnb.layout import LEASE
+from spotnb.layout import lease_key
 from spotnb.store import NotFound, Store
 
 __all__ = [
@@ -125,6 +132,13 @@ class Lease:
     host: str = ""
     pid: int = 0
     pid_started: float = 0.0
+    slot: int = 0
+    stride: int = 1
+
+    @property
+    def key(self) -> str:
+        """The store key of this lease (its slot's)."""
+        return lease_key(self.slot)
 
     def expired(self, now: float, ttl: float | None = None) -> bool:
         """Released, or silent for longer than its TTL (``ttl`` overrides it)."""
@@ -145,20 +159,22 @@ class Lease:
 HolderGone = Callable[[Lease], bool]
 
 
-def read(store: Store) -> tuple[Lease, str] | None:
-    """The current lease and its ETag, or None if nobody ever took it."""
+def read(store: Store, slot: int = 0) -> tuple[Lease, str] | None:
+    """The current lease of node slot ``slot`` and its ETag, or None if nobody ever
+    took it."""
     try:
-        data, etag = store.get_with_etag(LEASE)
+        data, etag = store.get_with_etag(lease_key(slot))
     except NotFound:
         return None
     return Lease.decode(data), etag
 
 
-def still_holds(store: Store, epoch: int, holder: str, now: float | None = None) -> bool:
+def still_holds(store: Store, epoch: int, holder: str, now: float | None = None,
+                slot: int = 0) -> bool:
     """Whether ``holder`` still holds the lease at ``epoch`` (a fencing check from the
     store, for a process that cannot ask the holding agent). A heartbeat older than the
     lease's TTL less :data:`SAFETY_SECONDS` counts as lost: someone may take it now."""
-    current = read(store)
+    current = read(store, slot)
     if current is None:
         return False
     lease = current[0]
@@ -248,7 +264,7 @@ class HeldLease:
             if self._lost:
                 raise LeaseLost(f"lease epoch {self.lease.epoch} was lost earlier")
             sent = _clock()
-            etag = self.store.put_if_match(LEASE, new.encode(), self._etag)
+            etag = self.store.put_if_match(new.key, new.encode(), self._etag)
             if etag is None:
                 self._lost = True
                 raise LeaseLost(f"lease epoch {self.lease.epoch} was taken by another agent")
@@ -260,7 +276,7 @@ class HeldLease:
 
     def bump(self) -> None:
         """Start a new attempt under a new epoch, keeping the lease (retry in place)."""
-        self._swap(dataclasses.replace(self.lease, epoch=self.lease.epoch + 1,
+        self._swap(dataclasses.replace(self.lease, epoch=self.lease.epoch + self.lease.stride,
                                        heartbeat=time.time(), released=False))
 
     def release(self) -> None:
@@ -280,22 +296,25 @@ class HeldLease:
 
 def acquire(store: Store, holder: str, now: float | None = None,
             ttl: float = TTL_SECONDS,
-            holder_gone: HolderGone | None = None) -> HeldLease | None:
-    """Try once to take the lease; None if a live holder has it (or a racer won).
+            holder_gone: HolderGone | None = None,
+            slot: int = 0, stride: int = 1) -> HeldLease | None:
+    """Try once to take the lease of node slot ``slot``; None if a live holder has it
+    (or a racer won).
 
     A lease is free when nobody took it yet, it was released, its heartbeat is older
     than the TTL its holder promised, or ``holder_gone`` (the provider's check that the
     holder's instance is terminated) or the process check of :func:`process_gone` says
-    the holder is gone. ``ttl`` is the TTL this holder promises.
+    the holder is gone. ``ttl`` is the TTL this holder promises; ``stride`` the job's
+    node count (see the module docstring).
     """
     sent = _clock()
     now = time.time() if now is None else now
-    mine = Lease(epoch=1, holder=holder, heartbeat=now, ttl=ttl,
+    mine = Lease(epoch=slot + 1, holder=holder, heartbeat=now, ttl=ttl,
                  host=socket.gethostname(), pid=os.getpid(),
-                 pid_started=_process_started(os.getpid()))
-    current = read(store)
+                 pid_started=_process_started(os.getpid()), slot=slot, stride=stride)
+    current = read(store, slot)
     if current is None:
-        etag = store.put_if_absent(LEASE, mine.encode())
+        etag = store.put_if_absent(mine.key, mine.encode())
     else:
         old, old_etag = current
         free = old.expired(now)
@@ -310,12 +329,13 @@ def acquire(store: Store, holder: str, now: float | None = None,
                 log.debug("could not tell whether %s is gone", old.holder, exc_info=True)
         if not free:
             return None
-        mine = dataclasses.replace(mine, epoch=old.epoch + 1)
+        mine = dataclasses.replace(mine, epoch=old.epoch + stride)
         if not old.released:
             log.warning("taking over the lease from %s (epoch %d): %s", old.holder,
                         old.epoch, why)
-        etag = store.put_if_match(LEASE, mine.encode(), old_etag)
+        etag = store.put_if_match(mine.key, mine.encode(), old_etag)
     if etag is None:
         return None
-    log.info("took the lease at epoch %d as %s", mine.epoch, holder)
+    log.info("took the lease%s at epoch %d as %s",
+             f" of node slot {slot}" if stride > 1 else "", mine.epoch, holder)
     return HeldLease(store, mine, etag, confirmed=sent)

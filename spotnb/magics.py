@@ -30,7 +30,7 @@ from traitlets import Float, Int, List, TraitError, Type, Unicode, validate
 import spotnb
 from spotnb import capture, display
 from spotnb.cli import JOB_COLUMNS, jobs_table
-from spotnb.spec import SpecError, parse_duration
+from spotnb.spec import SpecError, parse_duration, parse_nodes
 
 __all__ = ["SpotMagics", "TrainRequest"]
 
@@ -126,7 +126,13 @@ _OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
     "simulate_interruptions": ("--simulate-interruptions", "simulate_interruptions", None),
     "env": ("--env", "env", None),
     "store": ("SpotMagics.store", None, "store"),
+    "nodes": ("--nodes", "nodes", None),
+    "procs_per_node": ("--procs-per-node", "procs_per_node", None),
 }
+
+
+# A SpecError while the line is parsed (a bad --nodes) names the option as typed.
+_TYPED = {field: option for field, (option, _dest, _setting) in _OPTIONS.items()}
 
 
 # -- the request %%spot_train builds ------------------------------------------------------
@@ -266,6 +272,12 @@ class SpotMagics(Magics):
     @argument("--no-capture", action="store_true",
               help="ship no notebook variable: the cell must create everything it uses")
     @argument("--name", help="a name for the job, shown by %%spot_jobs")
+    @argument("--nodes", metavar="N|MIN:MAX",
+              help="train on N instances as torchrun's workers (RANK, WORLD_SIZE, ... set "
+                   "in the cell), e.g. --nodes 4; --nodes 3:4 goes on with 3 while a lost "
+                   "node's replacement boots (local cloud; default 1)")
+    @argument("--procs-per-node", type=int, metavar="P",
+              help="worker processes per instance, e.g. one per GPU (default 1)")
     @_policy_args
     @argument("--simulate-interruptions", metavar="N|TIMES",
               help="local cloud: interrupt the job N times, each soon after an attempt's "
@@ -301,7 +313,8 @@ class SpotMagics(Magics):
 
         Try it on the local cloud with ``--simulate-interruptions 2``.
         """
-        request = self.train_request(line)
+        with _as_usage_errors(_TYPED):
+            request = self.train_request(line)
         if not cell.strip():
             raise UsageError("the cell is empty: put the training code below the "
                              "%%spot_train line")
@@ -359,6 +372,11 @@ class SpotMagics(Magics):
             "store": self.store,
             "notify_url": pick(args.notify, self.notify_url),
         }
+        # Only a distributed job passes these (submit's defaults: one node, one process).
+        if args.nodes is not None:
+            submit["nodes"] = parse_nodes(args.nodes)
+        if args.procs_per_node is not None:
+            submit["procs_per_node"] = args.procs_per_node
         names = {}
         for field, (option, dest, setting) in _OPTIONS.items():
             typed = dest is not None and getattr(args, dest) is not None
@@ -531,7 +549,7 @@ class SpotMagics(Magics):
     @line_magic
     def spot_jobs(self, line: str) -> None:
         """A table of jobs, newest first: name, status, instance type, duration, cost,
-        saving, last metric, attempts, interruptions, age."""
+        saving, last metric, attempts, interruptions, nodes, age."""
         from IPython.display import display as show
 
         with _as_usage_errors():

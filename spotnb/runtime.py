@@ -190,6 +190,8 @@ def log(step: int, **metrics: Any) -> None:
     """
     if _runtime is None:
         _rt()
+    if os.environ.get("RANK", "0") != "0":
+        return  # a distributed job records global rank 0's rows (spotnb.multinode)
     if _total_pending:
         _find_total()
     _append((step, _now(), metrics))
@@ -730,13 +732,13 @@ class Checkpoint:
         and steps since the last save or restore. Cheap when there is nothing to do.
         """
         rt = self._rt
+        world = _world()
+        if world is not None:
+            return self._maybe_save_in_world(int(step), *world)
         if rt.force_save or rt.park_requested or rt.fenced:
             self._save(int(step), forced=True)
             return True
-        every = rt.every
-        if (every.steps is not None and step - self._last_step >= every.steps) or (
-            every.seconds is not None and time.monotonic() - self._last_time >= every.seconds
-        ):
+        if self._due(step):
             self._save(int(step), forced=False)
             return True
         if not self._warmed:
@@ -747,6 +749,50 @@ class Checkpoint:
             self._pool.warm_async(snapshot.tensor_specs(self._objects), self._plan_memory()[0])
         return False
 
+    def _due(self, step: int) -> bool:
+        every = self._rt.every
+        return (every.steps is not None and step - self._last_step >= every.steps) or (
+            every.seconds is not None and time.monotonic() - self._last_time >= every.seconds)
+
+    def _maybe_save_in_world(self, step: int, rank: int, world_size: int) -> bool:
+        """``maybe_save`` in a distributed job (every rank calls it at the same steps).
+
+        Step 1  one all-reduce (MAX) of [a notice on my node, a save due here]: every
+                rank decides the same, so a notice on any node saves at one step.
+        Step 2  global rank 0 writes the checkpoint (DDP: every rank holds the same
+                state; spotnb.multinode), every other rank only notes the step.
+        Step 3  after a notice: rank 0 waits until it is durable and broadcasts
+                whether it is; then the noticed node's ranks park (its agent leaves
+                the world) and every other rank asks its agent to re-form without it
+                (torchelastic restarts them from this checkpoint).
+        """
+        import torch
+        import torch.distributed as dist
+
+        rt = self._rt
+        noticed = rt.force_save or rt.park_requested or rt.fenced
+        flags = torch.tensor([float(noticed), float(self._due(step))])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        notice_anywhere, due = bool(flags[0].item()), bool(flags[1].item())
+        if not (notice_anywhere or due):
+            return False
+        if rank == 0:
+            self._save(step, forced=notice_anywhere, hold=False)
+        self._last_step = step
+        self._last_time = time.monotonic()
+        if not notice_anywhere:
+            return True
+        durable = torch.tensor([1.0 if rank != 0 or self.wait() is not None else 0.0])
+        dist.broadcast(durable, src=0)
+        if durable.item() == 0:
+            rt.force_save = True  # the save failed (reported): try again next time
+            return True
+        if rt.fenced:
+            rt.hold_fenced()
+        if rt.park_requested:
+            rt.park(step)
+        rt.hold_for_reform(step)
+
     def wait(self) -> Manifest | None:
         """Wait for the save in progress; its manifest, or None (none, or it failed)."""
         upload, self._upload = self._upload, None
@@ -754,7 +800,9 @@ class Checkpoint:
             return None
         return upload.wait()
 
-    def _save(self, step: int, forced: bool) -> None:
+    def _save(self, step: int, forced: bool, hold: bool = True) -> None:
+        """Save; after a notice, wait until durable and park (``hold``; a distributed
+        job's rank 0 parks in :meth:`_maybe_save_in_world` instead)."""
         rt = self._rt
         previous = self._upload
         if previous is not None and not rt.park_requested:
@@ -808,13 +856,23 @@ class Checkpoint:
         self._last_time = time.monotonic()
         # A notice that came while this save stalled makes it the last one.
         park = park or rt.park_requested
-        if park:
+        if park and hold:
             if self.wait() is not None:
                 rt.park(step)
             if rt.fenced:
                 rt.hold_fenced()
             # The save failed for another reason (reported): try again next time.
             rt.force_save = True
+
+
+def _world() -> tuple[int, int] | None:
+    """``(rank, world size)`` when the cell runs in an initialised ``torch.distributed``
+    world of more than one process (a distributed job), else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    size = int(dist.get_world_size())
+    return (int(dist.get_rank()), size) if size > 1 else None
 
 
 def _read_rows(manifest: Manifest, directory: Path) -> list[list[Any]]:

@@ -403,6 +403,17 @@ class Session:
         while True:
             time.sleep(_PARK_SLEEP_SECONDS)
 
+    def hold_for_reform(self, step: int) -> NoReturn:
+        """A node of this distributed job leaves after the checkpoint of ``step``: ask
+        the agent to re-form the world without it, and hold the cell until it does
+        (torchelastic restarts this worker; spotnb.multinode)."""
+        self.drain()
+        self.send({"op": "reform", "step": step})
+        _logger.warning("a node leaves after the checkpoint of step %d; holding the cell "
+                        "while the world re-forms without it", step)
+        while True:
+            time.sleep(_PARK_SLEEP_SECONDS)
+
     def hold_fenced(self) -> NoReturn:
         """Another agent took the job over: write nothing more, run nothing more."""
         self.drain()

@@ -33,6 +33,7 @@ __all__ = [
     "check_env_name",
     "check_variable_name",
     "parse_duration",
+    "parse_nodes",
     "whole_number",
 ]
 
@@ -180,13 +181,74 @@ class CheckpointEvery:
         return f"every {self.steps} steps" if self.steps else f"every {self.seconds:g}s"
 
 
+# A multi-node job's nodes, at most: one node slot (lease, event stream) per node.
+MAX_NODES = 64
+
+
+def parse_nodes(value: Any, field: str = "nodes") -> tuple[int, int]:
+    """``(min, max)`` nodes from ``4``, ``"4"``, ``"3:4"`` or ``(3, 4)``; SpecError
+    (about ``field``) for anything else.
+
+    MIN is how few nodes training goes on with while a lost node's replacement boots
+    (torchrun's ``--nnodes MIN:MAX``); MAX is how many the capacity group keeps.
+    """
+    usage = ("{option} must be a count of nodes (4) or MIN:MAX ('3:4': train on 3 while a "
+             f"lost node's replacement boots, on 4 otherwise), not {value!r}")
+
+    def count(v: Any) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    if count(value):
+        low = high = int(value)
+    elif isinstance(value, (tuple, list)):
+        if len(value) != 2 or not all(count(v) for v in value):
+            raise SpecError(usage, field=field)
+        low, high = int(value[0]), int(value[1])
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", value, flags=re.ASCII)
+        if not m:
+            raise SpecError(usage, field=field)
+        low = int(m.group(1))
+        high = int(m.group(2)) if m.group(2) is not None else low
+    else:
+        raise SpecError(usage, field=field)
+    _check_nodes(low, high, field, value)
+    return low, high
+
+
+def _check_nodes(low: int, high: int, field: str, value: Any) -> None:
+    if low < 1 or high < 1:
+        raise SpecError(f"{{option}}: a job needs at least one node, not {value!r}; use 1 "
+                        "(the default) or more", field=field)
+    if low > high:
+        raise SpecError(f"{{option}} {low}:{high} asks for at least {low} nodes but at most "
+                        f"{high}: MIN must not exceed MAX (e.g. {high}:{low})", field=field)
+    if high > MAX_NODES:
+        raise SpecError(f"{{option}} {value!r} is above spotnb's limit of {MAX_NODES} nodes",
+                        field=field)
+
+
 @dataclasses.dataclass(frozen=True)
 class Resources:
-    """Where the job may run: instance types in order of preference, region, price cap."""
+    """Where the job may run: instance types in order of preference, region, price cap,
+    and how many nodes (``min_nodes``..``max_nodes``) with how many worker processes each.
+
+    A job with ``max_nodes > 1`` or ``procs_per_node > 1`` is *distributed*: its cell runs
+    in ``procs_per_node`` kernels on each node, as torchrun's workers (see
+    :mod:`spotnb.multinode`).
+    """
 
     instance_types: tuple[str, ...]
     region: str = "us-east-1"
     max_price: float | None = None
+    min_nodes: int = 1
+    max_nodes: int = 1
+    procs_per_node: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the cell runs as torchrun workers (several nodes or processes)."""
+        return self.max_nodes > 1 or self.procs_per_node > 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.instance_types, tuple) or not all(
@@ -200,6 +262,11 @@ class Resources:
             amount(self.max_price, "max_price", "USD per hour",
                    "leave it unset to cap at the on-demand price")
             _exact_float(self.max_price, "max_price")
+        _exact_int(self.min_nodes, "nodes", 1)
+        _exact_int(self.max_nodes, "nodes", 1)
+        _check_nodes(self.min_nodes, self.max_nodes, "nodes",
+                     f"{self.min_nodes}:{self.max_nodes}")
+        _exact_int(self.procs_per_node, "procs_per_node", 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +284,10 @@ class Policy:
     budget_usd: float | None = None
     max_duration: float | None = None
     keep_checkpoints: int = 3
+    # Distributed jobs: the longest any rank waits on a peer (collectives of process
+    # groups created in the cell without a timeout of their own, connections to the
+    # rendezvous) before the peer is taken for lost and the world re-forms.
+    peer_timeout: float = 120.0
     notify_url: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -230,6 +301,8 @@ class Policy:
             parse_duration(self.max_duration, "max_duration")
             _exact_float(self.max_duration, "max_duration")
         _exact_int(self.keep_checkpoints, "keep_checkpoints", 1)
+        parse_duration(self.peer_timeout, "peer_timeout")
+        _exact_float(self.peer_timeout, "peer_timeout")
 
 
 def _exact_int(value: Any, field: str, minimum: int) -> None:
@@ -316,6 +389,9 @@ class JobSpec:
                 instance_types=tuple(res["instance_types"]),
                 region=res.get("region", "us-east-1"),
                 max_price=res.get("max_price"),
+                min_nodes=res.get("min_nodes", 1),
+                max_nodes=res.get("max_nodes", 1),
+                procs_per_node=res.get("procs_per_node", 1),
             ),
             policy=Policy(checkpoint_every=CheckpointEvery(**every), **pol),
             inputs=tuple(raw.pop("inputs", ())),

@@ -37,6 +37,7 @@ from spotnb.spec import (
     check_env_name,
     check_variable_name,
     parse_duration,
+    parse_nodes,
     whole_number,
 )
 from spotnb.store import Store, StoreError, open_store
@@ -66,7 +67,8 @@ def prepare_job(
     outputs: Any = None, checkpoint_every: Any = "5m", max_restarts_on_error: Any = 0,
     budget_usd: Any = None, max_duration: Any = None, keep_checkpoints: Any = 3,
     simulate_interruptions: Any = None, env: Any = None, files: Any = None,
-    store: Any = None, notify_url: Any = None,
+    store: Any = None, notify_url: Any = None, nodes: Any = 1, procs_per_node: Any = 1,
+    peer_timeout: Any = "2m",
 ) -> PreparedJob:
     """Check and normalise every argument of :func:`spotnb.submit` (see there); values
     of any type are handled: a wrong type is a SpecError too. Writes and starts nothing.
@@ -83,6 +85,14 @@ def prepare_job(
     if max_price is not None:
         max_price = amount(max_price, "max_price", "USD per hour",
                            "leave it unset to cap at the on-demand price")
+    min_nodes, max_nodes = parse_nodes(nodes)
+    procs = whole_number(procs_per_node, "procs_per_node", minimum=1)
+    if (max_nodes > 1 or procs > 1) and provider != "local":
+        field = "nodes" if max_nodes > 1 else "procs_per_node"
+        raise SpecError(f"{{option}}: distributed jobs (several nodes or worker processes) "
+                        f"run on the local cloud only so far, and provider {provider!r} is "
+                        "not it: use provider 'local', or one node with one process",
+                        field=field)
     if name is not None and not isinstance(name, str):
         raise SpecError(f"{{option}} must be text, not {name!r}", field="name")
     if inputs is not None and not isinstance(inputs, Mapping):
@@ -105,6 +115,7 @@ def prepare_job(
         max_duration=(parse_duration(max_duration, "max_duration")
                       if max_duration is not None else None),
         keep_checkpoints=whole_number(keep_checkpoints, "keep_checkpoints", minimum=1),
+        peer_timeout=parse_duration(peer_timeout, "peer_timeout"),
         notify_url=notify_url,
     )
     out_names = _variable_names(outputs, "outputs")
@@ -125,7 +136,8 @@ def prepare_job(
         name=name or "job",
         code=code,
         provider=provider,
-        resources=Resources(instance_types=types, region=region, max_price=max_price),
+        resources=Resources(instance_types=types, region=region, max_price=max_price,
+                            min_nodes=min_nodes, max_nodes=max_nodes, procs_per_node=procs),
         policy=policy,
         store_uri=job_store.uri,
         created=time.time(),

@@ -41,7 +41,9 @@ class Cloud:
     def spec(self, job_id: str = "job-1", types: tuple[str, ...] = ("g4dn.xlarge",),
              **fields: Any) -> JobSpec:
         store = LocalStore(self.root / "store" / "jobs" / job_id)
-        resources = Resources(types, "us-east-1", fields.pop("max_price", None))
+        resources = Resources(types, "us-east-1", fields.pop("max_price", None),
+                              min_nodes=fields.pop("min_nodes", 1),
+                              max_nodes=fields.pop("max_nodes", 1))
         return JobSpec(job_id=job_id, name="test", code="pass", provider="local",
                        resources=resources, policy=fields.pop("policy", Policy()),
                        store_uri=store.uri, created=time.time(), **fields)
@@ -172,6 +174,34 @@ def test_interruption_notice_then_termination_then_replacement(cloud: Cloud) -> 
     cloud.provider.terminate(spec.job_id)
     result = result_of(spec)
     assert result is not None and result["status"] == "stopped"
+
+
+def test_a_multi_node_group_keeps_its_nodes_and_replaces_the_interrupted_one(
+        cloud: Cloud) -> None:
+    spec = cloud.spec(min_nodes=2, max_nodes=3)
+    cloud.provider.launch(spec)
+    nodes = [e.data for e in launched(spec, 3)]
+    idents = [wait_until(lambda n=n: identity_of(n["instance_id"]),  # type: ignore[misc]
+                         "each node's IMDS identity") for n in nodes]
+    # Three instances, each with its own metadata service.
+    assert len({i["instance_id"] for i in idents}) == 3
+    assert [i["instance_id"] for i in idents] == [n["instance_id"] for n in nodes]
+    assert all(i["address"] == "127.0.0.1" for i in idents)
+    # A notice for one named node: that node, and only it, is terminated and replaced.
+    victim = nodes[1]["instance_id"]
+    cloud.provider.interrupt(spec.job_id, instance=victim)
+    notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
+                        "the notice event")
+    assert [e.instance for e in notice] == [victim]
+    fourth = launched(spec, 4)[3].data
+    assert fourth["instance_id"] not in {n["instance_id"] for n in nodes}
+    ended = group_events(spec, "instance", action="terminated")
+    assert [e.data["instance_id"] for e in ended] == [victim]
+    assert ended[0].data["reason"] == "spot-interruption"
+    cloud.provider.terminate(spec.job_id)
+    ended = group_events(spec, "instance", action="terminated")
+    assert {e.data["instance_id"] for e in ended} == {
+        *(n["instance_id"] for n in nodes), fourth["instance_id"]}
 
 
 def test_no_capacity_falls_back_to_the_next_type(cloud: Cloud,

@@ -83,13 +83,15 @@ def test_metadata_keys_and_listings(server: ImdsServer) -> None:
     code, listing = get(server, "/latest/meta-data/", tok)
     assert code == 200
     assert set(listing.splitlines()) == {
-        "ami-id", "instance-id", "instance-life-cycle", "instance-type", "placement/"}
+        "ami-id", "instance-id", "instance-life-cycle", "instance-type", "local-ipv4",
+        "placement/"}
     assert get(server, "/latest/meta-data/placement/", tok)[1].splitlines() == [
         "availability-zone", "availability-zone-id", "region"]
     assert get(server, "/latest/meta-data/placement/availability-zone", tok)[1] == "us-east-1d"
     assert get(server, "/latest/meta-data/placement/availability-zone-id", tok)[1] == "use1-az4"
     assert get(server, "/latest/meta-data/placement/region", tok)[1] == "us-east-1"
     assert get(server, "/latest/meta-data/instance-life-cycle", tok)[1] == "spot"
+    assert get(server, "/latest/meta-data/local-ipv4", tok)[1] == "127.0.0.1"
     assert get(server, "/latest/meta-data/ami-id", tok)[1] == "ami-0abcdef0123456789"
     assert get(server, "/latest/meta-data/no-such-thing", tok)[0] == 404
     document = json.loads(get(server, "/latest/dynamic/instance-identity/document", tok)[1])
@@ -118,7 +120,8 @@ def test_client_reads_identity_and_notices(server: ImdsServer) -> None:
     client = ImdsClient(server.endpoint)
     assert client.identity() == {
         "instance_id": "i-0123456789abcdef0", "instance_type": "g5.xlarge",
-        "az": "us-east-1d", "az_id": "use1-az4", "region": "us-east-1"}
+        "az": "us-east-1d", "az_id": "use1-az4", "region": "us-east-1",
+        "address": "127.0.0.1"}
     assert client.instance_action() is None
     assert client.rebalance() is None
     assert client.get("no-such-thing") is None

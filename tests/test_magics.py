@@ -35,7 +35,7 @@ from spotnb.events import Event, EventWriter
 from spotnb.freevars import free_names
 from spotnb.jobs import JobHandle
 from spotnb.magics import SpotMagics
-from spotnb.spec import JobSpec, Policy, Resources
+from spotnb.spec import JobSpec, Policy, Resources, SpecError
 from spotnb.store import open_store
 
 
@@ -121,6 +121,14 @@ def test_options_override_configuration(ip: Any) -> None:
     assert magics.train_request("--simulate-interruptions 20s,1m").submit[
         "simulate_interruptions"] == [20.0, 60.0]
     assert not magics.train_request("--no-capture").capture
+    # A distributed job: MIN:MAX nodes, processes per node; bad counts refused at once.
+    assert "nodes" not in default.submit and "procs_per_node" not in default.submit
+    multi = magics.train_request("--nodes 3:4 --procs-per-node 2")
+    assert multi.submit["nodes"] == (3, 4) and multi.submit["procs_per_node"] == 2
+    assert magics.train_request("--nodes 4").submit["nodes"] == (4, 4)
+    for bad, words in (("0", "at least one node"), ("4:3", "MIN must not exceed MAX")):
+        with pytest.raises(SpecError, match=words):
+            magics.train_request(f"--nodes {bad}")
 
 
 def test_configuration_from_ipython_config(ip: Any) -> None:

@@ -258,3 +258,21 @@ def test_kernel_restart_mid_job_then_attach_shows_everything(
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     assert spotnb.attach(job.job_id).status == "completed"
+
+
+def test_multinode_notebook_trains_on_two_nodes_through_an_interruption(
+        spotnb_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.copy(REPO / "notebooks" / "multinode.ipynb", tmp_path / "multinode.ipynb")
+    out = tmp_path / "executed" / "multinode.ipynb"
+    code = cli.main(["run", str(tmp_path / "multinode.ipynb"), "-o", str(out)])
+    assert code == 0, capsys.readouterr().err
+    nb = _executed(out)
+    train = next(c for c in nb.cells if c.source.startswith("%%spot_train"))
+    text = "".join(_texts(train))
+    assert "rank 0 of 2" in text and "rank 1 of 2" in text, text
+    status = [t for t in _texts(train) if t.startswith("spotnb job")][-1]
+    assert "completed" in status and "interruptions 1" in status, status
+    (job,) = spotnb.jobs()
+    assert (job.status, job.nodes, job.interruptions) == ("completed", "1:2", 1)
+    report = "".join(_texts(nb.cells[-1]))
+    assert re.search(r"final loss \d\.\d+", report), report

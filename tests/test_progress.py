@@ -172,7 +172,7 @@ def test_the_listing_is_newest_first_with_the_facts_and_notes_shared_names() -> 
     assert row == {"job": old.job_id, "name": "run", "status": "completed",
                    "instance": "g5.xlarge", "duration": "1:02:05", "cost $": "0.0200",
                    "saving": "60%", "last metric": "loss 0.1235", "attempts": "3",
-                   "interruptions": "2", "age": "2d"}
+                   "interruptions": "2", "nodes": "1", "age": "2d"}
     assert table[0][2] == "waiting for capacity" and table[0][6] == ""
     assert notes == ["1 name(s) are shared by several jobs (run): a name picks the newest "
                      "of its jobs; give the job id for another"]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import spotnb
 from spotnb.jobs import prepare
-from spotnb.spec import CheckpointEvery, JobSpec, Policy, SpecError
+from spotnb.spec import MAX_NODES, CheckpointEvery, JobSpec, Policy, SpecError
 
 CODE = "x = 1"
 
@@ -97,6 +97,11 @@ VALID: dict[str, Callable[[JobSpec], bool]] = {
         v is None or isinstance(v, str) for v in s.env.values()),
     "files": lambda s: True,  # nothing of them is in the spec; a bad one is refused
     "store": lambda s: isinstance(s.store_uri, str),
+    "nodes": lambda s: _whole(s.resources.min_nodes, 1)
+    and _whole(s.resources.max_nodes, s.resources.min_nodes)
+    and s.resources.max_nodes <= MAX_NODES,
+    "procs_per_node": lambda s: _whole(s.resources.procs_per_node, 1),
+    "peer_timeout": lambda s: _finite_positive(s.policy.peer_timeout),
 }
 
 
@@ -169,6 +174,15 @@ def test_any_value_of_any_argument_is_a_valid_spec_or_a_spec_error(
     ({"files": {"../up.py": __file__}}, "files", "must be a relative path"),
     ({"store": 5}, "store", "must be a path or URI"),
     ({"store": "gs://bucket"}, "store", "unknown store URI scheme"),
+    ({"nodes": 0}, "nodes", "a job needs at least one node"),
+    ({"nodes": "4:3"}, "nodes", "MIN must not exceed MAX"),
+    ({"nodes": 2.0}, "nodes", "a count of nodes (4) or MIN:MAX"),
+    ({"nodes": MAX_NODES + 1}, "nodes", f"limit of {MAX_NODES} nodes"),
+    ({"nodes": 2, "provider": "aws"}, "nodes", "run on the local cloud only"),
+    ({"procs_per_node": 0}, "procs_per_node", "at least 1, not 0"),
+    ({"procs_per_node": 1.5}, "procs_per_node", "a whole number"),
+    ({"peer_timeout": float("nan")}, "peer_timeout", "finite and above 0, not nan"),
+    ({"peer_timeout": "soon"}, "peer_timeout", "a duration like"),
 ])
 def test_bad_input_names_the_argument_and_the_fix(
         spotnb_home: Path, kwargs: dict[str, Any], field: str, words: str) -> None:
@@ -206,6 +220,21 @@ def test_a_spec_read_back_is_checked_too() -> None:
     raw = spec.to_json().replace('"keep_checkpoints": 3', '"keep_checkpoints": 2.5')
     with pytest.raises(SpecError, match="keep_checkpoints must be a whole number"):
         JobSpec.from_json(raw)
+
+
+def test_a_read_back_spec_checks_its_nodes_too() -> None:
+    spec = prepare(CODE, nodes="2:3", procs_per_node=2, peer_timeout="30s")
+    assert (spec.resources.min_nodes, spec.resources.max_nodes,
+            spec.resources.procs_per_node, spec.policy.peer_timeout) == (2, 3, 2, 30.0)
+    assert JobSpec.from_json(spec.to_json()) == spec
+    for old, new, words in (('"min_nodes": 2', '"min_nodes": 4', "MIN must not exceed MAX"),
+                            ('"max_nodes": 3', '"max_nodes": 2.5', "a whole number"),
+                            ('"procs_per_node": 2', '"procs_per_node": 0', "at least 1"),
+                            ('"peer_timeout": 30.0', '"peer_timeout": -1', "above 0")):
+        raw = spec.to_json()
+        assert old in raw
+        with pytest.raises(SpecError, match=words):
+            JobSpec.from_json(raw.replace(old, new))
 
 
 def test_an_unpicklable_input_is_still_named() -> None:

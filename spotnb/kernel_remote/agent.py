@@ -34,6 +34,11 @@ looks for a stop request; store errors there are retried with backoff, never fat
 Fencing (invariant 3): every write of this agent (events, errors, the result) happens
 only while :meth:`lease.HeldLease.status` is HELD; the runtime's checkpoint commits ask
 the agent the same question over the channel.
+
+A distributed job (several nodes, or several processes per node): the agent takes the
+lease of a free node slot (Step 3), and Step 4-5 are :class:`spotnb.multinode.node.
+NodeRun`'s: torchelastic's rendezvous with the other nodes, one kernel per local worker
+(each with its own channel connection), re-formed as nodes come and go.
 """
 
 from __future__ import annotations
@@ -92,7 +97,8 @@ T = TypeVar("T")
 IMDS_POLL_SECONDS = 0.5
 # How often the store loop reads control/stop.json (a GET: 60/h = $0.000024/h). A stop
 # also arrives at once as a message on the job's control queue; the object is the
-# record, read here in case the message was lost.
+# record, read here in case the message was lost. A distributed job's agents also look
+# for a result another node wrote (one more request each time).
 STOP_POLL_SECONDS = 60.0
 # Metric rows become one `metrics` event this often (or at the live channel's pace, if
 # faster), or at once when this many have gathered.
@@ -150,11 +156,14 @@ class Agent:
         self.fenced = threading.Event()
         self.terminating = threading.Event()
         self._done = threading.Event()
-        self._conn: socket.socket | None = None
+        self._conns: list[socket.socket] = []
         self._conn_lock = threading.Lock()
         self._readers: list[threading.Thread] = []
         self._kernel: KernelProcess | None = None
+        # A distributed job's kernels (one per local worker, and those spawned ahead).
+        self._kernels: list[KernelProcess] = []
         self._kernels_started = 0
+        self.node: Any = None  # spotnb.multinode.node.NodeRun, in a distributed job
         self._paused_since: float | None = None
         # (events emitted once a metric batch was queued, its newest row's time): once
         # the writer has written that many events, the runtime may forget those rows.
@@ -184,8 +193,10 @@ class Agent:
                 log.info("job %s already has a result; nothing to do", self.spec.job_id)
                 return EXIT_OK
             # Step 2: the kernel boots (~0.5 s) while the identity and lease are read.
+            # (A distributed job's kernels are spawned by its NodeRun.)
             self._listener = self._open_listener()
-            self._spawn_kernel()
+            if not self.spec.resources.distributed:
+                self._spawn_kernel()
             self.identity = self._identity()
             # Step 3: the lease. A live holder means another agent works on the job.
             self.held = self._take_lease(self.identity["instance_id"])
@@ -229,6 +240,9 @@ class Agent:
         ]
         for t in threads:
             t.start()
+        if self.spec.resources.distributed:
+            self._node_attempt()
+            return EXIT_OK
         while True:
             outcome = self._one_attempt()
             if outcome != "retry":
@@ -311,6 +325,40 @@ class Agent:
         finally:
             sampler.stop()
 
+    def _node_attempt(self) -> str:
+        """A distributed job's attempt on this node: the NodeRun's (module docstring)."""
+        from spotnb.multinode.node import NodeRun
+
+        assert self.held is not None
+        self.events = EventWriter(self.store, self.held.epoch, self.identity["instance_id"],
+                                  may_write=self.held.status)
+        if self.live is not None:
+            self.live.attach(self.events)
+        res = self.spec.resources
+        self.events.emit("status", state="booting",
+                         detail=f"attempt {self.held.epoch} on {self._where()}, node slot "
+                                f"{self.held.lease.slot} of {res.max_nodes}",
+                         instance_type=self.identity.get("instance_type"),
+                         az=self.identity.get("az_id") or self.identity.get("az"),
+                         region=self.identity.get("region"), pid=os.getpid(),
+                         process_started=_process_started(), slot=self.held.lease.slot)
+        self.events.flush_soon()
+        sampler = Sampler(self._on_sample)
+        sampler.start()
+        try:
+            self._retry(self._unpack_workdir, "reading the job's files")
+            self.node = NodeRun(self, KERNEL_READY_TIMEOUT)
+            return str(self.node.run())
+        finally:
+            sampler.stop()
+
+    def _close_quietly(self) -> None:
+        """End this attempt without a result of its own: the events, then the lease."""
+        if self.events is not None and not self.fenced.is_set():
+            self._close_events()
+        if self.held is not None:
+            self.held.release()
+
     def _on_user_error(self, kc: Any | None, error: dict[str, Any]) -> str:
         self._check_fence()
         # The rows the cell logged before it failed are still on their way.
@@ -376,6 +424,11 @@ class Agent:
         """
         if self._kernel is not None:
             return
+        self._kernel = self._start_kernel(None)
+
+    def _start_kernel(self, name: str | None) -> KernelProcess:
+        """Spawn a kernel process (see :meth:`_spawn_kernel`); a distributed job's are
+        named and kept in ``_kernels`` until :meth:`_forget_kernel`."""
         self._workdir.mkdir(exist_ok=True)
         every = self.spec.policy.checkpoint_every
         env = dict(os.environ)
@@ -391,15 +444,34 @@ class Agent:
             channel.ENV_KEEP_CHECKPOINTS: str(self.spec.policy.keep_checkpoints),
             channel.ENV_SCRATCH: str(self._scratch),
             channel.ENV_NOTICE_SECONDS: str(_notice_seconds(self.spec.provider)),
+            channel.ENV_PEER_TIMEOUT: str(self.spec.policy.peer_timeout),
             "PYTHONUNBUFFERED": "1",
             "SPOTNB_ORIGIN": "runtime",
         })
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(self._workdir), env.get("PYTHONPATH", "")) if p)
         self._kernels_started += 1
-        self._kernel = KernelProcess.start(socket_dir=self._socket_dir,
-                                           name=f"k{self._kernels_started}",
-                                           cwd=self._workdir, env=env)
+        kernel = KernelProcess.start(socket_dir=self._socket_dir,
+                                     name=f"k{self._kernels_started}{name or ''}",
+                                     cwd=self._workdir, env=env)
+        if name is not None:
+            with self._conn_lock:
+                self._kernels.append(kernel)
+        return kernel
+
+    def _forget_kernel(self, kernel: KernelProcess) -> None:
+        """A distributed job's kernel that was killed."""
+        with self._conn_lock:
+            if kernel in self._kernels:
+                self._kernels.remove(kernel)
+
+    def _all_kernels(self) -> list[KernelProcess]:
+        """Every kernel of this agent: the one of a single-node job, or a distributed
+        job's workers."""
+        with self._conn_lock:
+            kernels = list(self._kernels)
+        kernel = self._kernel
+        return [kernel, *kernels] if kernel is not None else kernels
 
     def _connect_kernel(self) -> Any:
         """The client of this attempt's kernel, once it answers. Raises KernelNotReady."""
@@ -424,17 +496,24 @@ class Agent:
         kernel, self._kernel = self._kernel, None
         if kernel is not None:
             kernel.kill()
+        with self._conn_lock:
+            kernels, self._kernels = self._kernels, []
+        for extra in kernels:
+            extra.kill()
 
     def _interrupt_kernel(self) -> None:
-        kernel = self._kernel
-        if kernel is not None:
+        for kernel in self._all_kernels():
             kernel.resume()  # a paused kernel cannot take the interrupt
             kernel.interrupt()
 
-    def _execute(self, kc: Any, code: str, silent: bool) -> dict[str, Any] | None:
-        """Run ``code`` in the kernel, relaying its outputs; the error or None."""
+    def _execute(self, kc: Any, code: str, silent: bool, kernel: KernelProcess | None = None,
+                 rank: int | None = None) -> dict[str, Any] | None:
+        """Run ``code`` in the kernel (this attempt's, or ``kernel``: a distributed
+        job's worker of global rank ``rank``, whose outputs carry it), relaying its
+        outputs; the error or None."""
         assert self.events is not None
         ev = self.events
+        tag = {} if rank is None else {"rank": rank}
         msg_id = kc.execute(code, silent=silent, store_history=not silent, allow_stdin=False)
         while True:
             if not self.parked.is_set():
@@ -442,9 +521,9 @@ class Agent:
             try:
                 msg = kc.get_iopub_msg(timeout=0.5)
             except queue.Empty:
-                kernel = self._kernel
-                if kernel is not None and not kernel.alive:
-                    reason = kernel.exit_reason()
+                running = kernel if kernel is not None else self._kernel
+                if running is not None and not running.alive:
+                    reason = running.exit_reason()
                     return {"ename": "KernelDied", "evalue": reason, "traceback": [reason]}
                 if self.stop_requested:
                     self._interrupt_kernel()
@@ -462,14 +541,14 @@ class Agent:
             if kind == "status" and content.get("execution_state") == "idle":
                 return self._reply_error(kc, msg_id)
             if kind == "stream":
-                ev.emit("stream", name=content["name"], text=content["text"])
+                ev.emit("stream", name=content["name"], text=content["text"], **tag)
             elif kind in ("display_data", "execute_result", "update_display_data"):
                 ev.emit("display", kind=kind, data=content.get("data", {}),
                         metadata=content.get("metadata", {}),
-                        display_id=(content.get("transient") or {}).get("display_id"))
+                        display_id=(content.get("transient") or {}).get("display_id"), **tag)
             elif kind == "clear_output":
                 ev.emit("display", kind="clear_output", data={}, metadata={},
-                        display_id=None, wait=content.get("wait", False))
+                        display_id=None, wait=content.get("wait", False), **tag)
 
     def _reply_error(self, kc: Any, msg_id: str) -> dict[str, Any] | None:
         """The error of an execution from its ``execute_reply`` (silent runs included)."""
@@ -490,18 +569,20 @@ class Agent:
         return {"ename": "KernelTimeout", "evalue": "the kernel did not reply",
                 "traceback": []}
 
-    def _sync_runtime(self, kc: Any) -> None:
+    def _sync_runtime(self, kc: Any, kernel: KernelProcess | None = None) -> None:
         """Have the runtime send every row logged so far, and wait until they are read
         (the cell failed: its last rows may not have been sent yet)."""
-        kernel = self._kernel
+        kernel = kernel if kernel is not None else self._kernel
         if kernel is None or not kernel.alive:
-            self._drain_channel()
+            if kernel is self._kernel:
+                self._drain_channel()
             return
         marker = f"sync-{time.monotonic_ns()}"
         seen = threading.Event()
         self._marks_waiting[marker] = seen
         try:
-            if self._execute(kc, f"_spotnb_runtime._sync({marker!r})", silent=True) is None:
+            if self._execute(kc, f"_spotnb_runtime._sync({marker!r})", silent=True,
+                             kernel=kernel) is None:
                 seen.wait(CHANNEL_DRAIN_SECONDS)
         finally:
             self._marks_waiting.pop(marker, None)
@@ -509,15 +590,22 @@ class Agent:
     # -- lease, notices, stop ----------------------------------------------------------
 
     def _take_lease(self, instance: str) -> lease.HeldLease | None:
-        """Wait for the lease; None if the job ended or was stopped meanwhile."""
+        """Wait for the lease (a distributed job's: of the first free node slot); None
+        if the job ended or was stopped meanwhile."""
         gone = _holder_gone_check(self.spec)
+        slots = self.spec.resources.max_nodes if self.spec.resources.distributed else 1
         while True:
             try:
                 if self.store.exists(layout.RESULT) or self.store.exists(layout.STOP):
                     log.info("job ended while waiting for the lease; exiting without writing")
                     return None
-                held = lease.acquire(self.store, holder=instance, holder_gone=gone,
-                                     ttl=lease.configured_ttl())
+                held = None
+                for slot in range(slots):
+                    held = lease.acquire(self.store, holder=instance, holder_gone=gone,
+                                         ttl=lease.configured_ttl(), slot=slot,
+                                         stride=slots)
+                    if held is not None:
+                        break
                 if held is not None and self.store.exists(layout.RESULT):
                     # The previous holder finished the job and released the lease.
                     held.release()
@@ -588,8 +676,8 @@ class Agent:
         that no agent can record. HELD again: resume it (also a kernel that stopped
         itself when this agent stopped answering). LOST: fence off.
         """
-        held, kernel = self.held, self._kernel
-        if held is None or kernel is None or self.parked.is_set():
+        held, kernels = self.held, self._all_kernels()
+        if held is None or not kernels or self.parked.is_set():
             return
         standing = held.status()
         if standing is Standing.LOST:
@@ -598,7 +686,8 @@ class Agent:
         elif standing is Standing.UNCONFIRMED:
             if self._paused_since is None:
                 self._paused_since = time.time()
-                kernel.pause()
+                for kernel in kernels:
+                    kernel.pause()
                 log.warning("the lease was not confirmed for %.0f s: the kernel is paused "
                             "until it is", held.confirmed_age())
                 self._emit("status", state="paused", detail=(
@@ -611,9 +700,11 @@ class Agent:
                 self._paused_since = None
                 self._emit("status", state="running",
                            detail=f"the lease is confirmed again; resumed after {paused:.0f} s")
-            if kernel.stopped:
-                log.warning("the kernel was stopped (its agent did not answer); resuming it")
-                kernel.resume()
+            for kernel in kernels:
+                if kernel.stopped:
+                    log.warning("the kernel was stopped (its agent did not answer); "
+                                "resuming it")
+                    kernel.resume()
 
     def _fence_off(self) -> None:
         """Another agent took the job: write nothing more, and stop the kernel at once
@@ -621,8 +712,7 @@ class Agent:
         self.fenced.set()
         if self.events is not None:
             self.events.stop_writing()
-        kernel = self._kernel
-        if kernel is not None:
+        for kernel in self._all_kernels():
             log.warning("the lease was lost: killing the kernel")
             kernel.kill()
 
@@ -653,9 +743,11 @@ class Agent:
                        detail=f"spot interruption notice: {action.get('action')} at "
                               f"{action.get('time')}; saving a checkpoint")
             self._flush_soon()
-            kernel = self._kernel
-            if kernel is not None and self._paused_since is None:
-                kernel.resume()
+            if self._paused_since is None:
+                for kernel in self._all_kernels():
+                    kernel.resume()
+            if self.node is not None:
+                self.node.on_notice()  # a rendezvous host vacates first
             self._send({"op": "notice", "kind": "instance-action",
                         "action": action.get("action"), "time": action.get("time")})
             if self.held is not None:
@@ -670,6 +762,13 @@ class Agent:
                         "time": rebalance.get("noticeTime")})
 
     def _watch_stop(self) -> None:
+        node = self.node
+        if node is not None and not node.ended.is_set():
+            try:
+                if self.store.exists(layout.RESULT):
+                    node.on_job_ended()  # another node wrote it (a failure, the end)
+            except Exception:
+                log.debug("looking for the result failed", exc_info=True)
         try:
             raw = self.store.get(layout.STOP)
         except NotFound:
@@ -694,6 +793,8 @@ class Agent:
         self._emit("status", state="stopped", detail=f"stopping: {self._stop_reason()}")
         self._flush_soon()
         self._interrupt_kernel()
+        if self.node is not None:
+            self.node.on_job_ended()
 
     def _stop_reason(self) -> str:
         req = self.stop_requested or {}
@@ -738,11 +839,11 @@ class Agent:
             except OSError:
                 return
             with self._conn_lock:
-                self._conn = conn
+                self._conns.append(conn)
             if self.notice:
-                self._send({"op": "notice", "kind": "instance-action",
-                            "action": self.notice.get("action"),
-                            "time": self.notice.get("time")})
+                self._reply(conn, {"op": "notice", "kind": "instance-action",
+                                   "action": self.notice.get("action"),
+                                   "time": self.notice.get("time")})
             reader = threading.Thread(target=self._read_channel, args=(conn,), daemon=True)
             self._readers.append(reader)
             reader.start()
@@ -757,6 +858,10 @@ class Agent:
                         log.exception("bad message from the runtime: %r", line[:200])
             except OSError:
                 pass
+            finally:
+                with self._conn_lock:
+                    if conn in self._conns:
+                        self._conns.remove(conn)
 
     def _drain_channel(self) -> None:
         """Wait until every connection from the runtime is read to its end (bounded):
@@ -826,6 +931,8 @@ class Agent:
         elif op == "parked":
             # The save forced by the notice is durable: steps after it would only be
             # redone. Let the replacement start now rather than after the lease's TTL.
+            if self.parked.is_set():
+                return  # another local worker of this node said so first
             self.parked.set()
             ev.emit("status", state="interrupted",
                     detail=f"final checkpoint at step {msg.get('step')} is durable; "
@@ -835,6 +942,16 @@ class Agent:
                 self.live.send_now()
             if self.held is not None:
                 self._done_with_lease()
+            if self.node is not None:
+                self.node.on_parked()
+        elif op == "reform":
+            # A node of the world leaves after the coordinated checkpoint: re-form
+            # without it (torchelastic restarts this node's workers).
+            ev.emit("status", state="restoring",
+                    detail=f"a node leaves after the checkpoint of step {msg.get('step')}; "
+                           "re-forming the world without it")
+            if self.node is not None:
+                self.node.on_reform()
         elif op == "warning":
             ev.emit("warning", kind=msg.get("kind"), text=msg.get("text", ""))
         elif op == "params":
@@ -915,14 +1032,14 @@ class Agent:
             self._send({"op": "durable", "t": newest})
 
     def _send(self, msg: dict[str, Any]) -> None:
+        """Send to every runtime (one per kernel; a broken connection is dropped)."""
+        data = channel.encode(msg)
         with self._conn_lock:
-            conn = self._conn
-            if conn is None:
-                return
-            try:
-                conn.sendall(channel.encode(msg))
-            except OSError:
-                self._conn = None
+            for conn in list(self._conns):
+                try:
+                    conn.sendall(data)
+                except OSError:
+                    self._conns.remove(conn)
 
     def _reply(self, conn: socket.socket | None, msg: dict[str, Any]) -> None:
         if conn is None:

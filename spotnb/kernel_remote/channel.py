@@ -20,7 +20,11 @@ runtime -> agent
     steps the run has (:func:`spotnb.runtime.progress`, or the range of the loop
     around the first ``spot.log``)
     ``{"op": "parked", "step": int}``: the save forced by an interruption notice is
-    durable; user code is now held until the instance is terminated.
+    durable; user code is now held until the instance is terminated. (A distributed
+    job: this node leaves the world.)
+    ``{"op": "reform", "step": int}``: distributed jobs: a node of the world leaves
+    after the coordinated checkpoint of ``step``; this rank holds the cell, and its
+    agent re-forms the world without that node.
     ``{"op": "warning", "kind": str, "text": str}``: something the user should know
     (``notice-fit``: a checkpoint takes too long to fit in the interruption notice).
 
@@ -33,13 +37,16 @@ The kernel's environment (set by the agent when it spawns the kernel, before it 
 the lease): ``SPOTNB_JOB_URI``, ``SPOTNB_JOB_ID``, ``SPOTNB_AGENT_SOCKET``,
 ``SPOTNB_CHECKPOINT_EVERY`` (JSON ``{"seconds", "steps"}``), ``SPOTNB_KEEP_CHECKPOINTS``,
 ``SPOTNB_SCRATCH`` (a local directory for this attempt), ``SPOTNB_NOTICE_SECONDS``
-(the provider's interruption notice period). The attempt's own settings are
+(the provider's interruption notice period), ``SPOTNB_PEER_TIMEOUT`` (seconds a
+distributed job's ranks wait on a peer). The attempt's own settings are
 added to it by the bootstrap (``spotnb.runtime._bootstrap(env=...)``), before anything
 reads them: ``SPOTNB_ATTEMPT``, ``SPOTNB_INSTANCE_ID`` and ``SPOTNB_RESTORE_DIR``
 (where the agent prefetches the latest checkpoint while the kernel starts and the
 cell's imports run: the checkpoint's files plus ``MANIFEST.json``; the agent creates
 :data:`PREFETCH_DONE` there when it is finished, successfully or not, and
-``restore()`` waits for that file before it looks).
+``restore()`` waits for that file before it looks). A distributed job's workers also get
+``SPOTNB_SLOT`` (the agent's node slot) and torchrun's variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...: spotnb.multinode.elastic).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ ENV_KEEP_CHECKPOINTS = "SPOTNB_KEEP_CHECKPOINTS"
 ENV_SCRATCH = "SPOTNB_SCRATCH"
 ENV_RESTORE_DIR = "SPOTNB_RESTORE_DIR"
 ENV_NOTICE_SECONDS = "SPOTNB_NOTICE_SECONDS"
+ENV_PEER_TIMEOUT = "SPOTNB_PEER_TIMEOUT"
+ENV_SLOT = "SPOTNB_SLOT"
 PREFETCH_DONE = ".prefetch-done"
 
 

@@ -94,7 +94,9 @@ class ImdsClient:
         return self.get_json("events/recommendations/rebalance")
 
     def identity(self) -> dict[str, str]:
-        """``instance_id``, ``instance_type``, ``az`` (name), ``az_id`` and ``region``."""
+        """``instance_id``, ``instance_type``, ``az`` (name), ``az_id`` and ``region``;
+        also ``address`` (the private IPv4 address the job's other nodes reach this
+        one at) where the service has ``local-ipv4``."""
         keys = {
             "instance_id": "instance-id",
             "instance_type": "instance-type",
@@ -108,6 +110,9 @@ class ImdsClient:
             if value is None:
                 raise ImdsError(f"IMDS at {self.endpoint} has no {path}")
             out[name] = value
+        address = self.get("local-ipv4")
+        if address:
+            out["address"] = address
         return out
 
     # -- tokens

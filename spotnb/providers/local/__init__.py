@@ -223,13 +223,16 @@ class LocalProvider(Provider):
                 return reason
         return "restarted the job's supervisor (it had died); the job carries on"
 
-    def interrupt(self, job_id: str) -> None:
+    def interrupt(self, job_id: str, instance: str | None = None) -> None:
+        """Give the job's instance (a multi-node job's ``instance``, else its first
+        running one) an interruption notice, as EC2 would."""
         home = group_dir(job_id)
         info = read_json(home / GROUP_FILE)
         if info is None or not _alive(info):
             raise ProviderError(f"job {job_id} has no running capacity group to interrupt")
-        _request(home, "interrupt")
-        log.info("requested an interruption of job %s's instance", job_id)
+        _request(home, "interrupt", instance=instance)
+        log.info("requested an interruption of job %s's instance %s", job_id,
+                 instance or "(the first running)")
 
     def terminate(self, job_id: str) -> None:
         home = group_dir(job_id)
@@ -483,9 +486,9 @@ def _alive(info: dict[str, Any]) -> bool:
     return record is not None and record.alive()
 
 
-def _request(home: Path, kind: str) -> None:
+def _request(home: Path, kind: str, **fields: Any) -> None:
     write_json(home / CONTROL_DIR / f"{kind}-{time.time_ns()}.json",
-               {"kind": kind, "time": time.time(), "pid": os.getpid()})
+               {"kind": kind, "time": time.time(), "pid": os.getpid(), **fields})
 
 
 def _has_result(store_uri: Any) -> bool:

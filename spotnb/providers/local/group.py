@@ -1,4 +1,5 @@
-"""The local cloud's capacity group: a supervisor process that keeps one instance running.
+"""The local cloud's capacity group: a supervisor process that keeps a job's instances
+running (one; a multi-node job's ``max_nodes``).
 
 Run as ``python -m spotnb.providers.local.group --job <store-uri>`` (the provider does
 this, detached). It reads ``spec.json`` from the job's store prefix, writes the group's
@@ -39,7 +40,12 @@ current market price). A pool without simulated capacity, or above ``max_price``
 skipped with a ``capacity_error`` event; when no pool can launch the group retries
 every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
 
-Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``); the
+Multi-node jobs: the group keeps ``max_nodes`` instances, each with its own metadata
+service (its own notices), launched and replaced one by one exactly as the one instance
+of a single-node job; the job ends for all of them with its result.
+
+Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``; of one
+named instance, or of the first running one); the
 spec's ``simulate_interruptions`` ``{"count": N}`` (reason ``simulated``: once an
 instance's attempt has a durable checkpoint and any later event, or after
 ``interrupt_after`` seconds after the first output of a cell without any checkpoint;
@@ -130,7 +136,7 @@ class _Finish:
 
 
 class Supervisor:
-    """Keeps one instance of a job running; see the module docstring."""
+    """Keeps a job's instances running; see the module docstring."""
 
     def __init__(self, store: Store, spec: JobSpec, settings: Settings, home: Path,
                  adopt: bool = False) -> None:
@@ -149,7 +155,9 @@ class Supervisor:
         self.store_backoff = STORE_BACKOFF_SECONDS
         self.markets: dict[str, Market] = {}
         self.instances: list[LocalInstance] = []
-        self.current: LocalInstance | None = None
+        # The instances the group keeps (launched, not ended): at most ``target``.
+        self.running: list[LocalInstance] = []
+        self.target = spec.resources.max_nodes
         self.first_launch: float | None = None
         self.next_launch_at = 0.0
         self.next_store_poll = 0.0
@@ -157,7 +165,8 @@ class Supervisor:
         self.crashes = 0
         self.finish: _Finish | None = None
         self.terminate_requested: str | None = None
-        self.interrupt_requested = False
+        # An interruption asked for: of this instance id, or "" for the first running.
+        self.interrupt_requested: str | None = None
 
         sim = spec.simulate_interruptions or {}
         self.sim_count = int(sim.get("count", 0))
@@ -228,7 +237,7 @@ class Supervisor:
                 continue
             log.info("adopted instance %s (agent pid %d)", inst.id, record.pid)
             self.instances.append(inst)
-            self.current = inst
+            self.running.append(inst)
 
     # ------------------------------------------------------------------ main loop
 
@@ -303,9 +312,9 @@ class Supervisor:
             self._write_result(**self.pending_result)
         if self.terminate_requested:
             log.info("terminating the group (%s)", self.terminate_requested)
-            if self.current is not None:
-                self._end(self.current, now, "group-terminated")
-                self.current = None
+            for inst in self.running:
+                self._end(inst, now, "group-terminated")
+            self.running = []
             self._write_result("stopped", "the capacity group was terminated",
                                detail=self.terminate_requested)
             return False
@@ -314,15 +323,16 @@ class Supervisor:
             self._poll_store(now)
         if self.finish is None:
             self._check_limits(now)
-        if self.current is not None:
-            self._step(self.current, now)
+        for inst in list(self.running):
+            self._step(inst, now)
         if self.finish is not None:
             return self._step_finishing(now)
-        if self.current is None and now >= self.next_launch_at:
-            self._launch(now)
-            if self.current is not None and self.current.boot_until <= now:
+        # One launch a tick at most: a capacity error waits CAPACITY_RETRY_SECONDS.
+        if len(self.running) < self.target and now >= self.next_launch_at:
+            launched = self._launch(now)
+            if launched is not None and launched.boot_until <= now:
                 # No boot delay: start the agent now rather than a tick later.
-                self._spawn(self.current, time.time())
+                self._spawn(launched, time.time())
         return True
 
     def _read_control(self) -> None:
@@ -338,10 +348,11 @@ class Supervisor:
             if kind == "terminate":
                 self.terminate_requested = "terminated through the provider"
             elif kind == "interrupt":
-                if self.current is None:
+                if not self.running:
                     log.warning("interrupt requested, but no instance is running; ignored")
                 else:
-                    self.interrupt_requested = True
+                    target = (read_json(path) or {}).get("instance")
+                    self.interrupt_requested = str(target) if target else ""
             else:
                 log.warning("ignoring unknown control request %s", name)
             path.unlink(missing_ok=True)
@@ -355,8 +366,8 @@ class Supervisor:
             stop = self._read_stop()
             if stop is not None:
                 self._begin_stop(now, stop)
-        if self.reader is not None and self.current is not None:
-            self._track_progress(self.current)
+        if self.reader is not None:
+            self._track_progress(list(self.running))
 
     def _read_stop(self) -> dict[str, Any] | None:
         try:
@@ -383,7 +394,7 @@ class Supervisor:
         if not inst.started:
             if inst.terminate_at is None and self.finish is None and now >= inst.boot_until:
                 self._spawn(inst, now)
-                if self.current is not inst:  # the agent could not even be started
+                if inst not in self.running:  # the agent could not even be started
                     return
         # Step 2: an agent that exited by itself.
         elif (code := inst.exit_code()) is not None:
@@ -401,18 +412,18 @@ class Supervisor:
             reason = self._interruption_due(inst, now)
             if reason is not None:
                 self._notice(inst, now, reason)
-        elif self.interrupt_requested:
-            self.interrupt_requested = False  # already under notice, or winding down
+        elif self.interrupt_requested in ("", inst.id):
+            self.interrupt_requested = None  # already under notice, or winding down
         # Step 5: the notice period is over.
         if inst.terminate_at is not None and now >= inst.terminate_at:
             self._end(inst, now, "spot-interruption")
-            self.current = None
+            self._forget(inst)
             self.crashes = 0
             self.next_launch_at = now
 
     def _interruption_due(self, inst: LocalInstance, now: float) -> str | None:
-        if self.interrupt_requested:
-            self.interrupt_requested = False
+        if self.interrupt_requested in ("", inst.id):
+            self.interrupt_requested = None
             return "requested"
         max_price = self.spec.resources.max_price
         if max_price is not None and inst.price > max_price:
@@ -450,12 +461,14 @@ class Supervisor:
         return inst.cell_started is not None and \
             now - inst.cell_started >= QUIET_CELL_FACTOR * limit
 
-    def _track_progress(self, inst: LocalInstance) -> None:
-        """Watch the instance's attempt: its cell's start, its first durable checkpoint,
-        and any event after that."""
+    def _track_progress(self, instances: list[LocalInstance]) -> None:
+        """Watch each instance's attempt: its cell's start, its first durable checkpoint,
+        and any event after that (one read of the log for all of them)."""
         assert self.reader is not None
+        by_id = {inst.id: inst for inst in instances}
         for event in self.reader.poll(wait=0):
-            if event.instance != inst.id or event.attempt == GROUP_STREAM:
+            inst = by_id.get(event.instance or "")
+            if inst is None or event.attempt == GROUP_STREAM:
                 continue
             if (event.type == "status" and event.data.get("state") == "running"
                     and inst.cell_started is None):
@@ -487,7 +500,7 @@ class Supervisor:
 
     def _agent_exited(self, inst: LocalInstance, now: float, code: int | None) -> None:
         lived = now - (inst.running_since or now)
-        self.current = None
+        self._forget(inst)
         self.next_launch_at = now
         if self.store.exists(RESULT):
             self._end(inst, now, "job-finished", exit_code=code)
@@ -546,7 +559,13 @@ class Supervisor:
             ordered += sorted(type_pools, key=lambda p: (self._market(p).price_at(now), p.az))
         return ordered
 
-    def _launch(self, now: float) -> None:
+    def _forget(self, inst: LocalInstance) -> None:
+        """The group no longer keeps ``inst`` (it ended): a replacement may launch."""
+        if inst in self.running:
+            self.running.remove(inst)
+
+    def _launch(self, now: float) -> LocalInstance | None:
+        """Start an instance in the first pool that can take it; None if none can."""
         try:  # capacity shortages may be switched on and off while the job runs
             settings = Settings.load()
         except SpecError as e:
@@ -564,9 +583,9 @@ class Supervisor:
                     f"We currently do not have sufficient {pool.instance_type} capacity in "
                     f"the Availability Zone you requested ({az_name(pool.region, pool.az)})."))
             else:
-                self._start_instance(pool, now, settings)
-                return
+                return self._start_instance(pool, now, settings)
         self.next_launch_at = now + CAPACITY_RETRY_SECONDS
+        return None
 
     def _capacity_error(self, pool: Pool, now: float, code: str, message: str) -> None:
         if pool.name in self.reported_pools:
@@ -580,17 +599,18 @@ class Supervisor:
                    instance_id=None, instance_type=pool.instance_type, az=pool.az,
                    pool=pool.name)
 
-    def _start_instance(self, pool: Pool, now: float, settings: Settings) -> None:
+    def _start_instance(self, pool: Pool, now: float, settings: Settings) -> LocalInstance:
         inst = LocalInstance.create(
             pool, self._market(pool), index=len(self.instances) + 1, now=now,
             boot_seconds=settings.boot_seconds, hazard_at=self._hazard_time(pool, now),
             job_id=self.spec.job_id, store_uri=self.store.uri)
         self.instances.append(inst)
-        self.current = inst
+        self.running.append(inst)
         self.reported_pools.clear()
         if self.first_launch is None:
             self.first_launch = now
-        replacing = f" (replacement #{inst.index - 1})" if inst.index > 1 else ""
+        replacing = (f" (replacement #{inst.index - self.target})"
+                     if inst.index > self.target else "")
         # Stamped with the tick's time, like the capacity errors before them: schedules
         # and budgets count from it, and readers see the events in this order.
         self._emit("status", None, at=now, state="launching", instance_type=pool.instance_type,
@@ -601,6 +621,7 @@ class Supervisor:
         self._emit_price(inst)
         log.info("launched %s in %s at $%.4f/h; %s", inst.id, pool.name, inst.price,
                  inst.market.source)
+        return inst
 
     def _hazard_time(self, pool: Pool, now: float) -> float | None:
         """When the Spot Advisor's interruption rate takes this instance (or None).
@@ -665,15 +686,15 @@ class Supervisor:
 
     def _step_finishing(self, now: float) -> bool:
         assert self.finish is not None
-        inst = self.current
-        if inst is not None:
-            running = inst.started and inst.exit_code() is None
-            if running and now < self.finish.deadline:
-                return True  # the agent may still finish by itself
+        if self.running:
+            if now < self.finish.deadline and any(
+                    inst.started and inst.exit_code() is None for inst in self.running):
+                return True  # the agents may still finish by themselves
             reason = "job-finished" if self.store.exists(RESULT) else "stopped"
-            if inst.ended is None:
-                self._end(inst, now, reason)
-            self.current = None
+            for inst in self.running:
+                if inst.ended is None:
+                    self._end(inst, now, reason)
+            self.running = []
         if self.finish.kind == "stop":
             self._write_result("stopped", self.finish.reason, detail=self.finish.detail)
         return False

@@ -10,7 +10,8 @@ It speaks EC2's protocol, so the agent runs the same code here as on AWS:
 * ``GET /latest/meta-data/`` lists keys (directories end in ``/``). Served:
   ``ami-id``, ``instance-id``, ``instance-type``, ``instance-life-cycle`` (``spot``),
   ``placement/availability-zone``, ``placement/availability-zone-id``,
-  ``placement/region``; ``spot/instance-action`` (404 until an interruption notice,
+  ``placement/region``, ``local-ipv4`` (127.0.0.1: a local cloud's instances share
+  this machine's loopback); ``spot/instance-action`` (404 until an interruption notice,
   then ``{"action": "terminate", "time": "2026-11-22T02:10:00Z"}``, the time of
   termination) and the older ``spot/termination-time``;
   ``events/recommendations/rebalance`` (404 until set, then
@@ -146,6 +147,8 @@ class ImdsServer:
             "placement/availability-zone": ident.az,
             "placement/availability-zone-id": ident.az_id,
             "placement/region": ident.region,
+            # Every local instance is this machine: its nodes talk over loopback.
+            "local-ipv4": "127.0.0.1",
         }
         with self._lock:
             if self._instance_action is not None:

@@ -1,0 +1,583 @@
+"""One node of a distributed job, as its agent runs it: torchelastic, generation by
+generation, with the cell in one kernel per local worker.
+
+The agent (:mod:`spotnb.kernel_remote.agent`) holds the lease of one node slot and
+writes the event stream of its attempt; :class:`NodeRun` is the rest of its tenure::
+
+    Step 1  the rendezvous record (spotnb.multinode.rendezvous): join its generation,
+            or become the host of the first one / of the next one when the host left.
+    Step 2  run torchelastic's agent (KernelElasticAgent) for that generation, in a
+            thread: rendezvous with the other nodes (MIN..MAX), start one kernel per
+            local worker with torchrun's environment, run the cell in each.
+    Step 3  whatever ends the elastic run decides what next:
+              every cell finished         -> the node of global rank 0 writes the
+                                             result; the others wait for it; done
+              this node leaves (its notice, after the coordinated checkpoint)
+                                          -> the lease is released; done
+              the job ended (result, stop) -> done
+              a user error in the cell    -> failed result (or a retry: re-form)
+              the rendezvous moved on     -> Step 1 with the new generation
+              the rendezvous store is lost (its host died) -> Step 1: elect a host
+
+Worker outcomes, as :meth:`NodeRun.monitor` reports them to torchelastic: a cell
+still running is HEALTHY; every local cell finished is SUCCEEDED; a cell that failed
+because a peer is gone (a collective's connection broke or timed out:
+:func:`peer_error`), a round that lost a node (its rendezvous heartbeat stopped), or a
+runtime asking to re-form after the checkpoint of a node's notice, is UNHEALTHY:
+torchelastic restarts the workers, which re-runs the cell from its last checkpoint in a
+new round (N-1 nodes, or N again when a replacement waits). An error in the user's code
+is neither: it fails the job like on one node (or is retried, re-forming the world,
+within ``--max-restarts-on-error``).
+
+Kernels boot ahead: the next round's kernels are spawned as soon as the previous ones
+are stopped, so they start while the rendezvous completes; a round's settings
+(``RANK``, ``WORLD_SIZE``, ...) reach them with the bootstrap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+
+from spotnb import layout, lease
+from spotnb.kernel_remote import channel
+from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
+from spotnb.multinode import (
+    EXIT_BARRIER_SECONDS,
+    JOIN_TIMEOUT_SECONDS,
+    KEEP_ALIVE_MISSES,
+    KEEP_ALIVE_SECONDS,
+    LAST_CALL_SECONDS,
+    MAX_REFORMATIONS,
+    MONITOR_SECONDS,
+    RESULT_WAIT_SECONDS,
+    RETRY_SECONDS,
+    ROLE,
+)
+from spotnb.multinode import rendezvous as rdzv
+from spotnb.multinode.elastic import KernelElasticAgent
+
+if TYPE_CHECKING:
+    from spotnb.kernel_remote.agent import Agent
+
+__all__ = ["NodeRun", "peer_error"]
+
+log = logging.getLogger(__name__)
+
+# Error names of torch.distributed's own failures (NCCL raises these, and stores).
+_DIST_ERRORS = frozenset({"DistError", "DistBackendError", "DistNetworkError",
+                          "DistStoreError"})
+# What gloo says when a peer's connection breaks or a collective times out: gloo
+# raises a plain RuntimeError from its transport ("[.../gloo/transport/tcp/pair.cc:537]
+# Read error ...: Connection reset by peer", "Timed out waiting ... for recv").
+_GLOO_MARKS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer",
+               "Connection refused", "Broken pipe")
+
+
+def peer_error(error: dict[str, Any]) -> bool:
+    """Whether a cell's error says that a peer is gone rather than that the code failed.
+
+    torch.distributed's own errors (``DistBackendError``: NCCL; ``DistStoreError``,
+    ``DistNetworkError``) and gloo's transport errors (a ``RuntimeError`` naming its
+    transport or a broken connection).
+    """
+    name = str(error.get("ename", ""))
+    if name in _DIST_ERRORS:
+        return True
+    text = str(error.get("evalue", ""))
+    return name == "RuntimeError" and any(mark in text for mark in _GLOO_MARKS)
+
+
+class _Ended(Exception):
+    """The job ended (a result, or a stop request) while this node trained."""
+
+
+class _Moved(Exception):
+    """The rendezvous moved to a new generation (its host left)."""
+
+
+class _Leave(Exception):
+    """This node leaves: its final checkpoint is durable, its instance goes."""
+
+
+class _UserError(Exception):
+    def __init__(self, run: WorkerRun) -> None:
+        super().__init__(run.error)
+        self.run = run
+
+
+class WorkerRun:
+    """One local worker of one round: a kernel that runs the cell, on its own thread.
+
+    ``state``: starting, running, succeeded, peer (a peer is gone), user (the cell
+    failed), stopped (the node stopped it), fenced (the agent lost its lease).
+    """
+
+    def __init__(self, node: NodeRun, local_rank: int, kernel: KernelProcess,
+                 env: dict[str, str]) -> None:
+        self.node = node
+        self.local_rank = local_rank
+        self.rank = int(env["RANK"])
+        self.kernel = kernel
+        self.env = env
+        self.kc: Any = None
+        self.state = "starting"
+        self.error: dict[str, Any] | None = None
+        self.thread = threading.Thread(target=self._run, name=f"worker-{local_rank}",
+                                       daemon=True)
+
+    def _run(self) -> None:
+        from spotnb.kernel_remote.agent import _BOOTSTRAP, Fenced
+
+        agent = self.node.agent
+        try:
+            try:
+                self.kc = self.kernel.connect(timeout=self.node.kernel_timeout)
+            except KernelNotReady as e:
+                self._end("user", {"ename": "KernelDied", "evalue": str(e),
+                                   "traceback": [str(e)]})
+                return
+            boot = agent._execute(self.kc, _BOOTSTRAP.format(env=self.env), silent=True,
+                                  kernel=self.kernel, rank=self.rank)
+            if boot:
+                self._end("stopped" if self.node.stopping else "user", boot)
+                return
+            self.state = "running"
+            if self.local_rank == 0:
+                agent._emit("status", state="running", detail="running the cell")
+            error = agent._execute(self.kc, agent.spec.code, silent=False,
+                                   kernel=self.kernel, rank=self.rank)
+            if error:
+                self._end(self._classify(error), error)
+                return
+            # Global rank 0's outputs are the job's; every rank waits for its uploads.
+            if self.rank == 0 and agent.spec.outputs:
+                out = agent._execute(self.kc, "_spotnb_runtime._save_outputs("
+                                     f"{list(agent.spec.outputs)!r})", silent=True,
+                                     kernel=self.kernel, rank=self.rank)
+                if out:
+                    self._end("stopped" if self.node.stopping else "user", out)
+                    return
+            fin = agent._execute(self.kc, "_spotnb_runtime._finish()", silent=True,
+                                 kernel=self.kernel, rank=self.rank)
+            if fin:
+                self._end(self._classify(fin), fin)
+                return
+            self.state = "succeeded"
+        except Fenced:
+            self.state = "fenced"
+        except Exception:
+            if self.node.stopping:
+                # Its kernel was killed under it (a re-formation): expected.
+                log.debug("worker %d ended while stopping", self.local_rank, exc_info=True)
+                self.state = "stopped"
+                return
+            log.exception("worker %d failed", self.local_rank)
+            if not self.node.stopping:
+                self._end("user", {"ename": "AgentError", "evalue": "the agent failed "
+                                   "running the cell (see the agent's log)", "traceback": []})
+        finally:
+            self.node.wake.set()
+
+    def _classify(self, error: dict[str, Any]) -> str:
+        if self.node.stopping or self.node.agent.stop_requested:
+            return "stopped"
+        return "peer" if peer_error(error) else "user"
+
+    def _end(self, state: str, error: dict[str, Any] | None) -> None:
+        self.error = error
+        self.state = state
+
+
+class NodeRun:
+    """The agent's tenure of a node slot in a distributed job (module docstring)."""
+
+    def __init__(self, agent: Agent, kernel_timeout: float) -> None:
+        from spotnb.kernel_remote.agent import _holder_gone_check
+
+        self.agent = agent
+        self.spec = agent.spec
+        self.store = agent.store
+        self.kernel_timeout = kernel_timeout
+        assert agent.held is not None
+        self.slot = agent.held.lease.slot
+        self.me = str(agent.identity["instance_id"])
+        self.address = str(agent.identity.get("address") or "127.0.0.1")
+        res = self.spec.resources
+        self.procs = res.procs_per_node
+        self.peer_timeout = self.spec.policy.peer_timeout
+        gone = _holder_gone_check(self.spec)
+        # The provider's check reads a lease's holder: ask it about an instance.
+        self._instance_gone = (
+            lambda instance: bool(gone(lease.Lease(epoch=0, holder=instance, heartbeat=0.0)))
+        ) if gone is not None else None
+        self.record: rdzv.Record | None = None
+        self.hosted: dict[int, rdzv.HostedStore] = {}  # generation -> our store server
+        self.workers: list[WorkerRun] = []
+        self.spares: list[KernelProcess] = []
+        self.group: WorkerGroup | None = None
+        self.rank0_here = False
+        # stopping: the workers are being stopped (a kernel that dies now was killed);
+        # closing: this tenure ends, no more kernels are spawned ahead.
+        self.stopping = False
+        self.closing = False
+        self.rounds = 0
+        # Set by the agent's threads: wake the waiting loop.
+        self.wake = threading.Event()
+        self.leaving = threading.Event()
+        self.reform = threading.Event()
+        self.ended = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- called by the agent -----------------------------------------------------------
+
+    def on_notice(self) -> None:
+        """This instance got its interruption notice: if it hosts the rendezvous, vacate
+        the generation now, before the runtime hears of the notice, so the staying
+        nodes find a new host when they re-form after the coordinated checkpoint."""
+        record = self.record
+        if record is None or record.host != self.me or record.vacant:
+            return
+        try:
+            self.agent._retry(lambda: rdzv.vacate(
+                self.store, record, f"its host {self.me} got an interruption notice"),
+                "vacating the rendezvous")
+        except Exception:
+            log.warning("could not vacate the rendezvous; the staying nodes elect a new "
+                        "host when they lose this one", exc_info=True)
+
+    def on_parked(self) -> None:
+        """This node's final checkpoint is durable: it leaves the world."""
+        self.leaving.set()
+        self.wake.set()
+
+    def on_reform(self) -> None:
+        """A runtime asks to re-form (a node leaves after the coordinated checkpoint)."""
+        self.reform.set()
+        self.wake.set()
+
+    def on_job_ended(self) -> None:
+        self.ended.set()
+        self.wake.set()
+
+    # -- the tenure --------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Train until the job ends for this node; what happened: completed, failed,
+        stopped, ended (someone else wrote the result), left (after its notice)."""
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see _elastic_agent
+        self._spawn_spares()
+        try:
+            while True:
+                if self.ended.is_set() or self._job_ended():
+                    return self._end_of_job()
+                record = self._generation()
+                outcome = self._run_generation(record)
+                if outcome is not None:
+                    return outcome
+        finally:
+            self.closing = True
+            self.stop()
+            self._kill_spares()
+            for hosted in self.hosted.values():
+                hosted.close()
+
+    def _generation(self) -> rdzv.Record:
+        """Step 1: the generation to join; become its host if it has none (or a dead
+        one)."""
+        while True:
+            current = self.agent._retry(lambda: rdzv.read(self.store), "reading rendezvous")
+            if current is not None and not current[0].vacant and (
+                    current[0].host == self.me
+                    or rdzv.host_alive(self.store, current[0], self._instance_gone)):
+                self.record = current[0]
+                return current[0]
+            if current is None:
+                reason = "the first node"
+            elif current[0].vacant:
+                reason = current[0].reason or "the generation had no host"
+            else:
+                reason = f"its host {current[0].host} is gone"
+            record, hosted = rdzv.elect(self.store, self.spec.job_id, self.me, self.slot,
+                                        self.address, current, reason, self.peer_timeout)
+            if hosted is not None:
+                self.hosted[record.generation] = hosted
+                self.agent._emit("status", state="launching", detail=(
+                    f"this node hosts the rendezvous, generation {record.generation} "
+                    f"({reason})"))
+            self.record = record
+            if not record.vacant:
+                return record
+
+    def _run_generation(self, record: rdzv.Record) -> str | None:
+        """Step 2-3: one elastic run; the job's outcome for this node, or None to go on
+        with the next generation."""
+        outcome: list[Any] = []
+
+        def elastic() -> None:
+            try:
+                agent = self._elastic_agent(record)
+                outcome.append(agent.run())
+                if outcome and isinstance(outcome[0], RunResult) and \
+                        outcome[0].state == WorkerState.SUCCEEDED:
+                    # torchrun closes the rendezvous when the job succeeded.
+                    agent.get_worker_group().spec.rdzv_handler.shutdown()
+            except BaseException as e:
+                outcome.append(e)
+            finally:
+                self.wake.set()
+
+        thread = threading.Thread(target=elastic, name=f"elastic-g{record.generation}",
+                                  daemon=True)
+        thread.start()
+        while not outcome:
+            self.wake.wait(MONITOR_SECONDS)
+            self.wake.clear()
+            # torchelastic may be blocked in a rendezvous: do not wait for it to notice.
+            if (self.leaving.is_set() or self.ended.is_set()) and not self.workers:
+                break
+        result = outcome[0] if outcome else (_Leave() if self.leaving.is_set() else _Ended())
+        return self._after(record, result)
+
+    def _after(self, record: rdzv.Record, result: Any) -> str | None:
+        from spotnb.kernel_remote.agent import Fenced
+
+        if isinstance(result, Fenced):
+            raise result
+        if isinstance(result, _Leave) or self.leaving.is_set():
+            return "left"
+        if isinstance(result, _Ended):
+            return self._end_of_job()
+        if isinstance(result, _Moved):
+            return None
+        if isinstance(result, _UserError):
+            return self._user_error(result.run)
+        if isinstance(result, RunResult):
+            if result.state == WorkerState.SUCCEEDED:
+                return self._succeeded()
+            if result.state == WorkerState.FAILED:
+                # MAX_REFORMATIONS restarts in one generation: something is broken.
+                return self.agent._finish(
+                    "failed", f"the workers failed {MAX_REFORMATIONS} times in a row")
+            return None  # ended without a result: graceful exit of a closed rendezvous
+        # The rendezvous failed (its store is gone, or it timed out waiting for nodes):
+        # Step 1 decides whether the host is gone.
+        if self._job_ended():
+            return self._end_of_job()
+        log.warning("the elastic run of generation %d ended: %s: %s; looking at the "
+                    "rendezvous again", record.generation, type(result).__name__, result)
+        self.wake.wait(RETRY_SECONDS)
+        return None
+
+    def _elastic_agent(self, record: rdzv.Record) -> KernelElasticAgent:
+        """torchelastic's agent for one generation (what ``torchrun --nnodes MIN:MAX
+        --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` builds), with spotnb's store
+        host as the rendezvous endpoint, joined as a client."""
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+        res = self.spec.resources
+        assert record.endpoint is not None
+        params = RendezvousParameters(
+            backend="c10d", endpoint=record.endpoint, run_id=record.run_id,
+            min_nodes=res.min_nodes, max_nodes=res.max_nodes, local_addr=self.address,
+            is_host=False, join_timeout=JOIN_TIMEOUT_SECONDS,
+            last_call_timeout=LAST_CALL_SECONDS, close_timeout=LAST_CALL_SECONDS,
+            keep_alive_interval=KEEP_ALIVE_SECONDS, keep_alive_max_attempt=KEEP_ALIVE_MISSES,
+            read_timeout=max(1, int(self.peer_timeout)))
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (set in run()): each round's rank 0
+        # publishes a fresh MASTER_ADDR/PORT. With sharing, a node that joins later
+        # waits forever for a MASTER_ADDR that a rank 0 kept from an earlier round
+        # never writes again (seen with torch 2.13: the new round hangs).
+        spec = WorkerSpec(role=ROLE, local_world_size=self.procs, entrypoint="ipykernel",
+                          rdzv_handler=registry.get_rendezvous_handler(params),
+                          max_restarts=MAX_REFORMATIONS, monitor_interval=MONITOR_SECONDS,
+                          local_addr=self.address)
+        return KernelElasticAgent(spec, self, exit_barrier_timeout=EXIT_BARRIER_SECONDS)
+
+    # -- Workers (KernelElasticAgent's side) -------------------------------------------
+
+    def start(self, group: WorkerGroup, envs: dict[int, dict[str, str]]) -> dict[int, Any]:
+        """A round formed: start the local workers with their ranks."""
+        agent = self.agent
+        assert agent.held is not None and self.record is not None
+        self.stopping = False
+        self.reform.clear()
+        self.group = group
+        self.rounds += 1
+        restore_dir = agent._scratch / f"restore-{agent.held.epoch}-{self.rounds}"
+        restore_dir.mkdir(parents=True, exist_ok=True)
+        threading.Thread(target=agent._prefetch, args=(restore_dir,), daemon=True).start()
+        ranks = [w.global_rank for w in group.workers]
+        self.rank0_here = 0 in ranks
+        world = group.workers[0].world_size
+        agent._emit("world", generation=self.record.generation, run_id=self.record.run_id,
+                    round=self.rounds, nodes=group.group_world_size, world_size=world,
+                    node_rank=group.group_rank, ranks=ranks,
+                    master=f"{group.master_addr}:{group.master_port}",
+                    rendezvous_host=self.record.host, min_nodes=self.spec.resources.min_nodes,
+                    max_nodes=self.spec.resources.max_nodes)
+        agent._emit("status", state="restoring", detail=(
+            f"world formed: {group.group_world_size} node(s), {world} process(es); this "
+            f"node is node {group.group_rank} (ranks {', '.join(map(str, ranks))})"))
+        agent._flush_soon()
+        base = {channel.ENV_ATTEMPT: str(agent.held.epoch),
+                channel.ENV_INSTANCE_ID: self.me,
+                channel.ENV_RESTORE_DIR: str(restore_dir),
+                channel.ENV_SLOT: str(self.slot)}
+        runs = []
+        for worker in group.workers:
+            kernel = self.spares.pop(0) if self.spares else self._spawn(worker.local_rank)
+            runs.append(WorkerRun(self, worker.local_rank, kernel,
+                                  {**base, **envs[worker.local_rank]}))
+        with self._lock:
+            self.workers = runs
+        for run in runs:
+            run.thread.start()
+        return {run.local_rank: run.kernel.proc.pid for run in runs}
+
+    def monitor(self, group: WorkerGroup) -> RunResult:
+        """The workers' state for torchelastic (module docstring); raises to end the
+        elastic run when this node leaves, the job ended, or the cell failed."""
+        from spotnb.kernel_remote.agent import Fenced
+
+        if self.leaving.is_set():
+            raise _Leave()
+        if self.ended.is_set():
+            raise _Ended()
+        if self.agent.fenced.is_set() or self.agent.terminating.is_set():
+            raise Fenced()
+        runs = list(self.workers)
+        if any(r.state == "fenced" for r in runs):
+            raise Fenced()
+        failed = next((r for r in runs if r.state == "user"), None)
+        if failed is not None:
+            raise _UserError(failed)
+        if self.reform.is_set() or any(r.state in ("peer", "stopped") for r in runs):
+            return RunResult(state=WorkerState.UNHEALTHY)
+        if runs and all(r.state == "succeeded" for r in runs):
+            # torchelastic records each worker's return value (the cell's: none).
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={r.rank: None for r in runs})
+        if self._round_shrank(group):
+            log.warning("a node of this round is gone (its rendezvous heartbeat stopped); "
+                        "re-forming")
+            return RunResult(state=WorkerState.UNHEALTHY)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def stop(self) -> None:
+        """Stop this round's workers; spawn the next round's kernels ahead."""
+        with self._lock:
+            runs, self.workers = self.workers, []
+        if not runs:
+            return
+        self.stopping = True
+        for run in runs:
+            run.kernel.kill()
+            self.agent._forget_kernel(run.kernel)
+        for run in runs:
+            run.thread.join(timeout=5)
+        if not (self.closing or self.leaving.is_set() or self.ended.is_set()):
+            self._spawn_spares()
+
+    def before_restart(self) -> None:
+        """Before torchelastic re-forms: the job may have ended, or the rendezvous moved
+        to a new generation (its host left): then this elastic run ends."""
+        if self.ended.is_set() or self._job_ended():
+            raise _Ended()
+        current = self.agent._retry(lambda: rdzv.read(self.store), "reading rendezvous")
+        if current is not None and self.record is not None and \
+                current[0].generation != self.record.generation:
+            log.info("the rendezvous moved to generation %d (%s)", current[0].generation,
+                     current[0].reason)
+            raise _Moved()
+        self.agent._emit("status", state="restoring", detail="re-forming the world")
+
+    # -- outcomes --------------------------------------------------------------------
+
+    def _succeeded(self) -> str:
+        """Every node's cell finished (torchelastic's exit barrier is passed)."""
+        agent = self.agent
+        agent._drain_channel()
+        if self.rank0_here:
+            return agent._finish("completed", "the cell finished")
+        # The node of global rank 0 writes the result: wait for it, so the capacity
+        # group does not take this agent's exit for a crash.
+        deadline = time.monotonic() + RESULT_WAIT_SECONDS
+        while not self._job_ended() and time.monotonic() < deadline:
+            time.sleep(RETRY_SECONDS)
+        agent._close_quietly()
+        return "ended"
+
+    def _user_error(self, run: WorkerRun) -> str | None:
+        """The cell failed on this node: like one node (agent._on_user_error), except
+        that a retry re-forms the world rather than bumping the epoch."""
+        agent = self.agent
+        assert run.error is not None and agent.held is not None
+        if run.kc is not None and run.kernel.alive:
+            agent._sync_runtime(run.kc, run.kernel)
+        errors = len(agent._retry(lambda: self.store.list_keys("errors/"),
+                                  "counting earlier errors"))
+        retrying = errors < self.spec.policy.max_restarts_on_error
+        key = f"errors/{agent.held.epoch:06d}-{errors:04d}.json"
+        body = json.dumps({**run.error, "rank": run.rank}).encode()
+        agent._write(lambda: self.store.put(key, body), "the error")
+        if retrying:
+            agent._emit("error", retrying=True, rank=run.rank, **run.error)
+            agent._emit("status", state="booting", detail=(
+                f"retrying after {run.error['ename']} on rank {run.rank} ({errors + 1} of "
+                f"{self.spec.policy.max_restarts_on_error}): re-forming the world"))
+            self.stop()  # the peers' collectives fail now: they re-form too
+            return None
+        outcome = agent._finish("failed", f"{run.error['ename']} on rank {run.rank}: "
+                                              f"{run.error['evalue']}", error=run.error)
+        self.stop()
+        return outcome
+
+    def _end_of_job(self) -> str:
+        """The job ended elsewhere (a result), or a stop request came."""
+        agent = self.agent
+        if agent.stop_requested and not self._job_ended():
+            return agent._finish("stopped", agent._stop_reason())
+        agent._close_quietly()
+        return "ended"
+
+    def _job_ended(self) -> bool:
+        try:
+            return self.store.exists(layout.RESULT)
+        except Exception:
+            return False
+
+    # -- kernels -----------------------------------------------------------------------
+
+    def _spawn(self, local_rank: int) -> KernelProcess:
+        return self.agent._start_kernel(f"r{local_rank}")
+
+    def _spawn_spares(self) -> None:
+        while len(self.spares) < self.procs:
+            self.spares.append(self._spawn(len(self.spares)))
+
+    def _kill_spares(self) -> None:
+        spares, self.spares = self.spares, []
+        for kernel in spares:
+            kernel.kill()
+            self.agent._forget_kernel(kernel)
+
+    def _round_shrank(self, group: WorkerGroup) -> bool:
+        """Whether a node of this round left it (torchelastic dropped it when its
+        rendezvous heartbeat stopped: KEEP_ALIVE_MISSES x KEEP_ALIVE_SECONDS), read
+        from the rendezvous state its last sync brought. That state is not public
+        API: if its shape changes, this check is skipped (a dead peer then shows as a
+        failed collective, within the peer timeout)."""
+        holder = getattr(group.spec.rdzv_handler, "_state_holder", None)
+        participants = getattr(getattr(holder, "state", None), "participants", None)
+        if not isinstance(participants, dict) or group.group_world_size is None:
+            return False
+        return len(participants) < group.group_world_size
+
