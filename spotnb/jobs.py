@@ -833,7 +833,7 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
     # Instances, from the group's stream.
     launched: dict[str, dict[str, Any]] = {}
     prices: dict[str, list[tuple[float, float]]] = {}
-    interruptions = 0
+    noticed: set[str] = set()  # instances that had an interruption notice
     for e in events:
         if e.attempt != GROUP_STREAM:
             continue
@@ -845,7 +845,7 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
             if e.data.get("instance_id") in launched:
                 launched[e.data["instance_id"]]["end"] = e.time
         elif e.type == "instance" and e.data.get("action") == "notice":
-            interruptions += 1
+            noticed.add(str(e.data.get("instance_id") or e.instance))
         elif e.type == "price":
             prices.setdefault(e.data.get("pool", ""), []).append((e.time, e.data["price"]))
 
@@ -900,9 +900,11 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
             end_reason=end_reason,
             spot_price=instance.get("price"),
         ))
-    if not launched:
-        # No capacity group stream (an agent started by hand): count agent notices.
-        interruptions = sum(1 for a in attempts if a.end_reason == "interrupted")
+    # The agents' own notices count too: the group's stream may not have its notice
+    # yet when a job ends right after it (another node finished the job), and an agent
+    # started by hand has no group at all.
+    noticed.update(str(a.instance_id) for a in attempts if a.end_reason == "interrupted")
+    interruptions = len(noticed)
 
     status, reason = _status(events, result)
     start = min((e.time for e in events), default=spec.created)
