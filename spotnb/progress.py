@@ -173,15 +173,7 @@ class Progress:
         last = self._last.get(attempt)
         if last is None or step >= last[0]:
             self._last[attempt] = (step, t)
-        closing = self._ended.get(attempt)
-        if closing is not None:  # steps logged after the notice, before the last save
-            closing.last_step, closing.last_progress = self._last[attempt]
-            # A late row (a follower reads an ended attempt's last rows from the log
-            # after the next attempt's live ones): the next attempt's start is known.
-            later = [a for a in self._first if a > attempt]
-            if closing.redone is not None and later:
-                closing.redone = max(closing.redone,
-                                     int(self._last[attempt][0] - self._first[min(later)] + 1))
+        self._close_ended(attempt)
         for gone in self.interruptions:
             # Caught up: a later attempt passes the step this one reached (or logs at
             # all, if this one had logged nothing).
@@ -221,13 +213,7 @@ class Progress:
         if top >= self._last[attempt][0]:
             k = len(s) - 1 - s[::-1].index(top)  # the last row at the top
             self._last[attempt] = (s[k], t[k])
-        closing = self._ended.get(attempt)
-        if closing is not None:
-            closing.last_step, closing.last_progress = self._last[attempt]
-            later = [a for a in self._first if a > attempt]
-            if closing.redone is not None and later:
-                closing.redone = max(closing.redone,
-                                     int(self._last[attempt][0] - self._first[min(later)] + 1))
+        self._close_ended(attempt)
         for gone in self.interruptions:
             if gone.recovered_at is None and gone.attempt < attempt:
                 passed = gone.last_step
@@ -236,6 +222,19 @@ class Progress:
                 elif top > passed:
                     gone.recovered_at = next(w for x, w in zip(s, t, strict=True) if x > passed)
         self.furthest = top if self.furthest is None else max(self.furthest, top)
+
+    def _close_ended(self, attempt: int) -> None:
+        """Steps an ended attempt logged after its notice (before its last save), and
+        late rows of it (a follower reads an ended attempt's last rows from the log
+        after the next attempt's live ones): its last step and the steps redone."""
+        closing = self._ended.get(attempt)
+        if closing is None:
+            return
+        closing.last_step, closing.last_progress = self._last[attempt]
+        later = [a for a in self._first if a > attempt]
+        if closing.redone is not None and later:
+            closing.redone = max(closing.redone,
+                                 int(self._last[attempt][0] - self._first[min(later)] + 1))
 
     def _end(self, gone: Interruption) -> None:
         last = self._last.get(gone.attempt)
