@@ -573,7 +573,7 @@ class Agent:
         """Have the runtime send every row logged so far, and wait until they are read
         (the cell failed: its last rows may not have been sent yet)."""
         kernel = kernel if kernel is not None else self._kernel
-        if kernel is None or not kernel.alive:
+        if kc is None or kernel is None or not kernel.alive:  # no kernel client to ask
             if kernel is self._kernel:
                 self._drain_channel()
             return
