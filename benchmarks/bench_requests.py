@@ -167,7 +167,8 @@ def reattach(sim: AwsSimulator, handle: spotnb.JobHandle) -> dict[str, tuple[int
     def measure(name: str, fn: Any) -> None:
         mark = time.time()
         started = time.perf_counter()
-        fn()
+        with contextlib.redirect_stdout(io.StringIO()):  # what it shows, outside a notebook
+            fn()
         seconds = time.perf_counter() - started
         out[name] = (sum(_counts(sim, since=mark).values()), seconds)
 
@@ -181,8 +182,7 @@ def reattach(sim: AwsSimulator, handle: spotnb.JobHandle) -> dict[str, tuple[int
         pass
     measure("%spot_attach (text)", lambda: display.follow(spotnb.attach(handle.job_id),
                                                           display.TextRenderer()))
-    with contextlib.redirect_stdout(io.StringIO()):
-        measure("spotnb logs", lambda: cli(["logs", handle.job_id]))
+    measure("spotnb logs", lambda: cli(["logs", handle.job_id]))
     return out
 
 

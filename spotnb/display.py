@@ -309,11 +309,19 @@ def follow(handle: JobHandle, renderer: Renderer,
         renderer.update(view)
         last_draw = time.monotonic()
         result_seen_at: float | None = None
+        # A job that had ended is replayed from its log in the first poll: that is its
+        # whole history, so the result is summarized from it rather than read again
+        # (a day of metrics is read once, not twice).
+        history: list[Event] | None = None
+        first = True
         while True:
             batch = follower.poll(wait=FOLLOW_WAIT_SECONDS)
             ended = follower.ended
             if ended:
                 batch += follower.poll(wait=0)  # the group's last events
+                if first:
+                    history = batch
+            first = False
             if on_events is not None:
                 on_events(batch)
             changed = _apply(batch, view, control, renderer)
@@ -331,10 +339,10 @@ def follow(handle: JobHandle, renderer: Renderer,
                 last_draw = time.monotonic()
         outputs_error = None
         try:
-            result = handle.summary(with_outputs=True)
+            result = handle.summary(with_outputs=True, events=history)
         except Exception as err:  # unpickling runs arbitrary code; report, don't crash
             outputs_error = f"{type(err).__name__}: {err}"
-            result = handle.summary()
+            result = handle.summary(events=history)
     except KeyboardInterrupt:
         view.detached = True
         renderer.detached(view)

@@ -17,6 +17,7 @@ from spotnb.events import (
     expand,
     last_values,
     metric_rows,
+    metrics_data,
 )
 from spotnb.events.live import Follower, LiveSender
 from spotnb.events.queues import LocalQueue, pack, queue_for, unpack
@@ -126,6 +127,19 @@ def test_metric_batches_round_trip_with_sparse_metrics(store: LocalStore) -> Non
     assert [e.type for e in singles] == ["metric"] * 4
     assert [e.to_json() for e in singles] == [e.to_json() for e in expand(batch)]
     assert [e.data["step"] for e in singles] == [0, 1, 2, 3]
+
+
+def test_last_values_read_from_the_tail_equal_the_whole_columns() -> None:
+    # last_values decodes only each column's last bytes: every length, so that the
+    # last item falls at each place of a base64 group, and sparse columns.
+    for n in range(1, 25):
+        rows = [(s, float(s), {"loss": 1.0 / (s + 1), **({"acc": s / 7} if s % 3 == 0 else {})})
+                for s in range(n)]
+        batch = Event("metrics", 0.0, 1, "i-1", metrics_data(rows))
+        want: dict[str, float] = {}
+        for _step, _t, values in metric_rows(batch):
+            want.update(values)
+        assert last_values(batch) == want
 
 
 def test_queue_messages_pack_small_and_survive_the_trip(tmp_path: Path) -> None:

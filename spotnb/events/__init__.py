@@ -189,6 +189,26 @@ def _unpack(typecode: str, data: Any) -> array.array[Any]:
     return column
 
 
+def _unpack_last(typecode: str, data: Any) -> Any:
+    """The last item of a column of :func:`_pack`, decoding only its tail (a summary of
+    a day's metrics reads a few bytes of each column, not all of them)."""
+    if isinstance(data, list):
+        return data[-1] if data else None
+    size = array.array(typecode).itemsize
+    padding = len(data) - len(data.rstrip("="))
+    count = (len(data) // 4 * 3 - padding) // size
+    if count == 0:
+        return None
+    first = (count - 1) * size      # the last item's first byte
+    group = first // 3              # the base64 group (3 bytes, 4 characters) it is in
+    raw = base64.b64decode(data[group * 4:])
+    column = array.array(typecode)
+    column.frombytes(raw[first - group * 3:first - group * 3 + size])
+    if sys.byteorder != "little":
+        column.byteswap()
+    return column[0]
+
+
 def metrics_data(rows: Iterable[tuple[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
     """The ``data`` of a ``metrics`` event for rows ``(step, t, {name: value})``."""
     steps: list[int] = []
@@ -268,8 +288,13 @@ def last_values(event: Event) -> dict[str, float]:
         return dict(event.data.get("values") or {})
     if event.type != "metrics":
         return {}
-    return {name: values[-1] for name, (_, values) in metric_columns(event)[2].items()
-            if len(values)}
+    out: dict[str, float] = {}
+    for name, column in (event.data.get("values") or {}).items():
+        values = column.get("v", []) if isinstance(column, dict) else column
+        last = _unpack_last("d", values)
+        if last is not None:
+            out[name] = last
+    return out
 
 
 def merge_metrics(events: list[Event]) -> Event:
