@@ -332,7 +332,7 @@ def test_capacity_error_on_the_first_type_runs_on_the_next_and_says_why(
                            env={"WANDB_MODE": "offline"},
                            instance_types=["g5.xlarge", "g4dn.xlarge"])
     result = handle.wait(timeout=90)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     assert result.outputs == {"x": 42, "mode": "offline"}
     assert [a.instance_type for a in result.attempts] == ["g4dn.xlarge"]
     events = group_events(handle)
@@ -354,7 +354,7 @@ def test_on_demand_fallback_after_waiting_for_spot_capacity(
     sim.no_capacity("g4dn.xlarge")
     handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
     result = handle.wait(timeout=90)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     events = group_events(handle)
     launched = next(e for e in events if e.type == "instance"
                     and e.data.get("action") == "launched")
@@ -492,8 +492,8 @@ def test_quickstart_cell_across_two_interruptions_equals_the_uninterrupted_run(
                 threading.Thread(target=handle.interrupt, daemon=True).start()
     result = handle.wait(timeout=60)
     expected = baseline.wait(timeout=120)
-    assert expected.status == "completed", expected.error
-    assert result.status == "completed", result.error
+    assert expected.status == "completed", (expected.reason, expected.error)
+    assert result.status == "completed", (result.reason, result.error)
     assert result.interruptions == 2
     assert [a.end_reason for a in result.attempts] == ["interrupted", "interrupted",
                                                        "completed"]
@@ -608,7 +608,7 @@ def test_real_aws_quickstart_survives_an_interruption(spotnb_home: Path) -> None
                 interrupted = True
                 handle.interrupt()
         result = handle.wait(timeout=600)
-        assert result.status == "completed", result.error
+        assert result.status == "completed", (result.reason, result.error)
         assert result.interruptions == 1 and result.outputs["accuracy"] > 0.8
     finally:
         handle.provider.terminate(handle.job_id)

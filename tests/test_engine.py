@@ -142,7 +142,7 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
                   outputs=["digest", "accuracy"], checkpoint_every="20 steps")
 
     baseline = spotnb.submit(TORCH_TRAINING, name="baseline", **common).wait(timeout=240)
-    assert baseline.status == "completed", baseline.error
+    assert baseline.status == "completed", (baseline.reason, baseline.error)
 
     # Attempt 2 is interrupted while a checkpoint uploads: the cell itself asks the
     # local cloud for the notice right after its first save starts (the notice then
@@ -179,7 +179,7 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
     result = handle.wait(timeout=60)
     assert [why for _, why in interrupt.delivered] == [
         "between checkpoints", "during an upload", "between checkpoints"]
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     assert result.interruptions == 3
     assert len(result.attempts) == 4
     assert [a.end_reason for a in result.attempts] == [
@@ -212,7 +212,7 @@ def test_pure_python_training_survives_interruptions(cloud: Path) -> None:
     baseline = spotnb.submit(PYTHON_TRAINING, **common).wait(timeout=120)
     handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=3, **common)
     result = handle.wait(timeout=180)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     assert result.interruptions == 3
     assert result.outputs["weights"] == baseline.outputs["weights"]
     assert result.metrics["norm"] == baseline.metrics["norm"]
@@ -253,7 +253,7 @@ def test_hard_kill_redoes_at_most_the_steps_since_the_last_checkpoint(
 
     follow(handle, record)
     result = handle.wait(timeout=60)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     assert killed, "the test never found an upload in flight"
     by_attempt = steps_by_attempt(events_so_far)
     # The replacement resumed from the last *complete* checkpoint, not the one cut off.
@@ -363,7 +363,7 @@ def test_user_error_retried_when_the_policy_allows(cloud: Path) -> None:
         answer = tries["n"]
     """)
     result = spotnb.submit(code, max_restarts_on_error=1, outputs=["answer"]).wait(timeout=120)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     assert result.outputs["answer"] == 2
     assert [a.end_reason for a in result.attempts] == ["error (retried)", "completed"]
     wait_no_processes(cloud)
@@ -425,7 +425,7 @@ def test_an_instance_sees_what_an_aws_instance_sees(
     handle = spotnb.submit(SEES, inputs={"NAMES": names}, outputs=["seen"],
                            env={"WANDB_MODE": "offline", "HF_TOKEN": None})
     result = handle.wait(timeout=120)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     seen = result.outputs["seen"]
     assert seen["AWS_ACCESS_KEY_ID"] is None and seen["AWS_SECRET_ACCESS_KEY"] is None
     assert seen["MY_PROJECT_SETTING"] is None
@@ -457,7 +457,7 @@ def test_simulated_interruptions_need_no_spot_log(cloud: Path) -> None:
                            outputs=["done"], checkpoint_every="10 steps",
                            simulate_interruptions=1)
     result = handle.wait(timeout=180)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     assert result.interruptions == 1 and len(result.attempts) == 2
     assert result.outputs["done"] == 50
     wait_no_processes(cloud)
@@ -480,7 +480,7 @@ def test_a_cell_without_checkpoints_is_interrupted_after_it_shows_output(
     handle = spotnb.submit(QUIET_THEN_TICKING, inputs={"PAUSE": 2, "TICKS": 30},
                            simulate_interruptions=1)
     result = handle.wait(timeout=180)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     assert result.interruptions == 1
     events = list(handle.events(follow=False))
     notice = next(e for e in events if e.type == "notice" and e.attempt == 1)

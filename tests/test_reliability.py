@@ -122,7 +122,7 @@ def test_the_last_rows_of_a_fast_cell_reach_the_log(cloud: Path) -> None:
     code = f"for step in range({rows}):\n    spot.log(step, loss=1.0 / (step + 1))\n"
     handle = spotnb.submit(code)
     result = handle.wait(timeout=240)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     steps = [s for s, _ in handle.metrics()["loss"]]
     assert len(steps) == rows and steps[-1] == rows - 1
     assert result.metrics["loss"] == 1.0 / rows
@@ -161,7 +161,7 @@ def test_a_sigkilled_agent_loses_no_metric_step(
     assert not alive, "the kernel outlived its agent"
     switch.unlink()
     result = handle.wait(timeout=240)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     events = events_of(handle)
     rows = [s for e in events if e.type == "metric" for s in [e.data["step"]]]
     assert set(rows) == set(range(240)), "metric steps are missing"
@@ -202,7 +202,7 @@ def test_a_frozen_agent_writes_nothing_once_another_took_over(
     stderr = racer.communicate(timeout=240)[1]
     assert racer.returncode == 0, stderr
     result = handle.wait(timeout=120)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     events = events_of(handle)
     late = [e for e in events if e.attempt == 1 and e.time > took_over.time]
     assert late == [], f"the fenced agent wrote {len(late)} event(s) after the takeover"
@@ -231,7 +231,7 @@ def test_a_parked_attempt_whose_kernel_dies_writes_nothing(
                "terminated" in e.data.get("detail", ""), "the attempt to park")
     kernel_of(boot.data["pid"]).send_signal(signal.SIGKILL)
     result = handle.wait(timeout=240)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     store = LocalStore(handle.store.uri.removeprefix("file://"))
     assert store.list_keys("errors/") == [], "a parked agent recorded an error"
     assert [a.end_reason for a in result.attempts] == ["interrupted", "completed"]
@@ -261,7 +261,7 @@ def test_a_store_that_fails_for_a_while_loses_nothing_and_starts_no_storm(
     wait_for(logged("No space left on device (simulated)"), "a failed write on a full disk")
     switch.unlink()
     result = handle.wait(timeout=240)
-    assert result.status == "completed", result.error
+    assert result.status == "completed", (result.reason, result.error)
     events = events_of(handle)
     assert all_steps(events) == set(range(400)), "metric steps were dropped"
     launches = [e for e in events if e.type == "instance" and e.data["action"] == "launched"]
