@@ -96,6 +96,13 @@ def test_quickstart_survives_two_interruptions_and_reports_its_cost(
     (job,) = spotnb.jobs()
     assert (job.status, job.interruptions, job.attempts) == ("completed", 2, 3)
 
+    # The same run, as a reader of the executed copy sees its widgets (one run of the
+    # quickstart for both: it takes the better part of a minute).
+    from test_widgets_notebook import (
+        assert_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image as widgets,
+    )
+    widgets(out)
+
 
 def test_variables_modules_and_outputs_cross_to_the_instance_and_back(
         spotnb_home: Path, tmp_path: Path) -> None:

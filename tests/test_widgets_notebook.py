@@ -15,7 +15,6 @@ import csv
 import io
 import json
 import queue
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,13 +26,11 @@ from conftest import SHARED_DATA
 from jupyter_client.manager import start_new_kernel
 
 import spotnb
-from spotnb.notebook import run_notebook
 from spotnb.widgets.picker import picker_rows
 
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 300  # the quickstart's
 CHECKED_TYPES = ("g5.xlarge", "g4dn.xlarge", "p3.2xlarge")
 
@@ -88,19 +85,17 @@ def _model(state: dict[str, Any], model_id: str) -> dict[str, Any]:
     return dict(state[model_id.removeprefix("IPY_MODEL_")]["state"])
 
 
-def test_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image(
-        spotnb_home: Path, tmp_path: Path) -> None:
+def assert_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image(
+        executed: Path) -> None:
+    """What the executed quickstart (``spotnb run``) keeps of its widgets. Called by
+    tests/test_notebooks.py's quickstart test, which runs the notebook once for both."""
     from PIL import Image
 
     from spotnb.records.figures import LOSS_COLOUR
 
-    for name in ("quickstart.ipynb", "digits_data.py"):
-        shutil.copy(REPO / "notebooks" / name, tmp_path / name)
-    run = run_notebook(tmp_path / "quickstart.ipynb")
-    assert run.ok, run.failure
-    size = run.output.stat().st_size
+    size = executed.stat().st_size
     assert size < 2**20, f"the executed quickstart is {size / 2**20:.1f} MB"
-    nb = nbformat.read(run.output, as_version=4)
+    nb = nbformat.read(executed, as_version=4)
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     # No model carries plotly.js (about 5 MB a figure).
     assert all(len(json.dumps(m)) < 256 * 1024 for m in state.values())
