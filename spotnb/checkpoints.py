@@ -5,7 +5,7 @@ Layout under a prefix (``checkpoints`` for :class:`spotnb.runtime.Checkpoint`,
 
     <prefix>/<id>/<file> ...        the data, written first
     <prefix>/<id>/MANIFEST.json     id, step, attempt, created, format, metadata, and
-                                    every file with its size and SHA-256, written second
+                                    every file with its size and checksum, written second
     <prefix>/LATEST                 {"id", "step"}: the newest complete checkpoint,
                                     written last, by compare-and-swap
 
@@ -15,11 +15,12 @@ and two writers never pick the same one.
 Writing a checkpoint, step by step (:meth:`CheckpointStore.write`, which is
 :meth:`~CheckpointStore.upload` for steps 1-2, then :meth:`~CheckpointStore.commit`;
 or :meth:`CheckpointStore.begin`, which streams the files of step 1 straight into the
-store through :class:`PendingCheckpoint`, hashing them as they are written):
+store through :class:`PendingCheckpoint`, checksumming them as they are written):
 
 1. Upload the data files under a fresh ``<id>/``. Nothing points there yet, so a
    writer killed here leaves ``LATEST`` on the previous complete checkpoint.
-2. Write ``MANIFEST.json``, listing every file with its size and SHA-256.
+2. Write ``MANIFEST.json``, listing every file with its size and checksum
+   (:mod:`spotnb.checksum`: CRC-32C; manifests of older checkpoints have SHA-256).
 3. Read ``LATEST`` and its ETag (absent the first time).
 4. Ask the fence (``spotnb.lease.still_holds`` in the runtime): a writer that lost the
    lease stops here with :class:`FencedOff` and never moves ``LATEST``.
@@ -35,10 +36,10 @@ being committed (the save forced by an interruption notice does), as long as it
 commits them in order.
 
 Reading: :meth:`CheckpointStore.latest` reads ``LATEST`` then the manifest;
-:meth:`CheckpointStore.download` fetches the files and checks every size and SHA-256
+:meth:`CheckpointStore.download` fetches the files and checks every size and checksum
 (:class:`CorruptCheckpoint` names the bad file).
 
-Large files are never held in memory: :class:`HashingWriter` hashes while the caller
+Large files are never held in memory: :class:`HashingWriter` checksums while the caller
 writes (into a local file, or straight into the store), and verification reads files
 in chunks.
 """
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -60,6 +60,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from spotnb.checksum import Checksum, algorithm_of
 from spotnb.store import NotFound, ObjectWriter, Store
 
 __all__ = [
@@ -82,7 +83,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 LATEST = "LATEST"
-MANIFEST_SCHEMA = 1
+# 2: files carry "checksum" ("crc32c:<hex>"); 1 had "sha256" (still read).
+MANIFEST_SCHEMA = 2
 
 # Files are hashed and copied in chunks of this size: large enough to be fast,
 # small enough never to matter for memory.
@@ -98,7 +100,7 @@ class CheckpointError(Exception):
 
 
 class CorruptCheckpoint(CheckpointError):
-    """A checkpoint file is missing, or its size or SHA-256 differs from the manifest."""
+    """A checkpoint file is missing, or its size or checksum differs from the manifest."""
 
 
 class FencedOff(CheckpointError):
@@ -129,11 +131,12 @@ def _check_name(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
-    """One file of a checkpoint."""
+    """One file of a checkpoint: its size and ``checksum`` (``"crc32c:<hex>"``; see
+    :mod:`spotnb.checksum`)."""
 
     name: str
     size: int
-    sha256: str
+    checksum: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +172,7 @@ class Manifest:
             step=int(raw["step"]),
             attempt=int(raw["attempt"]),
             created=float(raw["created"]),
-            files=tuple(FileEntry(f["name"], int(f["size"]), f["sha256"]) for f in raw["files"]),
+            files=tuple(_file_entry(f) for f in raw["files"]),
             format=raw.get("format", "files"),
             metadata=raw.get("metadata") or {},
             schema=int(raw.get("schema", MANIFEST_SCHEMA)),
@@ -181,22 +184,30 @@ class Manifest:
         return cls.from_json(Path(directory, MANIFEST).read_bytes())
 
 
+def _file_entry(raw: Mapping[str, Any]) -> FileEntry:
+    """A file of a manifest: ``checksum`` (schema 2), or ``sha256`` (schema 1)."""
+    checksum = raw.get("checksum") or f"sha256:{raw['sha256']}"
+    algorithm_of(checksum)  # a clear error for a checksum this spotnb does not know
+    return FileEntry(raw["name"], int(raw["size"]), checksum)
+
+
 class HashingWriter:
-    """A binary file object that hashes (SHA-256) and counts what is written through it.
+    """A binary file object that checksums and counts what is written through it.
 
     ``torch.save`` and ``pickle.dump`` write into it directly, so a large checkpoint is
-    hashed while it is serialised, not read back afterwards. ``raw`` is a local file or
-    a store's :class:`~spotnb.store.ObjectWriter`.
+    checksummed while it is serialised, not read back afterwards. ``raw`` is a local
+    file or a store's :class:`~spotnb.store.ObjectWriter`. The checksum is a running
+    CRC-32C (:mod:`spotnb.checksum`).
     """
 
     def __init__(self, raw: IO[bytes] | ObjectWriter) -> None:
         self._raw = raw
-        self._hash = hashlib.sha256()
+        self._checksum = Checksum()
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        self._hash.update(view)
+        self._checksum.update(view)
         self.size += view.nbytes
         self._raw.write(view)
         return view.nbytes
@@ -210,23 +221,30 @@ class HashingWriter:
         return True
 
     @property
-    def sha256(self) -> str:
-        return self._hash.hexdigest()
+    def checksum(self) -> str:
+        """``"crc32c:<hex>"`` of what was written so far."""
+        return self._checksum.value
 
 
-def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """Size and hex SHA-256 of a local file, read in chunks."""
-    digest = hashlib.sha256()
+def hash_file(path: str | os.PathLike[str], algorithm: str | None = None
+              ) -> tuple[int, str]:
+    """Size and checksum of a local file, read in chunks.
+
+    ``algorithm``: the one a manifest's checksum names (to check a file against it);
+    default: the one new checkpoints record.
+    """
+    checksum = Checksum() if algorithm is None else Checksum(algorithm)
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        while n := f.readinto(buf):
+            checksum.update(memoryview(buf)[:n])
+            size += n
+    return size, checksum.value
 
 
 def copy_hashing(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> tuple[int, str]:
-    """Copy a file in chunks, hashing what was copied; return its size and SHA-256.
+    """Copy a file in chunks, checksumming what was copied; return its size and checksum.
 
     The hash describes the copy, so a source that changes during the copy cannot
     produce a manifest that disagrees with the uploaded bytes.
@@ -235,7 +253,7 @@ def copy_hashing(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> t
         writer = HashingWriter(fout)
         while chunk := fin.read(_CHUNK):
             writer.write(chunk)
-    return writer.size, writer.sha256
+    return writer.size, writer.checksum
 
 
 class _StreamedFile(HashingWriter):
@@ -250,7 +268,7 @@ class _StreamedFile(HashingWriter):
     def close(self) -> None:
         """The file is complete: make it durable in the store and list it."""
         self._object.close()
-        self._pending.add_entry(FileEntry(self.name, self.size, self.sha256))
+        self._pending.add_entry(FileEntry(self.name, self.size, self.checksum))
 
     def abort(self) -> None:
         self._object.abort()
@@ -313,16 +331,18 @@ class PendingCheckpoint:
     def put_bytes(self, name: str, data: bytes) -> FileEntry:
         """Write a small file whole."""
         self.store.put(self.key(name), data)
-        entry = FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+        checksum = Checksum()
+        checksum.update(data)
+        entry = FileEntry(name, len(data), checksum.value)
         self.add_entry(entry)
         return entry
 
     def add_file(self, name: str, path: str | os.PathLike[str],
                  digest: tuple[int, str] | None = None) -> FileEntry:
-        """Upload a local file; ``digest`` is its ``(size, sha256)`` if already known."""
-        size, sha = digest if digest is not None else hash_file(path)
+        """Upload a local file; ``digest`` is its ``(size, checksum)`` if already known."""
+        size, checksum = digest if digest is not None else hash_file(path)
         self.store.upload_file(self.key(name), path)
-        entry = FileEntry(name, size, sha)
+        entry = FileEntry(name, size, checksum)
         self.add_entry(entry)
         return entry
 
@@ -404,7 +424,7 @@ class CheckpointStore:
     ) -> Manifest:
         """Steps 1-2: the data files, then the manifest; ``LATEST`` does not move.
 
-        ``digests`` gives ``(size, sha256)`` of files the caller already hashed (with
+        ``digests`` gives ``(size, checksum)`` of files the caller already hashed (with
         :class:`HashingWriter`); the others are hashed here, in chunks.
         """
         pending = self.begin(step, attempt=attempt, checkpoint_id=checkpoint_id)
@@ -623,8 +643,11 @@ class CheckpointStore:
 
 def _verify(manifest: Manifest, entry: FileEntry, path: Path, remove_bad: bool) -> None:
     # A bad file we downloaded ourselves is removed so that nobody loads it by mistake.
+    # The size first (no read), then the checksum with the algorithm the manifest names.
     try:
-        size, sha = hash_file(path)
+        size = path.stat().st_size
+        if size == entry.size:
+            size, checksum = hash_file(path, algorithm_of(entry.checksum))
     except FileNotFoundError:
         raise CorruptCheckpoint(
             f"checkpoint {manifest.id}: file {entry.name!r} is missing from {path.parent}"
@@ -637,11 +660,11 @@ def _verify(manifest: Manifest, entry: FileEntry, path: Path, remove_bad: bool) 
             f"checkpoint {manifest.id}: file {entry.name!r} has {size} bytes, the manifest "
             f"says {entry.size}"
         )
-    if sha != entry.sha256:
+    if checksum != entry.checksum:
         if remove_bad:
             with contextlib.suppress(OSError):
                 path.unlink()
         raise CorruptCheckpoint(
-            f"checkpoint {manifest.id}: file {entry.name!r} does not match its SHA-256 in "
-            "the manifest (the stored data is damaged)"
+            f"checkpoint {manifest.id}: file {entry.name!r} does not match its checksum in "
+            f"the manifest ({algorithm_of(entry.checksum)}: the stored data is damaged)"
         )

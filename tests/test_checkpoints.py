@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from spotnb.checkpoints import (
     Manifest,
     hash_file,
 )
+from spotnb.checksum import DEFAULT_ALGORITHM, Checksum, _crc32c_py
 from spotnb.store import LocalStore
 
 
@@ -40,6 +42,36 @@ def _files(tmp_path: Path, **contents: bytes) -> dict[str, Path]:
         path.write_bytes(data)
         paths[name] = path
     return paths
+
+
+def _crc(data: bytes) -> str:
+    """The checksum a new manifest records, computed apart from spotnb.checksum's path
+    for it (the pure-Python CRC-32C, or zlib's CRC-32 without the wheel)."""
+    if DEFAULT_ALGORITHM == "crc32c":
+        return f"crc32c:{_crc32c_py(memoryview(data), 0):08x}"
+    import zlib
+
+    return f"crc32:{zlib.crc32(data):08x}"
+
+
+def test_checksums_known_values_running_and_fallback() -> None:
+    data = os.urandom(300_001)
+    for algorithm, check in (("crc32c", "e3069283"), ("crc32", "cbf43926"),
+                             ("sha256", hashlib.sha256(b"123456789").hexdigest())):
+        c = Checksum(algorithm)
+        c.update(b"1234")
+        c.update(memoryview(bytearray(b"56789")))  # writable views, as from a tensor
+        assert c.value == f"{algorithm}:{check}"
+        whole, pieces = Checksum(algorithm), Checksum(algorithm)
+        whole.update(data)
+        for start in range(0, len(data), 65_536):
+            pieces.update(memoryview(data)[start:start + 65_536])
+        assert whole.value == pieces.value
+    whole = Checksum("crc32c")
+    whole.update(data)
+    assert whole.value == f"crc32c:{_crc32c_py(memoryview(data), 0):08x}"
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        Checksum("md5")
 
 
 def test_round_trip(store: LocalStore, tmp_path: Path) -> None:
@@ -83,7 +115,7 @@ def test_hashing_writer_matches_file_and_torch_save(tmp_path: Path) -> None:
     with open(path, "wb") as f:
         writer = HashingWriter(f)
         torch.save({"w": torch.arange(100_000, dtype=torch.float32), "k": [1, 2]}, writer)
-    assert (writer.size, writer.sha256) == hash_file(path)
+    assert (writer.size, writer.checksum) == hash_file(path)
     back = torch.load(path, weights_only=False)
     assert torch.equal(back["w"], torch.arange(100_000, dtype=torch.float32))
 
@@ -97,7 +129,7 @@ def test_download_catches_corruption(store: LocalStore, tmp_path: Path, damage: 
         data = bytearray(stored.read_bytes())
         data[100] ^= 0xFF
         stored.write_bytes(bytes(data))
-        match = "'bad' does not match its SHA-256"
+        match = "'bad' does not match its checksum in the manifest \\(crc32c?:"
     elif damage == "truncate":
         stored.write_bytes(stored.read_bytes()[:-1])
         match = "'bad' has 4095 bytes, the manifest says 4096"
@@ -108,6 +140,26 @@ def test_download_catches_corruption(store: LocalStore, tmp_path: Path, damage: 
         cs.download(m, tmp_path / "out")
     # The damaged download does not stay around to be loaded by mistake.
     assert not (tmp_path / "out" / "bad").exists()
+
+
+def test_a_checkpoint_of_an_older_spotnb_with_sha256_still_verifies(
+        store: LocalStore, tmp_path: Path) -> None:
+    # Schema 1 recorded each file's SHA-256 in a "sha256" field.
+    cs = CheckpointStore(store)
+    data = os.urandom(5000)
+    m = cs.write(3, _files(tmp_path, state=data))
+    key = f"checkpoints/{m.id}/{MANIFEST}"
+    raw = json.loads(store.get(key))
+    raw["schema"] = 1
+    raw["files"] = [{"name": "state", "size": 5000, "sha256": hashlib.sha256(data).hexdigest()}]
+    store.put(key, json.dumps(raw).encode())
+    old = cs.latest()
+    assert old is not None and old.files[0].checksum.startswith("sha256:")
+    assert cs.download(old, tmp_path / "out")["state"].read_bytes() == data
+    stored = store.root / "checkpoints" / m.id / "state"
+    stored.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    with pytest.raises(CorruptCheckpoint, match=r"does not match its checksum .*\(sha256:"):
+        cs.download(old, tmp_path / "again")
 
 
 def test_keep_k_prunes_old_and_dead_attempt_leftovers(store: LocalStore, tmp_path: Path) -> None:
@@ -276,7 +328,6 @@ def test_restore_falls_back_past_a_damaged_latest(tmp_path: Path,
 
 def test_a_pending_checkpoint_lists_the_files_streamed_into_it(
         store: LocalStore, tmp_path: Path) -> None:
-    import hashlib
     import threading
 
     cs = CheckpointStore(store)
@@ -299,9 +350,8 @@ def test_a_pending_checkpoint_lists_the_files_streamed_into_it(
         raise RuntimeError("the writer died")
     assert cs.latest() is None  # nothing is current before the manifest and LATEST
     manifest = cs.commit(pending.finish("raw", {"note": 1}))
-    assert {e.name: (e.size, e.sha256) for e in manifest.files} == {
-        **{n: (len(b), hashlib.sha256(b).hexdigest()) for n, b in blobs.items()},
-        "meta/small": (4, hashlib.sha256(b"tiny").hexdigest())}
+    assert {e.name: (e.size, e.checksum) for e in manifest.files} == {
+        **{n: (len(b), _crc(b)) for n, b in blobs.items()}, "meta/small": (4, _crc(b"tiny"))}
     assert not store.exists(f"checkpoints/{manifest.id}/dropped")
     paths = cs.download(cs.latest() or manifest, tmp_path / "out")  # verifies every hash
     assert paths["part1"].read_bytes() == blobs["part1"]

@@ -18,7 +18,7 @@ Layout of one checkpoint in the job's store (the protocol around it, manifest th
                                            it each rank saved), and storage_data: where
                                            each item's bytes are (ItemLocation)
     checkpoints/<id>/MANIFEST.json         spotnb's: step, attempt, format "dcp", every
-                                           file of every rank with its size and SHA-256
+                                           file of every rank with its size and CRC-32C
     checkpoints/LATEST                     the newest complete checkpoint
 
 Names follow DCP's flattening of ``{"model": model.state_dict(), ...}``:
@@ -32,7 +32,7 @@ What multi-node training adds (issue 13) is the process group, not a format: eac
 calls ``dcp.save``/``dcp.async_save`` with a :class:`~spotnb.ckpt.dcp.StoreWriter` on
 the same :class:`~spotnb.checkpoints.PendingCheckpoint` id; DCP gathers every rank's
 write results on the coordinator, whose ``finish`` writes ``.metadata`` and lists every
-rank's files (their sizes and hashes travel with the results), then the coordinator
+rank's files (their sizes and checksums travel with the results), then the coordinator
 writes the manifest and moves ``LATEST`` after the fencing check. A rank that died
 mid-save leaves no manifest, so invariant 2 holds across all shards.
 
@@ -57,8 +57,8 @@ DATA_SUFFIX = ".distcp"
 #: A file per this many bytes of a rank's data: small checkpoints stay one file (one
 #: object to create and fsync), large ones are written by several threads at once.
 FILE_MIN_BYTES = 256 * 2**20
-#: At most this many files (threads) per rank: each hashes on its own core while the
-#: store writes; more would only contend for the disk or the link.
+#: At most this many files (threads) per rank: each streams its part of the state
+#: while the others wait on the store; more would only contend for the disk or the link.
 MAX_FILES = 4
 #: Items start at offsets aligned to this many bytes, so that a tensor read back can
 #: be a view of a memory-mapped file (any dtype's alignment, and a cache line).

@@ -1,8 +1,8 @@
-"""``torch.distributed.checkpoint`` storage on spotnb's store: streamed, hashed, parallel.
+"""``torch.distributed.checkpoint`` storage on spotnb's store: streamed, checksummed, parallel.
 
 :class:`StoreWriter` is a DCP ``StorageWriter`` that writes each rank's items straight
 into the store through a :class:`~spotnb.checkpoints.PendingCheckpoint` (no scratch
-file, no second pass to hash); :class:`FileReader` is the ``StorageReader`` for a
+file, no second pass to checksum); :class:`FileReader` is the ``StorageReader`` for a
 local copy of such a checkpoint (the agent's prefetch, or a download). The planning,
 the metadata and resharding are DCP's own (``DefaultSavePlanner``,
 ``DefaultLoadPlanner``): the same writer serves ``dcp.save``/``dcp.async_save`` on N
@@ -17,13 +17,14 @@ How a rank's items are written (:meth:`StoreWriter.write_data`):
    training waits for them) get files of their own, apart from the copied ones.
 2. One thread per file streams its items into the store, each at an offset aligned
    to :data:`ALIGN` bytes: a tensor as its raw bytes (from a GPU through a small
-   pinned staging buffer), anything else as ``torch.save`` bytes. The file is hashed
-   (SHA-256) as it is written. When every live file's items are written,
+   pinned staging buffer), anything else as ``torch.save`` bytes. The file is
+   checksummed as it is written (a running CRC-32C, :mod:`spotnb.checksum`). When
+   every live file's items are written,
    :attr:`StoreWriter.live_written` is set: training may go on. A file the store
    fails to take is written again (``spotnb.store.retrying``), a live one only while
    training still waits for it; a live file that fails later abandons the checkpoint
    (the next save retries).
-3. Each file's size and hash travel with the write results (an extra result per
+3. Each file's size and checksum travel with the write results (an extra result per
    file), so that the coordinator, which gathers every rank's results, can list every
    file of every rank in the manifest.
 
@@ -95,7 +96,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The result that carries a file's size and hash to the coordinator has this name.
+# The result that carries a file's size and checksum to the coordinator has this name.
 _FILE_RESULT = "spotnb/file/"
 
 
@@ -308,7 +309,7 @@ class StoreWriter(StorageWriter):
                 handed_over.set()
                 if counter is not None:
                     counter.done()
-        entry = FileEntry(name, out.size, out.sha256)
+        entry = FileEntry(name, out.size, out.checksum)
         results.append(WriteResult(index=MetadataIndex(_FILE_RESULT + name),
                                    size_in_bytes=out.size, storage_data=entry))
         return results
