@@ -14,8 +14,10 @@ process, same disk:
   fsyncs): the stall is until it returns, durable when its future is done;
 * ``spot.Checkpoint.save`` in standalone mode (the local store on the same disk): the
   stall is the copy into host memory, then the state is written into the store with
-  an fsync in the background ("durable"). Cases: the first save with nothing prepared
-  (cold); the first save after ``maybe_save`` warmed the buffers; the steady state
+  an fsync in the background ("durable"). Cases: the first save right after
+  ``Checkpoint()`` (cold: the buffers ``Checkpoint()`` starts allocating in the
+  background are not ready; the save shares that work); the first save after
+  ``maybe_save`` warmed the buffers; the steady state
   (later saves, buffers reused); the first save after ``restore()``; and a budget of a
   quarter of the state (``host_memory``), where three quarters are written straight
   from the training tensors while the loop waits (streamed).

@@ -526,6 +526,14 @@ class Checkpoint:
         self._store = CheckpointStore(rt.store, layout.CHECKPOINTS, keep=rt.keep)
         self._pool = snapshot.BufferPool()
         self._warmed = False
+        if "torch" in sys.modules and _world() is None:
+            # Allocate the host buffers for the state that exists now (the model; an
+            # optimizer's state appears at its first step: maybe_save warms that) in
+            # the background, while the loop starts: filling fresh pages was most of a
+            # first save's stall. A save that comes first shares the work
+            # (snapshot.BufferPool). Distributed jobs save on one rank: none warms.
+            self._pool.warm_async(snapshot.tensor_specs(self._objects),
+                                  self._plan_memory()[0])
         self._upload: _Upload | None = None
         self._last_step = -1
         self._last_time = time.monotonic()

@@ -205,23 +205,59 @@ class BufferPool:
     """Host-memory buffers for tensor copies, reused from one save to the next.
 
     A buffer is keyed by where its tensor sits in the state (``("model", "fc.weight")``)
-    and reused while shape and dtype match. :meth:`warm_async` allocates and touches
-    buffers in the background ahead of the first save. The pool keeps a host copy of
-    (as much of the state as the budget allows) alive between saves: that memory is
-    what makes a save cheap, and it counts against the budget. Callers never capture
-    while a previous capture is still being written.
+    and reused while shape and dtype match. :meth:`warm_async` allocates buffers in the
+    background ahead of the first save. The pool keeps a host copy of (as much of the
+    state as the budget allows) alive between saves: that memory is what makes a save
+    cheap, and it counts against the budget. Callers never capture while a previous
+    capture is still being written.
+
+    Warming and a capture share the work: a key is allocated once, by whoever claims
+    it first. A capture that reaches a key the warming thread is allocating waits for
+    that buffer (and copies into it while the thread allocates the next); one that
+    reaches a key not yet claimed allocates it itself, and the thread skips it. So a
+    save right after the pool started warming costs about the larger of the two
+    halves (filling pages, copying), not their sum, and no buffer is allocated twice.
     """
 
     def __init__(self) -> None:
         self._bufs: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
         self._warming: list[threading.Thread] = []
+        # Keys being allocated (by a warming thread or a capture), set when done.
+        self._claims: dict[Hashable, threading.Event] = {}
+        # The keys the last capture kept (None: no capture since the last warm_async):
+        # a warming thread that finishes a buffer nobody wants any more drops it.
+        self._wanted: set[Hashable] | None = None
 
     @property
     def held(self) -> int:
         """Bytes of host memory the buffers hold."""
         with self._lock:
             return sum(nbytes(b) for b in self._bufs.values())
+
+    def _buffer(self, key: Hashable, shape: Any, dtype: Any, on_gpu: bool) -> Any:
+        """The buffer for ``key``, allocating it unless someone else is (then waiting)."""
+        torch = _torch()
+        while True:
+            with self._lock:
+                buf = self._bufs.get(key)
+                if buf is not None and buf.shape == shape and buf.dtype == dtype:
+                    return buf
+                claim = self._claims.get(key)
+                if claim is None:
+                    self._bufs.pop(key, None)  # free the old one before allocating
+                    claim = self._claims[key] = threading.Event()
+                    break
+            claim.wait()  # a warming thread is filling it: copy into it when done
+        try:
+            buf = _empty(torch, shape, dtype, on_gpu)
+            with self._lock:
+                self._bufs[key] = buf
+            return buf
+        finally:
+            with self._lock:
+                del self._claims[key]
+            claim.set()
 
     def copy(self, key: Hashable, t: Any) -> tuple[Any, bool]:
         """A host copy of tensor ``t``; the second item says whether it is still in flight.
@@ -230,12 +266,7 @@ class BufferPool:
         """
         torch = _torch()
         t = t.detach()
-        with self._lock:
-            buf = self._bufs.get(key)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                self._bufs.pop(key, None)  # free the old one before allocating
-                buf = _empty_like(torch, t)
-                self._bufs[key] = buf
+        buf = self._buffer(key, t.shape, t.dtype, t.is_cuda)
         non_blocking = t.is_cuda and buf.is_pinned()
         with torch.no_grad():
             buf.copy_(t, non_blocking=non_blocking)
@@ -244,44 +275,46 @@ class BufferPool:
     def retain(self, keys: set[Hashable]) -> None:
         """Free the buffers of every other key (their tensors are no longer copied)."""
         with self._lock:
+            self._wanted = set(keys)
             for key in [k for k in self._bufs if k not in keys]:
                 del self._bufs[key]
 
     def warm_async(self, specs: list[tuple[Hashable, str, Any]], budget: int) -> None:
-        """Allocate and touch buffers for ``[(key, name, tensor), ...]`` in the background.
+        """Allocate buffers for ``[(key, name, tensor), ...]`` in the background.
 
         Only the tensors a capture with this ``budget`` would copy (the same greedy
         choice, in the same order); only shapes and dtypes are read from the tensors,
-        on the caller's thread.
+        on the caller's thread. Returns at once.
         """
         torch = _torch()
         if torch is None:
             return
         chosen = _choose([t for _, _, t in specs], budget)
-        wanted = []
-        with self._lock:
-            for (key, _, t), copy_it in zip(specs, chosen, strict=True):
-                buf = self._bufs.get(key)
-                if copy_it and (buf is None or buf.shape != t.shape or buf.dtype != t.dtype):
-                    wanted.append((key, t.shape, t.dtype, t.is_cuda))
+        wanted = [(key, t.shape, t.dtype, t.is_cuda)
+                  for (key, _, t), copy_it in zip(specs, chosen, strict=True) if copy_it]
         if not wanted:
             return
+        with self._lock:
+            self._wanted = None  # this warming is the newest word on what a save copies
 
         def run() -> None:
             for key, shape, dtype, on_gpu in wanted:
-                buf = _empty(torch, shape, dtype, on_gpu)
-                buf.zero_()  # touch every page now, not during the save
                 with self._lock:
-                    old = self._bufs.get(key)
-                    if old is None or old.shape != shape or old.dtype != dtype:
-                        self._bufs[key] = buf
+                    buf = self._bufs.get(key)
+                    if key in self._claims or (buf is not None and buf.shape == shape
+                                               and buf.dtype == dtype):
+                        continue  # a capture has it (or is allocating it)
+                self._buffer(key, shape, dtype, on_gpu)
+                with self._lock:
+                    if self._wanted is not None and key not in self._wanted:
+                        self._bufs.pop(key, None)  # a capture since chose without it
 
         thread = threading.Thread(target=run, name="spotnb-warm", daemon=True)
         thread.start()
-        self._warming.append(thread)
+        self._warming = [th for th in self._warming if th.is_alive()] + [thread]
 
     def wait_warm(self) -> None:
-        """Wait for :meth:`warm_async` (a capture would otherwise allocate twice)."""
+        """Wait until every buffer :meth:`warm_async` was asked for is allocated."""
         while self._warming:
             self._warming.pop().join()
 
@@ -426,7 +459,6 @@ def capture(objects: dict[str, Any], pool: BufferPool, step: int,
     Runs on the caller's thread; returns once nothing that was copied can change when
     training goes on (pending GPU copies are synchronised). The live tensors can.
     """
-    pool.wait_warm()
     found: list[tuple[tuple[Hashable, ...], str, Any]] = []
 
     def on_tensor(key: tuple[Hashable, ...], name: str, t: Any, was_numpy: bool) -> Any:

@@ -96,9 +96,11 @@ _PEAK = textwrap.dedent(
     small = spot.Checkpoint(x=torch.zeros(4))  # first-use costs, outside the measure
     small.save(0)
     small.wait()
-    ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=budget)
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
     before, _ = rss()
+    # Checkpoint() starts allocating the save's buffers (in the background): its memory
+    # counts from here.
+    ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=budget)
     ckpt.save(1)
     manifest = ckpt.wait()
     _, peak = rss()
@@ -128,6 +130,37 @@ def test_peak_host_memory_of_a_save_stays_within_the_budget(tmp_path: Path) -> N
     # The measure sees a whole copy when the budget allows one.
     whole, _ = _peak_extra(tmp_path, "1GB")
     assert whole > 0.9 * state
+
+
+def test_warming_and_a_capture_share_the_buffers_and_allocate_each_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotnb import snapshot
+
+    allocated: list[tuple[int, ...]] = []
+    real_empty = snapshot._empty
+
+    def counting_empty(torch_: Any, shape: Any, dtype: Any, on_gpu: bool) -> Any:
+        allocated.append(tuple(shape))
+        return real_empty(torch_, shape, dtype, on_gpu)
+
+    monkeypatch.setattr(snapshot, "_empty", counting_empty)
+    objects = {"m": torch.nn.Sequential(*[torch.nn.Linear(256, 256 + i) for i in range(6)])}
+    specs = snapshot.tensor_specs(objects)
+    total = sum(t.numel() * t.element_size() for _, _, t in specs)
+    pool = snapshot.BufferPool()
+    pool.warm_async(specs, total)  # the save below comes at once: they share the work
+    captured = snapshot.capture(objects, pool, step=1)
+    pool.wait_warm()
+    assert sorted(allocated) == sorted(tuple(t.shape) for _, _, t in specs)  # once each
+    for name, t in snapshot.live_tensors(objects).items():
+        assert torch.equal(captured.tensors[name], t)
+    assert pool.held == total
+    # Warming for a larger budget than the next capture's keeps only what it copied.
+    pool = snapshot.BufferPool()
+    pool.warm_async(specs, total)
+    captured = snapshot.capture(objects, pool, step=2, budget=total // 2)
+    pool.wait_warm()
+    assert pool.held == captured.copied <= total // 2
 
 
 # -- a streamed save restores byte-exactly -------------------------------------------------

@@ -18,11 +18,18 @@ Buffers are allocated with :func:`host_empty`: large ones as anonymous mappings 
 the kernel backs with huge pages where it can (``MADV_HUGEPAGE``) and fills in one go
 (``MADV_POPULATE_WRITE``, else ``MAP_POPULATE``). Faulting in 4 KiB pages one by one
 during the first copy costs several times the copy itself; this is 2-3x faster
-(``benchmarks/RESULTS.md``). Pinned memory for copies from a GPU comes from torch.
+(``benchmarks/RESULTS.md``). Filling a buffer is still most of what a first save
+costs (the kernel zeroes every page before the copy writes it), so buffers are
+allocated ahead, in the background (``snapshot.BufferPool.warm_async``): the filling
+``madvise`` is called through ctypes, which lets go of the GIL, so that the training
+thread runs meanwhile (Python's ``mmap.madvise`` holds the GIL for the whole call, a
+quarter of a second or more per 256 MB here). Pinned memory for copies from a GPU
+comes from torch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -140,9 +147,10 @@ class MemoryBudget:
 
 
 def host_empty(torch: Any, shape: Any, dtype: Any, pin: bool = False) -> Any:
-    """An uninitialised CPU tensor whose pages are already in memory when it is large.
+    """An uninitialised CPU tensor whose pages are all in memory already.
 
-    ``pin``: page-locked memory (for asynchronous copies from a GPU), from torch.
+    ``pin``: page-locked memory (for asynchronous copies from a GPU), from torch
+    (page-locked memory is resident by definition).
     """
     if pin:
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
@@ -151,7 +159,7 @@ def host_empty(torch: Any, shape: Any, dtype: Any, pin: bool = False) -> Any:
         numel *= int(n)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < _POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
-        return torch.empty(shape, dtype=dtype, device="cpu")
+        return torch.zeros(shape, dtype=dtype, device="cpu")  # zeroing touches each page
     area = _populated(nbytes)
     # The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
     return torch.frombuffer(area, dtype=dtype, count=numel).view(shape)
@@ -162,10 +170,35 @@ def _populated(nbytes: int) -> mmap.mmap:
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         if hasattr(mmap, "MADV_HUGEPAGE"):
-            area.madvise(mmap.MADV_HUGEPAGE)
-        area.madvise(_MADV_POPULATE_WRITE)
+            area.madvise(mmap.MADV_HUGEPAGE)  # only sets a flag: quick
+        _madvise_without_gil(area, _MADV_POPULATE_WRITE)
     except OSError:  # an older kernel: map it again, populated at creation
         area.close()
         area = mmap.mmap(-1, nbytes,
                          flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
     return area
+
+
+_libc: Any = None
+
+
+def _madvise_without_gil(area: mmap.mmap, advice: int) -> None:
+    """``area.madvise(advice)``, letting other threads run meanwhile (ctypes calls
+    release the GIL; ``mmap.madvise`` does not). OSError as ``mmap.madvise`` raises."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):  # no C library to call: hold the GIL then
+            _libc = False
+    if not _libc:
+        area.madvise(advice)
+        return
+    anchor = ctypes.c_char.from_buffer(area)  # its address; released right after
+    try:
+        if _libc.madvise(ctypes.addressof(anchor), len(area), advice) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        del anchor
