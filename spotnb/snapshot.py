@@ -212,11 +212,11 @@ class BufferPool:
     capture is still being written.
 
     Warming and a capture share the work: a key is allocated once, by whoever claims
-    it first. A capture that reaches a key the warming thread is allocating waits for
-    that buffer (and copies into it while the thread allocates the next); one that
-    reaches a key not yet claimed allocates it itself, and the thread skips it. So a
-    save right after the pool started warming costs about the larger of the two
-    halves (filling pages, copying), not their sum, and no buffer is allocated twice.
+    it first. A capture passes over the keys the warming thread is allocating, and
+    allocates and copies the next ones itself (the thread skips those); it comes back
+    for the passed-over ones at the end, waiting for them only if they are still
+    being filled. So a save that comes while the pool is still warming has two
+    threads filling pages, and no buffer is allocated twice.
     """
 
     def __init__(self) -> None:
@@ -235,8 +235,10 @@ class BufferPool:
         with self._lock:
             return sum(nbytes(b) for b in self._bufs.values())
 
-    def _buffer(self, key: Hashable, shape: Any, dtype: Any, on_gpu: bool) -> Any:
-        """The buffer for ``key``, allocating it unless someone else is (then waiting)."""
+    def _buffer(self, key: Hashable, shape: Any, dtype: Any, on_gpu: bool,
+                wait: bool = True) -> Any:
+        """The buffer for ``key``, allocating it unless someone else is: then wait for
+        it, or return None if not ``wait``."""
         torch = _torch()
         while True:
             with self._lock:
@@ -248,7 +250,9 @@ class BufferPool:
                     self._bufs.pop(key, None)  # free the old one before allocating
                     claim = self._claims[key] = threading.Event()
                     break
-            claim.wait()  # a warming thread is filling it: copy into it when done
+            if not wait:
+                return None
+            claim.wait()  # another thread is filling it: copy into it when done
         try:
             buf = _empty(torch, shape, dtype, on_gpu)
             with self._lock:
@@ -259,14 +263,18 @@ class BufferPool:
                 del self._claims[key]
             claim.set()
 
-    def copy(self, key: Hashable, t: Any) -> tuple[Any, bool]:
+    def copy(self, key: Hashable, t: Any, wait: bool = True) -> tuple[Any, bool] | None:
         """A host copy of tensor ``t``; the second item says whether it is still in flight.
 
         (A copy from a GPU into pinned memory is asynchronous; see :func:`capture`.)
+        None, copying nothing, if another thread is allocating its buffer and not
+        ``wait``.
         """
         torch = _torch()
         t = t.detach()
-        buf = self._buffer(key, t.shape, t.dtype, t.is_cuda)
+        buf = self._buffer(key, t.shape, t.dtype, t.is_cuda, wait)
+        if buf is None:
+            return None
         non_blocking = t.is_cuda and buf.is_pinned()
         with torch.no_grad():
             buf.copy_(t, non_blocking=non_blocking)
@@ -474,14 +482,27 @@ def capture(objects: dict[str, Any], pool: BufferPool, step: int,
     live: set[str] = set()
     copied = 0
     async_copies = False
+    # Tensors whose buffers a warming thread is still filling: copied last (see
+    # BufferPool), so that meanwhile this thread fills the next buffers itself.
+    later: list[tuple[tuple[Hashable, ...], str, Any]] = []
     for (key, name, t), copy_it in zip(found, chosen, strict=True):
-        if copy_it:
-            tensors[name], pending = pool.copy(key, t)
-            async_copies |= pending
-            copied += nbytes(t)
-        else:
-            tensors[name] = t
+        tensors[name] = t  # the copy replaces it below; the order stays the state's
+        if not copy_it:
             live.add(name)
+            continue
+        done = pool.copy(key, t, wait=False)
+        if done is None:
+            later.append((key, name, t))
+            continue
+        tensors[name], pending = done
+        async_copies |= pending
+        copied += nbytes(t)
+    for key, name, t in later:
+        done = pool.copy(key, t)
+        assert done is not None
+        tensors[name], pending = done
+        async_copies |= pending
+        copied += nbytes(t)
     pool.retain({key for (key, _, _), copy_it in zip(found, chosen, strict=True) if copy_it})
     torch = _torch()
     if async_copies and torch is not None:
