@@ -6,8 +6,9 @@ knows how to check it:
 * ``crc32c``: what a checkpoint is written with. CRC-32C is the checksum S3 keeps
   for multipart parts; with the ``crc32c`` wheel (``spotnb[torch]``, ``spotnb[aws]``)
   it runs on the CPU's CRC instructions without the GIL, at ~12 GB/s on one core of
-  the development VM, where SHA-256 ran at ~1.4 GB/s quiet and far less under load,
-  and was most of what a save spent beyond writing its bytes (``benchmarks/RESULTS.md``).
+  the development VM, where SHA-256 ran at ~1.4 GB/s quiet and far less under load:
+  a sixth to a quarter of a save's writer threads' time, a tenth of that now
+  (``benchmarks/RESULTS.md``).
 * ``crc32``: zlib's CRC-32 (another polynomial, ~2.5 GB/s, GIL released), what a
   writer without the wheel records instead.
 * ``sha256``: what manifests written before recorded; still verified.
