@@ -23,11 +23,10 @@ if [ "$profile" = dev ]; then
   python -m pip install -q --upgrade pip
 fi
 # constraints.txt pins torch to its CPU build (an unpinned torch pulls a multi-GB CUDA one).
-# The quickstart skips compiling every installed module to bytecode (torch alone has
-# thousands): Python compiles the ones a run imports, once, when it first imports them.
-compile=()
-[ "$profile" = dev ] || compile=(--no-compile)
-python -m pip install -q "${compile[@]}" -c constraints.txt -e ".[$extras]"
+# No compiling of every installed module to bytecode (torch, transformers and lightning
+# have thousands; it took half of a 6-minute set-up): Python compiles the ones a run
+# imports, once, when it first imports them.
+python -m pip install -q --no-compile -c constraints.txt -e ".[$extras]"
 [ "$profile" = dev ] || exit 0
 # tests/test_browser.py drives Debian's Chromium through Playwright (never a browser
 # build of Playwright's own). Installed here where we may; the test skips without it.
