@@ -87,12 +87,6 @@ def prepare_job(
                            "leave it unset to cap at the on-demand price")
     min_nodes, max_nodes = parse_nodes(nodes)
     procs = whole_number(procs_per_node, "procs_per_node", minimum=1)
-    if (max_nodes > 1 or procs > 1) and provider != "local":
-        field = "nodes" if max_nodes > 1 else "procs_per_node"
-        raise SpecError(f"{{option}}: distributed jobs (several nodes or worker processes) "
-                        f"run on the local cloud only so far, and provider {provider!r} is "
-                        "not it: use provider 'local', or one node with one process",
-                        field=field)
     if name is not None and not isinstance(name, str):
         raise SpecError(f"{{option}} must be text, not {name!r}", field="name")
     if inputs is not None and not isinstance(inputs, Mapping):

@@ -647,3 +647,165 @@ def test_a_followed_job_makes_few_requests_a_minute(sim: AwsSimulator, tmp_path:
     assert len(writes) <= 12, (seconds, sorted((r.origin, r.operation) for r in writes))
     live = [r for r in counted if r.service == "sqs" and r.operation == "SendMessage"]
     assert live, "the metrics came through the live channel"
+
+
+# ------------------------------------------------------------------ multi-node
+
+
+def test_nodes_without_capacity_in_one_az_are_refused_before_launch(
+        sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Spot placement scores (the simulator answers them from its capacity settings):
+    # no AZ is likely to hold the nodes, so nothing is created.
+    sim.no_capacity("g5.8xlarge")
+    with pytest.raises(SpecError, match=r"no capacity for 2 nodes in one AZ: .*placement "
+                                        r"score 1/10.*fewer nodes.*instance types.*region"):
+        spotnb.submit("x = 1", provider="aws", nodes=2, instance_types=["g5.8xlarge"])
+    # A type that no usable subnet's AZ offers (moto's offerings have no p4d.24xlarge in
+    # us-east-1f) is refused the same way, before any score.
+    ec2 = _boto.client("ec2")
+    (subnet,) = ec2.describe_subnets(Filters=[
+        {"Name": "availability-zone", "Values": ["us-east-1f"]}])["Subnets"]
+    monkeypatch.setenv("SPOTNB_AWS_SUBNETS", subnet["SubnetId"])
+    with pytest.raises(SpecError, match=r"no capacity for 2 nodes in one AZ: none of "
+                                        r"p4d\.24xlarge is offered in an AZ of us-east-1"):
+        spotnb.submit("x = 1", provider="aws", nodes="1:2", instance_types=["p4d.24xlarge"])
+    assert resources() == NOTHING
+    assert sim.placement_groups == {}
+    assert not _boto.client("ec2").describe_security_groups(Filters=[
+        {"Name": "tag-key", "Values": [TAG_JOB]}])["SecurityGroups"]
+    assert not any(key.startswith("jobs/") for key in _bucket_keys())
+
+
+def _bucket_keys() -> list[str]:
+    s3 = _boto.client("s3")
+    if not s3.list_buckets()["Buckets"]:
+        return []
+    return [o["Key"] for o in s3.list_objects_v2(
+        Bucket="spotnb-123456789012-us-east-1").get("Contents", ())]
+
+
+DDP_TRAINING = """
+import os, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+X = torch.randn(256, 8, generator=torch.Generator().manual_seed(1))
+y = X @ torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
+model = torch.nn.Linear(8, 1)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+ckpt = spot.Checkpoint(model=model, optimizer=opt)
+start = ckpt.restore()
+GLOBAL_BATCH = 32  # the same global batch at any world size
+for step in range(start, STEPS):
+    idx = torch.randperm(len(X), generator=torch.Generator().manual_seed(step))[:GLOBAL_BATCH]
+    mine = idx.chunk(world)[rank]
+    loss = ((ddp(X[mine]) - y[mine]) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    spot.log(step, loss=loss.item())
+    while step == PAUSE_AT and not os.path.exists(GO):
+        time.sleep(0.05)  # the test's gate: it delivers the notice meanwhile
+    ckpt.maybe_save(step)
+weights = [p.detach().clone() for p in model.parameters()]
+dist.destroy_process_group()
+"""
+
+
+def _until(check: Any, what: str, timeout: float = 240) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
+        sim: AwsSimulator, tmp_path: Path) -> None:
+    """--nodes 1:2 on the simulator: one Auto Scaling group of 2 in one AZ, in the job's
+    cluster placement group, with EFA (g5.8xlarge has it) and the job's security group
+    (ingress from itself only). The rendezvous host gets its notice (FIS, one node):
+    every rank saves at the gate's step, the host leaves, the other node goes on, the
+    group replaces the host; the weights match an uninterrupted 2-node run (bitwise
+    where every round had 2 ranks, else within float tolerance: the same global batch
+    reduced in another order). Then everything of both jobs is deleted."""
+    torch = pytest.importorskip("torch")
+    from spotnb.multinode import rendezvous as rdzv
+
+    sim.notice_seconds = 20.0  # FIS's two minutes: time for the coordinated checkpoint
+    go, reference_go = tmp_path / "go", tmp_path / "reference-go"
+    reference_go.write_text("go")
+    common: dict[str, Any] = dict(provider="aws", nodes="1:2", instance_types=["g5.8xlarge"],
+                                  outputs=["weights"], checkpoint_every="4 steps")
+    reference = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 16, "PAUSE_AT": 8,
+                                                    "GO": str(reference_go)}, **common)
+    job = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 16, "PAUSE_AT": 8, "GO": str(go)},
+                        **common)
+    name = f"spotnb-{job.job_id}"
+    # What the job was given, in moto's state (and the simulator's, for placement groups,
+    # which moto lacks).
+    ec2, asg = _boto.client("ec2"), _boto.client("autoscaling")
+    group = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 2, 2)
+    assert group["PlacementGroup"] == name and sim.placement_groups[name]["Strategy"] == "cluster"
+    subnet = group["VPCZoneIdentifier"]
+    assert "," not in subnet, "one subnet: one AZ"
+    data = ec2.describe_launch_template_versions(
+        LaunchTemplateName=name)["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+    (nic,) = data["NetworkInterfaces"]
+    assert nic["InterfaceType"] == "efa" and "SecurityGroupIds" not in data
+    (sg,) = ec2.describe_security_groups(GroupIds=nic["Groups"])["SecurityGroups"]
+    assert sg["GroupName"] == name
+    assert [(p["IpProtocol"], [g["GroupId"] for g in p["UserIdGroupPairs"]], p["IpRanges"],
+             p["Ipv6Ranges"], p["PrefixListIds"]) for p in sg["IpPermissions"]] == [
+        ("-1", [sg["GroupId"]], [], [], [])], "training traffic from the job's nodes only"
+    nodes = _until(lambda: len(sim.running(job.job_id)) == 2 and sim.running(job.job_id),
+                   "two nodes")
+    assert {(n.az, n.placement_group) for n in nodes} == {(nodes[0].az, name)}
+    # The rendezvous endpoint is the host node's private address, found in the store.
+    _until(lambda: job.metrics().get("loss"), "training to start")
+    record = rdzv.read(job.store)
+    assert record is not None and record[0].endpoint is not None
+    host = record[0].host
+    assert record[0].endpoint.rsplit(":", 1)[0] == sim.instances[host].address != "127.0.0.1"
+    # The host's notice, from FIS to that node only.
+    job.provider.interrupt(job.job_id, instance=host)  # type: ignore[call-arg]
+    _until(lambda: [e for e in job.events(follow=False) if e.instance == host
+                    and e.type == "status"
+                    and "interruption notice" in str(e.data.get("detail"))],
+           "the host's agent to see its notice")
+    assert all(n.notice_at is None for n in sim.running(job.job_id) if n.id != host)
+    go.write_text("go")
+    result = job.wait(timeout=300)
+    ref = reference.wait(timeout=300)
+    assert result.status == "completed", (result.status, result.reason)
+    assert ref.status == "completed", (ref.status, ref.reason)
+    events = list(job.events(follow=False))
+    forced = [e for e in events if e.type == "checkpoint" and e.data.get("phase") == "durable"
+              and e.data.get("forced")]
+    assert [e.data["step"] for e in forced] == [8], "one coordinated save, at the notice"
+    assert result.interruptions >= 1
+    sizes = {e.data["world_size"] for e in events if e.type == "world"}
+    got, want = result.outputs["weights"], ref.outputs["weights"]
+    if sizes == {2}:
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    else:
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                   for a, b in zip(got, want, strict=True))
+    # The end: the instances' teardown deleted the groups, templates and roles; AWS
+    # keeps a security or placement group while an instance is still in it, so what
+    # the teardown could not delete yet is all that cleanup may find, and deletes.
+    sim.wait_until_idle(60)
+    ended = {f"spotnb-{j}" for j in (job.job_id, reference.job_id)}
+    left = AwsProvider().cleanup()
+    assert all(re.fullmatch(r"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
+                            r"group spotnb-\S+) in us-east-1 \(its job has a result\)", line)
+               and any(n in line for n in ended) for line in left), left
+    assert sim.placement_groups == {}

@@ -178,7 +178,6 @@ def test_any_value_of_any_argument_is_a_valid_spec_or_a_spec_error(
     ({"nodes": "4:3"}, "nodes", "MIN must not exceed MAX"),
     ({"nodes": 2.0}, "nodes", "a count of nodes (4) or MIN:MAX"),
     ({"nodes": MAX_NODES + 1}, "nodes", f"limit of {MAX_NODES} nodes"),
-    ({"nodes": 2, "provider": "aws"}, "nodes", "run on the local cloud only"),
     ({"procs_per_node": 0}, "procs_per_node", "at least 1, not 0"),
     ({"procs_per_node": 1.5}, "procs_per_node", "a whole number"),
     ({"peer_timeout": float("nan")}, "peer_timeout", "finite and above 0, not nan"),

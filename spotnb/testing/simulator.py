@@ -38,6 +38,10 @@ KILL_GRACE_SECONDS = 3.0
 # After every pool failed, Auto Scaling tries again after a while.
 CAPACITY_RETRY_SECONDS = 2.0
 DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
+# Spot placement scores the simulator gives an AZ: where no_capacity() covers every
+# requested type, EC2's "not likely" (1); elsewhere "likely" (9).
+NO_SCORE = 1
+GOOD_SCORE = 9
 
 
 @dataclasses.dataclass
@@ -57,6 +61,10 @@ class SimInstance:
     notice_at: float | None = None
     terminate_at: float | None = None
     terminated: bool = False
+    #: the Auto Scaling group's placement group, when it names one (a multi-node job)
+    placement_group: str | None = None
+    #: ``local-ipv4`` in its metadata: a loopback address of its own (see _boot)
+    address: str = "127.0.0.1"
 
     @property
     def alive(self) -> bool:
@@ -93,6 +101,8 @@ class AwsSimulator:
         self.instances: dict[str, SimInstance] = {}
         self.activities: dict[str, list[dict[str, Any]]] = {}
         self.fis_templates: dict[str, dict[str, Any]] = {}
+        #: EC2 placement groups (moto has none): name -> {"GroupName", "Strategy", ...}
+        self.placement_groups: dict[str, dict[str, Any]] = {}
         self._no_capacity: set[str] = set()
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -103,6 +113,7 @@ class AwsSimulator:
         self._asg: Any = None
         self._subnet_az: dict[str, tuple[str, str]] = {}
         self._retry_at: dict[str, float] = {}
+        self._placed: dict[str, str | None] = {}  # instance id -> its placement group
         self._killers: list[threading.Thread] = []
         self.errors: list[str] = []
 
@@ -266,6 +277,85 @@ class AwsSimulator:
             AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
 
         self._undo.append(unpatch)
+        self._patch_ec2()
+
+    def _patch_ec2(self) -> None:
+        """EC2 calls moto lacks, answered by the simulator: placement groups (create,
+        describe, delete; a group that holds a running instance is "in use", as on
+        AWS) and spot placement scores (from the capacity set with :meth:`no_capacity`).
+        Added to moto's EC2 responder, so the instances' own calls reach them too."""
+        from moto.core.responses import ActionResult, EmptyResult
+        from moto.ec2.exceptions import EC2ClientError
+        from moto.ec2.responses import EC2Response
+
+        sim = self
+
+        def create_placement_group(response: Any) -> Any:
+            name = response._get_param("GroupName")
+            tags = response._parse_tag_specification().get("placement-group", {})
+            with sim._lock:
+                if name in sim.placement_groups:
+                    raise EC2ClientError("InvalidPlacementGroup.Duplicate",
+                                         f"The placement group '{name}' already exists.")
+                sim.placement_groups[name] = {
+                    "GroupName": name, "State": "available",
+                    "Strategy": response._get_param("Strategy"),
+                    "GroupId": "pg-" + secrets.token_hex(8),
+                    "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
+                return ActionResult({"PlacementGroup": sim.placement_groups[name]})
+
+        def describe_placement_groups(response: Any) -> Any:
+            names = response._get_param("GroupNames", [])
+            filters = response._filters_from_querystring()
+            with sim._lock:
+                found = [g for g in sim.placement_groups.values()
+                         if (not names or g["GroupName"] in names)
+                         and _tags_match(g["Tags"], filters)]
+            return ActionResult({"PlacementGroups": found})
+
+        def delete_placement_group(response: Any) -> Any:
+            name = response._get_param("GroupName")
+            with sim._lock:
+                if name not in sim.placement_groups:
+                    raise EC2ClientError("InvalidPlacementGroup.Unknown",
+                                         f"The Placement Group '{name}' is unknown.")
+                if any(i.placement_group == name and not i.terminated
+                       for i in sim.instances.values()):
+                    raise EC2ClientError("InvalidPlacementGroup.InUse",
+                                         f"The placement group '{name}' is in use.")
+                del sim.placement_groups[name]
+            return EmptyResult()
+
+        def get_spot_placement_scores(response: Any) -> Any:
+            types = response._get_param("InstanceTypes", [])
+            offered = sim._client("ec2").describe_instance_type_offerings(
+                LocationType="availability-zone-id",
+                Filters=[{"Name": "instance-type", "Values": types}])["InstanceTypeOfferings"]
+            scores = []
+            for az_id in sorted({o["Location"] for o in offered}):
+                with sim._lock:
+                    short = all(t in sim._no_capacity or f"{t}@{az_id}" in sim._no_capacity
+                                for t in types)
+                scores.append({"Region": sim.region, "AvailabilityZoneId": az_id,
+                               "Score": NO_SCORE if short else GOOD_SCORE})
+            return ActionResult({"SpotPlacementScores": scores})
+
+        added = {"create_placement_group": create_placement_group,
+                 "describe_placement_groups": describe_placement_groups,
+                 "delete_placement_group": delete_placement_group,
+                 "get_spot_placement_scores": get_spot_placement_scores}
+        before = {name: EC2Response.__dict__.get(name) for name in added}
+        for name, fn in added.items():
+            setattr(EC2Response, name, fn)
+
+        def unpatch() -> None:
+            for name, fn in before.items():
+                if fn is None:
+                    delattr(EC2Response, name)
+                else:
+                    setattr(EC2Response, name, fn)
+
+        self._undo.append(unpatch)
 
     def _publish_dlami(self) -> None:
         """Put the Deep Learning AMI's public parameter into moto (AWS publishes it)."""
@@ -406,6 +496,13 @@ class AwsSimulator:
         subnets = [s for s in group.get("VPCZoneIdentifier", "").split(",") if s]
         spot = int(policy.get("InstancesDistribution", {}).get(
             "OnDemandPercentageAboveBaseCapacity", 100)) < 100
+        placement = group.get("PlacementGroup") or None
+        if placement is not None and placement not in self.placement_groups:
+            self._activity(name, "Failed", (
+                f"Launching a new EC2 instance. Status Reason: The placement group "
+                f"'{placement}' is unknown. Launching EC2 instance failed."), types[0])
+            self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
+            return
         for instance_type in types:
             for subnet in subnets:
                 az, az_id = self._subnet(subnet)
@@ -427,8 +524,15 @@ class AwsSimulator:
                         f"{_boto.error_code(err)} - {_boto.error_message(err)} "
                         "Launching EC2 instance failed."), instance_type)
                     continue
+                with self._lock:
+                    self._placed[launched["InstanceId"]] = placement
                 self._asg.attach_instances(AutoScalingGroupName=name,
                                            InstanceIds=[launched["InstanceId"]])
+                if len(active) + 1 < group["DesiredCapacity"]:
+                    # moto's AttachInstances sets the desired capacity to the instances
+                    # it holds; the group's own launches leave it (a group of N).
+                    self._asg.set_desired_capacity(AutoScalingGroupName=name,
+                                                   DesiredCapacity=group["DesiredCapacity"])
                 self._activity(name, "Successful", (
                     f"Launching a new EC2 instance: {launched['InstanceId']} "
                     f"({instance_type} in {az}, {az_id})"), instance_type)
@@ -489,14 +593,24 @@ class AwsSimulator:
         launched = inst["LaunchTime"].timestamp() if inst.get("LaunchTime") else time.time()
         if time.time() < launched + self.boot_seconds:
             return
+        # Every instance runs on this machine: its private IP in moto (10.x, 172.31.x)
+        # becomes a loopback address of its own (127.x.y.z), so that a node's rendezvous
+        # endpoint names *its* instance, as on EC2.
+        private = str(inst.get("PrivateIpAddress") or "")
+        address = "127." + ".".join(private.split(".")[1:]) if private.count(".") == 3 \
+            else "127.0.0.1"
         identity = InstanceIdentity(
             instance_id=instance_id, instance_type=inst["InstanceType"], region=self.region,
-            az=az, az_id=az_id, ami_id=inst.get("ImageId", ""), launched=launched)
+            az=az, az_id=az_id, ami_id=inst.get("ImageId", ""), launched=launched,
+            address=address)
         home = self.workdir / "instances" / instance_id
         home.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            placement = self._placed.get(instance_id)
         record = SimInstance(id=instance_id, group=tags.get("aws:autoscaling:groupName"),
                              job_id=tags.get(TAG_JOB), instance_type=inst["InstanceType"],
-                             az=az, az_id=az_id, dir=home, imds=ImdsServer(identity).start())
+                             az=az, az_id=az_id, dir=home, imds=ImdsServer(identity).start(),
+                             placement_group=placement, address=address)
         with self._lock:
             self.instances[instance_id] = record
         encoded = self._ec2.describe_instance_attribute(
@@ -550,6 +664,17 @@ class AwsSimulator:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         inst.imds.stop()
+
+
+def _tags_match(tags: list[dict[str, str]], filters: dict[str, Any]) -> bool:
+    """EC2's ``tag:<key>`` and ``tag-key`` filters over ``tags``."""
+    found = {t["Key"]: t["Value"] for t in tags}
+    for name, values in filters.items():
+        if name == "tag-key" and not any(v in found for v in values):
+            return False
+        if name.startswith("tag:") and found.get(name[4:]) not in values:
+            return False
+    return True
 
 
 def _iso_duration(text: str) -> float:

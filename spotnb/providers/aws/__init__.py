@@ -13,11 +13,18 @@ documents in :mod:`.resources`, boto3 only through :mod:`._boto`):
   over the ranked instance types and the region's subnets, ``price-capacity-optimized``,
   0% on-demand. The group, not spotnb, replaces an interrupted instance: recovery does
   not need the notebook.
+* a **multi-node job** (``--nodes MIN:MAX``): the group keeps MAX instances, all in one
+  AZ (chosen at validation, refused there when no AZ has capacity for MAX), in the
+  job's cluster placement group, with EFA where every type has it, and in the job's
+  own security group, which admits training traffic from the job's nodes only
+  (:mod:`.cluster`). Each instance's job agent takes a node slot; the rendezvous
+  endpoint is the host node's private IP (IMDS ``local-ipv4``), named in the store.
 
 Launching, narrated (anything created before a failing step is deleted again)::
 
     Step 1  image (SSM), subnets of the default VPC in AZs that offer the types,
-            the shared no-inbound security group
+            the shared no-inbound security group; a multi-node job: its AZ (chosen at
+            validation), then its placement group and security group (Step 1b)
     Step 2  upload the wheel to the job's prefix
     Step 3  IAM role (prefix-scoped policy) and instance profile
     Step 4  launch template
@@ -30,7 +37,9 @@ Where the rest lives, since AWS has no spotnb supervisor process:
   instance agent deletes its own group, template and role once ``result.json`` exists;
   its role may delete exactly those (by ARN and tag). :meth:`AwsProvider.terminate`
   does the same from the notebook (``JobHandle.stop``), and :meth:`cleanup` finds
-  whatever survived (a group whose job has a result, an orphan role).
+  whatever survived (a group whose job has a result, an orphan role; a multi-node
+  job's security and placement groups, which AWS lets go only once its instances are
+  gone: :mod:`.cluster`).
 * **Budget and deadline** are checked by the instance agent of the running instance,
   every few seconds, from the job's event log (``spotnb.jobs.summarize``: each instance
   billed from its EC2 launch time at the spot prices the agents recorded). Over the
@@ -64,7 +73,7 @@ from typing import Any
 from spotnb import catalog, layout
 from spotnb.events import GROUP_STREAM, EventWriter
 from spotnb.providers import PoolPrice, Provider, ProviderError
-from spotnb.providers.aws import _boto
+from spotnb.providers.aws import _boto, cluster
 from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
 from spotnb.providers.aws.resources import (
     BOOTSTRAP_PREFIX,
@@ -159,6 +168,7 @@ class AwsProvider(Provider):
         self._job_regions: dict[str, str] = {}
         self._clients: dict[tuple[str, str], Any] = {}
         self._watches: dict[str, CapacityWatch] = {}
+        self._zones: dict[str, cluster.Zone] = {}  # multi-node jobs, chosen at validation
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -205,6 +215,12 @@ class AwsProvider(Provider):
         if spec.simulate_interruptions:
             raise SpecError("simulate_interruptions works on the local cloud only; on AWS "
                             "use handle.interrupt() (Fault Injection Service)")
+        if res.max_nodes > 1 and spec.job_id not in self._zones:
+            # One AZ with capacity for all the nodes, or a refusal now, before the bucket is
+            # made (cluster.py).
+            rows, _ = self._subnet_rows(region)
+            self._zones[spec.job_id] = cluster.choose_zone(self.client("ec2", region), spec,
+                                                           rows)
         bucket, _ = s3_location(spec.store_uri)
         account = _boto.account_id(region=region)
         s3 = self.client("s3", region)
@@ -228,8 +244,19 @@ class AwsProvider(Provider):
         try:
             # Step 1: image and network.
             ami = self._ami(region)
-            subnets, vpc = self._subnets(region, spec.resources.instance_types)
-            security_group = self._security_group(region, vpc)
+            zone = self._zones.get(job_id)
+            network: cluster.Network | None = None
+            if zone is None:
+                subnets, vpc = self._subnets(region, spec.resources.instance_types)
+                security_group = self._security_group(region, vpc)
+            else:
+                # Step 1b: a multi-node job's AZ, placement group and security group;
+                # first the leftovers of ended jobs that AWS would not delete then.
+                self._sweep_networks(region)
+                subnets = [(zone.subnet, zone.az_id)]
+                network = cluster.create_network(self.client("ec2", region), spec, zone,
+                                                 tag_list, undo)
+                security_group = network.security_group
             # Step 2: the wheel the instances install.
             wheel = bundle()
             key = f"{BOOTSTRAP_PREFIX}/{wheel.filename}"
@@ -246,13 +273,14 @@ class AwsProvider(Provider):
                 VersionDescription=f"spotnb job {job_id}",
                 LaunchTemplateData=launch_template_data(
                     ami=ami, profile_arn=profile_arn, security_group=security_group,
-                    script=script, tag_list=tag_list),
+                    script=script, tag_list=tag_list, efa=zone is not None and zone.efa),
                 TagSpecifications=[{"ResourceType": "launch-template", "Tags": tag_list}],
             ), what="creating the launch template")["LaunchTemplate"]
             undo.append(("launch template", lambda: self._delete_template(job_id, region)))
             # Step 5: the group (Auto Scaling may not see the new profile for a while).
             self._create_group(spec, template["LaunchTemplateId"], subnets, tag_list,
-                               ondemand=self.settings.ondemand_after == 0)
+                               ondemand=self.settings.ondemand_after == 0,
+                               placement_group=network.placement_group if network else None)
             undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
         except BaseException:
             for label, release in reversed(undo):
@@ -266,11 +294,15 @@ class AwsProvider(Provider):
         self._job_regions[job_id] = region
         azs = sorted({az for _, az in subnets})
         types = ", ".join(spec.resources.instance_types)
+        detail = (f"Auto Scaling group {group_name(job_id)}: spot {types} in {', '.join(azs)} "
+                  "(price-capacity-optimized)")
+        if zone is not None:
+            detail = (f"Auto Scaling group {group_name(job_id)}: {spec.resources.max_nodes} "
+                      f"spot nodes of {types} in {zone.az} ({zone.why}), in a cluster "
+                      f"placement group, {'with' if zone.efa else 'without'} EFA")
         try:
             events = EventWriter(store, GROUP_STREAM)
-            events.emit("status", state="launching", detail=(
-                f"Auto Scaling group {group_name(job_id)}: spot {types} in {', '.join(azs)} "
-                "(price-capacity-optimized)"))
+            events.emit("status", state="launching", detail=detail)
             events.close()
         except StoreError:
             log.warning("could not record the launch of job %s", job_id, exc_info=True)
@@ -279,13 +311,18 @@ class AwsProvider(Provider):
         watch.start()
         log.info("launched job %s: group %s in %s", job_id, group_name(job_id), region)
 
-    def interrupt(self, job_id: str) -> None:
+    def interrupt(self, job_id: str, instance: str | None = None) -> None:
+        """Send an interruption notice (FIS) to the job's running instances, or only to
+        ``instance`` (one node of a multi-node job)."""
         region = self.region(job_id)
         account = _boto.account_id(region=region)
         running = self._instances(region, job_id, ("running",))
+        if instance is not None:
+            running = [i for i in running if i["InstanceId"] == instance]
         if not running:
-            raise ProviderError(f"job {job_id} has no running instance to interrupt in "
-                                f"{region} (it may be waiting for capacity)")
+            raise ProviderError(f"job {job_id} has no running instance "
+                                f"{instance or ''} to interrupt in {region} (it may be "
+                                "waiting for capacity)".replace("  ", " "))
         arns = [f"arn:aws:ec2:{region}:{account}:instance/{i['InstanceId']}" for i in running]
         fis = self.client("fis", region)
         role_arn = self._fis_role(region, account)
@@ -331,6 +368,11 @@ class AwsProvider(Provider):
         except Exception as err:
             log.warning("could not delete job %s's queues (%s); `spotnb aws cleanup` will",
                         job_id, err)
+        left = cluster.delete_network(self.client("ec2", region), job_id)
+        if left:
+            log.info("job %s's %s: in use until its instances are gone; the next "
+                     "multi-node launch or `spotnb aws cleanup` deletes them", job_id,
+                     " and ".join(left))
         log.info("deleted job %s's capacity group, template, role and queues", job_id)
 
     def cleanup(self, dry_run: bool = False) -> list[str]:
@@ -368,6 +410,13 @@ class AwsProvider(Provider):
                     if not dry_run:
                         _ignore_missing(partial(ec2.delete_launch_template,
                                                 LaunchTemplateId=template["LaunchTemplateId"]))
+            for kind, ident, label, found in cluster.leftovers(ec2):
+                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+                if ended and (dry_run or cluster.delete_leftover(ec2, kind, ident)):
+                    done.append(f"{verb} {label} in {region} ({why})")
+                elif ended:
+                    done.append(f"kept {label} in {region} ({why}, but an instance still "
+                                "uses it: run cleanup again in a minute)")
             for inst in self._instances(region, None, ("pending", "running", "stopping",
                                                        "stopped")):
                 found = {t["Key"]: t["Value"] for t in inst.get("Tags", ())}
@@ -475,9 +524,9 @@ class AwsProvider(Provider):
             _boto.raise_for(err, "looking up the Deep Learning AMI")
             raise
 
-    def _subnets(self, region: str,
-                 instance_types: tuple[str, ...]) -> tuple[list[tuple[str, str]], str]:
-        """[(subnet id, AZ id)] to launch in, and their VPC."""
+    def _subnet_rows(self, region: str) -> tuple[list[dict[str, Any]], Any]:
+        """The subnets spotnb may use (SPOTNB_AWS_SUBNETS, else the default VPC's), as
+        DescribeSubnets rows, and the EC2 client."""
         ec2 = self.client("ec2", region)
         if self.settings.subnets:
             rows = ec2.describe_subnets(SubnetIds=list(self.settings.subnets))["Subnets"]
@@ -489,6 +538,12 @@ class AwsProvider(Provider):
             rows = ec2.describe_subnets(Filters=[
                 {"Name": "vpc-id", "Values": [vpcs[0]["VpcId"]]},
                 {"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+        return list(rows), ec2
+
+    def _subnets(self, region: str,
+                 instance_types: tuple[str, ...]) -> tuple[list[tuple[str, str]], str]:
+        """[(subnet id, AZ id)] to launch in, and their VPC."""
+        rows, ec2 = self._subnet_rows(region)
         offered = {o["Location"] for o in ec2.describe_instance_type_offerings(
             LocationType="availability-zone",
             Filters=[{"Name": "instance-type", "Values": list(instance_types)}],
@@ -543,13 +598,32 @@ class AwsProvider(Provider):
             raise
         return str(profile["Arn"])
 
+    def _sweep_networks(self, region: str) -> None:
+        """Delete ended jobs' security and placement groups that AWS refused to delete
+        while their instances were still in them (cluster.py)."""
+        verdicts: dict[str, tuple[bool, str]] = {}
+
+        def over(job_id: str, store_uri: str | None) -> tuple[bool, str]:
+            if job_id not in verdicts:
+                verdicts[job_id] = _job_over(store_uri)
+            return verdicts[job_id]
+
+        try:
+            done = cluster.sweep(self.client("ec2", region), over)
+        except Exception as err:
+            log.info("could not look for ended jobs' network leftovers: %s", err)
+            return
+        if done:
+            log.info("deleted what ended jobs left: %s", ", ".join(done))
+
     def _create_group(self, spec: JobSpec, template_id: str,
                       subnets: list[tuple[str, str]], tag_list: list[dict[str, str]],
-                      ondemand: bool) -> None:
+                      ondemand: bool, placement_group: str | None = None) -> None:
         asg = self.client("autoscaling", spec.resources.region)
         name = group_name(spec.job_id)
-        params = dict(
-            AutoScalingGroupName=name, MinSize=1, MaxSize=1, DesiredCapacity=1,
+        nodes = spec.resources.max_nodes  # a multi-node job's group keeps MAX instances
+        params: dict[str, Any] = dict(
+            AutoScalingGroupName=name, MinSize=nodes, MaxSize=nodes, DesiredCapacity=nodes,
             VPCZoneIdentifier=",".join(s for s, _ in subnets),
             MixedInstancesPolicy=mixed_instances_policy(
                 template_id=template_id, instance_types=spec.resources.instance_types,
@@ -559,6 +633,8 @@ class AwsProvider(Provider):
             Tags=[{**t, "PropagateAtLaunch": False, "ResourceId": name,
                    "ResourceType": "auto-scaling-group"} for t in tag_list],
         )
+        if placement_group is not None:
+            params["PlacementGroup"] = placement_group
         _boto.with_backoff(lambda: asg.create_auto_scaling_group(**params),
                            what="creating the Auto Scaling group",
                            attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)

@@ -44,6 +44,9 @@ NEEDED_ACTIONS = (
     "iam:AddRoleToInstanceProfile", "iam:PassRole", "iam:DeleteRole",
     "s3:PutObject", "s3:GetObject", "s3:ListBucket", "ssm:GetParameter",
     "fis:CreateExperimentTemplate", "fis:StartExperiment",
+    # multi-node jobs (providers/aws/cluster.py)
+    "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup", "ec2:CreateSecurityGroup",
+    "ec2:AuthorizeSecurityGroupIngress", "ec2:DeleteSecurityGroup",
 )
 
 

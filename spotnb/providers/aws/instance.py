@@ -21,7 +21,9 @@ An instance's life, narrated::
     Step 4  the job agent exited:
             result.json exists -> "terminated" (job-finished), then delete the launch
                 template, the Auto Scaling group (which terminates this instance) and
-                the job's IAM role: no instance outlives its job (invariant 6)
+                the job's IAM role: no instance outlives its job (invariant 6); a
+                multi-node job's security and placement groups too where AWS allows
+                it yet (every node that sees the result does the same)
             after an interruption notice -> wait for EC2 to terminate the instance
             a stop request it did not answer within STOP_GRACE_SECONDS -> "stopped"
                 result, then as for a result
@@ -415,12 +417,25 @@ class InstanceAgent:
                                 j, r, names=self._queue_names())),
                             ("launch template", provider._delete_template),
                             ("Auto Scaling group", provider._delete_group),
+                            ("network", self._delete_network),
                             ("IAM role", lambda j, r: provider._delete_role(j, r))):
             try:
                 step(job_id, ident["region"])
             except Exception:
                 log.exception("could not delete the job's %s; `spotnb aws cleanup` will", label)
         log.info("job %s is over (%s): its capacity group is deleted", job_id, reason)
+
+    def _delete_network(self, job_id: str, region: str) -> None:
+        """A multi-node job's security and placement groups (providers/aws/cluster.py):
+        AWS keeps them while an instance (this one) is in them; the next multi-node
+        launch or `spotnb aws cleanup` deletes those."""
+        from spotnb.providers.aws import cluster
+
+        if self.spec.resources.max_nodes <= 1:
+            return
+        left = cluster.delete_network(_boto.client("ec2", region), job_id)
+        if left:
+            log.info("still in use, deleted later: %s", ", ".join(left))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """EC2 is shutting the instance down: say so, flush, go (on a thread, as the

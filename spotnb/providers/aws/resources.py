@@ -10,6 +10,9 @@ launch template             ``spotnb-<job_id>``                             the 
 IAM role, instance profile  ``spotnb-job-<job_id>`` (path ``/spotnb/``)     the job
 bootstrap wheel             ``<job prefix>/bootstrap/spotnb-<v>-py3-none-any.whl``  the job
 security group              ``spotnb-no-inbound`` (one per VPC, no ingress)  shared
+training security group     ``spotnb-<job_id>`` (multi-node: ingress from   the job
+                            itself only, :func:`training_ingress`)
+cluster placement group     ``spotnb-<job_id>`` (multi-node)                 the job
 FIS role                    ``spotnb-fis`` (``%spot_interrupt`` on AWS)      shared
 bucket                      ``spotnb-<account>-<region>`` (default store)    shared
 ==========================  ==============================================  ==========
@@ -19,7 +22,8 @@ can tell a finished job from a running one), ``spotnb:managed=true`` on everythi
 
 The instance role (:func:`instance_policy`) is least-privilege: objects under the job's
 prefix only, listing only that prefix, deleting only its own group, template, role and
-profile (by ARN and by tag), plus read-only calls that AWS cannot scope to a resource.
+profile (by ARN and by tag), a multi-node job's own security and placement groups (by
+tag), plus read-only calls that AWS cannot scope to a resource.
 """
 
 from __future__ import annotations
@@ -128,6 +132,33 @@ def role_name(job_id: str) -> str:
     return f"spotnb-job-{job_id}"
 
 
+def placement_group_name(job_id: str) -> str:
+    """A multi-node job's cluster placement group."""
+    return f"spotnb-{job_id}"
+
+
+def training_group_name(job_id: str) -> str:
+    """A multi-node job's security group (its nodes reach each other, nobody else)."""
+    return f"spotnb-{job_id}"
+
+
+def training_ingress(group_id: str, efa: bool) -> list[dict[str, Any]]:
+    """The ingress rules of a multi-node job's security group: from itself only.
+
+    The ports are not fixed: torchelastic's rendezvous store (``TCPStore`` on port 0,
+    named in ``rendezvous.json``), ``MASTER_PORT`` and gloo's and NCCL's pair
+    connections all bind ephemeral ports, so the rule opens every TCP port, but only to
+    instances in this same group (source = the group: the job's own nodes). With EFA,
+    AWS requires all traffic from the group itself (EFA's SRD is not TCP), so the rule
+    is protocol ``-1`` with the same source. No rule admits anything else: the nodes
+    have no other inbound port (egress stays open: S3, the AWS APIs, PyPI).
+    """
+    pair = {"GroupId": group_id, "Description": "the job's own nodes (training traffic)"}
+    if efa:
+        return [{"IpProtocol": "-1", "UserIdGroupPairs": [pair]}]
+    return [{"IpProtocol": "tcp", "FromPort": 0, "ToPort": 65535, "UserIdGroupPairs": [pair]}]
+
+
 def tags(job_id: str, store_uri: str, name: str | None = None) -> list[dict[str, str]]:
     """The tags every resource of the job carries (EC2/IAM ``Key``/``Value`` form)."""
     found = [{"Key": TAG_JOB, "Value": job_id}, {"Key": TAG_STORE, "Value": store_uri},
@@ -193,6 +224,14 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
         },
         {
+            "Sid": "DeleteOwnNetwork",
+            "Effect": "Allow",
+            "Action": ["ec2:DeleteSecurityGroup", "ec2:DeletePlacementGroup"],
+            "Resource": [f"arn:{partition}:ec2:{region}:{account}:security-group/*",
+                         f"arn:{partition}:ec2:{region}:{account}:placement-group/*"],
+            "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
+        },
+        {
             "Sid": "DeleteOwnRole",
             "Effect": "Allow",
             "Action": ["iam:DeleteRolePolicy", "iam:DeleteRole",
@@ -253,6 +292,8 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
         {"Sid": "Capacity", "Effect": "Allow",
          "Action": ["ec2:CreateLaunchTemplate", "ec2:DeleteLaunchTemplate",
                     "ec2:CreateSecurityGroup", "ec2:CreateTags", "ec2:RunInstances",
+                    "ec2:AuthorizeSecurityGroupIngress", "ec2:DeleteSecurityGroup",
+                    "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup",
                     "ec2:TerminateInstances", "autoscaling:CreateAutoScalingGroup",
                     "autoscaling:UpdateAutoScalingGroup",
                     "autoscaling:DeleteAutoScalingGroup", "autoscaling:CreateOrUpdateTags",
@@ -386,12 +427,24 @@ exec "$PY" -m spotnb.providers.aws.instance --job "$JOB_URI"
 # -------------------------------------------------------------- launch template
 
 def launch_template_data(*, ami: str, profile_arn: str, security_group: str,
-                         script: str, tag_list: list[dict[str, str]]) -> dict[str, Any]:
-    """IMDSv2 only, no inbound port (the group has no ingress), the job's role, tags."""
+                         script: str, tag_list: list[dict[str, str]],
+                         efa: bool = False) -> dict[str, Any]:
+    """IMDSv2 only, the job's role, tags; no inbound port (``security_group`` has no
+    ingress, or, for a multi-node job, ingress from itself only).
+
+    ``efa``: the instance's primary network interface is an Elastic Fabric Adapter
+    (every type of the job must support it: the template is shared by the types).
+    """
+    network: dict[str, Any] = {"SecurityGroupIds": [security_group]}
+    if efa:
+        # An EFA is requested as the primary interface; its security groups go with it.
+        network = {"NetworkInterfaces": [{"DeviceIndex": 0, "InterfaceType": "efa",
+                                          "Groups": [security_group],
+                                          "DeleteOnTermination": True}]}
     return {
         "ImageId": ami,
         "IamInstanceProfile": {"Arn": profile_arn},
-        "SecurityGroupIds": [security_group],
+        **network,
         "UserData": base64.b64encode(script.encode()).decode(),
         "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled",
                             "HttpPutResponseHopLimit": 1, "InstanceMetadataTags": "disabled"},

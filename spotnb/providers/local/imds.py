@@ -64,6 +64,10 @@ class InstanceIdentity:
     az_id: str  # the AZ id, e.g. use1-az4
     ami_id: str
     launched: float
+    #: ``local-ipv4``: where the job's other nodes reach this one. Every local instance
+    #: is this machine (loopback); the AWS simulator gives each instance its own
+    #: loopback address (127.x.y.z from its private IP in moto).
+    address: str = "127.0.0.1"
 
 
 class ImdsServer:
@@ -147,8 +151,7 @@ class ImdsServer:
             "placement/availability-zone": ident.az,
             "placement/availability-zone-id": ident.az_id,
             "placement/region": ident.region,
-            # Every local instance is this machine: its nodes talk over loopback.
-            "local-ipv4": "127.0.0.1",
+            "local-ipv4": ident.address,
         }
         with self._lock:
             if self._instance_action is not None:
