@@ -110,6 +110,38 @@ def test_a_single_node_job_keeps_its_one_lease_and_epochs(tmp_path: Path) -> Non
     assert not store.exists(lease_key(1))
 
 
+def test_a_waiting_replacement_asks_whether_holders_are_gone_rarely(tmp_path: Path) -> None:
+    # A replacement that finds every node slot held (a multi-node job while a noticed
+    # node is still in its notice period) retries every half second; the provider's
+    # "is that instance gone?" (a DescribeInstances on AWS) is asked once per holder per
+    # HOLDER_GONE_RECHECK_SECONDS, and a holder found gone is not asked again.
+    from spotnb.kernel_remote.agent import _rechecked
+
+    store = LocalStore(tmp_path / "job")
+    for k in range(3):
+        assert lease.acquire(store, f"i-{k}", slot=k, stride=3) is not None
+    asked: list[str] = []
+    dead: set[str] = set()
+
+    def instance_gone(held: lease.Lease) -> bool:
+        asked.append(held.holder)
+        return held.holder in dead
+
+    gone = _rechecked(instance_gone, seconds=3600)
+    assert gone is not None
+    for _ in range(20):  # the wait loop's tries, well within the recheck interval
+        assert all(lease.acquire(store, "i-new", holder_gone=gone, slot=k, stride=3) is None
+                   for k in range(3))
+    assert sorted(asked) == ["i-0", "i-1", "i-2"], "once per holder, not once per try"
+    # A holder found gone stays gone: its slot is taken without asking again.
+    dead.add("i-1")
+    fresh = _rechecked(instance_gone, seconds=3600)
+    assert fresh is not None and fresh(lease.read(store, 1)[0])  # type: ignore[index]
+    taken = lease.acquire(store, "i-new", holder_gone=fresh, slot=1, stride=3)
+    assert taken is not None and taken.lease.epoch == 2 + 3
+    assert asked.count("i-1") == 2
+
+
 # -- the rendezvous record -----------------------------------------------------------
 
 

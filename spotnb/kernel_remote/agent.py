@@ -115,6 +115,13 @@ TERMINATION_GRACE_SECONDS = 0.8
 # After the cell, the runtime's last rows may still be in the socket: read them all,
 # waiting at most this long for the runtime's side to close.
 CHANNEL_DRAIN_SECONDS = 60.0
+#: While it waits for a lease (a node slot), an agent asks the provider whether a
+#: holder's instance is gone (on AWS one DescribeInstances: free, but rate-limited) at
+#: most this often per holder. A replacement that boots while its predecessor is in its
+#: two-minute notice period asks 24 times, not 240 (the wait loop runs every 0.5 s), and
+#: a multi-node job's replacement, which finds every slot held, as often per slot; a
+#: holder that is gone is found within this (its lease is usually released before).
+HOLDER_GONE_RECHECK_SECONDS = 5.0
 # A failing store is retried with backoff (spotnb.store.retrying); the lease's
 # heartbeat backs off from STORE_RETRY_SECONDS up to STORE_MAX_RETRY_SECONDS. After
 # spotnb.store.outage_limit() without a success the attempt gives up (exit code
@@ -592,7 +599,7 @@ class Agent:
     def _take_lease(self, instance: str) -> lease.HeldLease | None:
         """Wait for the lease (a distributed job's: of the first free node slot); None
         if the job ended or was stopped meanwhile."""
-        gone = _holder_gone_check(self.spec)
+        gone = _rechecked(_holder_gone_check(self.spec), HOLDER_GONE_RECHECK_SECONDS)
         slots = self.spec.resources.max_nodes if self.spec.resources.distributed else 1
         while True:
             try:
@@ -1167,6 +1174,30 @@ def _holder_gone_check(spec: JobSpec) -> lease.HolderGone | None:
     if check is None:
         return None
     return lambda held: bool(check(spec.job_id, held.holder))
+
+
+def _rechecked(check: lease.HolderGone | None,
+               seconds: float) -> lease.HolderGone | None:
+    """``check``, asked about one holder at most once every ``seconds`` (the answers
+    in between are "not gone"); a holder found gone stays gone."""
+    if check is None:
+        return None
+    asked: dict[str, float] = {}
+    found_gone: set[str] = set()
+
+    def gone(held: lease.Lease) -> bool:
+        if held.holder in found_gone:
+            return True
+        now = time.monotonic()
+        if held.holder in asked and now - asked[held.holder] < seconds:
+            return False
+        asked[held.holder] = now
+        if check(held):
+            found_gone.add(held.holder)
+            return True
+        return False
+
+    return gone
 
 
 def _become_subreaper() -> None:
