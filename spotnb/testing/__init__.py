@@ -49,6 +49,22 @@ that reach into moto's in-process state; each is restored on exit):
   publishes it, pointing at one of moto's images.
 * Instance processes get the simulator's fake credentials through the environment
   instead of instance-profile credentials from IMDS (moto does not enforce IAM).
+* EC2 placement groups do not exist in moto (its server answers HTTP 500): the
+  simulator answers ``CreatePlacementGroup``, ``DescribePlacementGroups`` and
+  ``DeletePlacementGroup`` (refused with ``InvalidPlacementGroup.InUse`` while an
+  instance it launched for a group naming the placement group runs, as on AWS), added
+  to moto's EC2 responder so that the instances' own calls reach it too; moto accepts
+  an Auto Scaling group's ``PlacementGroup`` and echoes it, but places nothing.
+* ``GetSpotPlacementScores`` is not in moto either: the simulator scores each AZ that
+  offers the types 9, or 1 where :meth:`AwsSimulator.no_capacity` covers every
+  requested type there (it does not model a count: any N scores the same).
+* moto's ``AttachInstances`` sets a group's desired capacity to the instances it holds:
+  after attaching the instance it launched for a group of N, the simulator sets it back.
+* moto keeps a launch template's EFA interface (``InterfaceType: efa``) but launches a
+  plain interface, and takes no security group from a template's interface.
+* Every instance runs on this machine: its IMDS ``local-ipv4`` is a loopback address of
+  its own, 127.x.y.z from its private IP in moto (172.31.x.y), so that the rendezvous
+  endpoint of a multi-node job names the host node as on EC2.
 * Spot prices in moto are a constant placeholder from 2006: spotnb treats a price
   older than AWS's 90 days of history as unavailable and uses its bundled catalog,
   with the catalog's date in the source; the Pricing API and spot placement scores
