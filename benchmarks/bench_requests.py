@@ -1,8 +1,10 @@
 """What spotnb's own AWS traffic costs per job-hour, counted on the AWS simulator.
 
-Run by hand: ``python benchmarks/bench_requests.py [SECONDS] [--reattach-only]``
-(default 60; the 10x runs take ten times that; ``--reattach-only``: only the re-attach
-cases). Every request that reaches the simulator's moto server is
+Run by hand: ``python benchmarks/bench_requests.py [SECONDS] [--reattach-only]
+[--nodes N]`` (default 60; the 10x runs take ten times that; ``--reattach-only``: only
+the re-attach cases; ``--nodes N``: only the unattended case, on one node and on N
+nodes, side by side: EC2 and Auto Scaling calls, and all requests, per instance-hour).
+Every request that reaches the simulator's moto server is
 recorded with its service, operation and origin (the ``spotnb-origin/...`` part of the
 User-Agent: job-agent, runtime, instance-agent, notebook, cli); the simulator's own
 fulfilment traffic (origin ``simulator``) is left out. Prices are us-east-1 list
@@ -54,6 +56,12 @@ while time.time() < end:
     step += 1
 """
 
+# The same cell as torchrun's workers on N nodes (gloo, so every rank's maybe_save agrees).
+DISTRIBUTED = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+""" + CELL
+
 TYPE = "g4dn.xlarge"
 REGION = "us-east-1"
 
@@ -84,10 +92,12 @@ def _result_in_moto(store_uri: str) -> bool:
     return False
 
 
-def run_job(sim: AwsSimulator, seconds: float, follow: bool) -> dict[str, Any]:
+def run_job(sim: AwsSimulator, seconds: float, follow: bool,
+            nodes: int = 1) -> dict[str, Any]:
     sim.server.requests.clear()
     started = time.monotonic()
-    handle = spotnb.submit(CELL, provider="aws", instance_types=[TYPE], region=REGION,
+    handle = spotnb.submit(CELL if nodes == 1 else DISTRIBUTED, provider="aws",
+                           instance_types=[TYPE], region=REGION, nodes=nodes,
                            inputs={"DURATION": seconds}, name="bench")
     if follow:
         for _ in handle.events():
@@ -99,7 +109,7 @@ def run_job(sim: AwsSimulator, seconds: float, follow: bool) -> dict[str, Any]:
     counts = _counts(sim)
     result = handle.summary()
     return {"seconds": seconds, "wall": time.monotonic() - started, "counts": counts,
-            "status": result.status, "billed_hours": _billed_hours(result)}
+            "status": result.status, "billed_hours": _billed_hours(result), "nodes": nodes}
 
 
 def _billed_hours(result: spotnb.JobResult) -> float:
@@ -220,9 +230,39 @@ def report_jobs(name: str, short: dict[str, Any], long: dict[str, Any], price: f
           f"EC2 + Auto Scaling calls per instance-hour: {ec2 / extra_hours:.0f}")
 
 
+def report_nodes(single: list[dict[str, Any]], multi: list[dict[str, Any]]) -> None:
+    """EC2/Auto Scaling calls and all requests per instance-hour: N nodes against one."""
+    def per_instance_hour(runs: list[dict[str, Any]]) -> tuple[float, float, float]:
+        short, long = runs
+        extra = (long["seconds"] - short["seconds"]) / 3600.0 * long["nodes"]
+        marginal = long["counts"] - short["counts"]
+        ec2 = sum(n for (_, svc, _), n in marginal.items() if svc in ("ec2", "autoscaling"))
+        once = sum(n for (_, svc, _), n in short["counts"].items()
+                   if svc in ("ec2", "autoscaling"))
+        return ec2 / extra, sum(marginal.values()) / extra, once / long["nodes"]
+
+    nodes = multi[0]["nodes"]
+    one, many = per_instance_hour(single), per_instance_hour(multi)
+    print(f"\n== unattended, 1 node against {nodes} nodes ({[r['status'] for r in single]}, "
+          f"{[r['status'] for r in multi]})")
+    print(f"{'':<44}{'1 node':>10}{f'{nodes} nodes':>10}{'ratio':>8}")
+    for label, a, b in (("EC2 + Auto Scaling calls per instance-hour", one[0], many[0]),
+                        ("all requests per instance-hour", one[1], many[1]),
+                        ("EC2 + Auto Scaling calls once, per node", one[2], many[2])):
+        print(f"{label:<44}{a:>10.0f}{b:>10.0f}{b / a if a else float('nan'):>8.2f}")
+    for origin, ops in sorted(_by_origin(multi[1]["counts"] - multi[0]["counts"]).items()):
+        for op, n in sorted(ops.items()):
+            if op.startswith(("ec2:", "autoscaling:")):
+                print(f"  {nodes} nodes, per running hour: {origin:<16}{op:<34}"
+                      f"{n / ((multi[1]['seconds'] - multi[0]['seconds']) / 3600):>8.0f}")
+
+
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     reattach_only = "--reattach-only" in sys.argv[1:]
+    flags = sys.argv[1:]
+    nodes = int(flags[flags.index("--nodes") + 1]) if "--nodes" in flags else 1
+    args = [a for i, a in enumerate(flags) if not a.startswith("--")
+            and not (i and flags[i - 1] == "--nodes")]
     seconds = float(args[0]) if args else 60.0
     price = spot_price()
     with tempfile.TemporaryDirectory() as home, AwsSimulator(Path(home) / "sim") as sim:
@@ -232,6 +272,11 @@ def main() -> None:
         print(f"spot price of {TYPE} in {REGION} (bundled catalog): ${price:.4f}/h; "
               f"targets: 1% = ${0.01 * price:.5f}/h unattended, "
               f"3% = ${0.03 * price:.5f}/h followed")
+        if nodes > 1:
+            single = [run_job(sim, s, False) for s in (seconds, 10 * seconds)]
+            multi = [run_job(sim, s, False, nodes) for s in (seconds, 10 * seconds)]
+            report_nodes(single, multi)
+            return
         if not reattach_only:
             runs = {}
             for follow in (False, True):

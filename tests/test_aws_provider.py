@@ -652,14 +652,17 @@ def test_a_followed_job_makes_few_requests_a_minute(sim: AwsSimulator, tmp_path:
 # ------------------------------------------------------------------ multi-node
 
 
-def test_nodes_without_capacity_in_one_az_are_refused_before_launch(
+def _refuse_nodes_without_capacity_in_one_az(
         sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before launch: nodes that no single AZ has capacity for."""
     # Spot placement scores (the simulator answers them from its capacity settings):
-    # no AZ is likely to hold the nodes, so nothing is created.
-    sim.no_capacity("g5.8xlarge")
+    # no AZ is likely to hold the nodes of any of three types, so nothing is created.
+    # (AWS scores one or two types low whatever the capacity: those are not refused.)
+    types = ["g5.8xlarge", "g5.12xlarge", "g5.16xlarge"]
+    sim.no_capacity(*types)
     with pytest.raises(SpecError, match=r"no capacity for 2 nodes in one AZ: .*placement "
                                         r"score 1/10.*fewer nodes.*instance types.*region"):
-        spotnb.submit("x = 1", provider="aws", nodes=2, instance_types=["g5.8xlarge"])
+        spotnb.submit("x = 1", provider="aws", nodes=2, instance_types=types)
     # A type that no usable subnet's AZ offers (moto's offerings have no p4d.24xlarge in
     # us-east-1f) is refused the same way, before any score.
     ec2 = _boto.client("ec2")
@@ -674,6 +677,8 @@ def test_nodes_without_capacity_in_one_az_are_refused_before_launch(
     assert not _boto.client("ec2").describe_security_groups(Filters=[
         {"Name": "tag-key", "Values": [TAG_JOB]}])["SecurityGroups"]
     assert not any(key.startswith("jobs/") for key in _bucket_keys())
+    sim.restore_capacity()
+    monkeypatch.delenv("SPOTNB_AWS_SUBNETS")
 
 
 def _bucket_keys() -> list[str]:
@@ -728,16 +733,19 @@ def _until(check: Any, what: str, timeout: float = 240) -> Any:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
-        sim: AwsSimulator, tmp_path: Path) -> None:
+        sim: AwsSimulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--nodes 1:2 on the simulator: one Auto Scaling group of 2 in one AZ, in the job's
     cluster placement group, with EFA (g5.8xlarge has it) and the job's security group
     (ingress from itself only). The rendezvous host gets its notice (FIS, one node):
     every rank saves at the gate's step, the host leaves, the other node goes on, the
     group replaces the host; the weights match an uninterrupted 2-node run (bitwise
     where every round had 2 ranks, else within float tolerance: the same global batch
-    reduced in another order). Then everything of both jobs is deleted."""
+    reduced in another order). Then everything of both jobs is deleted. First, what
+    is refused before launch: nodes that no single AZ has capacity for."""
     torch = pytest.importorskip("torch")
     from spotnb.multinode import rendezvous as rdzv
+
+    _refuse_nodes_without_capacity_in_one_az(sim, monkeypatch)
 
     sim.notice_seconds = 20.0  # FIS's two minutes: time for the coordinated checkpoint
     go, reference_go = tmp_path / "go", tmp_path / "reference-go"

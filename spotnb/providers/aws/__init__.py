@@ -320,9 +320,9 @@ class AwsProvider(Provider):
         if instance is not None:
             running = [i for i in running if i["InstanceId"] == instance]
         if not running:
-            raise ProviderError(f"job {job_id} has no running instance "
-                                f"{instance or ''} to interrupt in {region} (it may be "
-                                "waiting for capacity)".replace("  ", " "))
+            which = f"instance {instance}" if instance else "instance"
+            raise ProviderError(f"job {job_id} has no running {which} to interrupt in "
+                                f"{region} (it may be waiting for capacity)")
         arns = [f"arn:aws:ec2:{region}:{account}:instance/{i['InstanceId']}" for i in running]
         fis = self.client("fis", region)
         role_arn = self._fis_role(region, account)
@@ -368,7 +368,7 @@ class AwsProvider(Provider):
         except Exception as err:
             log.warning("could not delete job %s's queues (%s); `spotnb aws cleanup` will",
                         job_id, err)
-        left = cluster.delete_network(self.client("ec2", region), job_id)
+        left = cluster.delete_network(self.client("ec2", region), job_id, multi_node=False)
         if left:
             log.info("job %s's %s: in use until its instances are gone; the next "
                      "multi-node launch or `spotnb aws cleanup` deletes them", job_id,

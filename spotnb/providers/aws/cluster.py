@@ -10,10 +10,11 @@ as a single-node job gets one of one; what differs is where they may run:
   for MAX instances in a single AZ (``GetSpotPlacementScores`` with
   ``SingleAvailabilityZone``, ``TargetCapacity`` = MAX). An AZ scored
   :data:`NO_CAPACITY_SCORE` is treated as having no capacity for the job; when every
-  AZ is, or none offers the types, the job is refused with the next step (fewer
-  nodes, other types, another region). Without scores (no permission, a region or
-  partition without the API, the simulator's moto before it answers them) the first AZ
-  that offers the types is used, and the choice says so.
+  AZ is (for a job of at least :data:`SCORED_REFUSAL_MIN_TYPES` types: AWS scores one
+  or two types low whatever the capacity), or none offers the types, the job is
+  refused with the next step (fewer nodes, other types, another region). Without
+  scores (no permission, a region or partition without the API) the first AZ that
+  offers the types is used, and the choice says so.
 * **A cluster placement group** per job (:func:`create_network`), named in the Auto
   Scaling group (``PlacementGroup``): its instances are placed close together.
 * **EFA** where every type of the job supports it (``DescribeInstanceTypes``
@@ -31,13 +32,16 @@ in both for a minute. So the deletion is tried at the end of the job (the instan
 teardown, :meth:`AwsProvider.terminate`), and what AWS refused then is deleted by the
 next multi-node launch in the region (:func:`sweep`: two Describe calls) or by
 ``spotnb aws cleanup``. Both are free while they wait (an empty security group or
-placement group costs nothing; the quotas are 2,500 and 500 per region).
+placement group costs nothing; AWS's default quotas are 2,500 security groups per VPC
+and 500 placement groups per region).
 
-Requests: validation makes 4 Describe/Get calls once per job (3 after the first job
-of a process: EFA support is cached); the launch 3 more (create the placement group,
-create the security group, authorize its rule); the end 2. None of them repeats while
-the job runs: the per-instance-hour request rate of a multi-node job is the
-single-node one.
+Requests: validation makes 5 Describe/Get calls once per job (4 once a process cached
+the types' EFA support); the launch 5 more (the sweep's two Describe calls, create
+the placement group, create the security group, authorize its rule); the end 3 per
+instance that tears down (describe and delete the security group, delete the
+placement group). None of them repeats while the job runs: what an instance calls
+per hour is what a single-node job's instance calls (``benchmarks/bench_requests.py
+--nodes``).
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ log = logging.getLogger(__name__)
 #: EC2's spot placement scores run from 1 to 10; AWS documents 1 as "not likely to
 #: succeed". An AZ scored this (or lower) for the job's MAX nodes is not launched in.
 NO_CAPACITY_SCORE = 1
+#: AWS: "If you specify one or two instance types ... the returned placement score will
+#: always be low". With fewer types than this the scores rank the AZs but refuse nothing.
+SCORED_REFUSAL_MIN_TYPES = 3
 
 # Error codes that say "still in use: try again once the instances are gone".
 _IN_USE = frozenset({"DependencyViolation", "InvalidPlacementGroup.InUse"})
@@ -143,8 +150,8 @@ def choose_zone(ec2: Any, spec: JobSpec, subnets: list[dict[str, Any]]) -> Zone:
     scores: dict[str, int] = {}
     try:
         reply = ec2.get_spot_placement_scores(
-            InstanceTypes=list(types), TargetCapacity=nodes, TargetCapacityUnitType="units",
-            SingleAvailabilityZone=True, RegionNames=[region])
+            InstanceTypes=list(types), TargetCapacity=nodes, SingleAvailabilityZone=True,
+            RegionNames=[region])
         scores = {row["AvailabilityZoneId"]: int(row["Score"])
                   for row in reply.get("SpotPlacementScores", ())
                   if row.get("AvailabilityZoneId")}
@@ -165,6 +172,9 @@ def choose_zone(ec2: Any, spec: JobSpec, subnets: list[dict[str, Any]]) -> Zone:
         r.get("AvailabilityZoneId", ""), 0))
     best = ranked[0]
     best_score = scores.get(best.get("AvailabilityZoneId", ""), 0)
+    if len(types) < SCORED_REFUSAL_MIN_TYPES:
+        return zone(best, f"spot placement score {best_score}/10 for {nodes} nodes, the "
+                          "best of its AZs (scores of one or two types are always low)")
     if best_score <= NO_CAPACITY_SCORE:
         raise SpecError(
             f"no capacity for {nodes} nodes in one AZ: no AZ of {region} is likely to have "
@@ -200,14 +210,20 @@ def create_network(ec2: Any, spec: JobSpec, zone: Zone, tag_list: list[dict[str,
     return Network(security_group=sg, placement_group=pg)
 
 
-def delete_network(ec2: Any, job_id: str) -> list[str]:
+def delete_network(ec2: Any, job_id: str, multi_node: bool = True) -> list[str]:
     """Delete the job's security group and placement group where AWS allows it now;
-    returns what is left (still in use: see the module docstring)."""
-    left = []
+    returns what is left (still in use: see the module docstring).
+
+    ``multi_node=False``: the caller does not know the job's shape; a job without its
+    own security group is taken to be a single-node one (one Describe call, no more).
+    """
+    left: list[str] = []
     groups = ec2.describe_security_groups(Filters=[
         {"Name": f"tag:{TAG_JOB}", "Values": [job_id]},
         {"Name": "group-name", "Values": [training_group_name(job_id)]}]).get(
         "SecurityGroups", ())
+    if not groups and not multi_node:
+        return left
     for group in groups:
         if not _delete(partial(ec2.delete_security_group, GroupId=group["GroupId"])):
             left.append(f"security group {group['GroupId']}")

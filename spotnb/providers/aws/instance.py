@@ -284,8 +284,10 @@ class InstanceAgent:
         pool = f"{ident['instance_type']}@{ident.get('az_id') or ident.get('az')}"
         order = list(self.spec.resources.instance_types)
         rank = order.index(ident["instance_type"]) if ident["instance_type"] in order else 0
-        replacing = sum(1 for e in self.history if e.attempt == GROUP_STREAM
-                        and e.type == "instance" and e.data.get("action") == "launched")
+        # The group's first MAX launches are its nodes; each launch after them replaces one.
+        launched = sum(1 for e in self.history if e.attempt == GROUP_STREAM
+                       and e.type == "instance" and e.data.get("action") == "launched")
+        replacing = max(0, launched - self.spec.resources.max_nodes + 1)
         detail = (f"{iid} ({ident['instance_type']} in {ident.get('az_id')}, "
                   f"{'spot' if me.get('InstanceLifecycle') == 'spot' else lifecycle}) started "
                   f"by the Auto Scaling group")
