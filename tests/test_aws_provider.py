@@ -784,7 +784,7 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     host = record[0].host
     assert record[0].endpoint.rsplit(":", 1)[0] == sim.instances[host].address != "127.0.0.1"
     # The host's notice, from FIS to that node only.
-    job.provider.interrupt(job.job_id, instance=host)  # type: ignore[call-arg]
+    job.provider.interrupt(job.job_id, instance=host)
     _until(lambda: [e for e in job.events(follow=False) if e.instance == host
                     and e.type == "status"
                     and "interruption notice" in str(e.data.get("detail"))],

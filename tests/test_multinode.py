@@ -426,7 +426,7 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
     current = rdzv.read(store)
     assert current is not None
     host = current[0].host
-    job.provider.interrupt(job.job_id, instance=host)  # type: ignore[call-arg]
+    job.provider.interrupt(job.job_id, instance=host)
     _wait(lambda: [e for e in events("status") if e.instance == host  # type: ignore[attr-defined]
                    and "interruption notice" in str(e.data.get("detail"))],  # type: ignore[attr-defined]
           "the host's agent to see its notice")

@@ -17,9 +17,10 @@ contract" rather than repeat it):
 ``launch(spec)``
     Create the capacity group. Returns once the group exists (not once an instance
     runs). If a step fails, release what was already created, then raise.
-``interrupt(job_id)``
-    Deliver a spot interruption notice to the job's current instance now; it is
-    terminated after the notice period, and the group replaces it.
+``interrupt(job_id, instance=None)``
+    Deliver a spot interruption notice to the job's current instance now (a multi-node
+    job's node ``instance`` when named); it is terminated after the notice period, and
+    the group replaces it.
 ``terminate(job_id)``
     Delete the capacity group and its instances. Idempotent; called on completion,
     failure, stop, budget and deadline (DESIGN invariant 6).
@@ -94,7 +95,7 @@ class Provider(ABC):
     def launch(self, spec: JobSpec) -> None: ...
 
     @abstractmethod
-    def interrupt(self, job_id: str) -> None: ...
+    def interrupt(self, job_id: str, instance: str | None = None) -> None: ...
 
     @abstractmethod
     def terminate(self, job_id: str) -> None: ...
