@@ -646,7 +646,10 @@ def test_a_followed_job_makes_few_requests_a_minute(sim: AwsSimulator, tmp_path:
               and usage.classify("s3", r.operation) == "s3-write"]
     seconds = window[1] - window[0]
     assert seconds >= 14  # 150 metrics at ten a second, at least
-    assert len(writes) <= 12, (seconds, sorted((r.origin, r.operation) for r in writes))
+    # A bound on the rate, as a busy machine stretches the window: at most one write
+    # every 5 s beyond a few urgent ones (the first design made 4.5 a second).
+    assert len(writes) <= 8 + seconds / 5, (
+        seconds, sorted((r.origin, r.operation) for r in writes))
     live = [r for r in counted if r.service == "sqs" and r.operation == "SendMessage"]
     assert live, "the metrics came through the live channel"
 

@@ -159,7 +159,9 @@ def test_client_fails_fast_without_a_service() -> None:
     started = time.monotonic()
     with pytest.raises(ImdsError, match="cannot reach the instance metadata service"):
         ImdsClient(endpoint, timeout=0.5).instance_action()
-    assert time.monotonic() - started < 3
+    # It fails at once rather than retrying for long (a generous bound: a busy machine
+    # must not fail this; a client that retried for its full budget would).
+    assert time.monotonic() - started < 30
 
 
 def test_client_endpoint_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -295,28 +295,26 @@ def test_updates_are_throttled_to_a_few_per_second(recorder: Recorder) -> None:
     assert board.flushes == len(updates)
 
 
-def test_update_messages_and_time_stay_flat_as_the_run_grows(recorder: Recorder) -> None:
+def test_update_messages_stay_flat_as_the_run_grows(recorder: Recorder) -> None:
+    # (How long an update takes as the run grows is benchmarks/bench_dashboard.py's.)
     board = dashboard()
 
-    def one_update(step0: int) -> tuple[int, float]:
+    def one_update(step0: int) -> int:
         board.events([*metrics(step0, 100), sys_sample(step0)])
         mark = recorder.mark()
-        started = time.perf_counter()
         board.flush()
-        seconds = time.perf_counter() - started
-        return sum(size(m) for m in recorder.since(mark)), seconds
+        return sum(size(m) for m in recorder.since(mark))
 
     board.events(metrics(0, 1000))
     board.flush()
-    small_bytes, small_seconds = one_update(1000)
+    small_bytes = one_update(1000)
     logged = 1100
     while logged < 200_000:  # grow the run to 200k steps (no widget traffic meanwhile)
         board.data.add(metrics(logged, 10_000))
         logged += 10_000
-    big_bytes, big_seconds = one_update(logged)
+    big_bytes = one_update(logged)
     assert big_bytes < 2.5 * small_bytes + 50_000, (small_bytes, big_bytes)
     assert big_bytes < 200_000  # 2 * 1000 buckets * 8 bytes * (x, y) per metric, and a bit
-    assert big_seconds < max(10 * small_seconds, 0.05), (small_seconds, big_seconds)
 
 
 def test_the_output_panel_is_bounded_and_ends_with_the_newest_line(
