@@ -687,5 +687,7 @@ def test_a_multi_node_record_names_its_nodes_and_the_dashboard_plots_them(
                                                          "node 2 CPU %"]
     assert "world size" in names
     layout = figure.figure.plot_layout
+    # The notice and the replacement are marked on the system panel too.
+    assert len(layout["shapes"]) == 2
     assert any(axis.get("title", {}).get("text") == "world size"
                for key, axis in layout.items() if key.startswith("yaxis"))

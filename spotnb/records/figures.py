@@ -154,7 +154,7 @@ def render(data: DashboardData, title: str, lines: Sequence[str]) -> bytes:
                 right = ax.twinx()
                 right.step((t - origin) / 60.0, size, where="post", color=WORLD_COLOUR,
                            lw=1.6, label="world size")
-                right.set_ylim(0, max(size) + 0.5)
+                right.set_ylim(0, max(size) + 1)  # above the highest world: clear of 100% lines
                 right.set_ylabel("world size", fontsize=8)
                 right.tick_params(labelsize=7)
                 right.legend(fontsize=7, loc="lower right", frameon=False)

@@ -244,7 +244,7 @@ class Plots:
             top = max((w[2] for w in data.worlds), default=1)
             self._layout[f"yaxis{world_axis}"] = {
                 "overlaying": f"y{self._sys_axis}", "side": "right",
-                "anchor": f"x{self._sys_axis}", "range": [0, top + 0.5], "dtick": 1,
+                "anchor": f"x{self._sys_axis}", "range": [0, top + 1], "dtick": 1,
                 "showgrid": False, "title": {"text": "world size"}, "automargin": True}
             self._layout["annotations"][-1]["text"] = (
                 f"<b>{'GPU' if data.sys_kind == 'gpu' else 'CPU'} utilisation per node "
@@ -276,7 +276,7 @@ class Plots:
                 traces[self._panels[0].marks[which]].update(
                     x=_buffer(nan), y=_buffer(nan), text=[""], showlegend=True)
         shapes = []
-        if self._sys is not None:
+        if self._sys is not None or self._nodes or self._world is not None:
             for marker in data.markers:
                 colour, dash = ((INTERRUPT_COLOUR, "dash") if marker.ended
                                 else (RESUME_COLOUR, "dot"))
