@@ -280,6 +280,14 @@ def test_multinode_notebook_trains_on_two_nodes_through_an_interruption(
     status = [t for t in _texts(train) if t.startswith("spotnb job")][-1]
     assert "completed" in status and "interruptions 1" in status, status
     (job,) = spotnb.jobs()
-    assert (job.status, job.nodes, job.interruptions) == ("completed", "1:2", 1)
+    assert (job.status, job.interruptions) == ("completed", 1)
+    assert re.fullmatch(r"[12] nodes? \(1:2\)", job.nodes), job.nodes
+    # The display tells it in nodes and worlds: the second node joins (it is no
+    # replacement), the world forms at 2; the header shows the world.
+    assert re.search(r"node 1 \(attempt 2\): joining, g4dn\.xlarge", text), text
+    assert "world formed: 2 nodes, world size 2 (--nodes 1:2)" in text, text
+    assert "spot interruption notice" in text and "every rank saves a checkpoint" in text
+    assert "resuming on a replacement" not in text, text
+    assert re.search(r"[12] nodes? \(--nodes 1:2\), world size [12]", status), status
     report = "".join(_texts(nb.cells[-1]))
     assert re.search(r"final loss \d\.\d+", report), report
