@@ -570,7 +570,9 @@ def header(view: JobView) -> Header:
     p = view.progress
     now = view.now or time.time()
     attempt = f"attempt {view.attempt}" if view.attempt else ""
-    if p.launching and not view.final:
+    if view.multinode:  # the nodes come and go on their own: the world says it
+        attempt = (p.launching or "") if not view.final else ""
+    elif p.launching and not view.final:
         attempt = p.launching if not attempt else f"{attempt} ended; {p.launching}"
     price = ""
     running = p.running_prices() if view.multinode and not view.final else None

@@ -148,8 +148,11 @@ class Progress:
                 d.get("state") in ("launching", "waiting_for_capacity") and self._booted:
             where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
             verb = "launching" if d.get("state") == "launching" else "waiting for capacity"
-            self.launching = (f"attempt {max(self._booted) + 1}: {verb}"
-                              + (f" {where}" if where else ""))
+            who = f"attempt {max(self._booted) + 1}"
+            if self.max_nodes > 1:  # which attempt number a node gets is its slot's
+                who = "a replacement node" if len(self._booted) >= self.max_nodes \
+                    else "a node"
+            self.launching = f"{who}: {verb}" + (f" {where}" if where else "")
         elif e.type == "instance" and e.attempt == GROUP_STREAM:
             self._instance(e)
         elif e.type == "price" and d.get("pool") and d.get("price") is not None:

@@ -583,6 +583,7 @@ def _three_node_job() -> tuple[JobSpec, list[object]]:
     agent(50, 2, "status", state="interrupted", detail="the instance was terminated")
     group(50, "instance", action="terminated", instance_id="i-2")
     world(55, [1, 3], 1)
+    group(58, "status", state="launching", instance_type="g4dn.xlarge", az="us-east-1a")
     launch(60, 5)
     boot(70, 5)
     world(80, [1, 3, 5], 1)
@@ -600,11 +601,13 @@ def test_the_display_tells_a_multi_node_job_in_nodes_and_worlds() -> None:
     view = display.JobView(job_id=spec.job_id, name=spec.name, created=T0,
                            min_nodes=2, max_nodes=3)
     lines = []
+    launching = []
     for event in events:
         view.apply(event)  # type: ignore[arg-type]
         text = display.milestone(event, view)  # type: ignore[arg-type]
         if text is not None:
             lines.append(text)
+        launching.append(display.header(view).attempt)
     assert lines[:3] == [f"node {k} (attempt {k + 1}): joining, g4dn.xlarge us-east-1a "
                          f"(i-{k + 1})" for k in range(3)]
     assert lines[3] == "world formed: 3 nodes, world size 3 (--nodes 2:3)"
@@ -621,6 +624,10 @@ def test_the_display_tells_a_multi_node_job_in_nodes_and_worlds() -> None:
     assert [i.attempt for i in view.progress.interruptions] == [2]
     assert view.worlds == [(T0 + 20, 3, 3), (T0 + 55, 2, 2), (T0 + 80, 3, 3)]
     assert display.header(view).world == "3 nodes (--nodes 2:3), world size 3"
+    # While the replacement launches, the header says so (not "attempt 4": a node's
+    # attempts are its slot's).
+    assert "a replacement node: launching g4dn.xlarge us-east-1a" in launching
+    assert not any(text.startswith("attempt") for text in launching)
 
 
 def test_the_cost_of_a_multi_node_job_counts_every_node() -> None:
