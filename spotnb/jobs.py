@@ -913,6 +913,10 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
     attempts = []
     metrics: dict[str, float] = {}
     error = None
+    stride = spec.resources.max_nodes
+    # A multi-node job: each node slot's newest attempt was one of the nodes when the
+    # job ended; its own stream has no result (global rank 0's node writes it).
+    newest = {layout.node_slot(n, stride): n for n in sorted(by_attempt)}
     for number in sorted(by_attempt):
         evs = by_attempt[number]
         boot = next((e for e in evs if e.type == "status" and e.data.get("state") == "booting"),
@@ -929,7 +933,10 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
                 end_reason = "error (retried)" if e.data.get("retrying") else "error"
             elif e.type == "result":
                 end_reason = e.data.get("status", end_reason)
-        if end_reason == "running" and (final or number < max(by_attempt)):
+        replaced = newest[layout.node_slot(number, stride)] > number
+        if end_reason == "running" and final and stride > 1 and not replaced:
+            end_reason = f"ended with the job ({(result or {}).get('status')})"
+        elif end_reason == "running" and (final or replaced):
             end_reason = "lost"  # the instance went away without a notice
         attempts.append(Attempt(
             number=number,

@@ -642,8 +642,10 @@ def test_the_cost_of_a_multi_node_job_counts_every_node() -> None:
     assert result.ondemand_cost_usd == pytest.approx(ONDEMAND * seconds / 3600)
     assert result.interruptions == 1
     assert [(a.number, a.node) for a in result.attempts] == [(1, 0), (2, 1), (3, 2), (5, 1)]
-    assert [a.end_reason for a in result.attempts] == ["completed", "interrupted", "lost",
-                                                       "lost"]
+    # The nodes without global rank 0 write no result: they ended with the job.
+    assert [a.end_reason for a in result.attempts] == [
+        "completed", "interrupted", "ended with the job (completed)",
+        "ended with the job (completed)"]
     assert result.worlds == ((T0 + 20, 3, 3), (T0 + 55, 2, 2), (T0 + 80, 3, 3))
     # %spot_jobs and `spotnb jobs`: the nodes now, and each node's instance.
     assert nodes_label(spec.resources, result) == "3 nodes (2:3)"
@@ -658,7 +660,7 @@ def test_the_cost_of_a_multi_node_job_counts_every_node() -> None:
 
 
 def test_a_multi_node_record_names_its_nodes_and_the_dashboard_plots_them(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     np = pytest.importorskip("numpy")
     from spotnb.jobs import JobHandle, summarize
     from spotnb.records.summary import job_record
@@ -676,6 +678,22 @@ def test_a_multi_node_record_names_its_nodes_and_the_dashboard_plots_them(
         (0, "i-1", "g4dn.xlarge", "us-east-1a"), (1, "i-5", "g4dn.xlarge", "us-east-1a"),
         (2, "i-3", "g4dn.xlarge", "us-east-1a")]
     assert record["options"]["peer_timeout"] == spec.policy.peer_timeout
+    # `spotnb records show` lists each node's instance.
+    import argparse
+
+    import nbformat
+
+    from spotnb.records import cli as records_cli
+
+    path = tmp_path / "run.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["spotnb"] = {"run": {"status": "completed"}, "jobs": [record]}
+    nbformat.write(nb, path)
+    records_cli.cmd_show(argparse.Namespace(record=str(path), json=False))
+    shown = capsys.readouterr().out
+    assert "nodes 3 nodes (2:3), world 3 -> 2 -> 3" in shown, shown
+    assert ("node 1: g4dn.xlarge us-east-1a (i-5, attempt 5, ended with the job "
+            "(completed))") in shown, shown
     # The dashboard: a utilisation line per node (node 1's replacement continues its
     # line after a gap), the world size over time, and no false "lost" marks.
     data = series.DashboardData(max_nodes=3)
