@@ -142,8 +142,10 @@ class JobView:
         self.world_changed = None
         if event.type == "world":
             nodes, size = int(d.get("nodes") or 0), int(d.get("world_size") or 0)
-            # Every node of a round says the same: only a change is news.
-            if (nodes, size) != (self.world_nodes, self.world_size):
+            # Every node of a round says the same: only a change is news. A node's
+            # stream read late may bring an older round's report: not news either.
+            stale = bool(self.worlds) and event.time < self.worlds[-1][0]
+            if (nodes, size) != (self.world_nodes, self.world_size) and not stale:
                 self.world_nodes, self.world_size = nodes, size
                 self.worlds.append((event.time, nodes, size))
                 self.world_changed = event

@@ -960,7 +960,8 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
     for e in events:
         if e.type == "world":
             now_world = (int(e.data.get("nodes") or 0), int(e.data.get("world_size") or 0))
-            if not worlds or worlds[-1][1:] != now_world:
+            # Each node reports every round: keep the changes, in time order.
+            if not worlds or (worlds[-1][1:] != now_world and e.time >= worlds[-1][0]):
                 worlds.append((e.time, *now_world))
 
     status, reason = _status(events, result)

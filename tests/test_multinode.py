@@ -583,6 +583,9 @@ def _three_node_job() -> tuple[JobSpec, list[object]]:
     agent(50, 2, "status", state="interrupted", detail="the instance was terminated")
     group(50, "instance", action="terminated", instance_id="i-2")
     world(55, [1, 3], 1)
+    # The noticed node's stream, read late, repeats its report of the world of 3.
+    agent(20, 2, "world", generation=1, nodes=3, world_size=3, node_rank=1, ranks=[1],
+          min_nodes=2, max_nodes=3)
     group(58, "status", state="launching", instance_type="g4dn.xlarge", az="us-east-1a")
     launch(60, 5)
     boot(70, 5)

@@ -531,8 +531,8 @@ class DashboardData:
         elif e.type == "world":
             self.max_nodes = max(self.max_nodes, int(d.get("max_nodes") or 1))
             now = (int(d.get("nodes") or 0), int(d.get("world_size") or 0))
-            if self.worlds and self.worlds[-1][1:] == now:
-                return  # every node of a round says the same
+            if self.worlds and (self.worlds[-1][1:] == now or e.time < self.worlds[-1][0]):
+                return  # every node of a round says the same; an older round is old news
             self.worlds.append((e.time, *now))
         elif e.type == "instance" and d.get("action") == "launched":
             self.pool = d.get("pool") or self.pool
