@@ -704,6 +704,7 @@ def test_a_multi_node_record_names_its_nodes_and_the_dashboard_plots_them(
     assert {k: len(v) for k, v in data.node_util.items()} == {0: 3, 1: 4, 2: 3}
     _x, y = data.sys_points(data.node_util[1], gaps=data.node_gaps[1])
     assert np.isnan(y).sum() == 1 and y[-1] == 90.0
+    assert data.sys_gaps == []  # the nodes' turns in the job's series are no gaps
     t, size, _nodes = data.world_points()
     assert list(size) == [3, 2, 3, 3] and t[-1] == data.last_time
     assert [(m.kind, m.attempt) for m in data.markers] == [("interrupted", 2),

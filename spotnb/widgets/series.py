@@ -519,8 +519,10 @@ class DashboardData:
         elif e.type == "sys":
             self.sys_kind = str(d.get("kind") or self.sys_kind or "cpu")
             t = e.time
-            if e.attempt != self._sys_attempt and len(self.util):
-                self.sys_gaps.append(t)  # another instance: no line across the gap
+            if e.attempt != self._sys_attempt and len(self.util) and not self.multinode:
+                # Another instance: no line across the gap. (A multi-node job's nodes
+                # take turns in this series: their lines are per node, node_util.)
+                self.sys_gaps.append(t)
             self._sys_attempt = e.attempt
             self.util.add(t, float(d.get("util", np.nan)))
             if self.max_nodes > 1:
