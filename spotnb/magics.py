@@ -276,7 +276,7 @@ class SpotMagics(Magics):
     @argument("--nodes", metavar="N|MIN:MAX",
               help="train on N instances as torchrun's workers (RANK, WORLD_SIZE, ... set "
                    "in the cell), e.g. --nodes 4; --nodes 3:4 goes on with 3 while a lost "
-                   "node's replacement boots (local cloud; default 1)")
+                   "node's replacement boots (default 1)")
     @argument("--procs-per-node", type=int, metavar="P",
               help="worker processes per instance, e.g. one per GPU (default 1)")
     @argument("--peer-timeout", metavar="SECONDS",
