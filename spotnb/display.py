@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any, Protocol
 
+from spotnb import layout
 from spotnb.events import (
     FINAL_STATES,
     GROUP_STREAM,
@@ -101,6 +102,24 @@ class JobView:
     cost_includes: str | None = None
     # When the figures were last accounted: the live clock, or the job's end.
     now: float = 0.0
+    # A multi-node job's node counts (``--nodes MIN:MAX``; 1:1 for one node), and its
+    # world as the ``world`` events say: nodes and processes now, and each change as
+    # (time, nodes, processes). ``world_changed`` is the ``world`` event just applied
+    # if it changed the world (its milestone says how), else None.
+    min_nodes: int = 1
+    max_nodes: int = 1
+    world_nodes: int = 0
+    world_size: int = 0
+    worlds: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)
+    world_changed: Event | None = None
+
+    def __post_init__(self) -> None:
+        self.progress.max_nodes = self.max_nodes
+
+    @property
+    def multinode(self) -> bool:
+        """Whether the job may run on more than one node."""
+        return self.max_nodes > 1
 
     @property
     def final(self) -> bool:
@@ -120,7 +139,17 @@ class JobView:
             return
         d = event.data
         self.progress.apply(event)
-        if event.type == "status" and event.attempt != GROUP_STREAM:
+        self.world_changed = None
+        if event.type == "world":
+            nodes, size = int(d.get("nodes") or 0), int(d.get("world_size") or 0)
+            # Every node of a round says the same: only a change is news. A node's
+            # stream read late may bring an older round's report: not news either.
+            stale = bool(self.worlds) and event.time < self.worlds[-1][0]
+            if (nodes, size) != (self.world_nodes, self.world_size) and not stale:
+                self.world_nodes, self.world_size = nodes, size
+                self.worlds.append((event.time, nodes, size))
+                self.world_changed = event
+        elif event.type == "status" and event.attempt != GROUP_STREAM:
             if d.get("state") == "booting" and event.attempt >= self.attempt:
                 if event.attempt > self.attempt:
                     self.execute_result = None  # the cell runs again from the top
@@ -194,6 +223,10 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
     nothing more. ``view``, the state so far, tells which attempt had a notice.
     """
     d = event.data
+    if view is not None and view.multinode:
+        text = _node_milestone(event, view)
+        if text is not None:
+            return text
     if event.type == "status" and event.attempt != GROUP_STREAM:
         state, detail = d.get("state"), str(d.get("detail", ""))
         if state == "booting" and not detail.startswith("retrying"):
@@ -229,6 +262,67 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         return (f"attempt {event.attempt} failed with {d.get('ename')}: {d.get('evalue')}; "
                 "retrying (max_restarts_on_error)")
     return None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _node_milestone(event: Event, view: JobView) -> str | None:
+    """A multi-node job's milestones in its own terms: nodes join, are noticed or lost,
+    and the world re-forms (None: the single-node wording applies, or nothing to say).
+
+    A node is a node slot (``layout.node_slot``): attempts 1..MAX are the slots' first
+    instances joining, later attempts replacements joining in a lost node's place.
+    """
+    d = event.data
+    if event.type == "world":
+        if view.world_changed is not event:
+            return None
+        nodes, size = view.world_nodes, view.world_size
+        now = f"{_plural(nodes, 'node')}, world size {size}"
+        if len(view.worlds) < 2:
+            return f"world formed: {now} (--nodes {view.min_nodes}:{view.max_nodes})"
+        before = view.worlds[-2][1]
+        if nodes > before:
+            return f"world re-formed at {now}: {_plural(nodes - before, 'node')} joined"
+        if nodes < before:
+            waiting = (" while a replacement boots" if nodes < view.max_nodes else "")
+            return (f"world re-formed at {now}: going on without "
+                    f"{_plural(before - nodes, 'lost node')}{waiting}")
+        return f"world re-formed at {now}"
+    if event.attempt == GROUP_STREAM:
+        return None
+    slot = layout.node_slot(event.attempt, view.max_nodes)
+    who = f"node {slot} (attempt {event.attempt})"
+    if event.type == "status" and d.get("state") == "booting" and \
+            not str(d.get("detail", "")).startswith("retrying"):
+        where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
+        how = ("joining" if event.attempt <= view.max_nodes
+               else "a replacement instance joining in the lost node's place")
+        return f"{who}: {how}, {where} ({event.instance})"
+    if event.type == "notice" and d.get("kind") == "instance-action":
+        when = _clock_of(d.get("notice_time"))
+        return (f"{who}: spot interruption notice for {event.instance} ({d.get('action')} "
+                f"at {when}); every rank saves a checkpoint, then "
+                + _without_one(view))
+    if event.type == "status" and d.get("state") == "interrupted" and \
+            not str(d.get("detail", "")).startswith(
+                ("spot interruption notice", "final checkpoint")):
+        if any(i.attempt == event.attempt and i.noticed
+               for i in view.progress.interruptions):
+            return None  # the notice's line said it (the termination follows it)
+        return f"{who} lost: {d.get('detail', '')}; " + _without_one(view)
+    return None
+
+
+def _without_one(view: JobView) -> str:
+    """What the job does once one node of the current world is gone."""
+    left = (view.world_nodes or view.max_nodes) - 1
+    if left >= view.min_nodes:
+        return f"the job goes on with {_plural(left, 'node')} while a replacement boots"
+    return (f"the job waits for a replacement ({_plural(left, 'node')} left, at least "
+            f"{view.min_nodes} needed)")
 
 
 # -- outcomes --------------------------------------------------------------------------
@@ -296,7 +390,8 @@ def follow(handle: JobHandle, renderer: Renderer,
     :class:`Detached`; nothing is done to the job.
     """
     spec = handle.spec
-    view = JobView(job_id=spec.job_id, name=spec.name, created=spec.created)
+    view = JobView(job_id=spec.job_id, name=spec.name, created=spec.created,
+                   min_nodes=spec.resources.min_nodes, max_nodes=spec.resources.max_nodes)
     # Metric batches stay batches: the view and the renderers take them in bulk (a
     # day's history of a million rows replays in about a second).
     follower = Follower(handle.store, spec.job_id, batches=True)
@@ -468,6 +563,8 @@ class Header:
     cost_note: str
     interruptions: str
     lost: str
+    #: A multi-node job's world: ``"2 nodes (--nodes 2:3), world size 4"``.
+    world: str = ""
 
 
 def header(view: JobView) -> Header:
@@ -475,10 +572,18 @@ def header(view: JobView) -> Header:
     p = view.progress
     now = view.now or time.time()
     attempt = f"attempt {view.attempt}" if view.attempt else ""
-    if p.launching and not view.final:
+    if view.multinode:  # the nodes come and go on their own: the world says it
+        attempt = (p.launching or "") if not view.final else ""
+    elif p.launching and not view.final:
         attempt = p.launching if not attempt else f"{attempt} ended; {p.launching}"
     price = ""
-    if view.spot_price is not None:
+    running = p.running_prices() if view.multinode and not view.final else None
+    if running is not None:  # every node's instance bills
+        spot_rate, ondemand_rate, count = running
+        price = f"spot ${spot_rate:.4f}/h for {_plural(count, 'instance')}"
+        if ondemand_rate:
+            price += f" (on-demand ${ondemand_rate:.4f}/h)"
+    elif view.spot_price is not None:
         price = f"spot ${view.spot_price:.4f}/h"
         if view.ondemand_price:
             price += f" (on-demand ${view.ondemand_price:.4f}/h)"
@@ -499,8 +604,9 @@ def header(view: JobView) -> Header:
     saving = f"saving {view.savings_pct:.0f}%" if view.savings_pct is not None else ""
     projected = ""
     if not view.final:
-        proj = p.projection(now, view.cost_usd, view.ondemand_cost_usd, view.spot_price,
-                            view.ondemand_price)
+        rates = ((view.spot_price, view.ondemand_price) if running is None
+                 else running[:2])  # a multi-node job: every node bills the time left
+        proj = p.projection(now, view.cost_usd, view.ondemand_cost_usd, *rates)
         if proj is not None:
             projected = (f"projected ${proj.cost_usd:.4f} at the end vs "
                          f"${proj.ondemand_usd:.4f} on-demand for the same work")
@@ -522,7 +628,18 @@ def header(view: JobView) -> Header:
         cost=f"cost ${view.cost_usd:.4f}",
         ondemand=f"on-demand ${view.ondemand_cost_usd:.4f} for the same instance-hours",
         saving=saving, projected=projected, cost_note=note,
-        interruptions=f"interruptions {view.interruptions}", lost=lost)
+        interruptions=f"interruptions {view.interruptions}", lost=lost,
+        world=_world_text(view))
+
+
+def _world_text(view: JobView) -> str:
+    if not view.multinode:
+        return ""
+    nodes = f"{view.min_nodes}:{view.max_nodes}"
+    if not view.world_nodes:
+        return f"world not formed yet (--nodes {nodes})"
+    return (f"{_plural(view.world_nodes, 'node')} (--nodes {nodes}), "
+            f"world size {view.world_size}")
 
 
 def status_lines(view: JobView) -> list[str]:
@@ -535,6 +652,8 @@ def status_lines(view: JobView) -> list[str]:
 
     lines = [line(f"spotnb job {view.job_id} {view.name!r}", state, h.attempt, h.where,
                   h.price)]
+    if h.world:
+        lines.append(h.world)
     if h.step or h.metrics:
         lines.append(line(h.step, h.pace, h.metrics))
     money = line(h.elapsed, h.cost, h.ondemand, h.saving)

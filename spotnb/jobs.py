@@ -144,6 +144,10 @@ class Attempt:
     end: float | None
     end_reason: str
     spot_price: float | None
+    #: The availability zone, where the instance said.
+    az: str | None = None
+    #: The node slot it ran on (``layout.node_slot``; 0 for a single-node job).
+    node: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +172,9 @@ class JobResult:
     #: spotnb's own AWS requests (S3, SQS) at list prices, as its agents, runtime and
     #: followers reported them; 0 on the local cloud, whose requests cost nothing.
     requests_usd: float = 0.0
+    #: A multi-node job's world as it changed: (time, nodes, processes), from its
+    #: ``world`` events (every node of a round reports it; each change is kept once).
+    worlds: tuple[tuple[float, int, int], ...] = ()
 
     @property
     def savings_pct(self) -> float | None:
@@ -305,7 +312,8 @@ class JobInfo:
     ondemand_cost_usd: float = 0.0
     metric: tuple[str, float] | None = None
     #: How many nodes: ``"1"``, ``"4"``, ``"3:4"`` (MIN:MAX); ``"x2"`` appended with
-    #: two worker processes per node.
+    #: two worker processes per node; a multi-node job whose world formed says how
+    #: many nodes it has now (or had at the end) first: ``"3 nodes (3:4)"``.
     nodes: str = "1"
 
     @property
@@ -316,11 +324,44 @@ class JobInfo:
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
 
 
-def nodes_label(resources: Resources) -> str:
+def nodes_label(resources: Resources, result: JobResult | None = None) -> str:
     """A job's nodes as ``%spot_jobs`` shows them (see :attr:`JobInfo.nodes`)."""
     low, high = resources.min_nodes, resources.max_nodes
     label = str(high) if low == high else f"{low}:{high}"
-    return label + (f"x{resources.procs_per_node}" if resources.procs_per_node > 1 else "")
+    label += f"x{resources.procs_per_node}" if resources.procs_per_node > 1 else ""
+    if high > 1 and result is not None and result.worlds:
+        nodes = result.worlds[-1][1]
+        return f"{nodes} node{'' if nodes == 1 else 's'} ({label})"
+    return label
+
+
+def node_instances(result: JobResult) -> list[Attempt]:
+    """The newest attempt of each node slot, in slot order: the instances a
+    multi-node job runs on now (or ran on at the end)."""
+    newest: dict[int, Attempt] = {}
+    for attempt in result.attempts:
+        if attempt.node not in newest or attempt.number > newest[attempt.node].number:
+            newest[attempt.node] = attempt
+    return [newest[k] for k in sorted(newest)]
+
+
+def instances_label(result: JobResult, multinode: bool) -> str | None:
+    """The instance type(s) ``%spot_jobs`` shows: the last attempt's; for a multi-node
+    job each node's newest, counted, with their zone where the instances said it
+    (``"g4dn.xlarge x2 us-east-1a, g5.xlarge us-east-1a"``)."""
+    if not result.attempts:
+        return None
+    if not multinode:
+        return result.attempts[-1].instance_type
+    counts: dict[str, int] = {}
+    for a in node_instances(result):
+        where = " ".join(p for p in (a.instance_type or "?", a.az) if p)
+        counts[where] = counts.get(where, 0) + 1
+    parts = []
+    for where, n in counts.items():
+        kind, _, zone = where.partition(" ")
+        parts.append(" ".join(p for p in (kind, f"x{n}" if n > 1 else "", zone) if p))
+    return ", ".join(parts)
 
 
 # -- submitting ----------------------------------------------------------------------
@@ -769,7 +810,7 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 3  # 3: rows have nodes as well as instance, duration and metric
+_LISTING_VERSION = 4  # 4: a multi-node row's nodes and instances are its world's
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -801,9 +842,9 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
                   attempts=len(s.attempts), interruptions=s.interruptions,
                   cost_usd=s.cost_usd, created=spec.created,
-                  instance_type=s.attempts[-1].instance_type if s.attempts else None,
+                  instance_type=instances_label(s, spec.resources.max_nodes > 1),
                   duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
-                  nodes=nodes_label(spec.resources))
+                  nodes=nodes_label(spec.resources, s))
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -872,6 +913,10 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
     attempts = []
     metrics: dict[str, float] = {}
     error = None
+    stride = spec.resources.max_nodes
+    # A multi-node job: each node slot's newest attempt was one of the nodes when the
+    # job ended; its own stream has no result (global rank 0's node writes it).
+    newest = {layout.node_slot(n, stride): n for n in sorted(by_attempt)}
     for number in sorted(by_attempt):
         evs = by_attempt[number]
         boot = next((e for e in evs if e.type == "status" and e.data.get("state") == "booting"),
@@ -888,7 +933,10 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
                 end_reason = "error (retried)" if e.data.get("retrying") else "error"
             elif e.type == "result":
                 end_reason = e.data.get("status", end_reason)
-        if end_reason == "running" and (final or number < max(by_attempt)):
+        replaced = newest[layout.node_slot(number, stride)] > number
+        if end_reason == "running" and final and stride > 1 and not replaced:
+            end_reason = f"ended with the job ({(result or {}).get('status')})"
+        elif end_reason == "running" and (final or replaced):
             end_reason = "lost"  # the instance went away without a notice
         attempts.append(Attempt(
             number=number,
@@ -899,12 +947,22 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
             end=evs[-1].time if end_reason != "running" else None,
             end_reason=end_reason,
             spot_price=instance.get("price"),
+            az=boot.data.get("az") or instance.get("az"),
+            node=layout.node_slot(number, spec.resources.max_nodes),
         ))
     # The agents' own notices count too: the group's stream may not have its notice
     # yet when a job ends right after it (another node finished the job), and an agent
     # started by hand has no group at all.
     noticed.update(str(a.instance_id) for a in attempts if a.end_reason == "interrupted")
     interruptions = len(noticed)
+
+    worlds: list[tuple[float, int, int]] = []
+    for e in events:
+        if e.type == "world":
+            now_world = (int(e.data.get("nodes") or 0), int(e.data.get("world_size") or 0))
+            # Each node reports every round: keep the changes, in time order.
+            if not worlds or (worlds[-1][1:] != now_world and e.time >= worlds[-1][0]):
+                worlds.append((e.time, *now_world))
 
     status, reason = _status(events, result)
     start = min((e.time for e in events), default=spec.created)
@@ -914,7 +972,7 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
         cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=metrics,
         duration=max(0.0, end_of_job - min(start, spec.created)),
         error=(result or {}).get("error") or (error if status == "failed" else None),
-        requests_usd=requests_usd,
+        requests_usd=requests_usd, worlds=tuple(worlds),
     )
 
 

@@ -56,6 +56,14 @@ def lease_key(slot: int = 0) -> str:
     return LEASE if slot == 0 else f"lease.{slot}.json"
 
 
+def node_slot(attempt: int, max_nodes: int) -> int:
+    """The node slot whose agent writes attempt (epoch) ``attempt`` of a job of
+    ``max_nodes`` nodes: slot k's epochs are k+1, k+1+MAX, k+1+2*MAX, ... (one stride of
+    MAX per tenure, :mod:`spotnb.lease`), so an epoch of MAX or less is its slot's first
+    tenure (a node joining) and a later one a replacement."""
+    return (attempt - 1) % max(1, max_nodes)
+
+
 def home() -> Path:
     """The directory for spotnb's local state (``$SPOTNB_HOME``, default ``~/.spotnb``)."""
     env = os.environ.get("SPOTNB_HOME")

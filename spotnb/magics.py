@@ -30,7 +30,7 @@ from traitlets import Float, Int, List, TraitError, Type, Unicode, validate
 import spotnb
 from spotnb import capture, display
 from spotnb.cli import JOB_COLUMNS, jobs_table
-from spotnb.spec import SpecError, parse_duration, parse_nodes
+from spotnb.spec import SpecError, parse_duration, parse_nodes, parse_peer_timeout
 
 __all__ = ["SpotMagics", "TrainRequest"]
 
@@ -128,6 +128,7 @@ _OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
     "store": ("SpotMagics.store", None, "store"),
     "nodes": ("--nodes", "nodes", None),
     "procs_per_node": ("--procs-per-node", "procs_per_node", None),
+    "peer_timeout": ("--peer-timeout", "peer_timeout", None),
 }
 
 
@@ -275,9 +276,12 @@ class SpotMagics(Magics):
     @argument("--nodes", metavar="N|MIN:MAX",
               help="train on N instances as torchrun's workers (RANK, WORLD_SIZE, ... set "
                    "in the cell), e.g. --nodes 4; --nodes 3:4 goes on with 3 while a lost "
-                   "node's replacement boots (local cloud; default 1)")
+                   "node's replacement boots (default 1)")
     @argument("--procs-per-node", type=int, metavar="P",
               help="worker processes per instance, e.g. one per GPU (default 1)")
+    @argument("--peer-timeout", metavar="SECONDS",
+              help="the longest a rank waits on a silent peer before the world re-forms "
+                   "without it, e.g. --peer-timeout 90 or 5m (10s to 60m; default 2m)")
     @_policy_args
     @argument("--simulate-interruptions", metavar="N|TIMES",
               help="local cloud: interrupt the job N times, each soon after an attempt's "
@@ -377,6 +381,8 @@ class SpotMagics(Magics):
             submit["nodes"] = parse_nodes(args.nodes)
         if args.procs_per_node is not None:
             submit["procs_per_node"] = args.procs_per_node
+        if args.peer_timeout is not None:
+            submit["peer_timeout"] = parse_peer_timeout(args.peer_timeout)
         names = {}
         for field, (option, dest, setting) in _OPTIONS.items():
             typed = dest is not None and getattr(args, dest) is not None

@@ -31,6 +31,8 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
+from spotnb import layout
+
 __all__ = ["DRAIN_SECONDS", "SEND_TIMEOUT_SECONDS", "Notifier", "check_url", "redact"]
 
 log = logging.getLogger(__name__)
@@ -66,8 +68,9 @@ class Notifier:
     :meth:`interrupted` and :meth:`ended`; :meth:`close` waits for the last messages.
     """
 
-    def __init__(self, url: str | None, job_id: str, name: str) -> None:
+    def __init__(self, url: str | None, job_id: str, name: str, max_nodes: int = 1) -> None:
         self.url = url
+        self.max_nodes = max_nodes  # a multi-node job's MAX: its notices are a node's
         self.job_id = job_id
         self.name = name
         self.where = ""  # instance type, zone, id
@@ -104,6 +107,13 @@ class Notifier:
         """The spot notice reached this attempt."""
         notice = f"spot interruption notice ({action or 'terminate'}"
         notice += f" at {when})" if when else ")"
+        if self.max_nodes > 1:
+            slot = layout.node_slot(attempt, self.max_nodes)
+            self._post(f":warning: spotnb job *{self.name}* (`{self.job_id}`): node {slot} "
+                       f"(attempt {attempt}) interrupted by a {notice}; every rank saves a "
+                       "checkpoint, and the job goes on without the node while its "
+                       "replacement boots")
+            return
         self._post(f":warning: spotnb job *{self.name}* (`{self.job_id}`): attempt "
                    f"{attempt} interrupted by a {notice}; it saves a checkpoint and "
                    "resumes on a replacement instance")

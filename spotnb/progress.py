@@ -103,6 +103,9 @@ class Progress:
         self.attempt = 0  # the newest attempt that logged a step
         self.interruptions: list[Interruption] = []
         self.launching: str | None = None  # the replacement being launched, if any
+        # A multi-node job's MAX nodes: a boot ends the attempt it replaces, which is
+        # its node slot's previous one (MAX attempts earlier), not the one before it.
+        self.max_nodes = 1
         self._window: collections.deque[tuple[float, float]] = collections.deque()
         self._booted: set[int] = set()
         self._last: dict[int, tuple[float, float]] = {}  # attempt -> (step, time)
@@ -132,6 +135,8 @@ class Progress:
         elif e.type == "status" and e.attempt != GROUP_STREAM and \
                 d.get("state") == "booting" and e.attempt not in self._booted:
             earlier = [a for a in self._booted if a < e.attempt]
+            if self.max_nodes > 1:  # a node joins, or replaces its slot's last instance
+                earlier = [a for a in earlier if a == e.attempt - self.max_nodes]
             if earlier and max(earlier) not in self._ended and \
                     not str(d.get("detail", "")).startswith("retrying"):
                 self._end(Interruption(max(earlier), e.time, noticed=False))
@@ -143,8 +148,11 @@ class Progress:
                 d.get("state") in ("launching", "waiting_for_capacity") and self._booted:
             where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
             verb = "launching" if d.get("state") == "launching" else "waiting for capacity"
-            self.launching = (f"attempt {max(self._booted) + 1}: {verb}"
-                              + (f" {where}" if where else ""))
+            who = f"attempt {max(self._booted) + 1}"
+            if self.max_nodes > 1:  # which attempt number a node gets is its slot's
+                who = "a replacement node" if len(self._booted) >= self.max_nodes \
+                    else "a node"
+            self.launching = f"{who}: {verb}" + (f" {where}" if where else "")
         elif e.type == "instance" and e.attempt == GROUP_STREAM:
             self._instance(e)
         elif e.type == "price" and d.get("pool") and d.get("price") is not None:
@@ -325,6 +333,19 @@ class Progress:
             total += price * (when - t)
             price, t = value, when
         return (total + price * (b - t)) / 3600.0
+
+    def running_prices(self) -> tuple[float, float, int] | None:
+        """The spot and on-demand USD/hour of every instance running now, summed (a
+        multi-node job pays for each of its nodes), and how many there are; None
+        while none runs."""
+        running = [i for i in self._instances.values() if i.end is None]
+        if not running:
+            return None
+        spot = 0.0
+        for inst in running:
+            _times, prices = self._prices.get(inst.pool, ([], []))
+            spot += prices[-1] if prices else inst.price
+        return spot, sum(i.ondemand for i in running), len(running)
 
     def projection(self, now: float, cost_usd: float, ondemand_cost_usd: float,
                    spot_price: float | None, ondemand_price: float | None

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "PEER_TIMEOUT_MAX_SECONDS",
+    "PEER_TIMEOUT_MIN_SECONDS",
     "SPEC_SCHEMA",
     "CheckpointEvery",
     "JobSpec",
@@ -34,6 +36,7 @@ __all__ = [
     "check_variable_name",
     "parse_duration",
     "parse_nodes",
+    "parse_peer_timeout",
     "whole_number",
 ]
 
@@ -130,6 +133,30 @@ def parse_duration(value: float | int | str, what: str = "duration") -> float:
         seconds = float(value)
     if not (math.isfinite(seconds) and seconds > 0):
         raise _bad(what, f"{usage}, finite and above 0", value)
+    return seconds
+
+
+#: The shortest peer timeout (``Policy.peer_timeout``) a job may set: a live peer may
+#: be silent this long while rank 0 writes a coordinated checkpoint or a loaded node
+#: answers late, and a shorter timeout takes such a peer for dead (a needless restart).
+PEER_TIMEOUT_MIN_SECONDS = 10.0
+#: The longest: a rank waits this long at most on a dead peer before the world
+#: re-forms (NCCL's own default of 10 minutes is the hang issue 13 is about; an hour
+#: is past any reason to wait and still bounds the idle instances' cost).
+PEER_TIMEOUT_MAX_SECONDS = 3600.0
+
+
+def parse_peer_timeout(value: Any, what: str = "peer_timeout") -> float:
+    """Seconds a rank waits on a silent peer, from a duration (:func:`parse_duration`)
+    within :data:`PEER_TIMEOUT_MIN_SECONDS`..:data:`PEER_TIMEOUT_MAX_SECONDS`."""
+    seconds = parse_duration(value, what)
+    if not PEER_TIMEOUT_MIN_SECONDS <= seconds <= PEER_TIMEOUT_MAX_SECONDS:
+        raise SpecError(
+            f"{{option}} must be between {PEER_TIMEOUT_MIN_SECONDS:g}s and "
+            f"{PEER_TIMEOUT_MAX_SECONDS / 60:g}m (how long a rank waits on a dead peer "
+            f"before the world re-forms), not {value!r}: use e.g. 2m (the default); "
+            "shorter restarts a slow but live world, longer leaves the others idle "
+            "and billed", field=what)
     return seconds
 
 
@@ -301,7 +328,7 @@ class Policy:
             parse_duration(self.max_duration, "max_duration")
             _exact_float(self.max_duration, "max_duration")
         _exact_int(self.keep_checkpoints, "keep_checkpoints", 1)
-        parse_duration(self.peer_timeout, "peer_timeout")
+        parse_peer_timeout(self.peer_timeout)
         _exact_float(self.peer_timeout, "peer_timeout")
 
 

@@ -38,6 +38,7 @@ from spotnb.spec import (
     check_variable_name,
     parse_duration,
     parse_nodes,
+    parse_peer_timeout,
     whole_number,
 )
 from spotnb.store import Store, StoreError, open_store
@@ -109,7 +110,7 @@ def prepare_job(
         max_duration=(parse_duration(max_duration, "max_duration")
                       if max_duration is not None else None),
         keep_checkpoints=whole_number(keep_checkpoints, "keep_checkpoints", minimum=1),
-        peer_timeout=parse_duration(peer_timeout, "peer_timeout"),
+        peer_timeout=parse_peer_timeout(peer_timeout),
         notify_url=notify_url,
     )
     out_names = _variable_names(outputs, "outputs")

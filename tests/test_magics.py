@@ -126,6 +126,10 @@ def test_options_override_configuration(ip: Any) -> None:
     multi = magics.train_request("--nodes 3:4 --procs-per-node 2")
     assert multi.submit["nodes"] == (3, 4) and multi.submit["procs_per_node"] == 2
     assert magics.train_request("--nodes 4").submit["nodes"] == (4, 4)
+    # How long a rank waits on a dead peer: a duration, as submit(peer_timeout=) takes.
+    assert "peer_timeout" not in default.submit
+    assert magics.train_request("--nodes 2 --peer-timeout 90").submit["peer_timeout"] == 90.0
+    assert magics.train_request("--nodes 2 --peer-timeout 5m").submit["peer_timeout"] == 300.0
     for bad, words in (("0", "at least one node"), ("4:3", "MIN must not exceed MAX")):
         with pytest.raises(SpecError, match=words):
             magics.train_request(f"--nodes {bad}")
@@ -195,6 +199,11 @@ def test_spot_config_shows_effective_settings(ip: Any) -> None:
     ("--in a --no-capture", "print(1)\n", "choose one"),
     ("--out not-a-name", "print(1)\n", "is not a variable name"),
     ("--provider nimbus", "print(1)\n", "unknown provider 'nimbus'"),
+    ("--nodes 2 --peer-timeout 5", "print(1)\n",
+     "--peer-timeout must be between 10s and 60m (how long a rank waits on a dead peer"),
+    ("--nodes 2 --peer-timeout 2h", "print(1)\n", "--peer-timeout must be between 10s"),
+    ("--nodes 2 --peer-timeout 0", "print(1)\n", "--peer-timeout must be a duration like"),
+    ("--nodes 2 --peer-timeout soon", "print(1)\n", "--peer-timeout must be a duration"),
 ])
 def test_bad_input_is_a_usage_error_and_starts_nothing(
         ip: Any, spotnb_home: Path, line: str, cell: str, expected: str) -> None:
@@ -202,7 +211,8 @@ def test_bad_input_is_a_usage_error_and_starts_nothing(
         ip.run_cell_magic("spot_train", line, cell)
     assert expected in str(err.value)
     # It names the option typed, never the API's field.
-    for field in ("budget_usd", "max_price", "keep_checkpoints", "checkpoint_every", "outputs"):
+    for field in ("budget_usd", "max_price", "keep_checkpoints", "checkpoint_every", "outputs",
+                  "peer_timeout"):
         assert field not in str(err.value)
     _no_job_started(spotnb_home)
 

@@ -523,4 +523,200 @@ def test_two_processes_on_each_of_two_nodes(
     assert result.outputs["seen"]["LOCAL_RANK"] == "0"
     # %spot_jobs and `spotnb jobs` show the nodes.
     row = next(r for r in spotnb.jobs() if r.job_id == job.job_id)
-    assert row.nodes == "2x2"
+    assert row.nodes == "2 nodes (2x2)"
+    assert (row.instance_type or "").startswith("g4dn.xlarge x2")
+
+
+# -- what the notebook shows of a multi-node job (offline, from its events) ----------
+
+T0 = 1_800_000_000.0
+SPOT, ONDEMAND = 0.5, 1.5  # USD/hour of every instance of the synthetic job
+
+
+def _three_node_job() -> tuple[JobSpec, list[object]]:
+    """The events of a --nodes 2:3 job as its streams write them: three nodes join and
+    form a world of 3; node 1 (attempt 2) gets its notice, the world re-forms at 2; its
+    replacement (attempt 5, node slot 1 again) joins and the world re-forms at 3; the
+    job completes. Every node samples its CPU; global rank 0 (node 0) logs the loss."""
+    import json
+
+    from spotnb.events import GROUP_STREAM, Event
+
+    raw = json.loads(_spec_json())
+    raw["resources"].update(min_nodes=2, max_nodes=3, procs_per_node=1)
+    raw["created"] = T0
+    spec = JobSpec.from_json(json.dumps(raw))
+    ev: list[object] = []
+
+    def group(at: float, type_: str, **data: object) -> None:
+        ev.append(Event(type_, T0 + at, GROUP_STREAM, data.get("instance_id"), data))  # type: ignore[arg-type]
+
+    def agent(at: float, attempt: int, type_: str, **data: object) -> None:
+        ev.append(Event(type_, T0 + at, attempt, f"i-{attempt}", data))
+
+    def launch(t: float, attempt: int) -> None:
+        group(t, "instance", action="launched", instance_id=f"i-{attempt}",
+              instance_type="g4dn.xlarge", az="us-east-1a", pool="g4dn.xlarge/us-east-1a",
+              price=SPOT, ondemand=ONDEMAND)
+
+    def boot(t: float, attempt: int) -> None:
+        agent(t, attempt, "status", state="booting", detail=f"attempt {attempt}",
+              instance_type="g4dn.xlarge", az="us-east-1a")
+
+    def world(t: float, attempts: list[int], generation: int) -> None:
+        for rank, attempt in enumerate(attempts):
+            agent(t, attempt, "world", generation=generation, nodes=len(attempts),
+                  world_size=len(attempts), node_rank=rank, ranks=[rank], min_nodes=2,
+                  max_nodes=3)
+
+    for a in (1, 2, 3):
+        launch(0, a)
+        boot(10, a)
+    world(20, [1, 2, 3], 1)
+    for t in (25, 30, 35):
+        for a in (1, 2, 3):
+            agent(t, a, "sys", kind="cpu", util=30.0 * a, mem_used=1, mem_total=4)
+        agent(t, 1, "metric", step=int(t), t=T0 + t, values={"loss": 1.0 / t})
+    agent(40, 2, "notice", kind="instance-action", action="terminate",
+          notice_time="2027-01-15T08:00:00Z")
+    group(40, "instance", action="notice", instance_id="i-2")
+    agent(50, 2, "status", state="interrupted", detail="the instance was terminated")
+    group(50, "instance", action="terminated", instance_id="i-2")
+    world(55, [1, 3], 1)
+    # The noticed node's stream, read late, repeats its report of the world of 3.
+    agent(20, 2, "world", generation=1, nodes=3, world_size=3, node_rank=1, ranks=[1],
+          min_nodes=2, max_nodes=3)
+    group(58, "status", state="launching", instance_type="g4dn.xlarge", az="us-east-1a")
+    launch(60, 5)
+    boot(70, 5)
+    world(80, [1, 3, 5], 1)
+    agent(85, 5, "sys", kind="cpu", util=90.0, mem_used=1, mem_total=4)
+    agent(90, 1, "result", status="completed", reason="the cell finished")
+    for a in (1, 3, 5):
+        group(100, "instance", action="terminated", instance_id=f"i-{a}")
+    return spec, ev
+
+
+def test_the_display_tells_a_multi_node_job_in_nodes_and_worlds() -> None:
+    from spotnb import display
+
+    spec, events = _three_node_job()
+    view = display.JobView(job_id=spec.job_id, name=spec.name, created=T0,
+                           min_nodes=2, max_nodes=3)
+    lines = []
+    launching = []
+    for event in events:
+        view.apply(event)  # type: ignore[arg-type]
+        text = display.milestone(event, view)  # type: ignore[arg-type]
+        if text is not None:
+            lines.append(text)
+        launching.append(display.header(view).attempt)
+    assert lines[:3] == [f"node {k} (attempt {k + 1}): joining, g4dn.xlarge us-east-1a "
+                         f"(i-{k + 1})" for k in range(3)]
+    assert lines[3] == "world formed: 3 nodes, world size 3 (--nodes 2:3)"
+    assert lines[4].startswith("node 1 (attempt 2): spot interruption notice for i-2")
+    assert lines[4].endswith("the job goes on with 2 nodes while a replacement boots")
+    assert lines[5] == ("world re-formed at 2 nodes, world size 2: going on without "
+                        "1 lost node while a replacement boots")
+    assert lines[6] == ("node 1 (attempt 5): a replacement instance joining in the lost "
+                        "node's place, g4dn.xlarge us-east-1a (i-5)")
+    assert lines[7] == "world re-formed at 3 nodes, world size 3: 1 node joined"
+    assert len(lines) == 8, lines  # one line per change, not one per node's report
+    assert not any("resuming on a replacement" in line for line in lines)
+    # Nodes joining are not interruptions; the noticed node is the only one.
+    assert [i.attempt for i in view.progress.interruptions] == [2]
+    assert view.worlds == [(T0 + 20, 3, 3), (T0 + 55, 2, 2), (T0 + 80, 3, 3)]
+    assert display.header(view).world == "3 nodes (--nodes 2:3), world size 3"
+    # While the replacement launches, the header says so (not "attempt 4": a node's
+    # attempts are its slot's).
+    assert "a replacement node: launching g4dn.xlarge us-east-1a" in launching
+    assert not any(text.startswith("attempt") for text in launching)
+
+
+def test_the_cost_of_a_multi_node_job_counts_every_node() -> None:
+    from spotnb import display
+    from spotnb.jobs import instances_label, nodes_label, summarize
+
+    spec, events = _three_node_job()
+    result = summarize(spec, events, {"status": "completed"})  # type: ignore[arg-type]
+    # Two nodes for 100 s, the noticed one for 50 s, its replacement for 40 s.
+    seconds = 2 * 100 + 50 + 40
+    assert result.cost_usd == pytest.approx(SPOT * seconds / 3600)
+    assert result.ondemand_cost_usd == pytest.approx(ONDEMAND * seconds / 3600)
+    assert result.interruptions == 1
+    assert [(a.number, a.node) for a in result.attempts] == [(1, 0), (2, 1), (3, 2), (5, 1)]
+    # The nodes without global rank 0 write no result: they ended with the job.
+    assert [a.end_reason for a in result.attempts] == [
+        "completed", "interrupted", "ended with the job (completed)",
+        "ended with the job (completed)"]
+    assert result.worlds == ((T0 + 20, 3, 3), (T0 + 55, 2, 2), (T0 + 80, 3, 3))
+    # %spot_jobs and `spotnb jobs`: the nodes now, and each node's instance.
+    assert nodes_label(spec.resources, result) == "3 nodes (2:3)"
+    assert instances_label(result, multinode=True) == "g4dn.xlarge x3 us-east-1a"
+    # While it runs, the header's price and projection are those of every node.
+    view = display.JobView(job_id=spec.job_id, name=spec.name, created=T0,
+                           min_nodes=2, max_nodes=3)
+    for event in events[:-4]:  # before the end: three instances billing
+        view.apply(event)  # type: ignore[arg-type]
+    assert display.header(view).price == (f"spot ${3 * SPOT:.4f}/h for 3 instances "
+                                          f"(on-demand ${3 * ONDEMAND:.4f}/h)")
+
+
+def test_a_multi_node_record_names_its_nodes_and_the_dashboard_plots_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np = pytest.importorskip("numpy")
+    from spotnb.jobs import JobHandle, summarize
+    from spotnb.records.summary import job_record
+    from spotnb.widgets import plots, series
+
+    spec, events = _three_node_job()
+    result = summarize(spec, events, {"status": "completed"})  # type: ignore[arg-type]
+    record = job_record(JobHandle(LocalStore(tmp_path), spec), events=events,  # type: ignore[arg-type]
+                        result=result)
+    nodes = record["nodes"]
+    assert (nodes["min"], nodes["max"], nodes["label"]) == (2, 3, "3 nodes (2:3)")
+    assert [w["nodes"] for w in nodes["worlds"]] == [3, 2, 3]
+    assert [(i["node"], i["instance_id"], i["instance_type"], i["az"])
+            for i in nodes["instances"]] == [
+        (0, "i-1", "g4dn.xlarge", "us-east-1a"), (1, "i-5", "g4dn.xlarge", "us-east-1a"),
+        (2, "i-3", "g4dn.xlarge", "us-east-1a")]
+    assert record["options"]["peer_timeout"] == spec.policy.peer_timeout
+    # `spotnb records show` lists each node's instance.
+    import argparse
+
+    import nbformat
+
+    from spotnb.records import cli as records_cli
+
+    path = tmp_path / "run.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["spotnb"] = {"run": {"status": "completed"}, "jobs": [record]}
+    nbformat.write(nb, path)
+    records_cli.cmd_show(argparse.Namespace(record=str(path), json=False))
+    shown = capsys.readouterr().out
+    assert "nodes 3 nodes (2:3), world 3 -> 2 -> 3" in shown, shown
+    assert ("node 1: g4dn.xlarge us-east-1a (i-5, attempt 5, ended with the job "
+            "(completed))") in shown, shown
+    # The dashboard: a utilisation line per node (node 1's replacement continues its
+    # line after a gap), the world size over time, and no false "lost" marks.
+    data = series.DashboardData(max_nodes=3)
+    data.add(events)  # type: ignore[arg-type]
+    assert {k: len(v) for k, v in data.node_util.items()} == {0: 3, 1: 4, 2: 3}
+    _x, y = data.sys_points(data.node_util[1], gaps=data.node_gaps[1])
+    assert np.isnan(y).sum() == 1 and y[-1] == 90.0
+    assert data.sys_gaps == []  # the nodes' turns in the job's series are no gaps
+    t, size, _nodes = data.world_points()
+    assert list(size) == [3, 2, 3, 3] and t[-1] == data.last_time
+    assert [(m.kind, m.attempt) for m in data.markers] == [("interrupted", 2),
+                                                            ("resumed", 5)]
+    figure = plots.Plots()
+    figure.draw(data)
+    names = [trace["name"] for trace in figure.figure.plot_data]
+    assert [n for n in names if n.startswith("node ")] == ["node 0 CPU %", "node 1 CPU %",
+                                                         "node 2 CPU %"]
+    assert "world size" in names
+    layout = figure.figure.plot_layout
+    # The notice and the replacement are marked on the system panel too.
+    assert len(layout["shapes"]) == 2
+    assert any(axis.get("title", {}).get("text") == "world size"
+               for key, axis in layout.items() if key.startswith("yaxis"))

@@ -280,6 +280,39 @@ def test_multinode_notebook_trains_on_two_nodes_through_an_interruption(
     status = [t for t in _texts(train) if t.startswith("spotnb job")][-1]
     assert "completed" in status and "interruptions 1" in status, status
     (job,) = spotnb.jobs()
-    assert (job.status, job.nodes, job.interruptions) == ("completed", "1:2", 1)
+    assert (job.status, job.interruptions) == ("completed", 1)
+    assert re.fullmatch(r"[12] nodes? \(1:2\)", job.nodes), job.nodes
+    # The display tells it in nodes and worlds: the second node joins (it is no
+    # replacement), the world forms at 2; the header shows the world.
+    assert re.search(r"node 1 \(attempt 2\): joining, g4dn\.xlarge", text), text
+    assert "world formed: 2 nodes, world size 2 (--nodes 1:2)" in text, text
+    assert "spot interruption notice" in text and "every rank saves a checkpoint" in text
+    assert "resuming on a replacement" not in text, text
+    assert re.search(r"[12] nodes? \(--nodes 1:2\), world size [12]", status), status
+    # The record names every node's instance; the cost bills every instance the group
+    # launched (both nodes and the replacement) for its seconds from launch to
+    # termination (the on-demand equivalent: one constant price per instance).
+    (record,) = [o["metadata"]["spotnb"]["job"] for o in train.outputs
+                 if "job" in (o.get("metadata") or {}).get("spotnb", {})]
+    nodes = record["nodes"]
+    assert (nodes["min"], nodes["max"], nodes["worlds"][0]["nodes"]) == (1, 2, 2), nodes
+    assert {i["node"] for i in nodes["instances"]} == {0, 1}, nodes
+    from spotnb.events import GROUP_STREAM, EventReader
+    from spotnb.jobs import summarize
+
+    handle = spotnb.attach(job.job_id)
+    events = list(EventReader(handle.store).replay())
+    result = summarize(handle.spec, events, handle.result_record())
+    group = [e for e in events if e.attempt == GROUP_STREAM and e.type == "instance"]
+    launched = {e.data["instance_id"]: e for e in group if e.data.get("action") == "launched"}
+    ended = {e.data["instance_id"]: e.time for e in group
+             if e.data.get("action") == "terminated"}
+    end_of_job = max(e.time for e in events)
+    assert len(launched) >= 3, launched
+    seconds = {i: ended.get(i, end_of_job) - e.time for i, e in launched.items()}
+    assert result.ondemand_cost_usd == pytest.approx(
+        sum(e.data["ondemand"] * seconds[i] / 3600 for i, e in launched.items()))
+    assert result.cost_usd > max(e.data["price"] * seconds[i] / 3600
+                                 for i, e in launched.items())
     report = "".join(_texts(nb.cells[-1]))
     assert re.search(r"final loss \d\.\d+", report), report

@@ -111,6 +111,13 @@ def test_a_notification_is_slack_json_with_progress_and_machine_stats(hook: Hook
     assert last["text"].startswith(":white_check_mark: spotnb job *run a* (`job-1`) "
                                    "completed on attempt 3")
     assert n.sent == 2 and n.failed == 0
+    # A multi-node job's notice is a node's: the others go on without it.
+    node = notify.Notifier(hook.url, "job-2", "run b", max_nodes=3)
+    node.interrupted(5, "terminate", None)
+    node.close()
+    text = hook.wait_for(3)[-1]["text"]
+    assert "node 1 (attempt 5) interrupted" in text, text
+    assert "goes on without the node while its replacement boots" in text, text
 
 
 def test_a_failing_or_hanging_webhook_costs_a_bounded_wait_and_never_the_url(

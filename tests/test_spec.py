@@ -18,7 +18,15 @@ from hypothesis import strategies as st
 
 import spotnb
 from spotnb.jobs import prepare
-from spotnb.spec import MAX_NODES, CheckpointEvery, JobSpec, Policy, SpecError
+from spotnb.spec import (
+    MAX_NODES,
+    PEER_TIMEOUT_MAX_SECONDS,
+    PEER_TIMEOUT_MIN_SECONDS,
+    CheckpointEvery,
+    JobSpec,
+    Policy,
+    SpecError,
+)
 
 CODE = "x = 1"
 
@@ -101,7 +109,8 @@ VALID: dict[str, Callable[[JobSpec], bool]] = {
     and _whole(s.resources.max_nodes, s.resources.min_nodes)
     and s.resources.max_nodes <= MAX_NODES,
     "procs_per_node": lambda s: _whole(s.resources.procs_per_node, 1),
-    "peer_timeout": lambda s: _finite_positive(s.policy.peer_timeout),
+    "peer_timeout": lambda s: _finite_positive(s.policy.peer_timeout)
+    and PEER_TIMEOUT_MIN_SECONDS <= s.policy.peer_timeout <= PEER_TIMEOUT_MAX_SECONDS,
 }
 
 
@@ -182,6 +191,8 @@ def test_any_value_of_any_argument_is_a_valid_spec_or_a_spec_error(
     ({"procs_per_node": 1.5}, "procs_per_node", "a whole number"),
     ({"peer_timeout": float("nan")}, "peer_timeout", "finite and above 0, not nan"),
     ({"peer_timeout": "soon"}, "peer_timeout", "a duration like"),
+    ({"peer_timeout": 5}, "peer_timeout", "between 10s and 60m (how long a rank waits"),
+    ({"peer_timeout": "2h"}, "peer_timeout", "use e.g. 2m (the default)"),
 ])
 def test_bad_input_names_the_argument_and_the_fix(
         spotnb_home: Path, kwargs: dict[str, Any], field: str, words: str) -> None:

@@ -111,7 +111,8 @@ def sys_sample(when: float, attempt: int = 1, kind: str = "cpu") -> Event:
 def fake_handle(provider: str = "local", max_price: float | None = None) -> Any:
     calls: list[str] = []
     spec = types.SimpleNamespace(provider=provider, job_id="job-1", name="test",
-                                 resources=types.SimpleNamespace(max_price=max_price))
+                                 resources=types.SimpleNamespace(
+                                     max_price=max_price, min_nodes=1, max_nodes=1))
     return types.SimpleNamespace(
         spec=spec, job_id="job-1", calls=calls,
         stop=lambda reason: calls.append(f"stop {reason}"),

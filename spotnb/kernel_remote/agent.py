@@ -152,7 +152,8 @@ class Agent:
         self.spec: JobSpec = JobSpec.from_json(
             _retry_store(lambda: self.store.get(layout.SPEC), "reading the spec"))
         # Notifications (spotnb.notify): a no-op without the policy's notify_url.
-        self.notifier = Notifier(self.spec.policy.notify_url, self.spec.job_id, self.spec.name)
+        self.notifier = Notifier(self.spec.policy.notify_url, self.spec.job_id, self.spec.name,
+                                 max_nodes=self.spec.resources.max_nodes)
         self.identity: dict[str, Any] = {}
         self.held: lease.HeldLease | None = None
         self.events: EventWriter | None = None

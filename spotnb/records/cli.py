@@ -133,6 +133,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  types {','.join(options.get('instance_types') or [])}, "
               f"region {options.get('region')}, provider {options.get('provider')}, "
               f"checkpoint {options.get('checkpoint_every')}")
+        nodes = job.get("nodes")
+        if nodes:
+            worlds = " -> ".join(str(w.get("nodes")) for w in nodes.get("worlds") or [])
+            print(f"  nodes {nodes.get('label')}" + (f", world {worlds}" if worlds else ""))
+            for inst in nodes.get("instances") or []:
+                print(f"    node {inst.get('node')}: {inst.get('instance_type') or '?'}"
+                      f" {inst.get('az') or ''} ({inst.get('instance_id')}, attempt "
+                      f"{inst.get('attempt')}, {inst.get('end_reason')})")
         params = job.get("params") or {}
         if params:
             shown = ", ".join(f"{k}={v}" for k, v in list(params.items())[:_PARAMS_SHOWN])

@@ -69,7 +69,7 @@ def dashboard_png(events: Sequence[Event], record: Mapping[str, Any]) -> bytes:
     ``record`` its :func:`~spotnb.records.summary.job_record` (for the headline)."""
     from spotnb.widgets.series import DashboardData
 
-    data = DashboardData()
+    data = DashboardData(max_nodes=int((record.get("nodes") or {}).get("max") or 1))
     data.add(list(events))
     title, line = _headline(record)
     return render(data, title, [line, *price_lines(data)])
@@ -106,12 +106,13 @@ def render(data: DashboardData, title: str, lines: Sequence[str]) -> bytes:
         MEM_COLOUR,
         RESUME_COLOUR,
         UTIL_COLOUR,
+        WORLD_COLOUR,
     )
 
     names = data.metric_names()
     cols = 1 if len(names) <= 1 else 2
     rows = max(1, -(-len(names) // cols))
-    has_sys = len(data.util) > 0
+    has_sys = len(data.util) > 0 or bool(data.worlds)
     heights = [2.3] * rows + ([1.5] if has_sys else [])
     fig = Figure(figsize=(_SIZE_INCHES[0], 1.1 + 0.16 * len(lines) + sum(heights)),
                  layout="constrained")
@@ -142,21 +143,39 @@ def render(data: DashboardData, title: str, lines: Sequence[str]) -> bytes:
     if has_sys:
         ax = fig.add_subplot(grid[rows, :])
         gpu = data.sys_kind == "gpu"
-        x, y = data.sys_points(data.util, full=True)
-        ax.plot((x - origin) / 60.0, y, color=UTIL_COLOUR, lw=1,
-                label="GPU utilisation %" if gpu else "CPU utilisation %")
-        x, y = data.sys_points(data.mem, full=True)
-        ax.plot((x - origin) / 60.0, y, color=MEM_COLOUR, lw=1,
-                label="GPU memory %" if gpu else "RAM used %")
+        if data.multinode:  # a line per node, and the world size on the right
+            for slot in sorted(data.node_util):
+                x, y = data.sys_points(data.node_util[slot], full=True,
+                                       gaps=data.node_gaps[slot])
+                ax.plot((x - origin) / 60.0, y, color=COLOURS[slot % len(COLOURS)], lw=1,
+                        label=f"node {slot} {'GPU' if gpu else 'CPU'} %")
+            if data.worlds:
+                t, size, _nodes = data.world_points()
+                right = ax.twinx()
+                right.step((t - origin) / 60.0, size, where="post", color=WORLD_COLOUR,
+                           lw=1.6, label="world size")
+                right.set_ylim(0, max(size) + 1)  # above the highest world: clear of 100% lines
+                right.set_ylabel("world size", fontsize=8)
+                right.tick_params(labelsize=7)
+                right.legend(fontsize=7, loc="lower right", frameon=False)
+        else:
+            x, y = data.sys_points(data.util, full=True)
+            ax.plot((x - origin) / 60.0, y, color=UTIL_COLOUR, lw=1,
+                    label="GPU utilisation %" if gpu else "CPU utilisation %")
+            x, y = data.sys_points(data.mem, full=True)
+            ax.plot((x - origin) / 60.0, y, color=MEM_COLOUR, lw=1,
+                    label="GPU memory %" if gpu else "RAM used %")
         for marker in data.markers:
             ax.axvline((marker.time - origin) / 60.0,
                        **_mark_style(marker.ended, INTERRUPT_COLOUR, RESUME_COLOUR))
         ax.set_ylim(0, 105)
         ax.set_ylabel("%", fontsize=8)
         ax.set_xlabel("minutes since the job started", fontsize=8)
-        ax.set_title("GPU utilisation and memory" if gpu
-                     else "CPU and RAM (no GPU on this instance)", fontsize=9, loc="left",
-                     fontweight="bold")
+        title = ("GPU utilisation and memory" if gpu
+                 else "CPU and RAM (no GPU on this instance)")
+        if data.multinode:
+            title = f"{'GPU' if gpu else 'CPU'} utilisation per node and world size"
+        ax.set_title(title, fontsize=9, loc="left", fontweight="bold")
         ax.legend(fontsize=7, loc="lower left", frameon=False, ncols=2)
         _style(ax)
     handles = []

@@ -25,7 +25,7 @@ from typing import Any
 from spotnb import layout
 from spotnb.checkpoints import CheckpointStore
 from spotnb.events import Event, EventReader, expand, metric_columns, metric_names
-from spotnb.jobs import JobHandle, JobResult, summarize
+from spotnb.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize
 from spotnb.records.scrub import scrub
 
 __all__ = [
@@ -107,6 +107,27 @@ def _options(handle: JobHandle) -> dict[str, Any]:
         "simulate_interruptions": spec.simulate_interruptions,
         # Whether notifications were sent; never where to (the URL is a secret).
         "notify": bool(getattr(policy, "notify_url", None)),
+        "nodes": nodes_label(spec.resources),
+        "peer_timeout": policy.peer_timeout if spec.resources.distributed else None,
+    }
+
+
+def _nodes(spec: Any, result: JobResult) -> dict[str, Any] | None:
+    """A distributed job's nodes: its counts, its world as it changed, and the instance
+    each node slot ran on last (type and zone where known). None for one node."""
+    res = spec.resources
+    if not res.distributed:
+        return None
+    return {
+        "min": res.min_nodes,
+        "max": res.max_nodes,
+        "procs_per_node": res.procs_per_node,
+        "label": nodes_label(res, result),
+        "worlds": [{"time": iso(t), "nodes": n, "world_size": w}
+                   for t, n, w in result.worlds],
+        "instances": [{"node": a.node, "attempt": a.number, "instance_id": a.instance_id,
+                       "instance_type": a.instance_type, "az": a.az,
+                       "end_reason": a.end_reason} for a in node_instances(result)],
     }
 
 
@@ -244,6 +265,8 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
             "end": iso(a.end),
             "end_reason": a.end_reason,
             "spot_price_usd_per_hour": a.spot_price,
+            "az": a.az,
+            "node": a.node,
         } for a in result.attempts],
         "interruptions": result.interruptions,
         "cost_usd": result.cost_usd,
@@ -259,6 +282,9 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
     }
     if omitted:
         record["curves_omitted"] = omitted
+    nodes = _nodes(spec, result)
+    if nodes is not None:
+        record["nodes"] = nodes
     # Belt and braces (DESIGN invariant 7): a traceback or an output may quote a secret.
     return scrub(record)[0]
 

@@ -192,6 +192,8 @@ class Dashboard:
         from spotnb.widgets import kernel
 
         self.handle = handle
+        with self._lock:
+            self.data.max_nodes = handle.spec.resources.max_nodes
         self.widget.add_class(static.live_class(handle.job_id))
         if handle.spec.provider == "local":
             self.buttons["interrupt"].layout.display = None

@@ -118,6 +118,7 @@ def header_html(view: JobView | None, data: DashboardData) -> str:
         _item(f"{html.escape(view.name)} <code>{view.job_id}</code>"),
         _item(html.escape(h.attempt)) if h.attempt else "",
         _item(html.escape(h.where)) if h.where else "",
+        _item(html.escape(h.world)) if h.world else "",
         _item(f"<span style='color:{_GREY}'>elapsed</span> {h.elapsed}"),
     ]
     progress = []

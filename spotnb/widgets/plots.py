@@ -41,6 +41,7 @@ RESUME_COLOUR = "#3d444d"
 REDONE_COLOUR = "rgba(110,119,129,0.7)"
 UTIL_COLOUR = "#fb8500"
 MEM_COLOUR = "#8c959f"
+WORLD_COLOUR = "#24292f"
 #: How the metrics are grouped into panels: (key, label for the control).
 GROUPINGS = (("metric", "one panel per metric"),
              ("name", "same name together (train/loss with val/loss)"),
@@ -107,6 +108,8 @@ class Plots:
         self._specs: list[dict[str, Any]] = []  # the traces, without their arrays
         self._traces: dict[str, tuple[int, int, int]] = {}  # raw, smoothed, redone
         self._sys: tuple[int, int] | None = None
+        self._nodes: dict[int, int] = {}  # node slot -> its utilisation trace
+        self._world: int | None = None  # the world size trace
         self._sys_axis = ""
         self._tz = 0.0
 
@@ -117,7 +120,8 @@ class Plots:
         the traces (their arrays as binary buffers), and the layout when it changed."""
         names = data.metric_names()
         structure = (tuple((t, tuple(m)) for t, m in panels(names, self.options.grouping)),
-                     len(data.util) > 0, data.sys_kind, self.options.x, self.options.log_y)
+                     len(data.util) > 0, data.sys_kind, self.options.x, self.options.log_y,
+                     tuple(sorted(data.node_util)), bool(data.worlds))
         if structure != self._structure:
             self._rebuild(data, structure)
         traces = [dict(spec) for spec in self._specs]
@@ -134,6 +138,13 @@ class Plots:
                 traces[smooth].update(x=_buffer(xs), y=_buffer(ema(y, smoothing)))
             rx, ry, rt = series.redone.view.points()
             traces[redone].update(x=_buffer(self._ms(rt) if time_x else rx), y=_buffer(ry))
+        for slot, index in self._nodes.items():
+            x, y = data.sys_points(data.node_util[slot], gaps=data.node_gaps[slot])
+            traces[index].update(x=_buffer(self._ms(x)), y=_buffer(y))
+        if self._world is not None:
+            x, y, nodes = data.world_points()
+            traces[self._world].update(x=_buffer(self._ms(x)), y=_buffer(y),
+                                       customdata=_buffer(nodes))
         if self._sys is not None:
             gpu = data.sys_kind == "gpu"
             util, mem = self._sys
@@ -159,7 +170,7 @@ class Plots:
         if data.first_time is not None:
             self._tz = float(time.localtime(data.first_time).tm_gmtoff)
         groups = panels(data.metric_names(), self.options.grouping)
-        has_sys = len(data.util) > 0
+        has_sys = len(data.util) > 0 or bool(data.worlds)
         time_x = self.options.x == "time"
         specs: list[dict[str, Any]] = []
         self._panels, self._traces = [], {}
@@ -193,9 +204,30 @@ class Plots:
             panel.marks = (len(specs), len(specs) + 1)
             specs += [_mark_trace("interruption", INTERRUPT_COLOUR, "dash", axes),
                       _mark_trace("resume on a replacement", RESUME_COLOUR, "dot", axes)]
-        self._sys = None
+        self._sys, self._nodes, self._world = None, {}, None
         self._sys_axis = _axis(len(groups))
-        if has_sys:
+        world_axis = _axis(len(groups) + 1)
+        if data.multinode and has_sys:
+            # One utilisation line per node (memory would double the lines), and the
+            # world size as a step line on the right-hand axis.
+            axes = {"xaxis": f"x{self._sys_axis}", "yaxis": f"y{self._sys_axis}"}
+            kind = "GPU" if data.sys_kind == "gpu" else "CPU"
+            for slot in sorted(data.node_util):
+                self._nodes[slot] = len(specs)
+                specs.append(_scatter(
+                    name=f"node {slot} {kind} %", mode="lines", legendgroup="nodes",
+                    line={"color": COLOURS[slot % len(COLOURS)], "width": 1.2},
+                    hovertemplate="%{fullData.name}: %{y:.0f} at %{x|%H:%M:%S}"
+                                  "<extra></extra>", **axes))
+            if data.worlds:
+                self._world = len(specs)
+                specs.append(_scatter(
+                    name="world size", mode="lines", line={"color": WORLD_COLOUR,
+                                                           "width": 2, "shape": "hv"},
+                    hovertemplate="world size %{y:.0f} (%{customdata:.0f} nodes) from "
+                                  "%{x|%H:%M:%S}<extra></extra>",
+                    xaxis=f"x{self._sys_axis}", yaxis=f"y{world_axis}"))
+        elif has_sys:
             axes = {"xaxis": f"x{self._sys_axis}", "yaxis": f"y{self._sys_axis}"}
             hover = "%{fullData.name}: %{y:.0f} at %{x|%H:%M:%S}<extra></extra>"
             self._sys = (len(specs), len(specs) + 1)
@@ -208,6 +240,15 @@ class Plots:
         self._specs = specs
         self._layout = _layout(self._panels, has_sys, self._sys_axis, data.sys_kind,
                                self.options)
+        if self._nodes or self._world is not None:
+            top = max((w[2] for w in data.worlds), default=1)
+            self._layout[f"yaxis{world_axis}"] = {
+                "overlaying": f"y{self._sys_axis}", "side": "right",
+                "anchor": f"x{self._sys_axis}", "range": [0, top + 1], "dtick": 1,
+                "showgrid": False, "title": {"text": "world size"}, "automargin": True}
+            self._layout["annotations"][-1]["text"] = (
+                f"<b>{'GPU' if data.sys_kind == 'gpu' else 'CPU'} utilisation per node "
+                "and world size</b>")
 
     def _draw_marks(self, data: DashboardData, traces: list[dict[str, Any]]
                     ) -> list[dict[str, Any]]:
@@ -235,7 +276,7 @@ class Plots:
                 traces[self._panels[0].marks[which]].update(
                     x=_buffer(nan), y=_buffer(nan), text=[""], showlegend=True)
         shapes = []
-        if self._sys is not None:
+        if self._sys is not None or self._nodes or self._world is not None:
             for marker in data.markers:
                 colour, dash = ((INTERRUPT_COLOUR, "dash") if marker.ended
                                 else (RESUME_COLOUR, "dot"))

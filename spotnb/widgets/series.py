@@ -4,7 +4,9 @@ No widgets here: :class:`DashboardData` takes events (:meth:`DashboardData.add`)
 keeps, per metric, the curve as it now stands and the points that were *redone* (logged
 by an attempt that was interrupted before its next checkpoint, then logged again by the
 replacement), GPU or CPU samples, the spot price of each pool the job ran in,
-interruptions and resumes, the last checkpoint and the last lines of output.
+interruptions and resumes, the last checkpoint and the last lines of output. A
+multi-node job's utilisation is also kept per node slot (one line per node: a node's
+replacement continues its line after a gap), with its world size as it changed.
 
 Every series is kept twice: in full (:class:`Column`, growable numpy arrays of x, y and
 the wall-clock time of each point, for the final figure and for recomputing a curve
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from spotnb import layout
 from spotnb.events import GROUP_STREAM, Event, expand, metric_columns, metric_names
 from spotnb.tb import TB_SYNC_NAME
 
@@ -460,8 +463,17 @@ class DashboardData:
     whether it has anything to send.
     """
 
-    def __init__(self, max_buckets: int = DEFAULT_BUCKETS, log_lines: int = LOG_LINES) -> None:
+    def __init__(self, max_buckets: int = DEFAULT_BUCKETS, log_lines: int = LOG_LINES,
+                 max_nodes: int = 1) -> None:
         self.max_buckets = max_buckets
+        # A multi-node job's MAX nodes (its ``world`` events say it too): which node
+        # slot an attempt's samples belong to (``layout.node_slot``).
+        self.max_nodes = max_nodes
+        self.node_util: dict[int, Reduced] = {}  # node slot -> utilisation, percent
+        self.node_gaps: dict[int, list[float]] = {}  # where a replacement's samples start
+        self._node_attempt: dict[int, int] = {}
+        # The world as it changed: (time, nodes, processes).
+        self.worlds: list[tuple[float, int, int]] = []
         self.metrics: dict[str, MetricSeries] = {}
         self.util = Reduced(max_buckets)  # percent
         self.mem = Reduced(max_buckets)  # percent of the total
@@ -507,13 +519,23 @@ class DashboardData:
         elif e.type == "sys":
             self.sys_kind = str(d.get("kind") or self.sys_kind or "cpu")
             t = e.time
-            if e.attempt != self._sys_attempt and len(self.util):
-                self.sys_gaps.append(t)  # another instance: no line across the gap
+            if e.attempt != self._sys_attempt and len(self.util) and not self.multinode:
+                # Another instance: no line across the gap. (A multi-node job's nodes
+                # take turns in this series: their lines are per node, node_util.)
+                self.sys_gaps.append(t)
             self._sys_attempt = e.attempt
             self.util.add(t, float(d.get("util", np.nan)))
+            if self.max_nodes > 1:
+                self._node_sample(e.attempt, t, float(d.get("util", np.nan)))
             total = d.get("mem_total") or 0
             used = d.get("mem_used")
             self.mem.add(t, 100.0 * used / total if total and used is not None else np.nan)
+        elif e.type == "world":
+            self.max_nodes = max(self.max_nodes, int(d.get("max_nodes") or 1))
+            now = (int(d.get("nodes") or 0), int(d.get("world_size") or 0))
+            if self.worlds and (self.worlds[-1][1:] == now or e.time < self.worlds[-1][0]):
+                return  # every node of a round says the same; an older round is old news
+            self.worlds.append((e.time, *now))
         elif e.type == "instance" and d.get("action") == "launched":
             self.pool = d.get("pool") or self.pool
             self._price(e.time, d)
@@ -525,8 +547,12 @@ class DashboardData:
             self._price(e.time, d)
         elif e.type == "status" and e.attempt != GROUP_STREAM and \
                 d.get("state") == "booting" and e.attempt not in self._booted:
-            if e.attempt > max(self._attempt, 1, *self._booted):
-                self._resume(e)
+            if self.multinode:  # a node joins; past MAX, one replaces its slot's last
+                if e.attempt > self.max_nodes:
+                    self._resume(e, e.attempt - self.max_nodes)
+            elif e.attempt > max(self._attempt, 1, *self._booted):
+                self._resume(e, max((a for a in self._booted if a < e.attempt),
+                                    default=None))
             self._booted.add(e.attempt)
         elif e.type == "notice" and d.get("kind") == "instance-action" and \
                 e.attempt not in self._ended:
@@ -549,6 +575,17 @@ class DashboardData:
         if e.attempt != GROUP_STREAM:
             self._attempt = max(self._attempt, e.attempt)
         self.version += 1
+
+    def _node_sample(self, attempt: int, t: float, util: float) -> None:
+        slot = layout.node_slot(attempt, self.max_nodes)
+        series = self.node_util.get(slot)
+        if series is None:
+            series = self.node_util[slot] = Reduced(self.max_buckets)
+            self.node_gaps[slot] = []
+        elif self._node_attempt.get(slot) != attempt:
+            self.node_gaps[slot].append(t)  # the node's replacement: no line across
+        self._node_attempt[slot] = attempt
+        series.add(t, util)
 
     def _metric(self, e: Event) -> None:
         step = e.data.get("step")
@@ -648,9 +685,10 @@ class DashboardData:
         self._ended[marker.attempt] = marker
         self.markers.append(marker)
 
-    def _resume(self, e: Event) -> None:
-        previous = max((a for a in self._booted if a < e.attempt), default=None)
-        if previous is not None and previous not in self._ended:
+    def _resume(self, e: Event, previous: int | None) -> None:
+        """A replacement booted; ``previous``, the attempt it replaces, ended."""
+        if previous is not None and previous in self._booted and \
+                previous not in self._ended:
             # The attempt before ended without a notice or an error: its instance died.
             self._end_attempt(Marker("lost", e.time, previous,
                                      detail="the instance went away without a notice"))
@@ -658,6 +696,8 @@ class DashboardData:
         where += f" ({e.instance})" if e.instance else ""
         detail = str(e.data.get("detail") or "")
         how = detail if detail.startswith("retrying") else f"on {where.strip()}"
+        if self.multinode:
+            how = f"node {layout.node_slot(e.attempt, self.max_nodes)} replaced, {how}"
         self.markers.append(Marker("resumed", e.time, e.attempt, detail=how))
 
     def _price(self, when: float, d: dict[str, Any]) -> None:
@@ -717,19 +757,37 @@ class DashboardData:
         i = bisect.bisect_right(pool.times, when) - 1
         return pool.prices[max(i, 0)]
 
-    def sys_points(self, which: Reduced, full: bool = False
-                   ) -> tuple[np.ndarray, np.ndarray]:
+    def sys_points(self, which: Reduced, full: bool = False,
+                   gaps: list[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Utilisation or memory against time, with a NaN where another instance's
-        samples start (reduced for display, or every sample with ``full``)."""
+        samples start (reduced for display, or every sample with ``full``); ``gaps``:
+        where, if not the job's (a node's own series: :attr:`node_gaps`)."""
+        gaps = self.sys_gaps if gaps is None else gaps
         if full:
             x, y = which.full.x.copy(), which.full.y.copy()
         else:
             x, y, _t = which.view.points()
-        if not self.sys_gaps or not len(x):
+        if not gaps or not len(x):
             return x, y
-        at = np.searchsorted(x, np.asarray(self.sys_gaps), side="left")
+        at = np.searchsorted(x, np.asarray(gaps), side="left")
         nan = np.full(len(at), np.nan)
         return np.insert(x, at, nan), np.insert(y, at, nan)
+
+    @property
+    def multinode(self) -> bool:
+        """Whether the job may run on several nodes (its utilisation is per node)."""
+        return self.max_nodes > 1
+
+    def world_points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The world size (processes) against time as a step line's points, held to
+        the last event; and the node count at each point."""
+        if not self.worlds:
+            empty = np.empty(0)
+            return empty, empty, empty
+        t = [w[0] for w in self.worlds] + [max(self.last_time, self.worlds[-1][0])]
+        size = [w[2] for w in self.worlds] + [self.worlds[-1][2]]
+        nodes = [w[1] for w in self.worlds] + [self.worlds[-1][1]]
+        return np.asarray(t, float), np.asarray(size, float), np.asarray(nodes, float)
 
     def log_lines(self) -> list[tuple[str, str]]:
         """The panel's lines as (kind, text): kind is stdout, stderr or spotnb."""
@@ -754,6 +812,8 @@ class DashboardData:
         return {
             "metrics": {k: (len(s.curve), len(s.redone)) for k, s in self.metrics.items()},
             "sys": len(self.util),
+            "nodes": {k: len(v) for k, v in self.node_util.items()},
+            "worlds": len(self.worlds),
             "price": sum(len(p.prices) for p in self.pools.values()),
             "markers": len(self.markers),
         }
