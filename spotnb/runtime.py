@@ -590,12 +590,22 @@ class Checkpoint:
         self.wait()
         started = time.monotonic()
         found = self._fetch_newest_intact()
+        world = _world()
+        if world is not None:
+            found = self._agree(found)
         if found is None:
             _logger.info("no checkpoint yet: starting from step 0")
             return 0
         manifest, directory, downloaded = found
         try:
-            state = self._read(manifest, directory)
+            if manifest.metadata.get("ranks"):
+                # Written by every rank (sharded): DCP reshards it to this world, each
+                # rank reading its part (collective in a distributed job).
+                from spotnb.ckpt import sharded
+
+                state = sharded.load(self._objects, directory, world[0] if world else 0)
+            else:
+                state = self._read(manifest, directory)
             carried = _read_rows(manifest, directory)
         finally:
             if downloaded:
@@ -606,6 +616,8 @@ class Checkpoint:
             self._rt.send({"op": "replay", "attempt": manifest.attempt, "rows": carried})
         saved = state["objects"]
         for name, obj in list(self._objects.items()):
+            if name in saved and saved[name][0] == "dcp":
+                continue  # loaded by DCP already (spotnb.ckpt.sharded)
             if name not in saved:
                 _logger.warning("%r is not in checkpoint %s (added since?); it keeps its "
                                 "current value", name, manifest.id)
@@ -695,6 +707,23 @@ class Checkpoint:
             )
         return None
 
+    def _agree(self, found: tuple[Manifest, Path, bool] | None
+               ) -> tuple[Manifest, Path, bool] | None:
+        """In a distributed job: every rank restores the checkpoint rank 0 found (one
+        broadcast), so that no two ranks resume from different steps."""
+        import torch.distributed as dist
+
+        chosen: list[str | None] = [found[0].id if found is not None else None]
+        dist.broadcast_object_list(chosen, src=0)
+        if (found[0].id if found is not None else None) == chosen[0]:
+            return found
+        if found is not None and found[2]:
+            shutil.rmtree(found[1], ignore_errors=True)
+        if chosen[0] is None:
+            return None
+        manifest = self._store.manifest(str(chosen[0]))
+        return (manifest, *self._fetch(manifest))
+
     def _fetch(self, manifest: Manifest) -> tuple[Path, bool]:
         """A verified local copy of the checkpoint: the agent's prefetch if it is this
         checkpoint, else a fresh download. The second item says whether we downloaded it."""
@@ -731,6 +760,12 @@ class Checkpoint:
         the save waits until it is durable and then holds the cell (see the module
         docstring).
         """
+        world = _world()
+        if world is not None and _sharded(self._objects):
+            self._save_sharded(int(step), *world, forced=False)  # every rank calls save
+            self._last_step = int(step)
+            self._last_time = time.monotonic()
+            return
         self._save(int(step), forced=False)
 
     def maybe_save(self, step: int) -> bool:
@@ -768,7 +803,9 @@ class Checkpoint:
         Step 1  one all-reduce (MAX) of [a notice on my node, a save due here]: every
                 rank decides the same, so a notice on any node saves at one step.
         Step 2  global rank 0 writes the checkpoint (DDP: every rank holds the same
-                state; spotnb.multinode), every other rank only notes the step.
+                state; spotnb.multinode), every other rank only notes the step; or,
+                when a registered module holds sharded tensors (FSDP), every rank
+                writes its own shards (:meth:`_save_sharded`).
         Step 3  after a notice: rank 0 waits until it is durable and broadcasts
                 whether it is; then the noticed node's ranks park (its agent leaves
                 the world) and every other rank asks its agent to re-form without it
@@ -784,15 +821,25 @@ class Checkpoint:
         notice_anywhere, due = bool(flags[0].item()), bool(flags[1].item())
         if not (notice_anywhere or due):
             return False
-        if rank == 0:
-            self._save(step, forced=notice_anywhere, hold=False)
-        self._last_step = step
-        self._last_time = time.monotonic()
-        if not notice_anywhere:
-            return True
-        durable = torch.tensor([1.0 if rank != 0 or self.wait() is not None else 0.0])
-        dist.broadcast(durable, src=0)
-        if durable.item() == 0:
+        if _sharded(self._objects):
+            # Sharded state (FSDP): every rank writes its shards, at once (see
+            # _save_sharded); the outcome is known on every rank when it returns.
+            durable = self._save_sharded(step, rank, world_size, forced=notice_anywhere)
+            self._last_step = step
+            self._last_time = time.monotonic()
+            if not notice_anywhere:
+                return True
+        else:
+            if rank == 0:
+                self._save(step, forced=notice_anywhere, hold=False)
+            self._last_step = step
+            self._last_time = time.monotonic()
+            if not notice_anywhere:
+                return True
+            flag = torch.tensor([1.0 if rank != 0 or self.wait() is not None else 0.0])
+            dist.broadcast(flag, src=0)
+            durable = bool(flag.item())
+        if not durable:
             rt.force_save = True  # the save failed (reported): try again next time
             return True
         if rt.fenced:
@@ -800,6 +847,91 @@ class Checkpoint:
         if rt.park_requested:
             rt.park(step)
         rt.hold_for_reform(step)
+
+    def _save_sharded(self, step: int, rank: int, world_size: int, forced: bool) -> bool:
+        """Every rank's part of a sharded checkpoint (:mod:`spotnb.ckpt.sharded`);
+        whether it is durable (the same answer on every rank).
+
+        Step 1  rank 0 picks the checkpoint id and broadcasts it.
+        Step 2  every rank writes its shards and its state tree under that id, then asks
+                its own agent whether it still holds its slot's lease; DCP gathers
+                every rank's results and fencing answer on rank 0, which writes
+                ``.metadata`` only if every rank wrote and holds its lease. Otherwise
+                DCP raises on every rank: no manifest, ``LATEST`` stays.
+        Step 3  rank 0 writes the manifest (every rank's files) and moves ``LATEST``
+                after its own fencing check, then broadcasts whether it did.
+
+        Synchronous: the loop waits for the writes (a sharded save is not yet copied
+        to host memory and written in the background, as a single-node one is).
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from spotnb.ckpt import sharded
+
+        rt = self._rt
+        self.wait()
+        started = time.monotonic()
+        forced = forced or rt.force_save
+        chosen: list[str | None] = [new_id(step, rt.attempt) if rank == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)  # step 1
+        cid = str(chosen[0])
+        pending = self._store.begin(step, attempt=rt.attempt, checkpoint_id=cid)
+        answers: list[bool] = []
+
+        def fence() -> bool:
+            answers.append(rt.fence())
+            return answers[-1]
+
+        def report(phase: str, **extra: Any) -> None:
+            if rank == 0:  # one report per checkpoint, as a single-node job's
+                rt.send({"op": "checkpoint", "phase": phase, "id": cid, "step": step,
+                         "forced": forced, **extra})
+
+        report("begin", bytes=0, seconds=0.0)
+        manifest: Manifest | None = None
+        try:
+            sharded.save(self._objects, pending, step=step, rank=rank, fence=fence,
+                         pool=self._pool, parts_in_flight=self._plan_memory()[1])  # step 2
+            rt.force_save = False
+            if rank == 0:  # step 3
+                rows = rt.rows_not_durable()
+                if rows:
+                    _rows_writer(rows, step)(pending)
+                uploaded = retrying(
+                    lambda: pending.finish("dcp", metadata={"spotnb": __version__,
+                                                            "ranks": world_size}),
+                    f"writing the manifest of the checkpoint of step {step}")
+                manifest = retrying(lambda: self._store.commit(uploaded, fence=rt.fence,
+                                                               prune=False),
+                                    f"committing the checkpoint of step {step}")
+        except FencedOff as e:
+            rt.fenced = True
+            report("failed", bytes=0, seconds=0.0, error=str(e))
+            _logger.error("%s", e)
+        except (Exception, CheckpointException) as e:
+            if answers and not answers[-1]:
+                rt.fenced = True  # this rank's agent lost its lease: hold the cell
+            report("failed", bytes=0, seconds=0.0, error=f"{type(e).__name__}: {e}")
+            _logger.error("the sharded checkpoint of step %d failed (%s); the next save "
+                          "retries", step, e)
+        flag = torch.tensor([1.0 if rank != 0 or manifest is not None else 0.0])
+        dist.broadcast(flag, src=0)
+        durable = bool(flag.item())
+        if manifest is not None:
+            seconds = time.monotonic() - started
+            report("durable", bytes=manifest.total_bytes, seconds=round(seconds, 3),
+                   stall=round(seconds, 3))
+            _logger.info("sharded checkpoint of step %d is durable (%s, %d ranks, %.1f MB)",
+                         step, cid, world_size, manifest.total_bytes / 1e6)
+            rt.check_notice_fit(manifest.total_bytes, seconds)
+            self._store.prune_quietly(manifest)
+        elif not durable:
+            rt.force_save = True  # the save failed (reported): try again next time
+        if rt.fenced and not durable:
+            rt.hold_fenced()
+        return durable
 
     def wait(self) -> Manifest | None:
         """Wait for the save in progress; its manifest, or None (none, or it failed)."""
@@ -871,6 +1003,15 @@ class Checkpoint:
                 rt.hold_fenced()
             # The save failed for another reason (reported): try again next time.
             rt.force_save = True
+
+
+def _sharded(objects: dict[str, Any]) -> bool:
+    """Whether a registered module holds sharded tensors (FSDP, DTensor)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False  # nothing can be sharded without it having been imported
+    from spotnb.ckpt.sharded import holds_sharded
+
+    return holds_sharded(objects)
 
 
 def _world() -> tuple[int, int] | None:

@@ -532,3 +532,113 @@ def test_checkpoints_of_the_previous_format_still_restore(standalone: Path) -> N
     fresh = torch.nn.Linear(5, 3)
     assert spot.Checkpoint(model=fresh).restore() == 12
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+# -- sharded state (FSDP2) in a distributed job: every rank writes ---------------------------
+
+_SHARDED = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from spotnb import runtime as spot
+    from spotnb.ckpt.dcp import StoreWriter
+
+    rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    ckpt = spot.Checkpoint(model=model, optimizer=opt, sched=sched, extra={"epoch": 3})
+
+    def train_step():
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    train_step()
+    ckpt.save(1)  # every rank writes its shards
+    names = dict(model.named_parameters())
+    expected = {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
+                "exp_avg": {k: opt.state[p]["exp_avg"].full_tensor() for k, p in names.items()}}
+    if rank == 0:
+        torch.save(expected, "expected.pt")
+
+    train_step()
+    write_file = StoreWriter._write_file
+    if rank == 1:  # its writer fails: the gather fails, nothing is made complete
+        def broken(*args, **kwargs):
+            raise RuntimeError("rank 1's disk failed")
+        StoreWriter._write_file = broken
+    ckpt.save(2)
+
+    class Held(Exception):
+        pass
+
+    def held():
+        raise Held
+
+    if rank == 1:  # its files are written, then its agent says it lost the lease
+        StoreWriter._write_file = write_file
+        spot._rt().fence = lambda: False
+        spot._rt().hold_fenced = held
+    try:
+        ckpt.save(3)
+    except Held:
+        assert rank == 1
+        print("held", flush=True)
+    dist.destroy_process_group()
+    print("ok", rank, flush=True)
+    """
+)
+
+
+def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone: Path) -> None:
+    """FSDP2 on 2 ranks (gloo): each rank's shards in its own files, one manifest listing
+    them; a rank whose write fails or whose agent lost its lease leaves no manifest and
+    LATEST where it was; the checkpoint restores in one process (2 -> 1, resharded)."""
+    rendezvous = standalone / "rendezvous-sharded"
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARDED, str(rank), "2", str(rendezvous)],
+                              env=_env(), cwd=standalone, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [proc.communicate(timeout=240) for proc in procs]
+    for proc, (out, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0 and "ok" in out, err[-3000:]
+    assert "held" in outs[1][0] and "held" not in outs[0][0], outs  # the fenced rank holds
+    assert "rank 1's disk failed" in outs[0][1]  # rank 0 learns of rank 1's failure
+
+    cs = CheckpointStore(LocalStore(standalone / spot.LOCAL_DIR), "checkpoints")
+    latest = cs.latest()
+    assert latest is not None and latest.step == 1 and latest.metadata["ranks"] == 2
+    files = {f.name for f in latest.files}
+    assert {METADATA_FILE, "__0_0.distcp", "__1_0.distcp"} <= files
+    # The failed saves: no .metadata, no manifest (the fenced one's data is all there).
+    by_step = {int(cid[:12]): cid for cid in cs.ids()}
+    assert sorted(by_step) == [1, 2, 3]
+    store = cs.store
+    for step in (2, 3):
+        assert not store.exists(f"checkpoints/{by_step[step]}/{MANIFEST}")
+        assert not store.exists(f"checkpoints/{by_step[step]}/{METADATA_FILE}")
+    assert store.exists(f"checkpoints/{by_step[3]}/__1_0.distcp")
+
+    # 2 -> 1: a plain model in one process; DCP reshards the two ranks' shards.
+    expected = torch.load(standalone / "expected.pt")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    ckpt = spot.Checkpoint(model=model, optimizer=opt, sched=sched, extra={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: assuming one process"
+        assert ckpt.restore() == 2
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected["model"][name]), name
+    for name, param in model.named_parameters():
+        assert torch.equal(opt.state[param]["exp_avg"], expected["exp_avg"][name]), name
+    assert sched.last_epoch == 1 and ckpt["extra"] == {"epoch": 3}

@@ -27,11 +27,17 @@ How a rank's items are written (:meth:`StoreWriter.write_data`):
 3. Each file's size and checksum travel with the write results (an extra result per
    file), so that the coordinator, which gathers every rank's results, can list every
    file of every rank in the manifest.
+4. With a ``fence`` (a distributed job: each rank's agent holds its own slot's lease),
+   the rank asks it once its files are written, and the answer travels with the write
+   results too: no rank's data counts unless its agent still held its lease then.
 
-:meth:`StoreWriter.finish` (the coordinator) writes ``.metadata``: DCP's
+:meth:`StoreWriter.finish` (the coordinator) first checks every rank's fencing answer
+(one that lost its lease, or gave none, fails the save: DCP raises on every rank, and
+no ``.metadata``, manifest or ``LATEST`` is written), then writes ``.metadata``: DCP's
 ``Metadata`` pickled, whose ``storage_data`` maps each item to its
 :class:`ItemLocation` (file, offset, length). The manifest and ``LATEST`` come after,
-from :mod:`spotnb.checkpoints`.
+from :mod:`spotnb.checkpoints`. A rank whose ``write_data`` raised (it died, its store
+failed) makes DCP's gather fail before ``finish``: nothing is written either.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotnb.checkpoints import CheckpointError, FileEntry, PendingCheckpoint
+from spotnb.checkpoints import CheckpointError, FencedOff, FileEntry, PendingCheckpoint
 from spotnb.ckpt import (
     ALIGN,
     DATA_SUFFIX,
@@ -86,6 +92,7 @@ __all__ = [
     "FILE_MIN_BYTES",
     "MAX_FILES",
     "METADATA_FILE",
+    "FenceAnswer",
     "FileReader",
     "ItemLocation",
     "StoreWriter",
@@ -98,6 +105,8 @@ log = logging.getLogger(__name__)
 
 # The result that carries a file's size and checksum to the coordinator has this name.
 _FILE_RESULT = "spotnb/file/"
+# The result that carries a rank's fencing answer to the coordinator: this, then the rank.
+_FENCE_RESULT = "spotnb/fence/"
 
 
 def state_key(rank: int = 0) -> str:
@@ -123,6 +132,15 @@ class ItemLocation:
 
 
 @dataclasses.dataclass(frozen=True)
+class FenceAnswer:
+    """Whether rank ``rank``'s agent still held its lease once the rank's files were
+    written (step 4 of the module docstring)."""
+
+    rank: int
+    holds: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class _Prefix:
     prefix: str
 
@@ -144,13 +162,17 @@ class StoreWriter(StorageWriter):
     ``live``: names of tensors written from the training process's own memory (the
     caller waits for :attr:`live_written` before it changes them). ``parts_in_flight``:
     how many upload parts each file may have in flight (stores that upload in parts).
+    ``fence``: asked once this rank's files are written, whether its agent still holds
+    its lease (a distributed job; the coordinator then requires every rank's answer).
     """
 
     def __init__(self, pending: PendingCheckpoint, *, live: Iterable[str] = (),
                  max_files: int = MAX_FILES, parts_in_flight: int | None = None,
-                 live_written: threading.Event | None = None) -> None:
+                 live_written: threading.Event | None = None,
+                 fence: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self.pending = pending
+        self.fence = fence
         self.live = frozenset(live)
         self.max_files = max(1, max_files)
         self.parts_in_flight = parts_in_flight
@@ -233,13 +255,24 @@ class StoreWriter(StorageWriter):
             thread.join()
         if errors:
             raise next((e for e in errors if not isinstance(e, _Cancelled)), errors[0])
+        written = list(itertools.chain.from_iterable(results))
+        if self.fence is not None:
+            # Step 4: asked after the data is out, so a lease lost while writing counts.
+            holds = bool(self.fence())
+            written.append(WriteResult(index=MetadataIndex(f"{_FENCE_RESULT}{self.rank}"),
+                                       size_in_bytes=0,
+                                       storage_data=FenceAnswer(self.rank, holds)))
         future: Future[list[WriteResult]] = Future()
-        future.set_result(list(itertools.chain.from_iterable(results)))
+        future.set_result(written)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self.fence is not None:
+            self._check_fences(results)
         storage: dict[MetadataIndex, ItemLocation] = {}
         for result in itertools.chain.from_iterable(results):
+            if isinstance(result.storage_data, FenceAnswer):
+                continue
             if isinstance(result.storage_data, FileEntry):
                 self.pending.add_entry(result.storage_data)  # this or another rank's file
             else:
@@ -248,6 +281,21 @@ class StoreWriter(StorageWriter):
         metadata.version = "1.0.0"  # the DCP metadata version this layout follows
         self.pending.put_bytes(METADATA_FILE, pickle.dumps(metadata,
                                                            protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _check_fences(self, results: list[list[WriteResult]]) -> None:
+        """Every rank's agent held its lease once its files were written, or raise
+        :class:`FencedOff` (nothing of this checkpoint is made complete)."""
+        answers = {result.storage_data.rank: result.storage_data.holds
+                   for result in itertools.chain.from_iterable(results)
+                   if isinstance(result.storage_data, FenceAnswer)}
+        lost = sorted(rank for rank, holds in answers.items() if not holds)
+        silent = sorted(set(range(len(results))) - answers.keys())
+        if lost or silent:
+            why = (f"the agent of rank(s) {lost} lost its lease" if lost else
+                   f"rank(s) {silent} sent no fencing answer")
+            raise FencedOff(f"checkpoint {self.pending.id} (step {self.pending.step}) was "
+                            f"written but not made complete: {why}, so their data may be "
+                            "stale; the job carries on from the previous checkpoint")
 
     # -- writing ---------------------------------------------------------------------
 

@@ -1,0 +1,171 @@
+"""Sharded state (FSDP2, DTensor, ShardedTensor) in a distributed job: every rank writes.
+
+A distributed job whose registered modules hold sharded tensors cannot be saved by one
+rank: each rank holds only its shards. So every rank calls ``dcp.save`` with a
+:class:`~spotnb.ckpt.dcp.StoreWriter` on the same checkpoint id (the runtime agrees on
+it first); DCP's planner gives each rank its own shards to write
+(``__<rank>_<i>.distcp``) and a replicated tensor (a plain one that every rank holds)
+to one rank only; the coordinator (global rank 0) gathers every rank's write results,
+with each rank's fencing answer, and writes ``.metadata`` (see
+:mod:`spotnb.ckpt.dcp`); the runtime's rank 0 then writes the manifest and moves
+``LATEST``.
+
+What is saved, by registered object:
+
+* modules (``torch.nn.Module``) and the optimizers over their parameters:
+  ``get_model_state_dict`` / ``get_optimizer_state_dict`` of
+  ``torch.distributed.checkpoint.state_dict``, as DCP's documentation recommends
+  (FSDP's and DDP's wrappers give fully qualified names; an optimizer's state is keyed
+  by parameter name, so it reshards too); restored with the ``set_*`` functions;
+* everything else (schedulers, generators, values, plain tensors): the runtime's own
+  capture (:mod:`spotnb.snapshot`): its tensors by name (replicated: saved once), its
+  state tree as one item per rank, :func:`~spotnb.ckpt.dcp.state_key` ``(rank)``,
+  with that rank's RNG states.
+
+Restoring at another world size: DCP's load planner reads each rank's part of every
+tensor from whichever saved chunks hold it (resharding). A rank reads its own state
+tree if the checkpoint has one for its rank, else rank 0's (a world that grew).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spotnb import snapshot
+from spotnb.checkpoints import CheckpointError, PendingCheckpoint
+
+__all__ = ["DCP_KIND", "holds_sharded", "load", "save"]
+
+#: The kind, in a sharded checkpoint's state tree, of an object whose state is DCP's
+#: (a module or an optimizer): its tensors are items of the checkpoint, not the tree's.
+DCP_KIND = "dcp"
+
+
+def _is_sharded(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return True
+    sharded = getattr(getattr(torch.distributed, "_shard", None), "sharded_tensor", None)
+    return sharded is not None and isinstance(t, sharded.ShardedTensor)
+
+
+def holds_sharded(objects: dict[str, Any]) -> bool:
+    """Whether a registered module holds sharded tensors (so every rank must write).
+
+    Cheap: ``state_dict()`` returns references.
+    """
+    return any(_is_sharded(t) for obj in objects.values()
+               if isinstance(obj, torch.nn.Module) for t in obj.state_dict().values())
+
+
+def _dcp_objects(objects: dict[str, Any]
+                 ) -> tuple[dict[str, torch.nn.Module],
+                            dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]]:
+    """The modules, and each optimizer with the registered module that owns its
+    parameters (DCP names optimizer state by parameter name, so it needs the module)."""
+    modules = {n: o for n, o in objects.items() if isinstance(o, torch.nn.Module)}
+    optimizers: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    for name, opt in objects.items():
+        if not isinstance(opt, torch.optim.Optimizer):
+            continue
+        first = next((p for group in opt.param_groups for p in group["params"]), None)
+        owner = next((m for m in modules.values()
+                      if first is not None and any(p is first for p in m.parameters())), None)
+        if owner is None:
+            raise CheckpointError(
+                f"cannot checkpoint optimizer {name!r} of a sharded model: none of the "
+                "registered modules holds its parameters. Register the model too: "
+                f"spot.Checkpoint(model=model, {name}={name})")
+        optimizers[name] = (owner, opt)
+    return modules, optimizers
+
+
+def _state_dicts(modules: dict[str, torch.nn.Module],
+                 optimizers: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+                 ) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    out: dict[str, Any] = {name: get_model_state_dict(m) for name, m in modules.items()}
+    out.update({name: get_optimizer_state_dict(m, opt)
+                for name, (m, opt) in optimizers.items()})
+    return out
+
+
+def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank: int,
+         fence: Callable[[], bool] | None, pool: snapshot.BufferPool,
+         parts_in_flight: int | None = None) -> None:
+    """This rank's part of a sharded checkpoint (every rank calls it; collective).
+
+    Returns once every rank's files are written and the coordinator has written
+    ``.metadata``; raises (on every rank: DCP broadcasts the outcome) if any rank's
+    write failed or any rank's agent lost its lease. The manifest and ``LATEST`` are
+    the caller's (rank 0's) next steps.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from spotnb.ckpt.dcp import StoreWriter, state_key
+
+    modules, optimizers = _dcp_objects(objects)
+    others = {n: o for n, o in objects.items() if n not in modules and n not in optimizers}
+    # The rest as the runtime captures it; the tree (with this rank's RNG states) is
+    # pickled into one item so that DCP's flattening leaves it whole.
+    captured = snapshot.capture(others, pool, step)
+    tree = dict(captured.state)
+    tree["objects"] = {**tree["objects"],
+                       **{name: (DCP_KIND, None) for name in (*modules, *optimizers)}}
+    state = {**_state_dicts(modules, optimizers), **captured.tensors,
+             state_key(rank): snapshot.Pickled(pickle.dumps(tree,
+                                                            protocol=pickle.HIGHEST_PROTOCOL))}
+    dcp.save(state, storage_writer=StoreWriter(pending, parts_in_flight=parts_in_flight,
+                                               fence=fence))
+
+
+def load(objects: dict[str, Any], directory: Path, rank: int) -> dict[str, Any]:
+    """Load a sharded checkpoint's local copy into the registered objects (collective
+    in a distributed job: every rank calls it). Returns the state tree (objects
+    other than modules and optimizers not yet restored; see :func:`save`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from spotnb.ckpt.dcp import FileReader, state_key, tensor_names
+
+    reader = FileReader(directory)
+    metadata = reader.read_metadata()
+    modules, optimizers = _dcp_objects(objects)
+    state_dicts = _state_dicts(modules, optimizers)
+    key = state_key(rank)
+    if key not in metadata.state_dict_metadata:
+        key = state_key(0)  # more ranks now than saved: rank 0's RNG states
+    targets: dict[str, Any] = {**state_dicts, key: None}
+    owned = tuple(f"{name}." for name in state_dicts)
+    for name, saved in tensor_names(metadata):  # the other objects' tensors
+        if not name.startswith(owned):
+            targets[name] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+    dcp.load(targets, storage_reader=reader,
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    for name, module in modules.items():
+        set_model_state_dict(module, targets[name])
+    for name, (module, opt) in optimizers.items():
+        set_optimizer_state_dict(module, opt, targets[name])
+    pickled = targets.pop(key)
+    if not isinstance(pickled, snapshot.Pickled):
+        raise CheckpointError(f"checkpoint in {directory} has no spotnb state; it was not "
+                              "written by spot.Checkpoint")
+    tree: dict[str, Any] = pickled.loads()
+    tensors = {name: t for name, t in targets.items() if isinstance(t, torch.Tensor)}
+    tree["objects"] = {name: (kind, snapshot.resolve_refs(payload, tensors))
+                       for name, (kind, payload) in tree["objects"].items()}
+    return tree
