@@ -32,9 +32,11 @@ What multi-node training adds (issue 13) is the process group, not a format: eac
 calls ``dcp.save``/``dcp.async_save`` with a :class:`~spotnb.ckpt.dcp.StoreWriter` on
 the same :class:`~spotnb.checkpoints.PendingCheckpoint` id; DCP gathers every rank's
 write results on the coordinator, whose ``finish`` writes ``.metadata`` and lists every
-rank's files (their sizes and checksums travel with the results), then the coordinator
-writes the manifest and moves ``LATEST`` after the fencing check. A rank that died
-mid-save leaves no manifest, so invariant 2 holds across all shards.
+rank's files (their sizes and checksums travel with the results, and so does each
+rank's fencing answer: the coordinator writes nothing unless every rank's agent still
+held its lease), then the coordinator writes the manifest and moves ``LATEST`` after
+its own fencing check. A rank that died mid-save leaves no manifest, so invariant 2
+holds across all shards. :mod:`spotnb.ckpt.sharded` drives it for sharded state (FSDP).
 
 Memory (:mod:`spotnb.ckpt.memory`): a save copies into host buffers only what its
 budget allows; the rest is written straight from the training tensors while the loop
