@@ -539,6 +539,7 @@ def test_checkpoints_of_the_previous_format_still_restore(standalone: Path) -> N
 _SHARDED = textwrap.dedent(
     """
     import sys
+    import threading
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -585,15 +586,33 @@ _SHARDED = textwrap.dedent(
     def held():
         raise Held
 
-    if rank == 1:  # its files are written, then its agent says it lost the lease
+    if rank == 1:  # its state cannot be captured: it fails its plan, nobody waits for it
         StoreWriter._write_file = write_file
+        ckpt["extra"] = {"lock": threading.Lock()}
+    ckpt.save(3)
+
+    if rank == 1:  # its files are written, then its agent says it lost the lease
+        ckpt["extra"] = {"epoch": 3}
         spot._rt().fence = lambda: False
         spot._rt().hold_fenced = held
     try:
-        ckpt.save(3)
+        ckpt.save(4)
     except Held:
         assert rank == 1
         print("held", flush=True)
+
+    # Restored at the same world size: every rank loads its shards (collectively).
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    for layer in fresh:
+        fully_shard(layer)
+    fully_shard(fresh)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    assert spot.Checkpoint(model=fresh, optimizer=fresh_opt).restore() == 2
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v.full_tensor(), expected["model"][k]), k
+    for k, p in fresh.named_parameters():
+        assert torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), expected["exp_avg"][k])
     dist.destroy_process_group()
     print("ok", rank, flush=True)
     """
@@ -603,7 +622,8 @@ _SHARDED = textwrap.dedent(
 def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone: Path) -> None:
     """FSDP2 on 2 ranks (gloo): each rank's shards in its own files, one manifest listing
     them; a rank whose write fails or whose agent lost its lease leaves no manifest and
-    LATEST where it was; the checkpoint restores in one process (2 -> 1, resharded)."""
+    LATEST where it was; the checkpoint restores on both ranks and in one process (2 -> 1,
+    resharded)."""
     rendezvous = standalone / "rendezvous-sharded"
     procs = [subprocess.Popen([sys.executable, "-c", _SHARDED, str(rank), "2", str(rendezvous)],
                               env=_env(), cwd=standalone, stdout=subprocess.PIPE,
@@ -619,14 +639,16 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
     assert latest is not None and latest.step == 1 and latest.metadata["ranks"] == 2
     files = {f.name for f in latest.files}
     assert {METADATA_FILE, "__0_0.distcp", "__1_0.distcp"} <= files
-    # The failed saves: no .metadata, no manifest (the fenced one's data is all there).
+    # The failed saves: no .metadata, no manifest (the fenced one's data is all there;
+    # the one whose plan failed wrote nothing at all).
     by_step = {int(cid[:12]): cid for cid in cs.ids()}
-    assert sorted(by_step) == [1, 2, 3]
+    assert sorted(by_step) == [1, 2, 4]
+    assert "cannot checkpoint 'extra'" in outs[0][1]
     store = cs.store
-    for step in (2, 3):
+    for step in (2, 4):
         assert not store.exists(f"checkpoints/{by_step[step]}/{MANIFEST}")
         assert not store.exists(f"checkpoints/{by_step[step]}/{METADATA_FILE}")
-    assert store.exists(f"checkpoints/{by_step[3]}/__1_0.distcp")
+    assert store.exists(f"checkpoints/{by_step[4]}/__1_0.distcp")
 
     # 2 -> 1: a plain model in one process; DCP reshards the two ranks' shards.
     expected = torch.load(standalone / "expected.pt")

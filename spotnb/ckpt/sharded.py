@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.planner import SavePlan
 
 from spotnb import snapshot
 from spotnb.checkpoints import CheckpointError, PendingCheckpoint
+from spotnb.ckpt.dcp import FileReader, StoreWriter, state_key, tensor_names
 
 __all__ = ["DCP_KIND", "holds_sharded", "load", "save"]
 
@@ -112,21 +114,39 @@ def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank
     """
     import torch.distributed.checkpoint as dcp
 
-    from spotnb.ckpt.dcp import StoreWriter, state_key
+    writer = StoreWriter(pending, parts_in_flight=parts_in_flight, fence=fence)
+    try:
+        modules, optimizers = _dcp_objects(objects)
+        others = {n: o for n, o in objects.items()
+                  if n not in modules and n not in optimizers}
+        # The rest as the runtime captures it; the tree (with this rank's RNG states)
+        # is pickled into one item so that DCP's flattening leaves it whole.
+        captured = snapshot.capture(others, pool, step)
+        tree = dict(captured.state)
+        tree["objects"] = {**tree["objects"],
+                           **{name: (DCP_KIND, None) for name in (*modules, *optimizers)}}
+        state = {**_state_dicts(modules, optimizers), **captured.tensors,
+                 state_key(rank): snapshot.Pickled(
+                     pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL))}
+    except Exception as e:
+        # This rank cannot save (an unpicklable object...). It still takes part in
+        # DCP's collectives, failing its plan, so that every rank raises together
+        # instead of the others waiting for it in a gather.
+        writer = _FailedWriter(pending, e)
+        state = {}
+    dcp.save(state, storage_writer=writer)
 
-    modules, optimizers = _dcp_objects(objects)
-    others = {n: o for n, o in objects.items() if n not in modules and n not in optimizers}
-    # The rest as the runtime captures it; the tree (with this rank's RNG states) is
-    # pickled into one item so that DCP's flattening leaves it whole.
-    captured = snapshot.capture(others, pool, step)
-    tree = dict(captured.state)
-    tree["objects"] = {**tree["objects"],
-                       **{name: (DCP_KIND, None) for name in (*modules, *optimizers)}}
-    state = {**_state_dicts(modules, optimizers), **captured.tensors,
-             state_key(rank): snapshot.Pickled(pickle.dumps(tree,
-                                                            protocol=pickle.HIGHEST_PROTOCOL))}
-    dcp.save(state, storage_writer=StoreWriter(pending, parts_in_flight=parts_in_flight,
-                                               fence=fence))
+
+class _FailedWriter(StoreWriter):
+    """The writer of a rank whose state could not be captured: it fails its local
+    plan, which DCP reports to every rank."""
+
+    def __init__(self, pending: PendingCheckpoint, error: Exception) -> None:
+        super().__init__(pending)
+        self.error = error
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        raise self.error
 
 
 def load(objects: dict[str, Any], directory: Path, rank: int) -> dict[str, Any]:
@@ -139,8 +159,6 @@ def load(objects: dict[str, Any], directory: Path, rank: int) -> dict[str, Any]:
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
-    from spotnb.ckpt.dcp import FileReader, state_key, tensor_names
 
     reader = FileReader(directory)
     metadata = reader.read_metadata()
