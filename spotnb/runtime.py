@@ -944,6 +944,15 @@ class Checkpoint:
         """Save; after a notice, wait until durable and park (``hold``; a distributed
         job's rank 0 parks in :meth:`_maybe_save_in_world` instead)."""
         rt = self._rt
+        if _initialised() and _sharded(self._objects):
+            # Sharded state in a world of one process (a job shrunk to one node): its
+            # tensors are DTensors, which only DCP's state-dict API saves.
+            durable = self._save_sharded(step, 0, 1, forced)
+            self._last_step = step
+            self._last_time = time.monotonic()
+            if durable and hold and rt.park_requested:
+                rt.park(step)
+            return
         previous = self._upload
         if previous is not None and not rt.park_requested:
             # A save waits for the previous upload; a termination notice arriving
@@ -1012,6 +1021,12 @@ def _sharded(objects: dict[str, Any]) -> bool:
     from spotnb.ckpt.sharded import holds_sharded
 
     return holds_sharded(objects)
+
+
+def _initialised() -> bool:
+    """Whether the cell runs in an initialised ``torch.distributed`` world (any size)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def _world() -> tuple[int, int] | None:

@@ -664,3 +664,31 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
     for name, param in model.named_parameters():
         assert torch.equal(opt.state[param]["exp_avg"], expected["exp_avg"][name]), name
     assert sched.last_epoch == 1 and ckpt["extra"] == {"epoch": 3}
+
+
+def test_sharded_state_in_a_world_of_one_saves_and_restores(standalone: Path) -> None:
+    """A job shrunk to one node keeps FSDP's DTensors (a mesh of one rank): saved and
+    restored through DCP's state-dict API, not the single-node capture."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded_model() -> torch.nn.Module:
+        model = torch.nn.Linear(6, 3)
+        fully_shard(model)
+        return model
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(5)
+        model = sharded_model()
+        ckpt = spot.Checkpoint(model=model)
+        ckpt.save(7)
+        torch.manual_seed(6)
+        fresh = sharded_model()
+        assert spot.Checkpoint(model=fresh).restore() == 8
+        for name, value in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[name].full_tensor(), value.full_tensor())
+    finally:
+        dist.destroy_process_group()
+    latest = CheckpointStore(LocalStore(standalone / spot.LOCAL_DIR), "checkpoints").latest()
+    assert latest is not None and latest.metadata["ranks"] == 1
