@@ -9,8 +9,9 @@ echo "== mypy"; mypy || exit 1
 echo "== pytest"
 # Two workers (pytest-xdist): most of a test's time is waiting on real processes (boots,
 # notices, uploads), so two at once finish the suite much sooner even on two cores.
-# Work stealing keeps both busy to the end (a few tests take minutes). -n 0: one process.
-python -m pytest -n "${SPOTNB_TEST_WORKERS:-2}" --dist worksteal "$@"
+# Tests go to whichever worker is free; a module marked xdist_group stays on one worker
+# (its module fixtures are made once). -n 0: one process.
+python -m pytest -n "${SPOTNB_TEST_WORKERS:-2}" --dist loadgroup "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest ran no test: that is a failure here" >&2

@@ -39,7 +39,9 @@ from spotnb.records.library import compare_rows, find_records, load_record
 from spotnb.records.run import inject_parameters, parse_parameters
 from spotnb.records.scrub import REDACTED, scrub
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module (pytest-xdist's loadgroup): its recordings are module
+# fixtures, which a module split across workers would make once on each.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("records")]
 
 REPO = Path(__file__).resolve().parents[1]
 _rng = random.Random()
