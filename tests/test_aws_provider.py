@@ -694,37 +694,6 @@ def _bucket_keys() -> list[str]:
         Bucket="spotnb-123456789012-us-east-1").get("Contents", ())]
 
 
-DDP_TRAINING = """
-import os, time
-import torch
-import torch.distributed as dist
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)
-X = torch.randn(256, 8, generator=torch.Generator().manual_seed(1))
-y = X @ torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
-model = torch.nn.Linear(8, 1)
-ddp = torch.nn.parallel.DistributedDataParallel(model)
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-ckpt = spot.Checkpoint(model=model, optimizer=opt)
-start = ckpt.restore()
-GLOBAL_BATCH = 32  # the same global batch at any world size
-for step in range(start, STEPS):
-    idx = torch.randperm(len(X), generator=torch.Generator().manual_seed(step))[:GLOBAL_BATCH]
-    mine = idx.chunk(world)[rank]
-    loss = ((ddp(X[mine]) - y[mine]) ** 2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    spot.log(step, loss=loss.item())
-    while step == PAUSE_AT and not os.path.exists(GO):
-        time.sleep(0.05)  # the test's gate: it delivers the notice meanwhile
-    ckpt.maybe_save(step)
-weights = [p.detach().clone() for p in model.parameters()]
-dist.destroy_process_group()
-"""
-
-
 def _until(check: Any, what: str, timeout: float = 240) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -757,6 +726,8 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     reference_go.write_text("go")
     common: dict[str, Any] = dict(provider="aws", nodes="1:2", instance_types=["g5.8xlarge"],
                                   outputs=["weights"], checkpoint_every="4 steps")
+    from test_multinode import DDP_TRAINING  # the same seeded DDP cell as the local cloud's
+
     reference = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 16, "PAUSE_AT": 8,
                                                     "GO": str(reference_go)}, **common)
     job = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 16, "PAUSE_AT": 8, "GO": str(go)},

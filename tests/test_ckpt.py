@@ -549,11 +549,15 @@ _SHARDED = textwrap.dedent(
     rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+    def sharded_model(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+
+    model = sharded_model(0)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     ckpt = spot.Checkpoint(model=model, optimizer=opt, sched=sched, extra={"epoch": 3})
@@ -602,11 +606,7 @@ _SHARDED = textwrap.dedent(
         print("held", flush=True)
 
     # Restored at the same world size: every rank loads its shards (collectively).
-    torch.manual_seed(1)
-    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    for layer in fresh:
-        fully_shard(layer)
-    fully_shard(fresh)
+    fresh = sharded_model(1)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
     assert spot.Checkpoint(model=fresh, optimizer=fresh_opt).restore() == 2
     for k, v in fresh.state_dict().items():
