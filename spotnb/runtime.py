@@ -1150,6 +1150,7 @@ def _bootstrap(user_ns: dict[str, Any] | None = None,
     # The agent unpacks the job's files while the kernel boots: forget any directory
     # listing the import system cached before they were there.
     importlib.invalidate_caches()
+    _bound_peer_waits()
     rt = _rt()
     ns = _user_ns() if user_ns is None else user_ns
     try:
@@ -1170,6 +1171,31 @@ def _bootstrap(user_ns: dict[str, Any] | None = None,
                 ) from err
         _logger.info("loaded the job's inputs")
     ns["spot"] = sys.modules[__name__]
+
+
+def _bound_peer_waits() -> None:
+    """In a distributed job's worker: make the job's peer timeout the default timeout
+    of every process group the cell creates without one of its own.
+
+    torch's defaults are 30 minutes (gloo) and 10 (NCCL): a rank whose peer froze
+    (no connection reset: a stopped process, a partitioned network) would wait that
+    long in a collective. With the job's ``peer_timeout`` the collective fails in
+    time, the worker ends and the node re-forms without the peer (spotnb.multinode).
+    A group created with an explicit ``timeout=`` keeps it.
+    """
+    seconds = os.environ.get(channel.ENV_PEER_TIMEOUT)
+    if not seconds or "RANK" not in os.environ:
+        return  # not a torchrun worker
+    try:
+        import torch.distributed.distributed_c10d as c10d
+    except ImportError:
+        return  # no torch: nothing can wait on a peer
+    import datetime
+
+    timeout = datetime.timedelta(seconds=float(seconds))
+    c10d.default_pg_timeout = timeout  # read by init_process_group and new_group
+    if isinstance(c10d.default_pg_nccl_timeout, datetime.timedelta):  # NCCL built in
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def _finish() -> None:

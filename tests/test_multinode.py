@@ -231,6 +231,8 @@ dist.all_reduce(t)
 total = t.item()
 world = dist.get_world_size()
 seen = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+# How long a collective of this group waits on a silent peer (gloo's own option).
+peer_wait = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 dist.destroy_process_group()
 """
 
@@ -242,8 +244,8 @@ def test_two_nodes_run_one_cell_as_torchrun_workers(
     import spotnb
 
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
-    job = spotnb.submit(ALL_REDUCE, nodes=2, outputs=["total", "world", "seen"],
-                        instance_types="g4dn.xlarge")
+    job = spotnb.submit(ALL_REDUCE, nodes=2, outputs=["total", "world", "seen", "peer_wait"],
+                        instance_types="g4dn.xlarge", peer_timeout="45s")
     result = job.wait(timeout=240)
     assert result.status == "completed", (result.status, result.reason)
     # Rank 0's values come back: the all-reduce saw both ranks (1 + 2).
@@ -251,6 +253,9 @@ def test_two_nodes_run_one_cell_as_torchrun_workers(
     assert result.outputs["seen"]["RANK"] == "0"
     assert result.outputs["seen"]["WORLD_SIZE"] == "2"
     assert result.outputs["seen"]["MASTER_ADDR"] == "127.0.0.1"
+    # The job's peer timeout bounds the collectives of a group the cell made without
+    # a timeout (torch's default is 30 minutes).
+    assert result.outputs["peer_wait"] == 45.0
     # Each node is an attempt of its own (its slot's epoch) on its own instance, and
     # the cost counts both instances.
     assert sorted(a.number for a in result.attempts) == [1, 2]
