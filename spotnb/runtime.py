@@ -56,6 +56,7 @@ A save, in memory and time (see :mod:`spotnb.ckpt` for the format)::
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import json
 import logging
@@ -66,6 +67,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -339,7 +341,8 @@ class _Upload:
 
     def __init__(self, rt: Session, cs: CheckpointStore, cid: str, step: int,
                  files: Callable[[_Upload], FileWriters], fmt: str, forced: bool,
-                 started: float, live: bool, after: _Upload | None = None) -> None:
+                 started: float, live: bool,
+                 after: _Upload | _ShardedUpload | None = None) -> None:
         self.rt = rt
         self.cs = cs
         self.cid = cid
@@ -442,6 +445,141 @@ class _Upload:
         return self.manifest
 
 
+class _ShardedUpload:
+    """This rank's part of a sharded checkpoint being written (started by
+    :meth:`Checkpoint._save_sharded`): DCP's future; then, on rank 0, the manifest,
+    ``LATEST`` and the reports.
+
+    A failure is reported once (by rank 0; every rank logs its own), makes the next
+    ``maybe_save`` save again, and marks the rank fenced if its agent said it lost the
+    lease (its next save holds the cell).
+    """
+
+    def __init__(self, owner: Checkpoint, cid: str, step: int, rank: int, world_size: int,
+                 future: Future[Any], pending: PendingCheckpoint, rows: list[list[Any]],
+                 forced: bool, started: float, answers: list[bool], copied: bool) -> None:
+        self.owner = owner
+        self.rt = owner._rt
+        self.cid = cid
+        self.step = step
+        self.rank = rank
+        self.world_size = world_size
+        self.forced = forced
+        self.started = started
+        self.manifest: Manifest | None = None
+        self.error: BaseException | None = None
+        # How long training waited: the copy, or (nothing copied) the whole write.
+        self.stall: float | None = time.monotonic() - started if copied else None
+        self._future: Future[Any] | None = future
+        self._pending = pending
+        self._rows = rows
+        self._answers = answers
+        self._done = threading.Event()
+        self.rt.last_upload = self
+        _wait_before_destroy()
+        self._thread = threading.Thread(target=self._run, name=f"spotnb-sharded-{step}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _report(self, phase: str, **extra: Any) -> None:
+        if self.rank == 0:
+            self.rt.send({"op": "checkpoint", "phase": phase, "id": self.cid,
+                          "step": self.step, "forced": self.forced, **extra})
+
+    def _run(self) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        rt = self.rt
+        try:
+            assert self._future is not None
+            self._future.result()  # every rank's files and .metadata are written
+            self._future = None  # the staged copies are free to reuse from here on
+            if self.stall is None:
+                self.stall = time.monotonic() - self.started
+            if self.rank == 0:
+                self._commit()
+        except FencedOff as e:
+            self.error = e
+            rt.fenced = True
+            self._report("failed", bytes=0, seconds=0.0, error=str(e))
+            _logger.error("%s", e)
+        except (Exception, CheckpointException) as e:
+            self.error = e
+            if self._answers and not self._answers[-1]:
+                rt.fenced = True  # this rank's agent lost its lease: hold the cell
+            self.owner._retry = True
+            self._report("failed", bytes=0, seconds=0.0, error=f"{type(e).__name__}: {e}")
+            _logger.error("the sharded checkpoint of step %d failed (%s); the next save "
+                          "retries", self.step, e)
+        finally:
+            self._future = None
+            self._done.set()
+
+    def _commit(self) -> None:
+        """Rank 0: the manifest of every rank's files, then ``LATEST`` (fenced)."""
+        rt, step, pending = self.rt, self.step, self._pending
+        store = self.owner._store
+        if self._rows:
+            _rows_writer(self._rows, step)(pending)
+        uploaded = retrying(
+            lambda: pending.finish("dcp", metadata={"spotnb": __version__,
+                                                    "ranks": self.world_size}),
+            f"writing the manifest of the checkpoint of step {step}")
+        written = time.monotonic() - self.started
+        self.manifest = retrying(lambda: store.commit(uploaded, fence=rt.fence, prune=False),
+                                 f"committing the checkpoint of step {step}")
+        seconds = time.monotonic() - self.started
+        self._report("durable", bytes=self.manifest.total_bytes, seconds=round(seconds, 3),
+                     stall=round(self.stall or 0.0, 3))
+        _logger.info("sharded checkpoint of step %d is durable (%s, %d ranks, %.1f MB)",
+                     step, self.cid, self.world_size, self.manifest.total_bytes / 1e6)
+        rt.check_notice_fit(self.manifest.total_bytes, written)
+        store.prune_quietly(self.manifest)
+
+    def done(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; whether the save has ended (either way)."""
+        return self._done.wait(timeout)
+
+    def wait(self) -> Manifest | None:
+        """Rank 0: the manifest once durable, or None if the save failed (reported);
+        other ranks: None once their part is over (``error`` says whether it failed)."""
+        self._done.wait()
+        return self.manifest
+
+
+_destroy_wrapped = False
+
+
+def _wait_before_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` wait for this process's sharded
+    save in flight first (installed at the first one).
+
+    The save's collectives run on a group of the checkpoint's own
+    (:func:`spotnb.ckpt.sharded.checkpoint_group`); a cell that ends with
+    ``dist.destroy_process_group()`` right after its last ``maybe_save`` would pull that
+    group from under the save and lose the checkpoint.
+    """
+    global _destroy_wrapped
+    if _destroy_wrapped:
+        return
+    _destroy_wrapped = True
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        rt = _runtime
+        upload = rt.last_upload if rt is not None else None
+        if isinstance(upload, _ShardedUpload):
+            upload.wait()
+        return original(*args, **kwargs)
+
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
 _writer_import: threading.Thread | None = None
 
 
@@ -526,15 +664,17 @@ class Checkpoint:
         self._store = CheckpointStore(rt.store, layout.CHECKPOINTS, keep=rt.keep)
         self._pool = snapshot.BufferPool()
         self._warmed = False
+        # A sharded save failed (reported): the next maybe_save saves (every rank).
+        self._retry = False
         if "torch" in sys.modules and _world() is None:
             # Allocate the host buffers for the state that exists now (the model; an
             # optimizer's state appears at its first step: maybe_save warms that) in
             # the background, while the loop starts: filling fresh pages was most of a
             # first save's stall. A save that comes first shares the work
-            # (snapshot.BufferPool). Distributed jobs save on one rank: none warms.
+            # (snapshot.BufferPool). Distributed jobs warm at their first maybe_save.
             self._pool.warm_async(snapshot.tensor_specs(self._objects),
                                   self._plan_memory()[0])
-        self._upload: _Upload | None = None
+        self._upload: _Upload | _ShardedUpload | None = None
         self._last_step = -1
         self._last_time = time.monotonic()
 
@@ -588,6 +728,9 @@ class Checkpoint:
         and dtypes match, so a restore needs no second copy of the state in memory.
         """
         self.wait()
+        last = self._rt.last_upload
+        if last is not None:
+            last.wait()  # another Checkpoint's save of this session: it may be the newest
         started = time.monotonic()
         found = self._fetch_newest_intact()
         world = _world()
@@ -631,7 +774,7 @@ class Checkpoint:
         del state, saved  # the loaded copy is in the objects now
         # The state exists in full now (optimizer state too): allocate the host buffers
         # for the first save in the background, so that save is a memory copy.
-        self._pool.warm_async(snapshot.tensor_specs(self._objects), self._plan_memory()[0])
+        self._warm()
         self._last_step = manifest.step
         self._last_time = time.monotonic()
         seconds = time.monotonic() - started
@@ -788,9 +931,24 @@ class Checkpoint:
             # The first call that does not save: allocate the host buffers now, in the
             # background, so the first save is a memory copy too (the optimizer state
             # exists by now, after a first step).
-            self._warmed = True
-            self._pool.warm_async(snapshot.tensor_specs(self._objects), self._plan_memory()[0])
+            self._warm()
         return False
+
+    def _warm(self) -> None:
+        """Allocate the host buffers of the next save in the background (see
+        :class:`~spotnb.snapshot.BufferPool`), on a rank that saves: every rank of a
+        sharded job (its own shards), else only global rank 0."""
+        self._warmed = True
+        world = _world()
+        if _sharded(self._objects):
+            from spotnb.ckpt import sharded
+
+            specs = sharded.stage_specs(self._objects)
+        elif world is None or world[0] == 0:
+            specs = snapshot.tensor_specs(self._objects)
+        else:
+            return  # a replica of rank 0's state: rank 0 saves it
+        self._pool.warm_async(specs, self._plan_memory()[0])
 
     def _due(self, step: int) -> bool:
         every = self._rt.every
@@ -816,10 +974,12 @@ class Checkpoint:
 
         rt = self._rt
         noticed = rt.force_save or rt.park_requested or rt.fenced
-        flags = torch.tensor([float(noticed), float(self._due(step))])
+        flags = torch.tensor([float(noticed), float(self._due(step) or self._retry)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         notice_anywhere, due = bool(flags[0].item()), bool(flags[1].item())
         if not (notice_anywhere or due):
+            if not self._warmed:
+                self._warm()  # as maybe_save's first call that does not save
             return False
         if _sharded(self._objects):
             # Sharded state (FSDP): every rank writes its shards, at once (see
@@ -849,33 +1009,42 @@ class Checkpoint:
         rt.hold_for_reform(step)
 
     def _save_sharded(self, step: int, rank: int, world_size: int, forced: bool) -> bool:
-        """Every rank's part of a sharded checkpoint (:mod:`spotnb.ckpt.sharded`);
-        whether it is durable (the same answer on every rank).
+        """Every rank's part of a sharded checkpoint (:mod:`spotnb.ckpt.sharded`).
 
-        Step 1  rank 0 picks the checkpoint id and broadcasts it.
-        Step 2  every rank writes its shards and its state tree under that id, then asks
-                its own agent whether it still holds its slot's lease; DCP gathers
-                every rank's results and fencing answer on rank 0, which writes
-                ``.metadata`` only if every rank wrote and holds its lease. Otherwise
-                DCP raises on every rank: no manifest, ``LATEST`` stays.
-        Step 3  rank 0 writes the manifest (every rank's files) and moves ``LATEST``
-                after its own fencing check, then broadcasts whether it did.
+        Returns, after a notice (``forced``), whether the checkpoint is durable (the
+        same answer on every rank); otherwise True once it is under way (a failure is
+        reported, and the next ``maybe_save`` saves again).
 
-        Synchronous: the loop waits for the writes (a sharded save is not yet copied
-        to host memory and written in the background, as a single-node one is).
+        Step 1  wait for this rank's previous save; a rank whose agent lost its lease
+                holds here (its peers' next collective fails within the peer timeout
+                and the world re-forms without it). Rank 0 picks the checkpoint id and
+                broadcasts it.
+        Step 2  every rank copies its shards into host memory (the stall: see
+                :func:`spotnb.ckpt.sharded.save`) and starts ``dcp.async_save``, which
+                writes the rank's files and then asks its agent whether it still holds
+                its slot's lease; DCP gathers every rank's results and answers on rank
+                0, which writes ``.metadata`` only if every rank wrote and holds its
+                lease. Otherwise DCP raises on every rank: no manifest, ``LATEST``
+                stays.
+        Step 3  in the background (:class:`_ShardedUpload`), rank 0 writes the
+                manifest (every rank's files) and moves ``LATEST`` after its own
+                fencing check.
+        Step 4  after a notice only: every rank waits for its save; rank 0 broadcasts
+                whether it is durable.
         """
         import torch
         import torch.distributed as dist
-        from torch.distributed.checkpoint.api import CheckpointException
 
         from spotnb.ckpt import sharded
 
         rt = self._rt
-        self.wait()
+        self.wait()  # step 1
+        if rt.fenced:
+            rt.hold_fenced()
         started = time.monotonic()
         forced = forced or rt.force_save
         chosen: list[str | None] = [new_id(step, rt.attempt) if rank == 0 else None]
-        dist.broadcast_object_list(chosen, src=0)  # step 1
+        dist.broadcast_object_list(chosen, src=0)
         cid = str(chosen[0])
         pending = self._store.begin(step, attempt=rt.attempt, checkpoint_id=cid)
         answers: list[bool] = []
@@ -884,57 +1053,38 @@ class Checkpoint:
             answers.append(rt.fence())
             return answers[-1]
 
-        def report(phase: str, **extra: Any) -> None:
-            if rank == 0:  # one report per checkpoint, as a single-node job's
-                rt.send({"op": "checkpoint", "phase": phase, "id": cid, "step": step,
-                         "forced": forced, **extra})
-
-        report("begin", bytes=0, seconds=0.0)
-        manifest: Manifest | None = None
-        try:
-            sharded.save(self._objects, pending, step=step, rank=rank, fence=fence,
-                         pool=self._pool, parts_in_flight=self._plan_memory()[1])  # step 2
-            rt.force_save = False
-            if rank == 0:  # step 3
-                rows = rt.rows_not_durable()
-                if rows:
-                    _rows_writer(rows, step)(pending)
-                uploaded = retrying(
-                    lambda: pending.finish("dcp", metadata={"spotnb": __version__,
-                                                            "ranks": world_size}),
-                    f"writing the manifest of the checkpoint of step {step}")
-                manifest = retrying(lambda: self._store.commit(uploaded, fence=rt.fence,
-                                                               prune=False),
-                                    f"committing the checkpoint of step {step}")
-        except FencedOff as e:
-            rt.fenced = True
-            report("failed", bytes=0, seconds=0.0, error=str(e))
-            _logger.error("%s", e)
-        except (Exception, CheckpointException) as e:
-            if answers and not answers[-1]:
-                rt.fenced = True  # this rank's agent lost its lease: hold the cell
-            report("failed", bytes=0, seconds=0.0, error=f"{type(e).__name__}: {e}")
-            _logger.error("the sharded checkpoint of step %d failed (%s); the next save "
-                          "retries", step, e)
+        if rank == 0:  # one report per checkpoint, as a single-node job's
+            rt.send({"op": "checkpoint", "phase": "begin", "id": cid, "step": step,
+                     "forced": forced, "bytes": 0, "seconds": 0.0})
+        rows = rt.rows_not_durable() if rank == 0 else []
+        copy_budget, parts = self._plan_memory()
+        self._retry = False
+        future, copied = sharded.save(self._objects, pending, step=step, rank=rank,
+                                      fence=fence, pool=self._pool, copy_budget=copy_budget,
+                                      parts_in_flight=parts)  # step 2
+        # Only now is a notice served: if this save fails, the next one retries.
+        rt.force_save = False
+        self._warmed = True
+        upload = self._upload = _ShardedUpload(self, cid, step, rank, world_size, future,
+                                               pending, rows, forced, started, answers,
+                                               copied)
+        if not copied:
+            upload.wait()  # written from the training state: it must not change meanwhile
+        if not forced:
+            return True
+        manifest = upload.wait()  # step 4
         flag = torch.tensor([1.0 if rank != 0 or manifest is not None else 0.0])
         dist.broadcast(flag, src=0)
         durable = bool(flag.item())
-        if manifest is not None:
-            seconds = time.monotonic() - started
-            report("durable", bytes=manifest.total_bytes, seconds=round(seconds, 3),
-                   stall=round(seconds, 3))
-            _logger.info("sharded checkpoint of step %d is durable (%s, %d ranks, %.1f MB)",
-                         step, cid, world_size, manifest.total_bytes / 1e6)
-            rt.check_notice_fit(manifest.total_bytes, seconds)
-            self._store.prune_quietly(manifest)
-        elif not durable:
-            rt.force_save = True  # the save failed (reported): try again next time
-        if rt.fenced and not durable:
-            rt.hold_fenced()
+        if not durable:
+            rt.force_save = True  # the notice still stands: the next step saves again
+            if rt.fenced:
+                rt.hold_fenced()
         return durable
 
     def wait(self) -> Manifest | None:
-        """Wait for the save in progress; its manifest, or None (none, or it failed)."""
+        """Wait for the save in progress; its manifest, or None (none, it failed, or
+        this rank of a sharded checkpoint is not the one that commits it)."""
         upload, self._upload = self._upload, None
         if upload is None:
             return None

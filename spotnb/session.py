@@ -537,7 +537,8 @@ class Session:
         time, sends the remaining metrics and closes the channel.
         """
         problems = []
-        if self.last_upload is not None and self.last_upload.wait() is None:
+        if self.last_upload is not None and self.last_upload.wait() is None \
+                and self.last_upload.error is not None:
             problems.append(f"the checkpoint of step {self.last_upload.step} could not be "
                             f"made durable: {self.last_upload.error}")
         for sd in list(self.sync_dirs.values()):

@@ -53,7 +53,7 @@ import pickle
 import random
 import sys
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import IO, Any
 
 from spotnb.ckpt.memory import host_empty
@@ -460,10 +460,11 @@ def _pickle(x: Any, what: str) -> Pickled:
 
 
 def capture(objects: dict[str, Any], pool: BufferPool, step: int,
-            budget: int | None = None) -> Captured:
+            budget: int | None = None, keep: Iterable[Hashable] = ()) -> Captured:
     """Capture every registered object (see the module docstring).
 
     ``budget``: the bytes of tensors that may be copied into host buffers (None: all).
+    ``keep``: keys of ``pool`` that the caller filled for the same save (they stay).
     Runs on the caller's thread; returns once nothing that was copied can change when
     training goes on (pending GPU copies are synchronised). The live tensors can.
     """
@@ -503,7 +504,8 @@ def capture(objects: dict[str, Any], pool: BufferPool, step: int,
         tensors[name], pending = done
         async_copies |= pending
         copied += nbytes(t)
-    pool.retain({key for (key, _, _), copy_it in zip(found, chosen, strict=True) if copy_it})
+    pool.retain({key for (key, _, _), copy_it in zip(found, chosen, strict=True) if copy_it}
+                | set(keep))
     torch = _torch()
     if async_copies and torch is not None:
         torch.cuda.synchronize()

@@ -568,6 +568,15 @@ _SHARDED = textwrap.dedent(
         opt.zero_grad()
         sched.step()
 
+    # Asynchronous: save() returns once the shards are copied; the writes (held here
+    # until training has changed the model) must still hold the state of the save.
+    gate, opened = threading.Event(), []
+    write_file = StoreWriter._write_file
+    def gated(self, *args, **kwargs):
+        opened.append(gate.wait(120))
+        return write_file(self, *args, **kwargs)
+    StoreWriter._write_file = gated
+
     train_step()
     ckpt.save(1)  # every rank writes its shards
     names = dict(model.named_parameters())
@@ -575,14 +584,21 @@ _SHARDED = textwrap.dedent(
                 "exp_avg": {k: opt.state[p]["exp_avg"].full_tensor() for k, p in names.items()}}
     if rank == 0:
         torch.save(expected, "expected.pt")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1000.0)  # training goes on before a byte is written
+    gate.set()
+    ckpt.wait()
+    assert opened and all(opened), "the save wrote before it returned"
+    StoreWriter._write_file = write_file
 
     train_step()
-    write_file = StoreWriter._write_file
     if rank == 1:  # its writer fails: the gather fails, nothing is made complete
         def broken(*args, **kwargs):
             raise RuntimeError("rank 1's disk failed")
         StoreWriter._write_file = broken
     ckpt.save(2)
+    ckpt.wait()  # its writes are over: rank 1 may mend its disk
 
     class Held(Exception):
         pass
@@ -599,11 +615,14 @@ _SHARDED = textwrap.dedent(
         ckpt["extra"] = {"epoch": 3}
         spot._rt().fence = lambda: False
         spot._rt().hold_fenced = held
-    try:
-        ckpt.save(4)
-    except Held:
-        assert rank == 1
-        print("held", flush=True)
+    ckpt.save(4)
+    ckpt.wait()
+    if rank == 1:  # its next save holds the cell before it takes part in anything
+        assert spot._rt().fenced
+        try:
+            ckpt.save(5)
+        except Held:
+            print("held", flush=True)
 
     # Restored at the same world size: every rank loads its shards (collectively).
     fresh = sharded_model(1)

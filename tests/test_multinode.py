@@ -393,17 +393,29 @@ dist.destroy_process_group()
 """
 
 
+# The same training sharded with FSDP2: every rank writes its shards (asynchronously,
+# spotnb.ckpt.sharded), and a world that shrank reads them resharded. The bias (one
+# element) leaves rank 1 of two an empty shard.
+FSDP_TRAINING = DDP_TRAINING.replace(
+    "ddp = torch.nn.parallel.DistributedDataParallel(model)",
+    "from torch.distributed.fsdp import fully_shard\nddp = fully_shard(model)").replace(
+    "weights = [p.detach().clone() for p in model.parameters()]",
+    "weights = [p.full_tensor().detach().clone() for p in model.parameters()]")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("code", [DDP_TRAINING, FSDP_TRAINING], ids=["ddp", "fsdp"])
 def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrupted(
-        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two nodes of seeded DDP code (--nodes 1:2, the same global batch at any world
-    size). The node hosting the rendezvous gets its notice mid-training: every rank
-    saves at the same step (rank 0 writes), the host leaves, the other node re-forms
-    (alone, or with the replacement if it already joined) from that checkpoint, and
-    the replacement joins. The final weights match an uninterrupted run of the same
-    code: bitwise where every round had 2 ranks, else within float tolerance (the
-    gradient of the same global batch is then reduced in a different order)."""
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """Two nodes of seeded DDP (or FSDP) code (--nodes 1:2, the same global batch at
+    any world size). The node hosting the rendezvous gets its notice mid-training:
+    every rank saves at the same step (DDP: rank 0 writes; FSDP: every rank its
+    shards), the host leaves, the other node re-forms (alone, or with the replacement
+    if it already joined) from that checkpoint, and the replacement joins. The final
+    weights match an uninterrupted run of the same code: bitwise where every round had
+    2 ranks, else within float tolerance (the gradient of the same global batch is then
+    reduced in a different order)."""
 
     import torch
 
@@ -418,9 +430,9 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
               "checkpoint_every": "5 steps"}
     reference_go = tmp_path / "reference-go"
     reference_go.write_text("go")
-    reference = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 30, "PAUSE_AT": 12,
+    reference = spotnb.submit(code, inputs={"STEPS": 30, "PAUSE_AT": 12,
                                                     "GO": str(reference_go)}, **common)
-    job = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 30, "PAUSE_AT": 12, "GO": str(go)},
+    job = spotnb.submit(code, inputs={"STEPS": 30, "PAUSE_AT": 12, "GO": str(go)},
                         **common)
     store = LocalStore(job.spec.store_uri.removeprefix("file://"))
 

@@ -25,23 +25,35 @@ What is saved, by registered object:
 Restoring at another world size: DCP's load planner reads each rank's part of every
 tensor from whichever saved chunks hold it (resharding). A rank reads its own state
 tree if the checkpoint has one for its rank, else rank 0's (a world that grew).
+
+Asynchronous save (:func:`save`): the training thread copies this rank's local shards
+(and the other objects' tensors) into host buffers of the checkpoint's
+:class:`~spotnb.snapshot.BufferPool`, reused from one save to the next; that copy is
+the stall. ``dcp.async_save`` then plans, writes and gathers in its own thread, its
+collectives on a gloo group of the checkpoint's own (:func:`checkpoint_group`), so
+they never interleave with the training loop's collectives on the default group.
+When this rank's share does not fit the memory budget, nothing is copied and the
+save is written before :func:`save` returns (the stall is the write).
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from spotnb import snapshot
 from spotnb.checkpoints import CheckpointError, PendingCheckpoint
 from spotnb.ckpt.dcp import FileReader, StoreWriter, state_key, tensor_names
 
-__all__ = ["DCP_KIND", "holds_sharded", "load", "save"]
+__all__ = ["DCP_KIND", "checkpoint_group", "holds_sharded", "load", "save", "stage_specs"]
 
 #: The kind, in a sharded checkpoint's state tree, of an object whose state is DCP's
 #: (a module or an optimizer): its tensors are items of the checkpoint, not the tree's.
@@ -102,30 +114,154 @@ def _state_dicts(modules: dict[str, torch.nn.Module],
     return out
 
 
+#: Where the staged copies of DCP's tensors sit in the buffer pool's keys (the other
+#: objects' keys start with their names, Python identifiers: no clash).
+_STAGED = "spotnb/dcp"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds (a DTensor's local shard, else ``t``)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tensors(tree: Any, key: tuple[Hashable, ...] = (_STAGED,)
+             ) -> list[tuple[tuple[Hashable, ...], torch.Tensor]]:
+    """Every tensor of a (nested) state dict, with its pool key."""
+    if isinstance(tree, torch.Tensor):
+        return [(key, tree)]
+    if isinstance(tree, dict):
+        return [found for k, v in tree.items() for found in _tensors(v, (*key, k))]
+    if isinstance(tree, list | tuple):
+        return [found for i, v in enumerate(tree) for found in _tensors(v, (*key, i))]
+    return []
+
+
+def _stageable(tree: Any) -> bool:
+    """Whether every tensor is one :func:`_stage` copies (dense, DTensor or plain)."""
+    from torch.distributed.tensor import DTensor
+
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter, DTensor)
+               and snapshot._streamable(torch, _local(t)) for _, t in _tensors(tree))
+
+
+def _stage(tree: Any, pool: snapshot.BufferPool, key: tuple[Hashable, ...] = (_STAGED,)
+           ) -> tuple[Any, bool]:
+    """A copy of a state dict that training cannot change: every tensor's local data
+    in a host buffer of ``pool`` (a DTensor stays a DTensor over its copied shard, with
+    the same mesh and placements). The second item: whether a copy from a GPU is still
+    in flight (the caller synchronises)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        done = pool.copy(key, tree.to_local())
+        assert done is not None
+        return DTensor(done[0], tree._spec, requires_grad=False), done[1]
+    if isinstance(tree, torch.Tensor):
+        done = pool.copy(key, tree)
+        assert done is not None
+        return done
+    pending = False
+    if isinstance(tree, dict):
+        out: dict[Any, Any] = {}
+        for k, v in tree.items():
+            out[k], in_flight = _stage(v, pool, (*key, k))
+            pending |= in_flight
+        return out, pending
+    if isinstance(tree, list | tuple):
+        items = []
+        for i, v in enumerate(tree):
+            item, in_flight = _stage(v, pool, (*key, i))
+            items.append(item)
+            pending |= in_flight
+        return type(tree)(items), pending
+    return tree, False  # numbers, strings: immutable
+
+
+def stage_specs(objects: dict[str, Any]) -> list[tuple[Hashable, str, Any]]:
+    """``[(key, name, tensor), ...]`` that :func:`save` copies for this rank (local
+    shards, not whole tensors), to warm a buffer pool ahead of the first save."""
+    modules, optimizers = _dcp_objects(objects)
+    others = {n: o for n, o in objects.items() if n not in modules and n not in optimizers}
+    specs = [(key, ".".join(map(str, key[1:])), _local(t))
+             for key, t in _tensors(_state_dicts(modules, optimizers))]
+    return specs + snapshot.tensor_specs(others)
+
+
+_group: tuple[Any, Any] | None = None
+
+
+def checkpoint_group() -> Any:
+    """The checkpoints' own gloo process group over the whole world (created on first
+    use: collective, so every rank calls it at the same point, which the save is).
+
+    ``dcp.async_save``'s thread runs its gathers and broadcasts on it while training
+    goes on: on the default group they could interleave with the loop's collectives.
+    Gloo, because the staged copies are in host memory.
+    """
+    global _group
+    default = dist.distributed_c10d._get_default_group()
+    if _group is None or _group[0] is not default:
+        _group = (default, dist.new_group(backend="gloo"))
+    return _group[1]
+
+
+class _Staged(AsyncStager):
+    """The stager of an already staged state dict (:func:`_stage` ran on the training
+    thread, into spotnb's reusable buffers, within its memory budget)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        return None  # staged before async_save was called
+
+    def close(self) -> None:
+        return None  # the buffers are the pool's
+
+
 def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank: int,
          fence: Callable[[], bool] | None, pool: snapshot.BufferPool,
-         parts_in_flight: int | None = None) -> None:
-    """This rank's part of a sharded checkpoint (every rank calls it; collective).
+         copy_budget: int | None = None, parts_in_flight: int | None = None
+         ) -> tuple[Future[Any], bool]:
+    """Start this rank's part of a sharded checkpoint (every rank calls it; collective).
 
-    Returns once every rank's files are written and the coordinator has written
-    ``.metadata``; raises (on every rank: DCP broadcasts the outcome) if any rank's
-    write failed or any rank's agent lost its lease. The manifest and ``LATEST`` are
-    the caller's (rank 0's) next steps.
+    Returns DCP's future, done once every rank's files are written and the coordinator
+    has written ``.metadata`` (it raises on every rank if any rank's write failed or
+    any rank's agent lost its lease), and whether training may change its state
+    before the future is done: True when this rank's state fit ``copy_budget`` (bytes;
+    None: no limit) and was copied; else nothing was copied and the caller waits for
+    the future. The manifest and ``LATEST`` are the caller's (rank 0's) next steps.
     """
     import torch.distributed.checkpoint as dcp
 
     writer = StoreWriter(pending, parts_in_flight=parts_in_flight, fence=fence)
+    copied = False
     try:
         modules, optimizers = _dcp_objects(objects)
         others = {n: o for n, o in objects.items()
                   if n not in modules and n not in optimizers}
+        dicts = _state_dicts(modules, optimizers)
+        local = sum(snapshot.nbytes(_local(t)) for _, t in _tensors(dicts))
+        budget = copy_budget if copy_budget is not None else local + \
+            sum(snapshot.nbytes(t) for *_, t in snapshot.tensor_specs(others))
+        stage_it = local <= budget and _stageable(dicts)
+        staged, in_flight = _stage(dicts, pool) if stage_it else (dicts, False)
+        keep = {key for key, _ in _tensors(dicts)} if stage_it else set()
         # The rest as the runtime captures it; the tree (with this rank's RNG states)
         # is pickled into one item so that DCP's flattening leaves it whole.
-        captured = snapshot.capture(others, pool, step)
+        captured = snapshot.capture(others, pool, step, budget - local if stage_it else 0,
+                                    keep=keep)
+        if in_flight:
+            torch.cuda.synchronize()
+        copied = stage_it and not captured.live
         tree = dict(captured.state)
         tree["objects"] = {**tree["objects"],
                            **{name: (DCP_KIND, None) for name in (*modules, *optimizers)}}
-        state = {**_state_dicts(modules, optimizers), **captured.tensors,
+        state = {**staged, **captured.tensors,
                  state_key(rank): snapshot.Pickled(
                      pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL))}
     except Exception as e:
@@ -134,7 +270,10 @@ def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank
         # instead of the others waiting for it in a gather.
         writer = _FailedWriter(pending, e)
         state = {}
-    dcp.save(state, storage_writer=writer)
+    future = dcp.async_save(state, storage_writer=writer, process_group=checkpoint_group(),
+                            async_stager=_Staged())
+    assert isinstance(future, Future)
+    return future, copied
 
 
 class _FailedWriter(StoreWriter):
