@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from spotnb import runtime as spot
-from spotnb.checkpoints import MANIFEST, CheckpointStore
-from spotnb.ckpt import METADATA_FILE
+from spotnb.checkpoints import MANIFEST, CheckpointStore, FileEntry, Manifest
+from spotnb.ckpt import METADATA_FILE, node_share
 from spotnb.ckpt.dcp import FileReader, ItemLocation, StoreWriter, load_state, save_state, state_key
 from spotnb.ckpt.memory import MemoryBudget, parse_size
 from spotnb.ckpt.notice import NoticeFit, input_state_bytes
@@ -538,15 +538,21 @@ def test_checkpoints_of_the_previous_format_still_restore(standalone: Path) -> N
 
 _SHARDED = textwrap.dedent(
     """
+    import pickle
     import sys
     import threading
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+    from pathlib import Path
     from spotnb import runtime as spot
+    from spotnb.checkpoints import CheckpointStore
     from spotnb.ckpt.dcp import StoreWriter
+    from spotnb.store import LocalStore
 
     rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    def latest_id():
+        return CheckpointStore(LocalStore(spot.LOCAL_DIR), "checkpoints").latest().id
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world)
     def sharded_model(seed):
@@ -568,11 +574,18 @@ _SHARDED = textwrap.dedent(
         opt.zero_grad()
         sched.step()
 
+    def full_state():
+        names = dict(model.named_parameters())
+        return {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
+                "exp_avg": {k: opt.state[p]["exp_avg"].full_tensor()
+                            for k, p in names.items()}}
+
+    train_step()
+    ckpt.save(0)
+    expected_0 = full_state()
     train_step()
     ckpt.save(1)  # every rank writes its shards
-    names = dict(model.named_parameters())
-    expected = {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
-                "exp_avg": {k: opt.state[p]["exp_avg"].full_tensor() for k, p in names.items()}}
+    expected = full_state()
     if rank == 0:
         torch.save(expected, "expected.pt")
 
@@ -605,25 +618,63 @@ _SHARDED = textwrap.dedent(
         assert rank == 1
         print("held", flush=True)
 
-    # Restored at the same world size: every rank loads its shards (collectively).
-    fresh = sharded_model(1)
-    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
-    assert spot.Checkpoint(model=fresh, optimizer=fresh_opt).restore() == 2
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v.full_tensor(), expected["model"][k]), k
-    for k, p in fresh.named_parameters():
-        assert torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), expected["exp_avg"][k])
+    fetched = []  # the checkpoint files this rank downloads (a GET each)
+    download = LocalStore.download_file
+    def counted(store, key, path):
+        fetched.append(key.rsplit("/", 1)[-1])
+        download(store, key, path)
+    LocalStore.download_file = counted
+
+    def restored(expected):
+        fresh = sharded_model(1)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+        step = spot.Checkpoint(model=fresh, optimizer=fresh_opt).restore()
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v.full_tensor(), expected["model"][k]), k
+        for k, p in fresh.named_parameters():
+            assert torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(),
+                               expected["exp_avg"][k])
+        return step
+
+    # Restored at the same world size: every rank loads its shards (collectively),
+    # downloading the metadata, its own file, and the files of the items every rank
+    # holds (DCP saves each replicated item once, on the rank with the least data:
+    # Adam's step counts, the param groups), and no other rank's shards.
+    assert restored(expected) == 2
+    saved = Path(spot.LOCAL_DIR, "checkpoints", latest_id())
+    metadata = pickle.loads((saved / ".metadata").read_bytes())
+    replicated = {loc.file for index, loc in metadata.storage_data.items()
+                  if not index.fqn.startswith("spotnb/state/")
+                  and len(getattr(metadata.state_dict_metadata[index.fqn], "chunks", [0])) == 1}
+    assert sorted(fetched) == sorted({".metadata", f"__{rank}_0.distcp"} | replicated), fetched
+    if rank == 1:  # here DCP gave every replicated item to rank 1: it reads its own only
+        assert replicated == {"__1_0.distcp"}, replicated
+
+    # A shard damaged in the store: only rank 1 reads it, yet both ranks fall back
+    # to the checkpoint before it, together.
+    shard = saved / "__1_0.distcp"
+    if rank == 1:
+        good = shard.read_bytes()
+        shard.write_bytes(bytes(b ^ 0xFF for b in good[:64]) + good[64:])
+    dist.barrier()
+    assert restored(expected_0) == 1
+    dist.barrier()
+    if rank == 1:
+        shard.write_bytes(good)
+        print("fell back", flush=True)
     dist.destroy_process_group()
     print("ok", rank, flush=True)
     """
 )
 
 
-def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone: Path) -> None:
+def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(
+        standalone: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP2 on 2 ranks (gloo): each rank's shards in its own files, one manifest listing
     them; a rank whose write fails or whose agent lost its lease leaves no manifest and
-    LATEST where it was; the checkpoint restores on both ranks and in one process (2 -> 1,
-    resharded)."""
+    LATEST where it was; the checkpoint restores on both ranks, each downloading only its
+    own shards, and in one process (2 -> 1, resharded: both ranks' files); a damaged
+    shard makes both ranks fall back to the checkpoint before it."""
     rendezvous = standalone / "rendezvous-sharded"
     procs = [subprocess.Popen([sys.executable, "-c", _SHARDED, str(rank), "2", str(rendezvous)],
                               env=_env(), cwd=standalone, stdout=subprocess.PIPE,
@@ -632,6 +683,9 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
     for proc, (out, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0 and "ok" in out, err[-3000:]
     assert "held" in outs[1][0] and "held" not in outs[0][0], outs  # the fenced rank holds
+    assert "fell back" in outs[1][0]
+    # The damaged shard is named on both ranks (rank 0 learns of it from rank 1).
+    assert all("'__1_0.distcp' does not match its checksum" in err for _, err in outs), outs
     assert "rank 1's disk failed" in outs[0][1]  # rank 0 learns of rank 1's failure
 
     cs = CheckpointStore(LocalStore(standalone / spot.LOCAL_DIR), "checkpoints")
@@ -642,7 +696,7 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
     # The failed saves: no .metadata, no manifest (the fenced one's data is all there;
     # the one whose plan failed wrote nothing at all).
     by_step = {int(cid[:12]): cid for cid in cs.ids()}
-    assert sorted(by_step) == [1, 2, 4]
+    assert sorted(by_step) == [0, 1, 2, 4]
     assert "cannot checkpoint 'extra'" in outs[0][1]
     store = cs.store
     for step in (2, 4):
@@ -656,6 +710,14 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     ckpt = spot.Checkpoint(model=model, optimizer=opt, sched=sched, extra={})
+    fetched: list[str] = []
+    download = LocalStore.download_file
+
+    def counted(store: LocalStore, key: str, path: str | os.PathLike[str]) -> None:
+        fetched.append(key.rsplit("/", 1)[-1])
+        download(store, key, path)
+
+    monkeypatch.setattr(LocalStore, "download_file", counted)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: assuming one process"
         assert ckpt.restore() == 2
@@ -663,7 +725,28 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
         assert torch.equal(value, expected["model"][name]), name
     for name, param in model.named_parameters():
         assert torch.equal(opt.state[param]["exp_avg"], expected["exp_avg"][name]), name
-    assert sched.last_epoch == 1 and ckpt["extra"] == {"epoch": 3}
+    assert sched.last_epoch == 2 and ckpt["extra"] == {"epoch": 3}
+    # Resharded, the one process's plan names both ranks' files: those are fetched.
+    assert sorted(fetched) == [METADATA_FILE, "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_a_node_prefetches_its_ranks_share_of_a_sharded_checkpoint() -> None:
+    """The agent's prefetch (multi-node): the metadata and its ranks' files when the
+    world has the size that saved it; only the metadata at another size; a checkpoint
+    one rank wrote, whole."""
+    def manifest(ranks: int | None) -> Manifest:
+        names = [METADATA_FILE, "__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
+                 "__2_0.distcp", "__12_0.distcp", "metrics.json"]
+        return Manifest("000000000003-a0001-00", 3, 1, 0.0,
+                        tuple(FileEntry(n, 1, "crc32c:00000000") for n in names),
+                        format="dcp", metadata={"ranks": ranks} if ranks else {})
+
+    assert node_share(manifest(13), [0], 13) == [METADATA_FILE, "__0_0.distcp",
+                                                  "__0_1.distcp"]
+    assert node_share(manifest(13), [1, 2], 13) == [METADATA_FILE, "__1_0.distcp",
+                                                     "__2_0.distcp"]
+    assert node_share(manifest(13), [0, 1], 12) == [METADATA_FILE]  # resharded: plans tell
+    assert node_share(manifest(None), [1], 2) is None  # DDP's rank 0 wrote it: whole
 
 
 def test_sharded_state_in_a_world_of_one_saves_and_restores(standalone: Path) -> None:

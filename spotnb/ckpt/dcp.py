@@ -3,7 +3,9 @@
 :class:`StoreWriter` is a DCP ``StorageWriter`` that writes each rank's items straight
 into the store through a :class:`~spotnb.checkpoints.PendingCheckpoint` (no scratch
 file, no second pass to checksum); :class:`FileReader` is the ``StorageReader`` for a
-local copy of such a checkpoint (the agent's prefetch, or a download). The planning,
+local copy of such a checkpoint (the agent's prefetch, or a download), and
+:class:`StoreReader` the one that fetches into such a copy only the files a rank reads
+(a rank of a sharded checkpoint downloads its part of the state, not the whole). The planning,
 the metadata and resharding are DCP's own (``DefaultSavePlanner``,
 ``DefaultLoadPlanner``): the same writer serves ``dcp.save``/``dcp.async_save`` on N
 ranks, and :func:`save_state`/:func:`load_state` drive it in one process without a
@@ -52,6 +54,7 @@ import os
 import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -76,7 +79,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotnb.checkpoints import CheckpointError, FencedOff, FileEntry, PendingCheckpoint
+from spotnb.checkpoints import (
+    CheckpointError,
+    CheckpointStore,
+    FencedOff,
+    FileEntry,
+    Manifest,
+    PendingCheckpoint,
+)
 from spotnb.ckpt import (
     ALIGN,
     DATA_SUFFIX,
@@ -95,6 +105,7 @@ __all__ = [
     "FenceAnswer",
     "FileReader",
     "ItemLocation",
+    "StoreReader",
     "StoreWriter",
     "load_state",
     "save_state",
@@ -102,6 +113,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: How many files a :class:`StoreReader` downloads at once: as many as a rank writes
+#: at once (MAX_FILES), so that a restore fills the link as the save did.
+FETCH_THREADS = MAX_FILES
 
 # The result that carries a file's size and checksum to the coordinator has this name.
 _FILE_RESULT = "spotnb/file/"
@@ -522,6 +537,72 @@ class FileReader(StorageReader):
             self._maps[loc.file] = area
         return torch.frombuffer(area, dtype=dtype, count=numel,
                                 offset=loc.offset).view(tuple(saved.size))
+
+
+class StoreReader(FileReader):
+    """Reads a checkpoint of :class:`StoreWriter` from the store, fetching only what the
+    load plan reads: a rank of a sharded checkpoint downloads its part, not the whole.
+
+    ``directory`` receives the local copies: the agent's prefetch (shared by the ranks
+    of a node, which may fetch the same file at once: see
+    :meth:`~spotnb.checkpoints.CheckpointStore.fetch`), or a fresh directory.
+
+    1. :meth:`read_metadata` fetches ``.metadata`` (one request, unless the prefetch
+       brought it).
+    2. :meth:`read_data` maps the plan's items to their files (each item's storage
+       index -> ``storage_data`` -> :class:`ItemLocation`), fetches those files
+       (:data:`FETCH_THREADS` at a time), then reads them as :class:`FileReader` does.
+       At the world size it was saved at, a rank's plan names its own files and those
+       holding the replicated items it was given; at another world size (resharding),
+       the files of whichever ranks saved the parts it now holds.
+
+    Every file is verified against the manifest (size, then checksum) before it is
+    read, a copy already in ``directory`` included; one that is missing or differs
+    raises :class:`~spotnb.checkpoints.CorruptCheckpoint` from ``read_data``, which DCP
+    reports to every rank (:func:`spotnb.ckpt.sharded.load` turns that into the same
+    ``CorruptCheckpoint`` everywhere). :attr:`fetched` names the files this reader
+    verified (and downloaded, where they were not there yet).
+    """
+
+    def __init__(self, checkpoints: CheckpointStore, manifest: Manifest,
+                 directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        self.checkpoints = checkpoints
+        self.manifest = manifest
+        #: The files verified in ``directory`` so far (each is verified once).
+        self.fetched: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"StoreReader({self.manifest.id!r}, {str(self.path)!r})"
+
+    def _fetch(self, name: str) -> None:
+        if name not in self.fetched:
+            self.checkpoints.fetch(self.manifest, name, self.path)
+            self.fetched.add(name)
+
+    def fetch_files(self, names: Iterable[str]) -> None:
+        """Make the files ``names`` present and verified in the directory."""
+        missing = sorted(set(names) - self.fetched)
+        if len(missing) <= 1:
+            for name in missing:
+                self._fetch(name)
+            return
+        with ThreadPoolExecutor(min(FETCH_THREADS, len(missing)),
+                                thread_name_prefix="spotnb-fetch") as pool:
+            list(pool.map(self._fetch, missing))  # raises the first failure
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.metadata is None:
+            self._fetch(METADATA_FILE)  # step 1
+        return super().read_metadata()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.fetch_files({self._location(req.storage_index).file for req in plan.items})
+        return super().read_data(plan, planner)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never chosen by path: pass the reader explicitly
 
 
 def _pread(f: Any, offset: int, length: int) -> bytes:
