@@ -547,7 +547,9 @@ _SHARDED = textwrap.dedent(
     from pathlib import Path
     from spotnb import runtime as spot
     from spotnb.checkpoints import CheckpointStore
+    from spotnb.ckpt import node_share
     from spotnb.ckpt.dcp import StoreWriter
+    from spotnb.kernel_remote.channel import PREFETCH_DONE
     from spotnb.store import LocalStore
 
     rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -662,6 +664,17 @@ _SHARDED = textwrap.dedent(
     if rank == 1:
         shard.write_bytes(good)
         print("fell back", flush=True)
+
+    # Each rank on a node of its own: the agent prefetched the node's share (what
+    # _prefetch downloads), so the reader fetches only what the share lacks.
+    cs = CheckpointStore(LocalStore(spot.LOCAL_DIR), "checkpoints")
+    node_dir = Path(f"restore-node{rank}")
+    cs.download(cs.latest(), node_dir, names=node_share(cs.latest(), [rank], world))
+    (node_dir / PREFETCH_DONE).touch()
+    spot._rt().restore_dir = node_dir
+    fetched.clear()
+    assert restored(expected) == 2
+    assert sorted(fetched) == sorted(replicated - {f"__{rank}_0.distcp"}), fetched
     dist.destroy_process_group()
     print("ok", rank, flush=True)
     """
