@@ -652,18 +652,19 @@ _SHARDED = textwrap.dedent(
     if rank == 1:  # here DCP gave every replicated item to rank 1: it reads its own only
         assert replicated == {"__1_0.distcp"}, replicated
 
-    # A shard damaged in the store: only rank 1 reads it, yet both ranks fall back
-    # to the checkpoint before it, together.
-    shard = saved / "__1_0.distcp"
-    if rank == 1:
+    # A shard damaged in the store: only rank 0 reads it (rank 1 reads its own file
+    # only, asserted above), yet both ranks fall back to the checkpoint before it,
+    # together.
+    shard = saved / "__0_0.distcp"
+    if rank == 0:
         good = shard.read_bytes()
         shard.write_bytes(bytes(b ^ 0xFF for b in good[:64]) + good[64:])
     dist.barrier()
     assert restored(expected_0) == 1
     dist.barrier()
-    if rank == 1:
+    if rank == 0:
         shard.write_bytes(good)
-        print("fell back", flush=True)
+    print("fell back", flush=True)
 
     # Each rank on a node of its own: the agent prefetched the node's share (what
     # _prefetch downloads), so the reader fetches only what the share lacks.
@@ -696,9 +697,10 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(
     for proc, (out, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0 and "ok" in out, err[-3000:]
     assert "held" in outs[1][0] and "held" not in outs[0][0], outs  # the fenced rank holds
-    assert "fell back" in outs[1][0]
-    # The damaged shard is named on both ranks (rank 0 learns of it from rank 1).
-    assert all("'__1_0.distcp' does not match its checksum" in err for _, err in outs), outs
+    assert all("fell back" in out for out, _ in outs), outs
+    # The damaged shard is named on both ranks (rank 1 learns of it from rank 0).
+    assert all("'__0_0.distcp' does not match its checksum" in err for _, err in outs), outs
+    assert "(read by rank 0); trying the checkpoint before it" in outs[1][1], outs[1][1]
     assert "rank 1's disk failed" in outs[0][1]  # rank 0 learns of rank 1's failure
 
     cs = CheckpointStore(LocalStore(standalone / spot.LOCAL_DIR), "checkpoints")

@@ -189,9 +189,11 @@ def load(objects: dict[str, Any], reader: FileReader, rank: int) -> dict[str, An
                  planner=DefaultLoadPlanner(allow_partial_load=True))
     except CheckpointException as e:
         # A rank's read_data raised; DCP raises this on every rank, with every failure.
-        corrupt = [exc for exc, _ in e.failures.values() if isinstance(exc, CorruptCheckpoint)]
+        corrupt = [(found_rank, exc) for found_rank, (exc, _) in sorted(e.failures.items())
+                   if isinstance(exc, CorruptCheckpoint)]
         if corrupt:
-            raise CorruptCheckpoint(str(corrupt[0])) from e
+            found_rank, exc = corrupt[0]
+            raise CorruptCheckpoint(f"{exc} (read by rank {found_rank})") from e
         raise
     for name, module in modules.items():
         set_model_state_dict(module, targets[name])
