@@ -665,6 +665,29 @@ class CheckpointStore:
                 tmp.unlink()
         return path
 
+    def read_range(self, manifest: Manifest, name: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of file ``name`` of a checkpoint from ``offset`` (one ranged
+        request), not verified: the caller must know the whole file is verified by
+        someone (see :class:`spotnb.ckpt.dcp.StoreReader`). Raises
+        :class:`CorruptCheckpoint` if the file is missing or shorter than that."""
+        entry = next((f for f in manifest.files if f.name == name), None)
+        if entry is None or offset + length > entry.size:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.id}: {name!r} has no bytes {offset}-{offset + length} "
+                "in its manifest, which its metadata refers to")
+        try:
+            data = self.store.get_range(self._key(manifest.id, _check_name(name)), offset,
+                                        length)
+        except NotFound:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.id}: file {name!r} is missing from the store"
+            ) from None
+        if len(data) != length:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.id}: file {name!r} ends before byte "
+                f"{offset + length} (the manifest says {entry.size} bytes)")
+        return data
+
     def verify_local(
         self, manifest: Manifest, directory: str | os.PathLike[str]
     ) -> dict[str, Path]:

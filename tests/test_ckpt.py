@@ -458,7 +458,7 @@ _RANK = textwrap.dedent(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
     from spotnb.checkpoints import CheckpointStore
-    from spotnb.ckpt.dcp import FileReader, StoreWriter
+    from spotnb.ckpt.dcp import StoreReader, StoreWriter
     from spotnb.store import LocalStore
 
     rank, world, rendezvous, root, what = sys.argv[1:6]
@@ -474,11 +474,22 @@ _RANK = textwrap.dedent(
                  storage_writer=StoreWriter(pending))
         if rank == 0:  # the coordinator lists every rank's files, then commits
             cs.commit(pending.finish("dcp"))
-    else:  # each rank loads its columns of a checkpoint saved whole
+    else:  # each rank loads its columns of a checkpoint saved whole, from the store
+        import spotnb.ckpt.dcp
+        spotnb.ckpt.dcp.RANGE_PIECE_BYTES = 128  # ranged reads in pieces
+        cs = CheckpointStore(LocalStore(root), "checkpoints")
+        reader = StoreReader(cs, cs.latest(), f"{rendezvous}-{rank}")
         target = {"w": distribute_tensor(torch.zeros(24, 6), mesh, [Shard(1)])}
-        dcp.load(target, storage_reader=FileReader(root))
+        dcp.load(target, storage_reader=reader)
         expected = full[:, rank * 6 // world:(rank + 1) * 6 // world]
         assert torch.equal(target["w"].to_local(), expected), rank
+        # The one file is read by both: rank 0 fetches and verifies it whole, rank 1
+        # reads the saved chunk (576 bytes) in ranged pieces of 128.
+        if rank == 0:
+            assert reader.fetched == {".metadata", "__0_0.distcp"} and not reader.ranges
+        else:
+            assert reader.fetched == {".metadata"}, reader.fetched
+            assert reader.ranges == {"__0_0.distcp": 5}, reader.ranges
     dist.destroy_process_group()
     print("ok", rank, flush=True)
     """
@@ -515,7 +526,8 @@ def test_a_checkpoint_of_n_ranks_loads_on_m(tmp_path: Path) -> None:
     one = CheckpointStore(LocalStore(tmp_path / "one"), "checkpoints")
     pending = one.begin(1)
     save_state({"w": full, state_key(): {}}, StoreWriter(pending))
-    _ranks(tmp_path, 2, tmp_path / "one" / "checkpoints" / pending.id, "load")
+    one.commit(pending.finish("dcp"))
+    _ranks(tmp_path, 2, tmp_path / "one", "load")
 
 
 def test_checkpoints_of_the_previous_format_still_restore(standalone: Path) -> None:
@@ -620,12 +632,16 @@ _SHARDED = textwrap.dedent(
         assert rank == 1
         print("held", flush=True)
 
-    fetched = []  # the checkpoint files this rank downloads (a GET each)
-    download = LocalStore.download_file
+    fetched = []  # the checkpoint files this rank downloads whole (a GET each)
+    ranged = []  # the files it reads a range of (a ranged GET each)
+    download, get_range = LocalStore.download_file, LocalStore.get_range
     def counted(store, key, path):
         fetched.append(key.rsplit("/", 1)[-1])
         download(store, key, path)
-    LocalStore.download_file = counted
+    def counted_range(store, key, offset, length):
+        ranged.append(key.rsplit("/", 1)[-1])
+        return get_range(store, key, offset, length)
+    LocalStore.download_file, LocalStore.get_range = counted, counted_range
 
     def restored(expected):
         fresh = sharded_model(1)
@@ -639,43 +655,45 @@ _SHARDED = textwrap.dedent(
         return step
 
     # Restored at the same world size: every rank loads its shards (collectively),
-    # downloading the metadata, its own file, and the files of the items every rank
-    # holds (DCP saves each replicated item once, on the rank with the least data:
-    # Adam's step counts, the param groups), and no other rank's shards.
+    # downloading the metadata and its own file, and reading in one ranged request
+    # the items every rank holds that DCP saved in another rank's file (once, on the
+    # rank with the least of them: Adam's step counts, the param groups).
     assert restored(expected) == 2
     saved = Path(spot.LOCAL_DIR, "checkpoints", latest_id())
     metadata = pickle.loads((saved / ".metadata").read_bytes())
     replicated = {loc.file for index, loc in metadata.storage_data.items()
                   if not index.fqn.startswith("spotnb/state/")
                   and len(getattr(metadata.state_dict_metadata[index.fqn], "chunks", [0])) == 1}
-    assert sorted(fetched) == sorted({".metadata", f"__{rank}_0.distcp"} | replicated), fetched
-    if rank == 1:  # here DCP gave every replicated item to rank 1: it reads its own only
-        assert replicated == {"__1_0.distcp"}, replicated
+    assert sorted(fetched) == [".metadata", f"__{rank}_0.distcp"], fetched
+    assert sorted(ranged) == sorted(replicated - {f"__{rank}_0.distcp"}), ranged
+    assert rank == 1 or ranged  # the replicated items are not all in rank 0's file
 
-    # A shard damaged in the store: only rank 0 reads it (rank 1 reads its own file
-    # only, asserted above), yet both ranks fall back to the checkpoint before it,
-    # together.
-    shard = saved / "__0_0.distcp"
-    if rank == 0:
+    # A file damaged in the store (its first bytes): rank 1 fetches it whole and
+    # finds the damage; rank 0 reads only a range of it, intact, yet both ranks fall
+    # back to the checkpoint before it, together.
+    shard = saved / "__1_0.distcp"
+    if rank == 1:
         good = shard.read_bytes()
         shard.write_bytes(bytes(b ^ 0xFF for b in good[:64]) + good[64:])
     dist.barrier()
     assert restored(expected_0) == 1
     dist.barrier()
-    if rank == 0:
+    if rank == 1:
         shard.write_bytes(good)
     print("fell back", flush=True)
 
     # Each rank on a node of its own: the agent prefetched the node's share (what
-    # _prefetch downloads), so the reader fetches only what the share lacks.
+    # _prefetch downloads), so the reader downloads nothing more.
     cs = CheckpointStore(LocalStore(spot.LOCAL_DIR), "checkpoints")
     node_dir = Path(f"restore-node{rank}")
     cs.download(cs.latest(), node_dir, names=node_share(cs.latest(), [rank], world))
     (node_dir / PREFETCH_DONE).touch()
     spot._rt().restore_dir = node_dir
     fetched.clear()
+    ranged.clear()
     assert restored(expected) == 2
-    assert sorted(fetched) == sorted(replicated - {f"__{rank}_0.distcp"}), fetched
+    assert fetched == [] and sorted(ranged) == sorted(replicated - {f"__{rank}_0.distcp"})
+    assert not [p for p in node_dir.iterdir() if p.name.startswith(".ranges")]
     dist.destroy_process_group()
     print("ok", rank, flush=True)
     """
@@ -687,8 +705,9 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(
     """FSDP2 on 2 ranks (gloo): each rank's shards in its own files, one manifest listing
     them; a rank whose write fails or whose agent lost its lease leaves no manifest and
     LATEST where it was; the checkpoint restores on both ranks, each downloading only its
-    own shards, and in one process (2 -> 1, resharded: both ranks' files); a damaged
-    shard makes both ranks fall back to the checkpoint before it."""
+    own file and a range of the other's, and in one process (2 -> 1, resharded: both
+    ranks' files); a damaged file makes both ranks fall back to the checkpoint before it,
+    the rank that read only a range of it too."""
     rendezvous = standalone / "rendezvous-sharded"
     procs = [subprocess.Popen([sys.executable, "-c", _SHARDED, str(rank), "2", str(rendezvous)],
                               env=_env(), cwd=standalone, stdout=subprocess.PIPE,
@@ -698,9 +717,9 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(
         assert proc.returncode == 0 and "ok" in out, err[-3000:]
     assert "held" in outs[1][0] and "held" not in outs[0][0], outs  # the fenced rank holds
     assert all("fell back" in out for out, _ in outs), outs
-    # The damaged shard is named on both ranks (rank 1 learns of it from rank 0).
-    assert all("'__0_0.distcp' does not match its checksum" in err for _, err in outs), outs
-    assert "(read by rank 0); trying the checkpoint before it" in outs[1][1], outs[1][1]
+    # The damaged file is named on both ranks (rank 0 learns of it from rank 1).
+    assert all("'__1_0.distcp' does not match its checksum" in err for _, err in outs), outs
+    assert "(read by rank 1); trying the checkpoint before it" in outs[0][1], outs[0][1]
     assert "rank 1's disk failed" in outs[0][1]  # rank 0 learns of rank 1's failure
 
     cs = CheckpointStore(LocalStore(standalone / spot.LOCAL_DIR), "checkpoints")

@@ -4,7 +4,7 @@
 into the store through a :class:`~spotnb.checkpoints.PendingCheckpoint` (no scratch
 file, no second pass to checksum); :class:`FileReader` is the ``StorageReader`` for a
 local copy of such a checkpoint (the agent's prefetch, or a download), and
-:class:`StoreReader` the one that fetches into such a copy only the files a rank reads
+:class:`StoreReader` the one that fetches into such a copy only what a rank reads
 (a rank of a sharded checkpoint downloads its part of the state, not the whole). The planning,
 the metadata and resharding are DCP's own (``DefaultSavePlanner``,
 ``DefaultLoadPlanner``): the same writer serves ``dcp.save``/``dcp.async_save`` on N
@@ -44,7 +44,9 @@ failed) makes DCP's gather fail before ``finish``: nothing is written either.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import io
 import itertools
 import logging
@@ -53,7 +55,7 @@ import mmap
 import os
 import pickle
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -117,6 +119,14 @@ log = logging.getLogger(__name__)
 #: How many files a :class:`StoreReader` downloads at once: as many as a rank writes
 #: at once (MAX_FILES), so that a restore fills the link as the save did.
 FETCH_THREADS = MAX_FILES
+#: A StoreReader reads the items it needs of another rank's file in ranged requests,
+#: one per span; items less than this far apart share one: a request costs as much
+#: as reading this much more (S3: ~$0.0004 per 1,000 GETs, and a round trip).
+RANGE_GAP_BYTES = 2**20
+#: A span is read in ranged requests of at most this many bytes (a resharded rank may
+#: read half of another rank's file): each is held in memory until written out, so
+#: FETCH_THREADS of them at once bound the memory; 64 MiB costs a request per 64 MiB.
+RANGE_PIECE_BYTES = 64 * 2**20
 
 # The result that carries a file's size and checksum to the coordinator has this name.
 _FILE_RESULT = "spotnb/file/"
@@ -473,6 +483,10 @@ class FileReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return (Path(checkpoint_id) / METADATA_FILE).is_file()
 
+    def _local_file(self, name: str) -> Path:
+        """Where the local copy of data file ``name`` is."""
+        return self.path / name
+
     def _location(self, index: MetadataIndex) -> ItemLocation:
         md = self.read_metadata()
         loc = md.storage_data[index]
@@ -485,7 +499,7 @@ class FileReader(StorageReader):
         for req in plan.items:
             by_file.setdefault(self._location(req.storage_index).file, []).append(req)
         for name, reqs in by_file.items():
-            with open(self.path / name, "rb", buffering=0) as f:
+            with open(self._local_file(name), "rb", buffering=0) as f:
                 for req in sorted(reqs, key=lambda r: self._location(r.storage_index).offset):
                     loc = self._location(req.storage_index)
                     if req.type == LoadItemType.BYTE_IO:
@@ -539,9 +553,16 @@ class FileReader(StorageReader):
                                 offset=loc.offset).view(tuple(saved.size))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Whole:
+    """The files a rank fetches whole (the coordinator's choice; see StoreReader)."""
+
+    files: frozenset[str]
+
+
 class StoreReader(FileReader):
     """Reads a checkpoint of :class:`StoreWriter` from the store, fetching only what the
-    load plan reads: a rank of a sharded checkpoint downloads its part, not the whole.
+    load plans read: a rank of a sharded checkpoint downloads its part, not the whole.
 
     ``directory`` receives the local copies: the agent's prefetch (shared by the ranks
     of a node, which may fetch the same file at once: see
@@ -549,19 +570,29 @@ class StoreReader(FileReader):
 
     1. :meth:`read_metadata` fetches ``.metadata`` (one request, unless the prefetch
        brought it).
-    2. :meth:`read_data` maps the plan's items to their files (each item's storage
-       index -> ``storage_data`` -> :class:`ItemLocation`), fetches those files
-       (:data:`FETCH_THREADS` at a time), then reads them as :class:`FileReader` does.
-       At the world size it was saved at, a rank's plan names its own files and those
-       holding the replicated items it was given; at another world size (resharding),
-       the files of whichever ranks saved the parts it now holds.
+    2. :meth:`prepare_global_plan` (the coordinator, which sees every rank's load plan)
+       gives each file that some rank reads to one rank, the one that reads the most
+       of it (at the world size that saved it: the rank that wrote it), to fetch
+       whole; the choice travels in each plan's ``storage_data``.
+    3. :meth:`read_data` maps the plan's items to their files (each item's storage
+       index -> ``storage_data`` -> :class:`ItemLocation`). Its files are fetched
+       whole and verified against the manifest (size, then checksum), a copy already
+       in ``directory`` included; of another rank's file it reads only its items'
+       bytes, in ranged requests (spans less than :data:`RANGE_GAP_BYTES` apart
+       merged, at most :data:`RANGE_PIECE_BYTES` each), into a sparse local file.
+       Then it reads them as :class:`FileReader` does. At the world size that saved
+       the checkpoint a rank thus downloads its own files and a few ranges of the
+       others' (the replicated items DCP saved on another rank: an optimizer's step
+       counts, its param groups); resharded, the parts of other ranks' files that
+       hold its new part (whole, where it reads most of one).
 
-    Every file is verified against the manifest (size, then checksum) before it is
-    read, a copy already in ``directory`` included; one that is missing or differs
-    raises :class:`~spotnb.checkpoints.CorruptCheckpoint` from ``read_data``, which DCP
-    reports to every rank (:func:`spotnb.ckpt.sharded.load` turns that into the same
-    ``CorruptCheckpoint`` everywhere). :attr:`fetched` names the files this reader
-    verified (and downloaded, where they were not there yet).
+    Every byte read comes from a file verified whole in the same load: by this rank,
+    or by the rank chosen in step 2, whose ``read_data`` raises
+    :class:`~spotnb.checkpoints.CorruptCheckpoint` for a file that is missing or
+    differs; DCP reports that to every rank before any rank's load returns
+    (:func:`spotnb.ckpt.sharded.load` turns it into the same ``CorruptCheckpoint``
+    everywhere), so no rank goes on with bytes of a damaged file. :attr:`fetched`
+    names the files this reader verified; :attr:`ranges` counts its ranged requests.
     """
 
     def __init__(self, checkpoints: CheckpointStore, manifest: Manifest,
@@ -571,6 +602,9 @@ class StoreReader(FileReader):
         self.manifest = manifest
         #: The files verified in ``directory`` so far (each is verified once).
         self.fetched: set[str] = set()
+        #: Ranged requests made so far ({file: count}).
+        self.ranges: dict[str, int] = {}
+        self._partial: dict[str, Path] = {}
 
     def __repr__(self) -> str:
         return f"StoreReader({self.manifest.id!r}, {str(self.path)!r})"
@@ -582,23 +616,81 @@ class StoreReader(FileReader):
 
     def fetch_files(self, names: Iterable[str]) -> None:
         """Make the files ``names`` present and verified in the directory."""
-        missing = sorted(set(names) - self.fetched)
-        if len(missing) <= 1:
-            for name in missing:
-                self._fetch(name)
-            return
-        with ThreadPoolExecutor(min(FETCH_THREADS, len(missing)),
-                                thread_name_prefix="spotnb-fetch") as pool:
-            list(pool.map(self._fetch, missing))  # raises the first failure
+        self._run([functools.partial(self._fetch, name)
+                   for name in sorted(set(names) - self.fetched)])
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.metadata is None:
             self._fetch(METADATA_FILE)  # step 1
         return super().read_metadata()
 
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        readers: dict[str, dict[int, int]] = {}  # step 2: file -> {rank: bytes read}
+        for rank, plan in enumerate(plans):
+            for req in plan.items:
+                loc = self._location(req.storage_index)
+                by_rank = readers.setdefault(loc.file, {})
+                by_rank[rank] = by_rank.get(rank, 0) + loc.length
+        chosen = {name: max(by_rank, key=lambda r: (by_rank[r], -r))
+                  for name, by_rank in readers.items()}
+        return [dataclasses.replace(plan, storage_data=_Whole(frozenset(
+                    name for name, rank in chosen.items() if rank == i)))
+                for i, plan in enumerate(plans)]
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        self.fetch_files({self._location(req.storage_index).file for req in plan.items})
-        return super().read_data(plan, planner)
+        spans: dict[str, list[ItemLocation]] = {}
+        for req in plan.items:
+            loc = self._location(req.storage_index)
+            spans.setdefault(loc.file, []).append(loc)
+        whole = plan.storage_data.files if isinstance(plan.storage_data, _Whole) else \
+            frozenset(spans)  # no coordinator's choice (one process): every file whole
+        jobs = [functools.partial(self._fetch, name)
+                for name in sorted(spans.keys() & whole - self.fetched)]
+        jobs += [functools.partial(self._read_ranges, name, locs)
+                 for name, locs in sorted(spans.items())
+                 if name not in whole and name not in self.fetched]
+        try:
+            self._run(jobs)  # step 3
+            return super().read_data(plan, planner)
+        finally:
+            for path in self._partial.values():
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            self._partial.clear()
+
+    def _read_ranges(self, name: str, locs: list[ItemLocation]) -> None:
+        """The bytes of ``locs`` of file ``name``, at their offsets of a sparse file."""
+        merged: list[list[int]] = []
+        for loc in sorted(locs, key=lambda loc: loc.offset):
+            if merged and loc.offset - merged[-1][1] <= RANGE_GAP_BYTES:
+                merged[-1][1] = max(merged[-1][1], loc.offset + loc.length)
+            else:
+                merged.append([loc.offset, loc.offset + loc.length])
+        path = self.path / f".ranges-{os.getpid()}-{threading.get_ident()}-{name}"
+        self._partial[name] = path
+        with open(path, "wb", buffering=0) as f:
+            for span_start, span_end in merged:
+                for start in range(span_start, span_end, RANGE_PIECE_BYTES):
+                    end = min(span_end, start + RANGE_PIECE_BYTES)
+                    data = self.checkpoints.read_range(self.manifest, name, start,
+                                                       end - start)
+                    os.pwrite(f.fileno(), data, start)
+                    self.ranges[name] = self.ranges.get(name, 0) + 1
+
+    def _local_file(self, name: str) -> Path:
+        return self._partial.get(name, self.path / name)
+
+    @staticmethod
+    def _run(jobs: Sequence[Callable[[], object]]) -> None:
+        """Run ``jobs`` (:data:`FETCH_THREADS` at a time); raise the first failure."""
+        if len(jobs) <= 1:
+            for job in jobs:
+                job()
+            return
+        with ThreadPoolExecutor(min(FETCH_THREADS, len(jobs)),
+                                thread_name_prefix="spotnb-fetch") as pool:
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -27,9 +27,10 @@ tensor from whichever saved chunks hold it (resharding). A rank reads its own st
 tree if the checkpoint has one for its rank, else rank 0's (a world that grew).
 
 What a rank downloads to restore: through a :class:`~spotnb.ckpt.dcp.StoreReader`,
-``.metadata`` and the files its load plan names, each verified first, never the whole
-checkpoint. A damaged file fails :func:`load` with ``CorruptCheckpoint`` on every rank
-at once (whichever rank read it), so that the runtime's ranks fall back together.
+``.metadata``, the files it reads most of (its own, at the same world size), verified,
+and ranges of the others' it reads a little of; never the whole checkpoint. A damaged
+file fails :func:`load` with ``CorruptCheckpoint`` on every rank at once (whichever
+rank verified it), so that the runtime's ranks fall back together.
 """
 
 from __future__ import annotations
