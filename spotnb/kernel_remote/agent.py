@@ -1108,9 +1108,9 @@ class Agent:
         size (a multi-node job). Of a sharded checkpoint (saved by every rank) the node
         then fetches only its share: the manifest, ``.metadata`` and, when the
         checkpoint was saved by a world of the same size (a node replaced, the world
-        re-formed as it was), the files its ranks wrote, which hold what they read
-        (:func:`spotnb.ckpt.node_share`). The ranks' readers fetch anything else they turn out
-        to need (replicated items another rank wrote; another world size's shards).
+        re-formed as it was), the files its ranks wrote, which hold nearly all they
+        read (:func:`spotnb.ckpt.node_share`). The ranks' readers fetch the rest
+        (ranges of the replicated items other ranks wrote; another world size's shards).
         """
         try:
             from spotnb.checkpoints import CheckpointStore
