@@ -37,7 +37,9 @@ commits them in order.
 
 Reading: :meth:`CheckpointStore.latest` reads ``LATEST`` then the manifest;
 :meth:`CheckpointStore.download` fetches the files and checks every size and checksum
-(:class:`CorruptCheckpoint` names the bad file).
+(:class:`CorruptCheckpoint` names the bad file); :meth:`CheckpointStore.fetch` does it
+for one file, which is how a rank of a sharded checkpoint reads only the files its
+part of the state is in (:class:`spotnb.ckpt.dcp.StoreReader`).
 
 Large files are never held in memory: :class:`HashingWriter` checksums while the caller
 writes (into a local file, or straight into the store), and verification reads files
@@ -55,7 +57,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -92,6 +94,8 @@ _CHUNK = 4 * 1024 * 1024
 # A reader may race a writer's pruning (LATEST moves and the old id is deleted
 # between reading LATEST and its manifest): re-read LATEST this many times.
 _LATEST_READ_TRIES = 3
+# A file being fetched is downloaded under this prefix, then renamed into place.
+_FETCH_MARK = ".fetch-"
 _ID_RE = re.compile(r"^(\d{12})-a(\d{4})-[0-9a-f]+$")
 
 
@@ -604,27 +608,85 @@ class CheckpointStore:
             except CheckpointError as e:
                 log.error("%s; trying the checkpoint before it", e)
 
-    def download(self, manifest: Manifest, dest_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    def download(self, manifest: Manifest, dest_dir: str | os.PathLike[str],
+                 names: Iterable[str] | None = None) -> dict[str, Path]:
         """Download a checkpoint's files into ``dest_dir`` and verify them.
 
-        Returns {name: local path}; also writes ``MANIFEST.json`` there. Raises
-        :class:`CorruptCheckpoint` naming the first file that is missing or differs.
+        ``names``: only these files (e.g. a node's share of a sharded checkpoint);
+        default every file. Files already there that verify are not downloaded again
+        (:meth:`fetch`). Returns {name: local path}; also writes ``MANIFEST.json``
+        there. Raises :class:`CorruptCheckpoint` naming the first file that is missing
+        or differs.
         """
         dest = Path(dest_dir)
         dest.mkdir(parents=True, exist_ok=True)
-        paths = {}
-        for entry in manifest.files:
-            path = dest / _check_name(entry.name)
-            try:
-                self.store.download_file(self._key(manifest.id, entry.name), path)
-            except NotFound:
-                raise CorruptCheckpoint(
-                    f"checkpoint {manifest.id}: file {entry.name!r} is missing from the store"
-                ) from None
-            _verify(manifest, entry, path, remove_bad=True)
-            paths[entry.name] = path
+        wanted = None if names is None else set(names)
+        paths = {entry.name: self.fetch(manifest, entry.name, dest)
+                 for entry in manifest.files if wanted is None or entry.name in wanted}
         (dest / MANIFEST).write_text(manifest.to_json())
         return paths
+
+    def fetch(self, manifest: Manifest, name: str, directory: str | os.PathLike[str]
+              ) -> Path:
+        """One file of a checkpoint, verified, in ``directory``; its local path.
+
+        A copy already there that matches the manifest is used as it is (no request);
+        otherwise the file is downloaded under a temporary name, verified, and renamed
+        into place, so that processes sharing ``directory`` (the ranks of one node) may
+        fetch the same file at once and never see a partial or unverified one. Raises
+        :class:`CorruptCheckpoint` if the manifest does not list it, the store lacks
+        it, or the downloaded bytes differ from the manifest (the bad copy is removed).
+        """
+        entry = next((f for f in manifest.files if f.name == name), None)
+        if entry is None:
+            raise CorruptCheckpoint(f"checkpoint {manifest.id}: its manifest does not list "
+                                    f"{name!r}, which its metadata refers to")
+        path = Path(directory) / _check_name(name)
+        if path.exists():
+            try:
+                _verify(manifest, entry, path, remove_bad=False)
+                return path
+            except CorruptCheckpoint:
+                pass  # stale or damaged: replaced below, never removed (another process
+                # sharing the directory may be renaming a good copy onto it)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{_FETCH_MARK}{path.name}-{secrets.token_hex(4)}")
+        try:
+            try:
+                self.store.download_file(self._key(manifest.id, name), tmp)
+            except NotFound:
+                raise CorruptCheckpoint(
+                    f"checkpoint {manifest.id}: file {name!r} is missing from the store"
+                ) from None
+            _verify(manifest, entry, tmp, remove_bad=True, shown=path)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return path
+
+    def read_range(self, manifest: Manifest, name: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of file ``name`` of a checkpoint from ``offset`` (one ranged
+        request), not verified: the caller must know the whole file is verified by
+        someone (see :class:`spotnb.ckpt.dcp.StoreReader`). Raises
+        :class:`CorruptCheckpoint` if the file is missing or shorter than that."""
+        entry = next((f for f in manifest.files if f.name == name), None)
+        if entry is None or offset + length > entry.size:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.id}: {name!r} has no bytes {offset}-{offset + length} "
+                "in its manifest, which its metadata refers to")
+        try:
+            data = self.store.get_range(self._key(manifest.id, _check_name(name)), offset,
+                                        length)
+        except NotFound:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.id}: file {name!r} is missing from the store"
+            ) from None
+        if len(data) != length:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.id}: file {name!r} ends before byte "
+                f"{offset + length} (the manifest says {entry.size} bytes)")
+        return data
 
     def verify_local(
         self, manifest: Manifest, directory: str | os.PathLike[str]
@@ -641,16 +703,19 @@ class CheckpointStore:
         return paths
 
 
-def _verify(manifest: Manifest, entry: FileEntry, path: Path, remove_bad: bool) -> None:
+def _verify(manifest: Manifest, entry: FileEntry, path: Path, remove_bad: bool,
+            shown: Path | None = None) -> None:
     # A bad file we downloaded ourselves is removed so that nobody loads it by mistake.
     # The size first (no read), then the checksum with the algorithm the manifest names.
+    # ``shown``: the path to name in errors (``path`` is a temporary name of it).
+    where = (shown or path).parent
     try:
         size = path.stat().st_size
         if size == entry.size:
             size, checksum = hash_file(path, algorithm_of(entry.checksum))
     except FileNotFoundError:
         raise CorruptCheckpoint(
-            f"checkpoint {manifest.id}: file {entry.name!r} is missing from {path.parent}"
+            f"checkpoint {manifest.id}: file {entry.name!r} is missing from {where}"
         ) from None
     if size != entry.size:
         if remove_bad:

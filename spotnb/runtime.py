@@ -732,27 +732,30 @@ class Checkpoint:
         if last is not None:
             last.wait()  # another Checkpoint's save of this session: it may be the newest
         started = time.monotonic()
-        found = self._fetch_newest_intact()
         world = _world()
-        if world is not None:
-            found = self._agree(found)
-        if found is None:
-            _logger.info("no checkpoint yet: starting from step 0")
-            return 0
-        manifest, directory, downloaded = found
-        try:
-            if manifest.metadata.get("ranks"):
-                # Written by every rank (sharded): DCP reshards it to this world, each
-                # rank reading its part (collective in a distributed job).
-                from spotnb.ckpt import sharded
-
-                state = sharded.load(self._objects, directory, world[0] if world else 0)
-            else:
-                state = self._read(manifest, directory)
-            carried = _read_rows(manifest, directory)
-        finally:
-            if downloaded:
-                shutil.rmtree(directory, ignore_errors=True)
+        damaged: list[str] = []
+        while True:
+            found = self._fetch_newest_intact(damaged)
+            if world is not None:
+                found = self._agree(found)
+            if found is None:
+                _logger.info("no checkpoint yet: starting from step 0")
+                return 0
+            manifest, directory, downloaded = found
+            try:
+                state, carried = self._load(manifest, directory, world)
+                break
+            except CorruptCheckpoint as e:
+                if not manifest.metadata.get("ranks"):
+                    raise  # verified whole before it was read: not damage found reading
+                # A sharded checkpoint is verified file by file as each rank reads its
+                # part: sharded.load raised this on every rank at once, so every rank
+                # skips it here and agrees on the one before it.
+                _logger.error("%s; trying the checkpoint before it", e)
+                damaged.append(manifest.id)
+            finally:
+                if downloaded:
+                    shutil.rmtree(directory, ignore_errors=True)
         if carried:
             # Rows the checkpoint's attempt logged that its agent may not have written
             # (it died with them): the agent records those its log lacks.
@@ -783,6 +786,30 @@ class Checkpoint:
         _logger.info("restored checkpoint %s in %.1f s: continuing at step %d", manifest.id,
                      seconds, manifest.step + 1)
         return manifest.step + 1
+
+    def _load(self, manifest: Manifest, directory: Path, world: tuple[int, int] | None
+              ) -> tuple[dict[str, Any], list[list[Any]]]:
+        """The state tree of a fetched checkpoint, and the metric rows it carries."""
+        if not manifest.metadata.get("ranks"):
+            return self._read(manifest, directory), _read_rows(manifest, directory)
+        # Written by every rank (sharded): DCP reshards it to this world, each rank
+        # fetching and reading only the files its part is in (collective in a
+        # distributed job; a damaged file raises CorruptCheckpoint on every rank).
+        from spotnb.ckpt import sharded
+        from spotnb.ckpt.dcp import StoreReader
+
+        reader = StoreReader(self._store, manifest, directory)
+        state = sharded.load(self._objects, reader, world[0] if world else 0)
+        if any(f.name == METRICS_FILE for f in manifest.files):
+            try:
+                reader.fetch_files([METRICS_FILE])
+            except (CheckpointError, OSError) as e:
+                # Not the training state: the restore goes on (as _read_rows does).
+                _logger.warning("the metric rows of checkpoint %s cannot be fetched (%s); "
+                                "the metric history may miss the steps just before it",
+                                manifest.id, e)
+                return state, []
+        return state, _read_rows(manifest, directory)
 
     def _read(self, manifest: Manifest, directory: Path) -> dict[str, Any]:
         """The saved state tree of a verified local copy, tensors resolved."""
@@ -828,14 +855,21 @@ class Checkpoint:
                            for name, (kind, payload) in tree["objects"].items()}
         return dict(tree)
 
-    def _fetch_newest_intact(self) -> tuple[Manifest, Path, bool] | None:
+    def _fetch_newest_intact(self, damaged: list[str] | None = None
+                             ) -> tuple[Manifest, Path, bool] | None:
         """The newest checkpoint whose files verify, fetched; None if there is none.
 
         A damaged checkpoint (its files disagree with its manifest) is skipped for the
-        one before it: redoing some steps beats failing the job.
+        one before it: redoing some steps beats failing the job. ``damaged``: ids found
+        damaged already (by a restore that read them); those found here are added.
+
+        A sharded checkpoint is not fetched whole here: each rank fetches and verifies
+        the files it reads as it reads them (:meth:`_fetch`, :meth:`_load`).
         """
-        damaged = []
+        damaged = damaged if damaged is not None else []
         for manifest in self._store.manifests():
+            if manifest.id in damaged:
+                continue
             try:
                 directory, downloaded = self._fetch(manifest)
             except CorruptCheckpoint as e:
@@ -868,23 +902,40 @@ class Checkpoint:
         return (manifest, *self._fetch(manifest))
 
     def _fetch(self, manifest: Manifest) -> tuple[Path, bool]:
-        """A verified local copy of the checkpoint: the agent's prefetch if it is this
-        checkpoint, else a fresh download. The second item says whether we downloaded it."""
+        """A local copy of the checkpoint: the agent's prefetch if it is this
+        checkpoint, else a fresh download. The second item says whether we downloaded
+        it (and remove it after the restore).
+
+        Verified whole, except a sharded checkpoint's: of that, only the directory is
+        chosen here, and each rank's :class:`~spotnb.ckpt.dcp.StoreReader` fetches
+        into it the files it reads. The ranks of a node share the agent's restore
+        directory (or a subdirectory of it named after the checkpoint, when the
+        prefetch brought another one): nobody removes it while another rank reads.
+        """
         restore_dir = self._rt.restore_dir
+        sharded = bool(manifest.metadata.get("ranks"))
         if restore_dir is not None:
             _wait_for_prefetch(restore_dir)
         if restore_dir is not None and (restore_dir / "MANIFEST.json").exists():
             try:
                 local = Manifest.read_local(restore_dir)
                 if local.id == manifest.id:
-                    self._store.verify_local(manifest, restore_dir)
+                    if not sharded:
+                        self._store.verify_local(manifest, restore_dir)
                     return restore_dir, False
                 _logger.info("the prefetched checkpoint %s is not the latest (%s); "
                              "downloading", local.id, manifest.id)
             except (CheckpointError, OSError, ValueError, KeyError) as e:
                 _logger.warning("the prefetched checkpoint in %s is unusable (%s); "
                                 "downloading", restore_dir, e)
+        if sharded and restore_dir is not None and restore_dir.exists():
+            own = restore_dir / manifest.id
+            own.mkdir(exist_ok=True)
+            return own, False
         dest = self._rt.scratch / f"runtime-restore-{uuid.uuid4().hex[:8]}"
+        if sharded:
+            dest.mkdir(parents=True)
+            return dest, True
         try:
             self._store.download(manifest, dest)
         except BaseException:

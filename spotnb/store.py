@@ -279,6 +279,12 @@ class Store(ABC):
         """
         return _SpooledWriter(self, _check_key(key))
 
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the object at ``key`` from ``offset`` (S3: one ranged
+        GET); :class:`NotFound` if there is none. Fewer bytes if the object ends first.
+        The default implementation reads the whole object."""
+        return self.get(key)[offset:offset + length]
+
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists."""
         try:
@@ -403,6 +409,13 @@ class LocalStore(Store):
 
     def get(self, key: str) -> bytes:
         return self.get_with_etag(key)[0]
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                return os.pread(f.fileno(), length, offset)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFound(key) from None
 
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
         try:

@@ -225,6 +225,11 @@ def test_upload_and_download_large_files_multipart(store: S3Store, tmp_path: Pat
     small.download_file("checkpoints/1/model.pt", dest)
     assert dest.read_bytes() == data
     assert [p.name for p in dest.parent.iterdir()] == ["model.pt"], "no temporary left"
+    # A ranged GET across a part boundary (a rank reading a few items of a file).
+    start = 5 * 2**20 - 3
+    assert store.get_range("checkpoints/1/model.pt", start, 10) == data[start:start + 10]
+    with pytest.raises(NotFound):
+        store.get_range("checkpoints/1/missing.pt", 0, 10)
     with pytest.raises(NotFound):
         store.download_file("checkpoints/1/missing.pt", tmp_path / "missing.pt")
     assert not (tmp_path / "missing.pt").exists()
@@ -250,6 +255,7 @@ def test_every_request_names_the_expected_bucket_owner(store: S3Store, tmp_path:
         src.write_bytes(b"x" * 100)
         store.upload_file("f", src)
         store.download_file("f", tmp_path / "g")
+        assert store.get_range("f", 10, 5) == b"x" * 5
         store.delete("a")
         store.delete_prefix("")
     finally:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -138,8 +139,53 @@ def test_download_catches_corruption(store: LocalStore, tmp_path: Path, damage: 
         match = "'bad' is missing"
     with pytest.raises(CorruptCheckpoint, match=match):
         cs.download(m, tmp_path / "out")
-    # The damaged download does not stay around to be loaded by mistake.
-    assert not (tmp_path / "out" / "bad").exists()
+    # The damaged download does not stay around to be loaded by mistake, not even
+    # under its temporary name.
+    left = [p.name for p in (tmp_path / "out").iterdir()]
+    assert "bad" not in left and not any(name.startswith(".") for name in left), left
+
+
+def test_fetch_gets_a_file_once_replaces_a_stale_copy_and_races_safely(
+        store: LocalStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One file of a checkpoint (a rank's share of a sharded one): a verified copy is
+    not downloaded again, a stale one is replaced, and two processes sharing the
+    directory may fetch the same file at once."""
+    cs = CheckpointStore(store)
+    m = cs.write(1, _files(tmp_path, a=b"a" * 1000, b=os.urandom(4096)))
+    got: list[str] = []
+    download = store.download_file
+    both = threading.Barrier(1)
+
+    def counted(key: str, path: str | os.PathLike[str]) -> None:
+        got.append(key.rsplit("/", 1)[-1])
+        download(key, path)
+        both.wait(timeout=60)  # the racing fetches have both downloaded before renaming
+
+    monkeypatch.setattr(store, "download_file", counted)
+    out = tmp_path / "out"
+    assert cs.fetch(m, "a", out).read_bytes() == b"a" * 1000
+    assert cs.fetch(m, "a", out) == out / "a" and got == ["a"]  # verified: no request
+    (out / "b").write_bytes(b"stale")  # another checkpoint's file of that name
+    assert cs.fetch(m, "b", out).read_bytes() == (store.root / "checkpoints" / m.id /
+                                                   "b").read_bytes()
+    assert got == ["a", "b"]
+    with pytest.raises(CorruptCheckpoint, match="does not list 'c'"):
+        cs.fetch(m, "c", out)
+
+    both = threading.Barrier(2)
+    shared = tmp_path / "shared"
+    threads = [threading.Thread(target=cs.fetch, args=(m, "b", shared)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Both downloaded, both renamed into place: one whole copy, no temporary left.
+    assert got == ["a", "b", "b", "b"] and [p.name for p in shared.iterdir()] == ["b"]
+    assert cs.fetch(m, "b", shared) and got == ["a", "b", "b", "b"]  # and it verifies
+
+    both = threading.Barrier(1)
+    assert set(cs.download(m, tmp_path / "part", names=["b"])) == {"b"}
+    assert sorted(p.name for p in (tmp_path / "part").iterdir()) == [MANIFEST, "b"]
 
 
 def test_a_checkpoint_of_an_older_spotnb_with_sha256_still_verifies(

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from spotnb import runtime as spot
-from spotnb.checkpoints import MANIFEST, CheckpointStore
-from spotnb.ckpt import METADATA_FILE
+from spotnb.checkpoints import MANIFEST, CheckpointStore, FileEntry, Manifest
+from spotnb.ckpt import METADATA_FILE, node_share
 from spotnb.ckpt.dcp import FileReader, ItemLocation, StoreWriter, load_state, save_state, state_key
 from spotnb.ckpt.memory import MemoryBudget, parse_size
 from spotnb.ckpt.notice import NoticeFit, input_state_bytes
@@ -458,7 +458,7 @@ _RANK = textwrap.dedent(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
     from spotnb.checkpoints import CheckpointStore
-    from spotnb.ckpt.dcp import FileReader, StoreWriter
+    from spotnb.ckpt.dcp import StoreReader, StoreWriter
     from spotnb.store import LocalStore
 
     rank, world, rendezvous, root, what = sys.argv[1:6]
@@ -474,11 +474,22 @@ _RANK = textwrap.dedent(
                  storage_writer=StoreWriter(pending))
         if rank == 0:  # the coordinator lists every rank's files, then commits
             cs.commit(pending.finish("dcp"))
-    else:  # each rank loads its columns of a checkpoint saved whole
+    else:  # each rank loads its columns of a checkpoint saved whole, from the store
+        import spotnb.ckpt.dcp
+        spotnb.ckpt.dcp.RANGE_PIECE_BYTES = 128  # ranged reads in pieces
+        cs = CheckpointStore(LocalStore(root), "checkpoints")
+        reader = StoreReader(cs, cs.latest(), f"{rendezvous}-{rank}")
         target = {"w": distribute_tensor(torch.zeros(24, 6), mesh, [Shard(1)])}
-        dcp.load(target, storage_reader=FileReader(root))
+        dcp.load(target, storage_reader=reader)
         expected = full[:, rank * 6 // world:(rank + 1) * 6 // world]
         assert torch.equal(target["w"].to_local(), expected), rank
+        # The one file is read by both: rank 0 fetches and verifies it whole, rank 1
+        # reads the saved chunk (576 bytes) in ranged pieces of 128.
+        if rank == 0:
+            assert reader.fetched == {".metadata", "__0_0.distcp"} and not reader.ranges
+        else:
+            assert reader.fetched == {".metadata"}, reader.fetched
+            assert reader.ranges == {"__0_0.distcp": 5}, reader.ranges
     dist.destroy_process_group()
     print("ok", rank, flush=True)
     """
@@ -515,7 +526,8 @@ def test_a_checkpoint_of_n_ranks_loads_on_m(tmp_path: Path) -> None:
     one = CheckpointStore(LocalStore(tmp_path / "one"), "checkpoints")
     pending = one.begin(1)
     save_state({"w": full, state_key(): {}}, StoreWriter(pending))
-    _ranks(tmp_path, 2, tmp_path / "one" / "checkpoints" / pending.id, "load")
+    one.commit(pending.finish("dcp"))
+    _ranks(tmp_path, 2, tmp_path / "one", "load")
 
 
 def test_checkpoints_of_the_previous_format_still_restore(standalone: Path) -> None:
@@ -538,15 +550,23 @@ def test_checkpoints_of_the_previous_format_still_restore(standalone: Path) -> N
 
 _SHARDED = textwrap.dedent(
     """
+    import pickle
     import sys
     import threading
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+    from pathlib import Path
     from spotnb import runtime as spot
+    from spotnb.checkpoints import CheckpointStore
+    from spotnb.ckpt import node_share
     from spotnb.ckpt.dcp import StoreWriter
+    from spotnb.kernel_remote.channel import PREFETCH_DONE
+    from spotnb.store import LocalStore
 
     rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    def latest_id():
+        return CheckpointStore(LocalStore(spot.LOCAL_DIR), "checkpoints").latest().id
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world)
     def sharded_model(seed):
@@ -568,6 +588,17 @@ _SHARDED = textwrap.dedent(
         opt.zero_grad()
         sched.step()
 
+    def full_state():
+        names = dict(model.named_parameters())
+        return {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
+                "exp_avg": {k: opt.state[p]["exp_avg"].full_tensor()
+                            for k, p in names.items()}}
+
+    train_step()
+    ckpt.save(0)
+    expected_0 = full_state()
+    ckpt.wait()
+
     # Asynchronous: save() returns once the shards are copied; the writes (held here
     # until training has changed the model) must still hold the state of the save.
     gate, opened = threading.Event(), []
@@ -579,9 +610,7 @@ _SHARDED = textwrap.dedent(
 
     train_step()
     ckpt.save(1)  # every rank writes its shards
-    names = dict(model.named_parameters())
-    expected = {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
-                "exp_avg": {k: opt.state[p]["exp_avg"].full_tensor() for k, p in names.items()}}
+    expected = full_state()
     if rank == 0:
         torch.save(expected, "expected.pt")
     with torch.no_grad():
@@ -624,25 +653,82 @@ _SHARDED = textwrap.dedent(
         except Held:
             print("held", flush=True)
 
-    # Restored at the same world size: every rank loads its shards (collectively).
-    fresh = sharded_model(1)
-    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
-    assert spot.Checkpoint(model=fresh, optimizer=fresh_opt).restore() == 2
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v.full_tensor(), expected["model"][k]), k
-    for k, p in fresh.named_parameters():
-        assert torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), expected["exp_avg"][k])
+    fetched = []  # the checkpoint files this rank downloads whole (a GET each)
+    ranged = []  # the files it reads a range of (a ranged GET each)
+    download, get_range = LocalStore.download_file, LocalStore.get_range
+    def counted(store, key, path):
+        fetched.append(key.rsplit("/", 1)[-1])
+        download(store, key, path)
+    def counted_range(store, key, offset, length):
+        ranged.append(key.rsplit("/", 1)[-1])
+        return get_range(store, key, offset, length)
+    LocalStore.download_file, LocalStore.get_range = counted, counted_range
+
+    def restored(expected):
+        fresh = sharded_model(1)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+        step = spot.Checkpoint(model=fresh, optimizer=fresh_opt).restore()
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v.full_tensor(), expected["model"][k]), k
+        for k, p in fresh.named_parameters():
+            assert torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(),
+                               expected["exp_avg"][k])
+        return step
+
+    # Restored at the same world size: every rank loads its shards (collectively),
+    # downloading the metadata and its own file, and reading in one ranged request
+    # the items every rank holds that DCP saved in another rank's file (once, on the
+    # rank with the least of them: Adam's step counts, the param groups).
+    assert restored(expected) == 2
+    saved = Path(spot.LOCAL_DIR, "checkpoints", latest_id())
+    metadata = pickle.loads((saved / ".metadata").read_bytes())
+    replicated = {loc.file for index, loc in metadata.storage_data.items()
+                  if not index.fqn.startswith("spotnb/state/")
+                  and len(getattr(metadata.state_dict_metadata[index.fqn], "chunks", [0])) == 1}
+    assert sorted(fetched) == [".metadata", f"__{rank}_0.distcp"], fetched
+    assert sorted(ranged) == sorted(replicated - {f"__{rank}_0.distcp"}), ranged
+    assert rank == 1 or ranged  # the replicated items are not all in rank 0's file
+
+    # A file damaged in the store (its first bytes): rank 1 fetches it whole and
+    # finds the damage; rank 0 reads only a range of it, intact, yet both ranks fall
+    # back to the checkpoint before it, together.
+    shard = saved / "__1_0.distcp"
+    if rank == 1:
+        good = shard.read_bytes()
+        shard.write_bytes(bytes(b ^ 0xFF for b in good[:64]) + good[64:])
+    dist.barrier()
+    assert restored(expected_0) == 1
+    dist.barrier()
+    if rank == 1:
+        shard.write_bytes(good)
+    print("fell back", flush=True)
+
+    # Each rank on a node of its own: the agent prefetched the node's share (what
+    # _prefetch downloads), so the reader downloads nothing more.
+    cs = CheckpointStore(LocalStore(spot.LOCAL_DIR), "checkpoints")
+    node_dir = Path(f"restore-node{rank}")
+    cs.download(cs.latest(), node_dir, names=node_share(cs.latest(), [rank], world))
+    (node_dir / PREFETCH_DONE).touch()
+    spot._rt().restore_dir = node_dir
+    fetched.clear()
+    ranged.clear()
+    assert restored(expected) == 2
+    assert fetched == [] and sorted(ranged) == sorted(replicated - {f"__{rank}_0.distcp"})
+    assert not [p for p in node_dir.iterdir() if p.name.startswith(".ranges")]
     dist.destroy_process_group()
     print("ok", rank, flush=True)
     """
 )
 
 
-def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone: Path) -> None:
+def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(
+        standalone: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP2 on 2 ranks (gloo): each rank's shards in its own files, one manifest listing
     them; a rank whose write fails or whose agent lost its lease leaves no manifest and
-    LATEST where it was; the checkpoint restores on both ranks and in one process (2 -> 1,
-    resharded)."""
+    LATEST where it was; the checkpoint restores on both ranks, each downloading only its
+    own file and a range of the other's, and in one process (2 -> 1, resharded: both
+    ranks' files); a damaged file makes both ranks fall back to the checkpoint before it,
+    the rank that read only a range of it too."""
     rendezvous = standalone / "rendezvous-sharded"
     procs = [subprocess.Popen([sys.executable, "-c", _SHARDED, str(rank), "2", str(rendezvous)],
                               env=_env(), cwd=standalone, stdout=subprocess.PIPE,
@@ -651,6 +737,10 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
     for proc, (out, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0 and "ok" in out, err[-3000:]
     assert "held" in outs[1][0] and "held" not in outs[0][0], outs  # the fenced rank holds
+    assert all("fell back" in out for out, _ in outs), outs
+    # The damaged file is named on both ranks (rank 0 learns of it from rank 1).
+    assert all("'__1_0.distcp' does not match its checksum" in err for _, err in outs), outs
+    assert "(read by rank 1); trying the checkpoint before it" in outs[0][1], outs[0][1]
     assert "rank 1's disk failed" in outs[0][1]  # rank 0 learns of rank 1's failure
 
     cs = CheckpointStore(LocalStore(standalone / spot.LOCAL_DIR), "checkpoints")
@@ -661,7 +751,7 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
     # The failed saves: no .metadata, no manifest (the fenced one's data is all there;
     # the one whose plan failed wrote nothing at all).
     by_step = {int(cid[:12]): cid for cid in cs.ids()}
-    assert sorted(by_step) == [1, 2, 4]
+    assert sorted(by_step) == [0, 1, 2, 4]
     assert "cannot checkpoint 'extra'" in outs[0][1]
     store = cs.store
     for step in (2, 4):
@@ -675,6 +765,14 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     ckpt = spot.Checkpoint(model=model, optimizer=opt, sched=sched, extra={})
+    fetched: list[str] = []
+    download = LocalStore.download_file
+
+    def counted(store: LocalStore, key: str, path: str | os.PathLike[str]) -> None:
+        fetched.append(key.rsplit("/", 1)[-1])
+        download(store, key, path)
+
+    monkeypatch.setattr(LocalStore, "download_file", counted)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: assuming one process"
         assert ckpt.restore() == 2
@@ -682,7 +780,28 @@ def test_sharded_state_is_written_by_every_rank_and_restores_on_fewer(standalone
         assert torch.equal(value, expected["model"][name]), name
     for name, param in model.named_parameters():
         assert torch.equal(opt.state[param]["exp_avg"], expected["exp_avg"][name]), name
-    assert sched.last_epoch == 1 and ckpt["extra"] == {"epoch": 3}
+    assert sched.last_epoch == 2 and ckpt["extra"] == {"epoch": 3}
+    # Resharded, the one process's plan names both ranks' files: those are fetched.
+    assert sorted(fetched) == [METADATA_FILE, "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_a_node_prefetches_its_ranks_share_of_a_sharded_checkpoint() -> None:
+    """The agent's prefetch (multi-node): the metadata and its ranks' files when the
+    world has the size that saved it; only the metadata at another size; a checkpoint
+    one rank wrote, whole."""
+    def manifest(ranks: int | None) -> Manifest:
+        names = [METADATA_FILE, "__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
+                 "__2_0.distcp", "__12_0.distcp", "metrics.json"]
+        return Manifest("000000000003-a0001-00", 3, 1, 0.0,
+                        tuple(FileEntry(n, 1, "crc32c:00000000") for n in names),
+                        format="dcp", metadata={"ranks": ranks} if ranks else {})
+
+    assert node_share(manifest(13), [0], 13) == [METADATA_FILE, "__0_0.distcp",
+                                                  "__0_1.distcp"]
+    assert node_share(manifest(13), [1, 2], 13) == [METADATA_FILE, "__1_0.distcp",
+                                                     "__2_0.distcp"]
+    assert node_share(manifest(13), [0, 1], 12) == [METADATA_FILE]  # resharded: plans tell
+    assert node_share(manifest(None), [1], 2) is None  # DDP's rank 0 wrote it: whole
 
 
 def test_sharded_state_in_a_world_of_one_saves_and_restores(standalone: Path) -> None:

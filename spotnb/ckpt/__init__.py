@@ -49,8 +49,15 @@ interruption notice.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spotnb.checkpoints import Manifest
+
 __all__ = ["ALIGN", "DATA_SUFFIX", "FILE_MIN_BYTES", "MAX_FILES", "METADATA_FILE",
-           "PIECE_BYTES"]
+           "PIECE_BYTES", "node_share"]
 
 #: DCP's name for the pickled ``Metadata`` of a checkpoint.
 METADATA_FILE = ".metadata"
@@ -68,3 +75,26 @@ ALIGN = 64
 #: Tensor bytes go to the store in pieces of this size: a GPU tensor needs a staging
 #: buffer of this size only, and a simulated network delivers them steadily.
 PIECE_BYTES = 8 * 2**20
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+" + re.escape(DATA_SUFFIX) + "$")
+
+
+def node_share(manifest: Manifest, ranks: Collection[int], world_size: int
+               ) -> list[str] | None:
+    """The files of a checkpoint that a node hosting global ``ranks`` of a world of
+    ``world_size`` processes prefetches; None for every file.
+
+    Of a sharded checkpoint (its manifest names the world size that saved it,
+    ``metadata["ranks"]``): ``.metadata``, and the files of ``ranks`` when that world
+    size is ``world_size`` (then DCP gives each rank back the shards it saved, so its
+    own files hold nearly all it reads). At another world size only ``.metadata``:
+    which files a rank reads after resharding only its load plan tells, and its reader
+    fetches them (:class:`spotnb.ckpt.dcp.StoreReader`). A checkpoint one rank wrote
+    (single node, or a DDP job's rank 0) is read whole by every rank: every file.
+    """
+    saved_by = manifest.metadata.get("ranks")
+    if not saved_by:
+        return None
+    own = set(ranks) if saved_by == world_size else set()
+    return [f.name for f in manifest.files if f.name == METADATA_FILE or (
+        (m := _RANK_FILE.match(f.name)) is not None and int(m.group(1)) in own)]

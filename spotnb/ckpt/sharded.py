@@ -34,6 +34,12 @@ collectives on a gloo group of the checkpoint's own (:func:`checkpoint_group`), 
 they never interleave with the training loop's collectives on the default group.
 When this rank's share does not fit the memory budget, nothing is copied and the
 save is written before :func:`save` returns (the stall is the write).
+
+What a rank downloads to restore: through a :class:`~spotnb.ckpt.dcp.StoreReader`,
+``.metadata``, the files it reads most of (its own, at the same world size), verified,
+and ranges of the others' it reads a little of; never the whole checkpoint. A damaged
+file fails :func:`load` with ``CorruptCheckpoint`` on every rank at once (whichever
+rank verified it), so that the runtime's ranks fall back together.
 """
 
 from __future__ import annotations
@@ -41,16 +47,16 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from spotnb import snapshot
-from spotnb.checkpoints import CheckpointError, PendingCheckpoint
+from spotnb.checkpoints import CheckpointError, CorruptCheckpoint, PendingCheckpoint
 from spotnb.ckpt.dcp import FileReader, StoreWriter, state_key, tensor_names
 
 __all__ = ["DCP_KIND", "checkpoint_group", "holds_sharded", "load", "save", "stage_specs"]
@@ -288,19 +294,26 @@ class _FailedWriter(StoreWriter):
         raise self.error
 
 
-def load(objects: dict[str, Any], directory: Path, rank: int) -> dict[str, Any]:
-    """Load a sharded checkpoint's local copy into the registered objects (collective
-    in a distributed job: every rank calls it). Returns the state tree (objects
-    other than modules and optimizers not yet restored; see :func:`save`)."""
+def load(objects: dict[str, Any], reader: FileReader, rank: int) -> dict[str, Any]:
+    """Load a sharded checkpoint into the registered objects (collective in a
+    distributed job: every rank calls it). Returns the state tree (objects other than
+    modules and optimizers not yet restored; see :func:`save`).
+
+    ``reader``: a :class:`~spotnb.ckpt.dcp.StoreReader` (each rank fetches and verifies
+    the files it reads) or a :class:`~spotnb.ckpt.dcp.FileReader` of a verified local
+    copy. A damaged or missing file raises :class:`~spotnb.checkpoints.CorruptCheckpoint`
+    on every rank, whichever rank found it (see :func:`_together`), so that the ranks
+    agree on falling back to an older checkpoint.
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    reader = FileReader(directory)
-    metadata = reader.read_metadata()
+    metadata = _together(reader.read_metadata)
     modules, optimizers = _dcp_objects(objects)
     state_dicts = _state_dicts(modules, optimizers)
     key = state_key(rank)
@@ -311,18 +324,57 @@ def load(objects: dict[str, Any], directory: Path, rank: int) -> dict[str, Any]:
     for name, saved in tensor_names(metadata):  # the other objects' tensors
         if not name.startswith(owned):
             targets[name] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
-    dcp.load(targets, storage_reader=reader,
-             planner=DefaultLoadPlanner(allow_partial_load=True))
+    try:
+        dcp.load(targets, storage_reader=reader,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+    except CheckpointException as e:
+        # A rank's read_data raised; DCP raises this on every rank, with every failure.
+        corrupt = [(found_rank, exc) for found_rank, (exc, _) in sorted(e.failures.items())
+                   if isinstance(exc, CorruptCheckpoint)]
+        if corrupt:
+            found_rank, exc = corrupt[0]
+            raise CorruptCheckpoint(f"{exc} (read by rank {found_rank})") from e
+        raise
     for name, module in modules.items():
         set_model_state_dict(module, targets[name])
     for name, (module, opt) in optimizers.items():
         set_optimizer_state_dict(module, opt, targets[name])
     pickled = targets.pop(key)
     if not isinstance(pickled, snapshot.Pickled):
-        raise CheckpointError(f"checkpoint in {directory} has no spotnb state; it was not "
-                              "written by spot.Checkpoint")
+        raise CheckpointError(f"checkpoint in {reader.path} has no spotnb state; it was "
+                              "not written by spot.Checkpoint")
     tree: dict[str, Any] = pickled.loads()
     tensors = {name: t for name, t in targets.items() if isinstance(t, torch.Tensor)}
     tree["objects"] = {name: (kind, snapshot.resolve_refs(payload, tensors))
                        for name, (kind, payload) in tree["objects"].items()}
     return tree
+
+
+def _together(read: Callable[[], Metadata]) -> Metadata:
+    """``read()`` on every rank, failing on every rank if it fails on any (one
+    all-gather of each rank's outcome): a rank that finds ``.metadata`` damaged must
+    not leave the others waiting in DCP's collectives for it. Outside a distributed
+    job, just ``read()``."""
+    import torch.distributed as dist
+
+    outcome: Metadata | Exception
+    try:
+        outcome = read()
+    except Exception as e:
+        outcome = e
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+    failure = None if not isinstance(outcome, Exception) else \
+        (isinstance(outcome, CorruptCheckpoint), f"{type(outcome).__name__}: {outcome}")
+    failures: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    if isinstance(outcome, Exception):
+        raise outcome
+    for found_rank, seen in enumerate(failures):
+        if seen is not None:
+            corrupt, what = seen
+            error = CorruptCheckpoint if corrupt else CheckpointError
+            raise error(f"rank {found_rank} could not read the checkpoint's metadata ({what})")
+    return outcome

@@ -58,7 +58,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -1100,10 +1100,21 @@ class Agent:
             return fn()
         return self._retry(guarded, f"writing {what}")
 
-    def _prefetch(self, dest: Path) -> None:
-        """Download the latest checkpoint while the kernel starts (runtime verifies it)."""
+    def _prefetch(self, dest: Path, ranks: Sequence[int] | None = None,
+                  world_size: int | None = None) -> None:
+        """Download the latest checkpoint while the kernel starts (runtime verifies it).
+
+        ``ranks``, ``world_size``: the global ranks this node hosts in a world of that
+        size (a multi-node job). Of a sharded checkpoint (saved by every rank) the node
+        then fetches only its share: the manifest, ``.metadata`` and, when the
+        checkpoint was saved by a world of the same size (a node replaced, the world
+        re-formed as it was), the files its ranks wrote, which hold nearly all they
+        read (:func:`spotnb.ckpt.node_share`). The ranks' readers fetch the rest
+        (ranges of the replicated items other ranks wrote; another world size's shards).
+        """
         try:
             from spotnb.checkpoints import CheckpointStore
+            from spotnb.ckpt import node_share
 
             ckpts = CheckpointStore(self.store, prefix=layout.CHECKPOINTS,
                                     keep=self.spec.policy.keep_checkpoints)
@@ -1113,7 +1124,9 @@ class Agent:
             assert self.events is not None
             self.events.emit("status", state="restoring",
                              detail=f"downloading the checkpoint of step {manifest.step}")
-            ckpts.download(manifest, dest)
+            names = None if ranks is None or world_size is None else \
+                node_share(manifest, ranks, world_size)
+            ckpts.download(manifest, dest, names=names)
         except Exception:
             log.exception("prefetching the checkpoint failed; the runtime will download it")
         finally:

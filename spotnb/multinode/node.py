@@ -413,10 +413,12 @@ class NodeRun:
         self.rounds += 1
         restore_dir = agent._scratch / f"restore-{agent.held.epoch}-{self.rounds}"
         restore_dir.mkdir(parents=True, exist_ok=True)
-        threading.Thread(target=agent._prefetch, args=(restore_dir,), daemon=True).start()
         ranks = [w.global_rank for w in group.workers]
         self.rank0_here = 0 in ranks
         world = group.workers[0].world_size
+        # This node's share of a sharded checkpoint, not the whole (spotnb.ckpt.node_share).
+        threading.Thread(target=agent._prefetch, args=(restore_dir, ranks, world),
+                         daemon=True).start()
         agent._emit("world", generation=self.record.generation, run_id=self.record.run_id,
                     round=self.rounds, nodes=group.group_world_size, world_size=world,
                     node_rank=group.group_rank, ranks=ranks,

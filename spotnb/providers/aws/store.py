@@ -204,6 +204,20 @@ class S3Store(Store):
     def get(self, key: str) -> bytes:
         return self.get_with_etag(key)[0]
 
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        full = self._key(key)
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=full,
+                                           Range=f"bytes={offset}-{offset + length - 1}",
+                                           ExpectedBucketOwner=self.owner)
+            return bytes(reply["Body"].read())
+        except Exception as err:
+            if _boto.error_code(err) in ("NoSuchKey", "404", "NotFound"):
+                raise NotFound(key) from None
+            raise self._fail(err, f"reading {key}") from None
+
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
         full = self._key(key)
         try:
