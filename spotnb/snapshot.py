@@ -46,6 +46,7 @@ Without torch, arrays stay in the state (copied) and the state is pickled whole
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import logging
@@ -53,6 +54,7 @@ import pickle
 import random
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import IO, Any
 
@@ -307,6 +309,8 @@ class BufferPool:
 
         def run() -> None:
             for key, shape, dtype, on_gpu in wanted:
+                if _exiting.is_set():
+                    return  # the interpreter is shutting down: allocate nothing more
                 with self._lock:
                     buf = self._bufs.get(key)
                     if key in self._claims or (buf is not None and buf.shape == shape
@@ -320,11 +324,27 @@ class BufferPool:
         thread = threading.Thread(target=run, name="spotnb-warm", daemon=True)
         thread.start()
         self._warming = [th for th in self._warming if th.is_alive()] + [thread]
+        _warm_threads.add(thread)
 
     def wait_warm(self) -> None:
         """Wait until every buffer :meth:`warm_async` was asked for is allocated."""
         while self._warming:
             self._warming.pop().join()
+
+
+# Warming threads still running, and the flag that stops them when the interpreter
+# exits: a daemon thread killed inside a torch allocation at shutdown can abort the
+# process ("terminate called without an active exception") of a script that ends
+# right after a restore.
+_warm_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_exiting = threading.Event()
+
+
+@atexit.register
+def _stop_warming() -> None:
+    _exiting.set()
+    for thread in list(_warm_threads):
+        thread.join()
 
 
 def _empty(torch: Any, shape: Any, dtype: Any, on_gpu: bool) -> Any:
