@@ -756,9 +756,11 @@ class Checkpoint:
             finally:
                 if downloaded:
                     shutil.rmtree(directory, ignore_errors=True)
-        if carried:
+        if carried and (world is None or world[0] == 0):
             # Rows the checkpoint's attempt logged that its agent may not have written
-            # (it died with them): the agent records those its log lacks.
+            # (it died with them): the agent records those its log lacks. In a
+            # distributed job global rank 0's agent alone, as spot.log records rank 0's
+            # rows: agents of several nodes appending the same rows would repeat them.
             self._rt.send({"op": "replay", "attempt": manifest.attempt, "rows": carried})
         saved = state["objects"]
         for name, obj in list(self._objects.items()):
@@ -800,6 +802,8 @@ class Checkpoint:
 
         reader = StoreReader(self._store, manifest, directory)
         state = sharded.load(self._objects, reader, world[0] if world else 0)
+        if world is not None and world[0] != 0:
+            return state, []  # global rank 0 replays the rows (its agent records them)
         if any(f.name == METRICS_FILE for f in manifest.files):
             try:
                 reader.fetch_files([METRICS_FILE])

@@ -185,11 +185,15 @@ class Session:
         restore_dir: Path | None,
         socket_path: str | None,
         notice_seconds: float = EC2_NOTICE_SECONDS,
+        slot: int = 0,
     ) -> None:
         self.remote = remote
         self.job_id = job_id
         self.attempt = attempt
         self.instance_id = instance_id
+        #: The lease this attempt's agent holds: its node slot's in a distributed job
+        #: (``SPOTNB_SLOT``), else the job's (slot 0).
+        self.slot = slot
         self.store = store
         self.every = every
         self.keep = keep
@@ -276,6 +280,7 @@ class Session:
             restore_dir=Path(restore) if restore else None,
             socket_path=env.get(channel.ENV_SOCKET),
             notice_seconds=notice,
+            slot=int(env.get(channel.ENV_SLOT) or 0),
         )
 
     @property
@@ -288,7 +293,8 @@ class Session:
         return self._scratch
 
     def fence(self) -> bool:
-        """Whether this attempt still holds the job's lease (always true standalone).
+        """Whether this attempt still holds its lease (the job's, or its node slot's in a
+        distributed job; always true standalone).
 
         Asks the agent, which knows (its last confirmed renewal); raises
         :class:`FenceUnknown` if it does not answer. Without a channel to the agent,
@@ -299,7 +305,8 @@ class Session:
         while True:
             chan = self.channel
             if chan is None or chan.broken or not self._pinged:
-                return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
+                return lease_mod.still_holds(self.store, self.attempt, self.instance_id,
+                                             slot=self.slot)
             with self._unacked_lock:
                 self._fence_ids += 1
                 ask = self._fence_ids
@@ -307,7 +314,8 @@ class Session:
                 self._fence_replies[ask] = answer
             try:
                 if not chan.send({"op": "fence", "id": ask}):
-                    return lease_mod.still_holds(self.store, self.attempt, self.instance_id)
+                    return lease_mod.still_holds(self.store, self.attempt,
+                                                 self.instance_id, slot=self.slot)
                 if not answer[0].wait(FENCE_REPLY_SECONDS):
                     raise FenceUnknown(
                         f"the spotnb agent did not answer within {FENCE_REPLY_SECONDS:g} s "

@@ -98,6 +98,30 @@ def test_each_node_slot_has_its_own_lease_and_epochs_are_unique_job_wide(
     assert not lease.still_holds(store, 6, "i-y", slot=1)
 
 
+def test_a_worker_without_its_agent_checks_its_own_slots_lease(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's runtime asks its agent whether it still holds its lease; before the
+    agent's first ping (a loaded machine) it reads the lease from the store: its node
+    slot's (SPOTNB_SLOT), not the job's slot 0 (a survivor on slot 1 took itself for
+    fenced and failed the job)."""
+    from spotnb.kernel_remote import channel
+    from spotnb.session import Session
+
+    store = LocalStore(tmp_path / "job")
+    held = [lease.acquire(store, f"i-{k}", slot=k, stride=2) for k in range(2)]
+    assert all(h is not None for h in held)
+    for key, value in {channel.ENV_JOB_URI: f"file://{tmp_path / 'job'}",
+                       channel.ENV_ATTEMPT: str(held[1].lease.epoch),  # type: ignore[union-attr]
+                       channel.ENV_INSTANCE_ID: "i-1", channel.ENV_SLOT: "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv(channel.ENV_SOCKET, raising=False)
+    session = Session.from_env()
+    assert session.slot == 1 and session.channel is None
+    assert session.fence()
+    held[1].release()  # type: ignore[union-attr]
+    assert not session.fence()
+
+
 def test_a_single_node_job_keeps_its_one_lease_and_epochs(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "job")
     held = lease.acquire(store, "i-a")

@@ -107,7 +107,7 @@ class FakeAgent:
                     and all(m.get(k) == v for k, v in match.items())]
 
     def wait_for(
-        self, pred: Callable[[dict[str, Any]], bool], timeout: float = 20
+        self, pred: Callable[[dict[str, Any]], bool], timeout: float = 120
     ) -> dict[str, Any]:
         with self.cond:
             found: list[dict[str, Any]] = []

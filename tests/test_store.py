@@ -146,12 +146,13 @@ def test_event_log_round_trip_in_order_across_streams(store: LocalStore) -> None
     group.emit("instance", action="launched", instance_id="i-1")
     agent.emit("status", state="booting")
     agent.emit("metric", step=0, t=time.time(), values={"loss": 1.0})
+    # Both streams written before the read (under load one writer's background flush
+    # can land a poll earlier than the other's: a poll orders what it reads, and an
+    # event that arrives later comes in a later poll).
+    group.flush()
+    agent.flush()
     reader = EventReader(store)
-    deadline = time.monotonic() + 5
-    events = []
-    while len(events) < 3 and time.monotonic() < deadline:
-        events += reader.poll()
-        time.sleep(0.05)
+    events = reader.poll()
     assert [e.type for e in events] == ["instance", "status", "metric"]
     assert events[2].attempt == 1 and events[2].instance == "i-1"
     assert all(e.v == 1 for e in events)
