@@ -495,7 +495,11 @@ class Session:
             rows = []
             popleft = ROWS.popleft
             for _ in range(len(ROWS)):
-                row = self._convert(popleft())
+                try:
+                    raw = popleft()
+                except IndexError:
+                    break  # another session's drain took them (one left running)
+                row = self._convert(raw)
                 if row is not None:
                     rows.append(row)
             if not rows:

@@ -116,10 +116,13 @@ def test_a_worker_without_its_agent_checks_its_own_slots_lease(
         monkeypatch.setenv(key, value)
     monkeypatch.delenv(channel.ENV_SOCKET, raising=False)
     session = Session.from_env()
-    assert session.slot == 1 and session.channel is None
-    assert session.fence()
-    held[1].release()  # type: ignore[union-attr]
-    assert not session.fence()
+    try:
+        assert session.slot == 1 and session.channel is None
+        assert session.fence()
+        held[1].release()  # type: ignore[union-attr]
+        assert not session.fence()
+    finally:
+        session.finish()  # its metrics thread drains the process's rows: stop it
 
 
 def test_a_single_node_job_keeps_its_one_lease_and_epochs(tmp_path: Path) -> None:
