@@ -58,7 +58,7 @@ import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import IO, Any
 
-from spotnb.ckpt.memory import host_empty
+from spotnb.ckpt.memory import CopyBatch, host_empty
 
 log = logging.getLogger(__name__)
 
@@ -265,18 +265,22 @@ class BufferPool:
                 del self._claims[key]
             claim.set()
 
-    def copy(self, key: Hashable, t: Any, wait: bool = True) -> tuple[Any, bool] | None:
+    def copy(self, key: Hashable, t: Any, wait: bool = True, batch: CopyBatch | None = None
+             ) -> tuple[Any, bool] | None:
         """A host copy of tensor ``t``; the second item says whether it is still in flight.
 
         (A copy from a GPU into pinned memory is asynchronous; see :func:`capture`.)
         None, copying nothing, if another thread is allocating its buffer and not
-        ``wait``.
+        ``wait``. With a ``batch``, a copy from a CPU tensor is queued there instead:
+        the buffer holds the copy once the caller has run the batch.
         """
         torch = _torch()
         t = t.detach()
         buf = self._buffer(key, t.shape, t.dtype, t.is_cuda, wait)
         if buf is None:
             return None
+        if batch is not None and batch.add(buf, t):
+            return buf, False
         non_blocking = t.is_cuda and buf.is_pinned()
         with torch.no_grad():
             buf.copy_(t, non_blocking=non_blocking)
@@ -506,12 +510,14 @@ def capture(objects: dict[str, Any], pool: BufferPool, step: int,
     # Tensors whose buffers a warming thread is still filling: copied last (see
     # BufferPool), so that meanwhile this thread fills the next buffers itself.
     later: list[tuple[tuple[Hashable, ...], str, Any]] = []
+    # The copies from CPU tensors, made together at the end in several threads.
+    batch = CopyBatch()
     for (key, name, t), copy_it in zip(found, chosen, strict=True):
         tensors[name] = t  # the copy replaces it below; the order stays the state's
         if not copy_it:
             live.add(name)
             continue
-        done = pool.copy(key, t, wait=False)
+        done = pool.copy(key, t, wait=False, batch=batch)
         if done is None:
             later.append((key, name, t))
             continue
@@ -519,11 +525,12 @@ def capture(objects: dict[str, Any], pool: BufferPool, step: int,
         async_copies |= pending
         copied += nbytes(t)
     for key, name, t in later:
-        done = pool.copy(key, t)
+        done = pool.copy(key, t, batch=batch)
         assert done is not None
         tensors[name], pending = done
         async_copies |= pending
         copied += nbytes(t)
+    batch.run()
     pool.retain({key for (key, _, _), copy_it in zip(found, chosen, strict=True) if copy_it}
                 | set(keep))
     torch = _torch()

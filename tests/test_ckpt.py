@@ -163,6 +163,51 @@ def test_warming_and_a_capture_share_the_buffers_and_allocate_each_once(
     assert pool.held == captured.copied <= total // 2
 
 
+def test_a_copy_batch_splits_the_bytes_over_threads_and_copies_each_exactly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotnb import snapshot
+    from spotnb.ckpt import memory
+
+    monkeypatch.setattr(memory, "_COPY_SHARE_MIN_BYTES", 1 << 10)
+    shares: list[int] = []  # the bytes of each share, as the threads copy them
+    real_copy = memory._copy
+
+    def recording_copy(ranges: list[tuple[int, int, int]]) -> None:
+        shares.append(sum(size for *_, size in ranges))
+        real_copy(ranges)
+
+    monkeypatch.setattr(memory, "_copy", recording_copy)
+    torch.manual_seed(0)
+    plain = [torch.randn(100_003), torch.randint(0, 255, (7, 13), dtype=torch.uint8),
+             torch.randn(4099, dtype=torch.float64), torch.zeros(0),
+             torch.randn(33, 3).to(torch.bfloat16)]
+    others = [torch.randn(30, 40).t(), torch.randn(5, dtype=torch.complex64).conj()]
+    batch = memory.CopyBatch()
+    dsts = [torch.empty(t.shape, dtype=t.dtype) for t in plain + others]
+    assert [batch.add(d, t) for d, t in zip(dsts, plain + others, strict=True)] == \
+        [True] * len(plain) + [False] * len(others)  # not a run of bytes: the caller's
+    total = batch.nbytes
+    batch.run(threads=3)
+    assert len(shares) == 3 and sum(shares) == total
+    assert max(shares) - min(shares) <= 2  # equal shares (the last one takes the rest)
+    for d, t in zip(dsts[:len(plain)], plain, strict=True):
+        assert torch.equal(d, t)
+    # Every byte in exactly one share, in order, for any number of shares.
+    ranges = [(0, 1000, 10), (50, 2000, 7), (100, 3000, 20)]
+    for n in (1, 2, 3, 5, 37):
+        shares = memory._split(ranges, n)
+        assert len(shares) <= n
+        flat = [(d + i, s + i) for share in shares for d, s, size in share for i in range(size)]
+        assert flat == [(d + i, s + i) for d, s, size in ranges for i in range(size)]
+    # A capture copies plain and other tensors alike.
+    objects = {"m": torch.nn.Linear(64, 48), "t": torch.randn(64, 64).t(),
+               "z": torch.randn(3, dtype=torch.complex64).conj()}
+    captured = snapshot.capture(objects, snapshot.BufferPool(), step=1)
+    for name, t in snapshot.live_tensors(objects).items():
+        assert torch.equal(captured.tensors[name], t)
+        assert captured.tensors[name].data_ptr() != t.data_ptr()
+
+
 # -- a streamed save restores byte-exactly -------------------------------------------------
 
 

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from spotnb import snapshot
 from spotnb.checkpoints import CheckpointError, CorruptCheckpoint, PendingCheckpoint
 from spotnb.ckpt.dcp import FileReader, StoreWriter, state_key, tensor_names
+from spotnb.ckpt.memory import CopyBatch
 
 __all__ = ["DCP_KIND", "checkpoint_group", "holds_sharded", "load", "save", "stage_specs"]
 
@@ -152,33 +153,34 @@ def _stageable(tree: Any) -> bool:
                and snapshot._streamable(torch, _local(t)) for _, t in _tensors(tree))
 
 
-def _stage(tree: Any, pool: snapshot.BufferPool, key: tuple[Hashable, ...] = (_STAGED,)
-           ) -> tuple[Any, bool]:
+def _stage(tree: Any, pool: snapshot.BufferPool, batch: CopyBatch,
+           key: tuple[Hashable, ...] = (_STAGED,)) -> tuple[Any, bool]:
     """A copy of a state dict that training cannot change: every tensor's local data
     in a host buffer of ``pool`` (a DTensor stays a DTensor over its copied shard, with
     the same mesh and placements). The second item: whether a copy from a GPU is still
-    in flight (the caller synchronises)."""
+    in flight (the caller synchronises). Copies from CPU tensors are queued in
+    ``batch``: the caller runs it."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tree, DTensor):
-        done = pool.copy(key, tree.to_local())
+        done = pool.copy(key, tree.to_local(), batch=batch)
         assert done is not None
         return DTensor(done[0], tree._spec, requires_grad=False), done[1]
     if isinstance(tree, torch.Tensor):
-        done = pool.copy(key, tree)
+        done = pool.copy(key, tree, batch=batch)
         assert done is not None
         return done
     pending = False
     if isinstance(tree, dict):
         out: dict[Any, Any] = {}
         for k, v in tree.items():
-            out[k], in_flight = _stage(v, pool, (*key, k))
+            out[k], in_flight = _stage(v, pool, batch, (*key, k))
             pending |= in_flight
         return out, pending
     if isinstance(tree, list | tuple):
         items = []
         for i, v in enumerate(tree):
-            item, in_flight = _stage(v, pool, (*key, i))
+            item, in_flight = _stage(v, pool, batch, (*key, i))
             items.append(item)
             pending |= in_flight
         return type(tree)(items), pending
@@ -255,7 +257,9 @@ def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank
         budget = copy_budget if copy_budget is not None else local + \
             sum(snapshot.nbytes(t) for *_, t in snapshot.tensor_specs(others))
         stage_it = local <= budget and _stageable(dicts)
-        staged, in_flight = _stage(dicts, pool) if stage_it else (dicts, False)
+        batch = CopyBatch()
+        staged, in_flight = _stage(dicts, pool, batch) if stage_it else (dicts, False)
+        batch.run()
         keep = {key for key, _ in _tensors(dicts)} if stage_it else set()
         # The rest as the runtime captures it; the tree (with this rank's RNG states)
         # is pickled into one item so that DCP's flattening leaves it whole.
