@@ -307,14 +307,16 @@ def _copy(ranges: list[tuple[int, int, int]]) -> None:
         ctypes.memmove(dst, src, size)  # a foreign call: the GIL is released meanwhile
 
 
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, it)
 _pool_lock = threading.Lock()
 
 
 def _copy_pool() -> ThreadPoolExecutor:
+    """The copy threads of this process (a forked child gets its own: it inherits the
+    parent's pool without its threads)."""
     global _pool
     with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(MAX_COPY_THREADS - 1,
-                                       thread_name_prefix="spotnb-copy")
-        return _pool
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(MAX_COPY_THREADS - 1,
+                                                     thread_name_prefix="spotnb-copy"))
+        return _pool[1]
