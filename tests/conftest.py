@@ -23,6 +23,18 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-component-update", "--disable-sync"]
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail a test marked ``xdist_group`` that pytest-xdist's ``--dist loadgroup`` did
+    not group (it suffixes the ids of grouped tests with ``@<group>``): its module's
+    fixtures, meant to be made once, would be made on every worker that runs a part
+    of it, silently (pytest 9.2 with pytest-xdist 3.8 did that)."""
+    if (getattr(item.config.option, "loadgroup", False)
+            and item.get_closest_marker("xdist_group") and "@" not in item.nodeid):
+        pytest.fail(f"pytest-xdist ignored this test's xdist_group mark under pytest "
+                    f"{pytest.__version__}: set up with `bash scripts/setup.sh`, which "
+                    "installs the versions constraints.txt allows", pytrace=False)
+
+
 def _spotnb_processes(home: Path) -> list[psutil.Process]:
     """Processes of the local cloud that belong to ``home`` (agents, supervisors, kernels)."""
     found = []
