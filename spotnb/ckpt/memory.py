@@ -33,7 +33,7 @@ threads (torch's intra-op thread count), each calling the C library's ``memmove`
 bandwidth, and the C library copies a large block with non-temporal stores, which
 torch's ``copy_`` does not. On the 2-core VM of ``benchmarks/RESULTS.md``, between
 warm buffers: one 1 GiB tensor 0.066 s this way against 0.091-0.10 s with
-``Tensor.copy_``; 1 GiB in 64 MiB tensors 0.085-0.09 s against 0.095-0.10 s (glibc
+``Tensor.copy_``; 1 GiB in 64 MiB tensors 0.085-0.09 s against about 0.1 s (glibc
 takes the non-temporal path only above a size that it derives from the CPU's caches:
 between 128 and 256 MiB per call there).
 """
