@@ -160,6 +160,10 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def entry(self, name: str) -> FileEntry | None:
+        """The file ``name`` of the checkpoint, or None if it has none of that name."""
+        return next((f for f in self.files if f.name == name), None)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
@@ -637,7 +641,7 @@ class CheckpointStore:
         :class:`CorruptCheckpoint` if the manifest does not list it, the store lacks
         it, or the downloaded bytes differ from the manifest (the bad copy is removed).
         """
-        entry = next((f for f in manifest.files if f.name == name), None)
+        entry = manifest.entry(name)
         if entry is None:
             raise CorruptCheckpoint(f"checkpoint {manifest.id}: its manifest does not list "
                                     f"{name!r}, which its metadata refers to")
@@ -670,7 +674,7 @@ class CheckpointStore:
         request), not verified: the caller must know the whole file is verified by
         someone (see :class:`spotnb.ckpt.dcp.StoreReader`). Raises
         :class:`CorruptCheckpoint` if the file is missing or shorter than that."""
-        entry = next((f for f in manifest.files if f.name == name), None)
+        entry = manifest.entry(name)
         if entry is None or offset + length > entry.size:
             raise CorruptCheckpoint(
                 f"checkpoint {manifest.id}: {name!r} has no bytes {offset}-{offset + length} "

@@ -804,7 +804,7 @@ class Checkpoint:
         state = sharded.load(self._objects, reader, world[0] if world else 0)
         if world is not None and world[0] != 0:
             return state, []  # global rank 0 replays the rows (its agent records them)
-        if any(f.name == METRICS_FILE for f in manifest.files):
+        if manifest.entry(METRICS_FILE) is not None:
             try:
                 reader.fetch_files([METRICS_FILE])
             except (CheckpointError, OSError) as e:
@@ -1246,7 +1246,7 @@ def _world() -> tuple[int, int] | None:
 
 def _read_rows(manifest: Manifest, directory: Path) -> list[list[Any]]:
     """The metric rows a checkpoint carries (verified with the rest), or []."""
-    if not any(f.name == METRICS_FILE for f in manifest.files):
+    if not manifest.entry(METRICS_FILE) is not None:
         return []
     try:
         rows = json.loads((directory / METRICS_FILE).read_bytes())

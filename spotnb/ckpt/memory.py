@@ -239,9 +239,6 @@ class CopyBatch:
         self._tensors: list[tuple[Any, Any]] = []
         self.nbytes = 0
 
-    def __len__(self) -> int:
-        return len(self._ranges)
-
     def add(self, dst: Any, src: Any) -> bool:
         """Queue ``dst.copy_(src)`` if it is a plain byte copy; False (nothing queued)
         if it is not, and the caller copies it."""
