@@ -501,3 +501,39 @@ def test_market_cost_integrates_price_over_time() -> None:
     long_run = market.cost(0.0, 7200.0)
     low, high = (f(p for _, p in market.trace.points) for f in (min, max))
     assert 2 * low <= long_run <= 2 * high
+
+
+def test_a_process_record_taken_as_the_exec_ends_still_knows_the_process(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An agent's record is taken right after it is started, when its command line may
+    still read empty (the kernel finishing the exec): a record of that would never
+    recognise the agent again, and a restarted supervisor would leave it running."""
+    import subprocess
+
+    from spotnb.providers.local.state import ProcessRecord
+
+    cmd = [sys.executable, "-c", "import sys; sys.stdin.read()", "spotnb-test-agent"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+    try:
+        wait_until = time.monotonic() + 60
+        while psutil.Process(proc.pid).cmdline() != cmd:  # the exec is over
+            assert time.monotonic() < wait_until, "the child never showed its command line"
+            time.sleep(0.05)
+        real = psutil.Process.cmdline
+        exec_window = True  # what /proc shows while the kernel finishes an exec
+
+        def cmdline(self: psutil.Process) -> list[str]:
+            return [] if exec_window else real(self)
+
+        monkeypatch.setattr(psutil.Process, "cmdline", cmdline)
+        record = ProcessRecord.of(proc.pid, cmd)
+        exec_window = False
+        assert record.cmdline == tuple(cmd)
+        assert record.process() is not None and record.alive()
+        # What a later supervisor reads back from pid.json recognises it too.
+        again = ProcessRecord.from_dict(record.to_dict())
+        assert again is not None and again.alive()
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(timeout=60)
+    assert not record.alive()  # gone: nothing to kill

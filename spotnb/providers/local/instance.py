@@ -171,7 +171,7 @@ class LocalInstance:
             raise
         # If it already exited there is nothing to record; the group sees the exit next tick.
         with contextlib.suppress(psutil.Error):
-            write_json(self.dir / "pid.json", ProcessRecord.of(self.proc.pid).to_dict())
+            write_json(self.dir / "pid.json", ProcessRecord.of(self.proc.pid, cmd).to_dict())
         self.update_meta(state="running", pid=self.proc.pid, command=cmd, running_since=now)
 
     @property

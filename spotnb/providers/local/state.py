@@ -25,7 +25,7 @@ import shlex
 import signal
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,9 +239,14 @@ class ProcessRecord:
     cmdline: tuple[str, ...]
 
     @classmethod
-    def of(cls, pid: int) -> ProcessRecord:
+    def of(cls, pid: int, argv: Sequence[str] | None = None) -> ProcessRecord:
+        """The record of process ``pid``. ``argv``: what it was started with, when the
+        caller has just started it: its command line reads empty while the kernel
+        finishes the exec (past the point where ``subprocess.Popen`` returns), and a
+        record of that would never recognise the process again."""
         proc = psutil.Process(pid)
-        return cls(pid=pid, create_time=proc.create_time(), cmdline=tuple(proc.cmdline()))
+        cmdline = tuple(argv) if argv is not None else tuple(proc.cmdline())
+        return cls(pid=pid, create_time=proc.create_time(), cmdline=cmdline)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> ProcessRecord | None:
