@@ -226,7 +226,10 @@ def _is_zombie(pid: int) -> bool:
 class HeldLease:
     """A lease this process holds: renew it, release it, ask where it stands.
 
-    Thread-safe: the heartbeat thread and the attempt's end may renew at once.
+    Thread-safe: the heartbeat thread and the attempt's end may renew, bump and release
+    at once. Each of them is one section under one lock (read the lease, build the next,
+    compare-and-swap it, record the outcome), so the epoch never goes back and a
+    released lease stays released.
     """
 
     def __init__(self, store: Store, lease: Lease, etag: str,
@@ -257,41 +260,51 @@ class HeldLease:
         """Seconds since the lease was last confirmed in the store."""
         return _clock() - self._confirmed
 
-    def _swap(self, new: Lease) -> None:
-        """Compare-and-swap ``new`` in; LeaseLost if someone else changed the lease.
-        Store errors propagate (the lease is then merely unconfirmed)."""
+    def _swap(self, change: Callable[[Lease], Lease], *, final: bool = False) -> None:
+        """Compare-and-swap ``change(current lease)`` in, as one atomic section: the new
+        lease is built from the lease as it is inside the lock, so a renewal that raced
+        a bump or a release can never write an older epoch or undo the release.
+        LeaseLost if someone else changed the lease (or this holder gave it up). Store
+        errors propagate (the lease is then merely unconfirmed). ``final``: this holder
+        is LOST from here on, whatever the write's outcome (a release)."""
         with self._lock:
             if self._lost:
                 raise LeaseLost(f"lease epoch {self.lease.epoch} was lost earlier")
+            new = change(self.lease)
             sent = _clock()
-            etag = self.store.put_if_match(new.key, new.encode(), self._etag)
+            try:
+                etag = self.store.put_if_match(new.key, new.encode(), self._etag)
+            finally:
+                if final:
+                    self._lost = True
             if etag is None:
                 self._lost = True
                 raise LeaseLost(f"lease epoch {self.lease.epoch} was taken by another agent")
             self.lease, self._etag, self._confirmed = new, etag, sent
 
     def renew(self) -> None:
-        """Refresh the heartbeat; raise :class:`LeaseLost` if someone else took it."""
-        self._swap(dataclasses.replace(self.lease, heartbeat=time.time()))
+        """Refresh the heartbeat; raise :class:`LeaseLost` if someone else took it (or
+        this holder released it)."""
+        self._swap(lambda lease: dataclasses.replace(lease, heartbeat=time.time()))
 
     def bump(self) -> None:
         """Start a new attempt under a new epoch, keeping the lease (retry in place)."""
-        self._swap(dataclasses.replace(self.lease, epoch=self.lease.epoch + self.lease.stride,
-                                       heartbeat=time.time(), released=False))
+        self._swap(lambda lease: dataclasses.replace(
+            lease, epoch=lease.epoch + lease.stride, heartbeat=time.time(), released=False))
 
     def release(self) -> None:
         """Give the lease up so a replacement can take it at once. From here on this
-        holder is LOST to itself, whether or not the write went through."""
-        new = dataclasses.replace(self.lease, released=True, heartbeat=time.time())
+        holder is LOST to itself, whether or not the write went through: the write and
+        the loss are one section, so no renewal can come between them."""
         try:
-            self._swap(new)
+            self._swap(lambda lease: dataclasses.replace(lease, released=True,
+                                                         heartbeat=time.time()),
+                       final=True)
         except LeaseLost:
             pass
         except Exception:
             log.warning("could not mark the lease released; the replacement waits until "
                         "it sees this instance gone", exc_info=True)
-        with self._lock:
-            self._lost = True
 
 
 def acquire(store: Store, holder: str, now: float | None = None,

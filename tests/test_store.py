@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -228,3 +231,152 @@ def test_lease_race_between_processes_has_one_winner(store: LocalStore) -> None:
         p.join(30)
     assert sorted(results, key=lambda r: r is None) == [1] + [None] * 5
     assert os.path.exists(store.root / "lease.json")
+
+
+class _Gate:
+    """A held lease's lock that holds chosen threads just before their n-th entry
+    (``{thread name: n}``) until ``go[name]`` is set; ``arrived[name]`` says they are
+    there."""
+
+    def __init__(self, real: Any, stops: dict[str, int]) -> None:
+        self.real, self.stops = real, stops
+        self.entries: dict[str, int] = {}
+        self.arrived = {name: threading.Event() for name in stops}
+        self.go = {name: threading.Event() for name in stops}
+
+    def __enter__(self) -> Any:
+        name = threading.current_thread().name
+        self.entries[name] = self.entries.get(name, 0) + 1
+        if self.stops.get(name) == self.entries[name]:
+            self.arrived[name].set()
+            assert self.go[name].wait(30), f"{name} was never let go"
+        return self.real.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.real.__exit__(*exc)
+
+
+def _start(name: str, target: Any) -> tuple[threading.Thread, threading.Event]:
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            target()
+        except lease.LeaseLost:
+            pass
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, done
+
+
+def _reached(gate: _Gate, name: str, done: threading.Event) -> None:
+    """Wait (bounded) until thread ``name`` is held at the gate or has finished."""
+    deadline = time.monotonic() + 30
+    while not (gate.arrived[name].is_set() or done.is_set()):
+        assert time.monotonic() < deadline, f"{name} neither reached the gate nor ended"
+        done.wait(0.01)
+
+
+def test_a_renewal_racing_a_bump_never_puts_the_epoch_back(
+        store: LocalStore) -> None:
+    # A renewal that was about to take the lock when a bump went through: the epoch
+    # must stay the bumped one (it went back to 1 when renew() built its lease first).
+    held = lease.acquire(store, "i-a")
+    assert held is not None
+    gate = _Gate(held._lock, {"renewer": 1})
+    held._lock = gate  # type: ignore[assignment]
+    renewer, renewed = _start("renewer", held.renew)
+    _reached(gate, "renewer", renewed)
+    held.bump()
+    gate.go["renewer"].set()
+    renewer.join(30)
+    current = lease.read(store)
+    assert current is not None and current[0].epoch == 2 and held.epoch == 2, \
+        "a renewal put the epoch back after a bump"
+
+
+def test_a_renewal_racing_a_release_never_undoes_it(store: LocalStore) -> None:
+    # A renewal held at the lock while release() runs (and, on old code, between the
+    # release's write and the moment it marks itself lost): the lease stays released.
+    held = lease.acquire(store, "i-a")
+    assert held is not None
+    gate = _Gate(held._lock, {"renewer": 1, "releaser": 2})
+    held._lock = gate  # type: ignore[assignment]
+    renewer, renewed = _start("renewer", held.renew)
+    _reached(gate, "renewer", renewed)
+    releaser, released = _start("releaser", held.release)
+    _reached(gate, "releaser", released)
+    gate.go["renewer"].set()
+    renewer.join(30)
+    gate.go["releaser"].set()
+    releaser.join(30)
+    current = lease.read(store)
+    assert current is not None and current[0].released, "a renewal undid the release"
+    assert held.status() is lease.Standing.LOST
+    taken = lease.acquire(store, "i-b")
+    assert taken is not None and taken.epoch == 2, "a released lease is free at once"
+
+
+class _Recording(LocalStore):
+    """A local store that records every lease write that went through, in order, and
+    lets other threads run before each conditional write (to open race windows)."""
+
+    def __init__(self, root: Path, seed: int) -> None:
+        super().__init__(root)
+        self.writes: list[lease.Lease] = []
+        self.rng = random.Random(seed)
+        self.record_lock = threading.Lock()
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str | None:
+        time.sleep(self.rng.random() / 2000)  # up to 0.5 ms: let the other threads in
+        with self.record_lock:
+            new = super().put_if_match(key, data, etag)
+            if new is not None:
+                self.writes.append(lease.Lease.decode(data))
+            return new
+
+
+def _soak_round(store: _Recording, rng: random.Random) -> None:
+    """Two renewing threads, one bumping, one renewing then releasing, at once."""
+    held = lease.acquire(store, "i-a")
+    assert held is not None
+
+    def renewer(n: int) -> None:
+        for _ in range(n):
+            held.renew()
+
+    def bumper(n: int) -> None:
+        for _ in range(n):
+            held.bump()
+
+    def releaser(n: int) -> None:
+        for _ in range(n):
+            with contextlib.suppress(lease.LeaseLost):
+                held.renew()
+        held.release()
+
+    plan = [(f"renew-{i}", renewer, rng.randrange(3, 8)) for i in range(2)]
+    plan += [("bump", bumper, rng.randrange(2, 6)), ("release", releaser, rng.randrange(1, 6))]
+    threads = [_start(name, functools.partial(work, n))[0] for name, work, n in plan]
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a lease operation hung"
+    assert held.status() is lease.Standing.LOST
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lease_unit_soak_epoch_never_decreases_and_a_release_sticks(
+        tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    for round_ in range(10):
+        store = _Recording(tmp_path / f"s{round_}", seed * 100 + round_)
+        _soak_round(store, rng)
+        epochs = [w.epoch for w in store.writes]
+        assert epochs == sorted(epochs), f"round {round_}: the epoch went back: {epochs}"
+        released = [i for i, w in enumerate(store.writes) if w.released]
+        assert released, f"round {round_}: the release was never written"
+        assert released[0] == len(store.writes) - 1, \
+            f"round {round_}: the lease was written again after its release"
