@@ -30,7 +30,7 @@ from spotnb.widgets.dashboard import Dashboard
 from spotnb.widgets.series import DEFAULT_BUCKETS, MinMaxBuckets
 
 SIZES = (1_000, 100_000, 1_000_000)
-UPDATES = int(sys.argv[1]) if len(sys.argv) > 1 else 50
+UPDATES = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 50
 NEW_STEPS = 100
 T0 = 1_800_000_000.0
 
@@ -71,14 +71,21 @@ def events(first: int, count: int) -> list[Event]:
     return out
 
 
-def bench_dashboard(steps: int) -> dict[str, float]:
+def record_comms() -> None:
+    """Make every widget talk to a :class:`Recorder` (no kernel)."""
+    comm.create_comm = lambda **kw: Recorder(**kw)  # type: ignore[assignment]
+
+
+def bench_dashboard(steps: int, updates: int = UPDATES) -> dict[str, float]:
+    """Median bytes, messages and Python ms of ``updates`` live updates of a dashboard
+    fed ``steps`` steps first (needs :func:`record_comms`)."""
     board = Dashboard(show=False, flush_seconds=0.0, static_copy=False)
     for first in range(0, steps, 50_000):
         board.data.add(events(first, min(50_000, steps - first)))
     board.stream("stdout", "".join(f"line {i}\n" for i in range(300)))
     board.flush()
     sizes, seconds, counts = [], [], []
-    for u in range(UPDATES):
+    for u in range(updates):
         batch = events(steps + u * NEW_STEPS, NEW_STEPS)
         board.stream("stdout", f"step {steps + u * NEW_STEPS}\n")
         Recorder.sent = []
@@ -135,7 +142,7 @@ def bench_reduction(steps: int) -> dict[str, float | None]:
 
 
 def main() -> None:
-    comm.create_comm = lambda **kw: Recorder(**kw)  # type: ignore[assignment]
+    record_comms()
     rows = [(steps, bench_dashboard(steps), bench_reduction(steps)) for steps in SIZES]
     print(f"dashboard update ({NEW_STEPS} new steps + flush), median of {UPDATES}; "
           f"'x 1k': against the {SIZES[0]:,}-step run, measured in the same run:")

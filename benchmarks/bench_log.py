@@ -21,8 +21,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-CALLS = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
+CALLS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 200_000
 
 
 class SinkAgent:
@@ -77,7 +78,9 @@ def timer_overhead(calls: int) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
+def run(calls: int, tensorboard: bool = True) -> tuple[dict[str, tuple[float, ...]], float]:
+    """Every method measured in this process (``tensorboard``: the ``add_scalar``
+    cases too): ``({method: (median, mean, p99, loop)}, timer overhead)``, in ns."""
     work = tempfile.mkdtemp(prefix="snb-log-")
     agent = SinkAgent()
     os.environ.update({
@@ -89,12 +92,15 @@ def main() -> None:
         "SPOTNB_SCRATCH": os.path.join(work, "scratch"),
     })
     import torch
-    from torch.utils.tensorboard import SummaryWriter
 
     from spotnb import runtime as spot
 
     spot.log(-1, warmup=0.0)  # connect first: the connection is not the hot path
-    writer = SummaryWriter(log_dir=os.path.join(work, "tb"))
+    writer: Any = None
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=os.path.join(work, "tb"))
     rows: collections.deque[object] = collections.deque()
     append = rows.append
     loss_t = torch.tensor(0.25)
@@ -112,32 +118,41 @@ def main() -> None:
     def bare(i: int) -> None:
         append((i, time.time(), {"loss": 0.25}))
 
-    overhead = timer_overhead(CALLS)
+    overhead = timer_overhead(calls)
     results = {
-        "deque.append (bare, drained)": measure(bare, CALLS, overhead),
-        "spot.log(step, loss=float)": measure(lambda i: spot.log(i, loss=0.25), CALLS, overhead),
-        "spot.log(step, loss=tensor)": measure(lambda i: spot.log(i, loss=loss_t), CALLS,
+        "deque.append (bare, drained)": measure(bare, calls, overhead),
+        "spot.log(step, loss=float)": measure(lambda i: spot.log(i, loss=0.25), calls, overhead),
+        "spot.log(step, loss=tensor)": measure(lambda i: spot.log(i, loss=loss_t), calls,
                                                overhead),
-        "SummaryWriter.add_scalar(float)": measure(
-            lambda i: writer.add_scalar("loss", 0.25, i), CALLS // 4, overhead),
-        "SummaryWriter.add_scalar(tensor)": measure(
-            lambda i: writer.add_scalar("loss", loss_t, i), CALLS // 4, overhead),
     }
+    if writer is not None:
+        results["SummaryWriter.add_scalar(float)"] = measure(
+            lambda i: writer.add_scalar("loss", 0.25, i), calls // 4, overhead)
+        results["SummaryWriter.add_scalar(tensor)"] = measure(
+            lambda i: writer.add_scalar("loss", loss_t, i), calls // 4, overhead)
     # The means above are dominated by the interpreter's cyclic GC (full passes over
     # the ~500k objects torch creates), common to every method: measure without it.
     gc.disable()
     try:
-        results["deque.append (bare, drained), GC off"] = measure(bare, CALLS, overhead)
+        results["deque.append (bare, drained), GC off"] = measure(bare, calls, overhead)
         results["spot.log(step, loss=float), GC off"] = measure(
-            lambda i: spot.log(i, loss=0.25), CALLS, overhead)
+            lambda i: spot.log(i, loss=0.25), calls, overhead)
     finally:
         gc.enable()
     stop.set()
     drainer.join()
     spot._finish()
-    writer.close()
+    if writer is not None:
+        writer.close()
     agent.close()
     shutil.rmtree(work, ignore_errors=True)
+    return results, overhead
+
+
+def main() -> None:
+    import torch
+
+    results, overhead = run(CALLS)
 
     base = results["deque.append (bare, drained)"]
     tb = results["SummaryWriter.add_scalar(float)"]

@@ -119,11 +119,13 @@ def _billed_hours(result: spotnb.JobResult) -> float:
 # -- re-attach ---------------------------------------------------------------------
 
 
-def long_job(sim: AwsSimulator, hours: float, metrics: int) -> spotnb.JobHandle:
+def long_job(hours: float, metrics: int, provider: str = "aws") -> spotnb.JobHandle:
     """A job whose log is that of a run of ``hours`` that logged ``metrics`` rows, as
-    its agent would have written it (a chunk a minute, rolled into segments)."""
-    handle = spotnb.submit("x = 1", provider="aws", instance_types=[TYPE], region=REGION,
-                           name=f"long-{hours:g}h")
+    its agent would have written it (a chunk a minute, rolled into segments), on the
+    AWS simulator (``provider="aws"``) or the local cloud and store (``"local"``)."""
+    where: dict[str, Any] = ({"instance_types": [TYPE], "region": REGION}
+                             if provider == "aws" else {})
+    handle = spotnb.submit("x = 1", provider=provider, name=f"long-{hours:g}h", **where)
     handle.wait(timeout=300)  # a real (short) job first: its spec, group, result
     store = handle.store
     t0 = time.time() - hours * 3600
@@ -167,8 +169,10 @@ def long_job(sim: AwsSimulator, hours: float, metrics: int) -> spotnb.JobHandle:
     return spotnb.attach(handle.job_id)
 
 
-def reattach(sim: AwsSimulator, handle: spotnb.JobHandle) -> dict[str, tuple[int, float]]:
-    """Requests and seconds of each way of showing a long job's history."""
+def reattach(sim: AwsSimulator | None,
+             handle: spotnb.JobHandle) -> dict[str, tuple[int, float]]:
+    """Requests (counted on the simulator; 0 without one) and seconds of each way of
+    showing a long job's history."""
     from spotnb import display
     from spotnb.cli import main as cli
 
@@ -180,7 +184,7 @@ def reattach(sim: AwsSimulator, handle: spotnb.JobHandle) -> dict[str, tuple[int
         with contextlib.redirect_stdout(io.StringIO()):  # what it shows, outside a notebook
             fn()
         seconds = time.perf_counter() - started
-        out[name] = (sum(_counts(sim, since=mark).values()), seconds)
+        out[name] = (0 if sim is None else sum(_counts(sim, since=mark).values()), seconds)
 
     measure("attach + wait()", lambda: spotnb.attach(handle.job_id).wait())
     try:
@@ -286,7 +290,7 @@ def main() -> None:
         print("\n== re-attach to a job that has ended")
         print(f"{'job':<28}{'how':<28}{'requests':>10}{'seconds':>10}")
         for hours, metrics in ((2.4, 100_000), (24.0, 1_000_000)):
-            handle = long_job(sim, hours, metrics)
+            handle = long_job(hours, metrics)
             for how, (n, secs) in reattach(sim, handle).items():
                 print(f"{f'{hours:g} h, {metrics:,} metrics':<28}{how:<28}{n:>10}"
                       f"{secs:>10.2f}", flush=True)

@@ -65,6 +65,7 @@ import shutil
 import sys
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
@@ -119,6 +120,12 @@ _now = time.time
 
 _runtime: Session | None = None
 _runtime_lock = threading.Lock()
+# Whether this process records metric rows: a distributed job records global rank 0's
+# only (spotnb.multinode). Decided once, when the session starts (_rt), never per call:
+# os.environ.get alone costs more than the whole of log() (issue 29). A worker's RANK
+# is fixed for its kernel's life (a new round of the world starts new kernels), and it
+# is in the environment before the first session (the agent's bootstrap sets it).
+_records_rows = True
 _atexit_registered = False
 # The first log() call looks once for the range of the loop it is in (progress.py).
 _total_pending = True
@@ -151,12 +158,13 @@ class OutputError(ValueError):
 
 def _rt() -> Session:
     """The process's session, created from the environment on first use."""
-    global _runtime, _atexit_registered
+    global _runtime, _atexit_registered, _records_rows
     rt = _runtime
     if rt is not None:
         return rt
     with _runtime_lock:
         if _runtime is None:
+            _records_rows = os.environ.get("RANK", "0") == "0"
             _runtime = Session.from_env()
             if not _atexit_registered:
                 # A plain script must not exit with an upload half done.
@@ -192,7 +200,7 @@ def log(step: int, **metrics: Any) -> None:
     """
     if _runtime is None:
         _rt()
-    if os.environ.get("RANK", "0") != "0":
+    if not _records_rows:
         return  # a distributed job records global rank 0's rows (spotnb.multinode)
     if _total_pending:
         _find_total()
@@ -284,16 +292,37 @@ def history() -> list[tuple[int, float, dict[str, float]]]:
     return list(rt.history)
 
 
-def __getattr__(name: str) -> Any:
-    # Module attributes that depend on the environment: read at first use.
-    if name == "interrupt_pending":
+class _Module(types.ModuleType):
+    """This module's class. The attributes that read the session are properties:
+    ``spot.save_requested`` is read at every step (by training loops and by every
+    framework integration), and a property costs one lookup where a module
+    ``__getattr__`` costs a failed lookup and a call (about 8x more)."""
+
+    @property
+    def interrupt_pending(self) -> bool:
         return _rt().interrupt_pending
-    if name == "job_id":
-        return _rt().job_id
-    if name == "attempt":
-        return _rt().attempt
-    if name == "save_requested":
+
+    @property
+    def save_requested(self) -> bool:
         return _rt().save_requested
+
+    @property
+    def job_id(self) -> str:
+        return _rt().job_id
+
+    @property
+    def attempt(self) -> int:
+        return _rt().attempt
+
+
+sys.modules[__name__].__class__ = _Module
+
+
+def __getattr__(name: str) -> Any:
+    # Module attributes that import on first use (the session's are _Module's
+    # properties; they are named here too for type checkers).
+    if name in ("interrupt_pending", "save_requested", "job_id", "attempt"):
+        return getattr(sys.modules[__name__], name)
     if name == "callbacks":
         # spot.callbacks.transformers() ...: the integrations import their framework
         # only when called (spotnb.integrations).
@@ -1236,12 +1265,26 @@ def _initialised() -> bool:
 
 def _world() -> tuple[int, int] | None:
     """``(rank, world size)`` when the cell runs in an initialised ``torch.distributed``
-    world of more than one process (a distributed job), else None."""
+    world of more than one process (a distributed job), else None.
+
+    Called at every ``maybe_save``: the rank and size are asked of a process group once,
+    when it is first seen (a new default group, after a re-formation, is asked again).
+    """
+    global _world_seen
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
-    size = int(dist.get_world_size())
-    return (int(dist.get_rank()), size) if size > 1 else None
+    group = dist.GroupMember.WORLD
+    seen_group, seen = _world_seen
+    if group is not seen_group:
+        size = int(dist.get_world_size())
+        seen = (int(dist.get_rank()), size) if size > 1 else None
+        _world_seen = (group, seen)
+    return seen
+
+
+# The default process group _world() last asked, and its answer.
+_world_seen: tuple[Any, tuple[int, int] | None] = (None, None)
 
 
 def _read_rows(manifest: Manifest, directory: Path) -> list[list[Any]]:
