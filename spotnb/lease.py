@@ -99,10 +99,12 @@ def safety_seconds(ttl: float) -> float:
     return min(SAFETY_SECONDS, ttl / 3)
 
 
-def _clock() -> float:
+def clock() -> float:
     """Seconds on a clock that keeps counting while this process is stopped and while
-    the machine sleeps (Linux's boot clock; monotonic elsewhere)."""
+    the machine sleeps (Linux's boot clock; monotonic elsewhere): one clock for every
+    process of the host."""
     return time.clock_gettime(_CLOCK)
+
 
 
 _CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
@@ -241,7 +243,7 @@ class HeldLease:
         self._lost = False
         # Monotonic time at which the last successful write was *sent*: the lease was
         # ours from then for ``ttl`` seconds by anyone's clock.
-        self._confirmed = _clock() if confirmed is None else confirmed
+        self._confirmed = clock() if confirmed is None else confirmed
 
     @property
     def epoch(self) -> int:
@@ -252,13 +254,22 @@ class HeldLease:
         monotonic clock (which keeps counting while the process is stopped)."""
         if self._lost or self.lease.released:
             return Standing.LOST
-        if _clock() - self._confirmed < self.lease.ttl - safety_seconds(self.lease.ttl):
+        if clock() - self._confirmed < self.lease.ttl - safety_seconds(self.lease.ttl):
             return Standing.HELD
         return Standing.UNCONFIRMED
 
     def confirmed_age(self) -> float:
         """Seconds since the lease was last confirmed in the store."""
-        return _clock() - self._confirmed
+        return clock() - self._confirmed
+
+    def held_until(self) -> float | None:
+        """When this holder stops counting the lease as its own if no renewal lands
+        first (the end of HELD in :meth:`status`), on :func:`clock`: the same clock for
+        every process of the host, so the kernel can fence itself by it while its agent
+        is frozen (:mod:`spotnb.session`). None once LOST (released or taken)."""
+        if self._lost or self.lease.released:
+            return None
+        return self._confirmed + self.lease.ttl - safety_seconds(self.lease.ttl)
 
     def _swap(self, change: Callable[[Lease], Lease], *, final: bool = False) -> None:
         """Compare-and-swap ``change(current lease)`` in, as one atomic section: the new
@@ -271,7 +282,7 @@ class HeldLease:
             if self._lost:
                 raise LeaseLost(f"lease epoch {self.lease.epoch} was lost earlier")
             new = change(self.lease)
-            sent = _clock()
+            sent = clock()
             try:
                 etag = self.store.put_if_match(new.key, new.encode(), self._etag)
             finally:
@@ -320,7 +331,7 @@ def acquire(store: Store, holder: str, now: float | None = None,
     the holder is gone. ``ttl`` is the TTL this holder promises; ``stride`` the job's
     node count (see the module docstring).
     """
-    sent = _clock()
+    sent = clock()
     now = time.time() if now is None else now
     mine = Lease(epoch=slot + 1, holder=holder, heartbeat=now, ttl=ttl,
                  host=socket.gethostname(), pid=os.getpid(),

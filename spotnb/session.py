@@ -18,9 +18,13 @@ standalone mode without it). It owns:
   record rows that died with an agent (DESIGN invariant 8);
 * the fencing question: before a checkpoint becomes ``LATEST`` or the outputs are
   written, the agent is asked whether it still holds the job's lease;
-* the watchdog: the agent pings every half second; a kernel whose agent stops
-  answering for :data:`AGENT_SILENT_SECONDS` (the agent was frozen) stops itself
-  (SIGSTOP to its process group) so that nothing trains that nobody records. The agent
+* the watchdog: the agent pings every second or so, with the time until which its
+  lease counts as held (``until``: its last confirmed renewal plus the TTL less the
+  safety margin, :meth:`spotnb.lease.HeldLease.held_until`). A kernel whose agent falls
+  silent (frozen) stops itself (SIGSTOP to its process group) at that time, before any
+  other agent may take the job over whatever the lease's TTL, or after
+  :data:`AGENT_SILENT_SECONDS` of silence when it knows no such time
+  (:func:`watchdog_verdict`), so that nothing trains that nobody records. The agent
   resumes it once it has confirmed its lease, or kills it if it lost it.
 """
 
@@ -63,10 +67,23 @@ _ROWS_PER_MESSAGE = 2000
 _CONNECT_SECONDS = 5.0
 # A parked cell sleeps in steps of this length until the instance is terminated.
 _PARK_SLEEP_SECONDS = 1.0
-# The agent pings every 0.5 s; this much silence means it is frozen (or gone: then
-# PR_SET_PDEATHSIG has already killed this kernel). Well above any scheduling hiccup of
-# a busy machine, well below the lease's TTL.
+# The agent pings every second or so; this much silence means it is frozen (or gone:
+# then PR_SET_PDEATHSIG has already killed this kernel). Well above any scheduling
+# hiccup of a busy machine. Only while no ping has said until when the lease is held
+# (before the agent holds it); otherwise that time bounds the kernel, whatever the TTL.
 AGENT_SILENT_SECONDS = 15.0
+# Past the lease's time, the kernel stops only once its agent has also been silent this
+# long: while the agent speaks, it pauses the kernel itself (a store outage), and a ping
+# already in the socket when a stopped kernel resumes carries the renewed time. Below
+# the lease's smallest safety margin (1 s, at the smallest TTL of 3 s): a frozen agent's
+# last renewal is at most a heartbeat old, so the lease's time comes at least a third of
+# the TTL after its last ping, and another agent may take over only after the margin.
+LEASE_GRACE_SECONDS = 0.5
+# The watchdog looks at least this often (and at the lease's time exactly), and looks
+# again this much later before it stops the kernel.
+_WATCHDOG_SECONDS = 1.0
+_RECHECK_SECONDS = 0.1
+_PAST_SECONDS = 0.25
 # How long a fencing question waits for the agent's answer.
 FENCE_REPLY_SECONDS = 30.0
 # Between two questions while the agent cannot confirm the lease (a store outage).
@@ -168,6 +185,23 @@ class AgentChannel:
         self._sock.close()
 
 
+def watchdog_verdict(silent: float, until: float | None, now: float) -> str | None:
+    """Why a kernel must stop now, or None: its agent has been silent for ``silent``
+    seconds, and said its lease counts as held until ``until`` (None: it did not say);
+    ``now`` on :func:`spotnb.lease.clock`.
+
+    The lease's time comes before anyone else may take the job: the TTL less the
+    holder's safety margin after its last confirmed renewal. So with any TTL, the kernel
+    of a frozen agent stops before the next attempt holds the lease.
+    """
+    if until is not None and now >= until and silent >= LEASE_GRACE_SECONDS:
+        return (f"the spotnb agent has not answered for {silent:.1f} s and its lease is "
+                f"no longer confirmed (for {now - until:.1f} s)")
+    if silent >= AGENT_SILENT_SECONDS:
+        return f"the spotnb agent has not answered for {silent:.0f} s"
+    return None
+
+
 class Session:
     """Per-process state: where the job lives, the channel, notices, background work."""
 
@@ -218,6 +252,9 @@ class Session:
         # The watchdog is armed by the agent's first ping (an agent that never pings,
         # such as a test's, is never taken for a frozen one).
         self._pinged = False
+        # Until when the agent's lease counts as held (spotnb.lease.clock), from its
+        # pings; None while it holds none.
+        self._until: float | None = None
         #: Hyperparameters given to ``spot.log_params`` (also sent to the agent).
         self.params: dict[str, Any] = {}
         self.total: int | None = None
@@ -367,6 +404,8 @@ class Session:
         self._heard = time.monotonic()
         op = message["op"]
         if op == "ping":
+            until = message.get("until")
+            self._until = float(until) if isinstance(until, (int, float)) else None
             self._pinged = True
             return
         if op == "durable":
@@ -431,24 +470,45 @@ class Session:
             time.sleep(_PARK_SLEEP_SECONDS)
 
     def _watchdog(self) -> None:
-        """Stop this kernel (its whole process group) while the agent is silent."""
-        while not self._stop.wait(1.0):
+        """Stop this kernel (its whole process group) while the agent is silent: at the
+        time its lease stops counting as held, or after AGENT_SILENT_SECONDS."""
+        while not self._stop.wait(self._watchdog_wait()):
             chan = self.channel
             if chan is None or chan.broken:
                 return
-            silent = time.monotonic() - self._heard
             # Only a kernel the agent started leads its own process group: never stop
             # anything else (a test, a script that happens to have the variables set).
-            if silent < AGENT_SILENT_SECONDS or not self._pinged \
-                    or os.getpgrp() != os.getpid():
+            if not self._pinged or os.getpgrp() != os.getpid():
                 continue
-            _logger.error("the spotnb agent has not answered for %.0f s: stopping this "
-                          "kernel until it does (nothing may train that is not recorded)",
-                          silent)
+            if self._verdict() is None:
+                continue
+            # Resumed by the agent just now? Its pings wait in the socket, with the
+            # renewed time: let the reader take them before deciding.
+            if self._stop.wait(_RECHECK_SECONDS):
+                return
+            why = self._verdict()
+            if why is None:
+                continue
+            _logger.error("%s: stopping this kernel until it answers (nothing may train "
+                          "that is not recorded)", why)
             with contextlib.suppress(OSError):
                 os.killpg(os.getpgrp(), signal.SIGSTOP)
             # Resumed (SIGCONT from the agent): give it time to speak again.
             self._heard = time.monotonic()
+
+    def _verdict(self) -> str | None:
+        return watchdog_verdict(time.monotonic() - self._heard, self._until,
+                                lease_mod.clock())
+
+    def _watchdog_wait(self) -> float:
+        """Until the watchdog's next look: at the lease's time, at the latest in
+        _WATCHDOG_SECONDS; past that time, every _PAST_SECONDS (for the agent's
+        silence)."""
+        until = self._until
+        if until is None:
+            return _WATCHDOG_SECONDS
+        left = until - lease_mod.clock()
+        return min(_WATCHDOG_SECONDS, left) if left > 0.01 else _PAST_SECONDS
 
     # -- metrics ---------------------------------------------------------------------
 

@@ -179,11 +179,20 @@ def test_a_frozen_agent_writes_nothing_once_another_took_over(
         cloud: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # SIGSTOP the agent for longer than the lease's TTL while a second agent waits for
     # the job (what a racing or rebalancing instance does). The frozen agent's kernel
-    # stops itself; the second agent takes over after the TTL and finishes the job;
-    # once resumed, the frozen agent writes nothing and its kernel is killed.
+    # stops itself before the second agent may take over (a short TTL included: with a
+    # watchdog fixed at 15 s it trained 60-74 steps after the takeover); the second
+    # agent takes over after the TTL and finishes the job; once resumed, the frozen
+    # agent writes nothing and its kernel is killed.
     monkeypatch.setenv(lease.ENV_TTL, "6")
-    inputs = {"STEPS": 300, "STEP_SECONDS": 0.02, "CKPT": 20}
-    handle = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
+    # One checkpoint (step 19), then none: a save would wait for the frozen agent's
+    # fencing answer and so hold the cell; only the watchdog may stop the training.
+    trace = tmp_path / "steps.txt"  # every step each kernel ran, with its time
+    inputs = {"STEPS": 600, "STEP_SECONDS": 0.02, "CKPT": 20, "TRACE": str(trace)}
+    code = COUNTING.replace("    time.sleep(STEP_SECONDS)\n", "    time.sleep(STEP_SECONDS)\n"
+                            "    with open(TRACE, 'a') as f:\n"
+                            "        f.write(f'{spot.attempt} {step} {time.time()}\\n')\n")
+    code = code.replace("if step % CKPT == CKPT - 1:", "if step == CKPT - 1:")
+    handle = spotnb.submit(code, inputs=inputs, outputs=["total"])
     boot = wait_for(lambda: booted(handle, 1), "attempt 1")
     wait_event(handle, is_durable, "a first checkpoint")
     agent = psutil.Process(boot.data["pid"])
@@ -206,10 +215,15 @@ def test_a_frozen_agent_writes_nothing_once_another_took_over(
     events = events_of(handle)
     late = [e for e in events if e.attempt == 1 and e.time > took_over.time]
     assert late == [], f"the fenced agent wrote {len(late)} event(s) after the takeover"
+    ran = [line.split() for line in trace.read_text().splitlines()]
+    trained_late = [int(step) for attempt, step, at in ran
+                    if attempt == "1" and float(at) >= took_over.time]
+    assert trained_late == [], (f"the frozen agent's kernel trained {len(trained_late)} "
+                                "step(s) after the next attempt held the lease")
     store = LocalStore(handle.store.uri.removeprefix("file://"))
     chunks = [store.root / k for k in store.list_keys("events/000001/")]
     assert all(p.stat().st_mtime <= took_over.time + 0.5 for p in chunks)
-    assert all_steps(events) == set(range(300)), "metric steps are missing"
+    assert all_steps(events) == set(range(600)), "metric steps are missing"
     psutil.wait_procs([kernel, agent], timeout=60)
     assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE
     wait_no_processes(cloud)

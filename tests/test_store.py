@@ -380,3 +380,36 @@ def test_lease_unit_soak_epoch_never_decreases_and_a_release_sticks(
         assert released, f"round {round_}: the release was never written"
         assert released[0] == len(store.writes) - 1, \
             f"round {round_}: the lease was written again after its release"
+
+
+@pytest.mark.parametrize("ttl", [3.0, 6.0, 30.0, 180.0])
+def test_a_frozen_agents_kernel_stops_before_anyone_may_take_the_lease(
+        store: LocalStore, ttl: float) -> None:
+    # The agent renews (at C), pings its kernel with the lease's time, and freezes
+    # right before its next renewal is due: the worst case. Another agent may take
+    # over TTL seconds after the renewal; the kernel's watchdog must have stopped it
+    # before then, whatever the TTL (it was fixed at 15 s: 60-74 steps trained after
+    # the takeover with a TTL of 6 s).
+    from spotnb.session import watchdog_verdict
+
+    before = lease.clock()
+    held = lease.acquire(store, "i-a", ttl=ttl)
+    assert held is not None
+    held.renew()
+    after = lease.clock()
+    until = held.held_until()  # what the agent's ping says (spotnb.kernel_remote.agent)
+    assert until is not None
+    frozen = after + lease.heartbeat_seconds(ttl)  # its last ping
+    takeover = before + ttl  # the earliest another agent may take the lease
+    assert lease.acquire(store, "i-b", now=time.time() + ttl - 1) is None
+    stop = next((frozen + i / 100 for i in range(100 * 600)
+                 if watchdog_verdict(i / 100, until, frozen + i / 100) is not None), None)
+    assert stop is not None and stop < takeover, (
+        f"TTL {ttl:g} s: the kernel of a frozen agent would stop {stop - frozen:.1f} s after "
+        f"its agent's last ping, {stop - takeover:+.1f} s after another agent may hold the "
+        "lease" if stop is not None else "the kernel never stops")
+    # While the agent speaks (it pings after a pause, or after the store came back),
+    # the kernel does not stop itself: the agent pauses and resumes it.
+    assert watchdog_verdict(0.1, until, until + 5) is None
+    held.release()
+    assert held.held_until() is None

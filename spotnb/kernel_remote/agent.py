@@ -635,7 +635,7 @@ class Agent:
         while not self._done.wait(pace):
             try:
                 self._watch_imds()
-                self._send({"op": "ping"})
+                self._ping()
                 pace = ROWS_SECONDS if self.live is None else self.live.cadence
                 if time.monotonic() - self._rows_at >= pace:
                     self._emit_rows()
@@ -643,6 +643,14 @@ class Agent:
                 self._mind_kernel()
             except Exception:
                 log.exception("the instance loop failed; going on")
+
+    def _ping(self) -> None:
+        """Tell the kernels this agent is alive, and until when (on the host's
+        :func:`spotnb.lease.clock`) its lease counts as held if no renewal lands: a
+        kernel whose agent falls silent stops itself by then, before another agent may
+        take the job over whatever the TTL (the session's watchdog)."""
+        held = self.held
+        self._send({"op": "ping", "until": None if held is None else held.held_until()})
 
     def _store_loop(self) -> None:
         """The lease's heartbeat and the stop request: the agent's store requests that

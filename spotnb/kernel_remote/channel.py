@@ -29,6 +29,10 @@ runtime -> agent
     (``notice-fit``: a checkpoint takes too long to fit in the interruption notice).
 
 agent -> runtime
+    ``{"op": "ping", "until": float | null}``: every second or so; ``until`` is when
+    the agent's lease stops counting as held unless renewed, on the host's
+    :func:`spotnb.lease.clock` (null: no lease, or it was released): the kernel's
+    watchdog stops the kernel by then if the agent falls silent
     ``{"op": "notice", "kind": "instance-action"|"rebalance", "action": str,
     "time": str}``: sent when the notice appears, and again on connect if one is
     pending.
