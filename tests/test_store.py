@@ -367,11 +367,11 @@ def _soak_round(store: _Recording, rng: random.Random) -> None:
     assert held.status() is lease.Standing.LOST
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_lease_unit_soak_epoch_never_decreases_and_a_release_sticks(
         tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
-    for round_ in range(10):
+    for round_ in range(8):
         store = _Recording(tmp_path / f"s{round_}", seed * 100 + round_)
         _soak_round(store, rng)
         epochs = [w.epoch for w in store.writes]
