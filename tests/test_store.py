@@ -298,3 +298,19 @@ def test_lease_race_between_processes_has_one_winner(store: Store) -> None:
         p.join(30)
     assert sorted(results, key=lambda r: r is None) == [1] + [None] * 3
     assert store.exists("lease.json")
+
+
+def test_backoff_doubles_to_its_cap_and_starts_over_after_a_success() -> None:
+    from spotnb.backoff import Backoff
+
+    # The store's retries: 0.5 s doubling up to 30 s, as every retry loop had them.
+    delays = Backoff(0.5, 30.0)
+    assert [delays.next() for _ in range(8)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    delays.reset()
+    assert delays.next() == 0.5
+    # AWS calls: jittered between half and all of the same doubling (up to 8 s).
+    jittered = Backoff(0.5, 8.0, jitter=0.5)
+    for expected in (0.5, 1, 2, 4, 8, 8):
+        assert expected / 2 <= jittered.next() <= expected
+    with pytest.raises(ValueError):
+        Backoff(2.0, 1.0)
