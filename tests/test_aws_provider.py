@@ -349,6 +349,7 @@ def test_capacity_error_on_the_first_type_runs_on_the_next_and_says_why(
     assert "g5.xlarge had no spot capacity" in launching[0]
 
 
+@pytest.mark.slow  # over 30 s: it waits for spot capacity first
 def test_on_demand_fallback_after_waiting_for_spot_capacity(
         sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPOTNB_AWS_ONDEMAND_AFTER", "1")
@@ -387,6 +388,7 @@ def test_a_failed_launch_releases_what_it_created(sim: AwsSimulator) -> None:
     assert not any("/bootstrap/" in o["Key"] for o in bucket.get("Contents", ()))
 
 
+@pytest.mark.slow  # over 30 s
 def test_a_user_error_fails_the_job_and_deletes_its_group(tmp_path: Path,
                                                            spotnb_home: Path) -> None:
     # This simulator installs the uploaded wheel on each instance, as on a plain DLAMI.
@@ -427,6 +429,7 @@ def test_budget_and_deadline_stop_jobs_on_the_instance(sim: AwsSimulator) -> Non
     assert budget.cost_usd > 0.0001
 
 
+@pytest.mark.slow  # over 30 s
 def test_cleanup_finds_and_deletes_what_a_dead_instance_left(sim: AwsSimulator,
                                                              tmp_path: Path) -> None:
     handle = spotnb.submit(GATED.format(gate=str(tmp_path / "never")), provider="aws",
@@ -470,6 +473,9 @@ def quickstart_cell() -> str:
     """)
 
 
+@pytest.mark.slow  # over 30 s: two torch jobs, four instances
+# Its own waits add up to 420 s: they, not the suite's 300 s, say what never came.
+@pytest.mark.timeout(600)
 def test_quickstart_cell_across_two_interruptions_equals_the_uninterrupted_run(
         sim: AwsSimulator) -> None:
     pytest.importorskip("torch")
@@ -618,6 +624,7 @@ def test_real_aws_quickstart_survives_an_interruption(spotnb_home: Path) -> None
     assert AwsProvider(region=region).cleanup(dry_run=True) == []
 
 
+@pytest.mark.slow  # over 30 s: 150 metrics followed live
 def test_a_followed_job_makes_few_requests_a_minute(sim: AwsSimulator, tmp_path: Path) -> None:
     # A job that logs ten metrics a second, followed live, for at least 150 of them
     # (counted, not timed): spotnb's own S3 writes and listings in that window stay

@@ -620,6 +620,7 @@ def _run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[st
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # over 30 s: two training runs in subprocesses
 def test_interrupted_run_is_bitwise_identical(job: Job) -> None:
     env = dict(job.env)
     env[channel.ENV_CHECKPOINT_EVERY] = json.dumps({"seconds": None, "steps": 4})
@@ -667,6 +668,7 @@ _PARK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # over 30 s
 def test_notice_forces_a_save_then_parks(job: Job) -> None:
     proc = subprocess.Popen([sys.executable, "-c", _PARK], env=_subprocess_env(job.env),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
