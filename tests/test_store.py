@@ -143,7 +143,7 @@ def test_child_views_share_the_store(store: Store) -> None:
     assert not job.exists("spec.json")
 
 
-def test_local_listings_hide_temporaries(local_store: Store) -> None:
+def test_local_listings_hide_temporaries(local_store: LocalStore) -> None:
     local_store.put("events/000001/00000001.jsonl", b"x")
     (local_store.root / "events" / "000001" / ".tmp-half").write_bytes(b"partial")
     assert local_store.list_keys("events/000001/") == ["events/000001/00000001.jsonl"]
