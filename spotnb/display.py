@@ -140,10 +140,16 @@ class JobView:
     def apply(self, event: Event) -> None:
         """Update the view with one event (a ``metrics`` batch: as with each of its rows
         in turn, in bulk)."""
-        body = event.body
-        if isinstance(body, codec.Metrics):
+        if codec.is_batch(event):
             self._metrics(event)
             return
+        if codec.is_row(event):  # the hot path: read as it is, no body built
+            self.progress.apply(event)
+            self.world_changed = None
+            self.step = event.data.get("step", self.step)
+            self.metrics.update(event.data.get("values") or {})
+            return
+        body = event.body
         worlds = len(self.worlds)
         self.progress.apply(event)
         self.world_changed = None
@@ -177,9 +183,6 @@ class JobView:
         elif isinstance(body, codec.Price) and body.instance_type in (None, self.instance_type):
             self.spot_price = body.price if "price" in event.data else self.spot_price
             self.ondemand_price = body.ondemand or self.ondemand_price
-        elif isinstance(body, codec.Metric):
-            self.step = event.data.get("step", self.step)
-            self.metrics.update(body.values)
         elif isinstance(body, codec.Display) and body.execute_result:
             self.execute_result = {"data": body.data, "metadata": body.metadata}
         elif isinstance(body, codec.Result):

@@ -131,19 +131,23 @@ class Progress:
 
     # -- input ---------------------------------------------------------------------
 
-    def apply(self, e: Event, folded: bool = False) -> None:
+    def apply(self, e: Event) -> None:
         """Take one event (events come in time order; a ``metrics`` batch: its rows, in
-        bulk). ``folded``: the state has taken it already."""
-        if not folded:
-            self.state.apply(e)
-        body = e.body
-        if isinstance(body, codec.Metrics):
+        bulk), folding it into ``state``."""
+        if codec.is_row(e):
+            # The hot path (a display's live update, a replay of a day's rows): read as
+            # it is, no body built, and not folded (what a row says is the steps here).
+            d = e.data
+            if d.get("step") is not None:
+                self._metric(e.attempt, float(d["step"]), float(d.get("t") or e.time))
+            return
+        self.state.apply(e)
+        if codec.is_batch(e):
             columns = metric_columns(e)
             self._metrics(e.attempt, columns[0], columns[1])
-        elif isinstance(body, codec.Metric):
-            if body.step is not None:
-                self._metric(e.attempt, body.step, body.t)
-        elif isinstance(body, codec.ProgressTotal):
+            return
+        body = e.body
+        if isinstance(body, codec.ProgressTotal):
             if body.total:
                 self.total = body.total
                 self.total_source = body.source

@@ -271,11 +271,10 @@ def metric_names(columns: dict[str, tuple[Any, Any]]) -> list[str]:
 def metric_rows(event: Event) -> Iterator[tuple[int, float, dict[str, float]]]:
     """``(step, t, {name: value})`` for each row of a ``metric`` or ``metrics`` event."""
     data = event.data
-    body = event.body
-    if isinstance(body, codec.Metric):
+    if codec.is_row(event):
         yield data["step"], data.get("t", event.time), data.get("values") or {}
         return
-    if not isinstance(body, codec.Metrics):
+    if not codec.is_batch(event):
         return
     steps, times, columns = metric_columns(event)
     per_row: list[dict[str, float]] = [{} for _ in steps]
@@ -291,10 +290,9 @@ def metric_rows(event: Event) -> Iterator[tuple[int, float, dict[str, float]]]:
 
 def last_values(event: Event) -> dict[str, float]:
     """The newest value of each metric in a ``metric`` or ``metrics`` event."""
-    body = event.body
-    if isinstance(body, codec.Metric):
-        return dict(body.values)
-    if not isinstance(body, codec.Metrics):
+    if codec.is_row(event):
+        return dict(event.data.get("values") or {})
+    if not codec.is_batch(event):
         return {}
     out: dict[str, float] = {}
     for name, column in (event.data.get("values") or {}).items():
@@ -368,7 +366,7 @@ def rows_after(event: Event, seen: int) -> Event | None:
 
 def expand(event: Event) -> list[Event]:
     """A ``metrics`` event as one ``metric`` event per row (others as they are)."""
-    if not isinstance(event.body, codec.Metrics):
+    if not codec.is_batch(event):
         return [event]
     extra = {k: v for k, v in event.data.items()
              if k not in ("step", "t", "values", "enc", "rows", "src_n", "merged")}

@@ -173,6 +173,14 @@ class JobState:
             self.first_time = t
         if self.last_time is None or t > self.last_time:
             self.last_time = t
+        if codec.is_row(e):  # most of a log: no body built for each
+            if e.attempt != GROUP_STREAM:
+                a = self._attempt_of(e)
+                a.last_time = t
+                values = e.data.get("values")
+                if values:
+                    a.metrics.update(values)
+            return
         body = e.body
         if e.attempt == GROUP_STREAM:
             self._group(e, body)
@@ -250,17 +258,19 @@ class JobState:
         boots = [a.boot_time for a in self.attempts.values() if a.boot_time is not None]
         return bool(boots) and t >= max(boots)
 
-    def _attempt(self, e: Event, body: codec.Body) -> None:
+    def _attempt_of(self, e: Event) -> AttemptState:
         a = self.attempts.get(e.attempt)
         if a is None:
             a = self.attempts[e.attempt] = AttemptState(
                 number=e.attempt, node=layout.node_slot(e.attempt, self.max_nodes),
                 first_time=e.time, last_time=e.time, first_instance=e.instance)
+        return a
+
+    def _attempt(self, e: Event, body: codec.Body) -> None:
+        a = self._attempt_of(e)
         a.last_time = e.time
         if isinstance(body, codec.Metrics):
             a.metrics.update(last_values(e))
-        elif isinstance(body, codec.Metric):
-            a.metrics.update(body.values)
         elif isinstance(body, codec.Status):
             if body.state == "booting" and a.boot_time is None:
                 a.boot_time = e.time

@@ -137,7 +137,7 @@ def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
     attempt replaces the lost one), thinned to :data:`MAX_CURVE_POINTS`."""
     by_metric: dict[str, dict[float, float | None]] = {}
     for e in events:
-        if isinstance(e.body, codec.Metrics):  # a batch, a column at a time (C loops)
+        if codec.is_batch(e):  # a batch, a column at a time (C loops)
             steps, times, columns = metric_columns(e)
             if len(steps) == len(times):  # else damaged: read as its rows, below
                 for name in metric_names(columns):
@@ -148,13 +148,12 @@ def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
                             zip(map(float, at), map(_number, values), strict=False))
                 continue
         for row in expand(e):  # a metric event, or a damaged batch's rows
-            body = row.body
-            if not isinstance(body, codec.Metric) or body.step is None:
+            if not codec.is_row(row) or row.data.get("step") is None:
                 continue
             step = _number(row.data["step"])
             if step is None:
                 continue
-            for name, value in body.values.items():
+            for name, value in (row.data.get("values") or {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     by_metric.setdefault(str(name), {})[step] = _number(value)
     names = list(by_metric)

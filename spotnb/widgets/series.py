@@ -504,7 +504,7 @@ class DashboardData:
         """Take a batch of events (in time order). Output (``stream``) events are
         left to :meth:`write`, which the display calls in order with milestones."""
         for event in events:
-            if isinstance(event.body, codec.Metrics):  # a batch of rows (batches=True)
+            if codec.is_batch(event):  # a batch of rows (a reader with batches=True)
                 self._metrics(event)
                 continue
             if self.first_time is None:
@@ -519,13 +519,16 @@ class DashboardData:
 
     def _add(self, e: Event) -> None:
         d = e.data
+        if codec.is_row(e):  # the series' own: not folded, no body built
+            self._metric(e)
+            if e.attempt != GROUP_STREAM:
+                self._attempt = max(self._attempt, e.attempt)
+            self.version += 1
+            return
         body = e.body
         worlds = len(self.state.worlds)
-        if not isinstance(body, codec.Metric):  # rows are the series' own, not folded
-            self.state.apply(e)
-        if isinstance(body, codec.Metric):
-            self._metric(e)
-        elif isinstance(body, codec.Sys):
+        self.state.apply(e)
+        if isinstance(body, codec.Sys):
             self.sys_kind = str(d.get("kind") or self.sys_kind or "cpu")
             t = e.time
             if e.attempt != self._sys_attempt and len(self.util) and not self.multinode:
