@@ -53,7 +53,7 @@ def format_event(event: Event) -> str | None:
     when = datetime.datetime.fromtimestamp(event.time).strftime("%H:%M:%S")
     d = event.data
     where = f"[{when} a{event.attempt}]" if event.attempt else f"[{when} group]"
-    b = event.body
+    b = codec.peek(event)
     if isinstance(b, codec.Stream):
         return str(d.get("text", "")).rstrip("\n")
     if isinstance(b, codec.Status):

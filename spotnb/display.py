@@ -230,7 +230,7 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
     display's header shows; a rebalance recommendation that comes with the notice says
     nothing more. ``view``, the state so far, tells which attempt had a notice.
     """
-    body = event.body
+    body = codec.peek(event)
     if view is not None and view.multinode:
         text = _node_milestone(event, view)
         if text is not None:
@@ -283,7 +283,7 @@ def _node_milestone(event: Event, view: JobView) -> str | None:
     A node is a node slot (``layout.node_slot``): attempts 1..MAX are the slots' first
     instances joining, later attempts replacements joining in a lost node's place.
     """
-    body = event.body
+    body = codec.peek(event)
     if isinstance(body, codec.World):
         if view.world_changed is not event:
             return None
@@ -461,7 +461,7 @@ def _apply(batch: list[Event], view: JobView, control: list[Event],
     changed = False
     for event in batch:
         view.apply(event)
-        body = event.body
+        body = codec.peek(event)
         if codec.is_control(event):
             control.append(event)
         if isinstance(body, codec.Stream):

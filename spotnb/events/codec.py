@@ -48,6 +48,7 @@ __all__ = [
     "is_control",
     "is_output",
     "is_row",
+    "peek",
 ]
 
 
@@ -368,6 +369,12 @@ def is_row(event: Event) -> bool:
     """Whether ``event`` is one row of metrics (a :class:`Metric`), without decoding it:
     a reader takes its ``step``, ``t`` and ``values`` from ``event.data``."""
     return event.type == "metric"
+
+
+def peek(event: Event) -> Body | None:
+    """The body of ``event``, or None for a metric row (no body built: a reader that
+    wants rows takes them from ``event.data``, see :func:`is_row`)."""
+    return None if event.type == "metric" else event.body
 
 
 def is_batch(event: Event) -> bool:

@@ -369,7 +369,7 @@ class Follower:
         return events
 
     def _note(self, event: Event) -> None:
-        if isinstance(event.body, codec.Result):
+        if isinstance(codec.peek(event), codec.Result):
             self.ended = True
 
     # -- live -----------------------------------------------------------------------------

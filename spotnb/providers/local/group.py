@@ -466,7 +466,7 @@ class Supervisor:
             inst = by_id.get(event.instance or "")
             if inst is None or event.attempt == GROUP_STREAM:
                 continue
-            body = event.body
+            body = codec.peek(event)
             if (isinstance(body, codec.Status) and body.state == "running"
                     and inst.cell_started is None):
                 inst.cell_started = event.time
