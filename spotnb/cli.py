@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 import spotnb
-from spotnb.events import Event
+from spotnb.events import Event, codec
 from spotnb.providers.aws.cli import add_aws_commands
 from spotnb.records.cli import add_record_commands
 from spotnb.spec import SpecError
@@ -53,24 +53,25 @@ def format_event(event: Event) -> str | None:
     when = datetime.datetime.fromtimestamp(event.time).strftime("%H:%M:%S")
     d = event.data
     where = f"[{when} a{event.attempt}]" if event.attempt else f"[{when} group]"
-    if event.type == "stream":
+    b = codec.peek(event)
+    if isinstance(b, codec.Stream):
         return str(d.get("text", "")).rstrip("\n")
-    if event.type == "status":
+    if isinstance(b, codec.Status):
         return f"{where} {d.get('state')}: {d.get('detail', '')}".rstrip(": ")
-    if event.type == "error":
+    if isinstance(b, codec.Error):
         tb = "\n".join(_ANSI.sub("", line) for line in d.get("traceback", []))
         return f"{where} error: {d.get('ename')}: {d.get('evalue')}\n{tb}".rstrip()
-    if event.type == "notice":
+    if isinstance(b, codec.Notice):
         return f"{where} notice: {d.get('kind')} {d.get('action')} at {d.get('notice_time')}"
-    if event.type == "instance":
+    if isinstance(b, codec.Instance):
         detail = " ".join(str(d[k]) for k in ("instance_id", "instance_type", "az", "reason")
                           if d.get(k))
         return f"{where} instance {d.get('action')}: {detail}"
-    if event.type == "checkpoint" and d.get("phase") == "durable":
+    if isinstance(b, codec.CheckpointEvent) and b.durable:
         return f"{where} checkpoint at step {d.get('step')} durable ({d.get('bytes', 0):,} bytes)"
-    if event.type == "warning":
+    if isinstance(b, codec.Warning):
         return f"{where} warning: {d.get('text', '')}"
-    if event.type == "display":
+    if isinstance(b, codec.Display):
         text = (d.get("data") or {}).get("text/plain")
         return str(text) if text else None
     return None

@@ -29,10 +29,12 @@ from spotnb.events import (
     FINAL_STATES,
     GROUP_STREAM,
     Event,
+    codec,
     expand,
     metric_columns,
     metric_names,
 )
+from spotnb.events.fold import JobState
 from spotnb.events.live import Follower
 from spotnb.jobs import (
     FOLLOW_WAIT_SECONDS,
@@ -62,9 +64,6 @@ __all__ = [
 # The status display is redrawn at most this often (and on every milestone): often
 # enough for the elapsed time and the cost to tick, rarely enough for a notebook file.
 REFRESH_SECONDS = 1.0
-# Events the cost and attempt summary need (the rest are output, metrics, samples).
-_CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result",
-                            "usage"})
 
 
 @dataclasses.dataclass
@@ -115,6 +114,13 @@ class JobView:
 
     def __post_init__(self) -> None:
         self.progress.max_nodes = self.max_nodes
+        # The job's story is the fold's (spotnb.events.fold), which the progress keeps.
+        self.worlds = self.progress.state.worlds
+
+    @property
+    def folded(self) -> JobState:
+        """The job's events folded."""
+        return self.progress.state
 
     @property
     def multinode(self) -> bool:
@@ -134,52 +140,54 @@ class JobView:
     def apply(self, event: Event) -> None:
         """Update the view with one event (a ``metrics`` batch: as with each of its rows
         in turn, in bulk)."""
-        if event.type == "metrics":
+        if codec.is_batch(event):
             self._metrics(event)
             return
-        d = event.data
+        if codec.is_row(event):  # the hot path: read as it is, no body built
+            self.progress.apply(event)
+            self.world_changed = None
+            self.step = event.data.get("step", self.step)
+            self.metrics.update(event.data.get("values") or {})
+            return
+        body = event.body
+        worlds = len(self.worlds)
         self.progress.apply(event)
         self.world_changed = None
-        if event.type == "world":
-            nodes, size = int(d.get("nodes") or 0), int(d.get("world_size") or 0)
+        if isinstance(body, codec.World):
             # Every node of a round says the same: only a change is news. A node's
             # stream read late may bring an older round's report: not news either.
-            stale = bool(self.worlds) and event.time < self.worlds[-1][0]
-            if (nodes, size) != (self.world_nodes, self.world_size) and not stale:
-                self.world_nodes, self.world_size = nodes, size
-                self.worlds.append((event.time, nodes, size))
+            if len(self.worlds) > worlds:
+                _t, self.world_nodes, self.world_size = self.worlds[-1]
                 self.world_changed = event
-        elif event.type == "status" and event.attempt != GROUP_STREAM:
-            if d.get("state") == "booting" and event.attempt >= self.attempt:
+        elif isinstance(body, codec.Status) and event.attempt != GROUP_STREAM:
+            if body.state == "booting" and event.attempt >= self.attempt:
                 if event.attempt > self.attempt:
                     self.execute_result = None  # the cell runs again from the top
                 self.attempt = event.attempt
                 self.instance_id = event.instance
-                self.instance_type = d.get("instance_type") or self.instance_type
-                self.az = d.get("az") or self.az
+                self.instance_type = body.instance_type or self.instance_type
+                self.az = body.az or self.az
             if event.attempt >= self.attempt:
-                self.state = str(d.get("state", self.state))
-                self.detail = str(d.get("detail", ""))
-        elif event.type == "status" and (not self.attempt or self.state == "interrupted"):
+                self.state = body.state or self.state
+                self.detail = body.detail
+        elif isinstance(body, codec.Status) and (not self.attempt or
+                                                 self.state == "interrupted"):
             # The group's own states: waiting for capacity, launching a replacement.
-            self.state = str(d.get("state", self.state))
-            self.detail = str(d.get("detail", ""))
-        elif event.type == "instance" and d.get("action") == "launched":
-            self.spot_price = d.get("price", self.spot_price)
-            self.ondemand_price = d.get("ondemand", self.ondemand_price)
-            self.instance_type = d.get("instance_type") or self.instance_type
-        elif event.type == "price" and d.get("instance_type") in (None, self.instance_type):
-            self.spot_price = d.get("price", self.spot_price)
-            self.ondemand_price = d.get("ondemand") or self.ondemand_price
-        elif event.type == "metric":
-            self.step = d.get("step", self.step)
-            self.metrics.update(d.get("values") or {})
-        elif event.type == "display" and d.get("kind") == "execute_result":
-            self.execute_result = {"data": d.get("data") or {},
-                                   "metadata": d.get("metadata") or {}}
-        elif event.type == "result":
-            self.state = str(d.get("status", self.state))
-            self.reason = str(d.get("reason", ""))
+            self.state = body.state or self.state
+            self.detail = body.detail
+        elif isinstance(body, codec.Instance) and body.launched:
+            self.spot_price = body.price if "price" in event.data else self.spot_price
+            self.ondemand_price = body.ondemand if "ondemand" in event.data \
+                else self.ondemand_price
+            self.instance_type = body.instance_type or self.instance_type
+        elif isinstance(body, codec.Price) and body.instance_type in (None, self.instance_type):
+            self.spot_price = body.price if "price" in event.data else self.spot_price
+            self.ondemand_price = body.ondemand or self.ondemand_price
+        elif isinstance(body, codec.Display) and body.execute_result:
+            self.execute_result = {"data": body.data, "metadata": body.metadata}
+        elif isinstance(body, codec.Result):
+            self.state = body.status if body.status is not None else self.state
+            self.reason = body.reason
 
     def _metrics(self, event: Event) -> None:
         steps, times, columns = metric_columns(event)
@@ -222,15 +230,15 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
     display's header shows; a rebalance recommendation that comes with the notice says
     nothing more. ``view``, the state so far, tells which attempt had a notice.
     """
-    d = event.data
+    body = codec.peek(event)
     if view is not None and view.multinode:
         text = _node_milestone(event, view)
         if text is not None:
             return text
-    if event.type == "status" and event.attempt != GROUP_STREAM:
-        state, detail = d.get("state"), str(d.get("detail", ""))
-        if state == "booting" and not detail.startswith("retrying"):
-            where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
+    if isinstance(body, codec.Status) and event.attempt != GROUP_STREAM:
+        state, detail = body.state, body.detail
+        if state == "booting" and not body.retrying:
+            where = " ".join(str(p) for p in (body.instance_type, body.az) if p)
             verb = "starting" if event.attempt == 1 else "resuming on a replacement instance"
             return f"attempt {event.attempt}: {verb}, {where} ({event.instance})"
         if state == "interrupted" and not detail.startswith(
@@ -242,24 +250,24 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         if state == "stopped":
             return detail
         return None
-    if event.type == "notice":
-        if d.get("kind") == "instance-action":
-            when = _clock_of(d.get("notice_time"))
+    if isinstance(body, codec.Notice):
+        if body.interruption:
+            when = _clock_of(body.notice_time)
             return (f"attempt {event.attempt}: spot interruption notice for {event.instance} "
-                    f"({d.get('action')} at {when}); saving a checkpoint, then resuming on a "
+                    f"({body.action} at {when}); saving a checkpoint, then resuming on a "
                     "replacement")
         if view is not None and any(i.attempt == event.attempt and i.noticed
                                     for i in view.progress.interruptions):
             return None
         return (f"attempt {event.attempt}: rebalance recommendation for {event.instance}: "
                 "it is at elevated risk of interruption; saving a checkpoint")
-    if event.type == "instance" and d.get("action") == "capacity_error":
-        return (f"no spot capacity for {d.get('instance_type')} in {d.get('az')}: "
+    if isinstance(body, codec.Instance) and body.capacity_error:
+        return (f"no spot capacity for {body.instance_type} in {body.az}: "
                 "trying the next pool")
-    if event.type == "warning":
-        return f"warning: {d.get('text', '')}"
-    if event.type == "error" and d.get("retrying"):
-        return (f"attempt {event.attempt} failed with {d.get('ename')}: {d.get('evalue')}; "
+    if isinstance(body, codec.Warning):
+        return f"warning: {body.text}"
+    if isinstance(body, codec.Error) and body.retrying:
+        return (f"attempt {event.attempt} failed with {body.ename}: {body.evalue}; "
                 "retrying (max_restarts_on_error)")
     return None
 
@@ -275,8 +283,8 @@ def _node_milestone(event: Event, view: JobView) -> str | None:
     A node is a node slot (``layout.node_slot``): attempts 1..MAX are the slots' first
     instances joining, later attempts replacements joining in a lost node's place.
     """
-    d = event.data
-    if event.type == "world":
+    body = codec.peek(event)
+    if isinstance(body, codec.World):
         if view.world_changed is not event:
             return None
         nodes, size = view.world_nodes, view.world_size
@@ -295,24 +303,22 @@ def _node_milestone(event: Event, view: JobView) -> str | None:
         return None
     slot = layout.node_slot(event.attempt, view.max_nodes)
     who = f"node {slot} (attempt {event.attempt})"
-    if event.type == "status" and d.get("state") == "booting" and \
-            not str(d.get("detail", "")).startswith("retrying"):
-        where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
+    if isinstance(body, codec.Status) and body.state == "booting" and not body.retrying:
+        where = " ".join(str(p) for p in (body.instance_type, body.az) if p)
         how = ("joining" if event.attempt <= view.max_nodes
                else "a replacement instance joining in the lost node's place")
         return f"{who}: {how}, {where} ({event.instance})"
-    if event.type == "notice" and d.get("kind") == "instance-action":
-        when = _clock_of(d.get("notice_time"))
-        return (f"{who}: spot interruption notice for {event.instance} ({d.get('action')} "
+    if isinstance(body, codec.Notice) and body.interruption:
+        when = _clock_of(body.notice_time)
+        return (f"{who}: spot interruption notice for {event.instance} ({body.action} "
                 f"at {when}); every rank saves a checkpoint, then "
                 + _without_one(view))
-    if event.type == "status" and d.get("state") == "interrupted" and \
-            not str(d.get("detail", "")).startswith(
-                ("spot interruption notice", "final checkpoint")):
+    if isinstance(body, codec.Status) and body.state == "interrupted" and \
+            not body.detail.startswith(("spot interruption notice", "final checkpoint")):
         if any(i.attempt == event.attempt and i.noticed
                for i in view.progress.interruptions):
             return None  # the notice's line said it (the termination follows it)
-        return f"{who} lost: {d.get('detail', '')}; " + _without_one(view)
+        return f"{who} lost: {body.detail}; " + _without_one(view)
     return None
 
 
@@ -455,17 +461,15 @@ def _apply(batch: list[Event], view: JobView, control: list[Event],
     changed = False
     for event in batch:
         view.apply(event)
-        if event.type in _CONTROL_TYPES:
+        body = codec.peek(event)
+        if codec.is_control(event):
             control.append(event)
-        if event.type == "stream":
-            renderer.stream(str(event.data.get("name", "stdout")),
-                            str(event.data.get("text", "")))
-        elif event.type == "display" and event.data.get("kind") != "execute_result":
-            kind = str(event.data.get("kind", "display_data"))
-            metadata = ({"wait": bool(event.data.get("wait"))} if kind == "clear_output"
-                        else event.data.get("metadata") or {})
-            renderer.rich(kind, event.data.get("data") or {}, metadata,
-                          event.data.get("display_id"))
+        if isinstance(body, codec.Stream):
+            renderer.stream(body.name, body.text)
+        elif isinstance(body, codec.Display) and not body.execute_result:
+            metadata = ({"wait": body.wait} if body.kind == "clear_output"
+                        else body.metadata)
+            renderer.rich(body.kind, body.data, metadata, body.display_id)
         text = milestone(event, view)
         if text is not None:
             view.last_milestone = text

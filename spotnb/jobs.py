@@ -26,16 +26,14 @@ from typing import Any
 
 import cloudpickle
 
-from spotnb import layout, usage
+from spotnb import layout
 from spotnb.events import (
-    FINAL_STATES,
-    GROUP_STREAM,
     Event,
     EventReader,
-    last_values,
     log_state,
     metric_rows,
 )
+from spotnb.events.fold import JobState, fold
 from spotnb.events.live import CONTROL_QUEUE, Follower, request_stop
 from spotnb.events.queues import queue_for
 from spotnb.providers import Provider, get_provider
@@ -56,6 +54,7 @@ __all__ = [
     "prepare",
     "submit",
     "summarize",
+    "summarize_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -535,7 +534,10 @@ class JobHandle:
     @property
     def status(self) -> str:
         """The job's state (see :data:`spotnb.events.STATES`)."""
-        return _status(EventReader(self.store, batches=True).poll(), self.result_record())[0]
+        result = self.result_record()
+        if result is not None:
+            return str(result["status"])
+        return fold(EventReader(self.store, batches=True).poll()).status.value
 
     def events(self, follow: bool = True, timeout: float | None = None,
                batches: bool = False) -> Iterator[Event]:
@@ -567,7 +569,7 @@ class JobHandle:
         result_seen = False  # the agent's result event
         group_read = False  # the group's events read from the log since that
         ended_at: float | None = None  # when the job's end was first seen
-        running: set[str] = set()  # instances the group launched and has not terminated
+        state = JobState()  # what the group launched and has not terminated
         with Follower(self.store, self.job_id, batches=batches) as follower:
             while True:
                 if not result_seen:
@@ -579,17 +581,11 @@ class JobHandle:
                     if group_read:
                         time.sleep(FOLLOW_WAIT_SECONDS)
                     batch, group_read = follower.read_log(), True
-                for e in batch:
-                    if e.type == "result":
-                        result_seen = True
-                    elif e.type == "instance" and e.attempt == GROUP_STREAM and e.instance:
-                        if e.data.get("action") == "launched":
-                            running.add(e.instance)
-                        elif e.data.get("action") == "terminated":
-                            running.discard(e.instance)
+                state.apply_all(batch)
+                result_seen = state.result is not None
                 if batch:
                     yield batch
-                if group_read and not running:
+                if group_read and not state.running_instances():
                     return
                 now = time.monotonic()
                 if ended_at is None and (result_seen or self.result_written()):
@@ -635,9 +631,12 @@ class JobHandle:
         end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
         reader = EventReader(self.store, batches=True)
         events = reader.poll()
-        while not any(e.type == "result" for e in events) and time.monotonic() < end:
+        state = fold(events)
+        while state.result is None and time.monotonic() < end:
             time.sleep(POLL_SECONDS)
-            events += reader.poll()
+            new = reader.poll()
+            events += new
+            state.apply_all(new)
         return self.summary(with_outputs=True, events=sorted(events, key=lambda e: e.time))
 
     def summary(self, with_outputs: bool = False,
@@ -867,138 +866,46 @@ def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
     spot price, which changes when ``price`` events say so; the on-demand equivalent
     bills the same seconds at the on-demand price.
     """
+    return summarize_state(spec, fold(events, spec.resources.max_nodes), result, now)
+
+
+def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | None,
+                    now: float | None = None) -> JobResult:
+    """:func:`summarize` of the job's events folded (:mod:`spotnb.events.fold`)."""
     now = time.time() if now is None else now
     final = result is not None
-    end_of_job = max((e.time for e in events), default=now) if final else now
-
-    # Instances, from the group's stream.
-    launched: dict[str, dict[str, Any]] = {}
-    prices: dict[str, list[tuple[float, float]]] = {}
-    noticed: set[str] = set()  # instances that had an interruption notice
-    for e in events:
-        if e.attempt != GROUP_STREAM:
-            continue
-        if e.type == "instance" and e.data.get("action") == "launched":
-            launched[e.data["instance_id"]] = {**e.data, "start": e.time, "end": None}
-            if e.data.get("price") is not None:
-                prices.setdefault(e.data.get("pool", ""), []).append((e.time, e.data["price"]))
-        elif e.type == "instance" and e.data.get("action") == "terminated":
-            if e.data.get("instance_id") in launched:
-                launched[e.data["instance_id"]]["end"] = e.time
-        elif e.type == "instance" and e.data.get("action") == "notice":
-            noticed.add(str(e.data.get("instance_id") or e.instance))
-        elif e.type == "price":
-            prices.setdefault(e.data.get("pool", ""), []).append((e.time, e.data["price"]))
-
-    # spotnb's own requests: the newest count each process reported (they are totals).
-    reported: dict[tuple[Any, int, str | None], dict[str, Any]] = {}
-    for e in events:
-        if e.type == "usage":
-            reported[(e.data.get("process"), e.attempt, e.instance)] = \
-                e.data.get("requests") or {}
-    requests_usd = sum(usage.cost(counts) for counts in reported.values())
-
-    cost = ondemand = 0.0
-    for inst in launched.values():
-        start, stop = inst["start"], inst["end"] or end_of_job
-        series = sorted(prices.get(inst.get("pool", ""), []))
-        cost += _integrate(series, start, stop, inst.get("price") or 0.0)
-        ondemand += (inst.get("ondemand") or 0.0) * max(0.0, stop - start) / 3600.0
-
-    # Attempts, from the agents' streams.
-    by_attempt: dict[int, list[Event]] = {}
-    for e in events:
-        if e.attempt != GROUP_STREAM:
-            by_attempt.setdefault(e.attempt, []).append(e)
+    end_of_job = (state.last_time if state.last_time is not None else now) if final else now
+    requests_usd = state.requests_usd()
+    cost, ondemand = state.cost(end_of_job)
+    job_status = (result or {}).get("status")
     attempts = []
-    metrics: dict[str, float] = {}
-    error = None
-    stride = spec.resources.max_nodes
-    # A multi-node job: each node slot's newest attempt was one of the nodes when the
-    # job ended; its own stream has no result (global rank 0's node writes it).
-    newest = {layout.node_slot(n, stride): n for n in sorted(by_attempt)}
-    for number in sorted(by_attempt):
-        evs = by_attempt[number]
-        boot = next((e for e in evs if e.type == "status" and e.data.get("state") == "booting"),
-                    evs[0])
-        instance = launched.get(boot.instance or "", {})
-        end_reason = "running"
-        for e in evs:
-            if e.type in ("metric", "metrics"):
-                metrics.update(last_values(e))
-            elif e.type == "notice" and e.data.get("kind") == "instance-action":
-                end_reason = "interrupted"
-            elif e.type == "error":
-                error = {k: e.data.get(k) for k in ("ename", "evalue", "traceback")}
-                end_reason = "error (retried)" if e.data.get("retrying") else "error"
-            elif e.type == "result":
-                end_reason = e.data.get("status", end_reason)
-        replaced = newest[layout.node_slot(number, stride)] > number
-        if end_reason == "running" and final and stride > 1 and not replaced:
-            end_reason = f"ended with the job ({(result or {}).get('status')})"
-        elif end_reason == "running" and (final or replaced):
-            end_reason = "lost"  # the instance went away without a notice
+    for number in sorted(state.attempts):
+        a = state.attempts[number]
+        instance = state.instances.get((a.instance_id if a.boot_time is not None
+                                        else a.first_instance) or "")
+        end_reason = state.end_reason(number, final, job_status)
         attempts.append(Attempt(
             number=number,
-            instance_id=boot.instance,
-            instance_type=boot.data.get("instance_type") or instance.get("instance_type"),
-            pool=instance.get("pool"),
-            start=boot.time,
-            end=evs[-1].time if end_reason != "running" else None,
+            instance_id=a.instance_id if a.boot_time is not None else a.first_instance,
+            instance_type=a.instance_type or (instance.instance_type if instance else None),
+            pool=instance.pool if instance else None,
+            start=a.start,
+            end=a.last_time if end_reason != "running" else None,
             end_reason=end_reason,
-            spot_price=instance.get("price"),
-            az=boot.data.get("az") or instance.get("az"),
-            node=layout.node_slot(number, spec.resources.max_nodes),
+            spot_price=instance.price if instance else None,
+            az=a.az or (instance.az if instance else None),
+            node=a.node,
         ))
-    # The agents' own notices count too: the group's stream may not have its notice
-    # yet when a job ends right after it (another node finished the job), and an agent
-    # started by hand has no group at all.
-    noticed.update(str(a.instance_id) for a in attempts if a.end_reason == "interrupted")
-    interruptions = len(noticed)
-
-    worlds: list[tuple[float, int, int]] = []
-    for e in events:
-        if e.type == "world":
-            now_world = (int(e.data.get("nodes") or 0), int(e.data.get("world_size") or 0))
-            # Each node reports every round: keep the changes, in time order.
-            if not worlds or (worlds[-1][1:] != now_world and e.time >= worlds[-1][0]):
-                worlds.append((e.time, *now_world))
-
-    status, reason = _status(events, result)
-    start = min((e.time for e in events), default=spec.created)
+    if result is not None:
+        status, reason = str(result["status"]), str(result.get("reason", ""))
+    else:
+        status, reason = state.status_now()
+    start = state.first_time if state.first_time is not None else spec.created
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,
-        attempts=tuple(attempts), interruptions=interruptions,
-        cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=metrics,
+        attempts=tuple(attempts), interruptions=state.interruptions(),
+        cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=state.metrics(),
         duration=max(0.0, end_of_job - min(start, spec.created)),
-        error=(result or {}).get("error") or (error if status == "failed" else None),
-        requests_usd=requests_usd, worlds=tuple(worlds),
+        error=(result or {}).get("error") or (state.error() if status == "failed" else None),
+        requests_usd=requests_usd, worlds=tuple(state.worlds),
     )
-
-
-def _status(events: list[Event], result: dict[str, Any] | None) -> tuple[str, str]:
-    if result is not None:
-        return str(result["status"]), str(result.get("reason", ""))
-    state, detail = "submitted", ""
-    for e in events:
-        if e.type == "status" and e.data.get("state") not in FINAL_STATES:
-            state, detail = e.data["state"], e.data.get("detail", "")
-    return state, detail
-
-
-def _integrate(series: list[tuple[float, float]], start: float, stop: float,
-               initial: float) -> float:
-    """USD for [start, stop] under a step function of USD/hour changes."""
-    if stop <= start:
-        return 0.0
-    total, price, t = 0.0, initial, start
-    for when, value in series:
-        if when <= start:
-            price = value
-            continue
-        if when >= stop:
-            break
-        total += price * (when - t)
-        price, t = value, when
-    total += price * (stop - t)
-    return total / 3600.0

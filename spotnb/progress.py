@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from spotnb.events import GROUP_STREAM, Event, metric_columns
+from spotnb.events import GROUP_STREAM, Event, codec, metric_columns
+from spotnb.events.fold import JobState, integrate
 
 __all__ = ["RATE_WINDOW_SECONDS", "Interruption", "Progress", "Projection", "loop_total"]
 
@@ -83,82 +84,88 @@ class Projection:
         return 100.0 * (1.0 - self.cost_usd / self.ondemand_usd)
 
 
-@dataclasses.dataclass
-class _Instance:
-    start: float
-    pool: str
-    price: float
-    ondemand: float
-    end: float | None = None
-
-
 class Progress:
-    """Steps, pace and interruption losses of one job, from its events (module doc)."""
+    """Steps, pace and interruption losses of one job, from its events (module doc).
 
-    def __init__(self) -> None:
+    The job's instances, prices and launches are the fold's (``state``, a
+    :class:`~spotnb.events.fold.JobState` this takes every event into); what this adds
+    is what the steps say."""
+
+    def __init__(self, state: JobState | None = None) -> None:
+        self.state = state if state is not None else JobState()
         self.total: int | None = None
         self.total_source = ""
         self.step: float | None = None  # the last step logged, by the newest attempt
         self.furthest: float | None = None  # the furthest step any attempt logged
         self.attempt = 0  # the newest attempt that logged a step
         self.interruptions: list[Interruption] = []
-        self.launching: str | None = None  # the replacement being launched, if any
-        # A multi-node job's MAX nodes: a boot ends the attempt it replaces, which is
-        # its node slot's previous one (MAX attempts earlier), not the one before it.
-        self.max_nodes = 1
         self._window: collections.deque[tuple[float, float]] = collections.deque()
         self._booted: set[int] = set()
         self._last: dict[int, tuple[float, float]] = {}  # attempt -> (step, time)
         self._first: dict[int, float] = {}  # attempt -> the first step it logged
         self._ended: dict[int, Interruption] = {}
-        self._instances: dict[str, _Instance] = {}
-        self._prices: dict[str, tuple[list[float], list[float]]] = {}
+
+    @property
+    def max_nodes(self) -> int:
+        """A multi-node job's MAX nodes: a boot ends the attempt it replaces, which is
+        its node slot's previous one (MAX attempts earlier), not the one before it."""
+        return self.state.max_nodes
+
+    @max_nodes.setter
+    def max_nodes(self, value: int) -> None:
+        self.state.max_nodes = max(1, value)
+
+    @property
+    def launching(self) -> str | None:
+        """The replacement being launched, if any, in words."""
+        pending = self.state.launching
+        if pending is None:
+            return None
+        booted = [n for n, a in self.state.attempts.items() if a.boot_time is not None]
+        where = " ".join(str(p) for p in (pending.instance_type, pending.az) if p)
+        verb = "waiting for capacity" if pending.waiting else "launching"
+        who = f"attempt {max(booted, default=0) + 1}"
+        if self.max_nodes > 1:  # which attempt number a node gets is its slot's
+            who = "a replacement node" if len(booted) >= self.max_nodes else "a node"
+        return f"{who}: {verb}" + (f" {where}" if where else "")
 
     # -- input ---------------------------------------------------------------------
 
     def apply(self, e: Event) -> None:
         """Take one event (events come in time order; a ``metrics`` batch: its rows, in
-        bulk)."""
-        if e.type == "metrics":
+        bulk), folding it into ``state``."""
+        if codec.is_row(e):
+            # The hot path (a display's live update, a replay of a day's rows): read as
+            # it is, no body built, and not folded (what a row says is the steps here).
+            d = e.data
+            if d.get("step") is not None:
+                self._metric(e.attempt, float(d["step"]), float(d.get("t") or e.time))
+            return
+        self.state.apply(e)
+        if codec.is_batch(e):
             columns = metric_columns(e)
             self._metrics(e.attempt, columns[0], columns[1])
             return
-        d = e.data
-        if e.type == "metric" and d.get("step") is not None:
-            self._metric(e.attempt, float(d["step"]), float(d.get("t") or e.time))
-        elif e.type == "progress" and d.get("total"):
-            self.total = int(d["total"])
-            self.total_source = str(d.get("source") or "")
-        elif e.type == "notice" and d.get("kind") == "instance-action" and \
-                e.attempt != GROUP_STREAM and e.attempt not in self._ended:
-            self._end(Interruption(e.attempt, e.time, noticed=True))
-        elif e.type == "status" and e.attempt != GROUP_STREAM and \
-                d.get("state") == "booting" and e.attempt not in self._booted:
-            earlier = [a for a in self._booted if a < e.attempt]
-            if self.max_nodes > 1:  # a node joins, or replaces its slot's last instance
-                earlier = [a for a in earlier if a == e.attempt - self.max_nodes]
-            if earlier and max(earlier) not in self._ended and \
-                    not str(d.get("detail", "")).startswith("retrying"):
-                self._end(Interruption(max(earlier), e.time, noticed=False))
-            self._booted.add(e.attempt)
-            self.launching = None
-        elif e.type == "error" and d.get("retrying") and e.attempt not in self._ended:
+        body = e.body
+        if isinstance(body, codec.ProgressTotal):
+            if body.total:
+                self.total = body.total
+                self.total_source = body.source
+        elif e.attempt == GROUP_STREAM:
+            return
+        elif isinstance(body, codec.Notice):
+            if body.interruption and e.attempt not in self._ended:
+                self._end(Interruption(e.attempt, e.time, noticed=True))
+        elif isinstance(body, codec.Status):
+            if body.state == "booting" and e.attempt not in self._booted:
+                earlier = [a for a in self._booted if a < e.attempt]
+                if self.max_nodes > 1:  # a node joins, or replaces its slot's last instance
+                    earlier = [a for a in earlier if a == e.attempt - self.max_nodes]
+                if earlier and max(earlier) not in self._ended and not body.retrying:
+                    self._end(Interruption(max(earlier), e.time, noticed=False))
+                self._booted.add(e.attempt)
+        elif isinstance(body, codec.Error) and body.retrying and e.attempt not in self._ended:
             self._ended[e.attempt] = Interruption(e.attempt, e.time, noticed=False)
-        elif e.type == "status" and e.attempt == GROUP_STREAM and \
-                d.get("state") in ("launching", "waiting_for_capacity") and self._booted:
-            where = " ".join(str(p) for p in (d.get("instance_type"), d.get("az")) if p)
-            verb = "launching" if d.get("state") == "launching" else "waiting for capacity"
-            who = f"attempt {max(self._booted) + 1}"
-            if self.max_nodes > 1:  # which attempt number a node gets is its slot's
-                who = "a replacement node" if len(self._booted) >= self.max_nodes \
-                    else "a node"
-            self.launching = f"{who}: {verb}" + (f" {where}" if where else "")
-        elif e.type == "instance" and e.attempt == GROUP_STREAM:
-            self._instance(e)
-        elif e.type == "price" and d.get("pool") and d.get("price") is not None:
-            times, prices = self._prices.setdefault(str(d["pool"]), ([], []))
-            times.append(e.time)
-            prices.append(float(d["price"]))
 
     def _metric(self, attempt: int, step: float, t: float) -> None:
         if attempt not in self._last:
@@ -251,20 +258,6 @@ class Progress:
         self._ended[gone.attempt] = gone
         self.interruptions.append(gone)
 
-    def _instance(self, e: Event) -> None:
-        d = e.data
-        iid = str(d.get("instance_id") or e.instance or "")
-        if d.get("action") == "launched" and iid:
-            self._instances[iid] = _Instance(
-                start=e.time, pool=str(d.get("pool") or ""),
-                price=float(d.get("price") or 0.0), ondemand=float(d.get("ondemand") or 0.0))
-            if d.get("pool") and d.get("price") is not None:
-                times, prices = self._prices.setdefault(str(d["pool"]), ([], []))
-                times.append(e.time)
-                prices.append(float(d["price"]))
-        elif d.get("action") == "terminated" and iid in self._instances:
-            self._instances[iid].end = e.time
-
     # -- figures -------------------------------------------------------------------
 
     def rate(self) -> float | None:
@@ -313,39 +306,24 @@ class Progress:
         price, and at the on-demand price."""
         spot = ondemand = 0.0
         for start, end in self._windows(now):
-            for inst in self._instances.values():
+            for inst in self.state.instances.values():
                 a, b = max(start, inst.start), min(end, inst.end or now)
                 if b <= a:
                     continue
-                spot += self._integrate(inst, a, b)
-                ondemand += inst.ondemand * (b - a) / 3600.0
+                spot += integrate(self.state.prices.get(inst.pool, []), a, b,
+                                  inst.price or 0.0)
+                ondemand += (inst.ondemand or 0.0) * (b - a) / 3600.0
         return spot, ondemand
-
-    def _integrate(self, inst: _Instance, a: float, b: float) -> float:
-        """USD for [a, b] at the pool's spot price (a step function)."""
-        times, prices = self._prices.get(inst.pool, ([], []))
-        i = bisect.bisect_right(times, a) - 1
-        price = prices[i] if i >= 0 else inst.price
-        total, t = 0.0, a
-        for when, value in zip(times[i + 1:], prices[i + 1:], strict=True):
-            if when >= b:
-                break
-            total += price * (when - t)
-            price, t = value, when
-        return (total + price * (b - t)) / 3600.0
 
     def running_prices(self) -> tuple[float, float, int] | None:
         """The spot and on-demand USD/hour of every instance running now, summed (a
         multi-node job pays for each of its nodes), and how many there are; None
         while none runs."""
-        running = [i for i in self._instances.values() if i.end is None]
+        running = self.state.running_instances()
         if not running:
             return None
-        spot = 0.0
-        for inst in running:
-            _times, prices = self._prices.get(inst.pool, ([], []))
-            spot += prices[-1] if prices else inst.price
-        return spot, sum(i.ondemand for i in running), len(running)
+        spot = sum(self.state.spot_price(inst) for inst in running)
+        return spot, sum(i.ondemand or 0.0 for i in running), len(running)
 
     def projection(self, now: float, cost_usd: float, ondemand_cost_usd: float,
                    spot_price: float | None, ondemand_price: float | None

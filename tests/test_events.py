@@ -217,3 +217,37 @@ def test_compaction_rolls_metric_batches_and_readers_still_get_each_row_once(
     assert [r[0] for r in rows] == list(range(step))
     assert all(("acc" in r[2]) == (r[0] % 3 == 0) for r in rows)
     assert all(r[2]["loss"] == 1.0 / (r[0] + 1) for r in rows)
+
+
+def test_the_fold_tells_one_story_and_ignores_types_it_does_not_know(
+        store: LocalStore) -> None:
+    from spotnb.events import codec
+    from spotnb.events.fold import EndReason, JobStatus, fold
+
+    t0 = 1_800_000_000.0
+    launched = {"action": "launched", "pool": "p@a", "price": 0.36, "ondemand": 1.0}
+    events = [
+        Event("instance", t0, 0, "i-1", {**launched, "instance_id": "i-1"}),
+        Event("status", t0 + 1, 1, "i-1", {"state": "booting", "instance_type": "g5.xlarge"}),
+        Event("hologram", t0 + 2, 1, "i-1", {"from": "a newer spotnb"}),
+        Event("notice", t0 + 10, 1, "i-1", {"kind": "instance-action"}),
+        Event("instance", t0 + 12, 0, "i-2", {**launched, "instance_id": "i-2"}),
+        Event("instance", t0 + 20, 0, "i-1", {"action": "terminated", "instance_id": "i-1"}),
+        Event("status", t0 + 30, 2, "i-2", {"state": "booting"}),
+        Event("result", t0 + 40, 2, "i-2", {"status": "completed"}),
+    ]
+    # Written and read back: the unknown event survives the log and decodes once.
+    writer = EventWriter(store, 1, "i-1", flush_seconds=3600)
+    writer.emit_event(events[2])
+    writer.close()
+    (read,) = EventReader(store).poll()
+    assert isinstance(read.body, codec.Unknown) and read.body is read.body
+    state = fold(events)
+    assert [a.reason for a in state.attempts.values()] == [EndReason.INTERRUPTED,
+                                                           EndReason.COMPLETED]
+    assert state.status is JobStatus.BOOTING and state.result is not None
+    assert state.interruptions() == 1
+    spot, ondemand = state.cost(t0 + 40)
+    assert spot == pytest.approx(0.36 * (20 + 28) / 3600)
+    assert ondemand == pytest.approx(1.0 * (20 + 28) / 3600)
+    assert fold(e for e in events if e.type != "hologram").cost(t0 + 40) == (spot, ondemand)

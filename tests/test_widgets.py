@@ -520,6 +520,28 @@ def test_during_a_relaunch_the_header_names_the_attempt_being_launched() -> None
         "attempt 1 ended; attempt 2: launching g5.xlarge use1-az2"
 
 
+def test_a_launch_read_after_the_boot_it_led_to_names_no_next_attempt() -> None:
+    # A follower gets the attempts' events live and the group's from the log, later:
+    # the replacement's "launching" (T0 + 62) comes after attempt 2's boot (T0 + 70).
+    # The header once said "attempt 2 ended; attempt 3: launching g5.xlarge", of a job
+    # whose log has no attempt 3.
+    run = _progress_run()
+    launching = Event("status", T0 + 62, 0, None, {"state": "launching",
+                                                   "instance_type": "g5.xlarge",
+                                                   "az": "use1-az2"})
+    booted = next(i for i, e in enumerate(run) if e.attempt == 2)
+    events = [*run[:booted + 20], launching, *run[booted + 20:]]
+    view = _view(events, now=T0 + 120)
+    attempt = display.header(view).attempt
+    assert attempt.startswith("attempt 2"), attempt
+    assert "attempt 3" not in attempt and "launching" not in attempt, attempt
+    assert view.progress.summary(T0 + 120)["launching"] is None
+    assert not any("attempt 3" in line for line in display.status_lines(view))
+    # In time order, the same events tell the same story.
+    in_order = _view(sorted(events, key=lambda e: e.time), now=T0 + 120)
+    assert display.header(in_order).attempt == attempt
+
+
 def _progress_run() -> list[Event]:
     """One step a second; attempt 1 logs 0-59, is interrupted at 60 s and had saved
     step 49; attempt 2 boots at 70 s and logs 50-99 from 80 s: 10 steps redone, and no

@@ -68,6 +68,7 @@ from __future__ import annotations
 import array
 import base64
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -135,8 +136,13 @@ class Event:
     v: int = SCHEMA_VERSION
     n: int | None = None
 
+    @functools.cached_property
+    def body(self) -> codec.Body:
+        """The typed payload (:mod:`spotnb.events.codec`), decoded on first use, once."""
+        return codec.decode(self)
+
     def to_json(self) -> str:
-        raw = dataclasses.asdict(self)
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.n is None:
             del raw["n"]
         return json.dumps(raw, separators=(",", ":"), default=str)
@@ -265,10 +271,10 @@ def metric_names(columns: dict[str, tuple[Any, Any]]) -> list[str]:
 def metric_rows(event: Event) -> Iterator[tuple[int, float, dict[str, float]]]:
     """``(step, t, {name: value})`` for each row of a ``metric`` or ``metrics`` event."""
     data = event.data
-    if event.type == "metric":
+    if codec.is_row(event):
         yield data["step"], data.get("t", event.time), data.get("values") or {}
         return
-    if event.type != "metrics":
+    if not codec.is_batch(event):
         return
     steps, times, columns = metric_columns(event)
     per_row: list[dict[str, float]] = [{} for _ in steps]
@@ -284,9 +290,9 @@ def metric_rows(event: Event) -> Iterator[tuple[int, float, dict[str, float]]]:
 
 def last_values(event: Event) -> dict[str, float]:
     """The newest value of each metric in a ``metric`` or ``metrics`` event."""
-    if event.type == "metric":
+    if codec.is_row(event):
         return dict(event.data.get("values") or {})
-    if event.type != "metrics":
+    if not codec.is_batch(event):
         return {}
     out: dict[str, float] = {}
     for name, column in (event.data.get("values") or {}).items():
@@ -360,7 +366,7 @@ def rows_after(event: Event, seen: int) -> Event | None:
 
 def expand(event: Event) -> list[Event]:
     """A ``metrics`` event as one ``metric`` event per row (others as they are)."""
-    if event.type != "metrics":
+    if not codec.is_batch(event):
         return [event]
     extra = {k: v for k, v in event.data.items()
              if k not in ("step", "t", "values", "enc", "rows", "src_n", "merged")}
@@ -370,5 +376,6 @@ def expand(event: Event) -> list[Event]:
             for step, t, values in metric_rows(event)]
 
 
+from spotnb.events import codec  # noqa: E402
 from spotnb.events.reader import EventReader, log_state  # noqa: E402
 from spotnb.events.writer import EventWriter  # noqa: E402

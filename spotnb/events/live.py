@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spotnb.events import GROUP_STREAM, Event, expand, stream_name
+from spotnb.events import GROUP_STREAM, Event, codec, expand, stream_name
 from spotnb.events.queues import (
     CONTROL_WAIT_SECONDS,
     MAX_MESSAGE_BYTES,
@@ -369,7 +369,7 @@ class Follower:
         return events
 
     def _note(self, event: Event) -> None:
-        if event.type == "result":
+        if isinstance(codec.peek(event), codec.Result):
             self.ended = True
 
     # -- live -----------------------------------------------------------------------------

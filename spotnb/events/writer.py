@@ -35,6 +35,7 @@ from spotnb.events import (
     EVENTS_PREFIX,
     GROUP_STREAM,
     Event,
+    codec,
     merge_metrics,
     metrics_data,
     parse_chunk,
@@ -93,10 +94,10 @@ def _roll_metrics(body: bytes) -> bytes:
     """A segment's JSON lines with its ``metrics`` batches merged into one event
     (:func:`spotnb.events.merge_metrics`); other events unchanged, in order."""
     events = parse_chunk(body)
-    batches = [e for e in events if e.type == "metrics" and e.n is not None]
+    batches = [e for e in events if codec.is_batch(e) and e.n is not None]
     if len(batches) < 2:
         return body
-    others = [e for e in events if not (e.type == "metrics" and e.n is not None)]
+    others = [e for e in events if not (codec.is_batch(e) and e.n is not None)]
     rolled = sorted([*others, merge_metrics(batches)], key=lambda e: e.n or 0)
     return ("\n".join(e.to_json() for e in rolled) + "\n").encode()
 

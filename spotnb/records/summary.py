@@ -24,8 +24,9 @@ from typing import Any
 
 from spotnb import layout
 from spotnb.checkpoints import CheckpointStore
-from spotnb.events import Event, EventReader, expand, metric_columns, metric_names
-from spotnb.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize
+from spotnb.events import Event, EventReader, codec, expand, metric_columns, metric_names
+from spotnb.events.fold import JobState, fold
+from spotnb.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize_state
 from spotnb.records.scrub import scrub
 
 __all__ = [
@@ -136,7 +137,7 @@ def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
     attempt replaces the lost one), thinned to :data:`MAX_CURVE_POINTS`."""
     by_metric: dict[str, dict[float, float | None]] = {}
     for e in events:
-        if e.type == "metrics":  # a batch, a column at a time (a day's rows in C loops)
+        if codec.is_batch(e):  # a batch, a column at a time (C loops)
             steps, times, columns = metric_columns(e)
             if len(steps) == len(times):  # else damaged: read as its rows, below
                 for name in metric_names(columns):
@@ -147,7 +148,7 @@ def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
                             zip(map(float, at), map(_number, values), strict=False))
                 continue
         for row in expand(e):  # a metric event, or a damaged batch's rows
-            if row.type != "metric" or row.data.get("step") is None:
+            if not codec.is_row(row) or row.data.get("step") is None:
                 continue
             step = _number(row.data["step"])
             if step is None:
@@ -170,25 +171,8 @@ def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
     return curves, omitted
 
 
-def _params(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
-    """The hyperparameters the job logged (``spot.log_params``; the integrations log
-    the framework's own), as the last attempt left them, and where they came from."""
-    params: dict[str, Any] = {}
-    sources: dict[str, None] = {}
-    for e in events:
-        if e.type != "params" or not isinstance(e.data.get("params"), dict):
-            continue
-        params.update(e.data["params"])
-        if e.data.get("source"):
-            sources[str(e.data["source"])] = None
-    return params, list(sources)
-
-
-def _checkpoints(handle: JobHandle, events: Iterable[Event]) -> dict[str, Any]:
-    written = [e.data for e in events if e.type == "checkpoint"
-               and e.data.get("phase") == "durable" and e.data.get("kind") != "sync"]
-    synced = sorted({str(e.data["name"]) for e in events if e.type == "checkpoint"
-                     and e.data.get("kind") == "sync" and e.data.get("name")})
+def _checkpoints(handle: JobHandle, state: JobState) -> dict[str, Any]:
+    written = state.checkpoints
     base = handle.store.uri.rstrip("/")
     kept = []
     try:
@@ -200,11 +184,11 @@ def _checkpoints(handle: JobHandle, events: Iterable[Event]) -> dict[str, Any]:
         log.warning("cannot list the checkpoints of job %s: %s", handle.job_id, err)
     return {
         "written": len(written),
-        "forced_by_notice": sum(1 for d in written if d.get("forced")),
-        "last_step": written[-1].get("step") if written else None,
+        "forced_by_notice": sum(1 for c in written if c.forced),
+        "last_step": written[-1].step if written else None,
         "latest": kept[0]["uri"] if kept else None,
         "kept": kept,
-        "sync_dirs": [f"{base}/{layout.SYNC}/{name}/" for name in synced],
+        "sync_dirs": [f"{base}/{layout.SYNC}/{name}/" for name in sorted(state.synced)],
     }
 
 
@@ -231,16 +215,16 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
     spec = handle.spec
     if events is None:
         events = EventReader(handle.store).poll()
+    state = fold(events, spec.resources.max_nodes)
     if result is None:
-        result = summarize(spec, events, handle.result_record())
+        result = summarize_state(spec, state, handle.result_record())
     described = {k: describe_value(v) for k, v in (outputs or {}).items()}
     metrics = {k: _number(v) for k, v in result.metrics.items()}
     final = dict(metrics)
     final.update({k: v for k, v in described.items() if _number(v) is not None})
     curves, omitted = _curves(events)
-    params, param_sources = _params(events)
     ended = result.status in ("completed", "failed", "stopped")
-    last_time = max((e.time for e in events), default=None)
+    last_time = state.last_time
     record: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         "job_id": spec.job_id,
@@ -251,8 +235,8 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
         "spotnb_version": spec.spotnb_version,
         "code_sha256": hashlib.sha256(spec.code.encode()).hexdigest(),
         "options": _options(handle),
-        "params": params,
-        "params_source": param_sources,
+        "params": state.params,
+        "params_source": list(state.param_sources),
         "created": iso(spec.created),
         "end": iso(last_time) if ended else None,
         "duration_s": round(result.duration, 3),
@@ -276,7 +260,7 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
         "metrics": metrics,
         "outputs": described,
         "final_metrics": final,
-        "checkpoints": _checkpoints(handle, events),
+        "checkpoints": _checkpoints(handle, state),
         "curves": curves,
         "error": _error(result.error),
     }

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from spotnb import layout
-from spotnb.events import GROUP_STREAM, Event, expand, metric_columns, metric_names
+from spotnb.events import GROUP_STREAM, Event, codec, expand, metric_columns, metric_names
+from spotnb.events.fold import JobState
 from spotnb.tb import TB_SYNC_NAME
 
 __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
@@ -472,8 +473,8 @@ class DashboardData:
         self.node_util: dict[int, Reduced] = {}  # node slot -> utilisation, percent
         self.node_gaps: dict[int, list[float]] = {}  # where a replacement's samples start
         self._node_attempt: dict[int, int] = {}
-        # The world as it changed: (time, nodes, processes).
-        self.worlds: list[tuple[float, int, int]] = []
+        # The job's story (spotnb.events.fold): the world, the group's notices.
+        self.state = JobState(max_nodes)
         self.metrics: dict[str, MetricSeries] = {}
         self.util = Reduced(max_buckets)  # percent
         self.mem = Reduced(max_buckets)  # percent of the total
@@ -495,7 +496,6 @@ class DashboardData:
         self._first_step: dict[int, float] = {}
         self._last_step: dict[int, float] = {}
         self._ended: dict[int, Marker] = {}  # the marker that ended each attempt
-        self._notice_reason: dict[str, str] = {}  # instance id -> the group's reason
         self._booted: set[int] = set()
 
     # -- input ---------------------------------------------------------------------
@@ -504,7 +504,7 @@ class DashboardData:
         """Take a batch of events (in time order). Output (``stream``) events are
         left to :meth:`write`, which the display calls in order with milestones."""
         for event in events:
-            if event.type == "metrics":  # a batch of rows (a reader with batches=True)
+            if codec.is_batch(event):  # a batch of rows (a reader with batches=True)
                 self._metrics(event)
                 continue
             if self.first_time is None:
@@ -512,11 +512,23 @@ class DashboardData:
             self.last_time = max(self.last_time, event.time)
             self._add(event)
 
+    @property
+    def worlds(self) -> list[tuple[float, int, int]]:
+        """The world as it changed: (time, nodes, processes)."""
+        return self.state.worlds
+
     def _add(self, e: Event) -> None:
         d = e.data
-        if e.type == "metric":
+        if codec.is_row(e):  # the series' own: not folded, no body built
             self._metric(e)
-        elif e.type == "sys":
+            if e.attempt != GROUP_STREAM:
+                self._attempt = max(self._attempt, e.attempt)
+            self.version += 1
+            return
+        body = e.body
+        worlds = len(self.state.worlds)
+        self.state.apply(e)
+        if isinstance(body, codec.Sys):
             self.sys_kind = str(d.get("kind") or self.sys_kind or "cpu")
             t = e.time
             if e.attempt != self._sys_attempt and len(self.util) and not self.multinode:
@@ -530,23 +542,19 @@ class DashboardData:
             total = d.get("mem_total") or 0
             used = d.get("mem_used")
             self.mem.add(t, 100.0 * used / total if total and used is not None else np.nan)
-        elif e.type == "world":
-            self.max_nodes = max(self.max_nodes, int(d.get("max_nodes") or 1))
-            now = (int(d.get("nodes") or 0), int(d.get("world_size") or 0))
-            if self.worlds and (self.worlds[-1][1:] == now or e.time < self.worlds[-1][0]):
+        elif isinstance(body, codec.World):
+            self.max_nodes = max(self.max_nodes, body.max_nodes)
+            if len(self.state.worlds) == worlds:
                 return  # every node of a round says the same; an older round is old news
-            self.worlds.append((e.time, *now))
-        elif e.type == "instance" and d.get("action") == "launched":
+        elif isinstance(body, codec.Instance) and body.launched:
             self.pool = d.get("pool") or self.pool
             self._price(e.time, d)
-        elif e.type == "instance" and d.get("action") == "notice":
-            self._notice_reason[str(d.get("instance_id") or e.instance)] = \
-                str(d.get("reason") or "")
+        elif isinstance(body, codec.Instance) and body.noticed:
             return
-        elif e.type == "price":
+        elif isinstance(body, codec.Price):
             self._price(e.time, d)
-        elif e.type == "status" and e.attempt != GROUP_STREAM and \
-                d.get("state") == "booting" and e.attempt not in self._booted:
+        elif isinstance(body, codec.Status) and e.attempt != GROUP_STREAM and \
+                body.state == "booting" and e.attempt not in self._booted:
             if self.multinode:  # a node joins; past MAX, one replaces its slot's last
                 if e.attempt > self.max_nodes:
                     self._resume(e, e.attempt - self.max_nodes)
@@ -554,20 +562,21 @@ class DashboardData:
                 self._resume(e, max((a for a in self._booted if a < e.attempt),
                                     default=None))
             self._booted.add(e.attempt)
-        elif e.type == "notice" and d.get("kind") == "instance-action" and \
+        elif isinstance(body, codec.Notice) and body.interruption and \
                 e.attempt not in self._ended:
-            reason = _NOTICE_REASONS.get(self._notice_reason.get(str(e.instance), ""),
+            reasons = dict(self.state.group_notices)  # instance id -> the group's reason
+            reason = _NOTICE_REASONS.get(reasons.get(str(e.instance), ""),
                                          "spot interruption notice")
             action = d.get("action")
             detail = f"{reason} ({action})" if action else reason
             self._end_attempt(Marker("interrupted", e.time, e.attempt, detail=detail))
-        elif e.type == "error" and d.get("retrying") and e.attempt not in self._ended:
+        elif isinstance(body, codec.Error) and body.retrying and e.attempt not in self._ended:
             self._end_attempt(Marker("retry", e.time, e.attempt,
                                      detail=f"{d.get('ename')}, retried in place"))
-        elif e.type == "checkpoint" and d.get("kind") == "sync":
-            if d.get("name") == TB_SYNC_NAME and d.get("phase") == "durable":
+        elif isinstance(body, codec.CheckpointEvent) and body.sync:
+            if body.name == TB_SYNC_NAME and body.durable:
                 self.tensorboard_synced = True
-        elif e.type == "checkpoint" and d.get("phase") == "durable":
+        elif isinstance(body, codec.CheckpointEvent) and body.durable:
             self.checkpoint = Checkpoint(int(d.get("step", 0)), int(d.get("bytes", 0)),
                                          e.time, bool(d.get("forced")))
         else:

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spotnb import layout
-from spotnb.events import GROUP_STREAM, EventReader, EventWriter
+from spotnb.events import GROUP_STREAM, EventReader, EventWriter, codec
 from spotnb.providers.aws.resources import capacity_failures, group_name, mixed_instances_policy
 from spotnb.spec import JobSpec
 from spotnb.store import Store
@@ -92,7 +92,7 @@ class CapacityWatch(threading.Thread):
             while not self._halt.wait(settings.capacity_poll):
                 events = [e for e in reader.poll() if e.attempt == GROUP_STREAM]
                 reported |= {e.data.get("activity_id") for e in events}
-                if any(e.type == "instance" and e.data.get("action") == "launched"
+                if any(isinstance(e.body, codec.Instance) and e.body.launched
                        for e in events) or self.store.exists(layout.RESULT):
                     return
                 if time.monotonic() - started > CAPACITY_WATCH_SECONDS:

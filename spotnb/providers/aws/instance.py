@@ -49,6 +49,7 @@ from typing import Any
 
 from spotnb import layout, usage
 from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
+from spotnb.events.fold import JobState, fold
 from spotnb.events.live import request_stop
 from spotnb.kernel_remote.imds import ImdsClient
 from spotnb.providers.aws import _boto
@@ -93,6 +94,9 @@ class InstanceAgent:
         self.reader = EventReader(self.store, batches=True)
         self._stop_checked = -STOP_CHECK_SECONDS
         self.history: list[Event] = []
+        # The history folded (spotnb.events.fold): what the budget and deadline checks,
+        # and the gap report, read.
+        self.state = JobState(self.spec.resources.max_nodes)
         self.agent: subprocess.Popen[bytes] | None = None
         self.notice: dict[str, Any] | None = None
         self.stop_seen_at: float | None = None
@@ -192,7 +196,9 @@ class InstanceAgent:
     def _emit(self, type: str, **data: Any) -> None:
         if self.events is not None:
             # What the budget check counts: this instance's own events too.
-            self.history.append(self.events.emit(type, **data))
+            event = self.events.emit(type, **data)
+            self.history.append(event)
+            self.state.apply(event)
 
     def _queue_names(self) -> list[str]:
         """The job's queues: its control queue and the registered followers' (a
@@ -216,6 +222,7 @@ class InstanceAgent:
         if self.events is not None:
             self.events.emit_event(event)
             self.history.append(event)
+            self.state.apply(event)
 
     def _describe(self, instance_ids: list[str]) -> dict[str, Any]:
         ec2 = _boto.client("ec2", self.identity["region"])
@@ -231,6 +238,7 @@ class InstanceAgent:
     def _report_the_gap(self) -> None:
         """Capacity failures and silently ended predecessors (Step 2)."""
         self.history = self.reader.poll()
+        self.state = fold(self.history, self.spec.resources.max_nodes)
         group = [e for e in self.history if e.attempt == GROUP_STREAM]
         reported = {e.data.get("activity_id") for e in group}
         try:
@@ -249,22 +257,20 @@ class InstanceAgent:
                 "other pools"))
         for failure in fresh:
             self._emit("instance", **failure)
-        launched = {e.data["instance_id"]: e for e in group if e.type == "instance"
-                    and e.data.get("action") == "launched"}
-        ended = {e.data.get("instance_id") for e in group if e.type == "instance"
-                 and e.data.get("action") == "terminated"}
-        silent = [i for i in launched if i not in ended and i != self.identity["instance_id"]]
+        launched = self.state.instances
+        silent = [i for i in launched if i not in self.state.terminated
+                  and i != self.identity["instance_id"]]
         states = self._describe(silent) if silent else {}
         for instance_id in silent:
             state = states.get(instance_id, {}).get("State", {}).get("Name", "terminated")
             if state not in ("shutting-down", "terminated"):
                 continue  # still running (its notice period): it reports its own end
+            inst = launched[instance_id]
             last = max((e.time for e in self.history if e.instance == instance_id),
-                       default=launched[instance_id].time)
-            noticed = any(e.type == "instance" and e.data.get("action") == "notice"
-                          and e.instance == instance_id for e in group)
-            data = {k: launched[instance_id].data.get(k)
-                    for k in ("instance_id", "instance_type", "az", "pool")}
+                       default=inst.start)
+            noticed = instance_id in self.state.noticed_instances
+            data = {"instance_id": instance_id, "instance_type": inst.instance_type,
+                    "az": inst.az, "pool": inst.pool or None}
             self._emit_event(Event(
                 type="instance", time=last, attempt=GROUP_STREAM, instance=instance_id,
                 data={**data, "action": "terminated", "reported_by": self.identity["instance_id"],
@@ -285,8 +291,7 @@ class InstanceAgent:
         order = list(self.spec.resources.instance_types)
         rank = order.index(ident["instance_type"]) if ident["instance_type"] in order else 0
         # The group's first MAX launches are its nodes; each launch after them replaces one.
-        launched = sum(1 for e in self.history if e.attempt == GROUP_STREAM
-                       and e.type == "instance" and e.data.get("action") == "launched")
+        launched = len(self.state.instances)
         replacing = max(0, launched - self.spec.resources.max_nodes + 1)
         detail = (f"{iid} ({ident['instance_type']} in {ident.get('az_id')}, "
                   f"{'spot' if me.get('InstanceLifecycle') == 'spot' else lifecycle}) started "
@@ -330,8 +335,6 @@ class InstanceAgent:
             log.info("interruption notice: %s", action)
 
     def _watch_limits(self) -> None:
-        from spotnb.jobs import summarize
-
         policy = self.spec.policy
         now_m = time.monotonic()
         if self.stop_seen_at is None and now_m - self._stop_checked >= STOP_CHECK_SECONDS:
@@ -343,15 +346,14 @@ class InstanceAgent:
             return
         now = time.time()
         if policy.budget_usd is not None:
-            cost = summarize(self.spec, self.history, None, now=now).cost_usd
+            cost = self.state.cost_usd(now)
             if cost > policy.budget_usd:
                 self._request_stop("budget", f"the job has cost ${cost:.4f}, above its "
                                              f"budget of ${policy.budget_usd:.4f}")
                 return
         if policy.max_duration is not None:
-            launches = [e.time for e in self.history if e.attempt == GROUP_STREAM
-                        and e.type == "instance" and e.data.get("action") == "launched"]
-            elapsed = now - min(launches, default=now)
+            first = self.state.first_launch
+            elapsed = now - (first if first is not None else now)
             if elapsed > policy.max_duration:
                 self._request_stop("deadline", (
                     f"the job has run {elapsed:.0f} s since its first instance, above its "

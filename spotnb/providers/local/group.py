@@ -73,7 +73,8 @@ from typing import Any
 from spotnb import catalog
 from spotnb.backoff import Backoff
 from spotnb.catalog import Pool
-from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
+from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
+from spotnb.events.fold import fold
 from spotnb.events.live import Follower, request_stop
 from spotnb.layout import RESULT, SPEC, STOP
 from spotnb.providers.local.imds import iso_utc
@@ -122,7 +123,6 @@ AGENT_EXIT_STORE = 4
 # nothing yet (still importing, loading data): wait this many times interrupt_after.
 QUIET_CELL_FACTOR = 3
 # The events that show a cell got past its imports: output, or metrics (one row or a batch).
-OUTPUT_EVENTS = ("stream", "display", "metric", "metrics")
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
 
@@ -192,16 +192,12 @@ class Supervisor:
         Step 2  each instance still on record: its agent alive -> adopt it (same IMDS
                 endpoint, same notice); dead -> end it ("lost while unsupervised").
         """
-        history = [e for e in EventReader(self.store, batches=True).poll()
-                   if e.attempt == GROUP_STREAM]
-        launches = [e for e in history if e.type == "instance"
-                    and e.data.get("action") == "launched"]
-        ended = {e.data.get("instance_id") for e in history if e.type == "instance"
-                 and e.data.get("action") == "terminated"}
-        if launches:
-            self.first_launch = min(e.time for e in launches)
-        reasons = [e.data.get("reason") for e in history if e.type == "instance"
-                   and e.data.get("action") == "notice"]
+        history = fold(e for e in EventReader(self.store, batches=True).poll()
+                       if e.attempt == GROUP_STREAM)
+        ended = history.terminated
+        if history.first_launch is not None:
+            self.first_launch = history.first_launch
+        reasons = [reason for _instance, reason in history.group_notices]
         self.sim_done = min(self.sim_count, reasons.count("simulated"))
         self.schedule_next = min(len(self.schedule), reasons.count("scheduled"))
         if self.sim_done >= self.sim_count:
@@ -471,12 +467,13 @@ class Supervisor:
             inst = by_id.get(event.instance or "")
             if inst is None or event.attempt == GROUP_STREAM:
                 continue
-            if (event.type == "status" and event.data.get("state") == "running"
+            body = codec.peek(event)
+            if (isinstance(body, codec.Status) and body.state == "running"
                     and inst.cell_started is None):
                 inst.cell_started = event.time
-            if event.type in OUTPUT_EVENTS and inst.first_output is None:
+            if codec.is_output(event) and inst.first_output is None:
                 inst.first_output = event.time
-            if (event.type == "checkpoint" and event.data.get("phase") == "durable"
+            if (isinstance(body, codec.CheckpointEvent) and body.durable
                     and inst.durable_at is None):
                 inst.durable_at = event.time
             elif inst.durable_at is not None and event.time > inst.durable_at:
