@@ -84,3 +84,17 @@ def test_the_local_cloud_keeps_secrets_in_a_file_only_the_user_reads(
     assert secretstore.delete_local("job-1") and not path.exists()
     with pytest.raises(SecretsUnavailable, match="deleted when the job ends"):
         secretstore.read_local("job-1", ("HF_TOKEN",))
+
+
+def test_cleanup_removes_secrets_a_job_left_on_the_local_cloud(
+        spotnb_home: Path, private_tmpdir: Path) -> None:
+    from spotnb.providers.local import LocalProvider
+
+    secretstore.write_local("20260101-000000-abcdef", {"HF_TOKEN": "hf_left-behind"})
+    provider = LocalProvider()
+    assert provider.cleanup(dry_run=True) == [
+        "would remove the secrets of job 20260101-000000-abcdef (it has no capacity group)"]
+    assert secretstore.local_path("20260101-000000-abcdef").exists()
+    provider.cleanup()
+    assert not secretstore.local_path("20260101-000000-abcdef").exists()
+    assert provider.cleanup(dry_run=True) == []
