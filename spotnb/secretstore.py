@@ -38,7 +38,8 @@ from spotnb import layout
 from spotnb.spec import SpecError, check_env_name
 
 __all__ = ["MAX_VALUE_BYTES", "NOTIFY_SECRET", "SecretsUnavailable", "collect",
-           "delete_local", "local_dir", "local_path", "read_local", "write_local"]
+           "delete_local", "local_dir", "local_path", "read_local", "values_for",
+           "write_local"]
 
 #: The secret that carries a job's notification webhook (``notify_url``).
 NOTIFY_SECRET = "SPOTNB_NOTIFY_URL"
@@ -96,6 +97,17 @@ def collect(value: Any, *, notify_url: str | None = None,
     if notify_url is not None:
         found[NOTIFY_SECRET] = notify_url
     return found
+
+
+def values_for(names: Sequence[str], given: Mapping[str, str] | None) -> dict[str, str]:
+    """The values of a job's secrets ``names`` among those ``launch`` was ``given``;
+    SpecError naming any it was not given (a caller that skipped :func:`collect`)."""
+    given = given or {}
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise SpecError(f"the job's secrets {', '.join(missing)} have no value: launch a "
+                        "job through spotnb.submit, which collects them", field="secrets")
+    return {n: given[n] for n in names}
 
 
 def _check_value(name: str, value: Any) -> None:

@@ -98,6 +98,7 @@ from spotnb.providers.aws.resources import (
     trust_policy,
     user_data,
 )
+from spotnb.secretstore import values_for
 from spotnb.spec import JobSpec, SpecError
 from spotnb.store import StoreError, open_store
 
@@ -267,7 +268,7 @@ class AwsProvider(Provider):
             if spec.secrets:
                 ssm = self.client("ssm", region)
                 undo.append(("secrets", lambda: parameters.delete(ssm, job_id, spec.secrets)))
-                parameters.put(ssm, job_id, {n: (secrets or {})[n] for n in spec.secrets},
+                parameters.put(ssm, job_id, values_for(spec.secrets, secrets),
                                [t for t in tag_list if t["Key"] != "Name"])
             # Step 3: the job's role, limited to its prefix.
             profile_arn = self._create_role(spec, account, tag_list)

@@ -157,7 +157,7 @@ class LocalProvider(Provider):
             shutil.rmtree(home, ignore_errors=True)
         (home / CONTROL_DIR).mkdir(parents=True)
         if spec.secrets:
-            secretstore.write_local(spec.job_id, {n: (secrets or {})[n] for n in spec.secrets})
+            secretstore.write_local(spec.job_id, secretstore.values_for(spec.secrets, secrets))
         self._start_supervisor(spec.job_id, store.uri, adopt=False)
 
     def read_secrets(self, spec: JobSpec) -> dict[str, str]:
