@@ -98,3 +98,22 @@ def test_cleanup_removes_secrets_a_job_left_on_the_local_cloud(
     provider.cleanup()
     assert not secretstore.local_path("20260101-000000-abcdef").exists()
     assert provider.cleanup(dry_run=True) == []
+
+
+def test_aws_cleanup_without_the_ssm_permission_says_so_and_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("boto3")
+    from botocore.exceptions import ClientError
+
+    from spotnb.providers.aws import AwsProvider, parameters
+
+    def denied(ssm: object, job_id: str | None = None) -> dict[str, list[str]]:
+        raise ClientError({"Error": {"Code": "AccessDeniedException", "Message": "no"}},
+                          "DescribeParameters")
+
+    monkeypatch.setattr(parameters, "leftovers", denied)
+    lines = AwsProvider(region="us-east-1")._secrets_left(
+        "us-east-1", lambda job, store: (True, "its job has a result"), "would delete", True)
+    assert lines == ["could not look for jobs' secrets in us-east-1 (AccessDeniedException): "
+                     "grant ssm:DescribeParameters (`spotnb aws setup --dry-run` prints the "
+                     "policy)"]

@@ -505,7 +505,16 @@ class AwsProvider(Provider):
         """cleanup's part for secrets: the parameters of jobs that ended."""
         ssm = self.client("ssm", region)
         done = []
-        for job_id, names in sorted(parameters.leftovers(ssm).items()):
+        try:
+            jobs = parameters.leftovers(ssm)
+        except Exception as err:
+            # An identity set up before secrets existed may lack the permission; the
+            # rest of the cleanup goes on.
+            log.warning("could not look for jobs' secrets in %s: %s", region, err)
+            return [f"could not look for jobs' secrets in {region} "
+                    f"({_boto.error_code(err) or type(err).__name__}): grant "
+                    "ssm:DescribeParameters (`spotnb aws setup --dry-run` prints the policy)"]
+        for job_id, names in sorted(jobs.items()):
             found = parameters.tags_of(ssm, job_id, names[0])
             ended, why = over(found.get(TAG_JOB, job_id), found.get(TAG_STORE))
             if ended:
