@@ -583,6 +583,7 @@ def _blobs_under(root: Path) -> dict[str, bytes]:
     return found
 
 
+@pytest.mark.slow  # over 30 s: a recorded notebook with an interruption, an AWS job
 def test_secrets_reach_every_attempt_and_no_store_file_or_cloud_state_holds_them(
         sim: AwsSimulator, spotnb_home: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
