@@ -388,6 +388,7 @@ def submit(
     nodes: int | str | tuple[int, int] = 1,
     procs_per_node: int = 1,
     peer_timeout: float | str = "2m",
+    secrets: Mapping[str, str | None] | Sequence[str] | None = None,
 ) -> JobHandle:
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
 
@@ -401,10 +402,16 @@ def submit(
     ``{"NAME": "value"}`` or ``["NAME=value"]``; a name without a value (``None``, or
     ``"NAME"``) passes that variable of this machine's environment through, on the
     local cloud only. Values are written into the job's spec: no secrets (those that
-    look like one are refused). ``files`` maps paths relative to the remote working
+    look like one are refused: pass those as ``secrets``). ``secrets``: environment
+    variables of the cell whose values are secrets (``["HF_TOKEN", "WANDB_API_KEY"]``,
+    taken from this machine's environment, or ``{"HF_TOKEN": value}``): the values go
+    to the provider's secret store (AWS: SSM Parameter Store), never into the spec, and
+    are deleted with the job; a name whose variable is not set is refused.
+    ``files`` maps paths relative to the remote working
     directory to local files (helper modules next to the notebook): they are importable
     in the cell. ``notify_url``: a Slack-compatible webhook the instance posts to when
-    an attempt is interrupted and when the job ends (:mod:`spotnb.notify`).
+    an attempt is interrupted and when the job ends (:mod:`spotnb.notify`); it travels
+    as a secret.
     ``nodes`` (``4`` or ``"3:4"``: MIN:MAX) and ``procs_per_node`` make the job
     distributed: the cell runs as torchrun's workers on every node (``RANK``,
     ``WORLD_SIZE``, ... set), and goes on with MIN nodes while a lost node's
@@ -418,7 +425,8 @@ def submit(
                    max_duration=max_duration, keep_checkpoints=keep_checkpoints,
                    simulate_interruptions=simulate_interruptions, env=env, files=files,
                    store=store, notify_url=notify_url, nodes=nodes,
-                   procs_per_node=procs_per_node, peer_timeout=peer_timeout)
+                   procs_per_node=procs_per_node, peer_timeout=peer_timeout,
+                   secrets=secrets)
     spec, job_store, prov = job.spec, job.store, job.provider
     warnings = _notice_warnings(prov, spec, inputs if isinstance(inputs, Mapping) else {})
     # Inputs first: an agent that can read spec.json can read everything it names.
@@ -432,7 +440,7 @@ def submit(
     except Exception as err:
         log.warning("no control queue for job %s (%s): followers read its log", spec.job_id, err)
     try:
-        prov.launch(spec)
+        prov.launch(spec, secrets=job.secret_values)
     except BaseException:
         with contextlib.suppress(Exception):
             queue_for(job_store, spec.job_id, CONTROL_QUEUE).delete()

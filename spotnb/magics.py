@@ -92,7 +92,13 @@ def _policy_args(func: F) -> F:
         argument("--notify", metavar="URL",
                  help="a Slack-compatible webhook that the instance posts to when the job "
                       "is interrupted, ends or fails, e.g. --notify $webhook (a notebook "
-                      "variable; default: SpotMagics.notify_url)"),
+                      "variable; default: SpotMagics.notify_url); it travels as a secret"),
+        argument("--secret", action="append", dest="secrets", metavar="NAME",
+                 help="an environment variable of this machine whose value the cell needs "
+                      "and nobody else may read (repeat for several): --secret HF_TOKEN "
+                      "--secret WANDB_API_KEY. The value goes to the cloud's secret store "
+                      "(AWS: SSM Parameter Store), never into the job's spec, and is "
+                      "deleted with the job (added to SpotMagics.secrets)"),
     )):
         func = deco(func)
     return func
@@ -125,6 +131,7 @@ _OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
     "keep_checkpoints": ("--keep-checkpoints", "keep_checkpoints", "keep_checkpoints"),
     "simulate_interruptions": ("--simulate-interruptions", "simulate_interruptions", None),
     "env": ("--env", "env", None),
+    "secrets": ("--secret", "secrets", "secrets"),
     "store": ("SpotMagics.store", None, "store"),
     "nodes": ("--nodes", "nodes", None),
     "procs_per_node": ("--procs-per-node", "procs_per_node", None),
@@ -223,6 +230,12 @@ class SpotMagics(Magics):
                                          "cell, pickled, in MiB.").tag(config=True)
     files_limit_mb = Float(50.0, help="The most local module files shipped with a cell, "
                                       "in MiB.").tag(config=True)
+    secrets = _NameList(
+        Unicode(), default_value=[],
+        help="Environment variables of this machine that every job's cell gets as "
+             "secrets (e.g. ['HF_TOKEN', 'WANDB_API_KEY']); --secret adds more. Their "
+             "values go to the cloud's secret store, never into a job's spec."
+    ).tag(config=True)
     notify_url = Unicode(None, allow_none=True,
                          help="A Slack-compatible webhook that the instance posts to when a "
                               "job is interrupted, ends or fails (a secret: set it in "
@@ -292,8 +305,8 @@ class SpotMagics(Magics):
     @argument("--env", action="append", metavar="NAME[=VALUE]",
               help="an environment variable for the cell (repeat for several): "
                    "--env WANDB_MODE=offline. Values are written into the job's spec, so "
-                   "no secrets; on the local cloud a NAME alone passes this machine's "
-                   "variable through (--env HF_TOKEN)")
+                   "no secrets (give those with --secret); on the local cloud a NAME alone "
+                   "passes this machine's variable through")
     @argument("--detach", action="store_true",
               help="return at once; the job runs on its own (follow it with %%spot_attach)")
     @cell_magic
@@ -375,6 +388,7 @@ class SpotMagics(Magics):
             "env": list(args.env or ()) or None,
             "store": self.store,
             "notify_url": pick(args.notify, self.notify_url),
+            "secrets": list(dict.fromkeys([*self.secrets, *(args.secrets or ())])) or None,
         }
         # Only a distributed job passes these (submit's defaults: one node, one process).
         if args.nodes is not None:

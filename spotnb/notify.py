@@ -1,6 +1,6 @@
 """Notifications to a Slack-compatible webhook, sent from the instance.
 
-A job whose policy has a ``notify_url`` (``%%spot_train --notify URL``,
+A job given a ``notify_url`` (``%%spot_train --notify URL``,
 ``SpotMagics.notify_url``, ``spotnb.submit(notify_url=...)``) posts a message when an
 attempt is interrupted (the spot notice) and when the job ends (completed, failed or
 stopped). The agent on the instance sends them, so they come with the notebook closed.
@@ -14,8 +14,10 @@ Mattermost, Rocket.Chat and Microsoft Teams' incoming webhooks accept.
 A notification never blocks or fails the job: messages are queued and posted by one
 background thread with a bounded timeout, a failure is logged (without the URL) and
 dropped, and at the end the agent waits at most :data:`DRAIN_SECONDS` for the queue.
-The URL is a secret (DESIGN invariant 7): it lives in the job's spec, in the job's
-private store prefix, and nowhere else: not in events, logs or records.
+The URL is a secret (DESIGN invariant 7): it travels as the job's secret
+``SPOTNB_NOTIFY_URL`` (:mod:`spotnb.secretstore`: the provider's secret store, read by
+the agent, not given to the cell), and nowhere else: not in the spec, events, logs or
+records.
 """
 
 from __future__ import annotations

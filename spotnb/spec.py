@@ -300,10 +300,8 @@ class Resources:
 class Policy:
     """How the job is run and when it is given up.
 
-    ``notify_url``: a Slack-compatible webhook that the instance posts to when an
-    attempt is interrupted and when the job ends (:mod:`spotnb.notify`). It is a
-    secret: it stays in ``spec.json``, in the job's private store prefix, and is never
-    copied into an event or a record.
+    (A job's notification webhook is a secret, not a setting: it travels as the secret
+    :data:`spotnb.secretstore.NOTIFY_SECRET`, never in the spec.)
     """
 
     checkpoint_every: CheckpointEvery = CheckpointEvery()
@@ -315,7 +313,6 @@ class Policy:
     # groups created in the cell without a timeout of their own, connections to the
     # rendezvous) before the peer is taken for lost and the world re-forms.
     peer_timeout: float = 120.0
-    notify_url: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_every, CheckpointEvery):
@@ -352,6 +349,10 @@ class JobSpec:
     the variable from the local cloud's own environment (local provider only), so its
     value is never written anywhere. Values written here must not be secrets
     (:func:`spotnb.submit` refuses those that look like one).
+
+    ``secrets``: names of the kernel's environment variables whose values are secrets
+    (and :data:`spotnb.secretstore.NOTIFY_SECRET` for the webhook): the values live in
+    the provider's secret store (:mod:`spotnb.secretstore`), never here.
     """
 
     job_id: str
@@ -367,6 +368,7 @@ class JobSpec:
     # Local cloud only: {"count": N} or {"schedule": [seconds since launch, ...]}.
     simulate_interruptions: dict[str, Any] | None = None
     env: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    secrets: tuple[str, ...] = ()
     spotnb_version: str = ""
     schema: int = SPEC_SCHEMA
 
@@ -396,6 +398,7 @@ class JobSpec:
             check_env_name(key)
             if value is not None and (not isinstance(value, str) or "\0" in value):
                 raise _bad("env", "text values (or None)", {key: value})
+        _check_secret_names(self.secrets, self.env)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
@@ -411,6 +414,8 @@ class JobSpec:
         res = raw.pop("resources")
         pol = raw.pop("policy")
         every = pol.pop("checkpoint_every")
+        # Specs written before issue 28 held the webhook itself; it is not read any more.
+        pol.pop("notify_url", None)
         return cls(
             resources=Resources(
                 instance_types=tuple(res["instance_types"]),
@@ -423,8 +428,23 @@ class JobSpec:
             policy=Policy(checkpoint_every=CheckpointEvery(**every), **pol),
             inputs=tuple(raw.pop("inputs", ())),
             outputs=tuple(raw.pop("outputs", ())),
+            secrets=tuple(raw.pop("secrets", ())),
             **raw,
         )
+
+
+def _check_secret_names(names: Any, env: dict[str, Any]) -> None:
+    """A tuple of distinct variable names, none of them also in ``env``."""
+    if not isinstance(names, tuple):
+        raise _bad("secrets", "a tuple of environment variable names", names)
+    for name in names:
+        check_env_name(name, "secrets")
+    if len(set(names)) != len(names):
+        raise _bad("secrets", "names without repeats", names)
+    both = sorted(set(names) & set(env))
+    if both:
+        raise SpecError(f"{{option}}: {', '.join(both)} is given both as a secret and in "
+                        "env; give it once, as a secret", field="secrets")
 
 
 def _check_simulation(sim: Any) -> None:

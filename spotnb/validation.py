@@ -27,6 +27,7 @@ import cloudpickle
 
 from spotnb import __version__, layout
 from spotnb.providers import Provider, get_provider
+from spotnb.secretstore import collect as collect_secrets
 from spotnb.spec import (
     CheckpointEvery,
     JobSpec,
@@ -60,6 +61,9 @@ class PreparedJob:
     provider: Provider
     inputs: bytes
     workdir: bytes | None
+    # {name: value} of the job's secrets (spotnb.secretstore): for the provider's
+    # secret store only, never shown.
+    secret_values: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def prepare_job(
@@ -69,7 +73,7 @@ def prepare_job(
     budget_usd: Any = None, max_duration: Any = None, keep_checkpoints: Any = 3,
     simulate_interruptions: Any = None, env: Any = None, files: Any = None,
     store: Any = None, notify_url: Any = None, nodes: Any = 1, procs_per_node: Any = 1,
-    peer_timeout: Any = "2m",
+    peer_timeout: Any = "2m", secrets: Any = None,
 ) -> PreparedJob:
     """Check and normalise every argument of :func:`spotnb.submit` (see there); values
     of any type are handled: a wrong type is a SpecError too. Writes and starts nothing.
@@ -111,11 +115,12 @@ def prepare_job(
                       if max_duration is not None else None),
         keep_checkpoints=whole_number(keep_checkpoints, "keep_checkpoints", minimum=1),
         peer_timeout=parse_peer_timeout(peer_timeout),
-        notify_url=notify_url,
     )
     out_names = _variable_names(outputs, "outputs")
     simulation = _simulation(simulate_interruptions, provider)
     environment = _environment(env, provider)
+    # The values stay in this process (and the provider's secret store), not the spec.
+    secret_values = collect_secrets(secrets, notify_url=notify_url)
     payload = _pickle_inputs(inputs or {})
     archive = _pack_files(files)
     if store is not None and not isinstance(store, (str, os.PathLike)):
@@ -140,10 +145,11 @@ def prepare_job(
         outputs=out_names,
         simulate_interruptions=simulation,
         env=environment,
+        secrets=tuple(secret_values),
         spotnb_version=__version__,
     )
     prov.validate(spec)
-    return PreparedJob(spec, job_store, prov, payload, archive)
+    return PreparedJob(spec, job_store, prov, payload, archive, secret_values)
 
 
 def _check_code(code: Any) -> None:
@@ -307,14 +313,15 @@ def _environment(value: Any, provider: str) -> dict[str, str | None]:
             raise SpecError(
                 f"{{option}}: {key} has no value; passing a variable of this machine's "
                 f"environment works on the local cloud only. Give a value ({key}=...), "
-                "or for a secret give the job's role access to it, or read it from a "
-                "secret store inside the cell", field="env")
+                f"or for a secret pass it as one (--secret {key}, secrets=['{key}'])",
+                field="env")
         if text is not None and find_credentials(f"{key}={text}"):
             raise SpecError(
-                f"{{option}}: the value of {key} looks like a credential, and values are "
-                "written into the job's spec. On the local cloud pass it by name only "
-                f"({key}, taken from this machine's environment); on AWS give the job's "
-                "role access, or read it from a secret store inside the cell", field="env")
+                f"{{option}}: the value of {key} looks like a credential, and env values are "
+                f"written into the job's spec. Pass it as a secret: --secret {key} "
+                f"(secrets=['{key}'] in Python) takes it from this machine's environment "
+                "into the cloud's secret store, and the cell sees it as before",
+                field="env")
         env[key] = text
     return env
 

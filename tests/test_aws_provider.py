@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gzip
 import hashlib
 import io
 import json
 import os
 import re
+import secrets as secrets_module
 import sys
 import textwrap
 import threading
@@ -24,11 +26,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nbformat
 import pytest
 from helpers import wait_until
 
 import spotnb
-from spotnb import catalog, layout, usage
+from spotnb import catalog, layout, secretstore, usage
 from spotnb.cli import main as cli_main
 from spotnb.events import Event
 from spotnb.providers import get_provider
@@ -265,8 +268,10 @@ print("through the gate")
 def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
         sim: AwsSimulator, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
+    # (With a secret: stop deletes it too; the fixture's cleanup finds nothing left.)
     handle = spotnb.submit(GATED.format(gate=str(gate)), provider="aws", name="gated",
-                           instance_types=["g5.xlarge", "g4dn.xlarge"])
+                           instance_types=["g5.xlarge", "g4dn.xlarge"],
+                           secrets={"WANDB_API_KEY": secrets_module.token_hex(20)})
     job = handle.job_id
     assert handle.store.uri == f"s3://spotnb-123456789012-us-east-1/jobs/{job}"
     inst = sim.wait_for_instance(job)
@@ -433,7 +438,8 @@ def test_budget_and_deadline_stop_jobs_on_the_instance(sim: AwsSimulator) -> Non
 def test_cleanup_finds_and_deletes_what_a_dead_instance_left(sim: AwsSimulator,
                                                              tmp_path: Path) -> None:
     handle = spotnb.submit(GATED.format(gate=str(tmp_path / "never")), provider="aws",
-                           instance_types=["g4dn.xlarge"])
+                           instance_types=["g4dn.xlarge"],
+                           secrets={"HF_TOKEN": "hf_" + secrets_module.token_hex(8)})
     inst = sim.wait_for_instance(handle.job_id)
     # The log shows a state change within a moment (it is urgent).
     wait_until(lambda: any(e.type == "status" and e.data.get("state") == "running"
@@ -450,6 +456,7 @@ def test_cleanup_finds_and_deletes_what_a_dead_instance_left(sim: AwsSimulator,
         f"would delete instance {inst.id} in us-east-1",
         f"would delete IAM role and instance profile spotnb-job-{handle.job_id}",
         f"would delete queue spotnb-{handle.job_id}-control in us-east-1",
+        f"would delete 1 secret of job {handle.job_id} in us-east-1",
     ])
     assert all("its job has a result" in line for line in found)
     provider.cleanup()
@@ -540,6 +547,151 @@ def scan_for_credentials(handle: spotnb.JobHandle) -> None:
             assert not pattern.search(blob), f"{pattern.pattern!r} in {name}"
 
 
+# ------------------------------------------------------------------------- secrets
+
+# Prints a digest of each secret it sees (never a value), and whether the webhook
+# reached the cell (it must not: it is the agent's).
+SECRET_DIGESTS = """
+import hashlib, os, time
+def digest(name):
+    return hashlib.sha256(os.environ[name].encode()).hexdigest()[:16]
+print("saw", *[digest(n) for n in {names!r}],
+      "webhook in the cell" if "SPOTNB_NOTIFY_URL" in os.environ else "no webhook")
+"""
+INTERRUPTED_BODY = """
+ckpt = spot.Checkpoint(progress={"seen": 0})
+for step in range(ckpt.restore(), 30):
+    spot.log(step, loss=1.0 / (step + 1))
+    time.sleep(0.1)
+    ckpt.maybe_save(step)
+"""
+
+
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+def _blobs_under(root: Path) -> dict[str, bytes]:
+    """Every file under ``root``, gzipped ones (event segments, archives) unpacked."""
+    found = {}
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            with contextlib.suppress(OSError, EOFError):
+                data = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+            found[str(path)] = data
+    return found
+
+
+@pytest.mark.slow  # over 30 s: a recorded notebook with an interruption, an AWS job
+def test_secrets_reach_every_attempt_and_no_store_file_or_cloud_state_holds_them(
+        sim: AwsSimulator, spotnb_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_notify import Hook
+
+    hook = Hook()
+    token = secrets_module.token_hex(12)
+    local = {"HF_TOKEN": f"hf_local{token}", "WANDB_API_KEY": f"wandb{token}",
+             "webhook": f"{hook.url}-local-{token}"}
+    remote = {"HF_TOKEN": f"hf_aws{token}", "webhook": f"{hook.url}-aws-{token}"}
+    values = [*local.values(), *remote.values()]
+    # Step 1, the local cloud: a notebook recorded head-less; --secret, the SpotMagics
+    # setting and --notify from the notebook machine's environment; one interruption.
+    monkeypatch.setenv("HF_TOKEN", local["HF_TOKEN"])
+    monkeypatch.setenv("WANDB_API_KEY", local["WANDB_API_KEY"])
+    monkeypatch.setenv("SPOTNB_TEST_WEBHOOK", local["webhook"])
+    notebook = tmp_path / "secrets.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("%load_ext spotnb"),
+        nbformat.v4.new_code_cell("import os\nwebhook = os.environ['SPOTNB_TEST_WEBHOOK']\n"
+                                  "%config SpotMagics.secrets = ['WANDB_API_KEY']"),
+        nbformat.v4.new_code_cell(
+            "%%spot_train --name local-secrets --secret HF_TOKEN --notify $webhook "
+            "--simulate-interruptions 1 --checkpoint-every 5steps"
+            + SECRET_DIGESTS.format(names=["HF_TOKEN", "WANDB_API_KEY"]) + INTERRUPTED_BODY),
+    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                "language": "python"}}), notebook)
+    record = tmp_path / "secrets.record.ipynb"
+    assert cli_main(["record", str(notebook), "-o", str(record)]) == 0
+    (local_job,) = [j for j in spotnb.jobs() if j.name == "local-secrets"]
+    local_handle = spotnb.attach(local_job.job_id)
+    assert local_handle.wait(timeout=60).status == "completed"
+    seen = [(e.attempt, e.data["text"]) for e in local_handle.events(follow=False)
+            if e.type == "stream" and "saw" in e.data["text"]]
+    line = (f"saw {_digest(local['HF_TOKEN'])} {_digest(local['WANDB_API_KEY'])} "
+            "no webhook")
+    assert [(a, text.strip()) for a, text in seen] == [(1, line), (2, line)], seen
+
+    # Step 2, AWS: values given in Python; EC2 and Auto Scaling looked at while it runs.
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(
+        SECRET_DIGESTS.format(names=["HF_TOKEN"])
+        + f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.1)\n",
+        provider="aws", name="aws-secrets", instance_types=["g4dn.xlarge"],
+        secrets={"HF_TOKEN": remote["HF_TOKEN"]}, notify_url=remote["webhook"])
+    job = handle.job_id
+    inst = sim.wait_for_instance(job)
+    ec2, asg, iam, ssm = (_boto.client(s) for s in ("ec2", "autoscaling", "iam", "ssm"))
+    described = ssm.describe_parameters(ParameterFilters=[
+        {"Key": "Path", "Option": "Recursive", "Values": [f"/spotnb/{job}"]}])["Parameters"]
+    assert sorted((p["Name"], p["Type"], p["KeyId"], p["Tier"]) for p in described) == [
+        (f"/spotnb/{job}/{name}", "SecureString", "alias/aws/ssm", "Standard")
+        for name in ("HF_TOKEN", "SPOTNB_NOTIFY_URL")]
+    document = iam.get_role_policy(RoleName=f"spotnb-job-{job}",
+                                   PolicyName="spotnb-job")["PolicyDocument"]
+    document = json.loads(document) if isinstance(document, str) else document
+    (own,) = [s for s in document["Statement"] if "ssm:GetParameters" in s["Action"]]
+    assert own["Resource"] == f"arn:aws:ssm:us-east-1:123456789012:parameter/spotnb/{job}/*"
+    versions = ec2.describe_launch_template_versions(
+        LaunchTemplateName=f"spotnb-{job}")["LaunchTemplateVersions"]
+    state = json.dumps([
+        versions, ec2.describe_launch_templates()["LaunchTemplates"],
+        asg.describe_auto_scaling_groups()["AutoScalingGroups"],
+        ec2.describe_instances()["Reservations"],
+        ec2.describe_instance_attribute(InstanceId=inst.id, Attribute="userData"),
+        ec2.describe_tags()["Tags"],
+        [base64.b64decode(v["LaunchTemplateData"]["UserData"]).decode() for v in versions],
+    ], default=str)
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "completed", (result.reason, result.error)
+    (aws_seen,) = [e.data["text"].strip() for e in handle.events(follow=False)
+                   if e.type == "stream" and "saw" in e.data["text"]]
+    assert aws_seen == f"saw {_digest(remote['HF_TOKEN'])} no webhook"
+    # The webhook travelled too: the local job's interruption and end, the AWS job's end.
+    texts = [b["text"] for b in hook.wait_for(3)]
+    hook.close()
+    assert sum("*local-secrets*" in t for t in texts) == 2, texts
+    assert sum("*aws-secrets*" in t for t in texts) == 1, texts
+
+    # Step 3: deleted with the jobs (the instance's teardown, the local supervisor).
+    deadline = time.monotonic() + 30
+    while (left := [secretstore.local_path(local_job.job_id).exists(),
+                    ssm.describe_parameters(ParameterFilters=[{
+                        "Key": "Path", "Option": "Recursive",
+                        "Values": ["/spotnb"]}])["Parameters"]]) != [False, []]:
+        assert time.monotonic() < deadline, f"secrets outlived their jobs: {left}"
+        time.sleep(0.2)
+    # Step 4: no value in any store object, file under SPOTNB_HOME (the local store,
+    # the job index, the local cloud's records and logs), the simulated instances' logs,
+    # the record, or EC2 and Auto Scaling state.
+    blobs = {**_blobs_under(spotnb_home), **_blobs_under(tmp_path / "sim"),
+             str(record): record.read_bytes(), "EC2 and Auto Scaling": state.encode()}
+    s3 = _boto.client("s3")
+    bucket = handle.store.uri[len("s3://"):].split("/", 1)[0]
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for key in (o["Key"] for o in page.get("Contents", ())):
+            data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            with contextlib.suppress(OSError, EOFError):
+                data = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+            blobs[f"s3://{bucket}/{key}"] = data
+    assert any(f"/{job}/events/" in k for k in blobs) and any(
+        f"{local_job.job_id}/spec.json" in k for k in blobs)
+    for where, blob in blobs.items():
+        for value in values:
+            assert value.encode() not in blob, f"a secret value in {where}"
+
+
 # ------------------------------------------------------------------------- CLI
 
 
@@ -550,6 +702,7 @@ def test_cli_setup_doctor_and_cleanup(sim: AwsSimulator,
     assert "would create bucket s3://spotnb-123456789012-us-east-1" in out
     assert "would create security group spotnb-no-inbound" in out
     assert '"ec2:SendSpotInstanceInterruptions"' in out, "the FIS policy is printed"
+    assert '"ssm:PutParameter"' in out and "parameter/spotnb/<job-id>/*" in out, "secrets"
     assert "(dry run: nothing was changed)" in out
     assert resources() == NOTHING
     assert _boto.client("s3").list_buckets()["Buckets"] == []
@@ -563,6 +716,7 @@ def test_cli_setup_doctor_and_cleanup(sim: AwsSimulator,
     assert "ok  credentials: arn:aws:sts::123456789012" in out
     assert "ok  bucket: s3://spotnb-123456789012-us-east-1 is yours" in out
     assert "ok  image: ami-" in out
+    assert "ok  secrets: SSM Parameter Store, SecureString under /spotnb/<job-id>/" in out
     assert code == 0, out
     assert cli_main(["aws", "cleanup", "--dry-run"]) == 0
     assert capsys.readouterr().out.strip() == "nothing left over"

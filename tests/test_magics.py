@@ -86,7 +86,7 @@ def test_help_documents_every_option_with_an_example(ip: Any) -> None:
     for option in ("--instance-type", "--max-price", "--provider", "--name",
                    "--checkpoint-every", "--max-restarts-on-error", "--budget",
                    "--max-duration", "--out", "--in", "--no-capture",
-                   "--simulate-interruptions", "--detach"):
+                   "--simulate-interruptions", "--detach", "--secret"):
         assert option in doc, option
     assert "Example::" in doc and "spot.Checkpoint" in doc
 
@@ -193,6 +193,10 @@ def test_spot_config_shows_effective_settings(ip: Any) -> None:
     ("--env AWS_SECRET_ACCESS_KEY=abcdefghijklmnopqrstuvwxyz0123456789ABCD", "print(1)\n",
      "--env: the value of AWS_SECRET_ACCESS_KEY looks like a credential"),
     ("--provider aws --env HOME", "print(1)\n", "--env: HOME has no value"),
+    ("--env AWS_SECRET_ACCESS_KEY=abcdefghijklmnopqrstuvwxyz0123456789ABCD", "print(1)\n",
+     "Pass it as a secret: --secret AWS_SECRET_ACCESS_KEY"),
+    ("--secret SPOTNB_TEST_UNSET_SECRET", "print(1)\n",
+     "--secret: SPOTNB_TEST_UNSET_SECRET is not set in this machine's environment"),
     ("--max-price cheap", "print(1)\n", "invalid float value"),
     ("--simulate-interruptions soon", "print(1)\n", "a count"),
     ("", "   \n", "the cell is empty"),

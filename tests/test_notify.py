@@ -1,8 +1,8 @@
 """Notifications: a Slack-compatible webhook told from the instance, tested against a
 real HTTP server on loopback.
 
-The webhook is a secret: the tests also check that its URL appears in no event, no
-record and no remote cell line, only in the job's spec.
+The webhook is a secret: the tests also check that its URL appears in no spec, event,
+record or remote cell line (it travels as the job's secret, spotnb.secretstore).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from IPython.core.getipython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 
 import spotnb
-from spotnb import notify
+from spotnb import layout, notify
 from spotnb.events import EventReader
 from spotnb.records import job_record
+from spotnb.secretstore import NOTIFY_SECRET
 from spotnb.spec import SpecError
 
 # A cell that checkpoints every 5 steps and logs for a few seconds: long enough for a
@@ -172,13 +173,13 @@ def test_the_instance_notifies_an_interruption_and_the_end(spotnb_home: Path,
     assert [(e.data["total"], e.data["source"]) for e in events
             if e.type == "progress"] == [(40, "range"), (40, "range")]
 
-    # The URL is in the spec (the job's private prefix), and nowhere else.
-    assert handle.spec.policy.notify_url == hook.url
-    assert hook.url not in repr(handle.spec)
-    assert "secret" not in json.dumps([e.data for e in events])
+    # The URL travels as the job's secret: not in its spec.
+    assert handle.spec.secrets == (NOTIFY_SECRET,)
+    assert hook.url not in handle.store.get(layout.SPEC).decode()
+    assert "/B0/secret" not in json.dumps([e.data for e in events])
     record = job_record(handle)
     assert record["options"]["notify"] is True
-    assert "secret" not in json.dumps(record)
+    assert "/B0/secret" not in json.dumps(record) and record["options"]["secrets"] == []
 
 
 def test_an_unreachable_webhook_does_not_fail_the_job(spotnb_home: Path) -> None:
@@ -209,7 +210,7 @@ def test_the_magic_takes_the_url_but_the_remote_cell_never_quotes_it(
     ip.run_cell_magic("spot_train", "--detach --name quiet --notify $webhook", "x = 1\n")
     (job,) = spotnb.jobs()
     handle = spotnb.attach(job.job_id)
-    assert handle.spec.policy.notify_url == hook.url
+    assert handle.spec.secrets == (NOTIFY_SECRET,)
     assert hook.url not in handle.spec.code and "--notify [redacted]" in handle.spec.code
     assert handle.wait(timeout=120).status == "completed"
     (ended,) = hook.wait_for(1)

@@ -76,6 +76,7 @@ from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
 from spotnb.kernel_remote.sampler import Sampler
 from spotnb.lease import Standing
 from spotnb.notify import Notifier
+from spotnb.secretstore import NOTIFY_SECRET, SecretsUnavailable
 from spotnb.spec import JobSpec
 from spotnb.store import (
     NotFound,
@@ -152,9 +153,14 @@ class Agent:
         self.imds = imds or ImdsClient()
         self.spec: JobSpec = JobSpec.from_json(
             _retry_store(lambda: self.store.get(layout.SPEC), "reading the spec"))
-        # Notifications (spotnb.notify): a no-op without the policy's notify_url.
-        self.notifier = Notifier(self.spec.policy.notify_url, self.spec.job_id, self.spec.name,
+        # Notifications (spotnb.notify): a no-op until the job's secrets name a webhook
+        # (_read_secrets, at the start of run).
+        self.notifier = Notifier(None, self.spec.job_id, self.spec.name,
                                  max_nodes=self.spec.resources.max_nodes)
+        # The job's secrets (spotnb.secretstore): for the kernels' environment; why they
+        # could not be read, if so (the attempt then fails saying it).
+        self._secrets: dict[str, str] = {}
+        self._secrets_error: str | None = None
         self.identity: dict[str, Any] = {}
         self.held: lease.HeldLease | None = None
         self.events: EventWriter | None = None
@@ -201,6 +207,8 @@ class Agent:
             if _retry_store(lambda: self.store.exists(layout.RESULT), "reading the result"):
                 log.info("job %s already has a result; nothing to do", self.spec.job_id)
                 return EXIT_OK
+            # Step 1b: the job's secrets, before a kernel is spawned (its environment).
+            self._read_secrets()
             # Step 2: the kernel boots (~0.5 s) while the identity and lease are read.
             # (A distributed job's kernels are spawned by its NodeRun.)
             self._listener = self._open_listener()
@@ -231,6 +239,28 @@ class Agent:
             _sweep_descendants()
             shutil.rmtree(self._scratch, ignore_errors=True)
             shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    def _read_secrets(self) -> None:
+        """The job's secrets from the provider's secret store (spotnb.secretstore);
+        the webhook among them starts the notifier. A failure is kept, not raised: the
+        attempt fails with it once it holds the lease (its message names, never quotes)."""
+        if not self.spec.secrets:
+            return
+        from spotnb.providers import get_provider
+
+        try:
+            self._secrets = get_provider(self.spec.provider).read_secrets(self.spec)
+        except Exception as err:
+            # str() of a SecretsUnavailable names the secrets; of anything else only its
+            # type is kept (a library's message might quote what it was given).
+            why = str(err) if isinstance(err, SecretsUnavailable) else type(err).__name__
+            self._secrets_error = f"the job's secrets could not be read: {why}"
+            log.error("%s", self._secrets_error)
+            return
+        url = self._secrets.get(NOTIFY_SECRET)
+        if url:
+            self.notifier = Notifier(url, self.spec.job_id, self.spec.name,
+                                     max_nodes=self.spec.resources.max_nodes)
 
     def _run_attempts(self) -> int:
         assert self.held is not None and self._listener is not None
@@ -277,6 +307,8 @@ class Agent:
                 process_started=_process_started())
         ev.flush_soon()
         self.notifier.where = self._where()
+        if self._secrets_error is not None:
+            return self._finish("failed", self._secrets_error)
         sampler = Sampler(self._on_sample)
         sampler.start()
         try:
@@ -352,6 +384,8 @@ class Agent:
                          region=self.identity.get("region"), pid=os.getpid(),
                          process_started=_process_started(), slot=self.held.lease.slot)
         self.events.flush_soon()
+        if self._secrets_error is not None:
+            return self._finish("failed", self._secrets_error)
         sampler = Sampler(self._on_sample)
         sampler.start()
         try:
@@ -444,6 +478,8 @@ class Agent:
         # The job's own variables (submit's env); those without a value are passed to
         # the instance by the local cloud, from the user's environment.
         env.update({k: v for k, v in self.spec.env.items() if v is not None})
+        # Its secrets; the webhook is the agent's alone.
+        env.update({k: v for k, v in self._secrets.items() if k != NOTIFY_SECRET})
         env.update({
             channel.ENV_JOB_URI: self.job_uri,
             channel.ENV_JOB_ID: self.spec.job_id,

@@ -14,16 +14,24 @@ contract" rather than repeat it):
     Raise :class:`spotnb.spec.SpecError` (message names the fix) if the provider
     cannot run the spec: unknown instance type, bad region, missing credentials.
     Starts nothing.
-``launch(spec)``
+``launch(spec, secrets=None)``
     Create the capacity group. Returns once the group exists (not once an instance
     runs). If a step fails, release what was already created, then raise.
+    ``secrets`` (``{name: value}``, the names are ``spec.secrets``) go to the provider's
+    secret store before any instance starts, readable by the job's instances alone,
+    and are deleted with the group (:mod:`spotnb.secretstore`); no value is written
+    anywhere else, logged or put in an exception.
+``read_secrets(spec)`` (called on the instance, by the agent at its start)
+    ``{name: value}`` of ``spec.secrets``; raises
+    :class:`spotnb.secretstore.SecretsUnavailable` (naming them, no value) when they
+    cannot be read.
 ``interrupt(job_id, instance=None)``
     Deliver a spot interruption notice to the job's current instance now (a multi-node
     job's node ``instance`` when named); it is terminated after the notice period, and
     the group replaces it.
 ``terminate(job_id)``
-    Delete the capacity group and its instances. Idempotent; called on completion,
-    failure, stop, budget and deadline (DESIGN invariant 6).
+    Delete the capacity group, its instances and the job's secrets. Idempotent;
+    called on completion, failure, stop, budget and deadline (DESIGN invariant 6).
 ``cleanup(dry_run)``
     Find leftovers of this provider (groups whose job ended, orphan instances) and,
     unless ``dry_run``, remove them. Returns a description of each.
@@ -58,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 from spotnb.spec import JobSpec, SpecError
 
@@ -92,7 +101,10 @@ class Provider(ABC):
     def validate(self, spec: JobSpec) -> None: ...
 
     @abstractmethod
-    def launch(self, spec: JobSpec) -> None: ...
+    def launch(self, spec: JobSpec, secrets: Mapping[str, str] | None = None) -> None: ...
+
+    @abstractmethod
+    def read_secrets(self, spec: JobSpec) -> dict[str, str]: ...
 
     @abstractmethod
     def interrupt(self, job_id: str, instance: str | None = None) -> None: ...

@@ -28,6 +28,7 @@ from spotnb.events import Event, EventReader, codec, expand, metric_columns, met
 from spotnb.events.fold import JobState, fold
 from spotnb.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize_state
 from spotnb.records.scrub import scrub
+from spotnb.secretstore import NOTIFY_SECRET
 
 __all__ = [
     "MAX_CURVE_POINTS",
@@ -107,7 +108,9 @@ def _options(handle: JobHandle) -> dict[str, Any]:
         "outputs": list(spec.outputs),
         "simulate_interruptions": spec.simulate_interruptions,
         # Whether notifications were sent; never where to (the URL is a secret).
-        "notify": bool(getattr(policy, "notify_url", None)),
+        "notify": NOTIFY_SECRET in getattr(spec, "secrets", ()),
+        # The names of the cell's secrets; never their values.
+        "secrets": [n for n in getattr(spec, "secrets", ()) if n != NOTIFY_SECRET],
         "nodes": nodes_label(spec.resources),
         "peer_timeout": policy.peer_timeout if spec.resources.distributed else None,
     }

@@ -25,7 +25,8 @@ Launching, narrated (anything created before a failing step is deleted again)::
     Step 1  image (SSM), subnets of the default VPC in AZs that offer the types,
             the shared no-inbound security group; a multi-node job: its AZ (chosen at
             validation), then its placement group and security group (Step 1b)
-    Step 2  upload the wheel to the job's prefix
+    Step 2  upload the wheel to the job's prefix; the job's secrets to SSM Parameter
+            Store (SecureString, /spotnb/<job-id>/<NAME>: :mod:`.parameters`)
     Step 3  IAM role (prefix-scoped policy) and instance profile
     Step 4  launch template
     Step 5  Auto Scaling group (retried while IAM propagates the new profile)
@@ -66,14 +67,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 from spotnb import catalog, layout
 from spotnb.events import GROUP_STREAM, EventWriter
 from spotnb.providers import PoolPrice, Provider, ProviderError
-from spotnb.providers.aws import _boto, cluster
+from spotnb.providers.aws import _boto, cluster, parameters
 from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
 from spotnb.providers.aws.resources import (
     BOOTSTRAP_PREFIX,
@@ -97,6 +98,7 @@ from spotnb.providers.aws.resources import (
     trust_policy,
     user_data,
 )
+from spotnb.secretstore import values_for
 from spotnb.spec import JobSpec, SpecError
 from spotnb.store import StoreError, open_store
 
@@ -233,7 +235,7 @@ class AwsProvider(Provider):
         elif problem is not None:
             raise SpecError(problem + " Nothing was started.")
 
-    def launch(self, spec: JobSpec) -> None:
+    def launch(self, spec: JobSpec, secrets: Mapping[str, str] | None = None) -> None:
         self.validate(spec)
         region = spec.resources.region
         job_id = spec.job_id
@@ -262,6 +264,12 @@ class AwsProvider(Provider):
             key = f"{BOOTSTRAP_PREFIX}/{wheel.filename}"
             store.put(key, wheel.data)
             undo.append(("bootstrap wheel", lambda: store.delete(key)))
+            # Step 2b: the job's secrets, SSM SecureString parameters under its path.
+            if spec.secrets:
+                ssm = self.client("ssm", region)
+                undo.append(("secrets", lambda: parameters.delete(ssm, job_id, spec.secrets)))
+                parameters.put(ssm, job_id, values_for(spec.secrets, secrets),
+                               [t for t in tag_list if t["Key"] != "Name"])
             # Step 3: the job's role, limited to its prefix.
             profile_arn = self._create_role(spec, account, tag_list)
             undo.append(("IAM role", lambda: self._delete_role(job_id, region)))
@@ -310,6 +318,14 @@ class AwsProvider(Provider):
         self._watches[job_id] = watch
         watch.start()
         log.info("launched job %s: group %s in %s", job_id, group_name(job_id), region)
+
+    def read_secrets(self, spec: JobSpec) -> dict[str, str]:
+        """See the contract: one GetParameters per 10 secrets, with the instance
+        role's credentials (which may read the job's path and nothing else)."""
+        if not spec.secrets:
+            return {}
+        return parameters.read(self.client("ssm", spec.resources.region), spec.job_id,
+                               spec.secrets)
 
     def interrupt(self, job_id: str, instance: str | None = None) -> None:
         """Send an interruption notice (FIS) to the job's running instances, or only to
@@ -363,6 +379,11 @@ class AwsProvider(Provider):
             ids = [i["InstanceId"] for i in leftovers]
             self.client("ec2", region).terminate_instances(InstanceIds=ids)
         self._delete_role(job_id, region)
+        try:
+            self._delete_secrets(job_id, region)
+        except Exception as err:
+            log.warning("could not delete job %s's secrets (%s); `spotnb aws cleanup` will",
+                        job_id, err)
         try:
             self._delete_queues(job_id, region)
         except Exception as err:
@@ -440,6 +461,8 @@ class AwsProvider(Provider):
                     done.append(f"{verb} queue {url.rsplit('/', 1)[-1]} in {region} ({why})")
                     if not dry_run:
                         _ignore_missing(partial(sqs.delete_queue, QueueUrl=url))
+        for region in sorted(regions):
+            done += self._secrets_left(region, over, verb, dry_run)
         iam = self.client("iam", self.region())
         for role in _paginate(iam, "list_roles", "Roles", PathPrefix=IAM_PATH):
             name = role["RoleName"]
@@ -465,6 +488,41 @@ class AwsProvider(Provider):
                 if not dry_run:
                     _ignore_missing(partial(iam.delete_instance_profile,
                                             InstanceProfileName=name))
+        return done
+
+    def _delete_secrets(self, job_id: str, region: str,
+                        names: tuple[str, ...] | None = None) -> None:
+        """Delete the job's SSM parameters: those named (the instance's teardown, whose
+        role may not list parameters), else every one under its path."""
+        ssm = self.client("ssm", region)
+        if names is None:
+            names = tuple(parameters.leftovers(ssm, job_id).get(job_id, ()))
+        if names:
+            parameters.delete(ssm, job_id, names)
+
+    def _secrets_left(self, region: str, over: Callable[[str, str | None], tuple[bool, str]],
+                      verb: str, dry_run: bool) -> list[str]:
+        """cleanup's part for secrets: the parameters of jobs that ended."""
+        ssm = self.client("ssm", region)
+        done = []
+        try:
+            jobs = parameters.leftovers(ssm)
+        except Exception as err:
+            # An identity set up before secrets existed may lack the permission; the
+            # rest of the cleanup goes on.
+            log.warning("could not look for jobs' secrets in %s: %s", region, err)
+            return [f"could not look for jobs' secrets in {region} "
+                    f"({_boto.error_code(err) or type(err).__name__}): grant "
+                    "ssm:DescribeParameters (`spotnb aws setup --dry-run` prints the policy)"]
+        for job_id, names in sorted(jobs.items()):
+            found = parameters.tags_of(ssm, job_id, names[0])
+            ended, why = over(found.get(TAG_JOB, job_id), found.get(TAG_STORE))
+            if ended:
+                done.append(f"{verb} {len(names)} secret{'s' if len(names) > 1 else ''} of "
+                            f"job {job_id} in {region} (SSM {parameters.job_path(job_id)}/; "
+                            f"{why})")
+                if not dry_run:
+                    parameters.delete(ssm, job_id, names)
         return done
 
     def _delete_queues(self, job_id: str, region: str,

@@ -8,8 +8,9 @@ by ``spotnb interrupt``. Per-job resources (role, template, group) are made by e
 launch. It also returns the IAM policies spotnb uses, so they can be reviewed.
 
 ``doctor(region)`` checks, in order, what a launch needs: credentials, region, the
-bucket, the network, the AMI, spot vCPU quotas, the FIS role and the caller's
-permissions (``iam:SimulatePrincipalPolicy`` where the caller may use it).
+bucket, the network, the AMI, spot vCPU quotas, the FIS role, where secrets go (SSM
+Parameter Store) and the caller's permissions (``iam:SimulatePrincipalPolicy`` where
+the caller may use it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ NEEDED_ACTIONS = (
     "iam:AddRoleToInstanceProfile", "iam:PassRole", "iam:DeleteRole",
     "s3:PutObject", "s3:GetObject", "s3:ListBucket", "ssm:GetParameter",
     "fis:CreateExperimentTemplate", "fis:StartExperiment",
+    # secrets (providers/aws/parameters.py)
+    "ssm:PutParameter", "ssm:AddTagsToResource", "ssm:DeleteParameters",
+    "ssm:DescribeParameters", "ssm:ListTagsForResource",
     # multi-node jobs (providers/aws/cluster.py)
     "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup", "ec2:CreateSecurityGroup",
     "ec2:AuthorizeSecurityGroupIngress", "ec2:DeleteSecurityGroup",
@@ -187,8 +191,25 @@ def doctor(region: str | None = None) -> list[Check]:
         checks.append(Check("FIS role", None, (
             f"{FIS_ROLE} is missing ({_boto.error_code(err)}): `spotnb interrupt` creates "
             "it on first use, or run `spotnb aws setup`")))
+    checks.append(_secrets(provider.client("ssm", region)))
     checks.append(_permissions(iam, str(me["Arn"])))
     return checks
+
+
+def _secrets(ssm: Any) -> Check:
+    """Where jobs' secrets go, and whether this identity may look there."""
+    from spotnb.providers.aws import parameters
+
+    where = (f"SSM Parameter Store, SecureString under {parameters.ROOT}/<job-id>/ "
+             "(standard tier, free), encrypted with the account's default key alias/aws/ssm")
+    try:
+        jobs = parameters.leftovers(ssm)
+    except Exception as err:
+        return Check("secrets", None, f"{where}; could not list them "
+                                      f"({_boto.error_code(err) or type(err).__name__}): "
+                                      "the notebook-user policy of `spotnb aws setup "
+                                      "--dry-run` allows it")
+    return Check("secrets", True, f"{where}; {len(jobs)} job(s) hold secrets now")
 
 
 def _permissions(iam: Any, arn: str) -> Check:

@@ -19,11 +19,12 @@ An instance's life, narrated::
             (over: control/stop.json, which the job agent obeys), every PRICE_SECONDS
             at the spot price ("price" event when it changed)
     Step 4  the job agent exited:
-            result.json exists -> "terminated" (job-finished), then delete the launch
-                template, the Auto Scaling group (which terminates this instance) and
-                the job's IAM role: no instance outlives its job (invariant 6); a
-                multi-node job's security and placement groups too where AWS allows
-                it yet (every node that sees the result does the same)
+            result.json exists -> "terminated" (job-finished), then delete the job's
+                secrets (SSM parameters), the launch template, the Auto Scaling group
+                (which terminates this instance) and the job's IAM role: no instance
+                outlives its job (invariant 6); a multi-node job's security and
+                placement groups too where AWS allows it yet (every node that sees
+                the result does the same)
             after an interruption notice -> wait for EC2 to terminate the instance
             a stop request it did not answer within STOP_GRACE_SECONDS -> "stopped"
                 result, then as for a result
@@ -419,6 +420,8 @@ class InstanceAgent:
         # instance, and the role's credentials are what the deletions run with.
         for label, step in (("queues", lambda j, r: provider._delete_queues(
                                 j, r, names=self._queue_names())),
+                            ("secrets", lambda j, r: provider._delete_secrets(
+                                j, r, names=self.spec.secrets) if self.spec.secrets else None),
                             ("launch template", provider._delete_template),
                             ("Auto Scaling group", provider._delete_group),
                             ("network", self._delete_network),

@@ -13,6 +13,8 @@ security group              ``spotnb-no-inbound`` (one per VPC, no ingress)  sha
 training security group     ``spotnb-<job_id>`` (multi-node: ingress from   the job
                             itself only, :func:`training_ingress`)
 cluster placement group     ``spotnb-<job_id>`` (multi-node)                 the job
+SSM parameters (secrets)    ``/spotnb/<job_id>/<NAME>`` (SecureString,       the job
+                            :mod:`.parameters`)
 FIS role                    ``spotnb-fis`` (``%spot_interrupt`` on AWS)      shared
 bucket                      ``spotnb-<account>-<region>`` (default store)    shared
 ==========================  ==============================================  ==========
@@ -23,7 +25,8 @@ can tell a finished job from a running one), ``spotnb:managed=true`` on everythi
 The instance role (:func:`instance_policy`) is least-privilege: objects under the job's
 prefix only, listing only that prefix, deleting only its own group, template, role and
 profile (by ARN and by tag), a multi-node job's own security and placement groups (by
-tag), plus read-only calls that AWS cannot scope to a resource.
+tag), reading and deleting its own secrets (SSM parameters under
+``/spotnb/<job_id>/``), plus read-only calls that AWS cannot scope to a resource.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import spotnb
+from spotnb.providers.aws import parameters
 from spotnb.spec import SpecError
 
 TAG_JOB = "spotnb:job-id"
@@ -247,6 +251,8 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
                        "sqs:ReceiveMessage", "sqs:SendMessage", "sqs:DeleteQueue"],
             "Resource": f"arn:{partition}:sqs:{region}:{account}:spotnb-{job_id}-*",
         },
+        parameters.role_statement(job_id=job_id, region=region, account=account,
+                                  partition=partition),
         {
             "Sid": "ReadOnlyUnscopable",
             "Effect": "Allow",
@@ -306,8 +312,13 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
          "Action": ["sqs:CreateQueue", "sqs:TagQueue", "sqs:GetQueueUrl", "sqs:SendMessage",
                     "sqs:ReceiveMessage", "sqs:DeleteQueue", "sqs:ListQueueTags"],
          "Resource": f"arn:aws:sqs:{region}:{account}:spotnb-*"},
+        {"Sid": "JobSecrets", "Effect": "Allow",
+         "Action": ["ssm:PutParameter", "ssm:AddTagsToResource", "ssm:ListTagsForResource",
+                    "ssm:DeleteParameter", "ssm:DeleteParameters"],
+         "Resource": f"arn:aws:ssm:{region}:{account}:parameter{parameters.ROOT}/*"},
         {"Sid": "ReadOnly", "Effect": "Allow",
-         "Action": ["ec2:Describe*", "autoscaling:Describe*", "ssm:GetParameter", "sqs:ListQueues",
+         "Action": ["ec2:Describe*", "autoscaling:Describe*", "ssm:GetParameter",
+                    "ssm:DescribeParameters", "sqs:ListQueues",
                     "pricing:GetProducts", "ec2:GetSpotPlacementScores",
                     "servicequotas:GetServiceQuota", "sts:GetCallerIdentity",
                     "tag:GetResources"],

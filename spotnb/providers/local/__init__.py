@@ -50,7 +50,10 @@ An instance starts with a clean environment, as an EC2 instance does: not the us
 credentials, tokens or other variables, only what runs the same Python and spotnb
 (``PATH``, ``HOME``, locale, ``PYTHONPATH``, the library path, ``SPOTNB_*``); see
 :func:`.state.instance_base_environment`. A job passes more on purpose with
-``env=`` (``%%spot_train --env NAME[=VALUE]``).
+``env=`` (``%%spot_train --env NAME[=VALUE]``). A job's secrets (``--secret NAME``)
+are kept in ``$SPOTNB_HOME/secrets/<job-id>.json`` (mode 0600, outside the store;
+:mod:`spotnb.secretstore`), which the agent reads at its start; the file is deleted
+when the job's supervisor ends, by ``terminate`` and by ``cleanup``.
 
 ``cleanup`` plans before it acts (:meth:`LocalProvider.cleanup_plan`): the dry run
 prints the plan, the real run carries it out, action for action.
@@ -69,13 +72,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from spotnb import catalog
+from spotnb import catalog, secretstore
 from spotnb.layout import RESULT, SPEC
 from spotnb.providers import PoolPrice, Provider, ProviderError
 from spotnb.providers.local.state import (
@@ -136,7 +139,7 @@ class LocalProvider(Provider):
         # without it uploads go at the local disk's speed: no figure to judge by.
         return upload_mbps()
 
-    def launch(self, spec: JobSpec) -> None:
+    def launch(self, spec: JobSpec, secrets: Mapping[str, str] | None = None) -> None:
         self.validate(spec)
         store = open_store(spec.store_uri)
         store.put_if_absent(SPEC, spec.to_json().encode())
@@ -153,7 +156,15 @@ class LocalProvider(Provider):
             self._kill_instances(spec.job_id)
             shutil.rmtree(home, ignore_errors=True)
         (home / CONTROL_DIR).mkdir(parents=True)
+        if spec.secrets:
+            secretstore.write_local(spec.job_id, secretstore.values_for(spec.secrets, secrets))
         self._start_supervisor(spec.job_id, store.uri, adopt=False)
+
+    def read_secrets(self, spec: JobSpec) -> dict[str, str]:
+        """See the contract: from the job's 0600 file."""
+        if not spec.secrets:
+            return {}
+        return secretstore.read_local(spec.job_id, spec.secrets)
 
     def _start_supervisor(self, job_id: str, store_uri: str, adopt: bool) -> None:
         """Start the job's supervisor and wait until it says it is up; ProviderError
@@ -251,6 +262,7 @@ class LocalProvider(Provider):
         # Step 3: whatever is left of the job's instances.
         for killed in self._kill_instances(job_id):
             log.warning("killed leftover %s", killed)
+        secretstore.delete_local(job_id)
         if info is not None:
             _write_stopped_result(info.get("store_uri"))
 
@@ -305,6 +317,8 @@ class LocalProvider(Provider):
             # Step 2: its directories in the local cloud (the job's history stays in
             # its store: `spotnb logs` still shows it).
             dirs = ([groups[job_id]] if job_id in groups else []) + instances_of.get(job_id, [])
+            if secretstore.local_path(job_id).exists():
+                dirs.append(secretstore.local_path(job_id))
             count = len(instances_of.get(job_id, []))
             instances = f"{count} instance director{'y' if count == 1 else 'ies'}"
             if job_id not in groups:
@@ -316,6 +330,12 @@ class LocalProvider(Provider):
                 why = "its job has a result" if finished else "its supervisor is gone"
                 what = f"capacity group {job_id} ({why}) and its {instances}"
             removals.append(CleanupAction(f"remove {what}", _remove_action(dirs)))
+        for path in _subfiles(secretstore.local_dir()):
+            job_id = path.name.removesuffix(".json")
+            if job_id not in groups and job_id not in instances_of:
+                removals.append(CleanupAction(
+                    f"remove the secrets of job {job_id} (it has no capacity group)",
+                    _remove_action([path])))
         for home in instances_of.get("None", []):
             removals.append(CleanupAction(f"remove the unreadable instance directory {home}",
                                           _remove_action([home])))
@@ -384,6 +404,7 @@ class LocalProvider(Provider):
         if supervisor is not None:
             kill_tree(supervisor, grace=SUPERVISOR_KILL_GRACE_SECONDS)
         self._kill_instances(job_id)
+        secretstore.delete_local(job_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +439,10 @@ def _instance_store(instances_of: dict[str, list[Path]], job_id: str) -> str | N
     return None
 
 
+def _subfiles(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("*.json") if p.is_file()) if path.is_dir() else []
+
+
 def _kill_action(record: ProcessRecord, grace: float) -> Callable[[], None]:
     def apply() -> None:
         kill_tree(record, grace=grace)  # verifies the pid is still that process first
@@ -433,7 +458,10 @@ def _kill_processes_action(proc: Any) -> Callable[[], None]:
 def _remove_action(paths: list[Path]) -> Callable[[], None]:
     def apply() -> None:
         for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
     return apply
 
 

@@ -70,7 +70,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spotnb import catalog
+from spotnb import catalog, secretstore
 from spotnb.backoff import Backoff
 from spotnb.catalog import Pool
 from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
@@ -250,6 +250,8 @@ class Supervisor:
             while True:
                 try:
                     if not self._tick(time.time()):
+                        # The job is over: its secrets go with its group.
+                        secretstore.delete_local(self.spec.job_id)
                         break
                     self._store_works()
                 except (StoreError, OSError) as err:
