@@ -1113,11 +1113,12 @@ class Agent:
         (ranges of the replicated items other ranks wrote; another world size's shards).
         """
         try:
-            from spotnb.checkpoints import CheckpointStore
+            from spotnb.checkpoints import CHECKPOINT_FORMATS, CheckpointStore
             from spotnb.ckpt import node_share
 
             ckpts = CheckpointStore(self.store, prefix=layout.CHECKPOINTS,
-                                    keep=self.spec.policy.keep_checkpoints)
+                                    keep=self.spec.policy.keep_checkpoints,
+                                    formats=CHECKPOINT_FORMATS)
             manifest = ckpts.latest()
             if manifest is None:
                 return
