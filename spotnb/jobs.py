@@ -631,11 +631,18 @@ class JobHandle:
                                                                   time.monotonic()))
             time.sleep(pause)
             delay = min(delay * 1.5, WAIT_MAX_SECONDS)
-        # The agent writes its closing events right after result.json.
+        # The agent writes its closing events right after result.json; its capacity
+        # group reports each instance's end (what it cost) a moment later. The cost
+        # shown is the final one: wait for those reports (bounded, as for a followed
+        # log: a group that is gone reports nothing).
         end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
         reader = EventReader(self.store, batches=True)
         events = reader.poll()
         while not any(e.type == "result" for e in events) and time.monotonic() < end:
+            time.sleep(POLL_SECONDS)
+            events += reader.poll()
+        end = time.monotonic() + GROUP_END_GRACE_SECONDS
+        while _running_instances(events) and time.monotonic() < end:
             time.sleep(POLL_SECONDS)
             events += reader.poll()
         return self.summary(with_outputs=True, events=sorted(events, key=lambda e: e.time))
@@ -695,6 +702,18 @@ def _indexed_store(job_id: str) -> str | None:
         return str(json.loads((layout.index_dir() / f"{job_id}.json").read_text())["store_uri"])
     except (FileNotFoundError, ValueError, KeyError):
         return None
+
+
+def _running_instances(events: list[Event]) -> set[str]:
+    """The instances the capacity group launched and has not reported terminated."""
+    running: set[str] = set()
+    for e in sorted(events, key=lambda e: e.time):
+        if e.type == "instance" and e.attempt == GROUP_STREAM and e.instance:
+            if e.data.get("action") == "launched":
+                running.add(e.instance)
+            elif e.data.get("action") == "terminated":
+                running.discard(e.instance)
+    return running
 
 
 def _open_job(job_id: str, store: str | None = None) -> tuple[Store, JobSpec]:
