@@ -154,9 +154,15 @@ def _report_end() -> None:
     """The agent ended by itself while the instance's supervisor was gone (killed
     alone): have the end logged (see ``LocalProvider.ensure_supervised``), so that the
     instance does not stay running in the group's log. Best effort."""
-    job_id = os.environ.get("SPOTNB_LOCAL_JOB_ID")
+    from spotnb.providers.local.state import ENV_CLOUD_MARK, ENV_INSTANCE_MARK, ENV_JOB_MARK
+
+    job_id = os.environ.get(ENV_JOB_MARK)
     if not job_id:
         return
+    # A supervisor started from here is no process of this instance: without its
+    # markers (it runs in its group's directory).
+    for name in (ENV_INSTANCE_MARK, ENV_JOB_MARK, ENV_CLOUD_MARK, ENV_SOCKET_DIR):
+        os.environ.pop(name, None)
     try:
         from spotnb.providers.local import LocalProvider
 
