@@ -4,6 +4,7 @@ towards the group as the real agent does."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -513,9 +514,12 @@ def test_cleanup_finds_processes_without_markers_whose_instance_died(
     reaper = json.loads((instance_dir(instance_id) / "pid.json").read_text())["pid"]
     # Everything spotnb started for the instance dies at once (a machine's OOM killer):
     # what the agent started is left under pid 1, one of them without spotnb's markers.
+    spotnbs = []
     for pid in (group["supervisor"]["pid"], reaper, agent_pid):
-        os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: group_gone(cloud, spec), "the supervisor to die")
+        with contextlib.suppress(psutil.NoSuchProcess):  # the agent dies with the reaper
+            spotnbs.append(psutil.Process(pid))
+            spotnbs[-1].kill()
+    wait_until(lambda: not any(_running(p) for p in spotnbs), "spotnb's processes to die")
     try:
         planned = cloud.provider.cleanup(dry_run=True)
         for proc in escapees:

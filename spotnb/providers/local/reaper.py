@@ -14,9 +14,10 @@ exits (its own end, a crash, SIGKILL) ends all the processes still below it: SIG
 ``GRACE`` seconds, SIGKILL, until none is left. Then it removes the agent's socket
 directory (:data:`ENV_SOCKET_DIR`, which it made) and exits with the agent's exit code
 (128 + N for an agent killed by signal N). SIGTERM to the reaper is passed on to the
-agent; the instance ends as soon as the agent does. An agent that ended by itself
-while the supervisor was gone (killed alone) has its end logged: the reaper asks for a
-supervisor (``LocalProvider.ensure_supervised``), which adopts what is left.
+agent, SIGKILL of the reaper kills the agent too (``PR_SET_PDEATHSIG``): the instance
+ends as soon as the agent does. An agent that ended by itself while the supervisor was
+gone (killed alone) has its end logged: the reaper asks for a supervisor
+(``LocalProvider.ensure_supervised``), which adopts what is left.
 
 Where the reaper itself is killed outright, its tree's processes still carry the
 instance's marker variable or its directory as their working directory:
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -46,6 +48,7 @@ __all__ = ["ENV_SOCKET_DIR", "become_subreaper", "main"]
 ENV_SOCKET_DIR = "SPOTNB_AGENT_SOCKET_DIR"
 SOCKET_DIR_PREFIX = "spotnb-"
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 # Processes may fork while they are being ended: try this many rounds at most.
 _END_ROUNDS = 5
 _POLL_SECONDS = 0.05
@@ -107,6 +110,22 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """For the agent: SIGKILL when the reaper dies (``PR_SET_PDEATHSIG``), so that a
+    kill of the instance's recorded process ends the instance outright, as before."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm() -> None:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the reaper died before that took effect
+            os._exit(1)
+
+    return arm
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 3 or args[1] != "--":
@@ -130,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, forward)
     code = 127
     try:
-        agent = subprocess.Popen(cmd, env={**os.environ, ENV_SOCKET_DIR: str(socket_dir)})
+        agent = subprocess.Popen(cmd, env={**os.environ, ENV_SOCKET_DIR: str(socket_dir)},
+                                 preexec_fn=_die_with_parent(os.getpid()))
         while True:
             try:
                 pid, status = os.waitpid(-1, 0)  # the agent, or an orphan given to us
