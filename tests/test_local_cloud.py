@@ -12,12 +12,13 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 import pytest
+from helpers import wait_until
 
 from spotnb import catalog
 from spotnb.events import Event, EventReader
@@ -30,7 +31,6 @@ from spotnb.spec import JobSpec, Policy, Resources, SpecError
 from spotnb.store import LocalStore
 
 AGENT = Path(__file__).with_name("local_cloud_agent.py")
-T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -85,16 +85,6 @@ def cloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert not leftovers, f"processes outlived the test: {leftovers}"
 
 
-def wait_until(check: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-
-
 def group_events(spec: JobSpec, type: str | None = None, **match: Any) -> list[Event]:
     events = EventReader(LocalStore(spec.store_uri.removeprefix("file://"))).replay()
     return [e for e in events if e.attempt == 0 and (type is None or e.type == type)
@@ -129,7 +119,7 @@ def launched(spec: JobSpec, count: int = 1) -> list[Event]:
         found = group_events(spec, "instance", action="launched")
         return found if len(found) >= count else None
 
-    return wait_until(enough, f"{count} launched instance(s)")
+    return wait_until(enough, 10, f"{count} launched instance(s)")
 
 
 # ---------------------------------------------------------------------- lifecycle
@@ -139,7 +129,7 @@ def test_interruption_notice_then_termination_then_replacement(cloud: Cloud) -> 
     spec = cloud.spec()
     cloud.provider.launch(spec)
     first = launched(spec)[0].data
-    ident = wait_until(lambda: identity_of(first["instance_id"]), "the agent's IMDS identity")
+    ident = wait_until(lambda: identity_of(first["instance_id"]), 10, "the agent's IMDS identity")
     # The agent learned who it is from its own IMDS, as on EC2.
     assert ident["instance_id"] == first["instance_id"]
     assert ident["instance_type"] == "g4dn.xlarge"
@@ -150,19 +140,18 @@ def test_interruption_notice_then_termination_then_replacement(cloud: Cloud) -> 
 
     cloud.provider.interrupt(spec.job_id)
     notice_file = instance_dir(first["instance_id"]) / "notice.json"
-    seen = json.loads(wait_until(
-        lambda: notice_file.read_text() if notice_file.exists() else None,
-        "the agent to see the notice"))
+    seen = json.loads(wait_until(lambda: notice_file.read_text() if notice_file.exists() else None,
+                                 10, "the agent to see the notice"))
     assert seen["action"] == "terminate" and seen["rebalance"] is not None
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "the notice event")[0]
+                        10, "the notice event")[0]
     assert notice.instance == first["instance_id"] and notice.data["reason"] == "requested"
 
     second = launched(spec, 2)[1].data
     assert second["instance_id"] != first["instance_id"]
     ended = wait_until(lambda: group_events(spec, "instance", action="terminated",
                                             instance_id=first["instance_id"]),
-                       "the terminated event")[0]
+                       10, "the terminated event")[0]
     assert ended.data["reason"] == "spot-interruption"
     assert ended.time - notice.time >= 0.45  # the notice period
     assert not psutil.pid_exists(ident["pid"]) or psutil.Process(
@@ -170,7 +159,7 @@ def test_interruption_notice_then_termination_then_replacement(cloud: Cloud) -> 
     # The replacement's agent took the lease at once and works as attempt 2.
     wait_until(lambda: [e for e in EventReader(store_of(spec)).replay()
                         if e.attempt == 2 and e.instance == second["instance_id"]],
-               "events of attempt 2")
+               10, "events of attempt 2")
 
     cloud.provider.terminate(spec.job_id)
     result = result_of(spec)
@@ -182,8 +171,8 @@ def test_a_multi_node_group_keeps_its_nodes_and_replaces_the_interrupted_one(
     spec = cloud.spec(min_nodes=2, max_nodes=3)
     cloud.provider.launch(spec)
     nodes = [e.data for e in launched(spec, 3)]
-    idents = [wait_until(lambda n=n: identity_of(n["instance_id"]),  # type: ignore[misc]
-                         "each node's IMDS identity") for n in nodes]
+    idents = [wait_until(lambda n=n: identity_of(n["instance_id"]),
+                         10, "each node's IMDS identity") for n in nodes]
     # Three instances, each with its own metadata service.
     assert len({i["instance_id"] for i in idents}) == 3
     assert [i["instance_id"] for i in idents] == [n["instance_id"] for n in nodes]
@@ -192,7 +181,7 @@ def test_a_multi_node_group_keeps_its_nodes_and_replaces_the_interrupted_one(
     victim = nodes[1]["instance_id"]
     cloud.provider.interrupt(spec.job_id, instance=victim)
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "the notice event")
+                        10, "the notice event")
     assert [e.instance for e in notice] == [victim]
     fourth = launched(spec, 4)[3].data
     assert fourth["instance_id"] not in {n["instance_id"] for n in nodes}
@@ -232,13 +221,13 @@ def test_capacity_returns_while_the_job_waits(cloud: Cloud) -> None:
     spec = cloud.spec()
     cloud.provider.launch(spec)
     waiting = wait_until(lambda: group_events(spec, "status", state="waiting_for_capacity"),
-                         "the group to wait for capacity")[0]
+                         10, "the group to wait for capacity")[0]
     assert not group_events(spec, "instance", action="launched")
     config.write_text(json.dumps({"no_capacity": [], "boot_seconds": 0.5}))
     inst = launched(spec)[0]
     assert inst.time - waiting.time >= 2.5  # the group retries every few seconds
     # The agent starts after the simulated boot time.
-    wait_until(lambda: identity_of(inst.data["instance_id"]), "the agent")
+    wait_until(lambda: identity_of(inst.data["instance_id"]), 10, "the agent")
     record = cloud.provider.instances(spec.job_id)[0]
     assert record["state"] == "running"
     identity_file = instance_dir(inst.data["instance_id"]) / "identity.json"
@@ -259,7 +248,7 @@ def test_terminate_leaves_no_process_and_is_idempotent(cloud: Cloud) -> None:
     spec = cloud.spec()
     cloud.provider.launch(spec)
     instance_id = launched(spec)[0].data["instance_id"]
-    agent_pid = wait_until(lambda: identity_of(instance_id), "the agent")["pid"]
+    agent_pid = wait_until(lambda: identity_of(instance_id), 10, "the agent")["pid"]
     group = cloud.provider.group(spec.job_id)
     assert group is not None and group["alive"]
     # The supervisor, the instance's first process (the reaper) and the agent.
@@ -281,7 +270,7 @@ def test_finished_job_ends_the_group(cloud: Cloud, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("STANDIN_STEPS", "5")
     spec = cloud.spec()
     cloud.provider.launch(spec)
-    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
     assert result_of(spec) == {"status": "completed", "reason": ""}
     ended = group_events(spec, "instance", action="terminated")
     assert [e.data["reason"] for e in ended] == ["job-finished"]
@@ -292,9 +281,9 @@ def test_stop_request_lets_the_agent_stop_itself(cloud: Cloud) -> None:
     spec = cloud.spec()
     cloud.provider.launch(spec)
     instance_id = launched(spec)[0].data["instance_id"]
-    wait_until(lambda: identity_of(instance_id), "the agent")
+    wait_until(lambda: identity_of(instance_id), 10, "the agent")
     store_of(spec).put(STOP, json.dumps({"reason": "user"}).encode())
-    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
     assert result_of(spec) == {"status": "stopped", "reason": "stop requested"}  # the agent's
     ended = group_events(spec, "instance", action="terminated")
     assert [e.data["reason"] for e in ended] == ["job-finished"]
@@ -310,7 +299,7 @@ def test_budget_and_deadline_stop_an_agent_that_ignores_stop(
     policy = Policy(budget_usd=0.00003) if limit == "budget" else Policy(max_duration=1.0)
     spec = cloud.spec(policy=policy)
     cloud.provider.launch(spec)
-    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
     stop = json.loads(store_of(spec).get(STOP))
     assert stop["reason"] == limit and stop["detail"]
     result = result_of(spec)
@@ -324,7 +313,7 @@ def test_crash_loop_fails_the_job(cloud: Cloud, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("STANDIN_MODE", "crash")
     spec = cloud.spec()
     cloud.provider.launch(spec)
-    wait_until(lambda: group_gone(cloud, spec), "the group to give up", timeout=20)
+    wait_until(lambda: group_gone(cloud, spec), 20, "the group to give up")
     result = result_of(spec)
     assert result is not None and result["status"] == "failed"
     assert "crashed repeatedly" in result["reason"]
@@ -344,7 +333,7 @@ def test_simulated_interruption_waits_for_a_checkpoint_and_progress(
     monkeypatch.setenv("STANDIN_STEPS", "15")
     spec = cloud.spec(simulate_interruptions={"count": 1})
     cloud.provider.launch(spec)
-    wait_until(lambda: group_gone(cloud, spec), "the job to finish", timeout=20)
+    wait_until(lambda: group_gone(cloud, spec), 20, "the job to finish")
     assert result_of(spec) == {"status": "completed", "reason": ""}
 
     notices = group_events(spec, "instance", action="notice")
@@ -361,7 +350,7 @@ def test_scheduled_interruption(cloud: Cloud) -> None:
     first = launched(spec)[0]
     launched(spec, 2)
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "the notice event")[0]
+                        10, "the notice event")[0]
     assert notice.data["reason"] == "scheduled"
     assert notice.instance == first.data["instance_id"]
     assert 1.0 <= notice.time - first.time < 3.0
@@ -379,7 +368,7 @@ def test_price_above_max_price_interrupts(cloud: Cloud,
     spec = cloud.spec(job_id="price-2", max_price=max_price)
     cloud.provider.launch(spec)
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "a price interruption", timeout=30)[0]
+                        30, "a price interruption")[0]
     assert notice.data["reason"] == "price" and notice.data["price"] > max_price
     launch = group_events(spec, "instance", action="launched")[0]
     assert launch.data["price"] <= max_price
@@ -397,7 +386,7 @@ def test_hazard_interrupts_at_the_advisor_rate(cloud: Cloud,
     spec = cloud.spec(types=("p3.2xlarge",))
     cloud.provider.launch(spec)
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "a hazard interruption", timeout=15)[0]
+                        15, "a hazard interruption")[0]
     assert notice.data["reason"] == "hazard"
     cloud.provider.terminate(spec.job_id)
 
@@ -438,11 +427,11 @@ def test_cleanup_kills_orphans_of_a_dead_supervisor(cloud: Cloud) -> None:
     spec = cloud.spec()
     cloud.provider.launch(spec)
     instance_id = launched(spec)[0].data["instance_id"]
-    agent_pid = wait_until(lambda: identity_of(instance_id), "the agent")["pid"]
+    agent_pid = wait_until(lambda: identity_of(instance_id), 10, "the agent")["pid"]
     group = cloud.provider.group(spec.job_id)
     assert group is not None
     os.kill(group["supervisor"]["pid"], signal.SIGKILL)  # the supervisor dies hard
-    wait_until(lambda: group_gone(cloud, spec), "the supervisor to die")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the supervisor to die")
 
     planned = cloud.provider.cleanup(dry_run=True)
     assert any("would remove capacity group job-1" in line for line in planned)
@@ -474,7 +463,7 @@ def _running(proc: psutil.Process) -> bool:
 
 def _ended(procs: list[psutil.Process], what: str, timeout: float = 30.0) -> None:
     try:
-        wait_until(lambda: not any(_running(p) for p in procs), what, timeout)
+        wait_until(lambda: not any(_running(p) for p in procs), timeout, what)
     finally:
         alive = [p for p in procs if _running(p)]
         for proc in alive:  # not our fixture's to find: they lack SPOTNB_HOME
@@ -488,15 +477,15 @@ def test_an_agent_killed_outright_leaves_no_process_behind(
     spec = cloud.spec()
     cloud.provider.launch(spec)
     first = launched(spec)[0].data["instance_id"]
-    agent_pid = wait_until(lambda: identity_of(first), "the agent")["pid"]
-    escapees = wait_until(lambda: escapees_of(first), "the agent's escapees")
+    agent_pid = wait_until(lambda: identity_of(first), 10, "the agent")["pid"]
+    escapees = wait_until(lambda: escapees_of(first), 10, "the agent's escapees")
     os.kill(agent_pid, signal.SIGKILL)
     _ended(escapees, "a child with env={} and a SIGTERM-proof daemon of a killed agent")
     wait_until(lambda: group_events(spec, "instance", action="terminated",
-                                    instance_id=first), "the instance's end")
+                                    instance_id=first), 10, "the instance's end")
     # Its replacement's escapees end with the job too.
     second = launched(spec, 2)[1].data["instance_id"]
-    replaced = wait_until(lambda: escapees_of(second), "the replacement's escapees")
+    replaced = wait_until(lambda: escapees_of(second), 10, "the replacement's escapees")
     cloud.provider.terminate(spec.job_id)
     _ended(replaced, "the escapees of a terminated job")
 
@@ -507,8 +496,8 @@ def test_cleanup_finds_processes_without_markers_whose_instance_died(
     spec = cloud.spec()
     cloud.provider.launch(spec)
     instance_id = launched(spec)[0].data["instance_id"]
-    agent_pid = wait_until(lambda: identity_of(instance_id), "the agent")["pid"]
-    escapees = wait_until(lambda: escapees_of(instance_id), "the agent's escapees")
+    agent_pid = wait_until(lambda: identity_of(instance_id), 10, "the agent")["pid"]
+    escapees = wait_until(lambda: escapees_of(instance_id), 10, "the agent's escapees")
     group = cloud.provider.group(spec.job_id)
     assert group is not None
     reaper = json.loads((instance_dir(instance_id) / "pid.json").read_text())["pid"]
@@ -519,7 +508,7 @@ def test_cleanup_finds_processes_without_markers_whose_instance_died(
         with contextlib.suppress(psutil.NoSuchProcess):  # the agent dies with the reaper
             spotnbs.append(psutil.Process(pid))
             spotnbs[-1].kill()
-    wait_until(lambda: not any(_running(p) for p in spotnbs), "spotnb's processes to die")
+    wait_until(lambda: not any(_running(p) for p in spotnbs), 10, "spotnb's processes to die")
     try:
         planned = cloud.provider.cleanup(dry_run=True)
         for proc in escapees:
@@ -621,19 +610,19 @@ def test_a_job_that_ends_while_its_supervisor_is_dead_logs_its_instances_end(
     spec = cloud.spec()
     cloud.provider.launch(spec)
     instance_id = launched(spec)[0].data["instance_id"]
-    wait_until(lambda: identity_of(instance_id), "the agent")
+    wait_until(lambda: identity_of(instance_id), 10, "the agent")
     group = cloud.provider.group(spec.job_id)
     assert group is not None and group["state"] == "ready"
     os.kill(group["supervisor"]["pid"], signal.SIGKILL)  # the supervisor alone
-    wait_until(lambda: result_of(spec), "the job's result", timeout=30)
+    wait_until(lambda: result_of(spec), 30, "the job's result")
     # Nobody looks at the job: its instance's end is logged all the same, and its
     # group says it exited.
     ended = wait_until(lambda: group_events(spec, "instance", action="terminated",
                                             instance_id=instance_id),
-                       "the instance's end in the group's log", timeout=30)
+                       30, "the instance's end in the group's log")
     assert len(ended) == 1
     wait_until(lambda: (cloud.provider.group(spec.job_id) or {}).get("state") == "exited",
-               "group.json to say the group exited", timeout=30)
-    wait_until(lambda: group_gone(cloud, spec), "the supervisor to exit")
+               30, "group.json to say the group exited")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the supervisor to exit")
     assert not any(e.type == "status" and e.data.get("state") == "launching"
                    and e.time > ended[0].time for e in group_events(spec))
