@@ -20,7 +20,6 @@ import dataclasses
 import fnmatch
 import logging
 import os
-import re
 import sys
 import types
 import warnings
@@ -32,7 +31,7 @@ import cloudpickle
 import pathspec
 
 from spotnb.freevars import free_names_in
-from spotnb.spec import SpecError
+from spotnb.spec import INJECTED_NAMES, IPYTHON_CACHE_NAME, SpecError
 
 __all__ = [
     "Capture",
@@ -46,8 +45,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # The runtime defines `spot` on the instance; IPython defines these in every kernel.
-PROVIDED_ON_INSTANCE = frozenset({"spot", "get_ipython", "display", "In", "Out", "exit", "quit"})
-_IPYTHON_CACHE = re.compile(r"^_(i{1,3}|i\d+|_{0,2}|dh|ih|oh|sh)$")
+PROVIDED_ON_INSTANCE = INJECTED_NAMES
+_IPYTHON_CACHE = IPYTHON_CACHE_NAME
 # Never shipped with a module: byte code, VCS metadata, notebooks' own checkpoints.
 _ALWAYS_SKIPPED = ("__pycache__", ".git", ".ipynb_checkpoints", "*.pyc", "*.pyo")
 _MIB = 1 << 20

@@ -52,12 +52,13 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -66,8 +67,10 @@ from spotnb.checksum import Checksum, algorithm_of
 from spotnb.store import NotFound, ObjectWriter, Store
 
 __all__ = [
+    "CHECKPOINT_FORMATS",
     "LATEST",
     "MANIFEST",
+    "SYNC_FORMATS",
     "CheckpointError",
     "CheckpointStore",
     "CorruptCheckpoint",
@@ -168,23 +171,11 @@ class Manifest:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Manifest:
-        raw = json.loads(text)
-        if raw.get("schema", MANIFEST_SCHEMA) > MANIFEST_SCHEMA:
-            raise CheckpointError(
-                f"checkpoint {raw.get('id')} was written by a newer spotnb (manifest schema "
-                f"{raw['schema']}); upgrade spotnb: pip install -U spotnb"
-            )
-        return cls(
-            id=raw["id"],
-            step=int(raw["step"]),
-            attempt=int(raw["attempt"]),
-            created=float(raw["created"]),
-            files=tuple(_file_entry(f) for f in raw["files"]),
-            format=raw.get("format", "files"),
-            metadata=raw.get("metadata") or {},
-            schema=int(raw.get("schema", MANIFEST_SCHEMA)),
-        )
+    def from_json(cls, text: str | bytes, checkpoint_id: str | None = None) -> Manifest:
+        """The manifest in ``text``; :class:`CheckpointError` for anything that is not
+        one this module wrote (see :func:`_parse_manifest`). ``checkpoint_id``: the
+        directory it was read from, which its ``id`` must name."""
+        return _parse_manifest(text, checkpoint_id)
 
     @classmethod
     def read_local(cls, directory: str | os.PathLike[str]) -> Manifest:
@@ -192,11 +183,97 @@ class Manifest:
         return cls.from_json(Path(directory, MANIFEST).read_bytes())
 
 
-def _file_entry(raw: Mapping[str, Any]) -> FileEntry:
+# The formats of spotnb's readers (their CheckpointStore's ``formats``): what
+# spot.Checkpoint reads ("dcp"; "torch"/"pickle" of spotnb < 0.2), what sync_dir reads.
+CHECKPOINT_FORMATS = frozenset({"dcp", "torch", "pickle"})
+SYNC_FORMATS = frozenset({"dir"})
+
+
+class _Damaged(CheckpointError):
+    """A manifest or ``LATEST`` that is not what this module writes."""
+
+
+def _load_json(text: str | bytes, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested a million deep
+        raise _Damaged(f"{what} is not JSON ({str(e)[:80]})") from None
+
+
+def _whole(raw: Mapping[str, Any], key: str, what: str) -> int:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _Damaged(f"{what}: {key} must be a whole number >= 0, not {value!r}"[:200])
+    return value
+
+
+def _parse_manifest(text: str | bytes, checkpoint_id: str | None) -> Manifest:
+    """The one reader of a manifest's shape. A manifest is untrusted input (a disk that
+    filled, a hand edit, another program writing to the bucket): every field is checked
+    here, once, so that code reading a :class:`Manifest` meets only what this module
+    writes. In particular no file name leaves the checkpoint's directory and the id
+    is the directory's own."""
+    what = f"the manifest of checkpoint {checkpoint_id or '?'}"
+    raw = _load_json(text, what)
+    if not isinstance(raw, dict):
+        raise _Damaged(f"{what} is not a JSON object but {type(raw).__name__}")
+    schema = raw.get("schema", MANIFEST_SCHEMA)
+    if isinstance(schema, bool) or not isinstance(schema, int):
+        raise _Damaged(f"{what}: schema must be a whole number, not {schema!r}"[:200])
+    if schema > MANIFEST_SCHEMA:
+        raise CheckpointError(
+            f"checkpoint {raw.get('id')} was written by a newer spotnb (manifest schema "
+            f"{schema}); upgrade spotnb: pip install -U spotnb"
+        )
+    cid = raw.get("id")
+    if not isinstance(cid, str) or _parse_id(cid) is None:
+        raise _Damaged(f"{what}: its id {cid!r} is not a checkpoint id"[:200])
+    if checkpoint_id is not None and cid != checkpoint_id:
+        raise _Damaged(f"{what} names another checkpoint ({cid})")
+    created = raw.get("created")
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or \
+            not math.isfinite(created):
+        raise _Damaged(f"{what}: created must be a time, not {created!r}"[:200])
+    files = raw.get("files")
+    if not isinstance(files, list):
+        raise _Damaged(f"{what}: files must be a list, not {type(files).__name__}")
+    entries = tuple(_file_entry(f, what) for f in files)
+    if len({e.name for e in entries}) != len(entries):
+        raise _Damaged(f"{what} lists a file twice")
+    fmt = raw.get("format", "files")
+    if not isinstance(fmt, str) or not fmt.isprintable() or len(fmt) > 64:
+        raise _Damaged(f"{what}: format must be a name, not {fmt!r}"[:200])
+    metadata = raw.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise _Damaged(f"{what}: metadata must be a JSON object, not "
+                       f"{type(metadata).__name__}")
+    ranks = metadata.get("ranks")
+    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int)
+                              or ranks < 1):
+        raise _Damaged(f"{what}: metadata.ranks must be a world size, not {ranks!r}"[:200])
+    return Manifest(id=cid, step=_whole(raw, "step", what),
+                    attempt=_whole(raw, "attempt", what), created=float(created),
+                    files=entries, format=fmt, metadata=metadata, schema=schema)
+
+
+def _file_entry(raw: Any, what: str) -> FileEntry:
     """A file of a manifest: ``checksum`` (schema 2), or ``sha256`` (schema 1)."""
-    checksum = raw.get("checksum") or f"sha256:{raw['sha256']}"
-    algorithm_of(checksum)  # a clear error for a checksum this spotnb does not know
-    return FileEntry(raw["name"], int(raw["size"]), checksum)
+    if not isinstance(raw, dict):
+        raise _Damaged(f"{what}: a file entry is {type(raw).__name__}, not an object")
+    name = raw.get("name")
+    try:
+        _check_name(name if isinstance(name, str) else "")
+    except ValueError:
+        raise _Damaged(f"{what}: file name {name!r} is not a path inside the "
+                       "checkpoint"[:200]) from None
+    checksum = raw.get("checksum") or (f"sha256:{raw['sha256']}"
+                                       if isinstance(raw.get("sha256"), str) else None)
+    try:
+        algorithm_of(checksum if isinstance(checksum, str) else "")
+    except ValueError as e:  # a checksum this spotnb does not know
+        raise _Damaged(f"{what}: file {name!r}: {e}"[:300]) from None
+    assert isinstance(name, str) and isinstance(checksum, str)
+    return FileEntry(name, _whole(raw, "size", f"{what}: file {name!r}"), checksum)
 
 
 class HashingWriter:
@@ -380,15 +457,18 @@ class CheckpointStore:
     """Writes and reads checkpoints under ``prefix`` of a store. See the module docstring.
 
     ``keep`` is how many complete checkpoints survive pruning (at least 1: the one
-    ``LATEST`` points to).
+    ``LATEST`` points to). ``formats``: the manifest formats its reader reads (None:
+    any); a checkpoint of another format is skipped like a damaged one.
     """
 
-    def __init__(self, store: Store, prefix: str = "checkpoints", keep: int = 3) -> None:
+    def __init__(self, store: Store, prefix: str = "checkpoints", keep: int = 3,
+                 formats: Collection[str] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep}")
         self.store = store
         self.prefix = prefix.strip("/")
         self.keep = keep
+        self.formats = None if formats is None else frozenset(formats)
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.store!r}, prefix={self.prefix!r}, keep={self.keep})"
@@ -540,32 +620,47 @@ class CheckpointStore:
 
     def _read_pointer(self) -> tuple[str, int] | None:
         """``LATEST``'s checkpoint id and step; None if there is none. Raises
-        :class:`CheckpointError` if it is damaged (not the JSON this module writes)."""
+        :class:`CheckpointError` if it is damaged (not the JSON this module writes, or
+        an id that is not a checkpoint's: ``..`` would leave the prefix)."""
         try:
-            raw = json.loads(self.store.get(self._key(LATEST)))
-            return str(raw["id"]), int(raw["step"])
+            data = self.store.get(self._key(LATEST))
         except NotFound:
             return None
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{self._key(LATEST)} is damaged ({e})") from None
+        what = self._key(LATEST)
+        try:
+            raw = _load_json(data, "it")
+            if not isinstance(raw, dict):
+                raise _Damaged("not a JSON object")
+            cid = raw.get("id")
+            if not isinstance(cid, str) or _parse_id(cid) is None:
+                raise _Damaged(f"its id {cid!r} is not a checkpoint id"[:200])
+            return cid, _whole(raw, "step", "its")
+        except _Damaged as e:
+            raise CheckpointError(f"{what} is damaged ({e})") from None
 
     def manifest(self, checkpoint_id: str) -> Manifest:
         """The manifest of one checkpoint; :class:`spotnb.store.NotFound` if incomplete,
-        :class:`CheckpointError` if damaged."""
+        :class:`CheckpointError` if damaged (or ``checkpoint_id`` is not an id)."""
+        if _parse_id(checkpoint_id) is None:
+            raise _Damaged(f"{checkpoint_id!r} is not a checkpoint id"[:200])
         raw = self.store.get(self._key(checkpoint_id, MANIFEST))
         try:
-            return Manifest.from_json(raw)
-        except CheckpointError:
-            raise
-        except (ValueError, KeyError, TypeError) as e:
+            manifest = Manifest.from_json(raw, checkpoint_id)
+        except _Damaged as e:
+            raise CheckpointError(f"{e}: the manifest is damaged") from None
+        if self.formats is not None and manifest.format not in self.formats:
             raise CheckpointError(
-                f"the manifest of checkpoint {checkpoint_id} is damaged ({e})") from None
+                f"checkpoint {checkpoint_id} is in format {manifest.format!r}, which its "
+                f"reader does not read ({', '.join(sorted(self.formats))}): the manifest "
+                "is damaged, or was written by a newer spotnb (pip install -U spotnb)")
+        return manifest
 
     def latest(self) -> Manifest | None:
         """The newest complete checkpoint, or None if there is none yet.
 
-        A damaged ``LATEST`` or a damaged newest manifest does not hide the intact
-        checkpoints below it: the newest intact one is used, and the damage is logged.
+        A damaged or missing ``LATEST`` or a damaged newest manifest does not hide the
+        intact checkpoints below it: the newest intact one is used, and the damage is
+        logged.
         """
         return next(self.manifests(), None)
 
@@ -591,26 +686,34 @@ class CheckpointStore:
         Lazy: a reader that is happy with the first one reads nothing more. A restore
         falls back along it when a checkpoint turns out to be damaged; a damaged
         ``LATEST`` or manifest is skipped here with a warning, for the next intact one.
+        Without ``LATEST`` (deleted, or lost with a disk) the checkpoints are found by
+        listing: the newest complete one first.
         """
         try:
             newest = self._pointed()
         except CheckpointError as e:
             log.error("%s; falling back to the newest intact checkpoint before it", e)
-            newest, below = None, None
+            newest, below, missing = None, None, False
         else:
-            if newest is None:
-                return
-            below = newest.id
-            yield newest
+            below = newest.id if newest is not None else None
+            missing = newest is None
+            if newest is not None:
+                yield newest
         for cid in reversed(self.ids()):
             if below is not None and cid >= below:
                 continue
             try:
-                yield self.manifest(cid)
+                found = self.manifest(cid)
             except NotFound:
                 continue  # incomplete, or pruned meanwhile
             except CheckpointError as e:
                 log.error("%s; trying the checkpoint before it", e)
+                continue
+            if missing:
+                missing = False  # said once
+                log.warning("%s is missing; using the newest complete checkpoint found "
+                            "by listing, %s (step %d)", self._key(LATEST), cid, found.step)
+            yield found
 
     def download(self, manifest: Manifest, dest_dir: str | os.PathLike[str],
                  names: Iterable[str] | None = None) -> dict[str, Path]:

@@ -635,12 +635,21 @@ class JobHandle:
                                                                   time.monotonic()))
             time.sleep(pause)
             delay = min(delay * 1.5, WAIT_MAX_SECONDS)
-        # The agent writes its closing events right after result.json.
+        # The agent writes its closing events right after result.json; its capacity
+        # group reports each instance's end (what it cost) a moment later. The cost
+        # shown is the final one: wait for those reports (bounded, as for a followed
+        # log: a group that is gone reports nothing).
         end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
         reader = EventReader(self.store, batches=True)
         events = reader.poll()
         state = fold(events)
         while state.result is None and time.monotonic() < end:
+            time.sleep(POLL_SECONDS)
+            new = reader.poll()
+            events += new
+            state.apply_all(new)
+        end = time.monotonic() + GROUP_END_GRACE_SECONDS
+        while state.running_instances() and time.monotonic() < end:
             time.sleep(POLL_SECONDS)
             new = reader.poll()
             events += new

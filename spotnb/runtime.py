@@ -74,6 +74,7 @@ from typing import Any
 
 from spotnb import __version__, layout, snapshot
 from spotnb.checkpoints import (
+    CHECKPOINT_FORMATS,
     CheckpointError,
     CheckpointStore,
     CorruptCheckpoint,
@@ -690,7 +691,8 @@ class Checkpoint:
         if "torch" in sys.modules:
             _import_writer_in_background()
         rt = _rt()
-        self._store = CheckpointStore(rt.store, layout.CHECKPOINTS, keep=rt.keep)
+        self._store = CheckpointStore(rt.store, layout.CHECKPOINTS, keep=rt.keep,
+                                      formats=CHECKPOINT_FORMATS)
         self._pool = snapshot.BufferPool()
         self._warmed = False
         # A sharded save failed (reported): the next maybe_save saves (every rank).

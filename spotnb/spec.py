@@ -33,6 +33,8 @@ __all__ = [
     "SpecError",
     "amount",
     "check_env_name",
+    "check_input_name",
+    "check_user_env_name",
     "check_variable_name",
     "parse_duration",
     "parse_nodes",
@@ -210,6 +212,44 @@ class CheckpointEvery:
 
 # A multi-node job's nodes, at most: one node slot (lease, event stream) per node.
 MAX_NODES = 64
+# Worker processes (kernels) per node, at most: the largest GPU instances have 8 or 16
+# GPUs; one kernel per CPU core of a big CPU instance is still under this. More is a
+# typo, and each kernel costs an interpreter's memory on the instance.
+MAX_PROCS_PER_NODE = 128
+
+# Names the instance's kernel defines itself (the runtime's ``spot``, IPython's own),
+# and IPython's output cache (``_``, ``_i3``, ...): an input of such a name would shadow
+# them (or be shadowed). spotnb.capture skips them for the same reason.
+INJECTED_NAMES = frozenset({"spot", "get_ipython", "display", "In", "Out", "exit", "quit"})
+IPYTHON_CACHE_NAME = re.compile(r"^_(i{1,3}|i\d+|_{0,2}|dh|ih|oh|sh)$")
+# Environment variables spotnb sets on the instance (the local cloud's markers, the
+# metadata endpoint, its own settings): a job's env may not set them.
+RESERVED_ENV_PREFIX = "SPOTNB_"
+
+
+def check_input_name(name: Any, field: str = "inputs") -> str:
+    """``name`` if it can be an input variable of the cell; SpecError otherwise."""
+    check_variable_name(name, field)
+    if name in INJECTED_NAMES or IPYTHON_CACHE_NAME.match(name):
+        raise SpecError(
+            f"{{option}}: {name!r} is a name the instance's kernel defines itself "
+            f"({'the spotnb runtime' if name == 'spot' else 'IPython'}), so an input of "
+            "that name would shadow it; rename the variable (e.g. "
+            f"{name.strip('_') or 'value'}_value) and use that name in the cell",
+            field=field)
+    return name
+
+
+def check_user_env_name(name: Any, field: str = "env") -> str:
+    """``name`` if a job's env may set it: not one of spotnb's own ``SPOTNB_*``."""
+    check_env_name(name, field)
+    if name.upper().startswith(RESERVED_ENV_PREFIX):
+        raise SpecError(
+            f"{{option}}: {name} is spotnb's own variable ({RESERVED_ENV_PREFIX}*: spotnb "
+            "sets these on the instance, and a job's value would override them); remove "
+            "it from env, or configure the local cloud through its settings "
+            "(cloud/config.json) instead", field=field)
+    return name
 
 
 def parse_nodes(value: Any, field: str = "nodes") -> tuple[int, int]:
@@ -294,6 +334,11 @@ class Resources:
         _check_nodes(self.min_nodes, self.max_nodes, "nodes",
                      f"{self.min_nodes}:{self.max_nodes}")
         _exact_int(self.procs_per_node, "procs_per_node", 1)
+        if self.procs_per_node > MAX_PROCS_PER_NODE:
+            raise SpecError(
+                f"{{option}} {self.procs_per_node} is above spotnb's limit of "
+                f"{MAX_PROCS_PER_NODE} processes per node; use one per GPU of the "
+                "instance type (e.g. 8 on p4d.24xlarge)", field="procs_per_node")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,14 +433,14 @@ class JobSpec:
             if not isinstance(names, tuple):
                 raise _bad(field, "a tuple of variable names", names)
             for name in names:
-                check_variable_name(name, field)
+                (check_input_name if field == "inputs" else check_variable_name)(name, field)
             if len(set(names)) != len(names):
                 raise _bad(field, "names without repeats", names)
         _check_simulation(self.simulate_interruptions)
         if not isinstance(self.env, dict):
             raise _bad("env", "a dict of environment variables", self.env)
         for key, value in self.env.items():
-            check_env_name(key)
+            check_user_env_name(key)
             if value is not None and (not isinstance(value, str) or "\0" in value):
                 raise _bad("env", "text values (or None)", {key: value})
         _check_secret_names(self.secrets, self.env)
@@ -405,32 +450,85 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
-        raw = json.loads(text)
-        if raw.get("schema", SPEC_SCHEMA) > SPEC_SCHEMA:
+        """The spec in ``text`` (a ``spec.json``): SpecError, naming the field, for
+        anything that is not one (not JSON, a wrong shape, a bad value), whoever wrote
+        it: a spec read back is untrusted input like any other."""
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as err:
+            raise SpecError(f"spec.json is not JSON ({err}); {_RESUBMIT}") from None
+        raw = _object(raw, "spec.json")
+        schema = raw.get("schema", SPEC_SCHEMA)
+        if isinstance(schema, bool) or not isinstance(schema, int):
+            raise SpecError(f"spec.json: schema must be a whole number, not {schema!r}; "
+                            + _RESUBMIT)
+        if schema > SPEC_SCHEMA:
             raise SpecError(
-                f"this job was written by a newer spotnb (spec schema {raw['schema']}); "
+                f"this job was written by a newer spotnb (spec schema {schema}); "
                 "upgrade spotnb: pip install -U spotnb"
             )
-        res = raw.pop("resources")
-        pol = raw.pop("policy")
-        every = pol.pop("checkpoint_every")
-        # Specs written before issue 28 held the webhook itself; it is not read any more.
+        res = _object(raw.pop("resources", None), "resources")
+        pol = _object(raw.pop("policy", None), "policy")
+        every = _object(pol.pop("checkpoint_every", None), "checkpoint_every")
+        # Specs written before secrets held the webhook itself; it is not read any more.
         pol.pop("notify_url", None)
-        return cls(
-            resources=Resources(
-                instance_types=tuple(res["instance_types"]),
-                region=res.get("region", "us-east-1"),
-                max_price=res.get("max_price"),
-                min_nodes=res.get("min_nodes", 1),
-                max_nodes=res.get("max_nodes", 1),
-                procs_per_node=res.get("procs_per_node", 1),
-            ),
-            policy=Policy(checkpoint_every=CheckpointEvery(**every), **pol),
-            inputs=tuple(raw.pop("inputs", ())),
-            outputs=tuple(raw.pop("outputs", ())),
-            secrets=tuple(raw.pop("secrets", ())),
-            **raw,
-        )
+        names = {f.name for f in dataclasses.fields(cls)} - {"resources", "policy"}
+        unknown = sorted(set(raw) - names) + sorted(
+            set(res) - {f.name for f in dataclasses.fields(Resources)}) + sorted(
+            set(pol) - {f.name for f in dataclasses.fields(Policy)}) + sorted(
+            set(every) - {f.name for f in dataclasses.fields(CheckpointEvery)})
+        if unknown:
+            raise SpecError(f"spec.json has fields this spotnb does not know "
+                            f"({', '.join(map(str, unknown))}); {_RESUBMIT}")
+        missing = sorted({"job_id", "name", "code", "provider", "store_uri", "created"}
+                         - set(raw)) + (["instance_types"] if "instance_types" not in res
+                                        else [])
+        if missing:
+            raise SpecError(f"spec.json lacks {', '.join(missing)}; {_RESUBMIT}")
+        if not isinstance(raw.get("created"), (int, float)) or isinstance(
+                raw["created"], bool) or not math.isfinite(raw["created"]):
+            raise _bad("created", "a time (seconds since the epoch)", raw["created"],
+                       _RESUBMIT)
+        try:
+            return cls(
+                resources=Resources(
+                    instance_types=_names_list(res["instance_types"], "instance_types"),
+                    region=res.get("region", "us-east-1"),
+                    max_price=res.get("max_price"),
+                    min_nodes=res.get("min_nodes", 1),
+                    max_nodes=res.get("max_nodes", 1),
+                    procs_per_node=res.get("procs_per_node", 1),
+                ),
+                policy=Policy(checkpoint_every=CheckpointEvery(**every), **pol),
+                inputs=_names_list(raw.pop("inputs", ()), "inputs"),
+                outputs=_names_list(raw.pop("outputs", ()), "outputs"),
+                secrets=_names_list(raw.pop("secrets", ()), "secrets"),
+                **raw,
+            )
+        except (TypeError, ValueError, AttributeError) as err:
+            if isinstance(err, SpecError):
+                raise
+            # A value of a type no check expected (a number where text belongs): the
+            # same answer as for any other damage.
+            raise SpecError(f"spec.json is damaged ({err}); {_RESUBMIT}") from None
+
+
+# What to do about a spec.json that cannot be read: it is written once, by spotnb.
+_RESUBMIT = ("the job's spec.json was changed or damaged after it was written; submit "
+             "the job again (its checkpoints stay in its store)")
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"spec.json: {what} must be a JSON object, not {value!r}; "
+                        + _RESUBMIT)
+    return dict(value)
+
+
+def _names_list(value: Any, field: str) -> tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _bad(field, "a list of names", value, _RESUBMIT)
+    return tuple(value)
 
 
 def _check_secret_names(names: Any, env: dict[str, Any]) -> None:

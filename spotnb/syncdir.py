@@ -43,7 +43,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spotnb import layout
-from spotnb.checkpoints import CheckpointStore, FencedOff, Manifest, copy_hashing
+from spotnb.checkpoints import (
+    SYNC_FORMATS,
+    CheckpointStore,
+    FencedOff,
+    Manifest,
+    copy_hashing,
+)
 from spotnb.store import _check_key, retrying
 
 if TYPE_CHECKING:
@@ -156,7 +162,8 @@ class SyncDir:
         self.every = every
         #: Which files a snapshot holds (None: all).
         self.select = select
-        self._store = CheckpointStore(rt.store, f"{layout.SYNC}/{self.name}", keep=rt.keep)
+        self._store = CheckpointStore(rt.store, f"{layout.SYNC}/{self.name}", keep=rt.keep,
+                                      formats=SYNC_FORMATS)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()

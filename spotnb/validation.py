@@ -35,7 +35,8 @@ from spotnb.spec import (
     Resources,
     SpecError,
     amount,
-    check_env_name,
+    check_input_name,
+    check_user_env_name,
     check_variable_name,
     parse_duration,
     parse_nodes,
@@ -207,7 +208,7 @@ def _variable_names(value: Any, field: str) -> tuple[str, ...]:
 def _pickle_inputs(inputs: Mapping[Any, Any]) -> bytes:
     values = {}
     for key, value in inputs.items():
-        check_variable_name(key, "inputs")
+        check_input_name(key, "inputs")
         try:
             blob = cloudpickle.dumps(value)
         except Exception as err:
@@ -305,7 +306,7 @@ def _environment(value: Any, provider: str) -> dict[str, str | None]:
 
     env: dict[str, str | None] = {}
     for key, text in pairs:
-        check_env_name(key)
+        check_user_env_name(key)
         if text is not None and (not isinstance(text, str) or "\0" in text):
             raise SpecError(f"{{option}}: the value of {key} must be text, not {text!r}",
                             field="env")

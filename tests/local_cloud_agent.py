@@ -9,8 +9,11 @@ every 0.1 s.
 Environment: ``STANDIN_MODE`` ``run`` (default), ``crash`` (exit 3 at once) or
 ``ignore-stop`` (never stops by itself); ``STANDIN_STEPS`` (finish with a ``completed``
 result after that many steps; 0 = never); ``STANDIN_CHECKPOINT_AT`` (the step that
-writes a durable checkpoint event). It writes ``identity.json`` and, after a notice,
-``notice.json`` in its working directory (the instance directory).
+writes a durable checkpoint event); ``STANDIN_ESCAPEES=1`` starts two processes that
+try to outlive the instance (one with ``env={}``, one double-forked into a new session
+that ignores SIGTERM) and writes their pids to ``escapees.json``. It writes
+``identity.json`` and, after a notice, ``notice.json`` in its working directory (the
+instance directory).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +48,8 @@ def main() -> int:
         print("stand-in agent: crashing on purpose", file=sys.stderr)
         return 3
 
+    if os.environ.get("STANDIN_ESCAPEES") == "1":
+        escape()
     store = open_store(args.job)
     held = None
     while held is None:
@@ -80,6 +86,34 @@ def main() -> int:
         if step % 10 == 0:
             held.renew()
         time.sleep(0.1)
+
+
+# A daemon: double fork, new session, SIGTERM ignored; it says its pid in a file.
+_DAEMON = """
+import os, signal, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+while True:
+    time.sleep(1)
+"""
+
+
+def escape() -> None:
+    bare = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)"],
+                            env={})
+    subprocess.run([sys.executable, "-c", _DAEMON, "daemon.pid"], check=True)
+    while not Path("daemon.pid").exists():
+        time.sleep(0.05)
+    pids = {"bare": bare.pid, "daemon": int(Path("daemon.pid").read_text())}
+    Path("escapees.json.tmp").write_text(json.dumps(pids))
+    os.replace("escapees.json.tmp", "escapees.json")
 
 
 def finish(store: Store, events: EventWriter, status: str, reason: str) -> int:

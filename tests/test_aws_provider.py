@@ -459,7 +459,41 @@ def test_cleanup_finds_and_deletes_what_a_dead_instance_left(sim: AwsSimulator,
         f"would delete 1 secret of job {handle.job_id} in us-east-1",
     ])
     assert all("its job has a result" in line for line in found)
-    provider.cleanup()
+    # One describe call fails (an AWS without DescribePlacementGroups, a policy that
+    # denies DescribeLaunchTemplates): the cleanup says which call and which permission,
+    # deletes the other kinds all the same, and exits non-zero; no traceback.
+    from botocore.exceptions import ClientError
+
+    def deny(event_name: str = "", **kwargs: Any) -> None:
+        operation = event_name.rsplit(".", 1)[-1]
+        code = "InvalidAction" if operation == "DescribePlacementGroups" else \
+            "UnauthorizedOperation"
+        raise ClientError({"Error": {"Code": code, "Message": "not for you"},
+                           "ResponseMetadata": {"HTTPStatusCode": 400}}, operation)
+
+    removes = [_boto.add_hook(f"before-call.ec2.{op}", deny)
+               for op in ("DescribePlacementGroups", "DescribeLaunchTemplates")]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli_main(["aws", "cleanup"])
+    finally:
+        for remove in removes:
+            remove()
+    assert code == 1, (out.getvalue(), err.getvalue())
+    assert "Traceback" not in err.getvalue()
+    for what, call in (("placement groups", "DescribePlacementGroups"),
+                       ("launch templates", "DescribeLaunchTemplates")):
+        assert (f"could not look for {what} in us-east-1: {call} failed" in err.getvalue()
+                and f"needs the permission ec2:{call}" in err.getvalue()), err.getvalue()
+    assert "2 step(s) of the cleanup failed" in err.getvalue()
+    assert f"deleted Auto Scaling group spotnb-{handle.job_id}" in out.getvalue()
+    assert f"deleted queue spotnb-{handle.job_id}-control" in out.getvalue()
+    assert f"deleted IAM role and instance profile spotnb-job-{handle.job_id}" in \
+        out.getvalue()
+    # What the failed call hid is found once it works.
+    assert [line.split(" (")[0] for line in provider.cleanup()] == [
+        f"deleted launch template spotnb-{handle.job_id} in us-east-1"]
     assert resources() == NOTHING
 
 

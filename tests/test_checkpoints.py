@@ -11,13 +11,16 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from spotnb.checkpoints import (
     LATEST,
     MANIFEST,
+    CheckpointError,
     CheckpointStore,
     CorruptCheckpoint,
     FencedOff,
@@ -344,10 +347,11 @@ def test_a_damaged_latest_or_manifest_falls_back_to_an_intact_checkpoint(
     assert cs.latest() is not None and cs.latest().step == 40  # type: ignore[union-attr]
 
 
-def test_restore_falls_back_past_a_damaged_latest(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "id .."])
+def test_restore_falls_back_past_a_damaged_latest(tmp_path: Path, damage: str) -> None:
     # The runtime's restore() (standalone: checkpoints under ./.spotnb-local) survives a
-    # truncated LATEST and restores the newest intact checkpoint, not a JSONDecodeError.
+    # truncated, deleted or lying LATEST and restores the newest intact checkpoint, not
+    # a JSONDecodeError and not step 0.
     script = textwrap.dedent("""
         import sys
         from spotnb import runtime as spot
@@ -365,11 +369,17 @@ def test_restore_falls_back_past_a_damaged_latest(tmp_path: Path,
     run = [sys.executable, "-c", script]
     subprocess.run([*run, "save"], cwd=tmp_path, env=env, check=True, timeout=120)
     latest = tmp_path / ".spotnb-local" / "checkpoints" / LATEST
-    latest.write_bytes(latest.read_bytes()[:5])
+    if damage == "truncated":
+        latest.write_bytes(latest.read_bytes()[:5])
+    elif damage == "deleted":
+        latest.unlink()
+    else:
+        latest.write_text(json.dumps({"id": "..", "step": 2}))
     out = subprocess.run([*run, "restore"], cwd=tmp_path, env=env, check=True,
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["3", "2"]
-    assert "damaged" in out.stderr
+    assert ("missing" if damage == "deleted" else "damaged") in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_a_pending_checkpoint_lists_the_files_streamed_into_it(
@@ -401,3 +411,89 @@ def test_a_pending_checkpoint_lists_the_files_streamed_into_it(
     assert not store.exists(f"checkpoints/{manifest.id}/dropped")
     paths = cs.download(cs.latest() or manifest, tmp_path / "out")  # verifies every hash
     assert paths["part1"].read_bytes() == blobs["part1"]
+
+
+def _manifest_edit(path: str, value: object) -> Callable[[dict[str, Any]], Any]:
+    def edit(raw: dict[str, Any]) -> Any:
+        node: Any = raw
+        *parents, key = path.split(".")
+        for parent in parents:
+            node = node[int(parent)] if isinstance(node, list) else node[parent]
+        node[key] = value
+        return raw
+    return edit
+
+
+# Manifests of every shape found damaged (by attack, by a full disk, by hand): each one
+# is skipped for the intact checkpoint before it, never an AttributeError, ValueError or
+# RecursionError out of a restore.
+DAMAGED_MANIFESTS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "a list": lambda raw: [1, 2],
+    "null": lambda raw: None,
+    "files: [1]": _manifest_edit("files", [1]),
+    "files: {}": _manifest_edit("files", {}),
+    "metadata: [1]": _manifest_edit("metadata", [1]),
+    "metadata.ranks: 'x'": _manifest_edit("metadata", {"ranks": "x"}),
+    "id ..": _manifest_edit("id", ".."),
+    "id empty": _manifest_edit("id", ""),
+    "id of another checkpoint": _manifest_edit("id", "000000000010-a0000-00000000"),
+    "file name ../../x": _manifest_edit("files.0.name", "../../x"),
+    "file name /etc/passwd": _manifest_edit("files.0.name", "/etc/passwd"),
+    "file name MANIFEST.json": _manifest_edit("files.0.name", MANIFEST),
+    "file size -1": _manifest_edit("files.0.size", -1),
+    "file size '5'": _manifest_edit("files.0.size", "5"),
+    "file checksum md5": _manifest_edit("files.0.checksum", "md5:00"),
+    "file listed twice": lambda raw: {**raw, "files": raw["files"] * 2},
+    "unknown format": _manifest_edit("format", "safetensors-v9"),
+    "format 7": _manifest_edit("format", 7),
+    "step 'x'": _manifest_edit("step", "x"),
+    "step true": _manifest_edit("step", True),
+    "created NaN": _manifest_edit("created", float("nan")),
+    "schema '2'": _manifest_edit("schema", "2"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(DAMAGED_MANIFESTS))
+def test_a_manifest_of_any_damaged_shape_falls_back(store: LocalStore, tmp_path: Path,
+                                                    shape: str) -> None:
+    # The reader of spot.Checkpoint's store: it reads these formats, no other.
+    cs = CheckpointStore(store, keep=3, formats={"files"})
+    first, second = (cs.write(step, _files(tmp_path, state=f"step {step}".encode()))
+                     for step in (10, 20))
+    path = store.root / "checkpoints" / second.id / MANIFEST
+    path.write_text(json.dumps(DAMAGED_MANIFESTS[shape](json.loads(path.read_text()))))
+    assert [m.id for m in cs.manifests()] == [first.id]
+    with pytest.raises(CheckpointError, match="manifest is damaged"):
+        cs.manifest(second.id)
+    restored = cs.download(first, tmp_path / "restore")
+    assert restored["state"].read_bytes() == b"step 10"
+
+
+def test_a_deeply_nested_manifest_falls_back(store: LocalStore, tmp_path: Path) -> None:
+    cs = CheckpointStore(store, keep=3)
+    first, second = (cs.write(step, _files(tmp_path, state=b"x")) for step in (10, 20))
+    (store.root / "checkpoints" / second.id / MANIFEST).write_text("[" * 200_000)
+    assert [m.id for m in cs.manifests()] == [first.id]
+
+
+@pytest.mark.parametrize("pointer", [
+    '{"id": "..", "step": 20}', '{"id": "", "step": 20}', "[1, 2]", '"LATEST"',
+    '{"id": "../../x", "step": 1}', '{"id": 5, "step": 1}', "[" * 200_000,
+    '{"step": 20}',
+], ids=lambda text: text[:24])
+def test_a_latest_of_any_damaged_shape_falls_back(store: LocalStore, tmp_path: Path,
+                                                  pointer: str) -> None:
+    cs = CheckpointStore(store, keep=3)
+    written = [cs.write(step, _files(tmp_path, state=b"x")) for step in (10, 20, 30)]
+    (store.root / "checkpoints" / LATEST).write_text(pointer)
+    assert [m.id for m in cs.manifests()] == [m.id for m in reversed(written)]
+
+
+def test_without_latest_the_newest_intact_checkpoint_is_found_by_listing(
+        store: LocalStore, tmp_path: Path) -> None:
+    cs = CheckpointStore(store, keep=3)
+    written = [cs.write(step, _files(tmp_path, state=b"x")) for step in (10, 20, 30)]
+    (store.root / "checkpoints" / LATEST).unlink()
+    latest = cs.latest()
+    assert latest is not None and latest.id == written[-1].id
+    assert [m.step for m in cs.manifests()] == [30, 20, 10]

@@ -226,6 +226,7 @@ def test_hard_kill_redoes_at_most_the_steps_since_the_last_checkpoint(
     handle = spotnb.submit(TORCH_TRAINING, inputs=inputs, outputs=["digest"],
                            checkpoint_every="30 steps")
     killed: list[int] = []
+    sockets: list[Path] = []  # the killed agent's socket directory
     durable: dict[int, int] = {}
     in_flight: dict[int, bool] = {}
 
@@ -241,6 +242,8 @@ def test_hard_kill_redoes_at_most_the_steps_since_the_last_checkpoint(
             boot = next(x for x in events_so_far if x.attempt == 1
                         and x.type == "status" and x.data.get("state") == "booting")
             agent = psutil.Process(boot.data["pid"])
+            sockets.append(Path(agent.environ()["SPOTNB_AGENT_SOCKET_DIR"]))
+            assert sockets[0].is_dir()
             for p in [*agent.children(recursive=True), agent]:
                 p.send_signal(signal.SIGKILL)
             killed.append(durable[1])
@@ -264,6 +267,9 @@ def test_hard_kill_redoes_at_most_the_steps_since_the_last_checkpoint(
     assert redone == {s for s in by_attempt[1] if s > killed[0]}
     assert [a.end_reason for a in result.attempts] == ["lost", "completed"]
     wait_no_processes(cloud)
+    # The killed agent's socket directory (its kernel's connection file, with the
+    # kernel's key) went with its instance; no `spotnb cleanup` needed.
+    assert not sockets[0].exists()
 
 
 SUBMIT_AND_EXIT = """
@@ -321,13 +327,17 @@ def test_jobs_lists_an_ended_job_from_its_cache_until_its_log_changes(cloud: Pat
 
 def test_user_error_fails_with_the_remote_traceback_and_no_retry(cloud: Path) -> None:
     code = "x = 1\ny = 2\nraise ValueError('bad batch size')\n"
-    result = spotnb.submit(code).wait(timeout=120)
+    handle = spotnb.submit(code)
+    result = handle.wait(timeout=120)
     assert result.status == "failed"
     assert result.error is not None and result.error["ename"] == "ValueError"
     tb = "\n".join(result.error["traceback"])
     assert "bad batch size" in tb and "line 3" in tb
     assert len(result.attempts) == 1
     wait_no_processes(cloud)
+    # The cost wait() reports right after the end is the final one, not the cost
+    # before the group billed the instance's last moments.
+    assert result.cost_usd == handle.summary().cost_usd
 
 
 def test_a_kernel_that_dies_fails_the_job_with_its_exit_reason(

@@ -4,6 +4,7 @@ towards the group as the real agent does."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -250,7 +251,8 @@ def test_terminate_leaves_no_process_and_is_idempotent(cloud: Cloud) -> None:
     agent_pid = wait_until(lambda: identity_of(instance_id), 10, "the agent")["pid"]
     group = cloud.provider.group(spec.job_id)
     assert group is not None and group["alive"]
-    assert len(_our_processes(cloud.home)) == 2  # the supervisor and the agent
+    # The supervisor, the instance's first process (the reaper) and the agent.
+    assert len(_our_processes(cloud.home)) == 3
 
     cloud.provider.terminate(spec.job_id)
     assert _our_processes(cloud.home) == []
@@ -443,6 +445,80 @@ def test_cleanup_kills_orphans_of_a_dead_supervisor(cloud: Cloud) -> None:
     assert cloud.provider.cleanup() == []
 
 
+def escapees_of(instance_id: str) -> list[psutil.Process] | None:
+    """The processes the stand-in started to outlive its instance (STANDIN_ESCAPEES)."""
+    try:
+        pids = json.loads((instance_dir(instance_id) / "escapees.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return [psutil.Process(pid) for pid in pids.values()]
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:  # a zombie has ended: reaping it is its parent's business (pid 1's here)
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _ended(procs: list[psutil.Process], what: str, timeout: float = 30.0) -> None:
+    try:
+        wait_until(lambda: not any(_running(p) for p in procs), timeout, what)
+    finally:
+        alive = [p for p in procs if _running(p)]
+        for proc in alive:  # not our fixture's to find: they lack SPOTNB_HOME
+            proc.kill()
+    assert not alive, f"{what}: {alive} outlived their instance"
+
+
+def test_an_agent_killed_outright_leaves_no_process_behind(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_ESCAPEES", "1")
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    first = launched(spec)[0].data["instance_id"]
+    agent_pid = wait_until(lambda: identity_of(first), 10, "the agent")["pid"]
+    escapees = wait_until(lambda: escapees_of(first), 10, "the agent's escapees")
+    os.kill(agent_pid, signal.SIGKILL)
+    _ended(escapees, "a child with env={} and a SIGTERM-proof daemon of a killed agent")
+    wait_until(lambda: group_events(spec, "instance", action="terminated",
+                                    instance_id=first), 10, "the instance's end")
+    # Its replacement's escapees end with the job too.
+    second = launched(spec, 2)[1].data["instance_id"]
+    replaced = wait_until(lambda: escapees_of(second), 10, "the replacement's escapees")
+    cloud.provider.terminate(spec.job_id)
+    _ended(replaced, "the escapees of a terminated job")
+
+
+def test_cleanup_finds_processes_without_markers_whose_instance_died(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_ESCAPEES", "1")
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    instance_id = launched(spec)[0].data["instance_id"]
+    agent_pid = wait_until(lambda: identity_of(instance_id), 10, "the agent")["pid"]
+    escapees = wait_until(lambda: escapees_of(instance_id), 10, "the agent's escapees")
+    group = cloud.provider.group(spec.job_id)
+    assert group is not None
+    reaper = json.loads((instance_dir(instance_id) / "pid.json").read_text())["pid"]
+    # Everything spotnb started for the instance dies at once (a machine's OOM killer):
+    # what the agent started is left under pid 1, one of them without spotnb's markers.
+    spotnbs = []
+    for pid in (group["supervisor"]["pid"], reaper, agent_pid):
+        with contextlib.suppress(psutil.NoSuchProcess):  # the agent dies with the reaper
+            spotnbs.append(psutil.Process(pid))
+            spotnbs[-1].kill()
+    wait_until(lambda: not any(_running(p) for p in spotnbs), 10, "spotnb's processes to die")
+    try:
+        planned = cloud.provider.cleanup(dry_run=True)
+        for proc in escapees:
+            assert any(f"would kill orphan process {proc.pid} of instance {instance_id}"
+                       in line for line in planned), planned
+        cloud.provider.cleanup()
+    finally:
+        _ended(escapees, "processes of a dead instance after `spotnb cleanup`", 10.0)
+
+
 def test_prices_come_from_the_catalog(cloud: Cloud) -> None:
     price = cloud.provider.prices("g4dn.xlarge", "us-east-1")
     cheapest = catalog.pools("g4dn.xlarge", "us-east-1")[0]
@@ -526,3 +602,27 @@ def test_a_process_record_taken_as_the_exec_ends_still_knows_the_process(
         proc.stdin.close()  # type: ignore[union-attr]
         proc.wait(timeout=60)
     assert not record.alive()  # gone: nothing to kill
+
+
+def test_a_job_that_ends_while_its_supervisor_is_dead_logs_its_instances_end(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_STEPS", "40")
+    spec = cloud.spec()
+    cloud.provider.launch(spec)
+    instance_id = launched(spec)[0].data["instance_id"]
+    wait_until(lambda: identity_of(instance_id), 10, "the agent")
+    group = cloud.provider.group(spec.job_id)
+    assert group is not None and group["state"] == "ready"
+    os.kill(group["supervisor"]["pid"], signal.SIGKILL)  # the supervisor alone
+    wait_until(lambda: result_of(spec), 30, "the job's result")
+    # Nobody looks at the job: its instance's end is logged all the same, and its
+    # group says it exited.
+    ended = wait_until(lambda: group_events(spec, "instance", action="terminated",
+                                            instance_id=instance_id),
+                       30, "the instance's end in the group's log")
+    assert len(ended) == 1
+    wait_until(lambda: (cloud.provider.group(spec.job_id) or {}).get("state") == "exited",
+               30, "group.json to say the group exited")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the supervisor to exit")
+    assert not any(e.type == "status" and e.data.get("state") == "launching"
+                   and e.time > ended[0].time for e in group_events(spec))

@@ -105,15 +105,20 @@ def test_aws_cleanup_without_the_ssm_permission_says_so_and_goes_on(
     pytest.importorskip("boto3")
     from botocore.exceptions import ClientError
 
-    from spotnb.providers.aws import AwsProvider, parameters
+    from spotnb.providers.aws import AwsProvider, _cleanup_failure, parameters
 
     def denied(ssm: object, job_id: str | None = None) -> dict[str, list[str]]:
         raise ClientError({"Error": {"Code": "AccessDeniedException", "Message": "no"}},
                           "DescribeParameters")
 
     monkeypatch.setattr(parameters, "leftovers", denied)
-    lines = AwsProvider(region="us-east-1")._secrets_left(
-        "us-east-1", lambda job, store: (True, "its job has a result"), "would delete", True)
-    assert lines == ["could not look for jobs' secrets in us-east-1 (AccessDeniedException): "
-                     "grant ssm:DescribeParameters (`spotnb aws setup --dry-run` prints the "
-                     "policy)"]
+    provider = AwsProvider(region="us-east-1")
+    done: list[str] = []
+    with pytest.raises(ClientError) as caught:
+        provider._secrets_left("us-east-1", lambda job, store: (True, "its job has a result"),
+                               "would delete", True, done)
+    assert done == []
+    line = _cleanup_failure("look for jobs' secrets in us-east-1", caught.value,
+                            [provider.client("ssm", "us-east-1")])
+    assert "permission ssm:DescribeParameters" in line
+    assert "spotnb aws setup --dry-run" in line

@@ -4,6 +4,7 @@ becomes a valid spec or is refused with a SpecError that names the argument."""
 
 from __future__ import annotations
 
+import json
 import keyword
 import math
 import threading
@@ -250,3 +251,52 @@ def test_a_read_back_spec_checks_its_nodes_too() -> None:
 def test_an_unpicklable_input_is_still_named() -> None:
     with pytest.raises(SpecError, match=r"input 'lock' .* cannot be pickled"):
         prepare(CODE, inputs={"lock": threading.Lock()})
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"procs_per_node": 10**6}, r"procs_per_node 1000000 is above spotnb's limit"),
+    ({"env": {"SPOTNB_LOCAL_JOB_ID": "other"}}, r"env: SPOTNB_LOCAL_JOB_ID is spotnb's own"),
+    ({"env": ["spotnb_lease_ttl=1"]}, r"env: spotnb_lease_ttl is spotnb's own"),
+    ({"inputs": {"spot": 1}}, r"inputs: 'spot' is a name the instance's kernel defines"),
+    ({"inputs": {"_i3": 1}}, r"inputs: '_i3' is a name the instance's kernel defines"),
+])
+def test_values_that_would_override_spotnbs_own_are_refused(kwargs: dict[str, Any],
+                                                             words: str) -> None:
+    with pytest.raises(SpecError, match=words) as err:
+        prepare(CODE, **kwargs)
+    assert err.value.field == next(iter(kwargs))
+
+
+@pytest.mark.parametrize(("path", "value", "words"), [
+    ("outputs", float("nan"), "outputs must be a list of names"),
+    ("resources.instance_types", -1, "instance_types must be a list of names"),
+    ("resources.procs_per_node", 10**6, "above spotnb's limit"),
+    ("inputs", ["spot"], "'spot' is a name the instance's kernel"),
+    ("env", {"SPOTNB_LOCAL_JOB_ID": "x"}, "SPOTNB_LOCAL_JOB_ID is spotnb's own"),
+    ("policy", 7, "policy must be a JSON object"),
+    ("policy.checkpoint_every", [1], "checkpoint_every must be a JSON object"),
+    ("created", "x", "created must be a time"),
+    ("job_id", 5, "job_id must be a string"),
+    ("policy.extra", 1, "fields this spotnb does not know .extra."),
+    ("resources.region", {}, "region must be"),
+    ("simulate_interruptions", [1], "simulate_interruptions must be"),
+    ("env", [], "env must be a dict"),
+    ("schema", "2", "schema must be a whole number"),
+])
+def test_a_tampered_spec_json_is_a_spec_error(path: str, value: Any, words: str) -> None:
+    raw = json.loads(prepare(CODE).to_json())
+    *parents, key = path.split(".")
+    node = raw
+    for parent in parents:
+        node = node[parent]
+    node[key] = value
+    with pytest.raises(SpecError, match=words) as err:
+        JobSpec.from_json(json.dumps(raw))
+    assert "Traceback" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", "{", "[" * 100_000 + "]" * 100_000,
+                                  '{"schema": "2"}', '{"resources": []}'])
+def test_a_spec_json_of_the_wrong_shape_is_a_spec_error(text: str) -> None:
+    with pytest.raises(SpecError, match=r"spec\.json|submit the job again"):
+        JobSpec.from_json(text)

@@ -192,8 +192,12 @@ class Agent:
         self._sampled_at = -SYS_IDLE_SECONDS
         self._scratch = Path(tempfile.mkdtemp(prefix="spotnb-agent-", dir=os.getcwd()))
         # The runtime's channel and the kernel's sockets. Unix socket paths are
-        # limited to ~107 bytes: keep it short, in /tmp.
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="spotnb-"))
+        # limited to ~107 bytes: keep it short, in /tmp. On the local cloud the
+        # instance's first process made it, and removes it however this agent ends
+        # (spotnb.providers.local.reaper).
+        given = os.environ.get("SPOTNB_AGENT_SOCKET_DIR")
+        self._socket_dir = Path(given) if given and os.path.isdir(given) else \
+            Path(tempfile.mkdtemp(prefix="spotnb-"))
         self._socket_path = self._socket_dir / "agent.sock"
         self._listener: socket.socket | None = None
         self.live: LiveSender | None = None
@@ -1158,11 +1162,12 @@ class Agent:
         (ranges of the replicated items other ranks wrote; another world size's shards).
         """
         try:
-            from spotnb.checkpoints import CheckpointStore
+            from spotnb.checkpoints import CHECKPOINT_FORMATS, CheckpointStore
             from spotnb.ckpt import node_share
 
             ckpts = CheckpointStore(self.store, prefix=layout.CHECKPOINTS,
-                                    keep=self.spec.policy.keep_checkpoints)
+                                    keep=self.spec.policy.keep_checkpoints,
+                                    formats=CHECKPOINT_FORMATS)
             manifest = ckpts.latest()
             if manifest is None:
                 return

@@ -102,7 +102,7 @@ from spotnb.secretstore import values_for
 from spotnb.spec import JobSpec, SpecError
 from spotnb.store import StoreError, open_store
 
-__all__ = ["AwsProvider", "AwsSettings", "stop_capacity_watches"]
+__all__ = ["AwsProvider", "AwsSettings", "CleanupIncomplete", "stop_capacity_watches"]
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +397,12 @@ class AwsProvider(Provider):
         log.info("deleted job %s's capacity group, template, role and queues", job_id)
 
     def cleanup(self, dry_run: bool = False) -> list[str]:
+        """See the contract. Each kind of resource is looked for and deleted on its own:
+        a call that fails (a policy that denies it, an AWS without it) is named with the
+        permission it needed, the other kinds are cleaned up all the same, and then
+        :class:`CleanupIncomplete` says what could not be done."""
         done: list[str] = []
+        failed: list[str] = []
         verdicts: dict[str, tuple[bool, str]] = {}
         regions = {self.region(), *self._job_regions.values()}
         verb = "would delete" if dry_run else "deleted"
@@ -407,49 +412,96 @@ class AwsProvider(Provider):
                 verdicts[job_id] = _job_over(store_uri)
             return verdicts[job_id]
 
+        def guarded(what: str, step: Callable[[], object]) -> bool:
+            """Run one step of the cleanup; a failure is recorded (False), not raised."""
+            try:
+                step()
+                return True
+            except Exception as err:
+                clients = [self.client(name, self.region()) for name in
+                           ("ec2", "autoscaling", "sqs", "iam", "ssm")]
+                failed.append(_cleanup_failure(what, err, clients))
+                log.warning("cleanup: %s", failed[-1])
+                return False
+
         for region in sorted(regions):
             asg = self.client("autoscaling", region)
             ec2 = self.client("ec2", region)
-            for group in _paginate(asg, "describe_auto_scaling_groups", "AutoScalingGroups"):
-                found = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
-                if TAG_JOB not in found:
-                    continue
-                ended, why = over(found[TAG_JOB], found.get(TAG_STORE))
-                if ended:
-                    done.append(f"{verb} Auto Scaling group {group['AutoScalingGroupName']} "
-                                f"in {region} ({why})")
-                    if not dry_run:
-                        self._delete_group(found[TAG_JOB], region)
-            templates = ec2.describe_launch_templates(
-                Filters=[{"Name": "tag-key", "Values": [TAG_JOB]}]).get("LaunchTemplates", ())
-            for template in templates:
-                found = {t["Key"]: t["Value"] for t in template.get("Tags", ())}
-                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                if ended:
-                    done.append(f"{verb} launch template {template['LaunchTemplateName']} in "
-                                f"{region} ({why})")
-                    if not dry_run:
-                        _ignore_missing(partial(ec2.delete_launch_template,
-                                                LaunchTemplateId=template["LaunchTemplateId"]))
-            for kind, ident, label, found in cluster.leftovers(ec2):
-                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                if ended and (dry_run or cluster.delete_leftover(ec2, kind, ident)):
-                    done.append(f"{verb} {label} in {region} ({why})")
-                elif ended:
-                    done.append(f"kept {label} in {region} ({why}, but an instance still "
-                                "uses it: run cleanup again in a minute)")
-            for inst in self._instances(region, None, ("pending", "running", "stopping",
-                                                       "stopped")):
-                found = {t["Key"]: t["Value"] for t in inst.get("Tags", ())}
-                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                if ended:
-                    done.append(f"{verb} instance {inst['InstanceId']} in {region} ({why})")
-                    if not dry_run:
-                        ec2.terminate_instances(InstanceIds=[inst["InstanceId"]])
-        for region in sorted(regions):
+
+            def groups(region: str = region, asg: Any = asg) -> None:
+                for group in _paginate(asg, "describe_auto_scaling_groups",
+                                       "AutoScalingGroups"):
+                    found = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
+                    if TAG_JOB not in found:
+                        continue
+                    ended, why = over(found[TAG_JOB], found.get(TAG_STORE))
+                    if not ended:
+                        continue
+                    name = group["AutoScalingGroupName"]
+                    if dry_run or guarded(
+                            f"delete Auto Scaling group {name} in {region}",
+                            partial(self._delete_group, found[TAG_JOB], region)):
+                        done.append(f"{verb} Auto Scaling group {name} in {region} ({why})")
+
+            def templates(region: str = region, ec2: Any = ec2) -> None:
+                for template in ec2.describe_launch_templates(Filters=[
+                        {"Name": "tag-key", "Values": [TAG_JOB]}]).get("LaunchTemplates", ()):
+                    found = {t["Key"]: t["Value"] for t in template.get("Tags", ())}
+                    ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+                    if not ended:
+                        continue
+                    name = template["LaunchTemplateName"]
+                    if dry_run or guarded(
+                            f"delete launch template {name} in {region}",
+                            partial(_ignore_missing, partial(
+                                ec2.delete_launch_template,
+                                LaunchTemplateId=template["LaunchTemplateId"]))):
+                        done.append(f"{verb} launch template {name} in {region} ({why})")
+
+            def network(kind: str, region: str = region, ec2: Any = ec2) -> None:
+                for kind_, ident, label, found in cluster.leftovers(ec2, kinds=(kind,)):
+                    ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+                    if not ended:
+                        continue
+                    deleted: list[bool] = [True]  # False: in use by an instance still
+
+                    def delete(kind_: str = kind_, ident: str = ident,
+                               deleted: list[bool] = deleted) -> None:
+                        deleted[0] = cluster.delete_leftover(ec2, kind_, ident)
+
+                    if not dry_run and not guarded(f"delete {label} in {region}", delete):
+                        continue
+                    if deleted[0]:
+                        done.append(f"{verb} {label} in {region} ({why})")
+                    else:
+                        done.append(f"kept {label} in {region} ({why}, but an instance "
+                                    "still uses it: run cleanup again in a minute)")
+
+            def instances(region: str = region, ec2: Any = ec2) -> None:
+                for inst in self._instances(region, None, ("pending", "running", "stopping",
+                                                           "stopped")):
+                    found = {t["Key"]: t["Value"] for t in inst.get("Tags", ())}
+                    ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+                    if not ended:
+                        continue
+                    ident = inst["InstanceId"]
+                    if dry_run or guarded(
+                            f"terminate instance {ident} in {region}",
+                            partial(ec2.terminate_instances, InstanceIds=[ident])):
+                        done.append(f"{verb} instance {ident} in {region} ({why})")
+
+            guarded(f"look for Auto Scaling groups in {region}", groups)
+            guarded(f"look for launch templates in {region}", templates)
+            guarded(f"look for security groups in {region}",
+                    partial(network, "security-group"))
+            guarded(f"look for placement groups in {region}",
+                    partial(network, "placement-group"))
+            guarded(f"look for instances in {region}", instances)
+
+        def queues(region: str) -> None:
             sqs = self.client("sqs", region)
-            urls = sqs.list_queues(QueueNamePrefix="spotnb-").get("QueueUrls", [])
-            for url in urls:
+            for url in sqs.list_queues(QueueNamePrefix="spotnb-").get("QueueUrls", []):
+                name = url.rsplit("/", 1)[-1]
                 try:
                     found = sqs.list_queue_tags(QueueUrl=url).get("Tags", {})
                 except Exception as err:
@@ -457,37 +509,54 @@ class AwsProvider(Provider):
                         continue
                     raise
                 ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                if ended:
-                    done.append(f"{verb} queue {url.rsplit('/', 1)[-1]} in {region} ({why})")
-                    if not dry_run:
-                        _ignore_missing(partial(sqs.delete_queue, QueueUrl=url))
+                if not ended:
+                    continue
+                if dry_run or guarded(
+                        f"delete queue {name} in {region}",
+                        partial(_ignore_missing, partial(sqs.delete_queue, QueueUrl=url))):
+                    done.append(f"{verb} queue {name} in {region} ({why})")
+
         for region in sorted(regions):
-            done += self._secrets_left(region, over, verb, dry_run)
+            guarded(f"look for queues in {region}", partial(queues, region))
+            guarded(f"look for jobs' secrets in {region}",
+                    partial(self._secrets_left, region, over, verb, dry_run, done))
         iam = self.client("iam", self.region())
-        for role in _paginate(iam, "list_roles", "Roles", PathPrefix=IAM_PATH):
-            name = role["RoleName"]
-            if not name.startswith("spotnb-job-"):
-                continue
-            try:
-                found = {t["Key"]: t["Value"] for t in
-                         iam.list_role_tags(RoleName=name).get("Tags", ())}
-            except Exception as err:
-                if _code(err) == "NoSuchEntity":
-                    continue  # deleted meanwhile (its instance agent's teardown)
-                raise
-            ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-            if ended:
-                done.append(f"{verb} IAM role and instance profile {name} ({why})")
-                if not dry_run:
-                    _delete_role_named(iam, name)
-        for profile in _paginate(iam, "list_instance_profiles", "InstanceProfiles",
-                                 PathPrefix=IAM_PATH):
-            name = profile["InstanceProfileName"]
-            if name.startswith("spotnb-job-") and not profile.get("Roles"):
-                done.append(f"{verb} instance profile {name} (it has no role left)")
-                if not dry_run:
-                    _ignore_missing(partial(iam.delete_instance_profile,
-                                            InstanceProfileName=name))
+
+        def roles() -> None:
+            for role in _paginate(iam, "list_roles", "Roles", PathPrefix=IAM_PATH):
+                name = role["RoleName"]
+                if not name.startswith("spotnb-job-"):
+                    continue
+                try:
+                    found = {t["Key"]: t["Value"] for t in
+                             iam.list_role_tags(RoleName=name).get("Tags", ())}
+                except Exception as err:
+                    if _code(err) == "NoSuchEntity":
+                        continue  # deleted meanwhile (its instance agent's teardown)
+                    raise
+                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
+                if not ended:
+                    continue
+                if dry_run or guarded(f"delete IAM role {name}",
+                                      partial(_delete_role_named, iam, name)):
+                    done.append(f"{verb} IAM role and instance profile {name} ({why})")
+
+        def profiles() -> None:
+            for profile in _paginate(iam, "list_instance_profiles", "InstanceProfiles",
+                                     PathPrefix=IAM_PATH):
+                name = profile["InstanceProfileName"]
+                if not name.startswith("spotnb-job-") or profile.get("Roles"):
+                    continue
+                if dry_run or guarded(
+                        f"delete instance profile {name}",
+                        partial(_ignore_missing, partial(iam.delete_instance_profile,
+                                                         InstanceProfileName=name))):
+                    done.append(f"{verb} instance profile {name} (it has no role left)")
+
+        guarded("look for IAM roles", roles)
+        guarded("look for instance profiles", profiles)
+        if failed:
+            raise CleanupIncomplete(done, failed)
         return done
 
     def _delete_secrets(self, job_id: str, region: str,
@@ -501,29 +570,20 @@ class AwsProvider(Provider):
             parameters.delete(ssm, job_id, names)
 
     def _secrets_left(self, region: str, over: Callable[[str, str | None], tuple[bool, str]],
-                      verb: str, dry_run: bool) -> list[str]:
-        """cleanup's part for secrets: the parameters of jobs that ended."""
+                      verb: str, dry_run: bool, done: list[str]) -> None:
+        """cleanup's part for secrets: the parameters of jobs that ended, added to
+        ``done``. A call that fails raises (cleanup names the call and its permission:
+        an identity set up before secrets existed may lack ssm:DescribeParameters)."""
         ssm = self.client("ssm", region)
-        done = []
-        try:
-            jobs = parameters.leftovers(ssm)
-        except Exception as err:
-            # An identity set up before secrets existed may lack the permission; the
-            # rest of the cleanup goes on.
-            log.warning("could not look for jobs' secrets in %s: %s", region, err)
-            return [f"could not look for jobs' secrets in {region} "
-                    f"({_boto.error_code(err) or type(err).__name__}): grant "
-                    "ssm:DescribeParameters (`spotnb aws setup --dry-run` prints the policy)"]
-        for job_id, names in sorted(jobs.items()):
+        for job_id, names in sorted(parameters.leftovers(ssm).items()):
             found = parameters.tags_of(ssm, job_id, names[0])
             ended, why = over(found.get(TAG_JOB, job_id), found.get(TAG_STORE))
             if ended:
+                if not dry_run:
+                    parameters.delete(ssm, job_id, names)
                 done.append(f"{verb} {len(names)} secret{'s' if len(names) > 1 else ''} of "
                             f"job {job_id} in {region} (SSM {parameters.job_path(job_id)}/; "
                             f"{why})")
-                if not dry_run:
-                    parameters.delete(ssm, job_id, names)
-        return done
 
     def _delete_queues(self, job_id: str, region: str,
                        names: list[str] | None = None) -> None:
@@ -761,6 +821,36 @@ def _paginate(client: Any, method: str, key: str, **params: Any) -> list[Any]:
     for page in client.get_paginator(method).paginate(**params):
         items += page.get(key, ())
     return items
+
+
+class CleanupIncomplete(ProviderError):
+    """``spotnb aws cleanup`` could not do everything: ``done`` (what it did, as
+    :meth:`AwsProvider.cleanup` returns it) and ``failed`` (what it could not, each with
+    the call and the permission it needed)."""
+
+    def __init__(self, done: list[str], failed: list[str]) -> None:
+        self.done = done
+        self.failed = failed
+        super().__init__(
+            f"the cleanup could not {len(failed)} thing(s): " + "; ".join(failed))
+
+
+def _cleanup_failure(what: str, err: BaseException, clients: list[Any]) -> str:
+    """A line for a step of the cleanup that failed: what, the call, the permission
+    (its IAM action: the service of whichever client has the operation), the fix."""
+    operation = getattr(err, "operation_name", None)
+    service = next((c.meta.service_model.signing_name for c in clients
+                    if operation in c.meta.service_model.operation_names), None)
+    code = _code(err) or type(err).__name__
+    message = (getattr(err, "response", None) or {}).get("Error", {}).get("Message") \
+        or str(err)
+    if operation and service:
+        return (f"could not {what}: {operation} failed ({code}: {message}); it needs the "
+                f"permission {service}:{operation}: attach the notebook-user policy "
+                "printed by `spotnb aws setup --dry-run` (or check the account with "
+                "`spotnb aws doctor`), then run `spotnb aws cleanup` again")
+    return (f"could not {what}: {code}: {message}; check the account with `spotnb aws "
+            "doctor`, then run `spotnb aws cleanup` again")
 
 
 def _job_over(store_uri: str | None) -> tuple[bool, str]:

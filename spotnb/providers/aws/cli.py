@@ -65,16 +65,25 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 @_reported
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    from spotnb.providers.aws import AwsProvider
+    from spotnb.providers.aws import AwsProvider, CleanupIncomplete
 
-    found = AwsProvider(region=args.region).cleanup(dry_run=args.dry_run)
+    failed: list[str] = []
+    try:
+        found = AwsProvider(region=args.region).cleanup(dry_run=args.dry_run)
+    except CleanupIncomplete as err:
+        found, failed = err.done, err.failed
     for line in found:
         print(line)
-    if not found:
+    if not found and not failed:
         print("nothing left over")
-    elif args.dry_run:
+    elif args.dry_run and found:
         print(f"{len(found)} leftovers; delete them with `spotnb aws cleanup`")
-    return 0
+    for line in failed:
+        print(f"spotnb aws cleanup: {line}", file=sys.stderr)
+    if failed:
+        print(f"{len(failed)} step(s) of the cleanup failed; the others were done",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 @_reported

@@ -248,20 +248,23 @@ def _delete(fn: Callable[[], Any]) -> bool:
     return True
 
 
-def leftovers(ec2: Any) -> list[tuple[str, str, str, dict[str, str]]]:
-    """Every multi-node job network resource in the region: (kind, id or name, label,
-    tags); two Describe calls."""
+def leftovers(ec2: Any, kinds: tuple[str, ...] = ("security-group", "placement-group")
+              ) -> list[tuple[str, str, str, dict[str, str]]]:
+    """Every multi-node job network resource in the region of ``kinds``: (kind, id or
+    name, label, tags); one Describe call per kind."""
     found = []
-    for group in ec2.describe_security_groups(Filters=[
-            {"Name": "tag-key", "Values": [TAG_JOB]}]).get("SecurityGroups", ()):
-        tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
-        found.append(("security-group", group["GroupId"],
-                      f"security group {group['GroupName']} ({group['GroupId']})", tags))
-    for group in ec2.describe_placement_groups(Filters=[
-            {"Name": "tag-key", "Values": [TAG_JOB]}]).get("PlacementGroups", ()):
-        tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
-        found.append(("placement-group", group["GroupName"],
-                      f"placement group {group['GroupName']}", tags))
+    if "security-group" in kinds:
+        for group in ec2.describe_security_groups(Filters=[
+                {"Name": "tag-key", "Values": [TAG_JOB]}]).get("SecurityGroups", ()):
+            tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
+            found.append(("security-group", group["GroupId"],
+                          f"security group {group['GroupName']} ({group['GroupId']})", tags))
+    if "placement-group" in kinds:
+        for group in ec2.describe_placement_groups(Filters=[
+                {"Name": "tag-key", "Values": [TAG_JOB]}]).get("PlacementGroups", ()):
+            tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
+            found.append(("placement-group", group["GroupName"],
+                          f"placement group {group['GroupName']}", tags))
     return found
 
 

@@ -216,8 +216,10 @@ class LocalProvider(Provider):
         if info is None or _alive(info):
             return None
         store_uri = info.get("store_uri")
-        if not store_uri or _has_result(store_uri):
+        if not store_uri:
             return None
+        if _has_result(store_uri):
+            return self._close_books(job_id, str(store_uri))
         with file_lock(home / "restart.lock"):
             info = read_json(home / GROUP_FILE) or info
             if _alive(info) or _has_result(store_uri):
@@ -233,6 +235,24 @@ class LocalProvider(Provider):
                     log.warning("killed leftover %s", killed)
                 return reason
         return "restarted the job's supervisor (it had died); the job carries on"
+
+    def _close_books(self, job_id: str, store_uri: str) -> str | None:
+        """A job that ended while its supervisor was gone: its instances were never
+        logged as terminated, its group never as exited. A supervisor started with
+        ``--adopt`` does both (it ends what is left, finds the result, and exits)."""
+        home = group_dir(job_id)
+        with file_lock(home / "restart.lock"):
+            info = read_json(home / GROUP_FILE) or {}
+            if _alive(info) or info.get("state") == "exited":
+                return None
+            log.info("job %s ended while its supervisor was gone; closing its books",
+                     job_id)
+            try:
+                self._start_supervisor(job_id, store_uri, adopt=True)
+            except ProviderError as err:
+                log.warning("could not log the end of job %s's instances: %s", job_id, err)
+                return None
+        return "logged the end of the job's instances (its supervisor had died)"
 
     def interrupt(self, job_id: str, instance: str | None = None) -> None:
         """Give the job's instance (a multi-node job's ``instance``, else its first

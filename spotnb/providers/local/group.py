@@ -202,9 +202,10 @@ class Supervisor:
         self.schedule_next = min(len(self.schedule), reasons.count("scheduled"))
         if self.sim_done >= self.sim_count:
             self._stop_following()
-        self._emit("status", None, state="launching",
-                   detail="the local cloud's supervisor of this job was restarted; "
-                          "taking over its instances")
+        if not self.store.exists(RESULT):  # else it only logs the instances' end
+            self._emit("status", None, state="launching",
+                       detail="the local cloud's supervisor of this job was restarted; "
+                              "taking over its instances")
         from spotnb.providers.local import LocalProvider
 
         for meta in LocalProvider().instances(self.spec.job_id):
@@ -646,7 +647,7 @@ class Supervisor:
         passed = [*self.settings.instance_env,
                   *(name for name, value in self.spec.env.items() if value is None)]
         try:
-            inst.spawn(cmd, self.spec.job_id, now, passed)
+            inst.spawn(cmd, self.spec.job_id, now, passed, grace=KILL_GRACE_SECONDS)
         except OSError as e:
             # A missing interpreter or agent: the same outcome as an agent that crashed.
             log.error("cannot start the agent %s: %s", cmd, e)

@@ -5,13 +5,17 @@ instance. *When* to do which is the capacity group's business (:mod:`.group`).
 
 An instance lives in ``instances/<instance_id>/`` under the cloud directory:
 ``meta.json`` (what and where it is, its state: enough for a new supervisor to adopt
-it, see :meth:`LocalInstance.adopt`), ``pid.json`` (the agent's
-:class:`~.state.ProcessRecord`), ``agent.log`` (the agent's stdout and stderr), and the
+it, see :meth:`LocalInstance.adopt`), ``pid.json`` (the
+:class:`~.state.ProcessRecord` of the instance's first process, :mod:`.reaper`, whose
+child the agent is), ``agent.log`` (the agent's stdout and stderr), and the
 agent's working directory itself.
 
 Terminating an instance ends every process it started, however detached (a new
-session, a double fork): the agent's process tree, then every process that still
-carries the instance's marker variable (:func:`~.state.marked_processes`).
+session, a double fork, a child started with ``env={}``): they stay below the
+instance's first process, a child subreaper that ends its tree when the agent ends
+(:mod:`.reaper`); the instance's process tree is ended, then every process that still
+carries the instance's marker variable or runs in its directory
+(:func:`~.state.marked_processes`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import os
 import secrets
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,7 @@ __all__ = ["LocalInstance"]
 log = logging.getLogger(__name__)
 
 AGENT_LOG = "agent.log"
+REAPER_MODULE = "spotnb.providers.local.reaper"
 
 
 @dataclasses.dataclass
@@ -150,8 +156,11 @@ class LocalInstance:
         return {"instance_id": self.id, "instance_type": self.pool.instance_type,
                 "az": self.pool.az, "pool": self.pool.name}
 
-    def spawn(self, cmd: list[str], job_id: str, now: float, passed: Sequence[str] = ()) -> None:
-        """Boot: start the agent, detached, in the instance directory. Raises OSError.
+    def spawn(self, cmd: list[str], job_id: str, now: float, passed: Sequence[str] = (),
+              grace: float = 1.0) -> None:
+        """Boot: start the agent, detached, in the instance directory, below the
+        instance's first process (:mod:`.reaper`; ``grace``: what it gives the agent's
+        leftovers between SIGTERM and SIGKILL). Raises OSError.
 
         The agent gets a clean environment, as on EC2 (:func:`.state.instance_base_environment`):
         none of this machine's variables but the basics and ``passed`` (names or
@@ -160,6 +169,10 @@ class LocalInstance:
                "SPOTNB_IMDS_ENDPOINT": self.imds.endpoint,
                **instance_environment(self.id, job_id)}
         self.running_since = now
+        # The instance's first process (its "OS"): ends the agent's whole tree when the
+        # agent ends, however it ended or its descendants detached (spotnb.providers.
+        # local.reaper). Started with the same interpreter as the agent's default.
+        cmd = [sys.executable, "-m", REAPER_MODULE, f"{grace:g}", "--", *cmd]
         try:
             with open(self.log_path, "ab") as out:
                 self.proc = subprocess.Popen(

@@ -361,10 +361,15 @@ def instance_environment(instance_id: str, job_id: str) -> dict[str, str]:
 
 def marked_processes(job_id: str | None = None) -> list[tuple[psutil.Process, str, str]]:
     """Live processes started by an instance of this local cloud: (process, instance id,
-    job id). Found by the marker variables in their environment; only this user's."""
+    job id); only this user's. Found by the marker variables in their environment, or,
+    for those started without them (``env={}``), by their working directory: inside an
+    instance's directory (its job read from the instance's ``meta.json``; ``""`` if
+    unknown)."""
     found = []
     me = os.getpid()
     cloud = str(cloud_dir())
+    instances = str(instances_dir()) + os.sep
+    jobs: dict[str, str] = {}
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
@@ -374,6 +379,18 @@ def marked_processes(job_id: str | None = None) -> list[tuple[psutil.Process, st
             continue
         instance = env.get(ENV_INSTANCE_MARK)
         job = env.get(ENV_JOB_MARK, "")
-        if instance and env.get(ENV_CLOUD_MARK) == cloud and job_id in (None, job):
+        if not (instance and env.get(ENV_CLOUD_MARK) == cloud):
+            try:
+                cwd = proc.cwd()
+            except (psutil.Error, OSError):
+                continue
+            if not cwd.startswith(instances):
+                continue
+            instance = cwd[len(instances):].split(os.sep, 1)[0]
+            if instance not in jobs:
+                meta = read_json(instance_dir(instance) / "meta.json") or {}
+                jobs[instance] = str(meta.get("job_id") or "")
+            job = jobs[instance]
+        if job_id in (None, job):
             found.append((proc, instance, job))
     return [(p, i, j) for p, i, j in found if _running([p])]
