@@ -246,6 +246,70 @@ def test_a_dead_host_is_replaced_by_the_next_generation(tmp_path: Path) -> None:
     mine.close()
 
 
+# -- kernels outlive the thread that started them -----------------------------------
+
+
+def test_a_kernel_started_from_a_short_lived_thread_outlives_that_thread() -> None:
+    """Linux sends PR_SET_PDEATHSIG when the parent *thread* exits. A distributed job
+    starts spare kernels from torchelastic's per-generation thread: they must live on
+    after it ends (they died with it: "KernelDied ... killed by signal 9")."""
+    import os
+    import tempfile
+    import threading
+
+    from spotnb.kernel_remote.kernel import KernelProcess
+
+    socket_dir = Path(tempfile.mkdtemp(prefix="k", dir="/tmp"))
+    started: list[KernelProcess] = []
+    thread_ids: list[int] = []
+    may_end = threading.Event()
+
+    def starter() -> None:
+        thread_ids.append(threading.get_native_id())
+        started.append(KernelProcess.start(socket_dir=socket_dir, name="spare",
+                                           cwd=socket_dir, env=dict(os.environ)))
+        may_end.wait(120)
+
+    thread = threading.Thread(target=starter)
+    thread.start()
+    try:
+        # The kernel answers while its starter lives (its launcher has set the death
+        # signal by then), then the starter thread ends and is gone from the process.
+        for _ in range(600):
+            if started:
+                break
+            threading.Event().wait(0.1)
+        assert started, "the kernel was not started"
+        kernel = started[0]
+        kc = kernel.connect(timeout=90)
+        may_end.set()
+        thread.join(30)
+        assert not thread.is_alive(), "the starter thread did not end"
+        task = Path(f"/proc/self/task/{thread_ids[0]}")
+        for _ in range(600):
+            if not task.exists():
+                break
+            threading.Event().wait(0.05)
+        assert not task.exists(), "the starter thread's task is still there"
+        # The kernel still runs code.
+        msg_id = kc.execute("x = 6 * 7", silent=False)
+        reply = None
+        for _ in range(600):
+            assert kernel.alive, f"the kernel died with its starter thread: " \
+                                 f"{kernel.exit_reason()}"
+            try:
+                reply = kc.get_shell_msg(timeout=0.1)
+            except Exception:
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        assert reply is not None and reply["content"]["status"] == "ok", reply
+    finally:
+        may_end.set()
+        for kernel in started:
+            kernel.kill()
+
+
 # -- end to end on the local cloud ---------------------------------------------------
 
 ALL_REDUCE = """
