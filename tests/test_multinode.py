@@ -558,6 +558,85 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
                    for a, b in zip(got, want, strict=True))
 
 
+# DDP_TRAINING held at each step of PAUSES until the file GO/<step> exists.
+GATED_TRAINING = DDP_TRAINING.replace(
+    "    while step == PAUSE_AT and not os.path.exists(GO):\n",
+    "    while step in PAUSES and not os.path.exists(os.path.join(GO, str(step))):\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupted(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two nodes of seeded DDP code. Both nodes get their notice 0.3 s apart (aimed with
+    interrupt(node=K)): every rank saves once, at the same step, and two replacements
+    re-form the world from it. Then the node hosting the rendezvous is killed without
+    notice (`spotnb kill --node K`): the survivor hosts the next generation, the
+    replacement joins, the steps since the last checkpoint are redone. The job
+    completes with the weights of an uninterrupted run, bitwise (every round had 2
+    ranks). Both faults failed jobs before: the spare kernels that the generation's
+    thread had started died with it (PR_SET_PDEATHSIG), and two notices in one tick of
+    the local cloud were one."""
+    import time
+
+    import torch
+
+    import spotnb
+    from spotnb import cli
+    from spotnb.events import EventReader
+    from spotnb.multinode import rendezvous as rdzv
+
+    assert GATED_TRAINING != DDP_TRAINING
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "10")
+    common = {"nodes": 2, "outputs": ["weights"], "instance_types": "g4dn.xlarge",
+              "checkpoint_every": "5 steps"}
+    reference_go = tmp_path / "reference-go"
+    reference_go.mkdir()
+    for step in (12, 20):
+        (reference_go / str(step)).write_text("go")
+    inputs = {"STEPS": 26, "PAUSES": [12, 20], "PAUSE_AT": -1}
+    reference = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(reference_go)},
+                              **common)
+    go = tmp_path / "go"
+    go.mkdir()
+    job = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(go)}, **common)
+    store = LocalStore(job.spec.store_uri.removeprefix("file://"))
+
+    def steps() -> list[int]:
+        return [step for step, _ in job.metrics().get("loss", [])]
+
+    def noticed() -> set[str]:
+        return {e.instance for e in EventReader(store).replay() if e.type == "status"
+                and "interruption notice" in str(e.data.get("detail"))}
+
+    _wait(lambda: 12 in steps(), "training to reach step 12")
+    first = {w["instance"] for w in _worlds(store)}
+    job.interrupt(node=0)
+    time.sleep(0.3)  # the fault itself: the second notice 0.3 s after the first
+    job.interrupt(node=1)
+    _wait(lambda: noticed() >= first, "both nodes' agents to see their notices")
+    (go / "12").write_text("go")
+    _wait(lambda: 20 in steps(), "training to reach step 20 on the replacements")
+    record = rdzv.read(store)
+    assert record is not None and record[0].host not in first
+    assert cli.main(["kill", job.job_id, "--node", str(record[0].host_slot)]) == 0
+    (go / "20").write_text("go")
+    result = job.wait(timeout=400)
+    assert result.status == "completed", (result.status, result.reason)
+    ref = reference.wait(timeout=300)
+    assert ref.status == "completed", (ref.status, ref.reason)
+    # One coordinated save for the two notices, at the gate's step.
+    forced = [e for e in EventReader(store).replay() if e.type == "checkpoint"
+              and e.data.get("phase") == "durable" and e.data.get("forced")]
+    assert [e.data["step"] for e in forced] == [12]
+    assert {w["world_size"] for w in _worlds(store)} == {2}
+    later = rdzv.read(store)
+    assert later is not None and later[0].generation > record[0].generation
+    got, want = result.outputs["weights"], ref.outputs["weights"]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
