@@ -291,6 +291,12 @@ def _node_milestone(event: Event, view: JobView) -> str | None:
             return (f"world re-formed at {now}: going on without "
                     f"{_plural(before - nodes, 'lost node')}{waiting}")
         return f"world re-formed at {now}"
+    if event.type == "joined":
+        who = ", ".join(str(n) for n in d.get("nodes") or []) or "a new node"
+        who = f"node {who}" if d.get("nodes") else who
+        redone = int(d.get("redone") or 0)
+        return (f"{who} joined: world {d.get('world_size')}, {_plural(redone, 'step')} "
+                f"redone (saved at step {d.get('saved_step')} before re-forming)")
     if event.attempt == GROUP_STREAM:
         return None
     slot = layout.node_slot(event.attempt, view.max_nodes)

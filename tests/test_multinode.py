@@ -371,12 +371,15 @@ import os, time
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
-steps = 0
+ckpt = spot.Checkpoint(state={})
+steps = ckpt.restore()
 while True:
     flag = torch.tensor([1.0 if os.path.exists(GO) else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
     if flag.item() > 0:
         break
+    spot.log(steps, steps=float(steps))
+    ckpt.maybe_save(steps)  # by policy (every 5 minutes), and at once before a join
     steps += 1
     time.sleep(0.05)
 world = dist.get_world_size()
@@ -410,7 +413,8 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
     """--nodes 1:2: the node hosting the rendezvous is killed outright (no notice); the
     survivor elects itself host of the next generation and trains on alone while no
     capacity is left for a replacement; capacity returns, the replacement joins and
-    the world re-forms at 2."""
+    the world re-forms at 2: every rank saved first, so the join redoes no step (with
+    the default checkpoint interval of 5 minutes, it redid every step since the start)."""
     import json
     import os
     import signal
@@ -451,6 +455,20 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
     result = job.wait(timeout=240)
     assert result.status == "completed", (result.status, result.reason)
     assert result.outputs["world"] == 2
+    # The join: one save at the step the survivor had reached, restored at 2 nodes.
+    from spotnb import display
+    from spotnb.events import EventReader
+
+    view = display.JobView(job_id=job.job_id, name="", created=0.0, min_nodes=1,
+                           max_nodes=2)
+    lines = []
+    for event in EventReader(store).replay():
+        view.apply(event)
+        if event.type == "joined":
+            lines.append(display.milestone(event, view))
+    # The replacement took the killed host's node slot.
+    assert lines and str(lines[-1]).startswith(
+        f"node {current[0].host_slot} joined: world 2, 0 steps redone"), lines
 
 
 DDP_TRAINING = """
