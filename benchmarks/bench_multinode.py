@@ -138,8 +138,13 @@ def _loss_and_join(steps: int) -> dict[str, float]:
         return [(step, t) for e in EventReader(store, batches=True).poll()
                 for step, t, values in metric_rows(e) if "loss" in values]
 
-    while len(rows()) < 30:  # past the first checkpoint (step 19), mid-interval
-        time.sleep(0.2)
+    # Followed live (an unwatched job writes its log once a minute): past the first
+    # checkpoint (step 19), mid-interval.
+    live = job.events(timeout=600)
+    for event in live:
+        if any(step >= 30 for step, _, _ in metric_rows(event)):
+            break
+    live.close()
     worlds = [e for e in EventReader(store).replay() if e.type == "world"]
     rank0 = next(e.instance for e in worlds if 0 in e.data.get("ranks", []))
     victim = next(e for e in worlds if e.instance != rank0)
