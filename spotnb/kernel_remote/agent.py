@@ -959,9 +959,11 @@ class Agent:
             # A node of the world leaves after the coordinated checkpoint (or one waits
             # to join): re-form (torchelastic restarts this node's workers).
             if msg.get("join"):
+                saved = (f"the checkpoint of step {msg.get('step')} is durable"
+                         if msg.get("step") is not None else
+                         "no checkpoint to save (the cell has made none yet)")
                 ev.emit("status", state="restoring", detail=(
-                    f"the checkpoint of step {msg.get('step')} is durable; re-forming the "
-                    "world with the node that waits to join"))
+                    f"{saved}; re-forming the world with the node that waits to join"))
             else:
                 ev.emit("status", state="restoring", detail=(
                     f"a node leaves after the checkpoint of step {msg.get('step')}; "
