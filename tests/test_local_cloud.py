@@ -200,7 +200,7 @@ def test_two_notices_in_one_tick_reach_two_nodes_and_a_kill_gives_none(
     spec = cloud.spec(min_nodes=1, max_nodes=3)
     cloud.provider.launch(spec)
     nodes = [e.data["instance_id"] for e in launched(spec, 3)]
-    idents = [wait_until(lambda n=n: identity_of(n), "each node's agent")  # type: ignore[misc]
+    idents = [wait_until(lambda n=n: identity_of(n), 30, "each node's agent")  # type: ignore[misc]
               for n in nodes]
     supervisor = psutil.Process(cloud.provider.group(spec.job_id)["supervisor"]["pid"])  # type: ignore[index]
     supervisor.suspend()  # both requests wait for the same tick
@@ -218,12 +218,12 @@ def test_two_notices_in_one_tick_reach_two_nodes_and_a_kill_gives_none(
 def _two_notices_and_a_kill(cloud: Cloud, spec: JobSpec, nodes: list[str],
                             idents: list[dict[str, Any]]) -> None:
     notices = wait_until(lambda: (found := group_events(spec, "instance", action="notice"))
-                         and len(found) >= 2 and found, "two notices")
+                         and len(found) >= 2 and found, 30, "two notices")
     assert sorted(e.instance for e in notices) == sorted([nodes[0], nodes[2]])
     # A kill: the node's agent dies at once, no notice, and the group replaces it.
     cloud.provider.kill(spec.job_id, instance=nodes[1])
     ended = wait_until(lambda: group_events(spec, "instance", action="terminated",
-                                            instance_id=nodes[1]), "the kill")
+                                            instance_id=nodes[1]), 30, "the kill")
     assert ended[0].data["reason"] == "killed"
     assert not psutil.pid_exists(idents[1]["pid"]) or psutil.Process(
         idents[1]["pid"]).status() == psutil.STATUS_ZOMBIE

@@ -619,14 +619,14 @@ def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupte
         return {e.instance for e in EventReader(store).replay() if e.type == "status"
                 and "interruption notice" in str(e.data.get("detail"))}
 
-    _wait(lambda: 12 in steps(), "training to reach step 12")
+    wait_until(lambda: 12 in steps(), 240, "training to reach step 12")
     first = {w["instance"] for w in _worlds(store)}
     job.interrupt(node=0)
     time.sleep(0.3)  # the fault itself: the second notice 0.3 s after the first
     job.interrupt(node=1)
-    _wait(lambda: noticed() >= first, "both nodes' agents to see their notices")
+    wait_until(lambda: noticed() >= first, 240, "both nodes' agents to see their notices")
     (go / "12").write_text("go")
-    _wait(lambda: 20 in steps(), "training to reach step 20 on the replacements")
+    wait_until(lambda: 20 in steps(), 240, "training to reach step 20 on the replacements")
     record = rdzv.read(store)
     assert record is not None and record[0].host not in first
     assert cli.main(["kill", job.job_id, "--node", str(record[0].host_slot)]) == 0
