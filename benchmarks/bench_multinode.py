@@ -1,6 +1,7 @@
 """Multi-node training on the local cloud: throughput, reaction to a notice, cost.
 
-Run by hand: ``python benchmarks/bench_multinode.py [STEPS]`` (default 60). Three parts:
+Run by hand: ``python benchmarks/bench_multinode.py [STEPS]`` (default 60). Four parts
+(``--faults-only``: part 3 alone):
 
 1. **Samples/s**, side by side in the same run: the same seeded DDP code (an MLP on
    generated data, gloo on CPU, one global batch of 256) as ``--nodes 4`` (4 local
@@ -13,7 +14,13 @@ Run by hand: ``python benchmarks/bench_multinode.py [STEPS]`` (default 60). Thre
    once training runs; the cell holds at step 10 until the notice is seen. From the
    group's notice event to the first ``world`` event of 3 nodes (training goes on at
    N-1) and to the next one of 4 (re-formed at N, the replacement joined).
-3. **Cost per sample**, from the bundled catalog: 4 x g5.2xlarge spot (the cheapest
+3. **A loss and a join, in steps redone and seconds lost**: ``--nodes 2:3``, a cell that
+   sleeps STEP_SLEEP per step and saves every 20 steps; a node (not rank 0's) is killed
+   without notice mid-training (``JobHandle.kill(node=K)``): the survivors redo the
+   steps since the last checkpoint. Its replacement joins: every rank saves first, so
+   the join redoes none. Seconds lost: from the last row logged before the fault to the
+   first row past it (for the loss: past the step reached at the kill).
+4. **Cost per sample**, from the bundled catalog: 4 x g5.2xlarge spot (the cheapest
    pool in us-east-1) against 1 x g5.12xlarge on-demand (4 GPUs), at the same samples
    per second per GPU times the ratio of part 1 (a same-machine stand-in for the
    network's cost; see RESULTS.md for what it does not capture).
@@ -56,6 +63,7 @@ for step in range(start, STEPS):
     spot.log(step, loss=loss.item())
     while step == PAUSE_AT and GO and not os.path.exists(GO):
         time.sleep(0.05)
+    time.sleep(STEP_SLEEP)
     ckpt.maybe_save(step)
 samples_per_s = (STEPS - 5) * GLOBAL_BATCH / (time.perf_counter() - t0) if t0 else None
 dist.destroy_process_group()
@@ -66,7 +74,7 @@ def _throughput(steps: int, nodes: int, procs: int) -> float:
     import spotnb
 
     job = spotnb.submit(CELL, nodes=nodes, procs_per_node=procs, outputs=["samples_per_s"],
-                        inputs={"STEPS": steps, "PAUSE_AT": -1, "GO": ""},
+                        inputs={"STEPS": steps, "PAUSE_AT": -1, "GO": "", "STEP_SLEEP": 0.0},
                         instance_types="g4dn.xlarge")
     result = job.wait(timeout=1800)
     if result.status != "completed":
@@ -81,7 +89,8 @@ def _notice_reaction(steps: int) -> tuple[float, float]:
 
     go = Path(tempfile.mkdtemp()) / "go"
     job = spotnb.submit(CELL, nodes="3:4", outputs=["samples_per_s"],
-                        inputs={"STEPS": steps, "PAUSE_AT": 10, "GO": str(go)},
+                        inputs={"STEPS": steps, "PAUSE_AT": 10, "GO": str(go),
+                                "STEP_SLEEP": 0.0},
                         instance_types="g4dn.xlarge", checkpoint_every="5 steps")
     store = LocalStore(job.spec.store_uri.removeprefix("file://"))
 
@@ -113,6 +122,57 @@ def _notice_reaction(steps: int) -> tuple[float, float]:
             back - notice if back else float("nan"))
 
 
+def _loss_and_join(steps: int) -> dict[str, float]:
+    """Part 3: steps redone and seconds lost for a node killed, then for its
+    replacement joining."""
+    import spotnb
+    from spotnb.events import EventReader, metric_rows
+    from spotnb.store import LocalStore
+
+    job = spotnb.submit(CELL, nodes="2:3", outputs=["samples_per_s"],
+                        inputs={"STEPS": steps, "PAUSE_AT": -1, "GO": "", "STEP_SLEEP": 0.1},
+                        instance_types="g4dn.xlarge", checkpoint_every="20 steps")
+    store = LocalStore(job.spec.store_uri.removeprefix("file://"))
+
+    def rows() -> list[tuple[int, float]]:
+        return [(step, t) for e in EventReader(store, batches=True).poll()
+                for step, t, values in metric_rows(e) if "loss" in values]
+
+    # Followed live (an unwatched job writes its log once a minute): past the first
+    # checkpoint (step 19), mid-interval.
+    live = job.events(timeout=600)
+    for event in live:
+        if any(step >= 30 for step, _, _ in metric_rows(event)):
+            break
+    live.close()
+    worlds = [e for e in EventReader(store).replay() if e.type == "world"]
+    rank0 = next(e.instance for e in worlds if 0 in e.data.get("ranks", []))
+    victim = next(e for e in worlds if e.instance != rank0)
+    killed_at = time.time()
+    job.kill(node=(victim.attempt - 1) % 3)
+    result = job.wait(timeout=1800)
+    if result.status != "completed":
+        raise SystemExit(f"loss and join run: {result.status}: {result.reason}")
+    history = EventReader(store).replay()
+    logged = sorted(rows(), key=lambda r: r[1])
+    before = [r for r in logged if r[1] <= killed_at]
+    reached, last_t = max(r[0] for r in before), max(r[1] for r in before)
+    after = [r for r in logged if r[1] > killed_at]
+    loss_redone = sum(1 for step, _ in after if step <= reached)
+    past = next(t for step, t in after if step > reached)
+    joined = next((e for e in history if e.type == "joined"), None)
+    out = {"loss_redone_steps": float(loss_redone), "loss_seconds_lost": past - last_t}
+    if joined is not None:
+        saved = int(joined.data["saved_step"])
+        saved_t = max(t for step, t in logged if step == saved and t <= joined.time)
+        resumed = min(t for step, t in logged if step > saved and t > saved_t)
+        out.update(join_redone_steps=float(joined.data["redone"]),
+                   join_seconds_lost=resumed - saved_t)
+    else:
+        out.update(join_redone_steps=float("nan"), join_seconds_lost=float("nan"))
+    return out
+
+
 def _cost_per_sample(ratio: float) -> tuple[float, float]:
     from spotnb import catalog
 
@@ -124,10 +184,14 @@ def _cost_per_sample(ratio: float) -> tuple[float, float]:
 
 
 def main() -> None:
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+    args = [a for a in sys.argv[1:] if a != "--faults-only"]
+    steps = int(args[0]) if args else 60
     os.environ.setdefault("SPOTNB_HOME", tempfile.mkdtemp(prefix="spotnb-bench-mn-"))
     os.environ.setdefault("SPOTNB_LOCAL_HAZARD", "0")
     os.environ.setdefault("SPOTNB_LOCAL_NOTICE_SECONDS", "20")
+    if "--faults-only" in sys.argv:
+        print(json.dumps(_loss_and_join(max(steps, 150))))
+        return
     one_node = _throughput(steps, 1, 4)
     four_nodes = _throughput(steps, 4, 1)
     ratio = four_nodes / one_node
@@ -136,12 +200,17 @@ def main() -> None:
     to_n1, to_n = _notice_reaction(max(steps, 40))
     print(f"notice -> training at N-1 (3 nodes): {to_n1:6.1f} s   notice -> re-formed at "
           f"N (4 nodes): {to_n:6.1f} s")
+    faults = _loss_and_join(max(steps, 150))
+    print(f"node killed: {faults['loss_redone_steps']:.0f} steps redone, "
+          f"{faults['loss_seconds_lost']:.1f} s lost   node joined: "
+          f"{faults['join_redone_steps']:.0f} steps redone, "
+          f"{faults['join_seconds_lost']:.1f} s lost")
     spot4, ondemand = _cost_per_sample(ratio)
     print(f"USD per hour of 4-GPU throughput: 4 x g5.2xlarge spot {spot4:.3f}   "
           f"g5.12xlarge on-demand {ondemand:.3f}   ratio spot/on-demand "
           f"{spot4 / ondemand:.2f}")
     print(json.dumps({"one_node_x4": one_node, "four_nodes_x1": four_nodes, "ratio": ratio,
-                      "notice_to_n_minus_1_s": to_n1, "notice_to_n_s": to_n,
+                      "notice_to_n_minus_1_s": to_n1, "notice_to_n_s": to_n, **faults,
                       "usd_per_hour_4x_spot": spot4, "usd_per_hour_ondemand": ondemand}))
 
 

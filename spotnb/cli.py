@@ -30,11 +30,14 @@ without it, the latest job. Examples:
   spotnb jobs
   spotnb logs quickstart -f
   spotnb interrupt 9d7ca1
+  spotnb kill 9d7ca1 --node 1      (local cloud: a machine lost without notice)
   spotnb catalog --gpu A10G --region us-west-2
   spotnb run notebooks/quickstart.ipynb --timeout 600
 The local cloud keeps its state in $SPOTNB_HOME (default ~/.spotnb)."""
 JOB_HELP = ("a job id, its name, or the end of its id, as `spotnb jobs` lists them "
             "(default: the latest job)")
+NODE_HELP = ("node K of a multi-node job (0 to MAX-1, as `spotnb logs` numbers them; "
+             "default: the first running instance)")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -159,9 +162,19 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_interrupt(args: argparse.Namespace) -> int:
     handle = _job(args)
-    handle.interrupt()
-    print(f"interruption notice delivered to job {handle.job_id}; follow it with "
+    handle.interrupt(node=args.node)
+    which = f"node {args.node} of job" if args.node is not None else "job"
+    print(f"interruption notice delivered to {which} {handle.job_id}; follow it with "
           f"`spotnb logs {handle.job_id} -f`")
+    return 0
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    handle = _job(args)
+    handle.kill(node=args.node)
+    which = f"node {args.node} of job" if args.node is not None else "job"
+    print(f"killed {which} {handle.job_id} without notice (a lost machine); it goes on "
+          f"from its last checkpoint. Follow it with `spotnb logs {handle.job_id} -f`")
     return 0
 
 
@@ -272,7 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_stop)
     p = sub.add_parser("interrupt", help="deliver a spot interruption notice to a job now")
     p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)
+    p.add_argument("--node", type=int, metavar="K", help=NODE_HELP)
     p.set_defaults(func=cmd_interrupt)
+    p = sub.add_parser("kill", help="local cloud: end a job's instance at once, without "
+                                    "notice (test a cell against a lost machine)")
+    p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)
+    p.add_argument("--node", type=int, metavar="K", help=NODE_HELP)
+    p.set_defaults(func=cmd_kill)
     p = sub.add_parser("catalog", help="the GPU instance types with prices and "
                                        "interruption rates")
     p.add_argument("--gpu", metavar="MODEL",

@@ -299,6 +299,11 @@ def _node_milestone(event: Event, view: JobView) -> str | None:
             return (f"world re-formed at {now}: going on without "
                     f"{_plural(before - nodes, 'lost node')}{waiting}")
         return f"world re-formed at {now}"
+    if isinstance(body, codec.Joined):
+        who = ", ".join(map(str, body.nodes)) or "a new node"
+        who = f"node {who}" if body.nodes else who
+        return (f"{who} joined: world {body.world_size}, {_plural(body.redone, 'step')} "
+                f"redone (saved at step {body.saved_step} before re-forming)")
     if event.attempt == GROUP_STREAM:
         return None
     slot = layout.node_slot(event.attempt, view.max_nodes)

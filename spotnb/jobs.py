@@ -680,11 +680,40 @@ class JobHandle:
                     series.setdefault(key, []).append((step, value))
         return series
 
-    def interrupt(self) -> None:
-        """Deliver a spot interruption notice to the job's instance now."""
+    def interrupt(self, node: int | None = None) -> None:
+        """Deliver a spot interruption notice now: to node ``node`` of a multi-node job
+        (its node slot, as the display numbers them), else to the first running
+        instance. The job checkpoints and goes on without it; the group replaces it."""
+        self.provider.interrupt(self.job_id, self._target(node, "interrupt"))
+
+    def kill(self, node: int | None = None) -> None:
+        """End node ``node`` (else the first running instance) at once, without a notice:
+        a machine lost outright, the way to test a cell against one (local cloud only).
+        The job goes on from its last checkpoint; the group replaces the node."""
+        from spotnb.providers import ProviderError
+
+        try:
+            self.provider.kill(self.job_id, self._target(node, "kill"))
+        except ProviderError as err:  # not simulated by this provider: bad input
+            raise SpecError(str(err)) from None
+
+    def _target(self, node: int | None, what: str) -> str | None:
+        """The instance that node slot ``node`` runs on now (None: the first running)."""
+        from spotnb import lease
+
         if self.store.exists(layout.RESULT):
-            raise SpecError(f"job {self.job_id} has ended; there is no instance to interrupt")
-        self.provider.interrupt(self.job_id)
+            raise SpecError(f"job {self.job_id} has ended; there is no instance to {what}")
+        if node is None:
+            return None
+        nodes = self.spec.resources.max_nodes
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < nodes:
+            raise SpecError(f"node {node!r}: job {self.job_id} has "
+                            + (f"nodes 0 to {nodes - 1}" if nodes > 1 else "one node, node 0"))
+        current = lease.read(self.store, node)
+        if current is None or current[0].released:
+            raise SpecError(f"node {node} of job {self.job_id} is not running now (it has "
+                            "not joined yet, or left and its replacement has not)")
+        return current[0].holder
 
     def stop(self, reason: str = "requested") -> None:
         """Stop the job: the cell is interrupted, the capacity group deleted."""

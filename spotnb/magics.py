@@ -112,6 +112,10 @@ def _job_arg(func: F) -> F:
              "(default: the latest job)")(func)
 
 
+_NODE_HELP = ("node K of a multi-node job (0 to MAX-1, as the display numbers them; "
+              "default: the first running instance)")
+
+
 # Each spotnb.submit argument: the magic's option for it, the option's argparse
 # destination, and the SpotMagics setting that gives its default. A SpecError names
 # what the user typed (--budget, not budget_usd), or the setting the value came from.
@@ -519,16 +523,35 @@ class SpotMagics(Magics):
               f"`%spot_logs {handle.job_id}`.")
 
     @magic_arguments()
+    @argument("--node", type=int, metavar="K", default=None, help=_NODE_HELP)
     @_job_arg
     @line_magic
     def spot_interrupt(self, line: str) -> None:
-        """Deliver a spot interruption notice to a job's instance now (to try resume)."""
+        """Deliver a spot interruption notice to a job's instance now (to try resume);
+        ``--node K``: to node K of a multi-node job."""
         args = parse_argstring(self.spot_interrupt, line)
         handle = self._resolve(args.job)
         with _as_usage_errors():
-            handle.interrupt()
-        print(f"interruption notice delivered to job {handle.job_id}: it checkpoints and "
-              f"resumes on a replacement; watch it with `%spot_attach {handle.job_id}`.")
+            handle.interrupt(node=args.node)
+        which = f"node {args.node} of job" if args.node is not None else "job"
+        print(f"interruption notice delivered to {which} {handle.job_id}: it checkpoints "
+              f"and resumes on a replacement; watch it with `%spot_attach {handle.job_id}`.")
+
+    @magic_arguments()
+    @argument("--node", type=int, metavar="K", default=None, help=_NODE_HELP)
+    @_job_arg
+    @line_magic
+    def spot_kill(self, line: str) -> None:
+        """Local cloud: end a job's instance (``--node K``: node K) at once, without a
+        notice, as a machine lost outright: the way to test a cell against one. The job
+        goes on from its last checkpoint on a replacement."""
+        args = parse_argstring(self.spot_kill, line)
+        handle = self._resolve(args.job)
+        with _as_usage_errors():
+            handle.kill(node=args.node)
+        which = f"node {args.node} of job" if args.node is not None else "job"
+        print(f"killed {which} {handle.job_id} without notice: it goes on from its last "
+              f"checkpoint on a replacement; watch it with `%spot_attach {handle.job_id}`.")
 
     @magic_arguments()
     @argument("-f", "--follow", action="store_true", help="keep printing until the job ends")

@@ -99,6 +99,11 @@ class Progress:
         self.furthest: float | None = None  # the furthest step any attempt logged
         self.attempt = 0  # the newest attempt that logged a step
         self.interruptions: list[Interruption] = []
+        # A multi-node job's steps logged so far, and the rows that logged one again
+        # (its rows come from whichever node holds global rank 0, which may change
+        # within an attempt or move to another: counted by step, not by attempt).
+        self._steps_seen: set[float] = set()
+        self._relogged = 0
         self._window: collections.deque[tuple[float, float]] = collections.deque()
         self._booted: set[int] = set()
         self._last: dict[int, tuple[float, float]] = {}  # attempt -> (step, time)
@@ -167,7 +172,17 @@ class Progress:
         elif isinstance(body, codec.Error) and body.retrying and e.attempt not in self._ended:
             self._ended[e.attempt] = Interruption(e.attempt, e.time, noticed=False)
 
+    def _count_relogged(self, steps: Sequence[float]) -> None:
+        if self.max_nodes > 1:
+            seen = self._steps_seen
+            for step in steps:
+                if step in seen:
+                    self._relogged += 1
+                else:
+                    seen.add(step)
+
     def _metric(self, attempt: int, step: float, t: float) -> None:
+        self._count_relogged((step,))
         if attempt not in self._last:
             self._first[attempt] = step
             # An attempt's first step: the newest earlier attempt that logged steps
@@ -215,6 +230,7 @@ class Progress:
             for step, when in zip(s, t, strict=True):
                 self._metric(attempt, step, when)
             return
+        self._count_relogged(s)
         if attempt == self.attempt:
             self.step = s[-1]
             # Trimming once at the last row's time leaves what trimming at each row's
@@ -283,7 +299,11 @@ class Progress:
         return left / rate
 
     def redone_steps(self) -> int:
-        """Steps logged again after an interruption, so far."""
+        """Steps logged again after an interruption, so far (a multi-node job: every
+        row that logged a step again, whichever node's; rows a killed node had not sent
+        yet are lost with it and not counted)."""
+        if self.max_nodes > 1:
+            return self._relogged
         return sum(i.redone or 0 for i in self.interruptions)
 
     def _windows(self, now: float) -> list[tuple[float, float]]:

@@ -360,6 +360,14 @@ class _Moment(threading.Event):
         super().set()
 
 
+def _why(rt: Session, forced: bool) -> dict[str, bool]:
+    """A checkpoint event's reason: ``forced`` by a notice, or ``join``: saved before
+    a node joins a distributed job (forced too, but no interruption)."""
+    if forced and rt.join_requested and not rt.interrupt_pending:
+        return {"forced": False, "join": True}
+    return {"forced": forced}
+
+
 class _Upload:
     """One checkpoint being written by a background thread.
 
@@ -400,7 +408,7 @@ class _Upload:
 
     def _report(self, phase: str, **extra: Any) -> None:
         self.rt.send({"op": "checkpoint", "phase": phase, "id": self.cid, "step": self.step,
-                      "forced": self.forced, **extra})
+                      **_why(self.rt, self.forced), **extra})
 
     def _run(self) -> None:
         self._report("begin", bytes=0, seconds=0.0)
@@ -514,7 +522,7 @@ class _ShardedUpload:
     def _report(self, phase: str, **extra: Any) -> None:
         if self.rank == 0:
             self.rt.send({"op": "checkpoint", "phase": phase, "id": self.cid,
-                          "step": self.step, "forced": self.forced, **extra})
+                          "step": self.step, **_why(self.rt, self.forced), **extra})
 
     def _run(self) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
@@ -691,6 +699,7 @@ class Checkpoint:
         if "torch" in sys.modules:
             _import_writer_in_background()
         rt = _rt()
+        rt.has_checkpoint = True  # a node joining a distributed job waits for its save
         self._store = CheckpointStore(rt.store, layout.CHECKPOINTS, keep=rt.keep,
                                       formats=CHECKPOINT_FORMATS)
         self._pool = snapshot.BufferPool()
@@ -1009,6 +1018,12 @@ class Checkpoint:
             return self._maybe_save_in_world(int(step), *world)
         if rt.force_save or rt.park_requested or rt.fenced:
             self._save(int(step), forced=True)
+            if rt.join_requested and not (rt.park_requested or rt.fenced):
+                # A distributed job shrunk to one process: a node waits to join; once
+                # this save is durable the world re-forms with it (redoing no step).
+                if self.wait() is not None:
+                    rt.hold_for_reform(int(step))
+                rt.force_save = True  # the save failed (reported): again next time
             return True
         if self._due(step):
             self._save(int(step), forced=False)
@@ -1053,16 +1068,21 @@ class Checkpoint:
         Step 3  after a notice: rank 0 waits until it is durable and broadcasts
                 whether it is; then the noticed node's ranks park (its agent leaves
                 the world) and every other rank asks its agent to re-form without it
-                (torchelastic restarts them from this checkpoint).
+                (torchelastic restarts them from this checkpoint). A node waiting to
+                join is the same save (its agents' ``join`` notice), after which every
+                rank asks to re-form: the join redoes no step.
         """
         import torch
         import torch.distributed as dist
 
         rt = self._rt
         noticed = rt.force_save or rt.park_requested or rt.fenced
-        flags = torch.tensor([float(noticed), float(self._due(step) or self._retry)])
+        flags = torch.tensor([float(noticed), float(self._due(step) or self._retry),
+                              float(rt.join_requested)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         notice_anywhere, due = bool(flags[0].item()), bool(flags[1].item())
+        if flags[2].item():
+            rt.join_requested = True  # a node waits to join: this save is before it
         if not (notice_anywhere or due):
             if not self._warmed:
                 self._warm()  # as maybe_save's first call that does not save

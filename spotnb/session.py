@@ -241,6 +241,8 @@ class Session:
         self.interrupt_pending = False
         self.force_save = False
         self.park_requested = False
+        self.join_requested = False  # a node waits to join (a distributed job)
+        self.has_checkpoint = False  # the cell made a spot.Checkpoint
         self.fenced = False
         self.history: list[tuple[int, float, dict[str, float]]] = []
         # Rows sent to the agent and not yet confirmed durable in the event log.
@@ -421,6 +423,17 @@ class Session:
             _logger.debug("ignoring %s from the agent", op)
             return
         kind = message.get("kind")
+        if kind == "join":
+            # A node waits to join this distributed job: every rank saves at the same
+            # step, then the world re-forms with it (spotnb.multinode.node).
+            if not self.has_checkpoint:  # nothing to save: re-form now
+                self.send({"op": "reform", "step": None, "join": True})
+                return
+            _logger.log(self._say_level, "a node waits to join: saving at the next "
+                        "maybe_save, then the world re-forms")
+            self.join_requested = True
+            self.force_save = True
+            return
         _logger.log(self._say_level, "spot %s notice (%s): saving at the next opportunity",
                     kind, message.get("action"))
         self.notice = kind
@@ -455,9 +468,14 @@ class Session:
         the agent to re-form the world without it, and hold the cell until it does
         (torchelastic restarts this worker; spotnb.multinode)."""
         self.drain()
-        self.send({"op": "reform", "step": step})
-        _logger.warning("a node leaves after the checkpoint of step %d; holding the cell "
-                        "while the world re-forms without it", step)
+        if self.join_requested and not self.interrupt_pending:
+            self.send({"op": "reform", "step": step, "join": True})
+            _logger.log(self._say_level, "the checkpoint of step %d is durable; holding "
+                        "the cell while the world re-forms with the node that joins", step)
+        else:
+            self.send({"op": "reform", "step": step})
+            _logger.warning("a node leaves after the checkpoint of step %d; holding the "
+                            "cell while the world re-forms without it", step)
         while True:
             time.sleep(_PARK_SLEEP_SECONDS)
 

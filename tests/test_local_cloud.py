@@ -194,6 +194,45 @@ def test_a_multi_node_group_keeps_its_nodes_and_replaces_the_interrupted_one(
         *(n["instance_id"] for n in nodes), fourth["instance_id"]}
 
 
+def test_two_notices_in_one_tick_reach_two_nodes_and_a_kill_gives_none(
+        cloud: Cloud) -> None:
+    """Two interruption requests the supervisor reads in the same tick are two notices
+    (the second overwrote the first); a kill ends a node at once, without a notice."""
+    spec = cloud.spec(min_nodes=1, max_nodes=3)
+    cloud.provider.launch(spec)
+    nodes = [e.data["instance_id"] for e in launched(spec, 3)]
+    idents = [wait_until(lambda n=n: identity_of(n), 30, "each node's agent")  # type: ignore[misc]
+              for n in nodes]
+    supervisor = psutil.Process(cloud.provider.group(spec.job_id)["supervisor"]["pid"])  # type: ignore[index]
+    supervisor.suspend()  # both requests wait for the same tick
+    try:
+        cloud.provider.interrupt(spec.job_id)
+        cloud.provider.interrupt(spec.job_id, instance=nodes[2])
+    finally:
+        supervisor.resume()
+    try:
+        _two_notices_and_a_kill(cloud, spec, nodes, idents)
+    finally:
+        cloud.provider.terminate(spec.job_id)
+
+
+def _two_notices_and_a_kill(cloud: Cloud, spec: JobSpec, nodes: list[str],
+                            idents: list[dict[str, Any]]) -> None:
+    notices = wait_until(lambda: (found := group_events(spec, "instance", action="notice"))
+                         and len(found) >= 2 and found, 30, "two notices")
+    assert sorted(e.instance for e in notices) == sorted([nodes[0], nodes[2]])
+    # A kill: the node's agent dies at once, no notice, and the group replaces it.
+    cloud.provider.kill(spec.job_id, instance=nodes[1])
+    ended = wait_until(lambda: group_events(spec, "instance", action="terminated",
+                                            instance_id=nodes[1]), 30, "the kill")
+    assert ended[0].data["reason"] == "killed"
+    assert not psutil.pid_exists(idents[1]["pid"]) or psutil.Process(
+        idents[1]["pid"]).status() == psutil.STATUS_ZOMBIE
+    notices = group_events(spec, "instance", action="notice")
+    assert nodes[1] not in {e.instance for e in notices}
+    launched(spec, 4)
+
+
 def test_no_capacity_falls_back_to_the_next_type(cloud: Cloud,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     g4dn = [p.az for p in catalog.pools("g4dn.xlarge", "us-east-1")]

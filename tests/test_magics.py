@@ -75,8 +75,8 @@ def _no_job_started(home: Path) -> None:
 def test_load_ext_registers_every_magic(ip: Any) -> None:
     magics = ip.magics_manager.magics
     assert "spot_train" in magics["cell"]
-    for name in ("spot_jobs", "spot_attach", "spot_stop", "spot_interrupt", "spot_logs",
-                 "spot_config", "spot_result"):
+    for name in ("spot_jobs", "spot_attach", "spot_stop", "spot_interrupt", "spot_kill",
+                 "spot_logs", "spot_config", "spot_result"):
         assert name in magics["line"], name
 
 

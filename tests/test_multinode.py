@@ -247,6 +247,72 @@ def test_a_dead_host_is_replaced_by_the_next_generation(tmp_path: Path) -> None:
     mine.close()
 
 
+# -- kernels outlive the thread that started them -----------------------------------
+
+
+def test_a_kernel_started_from_a_short_lived_thread_outlives_that_thread() -> None:
+    """Linux sends PR_SET_PDEATHSIG when the parent *thread* exits. A distributed job
+    starts spare kernels from torchelastic's per-generation thread: they must live on
+    after it ends (they died with it: "KernelDied ... killed by signal 9")."""
+    import os
+    import tempfile
+    import threading
+
+    from spotnb.kernel_remote.kernel import KernelProcess
+
+    socket_dir = Path(tempfile.mkdtemp(prefix="k", dir="/tmp"))
+    started: list[KernelProcess] = []
+    thread_ids: list[int] = []
+    may_end = threading.Event()
+
+    def starter() -> None:
+        thread_ids.append(threading.get_native_id())
+        started.append(KernelProcess.start(socket_dir=socket_dir, name="spare",
+                                           cwd=socket_dir, env=dict(os.environ)))
+        may_end.wait(120)
+
+    thread = threading.Thread(target=starter)
+    thread.start()
+    try:
+        # The kernel answers while its starter lives (its launcher has set the death
+        # signal by then), then the starter thread ends and is gone from the process.
+        for _ in range(600):
+            if started:
+                break
+            threading.Event().wait(0.1)
+        assert started, "the kernel was not started"
+        kernel = started[0]
+        kc = kernel.connect(timeout=300)
+        may_end.set()
+        thread.join(30)
+        assert not thread.is_alive(), "the starter thread did not end"
+        task = Path(f"/proc/self/task/{thread_ids[0]}")
+        for _ in range(600):
+            if not task.exists():
+                break
+            threading.Event().wait(0.05)
+        assert not task.exists(), "the starter thread's task is still there"
+        # The kernel still runs code.
+        msg_id = kc.execute("x = 6 * 7", silent=False)
+        reply = None
+        for _ in range(3000):  # a bound for a loaded machine, not a timing
+            assert kernel.alive, f"the kernel died with its starter thread: " \
+                                 f"{kernel.exit_reason()}"
+            try:
+                reply = kc.get_shell_msg(timeout=0.1)
+            except Exception:
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        assert reply is not None and reply["parent_header"].get("msg_id") == msg_id, \
+            "the kernel did not answer"
+        assert reply["content"]["status"] == "ok", reply
+    finally:
+        may_end.set()
+        for kernel in started:
+            kernel.kill()
+
+
 # -- end to end on the local cloud ---------------------------------------------------
 
 ALL_REDUCE = """
@@ -308,12 +374,15 @@ import os, time
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
-steps = 0
+ckpt = spot.Checkpoint(state={})
+steps = ckpt.restore()
 while True:
     flag = torch.tensor([1.0 if os.path.exists(GO) else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
     if flag.item() > 0:
         break
+    spot.log(steps, steps=float(steps))
+    ckpt.maybe_save(steps)  # by policy (every 5 minutes), and at once before a join
     steps += 1
     time.sleep(0.05)
 world = dist.get_world_size()
@@ -335,7 +404,8 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
     """--nodes 1:2: the node hosting the rendezvous is killed outright (no notice); the
     survivor elects itself host of the next generation and trains on alone while no
     capacity is left for a replacement; capacity returns, the replacement joins and
-    the world re-forms at 2."""
+    the world re-forms at 2: every rank saved first, so the join redoes no step (with
+    the default checkpoint interval of 5 minutes, it redid every step since the start)."""
     import json
     import os
     import signal
@@ -376,6 +446,20 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
     result = job.wait(timeout=240)
     assert result.status == "completed", (result.status, result.reason)
     assert result.outputs["world"] == 2
+    # The join: one save at the step the survivor had reached, restored at 2 nodes.
+    from spotnb import display
+    from spotnb.events import EventReader
+
+    view = display.JobView(job_id=job.job_id, name="", created=0.0, min_nodes=1,
+                           max_nodes=2)
+    lines = []
+    for event in EventReader(store).replay():
+        view.apply(event)
+        if event.type == "joined":
+            lines.append(display.milestone(event, view))
+    # The replacement took the killed host's node slot.
+    assert lines and str(lines[-1]).startswith(
+        f"node {current[0].host_slot} joined: world 2, 0 steps redone"), lines
 
 
 DDP_TRAINING = """
@@ -481,6 +565,85 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
     else:
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                    for a, b in zip(got, want, strict=True))
+
+
+# DDP_TRAINING held at each step of PAUSES until the file GO/<step> exists.
+GATED_TRAINING = DDP_TRAINING.replace(
+    "    while step == PAUSE_AT and not os.path.exists(GO):\n",
+    "    while step in PAUSES and not os.path.exists(os.path.join(GO, str(step))):\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupted(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two nodes of seeded DDP code. Both nodes get their notice 0.3 s apart (aimed with
+    interrupt(node=K)): every rank saves once, at the same step, and two replacements
+    re-form the world from it. Then the node hosting the rendezvous is killed without
+    notice (`spotnb kill --node K`): the survivor hosts the next generation, the
+    replacement joins, the steps since the last checkpoint are redone. The job
+    completes with the weights of an uninterrupted run, bitwise (every round had 2
+    ranks). Both faults failed jobs before: the spare kernels that the generation's
+    thread had started died with it (PR_SET_PDEATHSIG), and two notices in one tick of
+    the local cloud were one."""
+    import time
+
+    import torch
+
+    import spotnb
+    from spotnb import cli
+    from spotnb.events import EventReader
+    from spotnb.multinode import rendezvous as rdzv
+
+    assert GATED_TRAINING != DDP_TRAINING
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "10")
+    common = {"nodes": 2, "outputs": ["weights"], "instance_types": "g4dn.xlarge",
+              "checkpoint_every": "5 steps"}
+    reference_go = tmp_path / "reference-go"
+    reference_go.mkdir()
+    for step in (12, 20):
+        (reference_go / str(step)).write_text("go")
+    inputs = {"STEPS": 26, "PAUSES": [12, 20], "PAUSE_AT": -1}
+    reference = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(reference_go)},
+                              **common)
+    go = tmp_path / "go"
+    go.mkdir()
+    job = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(go)}, **common)
+    store = LocalStore(job.spec.store_uri.removeprefix("file://"))
+
+    def steps() -> list[int]:
+        return [step for step, _ in job.metrics().get("loss", [])]
+
+    def noticed() -> set[str]:
+        return {e.instance for e in EventReader(store).replay() if e.type == "status"
+                and "interruption notice" in str(e.data.get("detail"))}
+
+    wait_until(lambda: 12 in steps(), 240, "training to reach step 12")
+    first = {w["instance"] for w in _worlds(store)}
+    job.interrupt(node=0)
+    time.sleep(0.3)  # the fault itself: the second notice 0.3 s after the first
+    job.interrupt(node=1)
+    wait_until(lambda: noticed() >= first, 240, "both nodes' agents to see their notices")
+    (go / "12").write_text("go")
+    wait_until(lambda: 20 in steps(), 240, "training to reach step 20 on the replacements")
+    record = rdzv.read(store)
+    assert record is not None and record[0].host not in first
+    assert cli.main(["kill", job.job_id, "--node", str(record[0].host_slot)]) == 0
+    (go / "20").write_text("go")
+    result = job.wait(timeout=400)
+    assert result.status == "completed", (result.status, result.reason)
+    ref = reference.wait(timeout=300)
+    assert ref.status == "completed", (ref.status, ref.reason)
+    # One coordinated save for the two notices, at the gate's step.
+    forced = [e for e in EventReader(store).replay() if e.type == "checkpoint"
+              and e.data.get("phase") == "durable" and e.data.get("forced")]
+    assert [e.data["step"] for e in forced] == [12]
+    assert {w["world_size"] for w in _worlds(store)} == {2}
+    later = rdzv.read(store)
+    assert later is not None and later[0].generation > record[0].generation
+    got, want = result.outputs["weights"], ref.outputs["weights"]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.slow

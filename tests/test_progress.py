@@ -176,3 +176,18 @@ def test_the_listing_is_newest_first_with_the_facts_and_notes_shared_names() -> 
     assert table[0][2] == "waiting for capacity" and table[0][6] == ""
     assert notes == ["1 name(s) are shared by several jobs (run): a name picks the newest "
                      "of its jobs; give the job id for another"]
+
+
+def test_a_multi_node_job_counts_every_step_logged_again() -> None:
+    """--nodes 2:3: the node of global rank 0 (attempt 3) is killed after step 33; the
+    survivors re-form from the checkpoint of step 9 and global rank 0 is now on attempt
+    2, which logged nothing before; later the node of attempt 2 stays rank 0 while a
+    peer is lost and it redoes steps 40-44 within its own attempt. Every step that ran
+    twice counts: 24 + 5 (the count followed attempt numbers, and saw 0 or 22)."""
+    p = Progress()
+    p.max_nodes = 3
+    for event in [*(metric(3, s, s) for s in range(34)),
+                  *(metric(2, s, 40 + s) for s in range(10, 45)),
+                  *(metric(2, s, 90 + s) for s in range(40, 60))]:
+        p.apply(event)
+    assert p.redone_steps() == 24 + 5

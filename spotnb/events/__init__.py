@@ -45,7 +45,8 @@ vocabulary every reader may rely on):
 ``sys``         ``kind`` ("gpu" or "cpu"), ``util`` (%), ``mem_used``, ``mem_total``
                 (bytes), for GPUs also ``gpus`` (per-device list)
 ``checkpoint``  ``phase`` (begin, durable, failed), ``id``, ``step``, ``bytes``,
-                ``seconds`` (to durable), ``forced``; durable ones also ``stall`` (the
+                ``seconds`` (to durable), ``forced`` (by a notice) or ``join`` (saved
+                before a node joins a distributed job); durable ones also ``stall`` (the
                 seconds the training loop waited); a synced directory's snapshot has ``kind``
                 "sync", ``name``, ``files``, ``bytes`` (and ``step``, ``forced``
                 when taken at a framework's save point)
@@ -53,8 +54,13 @@ vocabulary every reader may rely on):
                 "transformers", "lightning", ...)
 ``notice``      ``kind`` (instance-action, rebalance), ``action``, ``notice_time``
 ``price``       ``pool``, ``instance_type``, ``az``, ``price``, ``ondemand``
-``instance``    ``action`` (launched, terminated, capacity_error), ``instance_id``,
-                ``instance_type``, ``az``, ``reason``
+``instance``    ``action`` (launched, terminated, capacity_error; the local cloud's
+                frozen), ``instance_id``, ``instance_type``, ``az``, ``reason`` (a
+                terminated one: spot-interruption, killed, job-finished, ...)
+``joined``      a distributed job's world re-formed with nodes that joined, from
+                global rank 0's node: ``nodes`` (their slots), ``node_count``,
+                ``world_size``, ``saved_step`` (the save before the join), ``step``
+                (restored), ``redone`` (steps run again)
 ``usage``       ``requests`` {"service:operation": count} made so far by the
                 ``process`` (job-agent, instance-agent, ...) that emits it
 ``warning``     ``kind`` (``notice-fit``: checkpoints take too long for the notice),

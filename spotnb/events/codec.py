@@ -278,6 +278,18 @@ class World:
 
 
 @dataclasses.dataclass(frozen=True)
+class Joined:
+    """``joined``: nodes joined a multi-node job's world after every rank saved (global
+    rank 0's node writes it once the re-formed world restored that save)."""
+
+    nodes: tuple[int, ...]
+    world_size: int
+    step: int
+    saved_step: int | None
+    redone: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Unknown:
     """An event of a type this version does not know (a newer spotnb wrote it)."""
 
@@ -286,7 +298,7 @@ class Unknown:
 
 Body = (Status | Metric | Metrics | ProgressTotal | Stream | Display | Sys | CheckpointEvent
         | Params | Notice | Price | Instance | Usage | Warning | Error | Result | World
-        | Unknown)
+        | Joined | Unknown)
 
 
 def _status(e: Event, d: dict[str, Any]) -> Status:
@@ -349,6 +361,11 @@ _DECODERS: dict[str, Any] = {
     "result": lambda e, d: Result(status=_opt_str(d.get("status")), reason=_str(d.get("reason"))),
     "world": lambda e, d: World(nodes=_int(d.get("nodes")), world_size=_int(d.get("world_size")),
                                 max_nodes=_int(d.get("max_nodes"), 1) or 1),
+    "joined": lambda e, d: Joined(
+        nodes=tuple(_int(n) for n in d.get("nodes") or () if isinstance(n, int)),
+        world_size=_int(d.get("world_size")), step=_int(d.get("step")),
+        saved_step=None if d.get("saved_step") is None else _int(d.get("saved_step")),
+        redone=_int(d.get("redone"))),
 }
 
 

@@ -943,6 +943,7 @@ class Agent:
             with self._rows_lock:
                 self._rows.extend(msg["rows"])
                 full = len(self._rows) >= ROWS_PER_EVENT
+
             self.notifier.saw_metrics(msg["rows"])
             if full:
                 self._emit_rows()
@@ -958,12 +959,14 @@ class Agent:
             else:
                 if not self.notice:
                     ev.emit("status", state="running", detail="running the cell")
-                if data.get("phase") == "failed" or data.get("forced"):
+                if data.get("phase") == "failed" or data.get("forced") or data.get("join"):
                     ev.flush_soon()  # a periodic save waits for the next flush
         elif op == "restored":
             ev.emit("status", state="running",
                     detail=f"restored checkpoint of step {msg.get('step')} "
                            f"in {msg.get('seconds', 0):.1f}s")
+            if self.node is not None and msg.get("step") is not None:
+                self.node.on_restored(int(msg["step"]))
             ev.flush_soon()
         elif op == "sync":
             ev.emit("checkpoint", kind="sync", **{k: v for k, v in msg.items() if k != "op"})
@@ -1002,13 +1005,22 @@ class Agent:
             if self.node is not None:
                 self.node.on_parked()
         elif op == "reform":
-            # A node of the world leaves after the coordinated checkpoint: re-form
-            # without it (torchelastic restarts this node's workers).
-            ev.emit("status", state="restoring",
-                    detail=f"a node leaves after the checkpoint of step {msg.get('step')}; "
-                           "re-forming the world without it")
+            # A node of the world leaves after the coordinated checkpoint (or one waits
+            # to join): re-form (torchelastic restarts this node's workers).
+            if msg.get("join"):
+                saved = (f"the checkpoint of step {msg.get('step')} is durable"
+                         if msg.get("step") is not None else
+                         "no checkpoint to save (the cell has made none yet)")
+                ev.emit("status", state="restoring", detail=(
+                    f"{saved}; re-forming the world with the node that waits to join"))
+            else:
+                ev.emit("status", state="restoring", detail=(
+                    f"a node leaves after the checkpoint of step {msg.get('step')}; "
+                    "re-forming the world without it"))
             if self.node is not None:
-                self.node.on_reform()
+                step = msg.get("step")
+                self.node.on_reform(int(step) if step is not None else None,
+                                    join=bool(msg.get("join")))
         elif op == "warning":
             ev.emit("warning", kind=msg.get("kind"), text=msg.get("text", ""))
         elif op == "params":

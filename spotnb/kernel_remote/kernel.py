@@ -14,7 +14,11 @@ loader workers); the exit status says why a kernel died. The kernel must never o
 its agent (a kernel without an agent trains unsupervised and writes checkpoints that no
 event records): it is started with ``PR_SET_PDEATHSIG`` = SIGKILL on Linux, so the
 agent's death kills it at once, whatever killed the agent; ``JPY_PARENT_PID`` (which
-ipykernel polls every few seconds) covers other systems. The agent also pauses the
+ipykernel polls every few seconds) covers other systems. Linux delivers that signal
+when the parent *thread* exits, not the parent process, so every kernel is spawned by
+one thread that lives as long as the agent (:func:`_spawn`), whichever thread asks
+(a distributed job's spare kernels are asked for by torchelastic's per-generation
+thread, which ends when the generation does). The agent also pauses the
 kernel (SIGSTOP to its process group) while it cannot confirm the job's lease, and the
 runtime stops its own kernel when the agent stops answering (a frozen agent).
 """
@@ -29,7 +33,9 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +62,57 @@ sys.argv = ["ipykernel_launcher", *sys.argv[2:]]
 import runpy
 runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
 """
+
+
+class _Spawner:
+    """One long-lived daemon thread that makes every kernel process.
+
+    ``PR_SET_PDEATHSIG`` fires when the thread that forked the child exits; a kernel
+    forked by a short-lived thread would be SIGKILLed with that thread. This thread
+    ends only with the process, so a kernel dies with its agent and with nothing else.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[
+            tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def run(self, make: Callable[[], Any]) -> Any:
+        """``make()`` on the spawner thread; its value (or its exception raised here)."""
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or \
+                    not self._thread.is_alive():
+                self._pid = os.getpid()  # a forked child needs a thread of its own
+                self._requests = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._serve, args=(self._requests,),
+                                                name="spotnb-kernel-spawner", daemon=True)
+                self._thread.start()
+            requests = self._requests
+        box: list[Any] = []
+        done = threading.Event()
+        requests.put((make, box, done))
+        done.wait()
+        ok, value = box
+        if not ok:
+            raise value
+        return value
+
+    @staticmethod
+    def _serve(requests: queue.SimpleQueue[
+            tuple[Callable[[], Any], list[Any], threading.Event]]) -> None:
+        while True:
+            make, box, done = requests.get()
+            try:
+                box.extend((True, make()))
+            except BaseException as e:  # handed to the caller
+                box.extend((False, e))
+            finally:
+                done.set()
+
+
+_spawner = _Spawner()
 
 
 class KernelNotReady(RuntimeError):
@@ -88,10 +145,10 @@ class KernelProcess:
         fd = os.open(connection_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(connection, f)
-        proc = subprocess.Popen(
+        proc = _spawner.run(lambda: subprocess.Popen(
             [sys.executable, "-c", _LAUNCH, str(os.getpid()), "-f", str(connection_file)],
             cwd=cwd, env={**env, "JPY_PARENT_PID": str(os.getpid())},
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            stdin=subprocess.DEVNULL, start_new_session=True))
         return cls(proc, connection_file)
 
     def connect(self, timeout: float) -> Any:

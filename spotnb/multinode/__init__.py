@@ -53,6 +53,9 @@ KEEP_ALIVE_MISSES = 3
 #: Once MIN nodes are in a round, how long it waits for more before it starts below
 #: MAX (torchelastic's last call; its default is 30 s: a shrink would cost that much).
 LAST_CALL_SECONDS = 2
+#: A node waits to join: the runtimes are asked for a coordinated save first (so the
+#: join redoes no step); a cell that saves nothing within this re-forms without it.
+JOIN_SAVE_SECONDS = 60.0
 #: A rendezvous that cannot complete within this (fewer than MIN nodes) ends the
 #: elastic run; the node looks at the rendezvous record and waits again, until the job
 #: ends (stop, budget, deadline): waiting for capacity, like a single-node job.

@@ -50,6 +50,7 @@ from spotnb.kernel_remote import channel
 from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
 from spotnb.multinode import (
     EXIT_BARRIER_SECONDS,
+    JOIN_SAVE_SECONDS,
     JOIN_TIMEOUT_SECONDS,
     KEEP_ALIVE_MISSES,
     KEEP_ALIVE_SECONDS,
@@ -110,6 +111,22 @@ class _UserError(Exception):
     def __init__(self, run: WorkerRun) -> None:
         super().__init__(run.error)
         self.run = run
+
+
+class _SaveBeforeJoin:
+    """torchelastic's rendezvous handler, whose ``num_nodes_waiting`` answers once the
+    checkpoint before a join is durable (:meth:`NodeRun.nodes_waiting`); everything
+    else is the handler's own."""
+
+    def __init__(self, handler: Any, node: NodeRun) -> None:
+        self._handler = handler
+        self._node = node
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
+
+    def num_nodes_waiting(self) -> int:
+        return self._node.nodes_waiting(int(self._handler.num_nodes_waiting()))
 
 
 class WorkerRun:
@@ -228,6 +245,14 @@ class NodeRun:
         self.stopping = False
         self.closing = False
         self.rounds = 0
+        # A node waits to join (torchelastic's num_nodes_waiting): when this node asked
+        # its runtimes for the save before the join (monotonic), and the step of that
+        # save once durable; the slots held at this round's start (rank 0's node).
+        self.join_asked: float | None = None
+        self.join_step: int | None = None
+        self.after_join: int | None = None
+        self.round_slots: set[int] | None = None
+        self._slots_before: set[int] | None = None
         # Set by the agent's threads: wake the waiting loop.
         self.wake = threading.Event()
         self.leaving = threading.Event()
@@ -257,10 +282,71 @@ class NodeRun:
         self.leaving.set()
         self.wake.set()
 
-    def on_reform(self) -> None:
-        """A runtime asks to re-form (a node leaves after the coordinated checkpoint)."""
+    def on_reform(self, step: int | None = None, join: bool = False) -> None:
+        """A runtime asks to re-form: a node leaves after the coordinated checkpoint,
+        or (``join``) one waits to join and the checkpoint of ``step`` is durable."""
+        if join:
+            self.join_step = step
         self.reform.set()
         self.wake.set()
+
+    def nodes_waiting(self, waiting: int) -> int:
+        """torchelastic's ``num_nodes_waiting``, after the save before a join.
+
+        A node waiting to join makes torchelastic restart the workers, which would
+        redo every step since the last checkpoint on every rank. So the first time a
+        node waits while the cell runs, the runtimes are asked to save (the notice's
+        coordinated checkpoint: every rank at the same step), and torchelastic is told
+        no node waits until that save is durable and the runtimes ask to re-form (the
+        workers are then UNHEALTHY: the same restart, from the new checkpoint). A cell
+        that saves nothing within JOIN_SAVE_SECONDS re-forms without it.
+        """
+        if waiting <= 0 or self.reform.is_set():
+            return waiting
+        runs = list(self.workers)
+        if not runs or any(r.state != "running" for r in runs):
+            return waiting  # no cell runs yet: nothing to lose
+        if self.join_asked is None:
+            self.join_asked = time.monotonic()
+            self.agent._emit("status", state="checkpointing", detail=(
+                f"{waiting} node{'s' if waiting != 1 else ''} waiting to join: every rank "
+                "saves at its next maybe_save, then the world re-forms"))
+            self.agent._send({"op": "notice", "kind": "join"})
+            return 0
+        if time.monotonic() - self.join_asked > JOIN_SAVE_SECONDS:
+            return waiting
+        return 0
+
+    def on_restored(self, step: int) -> None:
+        """A runtime restored the checkpoint of ``step``: after a join, global rank 0's
+        node says who joined and how many steps were redone (``joined`` event): every
+        rank held at the join's save, so the steps after the restored one up to it
+        (none, unless that save could not be read and an older one was)."""
+        if self.after_join is None or not self.rank0_here or self.group is None:
+            return
+        before, self.after_join = self.after_join, None
+        redone = max(0, before - step)
+        joined = sorted((self.round_slots or set()) - self._slots_before) \
+            if self._slots_before is not None else []
+        self.agent._emit("joined", nodes=joined, node_count=self.group.group_world_size,
+                         world_size=self.group.workers[0].world_size, step=step,
+                         saved_step=before, redone=redone)
+        self.agent._flush_soon()
+
+    def _held_slots(self) -> set[int] | None:
+        """The node slots whose lease is held now (who is in the world), or None."""
+        try:
+            found = set()
+            for slot in range(self.spec.resources.max_nodes):
+                current = lease.read(self.store, slot)
+                if current is None or current[0].released:
+                    continue
+                gone = self._instance_gone
+                if slot == self.slot or gone is None or not gone(current[0].holder):
+                    found.add(slot)
+            return found
+        except Exception:
+            return None
 
     def on_job_ended(self) -> None:
         self.ended.set()
@@ -395,8 +481,9 @@ class NodeRun:
         # publishes a fresh MASTER_ADDR/PORT. With sharing, a node that joins later
         # waits forever for a MASTER_ADDR that a rank 0 kept from an earlier round
         # never writes again (seen with torch 2.13: the new round hangs).
+        handler: Any = _SaveBeforeJoin(registry.get_rendezvous_handler(params), self)
         spec = WorkerSpec(role=ROLE, local_world_size=self.procs, entrypoint="ipykernel",
-                          rdzv_handler=registry.get_rendezvous_handler(params),
+                          rdzv_handler=handler,
                           max_restarts=MAX_REFORMATIONS, monitor_interval=MONITOR_SECONDS,
                           local_addr=self.address)
         return KernelElasticAgent(spec, self, exit_barrier_timeout=EXIT_BARRIER_SECONDS)
@@ -411,6 +498,11 @@ class NodeRun:
         self.reform.clear()
         self.group = group
         self.rounds += 1
+        self.after_join = self.join_step
+        self.join_asked = self.join_step = None
+        if 0 in [w.global_rank for w in group.workers]:
+            self._slots_before = self.round_slots
+            self.round_slots = self._held_slots()
         restore_dir = agent._scratch / f"restore-{agent.held.epoch}-{self.rounds}"
         restore_dir.mkdir(parents=True, exist_ok=True)
         ranks = [w.global_rank for w in group.workers]

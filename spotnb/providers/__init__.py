@@ -29,6 +29,10 @@ contract" rather than repeat it):
     Deliver a spot interruption notice to the job's current instance now (a multi-node
     job's node ``instance`` when named); it is terminated after the notice period, and
     the group replaces it.
+``kill(job_id, instance=None)`` (optional: the local cloud)
+    End the job's instance (``instance`` when named, else the first running) at once,
+    without a notice, as a lost machine: the way to test a cell against one. The group
+    replaces it. Providers that cannot simulate it raise :class:`ProviderError`.
 ``terminate(job_id)``
     Delete the capacity group, its instances and the job's secrets. Idempotent;
     called on completion, failure, stop, budget and deadline (DESIGN invariant 6).
@@ -108,6 +112,12 @@ class Provider(ABC):
 
     @abstractmethod
     def interrupt(self, job_id: str, instance: str | None = None) -> None: ...
+
+    def kill(self, job_id: str, instance: str | None = None) -> None:
+        """See the contract: only the local cloud simulates a lost machine."""
+        raise ProviderError(f"the {self.name} provider cannot kill an instance without "
+                            "notice; test a lost machine on the local cloud "
+                            "(provider='local')")
 
     @abstractmethod
     def terminate(self, job_id: str) -> None: ...

@@ -12,6 +12,17 @@ life, among
 * ``store``: every write to the store fails (read-only or full) for a few seconds;
 * ``notice``: a spot interruption notice.
 
+Multi-node schedules (``--nodes 1:2``, every node's kernel running the same loop with an
+all-reduce each step, so a lost peer fails its survivors' collectives) draw among
+
+* ``node-notice``: a notice to one node (``interrupt(node=K)``);
+* ``node-kill``: one node killed without notice (``kill(node=K)``);
+* ``host-kill``: the node hosting the rendezvous killed without notice;
+* ``two-notices``: a notice to each node, 0.3 s apart;
+* ``node-freeze``: one node SIGSTOPped past the job's peer timeout, then let go;
+* ``join``: no capacity while a node is killed, then capacity returns: the
+  replacement joins a running world.
+
 After the schedule the job must complete, and:
 
 * its result is bitwise the result of the same code run without faults;
@@ -20,12 +31,14 @@ After the schedule the job must complete, and:
   as the local store's file times show);
 * no process is left behind (the ``spotnb_home`` fixture checks it).
 
-CI runs FAST_SEEDS; ``SPOTNB_FAULT_SOAK=N pytest tests/faults -m soak`` runs N more
-seeds (by hand; benchmarks/RESULTS.md has the figures of the last soak).
+CI runs FAST_SEEDS and MULTI_FAST_SEEDS; ``SPOTNB_FAULT_SOAK=N pytest tests/faults -m
+soak`` runs N more seeds of each (by hand; benchmarks/RESULTS.md has the figures of the
+last soak).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -49,6 +62,11 @@ FAST_SEEDS = (11, 23, 37)
 SOAK = int(os.environ.get("SPOTNB_FAULT_SOAK", "0"))
 STEPS = 240
 KINDS = ("agent", "kernel", "freeze", "supervisor", "store", "notice")
+MULTI_FAST_SEEDS = (4,)  # a join: a node killed while capacity is short
+MULTI_STEPS = 160
+MULTI_KINDS = ("node-notice", "node-kill", "host-kill", "two-notices", "node-freeze", "join")
+# The peer timeout of the multi-node schedules: a frozen node is frozen past it.
+PEER_TIMEOUT_SECONDS = 10.0
 
 CELL = """
 import random, time
@@ -64,11 +82,34 @@ total = state["w"]
 """
 
 
-def expected_total() -> float:
+# Every rank runs the same loop; the all-reduce makes each step wait on every peer (a
+# lost or frozen one fails it) without feeding the state, so the total is exact at any
+# world size.
+MULTI_CELL = """
+import random, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+random.seed(5)
+state = {"w": 0.0}
+ckpt = spot.Checkpoint(state=state)
+for step in range(ckpt.restore(), STEPS):
+    one = torch.ones(1)
+    dist.all_reduce(one)
+    state["w"] += random.random()
+    spot.log(step, w=state["w"])
+    time.sleep(0.05)
+    ckpt.maybe_save(step)
+total = state["w"]
+dist.destroy_process_group()
+"""
+
+
+def expected_total(steps: int = STEPS) -> float:
     """The job's result without any fault: the same loop, here."""
     rng = random.Random(5)
     w = 0.0
-    for _ in range(STEPS):
+    for _ in range(steps):
         w += rng.random()
     return w
 
@@ -80,11 +121,102 @@ class Fault:
     duration: float = 0.0
 
 
-def draw(seed: int) -> list[Fault]:
+def draw(seed: int, kinds: tuple[str, ...] = KINDS, count: tuple[int, int] = (2, 4),
+         within: float = 6.0) -> list[Fault]:
     rng = random.Random(seed)
-    faults = [Fault(at=rng.uniform(0.5, 6.0), kind=rng.choice(KINDS),
-                    duration=rng.uniform(1.0, 10.0)) for _ in range(rng.randint(2, 4))]
+    faults = [Fault(at=rng.uniform(0.5, within), kind=rng.choice(kinds),
+                    duration=rng.uniform(1.0, 10.0)) for _ in range(rng.randint(*count))]
     return sorted(faults, key=lambda f: f.at)
+
+
+class NodeAttacker:
+    """Applies a multi-node schedule: faults aimed at one node (slot) of the job."""
+
+    def __init__(self, handle: spotnb.JobHandle, home: Path, rng: random.Random) -> None:
+        self.handle = handle
+        self.home = home
+        self.rng = rng
+        self.provider = LocalProvider()
+        self.done: list[str] = []
+
+    def _running(self) -> list[dict[str, object]]:
+        return [m for m in self.provider.instances(self.handle.job_id)
+                if m.get("state") == "running"]
+
+    def _slot(self) -> int:
+        return self.rng.randrange(self.handle.spec.resources.max_nodes)
+
+    def apply(self, fault: Fault) -> None:
+        import json
+
+        from spotnb.multinode import rendezvous as rdzv
+        from spotnb.spec import SpecError
+
+        try:
+            if fault.kind == "node-notice":
+                self.handle.interrupt(node=self._slot())
+            elif fault.kind == "node-kill":
+                self.handle.kill(node=self._slot())
+            elif fault.kind == "host-kill":
+                record = rdzv.read(self.handle.store)
+                if record is None or record[0].host_slot is None:
+                    return
+                self.handle.kill(node=record[0].host_slot)
+            elif fault.kind == "two-notices":
+                self.handle.interrupt(node=0)
+                time.sleep(0.3)  # the fault: the second notice 0.3 s after the first
+                self.handle.interrupt(node=1)
+            elif fault.kind == "node-freeze":
+                running = self._running()
+                if not running:
+                    return
+                victim = self.rng.choice(running)
+                proc = psutil.Process(int(victim["pid"]))  # type: ignore[call-overload]
+                family = [proc, *proc.children(recursive=True)]
+                for p in family:
+                    p.suspend()
+                time.sleep(PEER_TIMEOUT_SECONDS + fault.duration)  # frozen past the timeout
+                for p in family:
+                    with contextlib.suppress(psutil.Error):
+                        p.resume()
+            elif fault.kind == "join":
+                config = self.home / "cloud" / "config.json"
+                config.parent.mkdir(parents=True, exist_ok=True)
+                config.write_text(json.dumps({"no_capacity": ["g4dn.xlarge"]}))
+                try:
+                    self.handle.kill(node=self._slot())
+                    time.sleep(fault.duration)  # the survivor trains alone meanwhile
+                finally:
+                    config.write_text(json.dumps({"no_capacity": []}))
+        except (SpecError, psutil.Error):
+            return  # no such node right now (between two): nothing to aim at
+        self.done.append(fault.kind)
+
+
+def run_multi_schedule(seed: int, home: Path) -> None:
+    schedule = draw(seed, MULTI_KINDS, count=(1, 2), within=4.0)
+    handle = spotnb.submit(MULTI_CELL, nodes="1:2", inputs={"STEPS": MULTI_STEPS},
+                           outputs=["total"], instance_types="g4dn.xlarge",
+                           checkpoint_every="20 steps",
+                           peer_timeout=f"{PEER_TIMEOUT_SECONDS:g}s")
+    attacker = NodeAttacker(handle, home, random.Random(seed))
+    deadline = time.monotonic() + 300
+    while not handle.metrics().get("w") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    started = time.monotonic()
+    for fault in schedule:
+        delay = started + fault.at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # the moment of the fault, drawn from the seed
+        attacker.apply(fault)
+    result = spotnb.attach(handle.job_id).wait(timeout=600)
+    context = f"seed {seed}: {[(f.kind, round(f.at, 1)) for f in schedule]}, done " \
+              f"{attacker.done}"
+    assert result.status == "completed", (context, result.reason, result.error)
+    assert result.outputs["total"] == expected_total(MULTI_STEPS), context
+    steps = {step for step, _ in handle.metrics().get("w", [])}
+    assert steps == set(range(MULTI_STEPS)), (
+        context, sorted(set(range(MULTI_STEPS)) - steps))
 
 
 class Attacker:
@@ -202,6 +334,26 @@ def test_a_job_survives_a_random_fault_schedule(seed: int, spotnb_home: Path,
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
     monkeypatch.setenv("SPOTNB_LEASE_TTL", "9")
     run_schedule(seed, spotnb_home, switch)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", MULTI_FAST_SEEDS)
+def test_a_multi_node_job_survives_a_random_fault_schedule(
+        seed: int, spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "5")
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    run_multi_schedule(seed, spotnb_home)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not SOAK, reason="soak: set SPOTNB_FAULT_SOAK=N to run N schedules")
+@pytest.mark.parametrize("seed", range(2000, 2000 + SOAK))
+def test_multi_node_soak(seed: int, spotnb_home: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "5")
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    run_multi_schedule(seed, spotnb_home)
 
 
 @pytest.mark.soak

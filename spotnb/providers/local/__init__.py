@@ -265,6 +265,26 @@ class LocalProvider(Provider):
         log.info("requested an interruption of job %s's instance %s", job_id,
                  instance or "(the first running)")
 
+    def kill(self, job_id: str, instance: str | None = None) -> None:
+        """See the contract: the supervisor SIGKILLs the instance's agent and everything
+        it started at once (no notice, no grace), as a machine lost outright."""
+        self._fault(job_id, "kill", instance)
+
+    def freeze(self, job_id: str, instance: str | None = None) -> None:
+        """Freeze the instance (SIGSTOP of the agent and everything it started): a node
+        gone silent, not dead. Nothing answers; its peers go on without it after the
+        job's peer timeout. The group ends it when the job ends."""
+        self._fault(job_id, "freeze", instance)
+
+    def _fault(self, job_id: str, kind: str, instance: str | None) -> None:
+        home = group_dir(job_id)
+        info = read_json(home / GROUP_FILE)
+        if info is None or not _alive(info):
+            raise ProviderError(f"job {job_id} has no running capacity group to {kind}")
+        _request(home, kind, instance=instance)
+        log.info("requested a %s of job %s's instance %s", kind, job_id,
+                 instance or "(the first running)")
+
     def terminate(self, job_id: str) -> None:
         home = group_dir(job_id)
         info = read_json(home / GROUP_FILE)

@@ -45,7 +45,8 @@ service (its own notices), launched and replaced one by one exactly as the one i
 of a single-node job; the job ends for all of them with its result.
 
 Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``; of one
-named instance, or of the first running one); the
+named instance, or of the first running one not yet under notice; every request read in
+a tick is its own notice); the
 spec's ``simulate_interruptions`` ``{"count": N}`` (reason ``simulated``: once an
 instance's attempt has a durable checkpoint and any later event, or after
 ``interrupt_after`` seconds after the first output of a cell without any checkpoint;
@@ -53,11 +54,16 @@ see ``_simulated_due``) or
 ``{"schedule": [s, ...]}``
 (reason ``scheduled``, seconds since the first launch); the market price rising above
 ``max_price`` (``price``); and the Spot Advisor's interruption rate (``hazard``).
+
+Faults without notice, on request: ``LocalProvider.kill`` (the agent and everything it
+started SIGKILLed at once; ``terminated`` with reason ``killed``, then replaced) and
+``LocalProvider.freeze`` (SIGSTOPped: a node gone silent, ``frozen``; ended with the job).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -69,6 +75,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from spotnb import catalog, secretstore
 from spotnb.backoff import Backoff
@@ -136,6 +144,21 @@ class _Finish:
     detail: str = ""
 
 
+def _family(inst: LocalInstance) -> list[psutil.Process]:
+    """An instance's agent and its descendants (kernels included), while it runs."""
+    if inst.proc is not None and inst.proc.poll() is None:
+        pid = inst.proc.pid
+    elif inst.adopted is not None and inst.adopted.alive():
+        pid = inst.adopted.pid
+    else:
+        return []
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 class Supervisor:
     """Keeps a job's instances running; see the module docstring."""
 
@@ -166,8 +189,11 @@ class Supervisor:
         self.crashes = 0
         self.finish: _Finish | None = None
         self.terminate_requested: str | None = None
-        # An interruption asked for: of this instance id, or "" for the first running.
-        self.interrupt_requested: str | None = None
+        # The instances an interruption was asked for and not yet given (every request
+        # counts: two in one tick are two notices, to two instances).
+        self.interrupt_requested: list[str] = []
+        # Faults without notice asked for: (instance id, "kill" or "freeze").
+        self.faults_requested: list[tuple[str, str]] = []
 
         sim = spec.simulate_interruptions or {}
         self.sim_count = int(sim.get("count", 0))
@@ -352,10 +378,30 @@ class Supervisor:
                     log.warning("interrupt requested, but no instance is running; ignored")
                 else:
                     target = (read_json(path) or {}).get("instance")
-                    self.interrupt_requested = str(target) if target else ""
+                    if target and all(i.id != target for i in self.running):
+                        log.warning("interrupt requested for %s, which is not running; "
+                                    "ignored", target)
+                    else:
+                        self.interrupt_requested.append(
+                            str(target) if target else self._first_uninterrupted())
+            elif kind in ("kill", "freeze"):
+                target = (read_json(path) or {}).get("instance")
+                if not self.running or (target and all(i.id != target for i in self.running)):
+                    log.warning("%s requested for %s, which is not running; ignored", kind,
+                                target or "the first instance")
+                else:
+                    self.faults_requested.append((str(target or self.running[0].id), kind))
             else:
                 log.warning("ignoring unknown control request %s", name)
             path.unlink(missing_ok=True)
+
+    def _first_uninterrupted(self) -> str:
+        """An interruption of "the first running" instance: the first one that is not
+        under notice and not already asked for (else the first running)."""
+        for inst in self.running:
+            if inst.terminate_at is None and inst.id not in self.interrupt_requested:
+                return inst.id
+        return self.running[0].id
 
     def _poll_store(self, now: float) -> None:
         if self.store.exists(RESULT):
@@ -396,10 +442,17 @@ class Supervisor:
                 self._spawn(inst, now)
                 if inst not in self.running:  # the agent could not even be started
                     return
-        # Step 2: an agent that exited by itself.
+        # Step 2: an agent that exited by itself, or a fault asked for (kill, freeze).
         elif (code := inst.exit_code()) is not None:
             self._agent_exited(inst, now, code)
             return
+        elif any(i == inst.id for i, _ in self.faults_requested):
+            kinds = {k for i, k in self.faults_requested if i == inst.id}
+            self.faults_requested = [f for f in self.faults_requested if f[0] != inst.id]
+            if "kill" in kinds:
+                self._kill(inst, now)
+                return
+            self._freeze(inst)
         # Step 3: the market moves.
         if inst.next_price_change is not None and now >= inst.next_price_change:
             price = inst.market.price_at(now)
@@ -412,8 +465,9 @@ class Supervisor:
             reason = self._interruption_due(inst, now)
             if reason is not None:
                 self._notice(inst, now, reason)
-        elif self.interrupt_requested in ("", inst.id):
-            self.interrupt_requested = None  # already under notice, or winding down
+        elif inst.id in self.interrupt_requested:
+            # Already under notice, or winding down.
+            self.interrupt_requested = [i for i in self.interrupt_requested if i != inst.id]
         # Step 5: the notice period is over.
         if inst.terminate_at is not None and now >= inst.terminate_at:
             self._end(inst, now, "spot-interruption")
@@ -421,9 +475,29 @@ class Supervisor:
             self.crashes = 0
             self.next_launch_at = now
 
+    def _kill(self, inst: LocalInstance, now: float) -> None:
+        """A machine lost outright: SIGKILL the agent and everything it started at once
+        (no notice, no grace); the group replaces it as after an interruption."""
+        family = _family(inst)
+        for proc in family:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        log.info("killed instance %s without notice (requested)", inst.id)
+        self._end(inst, now, "killed")
+        self._forget(inst)
+        self.next_launch_at = now
+
+    def _freeze(self, inst: LocalInstance) -> None:
+        """A node gone silent: SIGSTOP the agent and everything it started."""
+        for proc in _family(inst):
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
+        log.info("froze instance %s (requested)", inst.id)
+        self._emit("instance", inst.id, action="frozen", **inst.describe())
+
     def _interruption_due(self, inst: LocalInstance, now: float) -> str | None:
-        if self.interrupt_requested in ("", inst.id):
-            self.interrupt_requested = None
+        if inst.id in self.interrupt_requested:
+            self.interrupt_requested = [i for i in self.interrupt_requested if i != inst.id]
             return "requested"
         max_price = self.spec.resources.max_price
         if max_price is not None and inst.price > max_price:
