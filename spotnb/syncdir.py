@@ -26,6 +26,11 @@ never by a timer, so a snapshot never catches a checkpoint half-written::
 checkpoint folder of a directory that holds many (Hugging Face's ``checkpoint-N``),
 so each upload, and the last one before termination above all, carries one
 checkpoint, not every one the framework keeps.
+
+Each snapshot also carries what the job's event log had not confirmed when it was
+taken (:class:`spotnb.session.Carry`: metric rows, output lines), beside its files;
+restoring it has the agent record what the saving attempt's log lacks (DESIGN
+invariant 8), as a restored ``spot.Checkpoint`` does.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from typing import TYPE_CHECKING
 
 from spotnb import layout
 from spotnb.checkpoints import CheckpointStore, FencedOff, Manifest, copy_hashing
+from spotnb.session import Carry
 from spotnb.store import _check_key, retrying
 
 if TYPE_CHECKING:
@@ -198,12 +204,16 @@ class SyncDir:
         stage = self.rt.scratch / f"sync-{self.name}-{uuid.uuid4().hex[:8]}"
         try:
             files = self._store.download(manifest, stage)
+            carry = Carry.read(stage, set(files), f"the snapshot of {self.path}")
             for name, src in files.items():
+                if not name.startswith(self._FILES):
+                    continue  # what the snapshot carries of the log (above)
                 dest = self.path / name[len(self._FILES):]
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(src, dest)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+        carry.replay(self.rt, manifest.attempt)
         self._seq = manifest.step + 1
         self._signature = self._sig(self._scan())
         self.rt.send({"op": "sync", "name": self.name, "phase": "restored",
@@ -254,13 +264,17 @@ class SyncDir:
         try:
             for rel, full, _st in files:
                 key = self._FILES + rel
-                dest = stage / rel
+                dest = stage / key  # the carry's files (below) sit beside files/
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     staged.digests[key] = copy_hashing(full, dest)
                 except FileNotFoundError:
                     continue  # deleted since the scan
                 staged.files[key] = dest
+            # What the log has not confirmed up to now (the step the framework saved).
+            for name, data in self.rt.carry().files().items():
+                (stage / name).write_bytes(data)
+                staged.files[name] = stage / name
         except BaseException:
             staged.discard()
             raise
