@@ -205,12 +205,19 @@ class SyncDir:
         try:
             files = self._store.download(manifest, stage)
             carry = Carry.read(stage, set(files), f"the snapshot of {self.path}")
+            mtimes = manifest.metadata.get("mtimes")
             for name, src in files.items():
                 if not name.startswith(self._FILES):
                     continue  # what the snapshot carries of the log (above)
-                dest = self.path / name[len(self._FILES):]
+                rel = name[len(self._FILES):]
+                dest = self.path / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(src, dest)
+                # As it was when saved: a framework may pick its newest file by mtime
+                # (Lightning's ckpt_path="last" among last.ckpt, last-v1.ckpt...).
+                mtime = mtimes.get(rel) if isinstance(mtimes, dict) else None
+                if isinstance(mtime, int) and not isinstance(mtime, bool) and mtime >= 0:
+                    os.utime(dest, ns=(mtime, mtime))
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         carry.replay(self.rt, manifest.attempt)
@@ -240,7 +247,8 @@ class SyncDir:
             try:
                 manifest = retrying(lambda: self._store.write(
                     staged.seq, staged.files, attempt=self.rt.attempt, fence=self.rt.fence,
-                    fmt="dir", digests=staged.digests, metadata={"path": str(self.path)},
+                    fmt="dir", digests=staged.digests,
+                    metadata={"path": str(self.path), "mtimes": staged.mtimes},
                 ), f"uploading {self.path}")
             except BaseException as e:
                 self._signature = None  # not uploaded: the next sync tries again
@@ -262,7 +270,7 @@ class SyncDir:
         stage = self.rt.scratch / f"sync-up-{self.name}-{uuid.uuid4().hex[:8]}"
         staged = _Staged(stage, self._seq, step)
         try:
-            for rel, full, _st in files:
+            for rel, full, st in files:
                 key = self._FILES + rel
                 dest = stage / key  # the carry's files (below) sit beside files/
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -271,6 +279,7 @@ class SyncDir:
                 except FileNotFoundError:
                     continue  # deleted since the scan
                 staged.files[key] = dest
+                staged.mtimes[rel] = st.st_mtime_ns
             # What the log has not confirmed up to now (the step the framework saved).
             for name, data in self.rt.carry().files().items():
                 (stage / name).write_bytes(data)
@@ -403,6 +412,8 @@ class _Staged:
         self.step = step
         self.files: dict[str, Path] = {}
         self.digests: dict[str, tuple[int, str]] = {}
+        #: Each file's mtime (ns) when copied: a restore sets it again.
+        self.mtimes: dict[str, int] = {}
 
     def discard(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -434,7 +445,8 @@ class _DirUpload:
             uploaded = retrying(lambda: sd._store.upload(
                 self.staged.seq, self.staged.files, attempt=rt.attempt, fmt="dir",
                 digests=self.staged.digests, metadata={"path": str(sd.path),
-                                                       "step": self.staged.step}),
+                                                       "step": self.staged.step,
+                                                       "mtimes": self.staged.mtimes}),
                 f"uploading {sd.path}")
             if self._after is not None:
                 self._after.wait()
