@@ -908,12 +908,14 @@ def test_framework_dir_saved_at_save_points_then_parked_on_notice(
     finally:
         proc.kill()
         proc.communicate(timeout=30)
-    # The snapshot holds one checkpoint, the newest, whole.
+    # The snapshot holds one checkpoint, the newest, whole (and the rows the fake
+    # agent never confirmed).
     snapshots = CheckpointStore(job.store, f"{layout.SYNC}/{spot.sync_name('out')}")
     latest = snapshots.latest()
     assert latest is not None
     assert sorted(f.name for f in latest.files) == [
-        f"files/checkpoint-{parked['step']}/step", f"files/checkpoint-{parked['step']}/weights.bin"]
+        f"files/checkpoint-{parked['step']}/step", f"files/checkpoint-{parked['step']}/weights.bin",
+        "metrics.json"]
 
     # The replacement: restored, and last_checkpoint names it.
     fresh = job.tmp / "fresh"
