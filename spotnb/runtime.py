@@ -760,7 +760,9 @@ class Checkpoint:
             # In a distributed job global rank 0's agent alone, as spot.log records
             # rank 0's rows: agents of several nodes appending the same rows would
             # repeat them.
-            carry.replay(self._rt, manifest.attempt)
+            carry.replay(self._rt, manifest.attempt,
+                         {"phase": "durable", "id": manifest.id, "step": manifest.step,
+                          "bytes": manifest.total_bytes}, manifest.created)
         saved = state["objects"]
         for name, obj in list(self._objects.items()):
             if name in saved and saved[name][0] == "dcp":

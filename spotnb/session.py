@@ -141,11 +141,14 @@ class Carry:
                             "may miss the steps just before it", what, e)
         return cls(rows, events)
 
-    def replay(self, rt: Session, attempt: int) -> None:
-        """Have the agent record what the log of ``attempt`` lacks of this carry."""
-        if self:
+    def replay(self, rt: Session, attempt: int, durable: dict[str, Any],
+               saved: float) -> None:
+        """Have the agent record what the log of ``attempt`` lacks of this carry, and
+        the ``checkpoint`` event ``durable`` of the restored save (saved at time
+        ``saved``) if that log lacks it (its agent died before writing it)."""
+        if attempt != rt.attempt:
             rt.send({"op": "replay", "attempt": attempt, "rows": self.rows,
-                     "events": self.events})
+                     "events": self.events, "checkpoint": durable, "saved": saved})
 
 
 def _mark_output(token: str) -> bool:

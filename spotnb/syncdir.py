@@ -220,7 +220,12 @@ class SyncDir:
                     os.utime(dest, ns=(mtime, mtime))
         finally:
             shutil.rmtree(stage, ignore_errors=True)
-        carry.replay(self.rt, manifest.attempt)
+        durable: dict[str, object] = {"kind": "sync", "name": self.name, "phase": "durable",
+                                      "id": manifest.id, "files": len(manifest.files),
+                                      "bytes": manifest.total_bytes}
+        if manifest.metadata.get("step") is not None:
+            durable["step"] = manifest.metadata["step"]
+        carry.replay(self.rt, manifest.attempt, durable, manifest.created)
         self._seq = manifest.step + 1
         self._signature = self._sig(self._scan())
         self.rt.send({"op": "sync", "name": self.name, "phase": "restored",
@@ -292,7 +297,7 @@ class SyncDir:
         return staged
 
     def _report(self, manifest: Manifest, step: int | None, forced: bool) -> None:
-        message = {"op": "sync", "name": self.name, "phase": "durable",
+        message = {"op": "sync", "name": self.name, "phase": "durable", "id": manifest.id,
                    "files": len(manifest.files), "bytes": manifest.total_bytes}
         if step is not None:
             message.update(step=step, forced=forced)

@@ -463,6 +463,11 @@ def test_a_kill_after_a_save_loses_no_row_and_no_output_line(
     assert sorted(by_attempt[2]) == list(range(60, 80)), by_attempt[2]
     assert sorted(by_attempt[3]) == list(range(80, steps))
     assert [s for s, _ in handle.metrics()["w"]] == list(range(steps))
+    # The killed attempts' own saves are in their history, once each.
+    durable = [(e.attempt, e.data.get("kind", "state"), e.data.get("step"), e.data["id"])
+               for e in events if e.type == "checkpoint" and e.data.get("phase") == "durable"]
+    assert {(1, "state", 59), (2, "sync", 79)} <= {d[:3] for d in durable}, durable
+    assert len({d[3] for d in durable}) == len(durable), durable
     # Every line printed, once, in `spotnb logs`.
     capsys.readouterr()
     assert cli.main(["logs", handle.job_id]) == 0

@@ -951,7 +951,7 @@ class Agent:
             ev.emit("usage", process="runtime", requests=msg.get("requests") or {})
         elif op == "replay":
             self._replay(int(msg.get("attempt", 0)), msg.get("rows") or [],
-                         msg.get("events") or [])
+                         msg.get("events") or [], msg.get("checkpoint"), msg.get("saved"))
         elif op == "unlogged":
             # A checkpoint being saved asks for the events the log has not confirmed
             # (after its mark on the kernel's output: every line printed before the
@@ -1017,7 +1017,8 @@ class Agent:
         else:
             log.warning("unknown message from the runtime: %s", op)
 
-    def _replay(self, source: int, rows: list[list[Any]], lines: list[str]) -> None:
+    def _replay(self, source: int, rows: list[list[Any]], lines: list[str],
+                durable: Any = None, saved: Any = None) -> None:
         """Record what a restored checkpoint carried that the log of the attempt that
         saved it lacks (its agent died with it unwritten): metric rows, and events (the
         cell's output, earlier saves...). Rows are logged in time order, so those after
@@ -1025,14 +1026,21 @@ class Agent:
         numbered, so those after the newest number in it.
 
         They are appended to that attempt's own stream as one chunk, under the numbers
-        its agent gave them (the rows as one batch after them), as if it had written
-        them: the log reads as if that agent had lived, and a later restore of the same
-        checkpoint finds them there and records nothing twice. That agent writes
-        nothing more (it lost the lease this agent holds), so the stream still has one
-        writer at a time."""
+        its agent gave them, as if it had written them: the log reads as if that agent
+        had lived, and a later restore of the same checkpoint finds them there and
+        records nothing twice. That agent writes nothing more (it lost the lease this
+        agent holds), so the stream still has one writer at a time. The restored save's
+        own ``checkpoint`` event (``durable``, saved at time ``saved``) is added when
+        that log lacks it too (its agent died between the save and the next write of
+        its log), and the rows as one batch: both unnumbered, since that agent may
+        have given any later number to an event another checkpoint carries; a
+        checkpoint event is recorded once by its id and phase."""
         held = self.held
-        if self.events is None or held is None or source == held.epoch or not (rows or lines):
+        if self.events is None or held is None or source == held.epoch:
             return
+        if not isinstance(durable, dict) or not isinstance(saved, (int, float)) \
+                or not isinstance(durable.get("id"), str):
+            durable = None
         carried = []
         for line in lines:
             try:
@@ -1046,18 +1054,28 @@ class Agent:
             prefix = f"{EVENTS_PREFIX}{stream_name(source)}/"
             objs = [o for k in self.store.list_keys(prefix)
                     if (o := StreamObject.parse(k)) is not None]
-            newest_n, newest_t = _newest_logged(self.store, objs)
+            since = min([float(saved or 0.0), *(e.time for e in carried)])
+            newest_n, newest_t, recent = _newest_logged(self.store, objs, since)
+            saves = {(e.data.get("id"), e.data.get("phase")) for e in recent
+                     if e.type == "checkpoint" and e.data.get("id")}
             # Compared as logged: the log keeps each row's time to the millisecond.
             missing = [(step, _row_time(t), values) for step, t, values in rows
                        if _row_time(t) > newest_t]
-            events = sorted((dataclasses.replace(
-                e, data={**e.data, "replayed_by": held.epoch})
-                for e in carried if e.n is not None and e.n > newest_n), key=lambda e: e.n or 0)
+            events = []
+            for e in sorted(carried, key=lambda e: e.n or 0):
+                save = (e.data.get("id"), e.data.get("phase"))
+                if (e.n or 0) <= newest_n or (e.type == "checkpoint" and save in saves):
+                    continue
+                saves.add(save)
+                events.append(dataclasses.replace(e, data={**e.data,
+                                                           "replayed_by": held.epoch}))
+            if durable is not None and (durable["id"], "durable") not in saves:
+                events.append(Event(type="checkpoint", time=float(saved), attempt=source,
+                                    instance=None, data={**durable, "replayed_by": held.epoch}))
             if missing:
-                n = max([newest_n, *(e.n or 0 for e in events)]) + 1
                 data = {**metrics_data(missing), "replayed_by": held.epoch}
                 events.append(Event(type="metrics", time=missing[-1][1], attempt=source,
-                                    instance=None, data=data, n=n))
+                                    instance=None, data=data))
             if events:
                 seq = max((o.last for o in objs), default=-1) + 1
                 body = "".join(e.to_json() + "\n" for e in events).encode()
@@ -1232,21 +1250,27 @@ def _row_time(t: Any) -> float:
     return round(float(t), 3)
 
 
-def _newest_logged(store: Store, objs: list[StreamObject]) -> tuple[int, float]:
+def _newest_logged(store: Store, objs: list[StreamObject], since: float
+                   ) -> tuple[int, float, list[Event]]:
     """The newest event number and metric row time among a stream's objects (-1 and
-    -inf without any): read from the last one back until one holds a metric (the
-    first read gives the newest number: objects are in event order)."""
-    newest_n = -1
+    -inf without any), and its events from time ``since`` on: read from the last one
+    back until one holds a metric and one an event older than ``since`` (the first
+    read gives the newest number: objects are in event order)."""
+    newest_n, newest_t = -1, None
+    recent: list[Event] = []
     for obj in sorted(objs, key=lambda o: (o.last, o.first), reverse=True):
         try:
             events = parse_chunk(read_object(store, obj))
         except NotFound:
             continue
         newest_n = max([newest_n, *(e.n for e in events if e.n is not None)])
+        recent += [e for e in events if e.time >= since]
         times = [float(t) for e in events for _, t, _ in metric_rows(e)]
-        if times:
-            return newest_n, max(times)
-    return newest_n, float("-inf")
+        if times and newest_t is None:
+            newest_t = max(times)
+        if newest_t is not None and any(e.time < since for e in events):
+            break
+    return newest_n, float("-inf") if newest_t is None else newest_t, recent
 
 
 def _retry_store(fn: Callable[[], T], what: str,
