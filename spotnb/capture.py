@@ -9,7 +9,7 @@ there too). Anything that cannot travel raises :class:`CaptureError` before a jo
 exists, naming the variable, its size and the way out.
 
 The names are found by :mod:`spotnb.freevars`; ``.gitignore`` files are respected
-with the subset of git's syntax that :class:`GitIgnore` implements.
+(:class:`GitIgnore`, on pathspec's gitignore rules).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import os
 import re
 import sys
 import types
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import pathspec
 
 from spotnb.freevars import free_names_in
 from spotnb.spec import SpecError
@@ -96,43 +98,54 @@ def _imported_modules(tree: ast.AST) -> set[str]:
 # -- .gitignore ------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _Rule:
-    base: Path
-    regex: re.Pattern[str]
-    negate: bool
-    dir_only: bool
+class _Rules:
+    """One ``.gitignore`` file's rules, for the paths below its directory: as git walks
+    a tree, directories (checked as ``dir/``) by each rule that matches the directory
+    itself, and a file by gitignore's precedence of file and directory rules."""
+
+    directories: pathspec.PathSpec
+    files: pathspec.GitIgnoreSpec
+
+    @classmethod
+    def parse(cls, lines: list[str]) -> _Rules | None:
+        valid = []
+        # re warns of "possible nested sets" in classes such as [[:digit:]].
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for line in lines:
+                try:
+                    pathspec.GitIgnoreSpec.from_lines([line])
+                except ValueError:
+                    continue  # git skips a line it cannot read (a lone "!")
+                valid.append(line)
+            if not valid:
+                return None
+            return cls(pathspec.PathSpec.from_lines("gitignore", valid),
+                       pathspec.GitIgnoreSpec.from_lines(valid))
+
+    def verdict(self, rel: str, is_dir: bool) -> bool | None:
+        """True: ignored, False: re-included (``!``), None: no rule matches."""
+        if is_dir:
+            return self.directories.check_file(rel + "/").include
+        return self.files.check_file(rel).include
 
 
 class GitIgnore:
-    """The ``.gitignore`` rules that apply below ``root`` (the common subset of git's
-    syntax: ``*``, ``?``, ``**``, ``[...]``, a leading or inner ``/`` anchors, a
-    trailing ``/`` matches directories only, ``!`` re-includes)."""
+    """The ``.gitignore`` files that apply below ``root``, in git's whole syntax
+    (pathspec): deeper files' rules win over outer ones', and nothing below an ignored
+    directory is re-included (git does not look inside it)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._rules: dict[Path, list[_Rule]] = {}
+        self._rules: dict[Path, _Rules | None] = {}
 
-    def _rules_of(self, directory: Path) -> list[_Rule]:
+    def _rules_of(self, directory: Path) -> _Rules | None:
         if directory not in self._rules:
-            rules = []
-            path = directory / ".gitignore"
             try:
-                lines = path.read_text(errors="replace").splitlines()
+                text = (directory / ".gitignore").read_text(errors="replace")
             except OSError:
-                lines = []
-            for raw in lines:
-                line = raw.rstrip()
-                if not line or line.startswith("#"):
-                    continue
-                negate = line.startswith("!")
-                line = line[1:] if negate else line
-                dir_only = line.endswith("/")
-                line = line.rstrip("/")
-                anchored = "/" in line
-                line = line.lstrip("/")
-                rules.append(_Rule(directory, re.compile(_glob_regex(line, anchored)),
-                                   negate, dir_only))
-            self._rules[directory] = rules
+                text = ""
+            self._rules[directory] = _Rules.parse(text.splitlines())
         return self._rules[directory]
 
     def ignored(self, path: Path) -> bool:
@@ -154,44 +167,12 @@ class GitIgnore:
         rel_dirs = path.parent.relative_to(self.root).parts
         dirs = [self.root] + [self.root.joinpath(*rel_dirs[:i + 1]) for i in range(len(rel_dirs))]
         for directory in dirs:
-            for rule in self._rules_of(directory):
-                if rule.dir_only and not is_dir:
-                    continue
-                if rule.regex.match(path.relative_to(rule.base).as_posix()):
-                    verdict = not rule.negate
+            rules = self._rules_of(directory)
+            if rules is not None:
+                found = rules.verdict(path.relative_to(directory).as_posix(), is_dir)
+                if found is not None:
+                    verdict = found
         return verdict
-
-
-def _glob_regex(pattern: str, anchored: bool) -> str:
-    out = ""
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out += "(?:.*/)?"
-            i += 3
-            continue
-        if pattern.startswith("/**", i) and i + 3 == len(pattern):
-            out += "/.*"
-            i += 3
-            continue
-        if c == "*":
-            out += ".*" if pattern.startswith("**", i) else "[^/]*"
-            i += 2 if pattern.startswith("**", i) else 1
-            continue
-        if c == "?":
-            out += "[^/]"
-        elif c == "[":
-            end = pattern.find("]", i + 1)
-            if end == -1:
-                out += re.escape(c)
-            else:
-                out += "[" + pattern[i + 1:end].replace("!", "^", 1) + "]"
-                i = end
-        else:
-            out += re.escape(c)
-        i += 1
-    return ("" if anchored else "(?:.*/)?") + out + r"\Z"
 
 
 # -- local modules -----------------------------------------------------------------------

@@ -43,6 +43,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from spotnb.backoff import Backoff
+
 __all__ = [
     "LocalStore",
     "NotFound",
@@ -50,6 +52,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailable",
+    "file_lock",
     "open_store",
     "retrying",
     "transient",
@@ -336,7 +339,7 @@ def retrying(fn: Callable[[], T], what: str, check: Callable[[], None] | None = 
     :func:`outage_limit` seconds. ``check`` runs before every try (it may raise to
     stop, e.g. when the caller lost the job's lease)."""
     started = time.monotonic()
-    delay = RETRY_SECONDS
+    delays = Backoff(RETRY_SECONDS, MAX_RETRY_SECONDS)
     limit = outage_limit()
     while True:
         if check is not None:
@@ -348,9 +351,23 @@ def retrying(fn: Callable[[], T], what: str, check: Callable[[], None] | None = 
                 raise
             if time.monotonic() - started > limit:
                 raise StoreUnavailable(f"{what} failed for {limit:g} s: {err}") from err
+            delay = delays.next()
             _log.warning("%s failed (%s); retrying in %.1f s", what, err, delay)
             time.sleep(delay)
-            delay = min(delay * 2, MAX_RETRY_SECONDS)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An exclusive lock between the processes of this machine, held while the
+    ``with`` block runs: ``flock`` on the file at ``path`` (made, with its directory,
+    if missing; never deleted, as another process may be waiting on it)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _check_key(key: str) -> str:
@@ -389,15 +406,8 @@ class LocalStore(Store):
             raise
         return Path(tmp)
 
-    @contextlib.contextmanager
-    def _locked(self, path: Path) -> Iterator[None]:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(str(path) + _LOCK_SUFFIX, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+    def _locked(self, path: Path) -> contextlib.AbstractContextManager[None]:
+        return file_lock(str(path) + _LOCK_SUFFIX)
 
     def put(self, key: str, data: bytes) -> str:
         path = self._path(key)

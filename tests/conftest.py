@@ -114,3 +114,19 @@ def no_local_cloud_process_survives_the_suite(
     assert not leftovers, (
         f"local-cloud processes outlived the test suite: "
         f"{[' '.join(p.info['cmdline'] or []) for p in leftovers]}")
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    """AWS on the simulator (moto in server mode) for one test module: its endpoint,
+    with the AWS environment (fake credentials, endpoint URL) set while it runs."""
+    from spotnb.testing import MotoServer, aws_environment
+
+    server = MotoServer().start()
+    # moto's backends are global to the process: forget what other modules' servers made.
+    server.reset()
+    try:
+        with aws_environment(server.endpoint):
+            yield server.endpoint
+    finally:
+        server.stop()

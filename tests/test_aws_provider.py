@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_until
 
 import spotnb
 from spotnb import catalog, layout, usage
@@ -348,6 +349,7 @@ def test_capacity_error_on_the_first_type_runs_on_the_next_and_says_why(
     assert "g5.xlarge had no spot capacity" in launching[0]
 
 
+@pytest.mark.slow  # over 30 s: it waits for spot capacity first
 def test_on_demand_fallback_after_waiting_for_spot_capacity(
         sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPOTNB_AWS_ONDEMAND_AFTER", "1")
@@ -386,6 +388,7 @@ def test_a_failed_launch_releases_what_it_created(sim: AwsSimulator) -> None:
     assert not any("/bootstrap/" in o["Key"] for o in bucket.get("Contents", ()))
 
 
+@pytest.mark.slow  # over 30 s
 def test_a_user_error_fails_the_job_and_deletes_its_group(tmp_path: Path,
                                                            spotnb_home: Path) -> None:
     # This simulator installs the uploaded wheel on each instance, as on a plain DLAMI.
@@ -426,14 +429,15 @@ def test_budget_and_deadline_stop_jobs_on_the_instance(sim: AwsSimulator) -> Non
     assert budget.cost_usd > 0.0001
 
 
+@pytest.mark.slow  # over 30 s
 def test_cleanup_finds_and_deletes_what_a_dead_instance_left(sim: AwsSimulator,
                                                              tmp_path: Path) -> None:
     handle = spotnb.submit(GATED.format(gate=str(tmp_path / "never")), provider="aws",
                            instance_types=["g4dn.xlarge"])
     inst = sim.wait_for_instance(handle.job_id)
-    while not any(e.type == "status" and e.data.get("state") == "running"
-                  for e in handle.events(follow=False)):
-        time.sleep(0.2)  # the log shows a state change within a moment (it is urgent)
+    # The log shows a state change within a moment (it is urgent).
+    wait_until(lambda: any(e.type == "status" and e.data.get("state") == "running"
+                           for e in handle.events(follow=False)), 120, "the job to run")
     # The instance dies outright after its job's result, before it could clean up.
     sim.crash(inst.id)
     handle.store.put_if_absent(layout.RESULT, json.dumps(
@@ -469,6 +473,9 @@ def quickstart_cell() -> str:
     """)
 
 
+@pytest.mark.slow  # over 30 s: two torch jobs, four instances
+# Its own waits add up to 420 s: they, not the suite's 300 s, say what never came.
+@pytest.mark.timeout(600)
 def test_quickstart_cell_across_two_interruptions_equals_the_uninterrupted_run(
         sim: AwsSimulator) -> None:
     pytest.importorskip("torch")
@@ -617,6 +624,7 @@ def test_real_aws_quickstart_survives_an_interruption(spotnb_home: Path) -> None
     assert AwsProvider(region=region).cleanup(dry_run=True) == []
 
 
+@pytest.mark.slow  # over 30 s: 150 metrics followed live
 def test_a_followed_job_makes_few_requests_a_minute(sim: AwsSimulator, tmp_path: Path) -> None:
     # A job that logs ten metrics a second, followed live, for at least 150 of them
     # (counted, not timed): spotnb's own S3 writes and listings in that window stay
@@ -694,16 +702,6 @@ def _bucket_keys() -> list[str]:
         Bucket="spotnb-123456789012-us-east-1").get("Contents", ())]
 
 
-def _until(check: Any, what: str, timeout: float = 240) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
@@ -750,21 +748,21 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     assert [(p["IpProtocol"], [g["GroupId"] for g in p["UserIdGroupPairs"]], p["IpRanges"],
              p["Ipv6Ranges"], p["PrefixListIds"]) for p in sg["IpPermissions"]] == [
         ("-1", [sg["GroupId"]], [], [], [])], "training traffic from the job's nodes only"
-    nodes = _until(lambda: len(sim.running(job.job_id)) == 2 and sim.running(job.job_id),
-                   "two nodes")
+    nodes = wait_until(lambda: len(sim.running(job.job_id)) == 2 and sim.running(job.job_id),
+                       240, "two nodes")
     assert {(n.az, n.placement_group) for n in nodes} == {(nodes[0].az, name)}
     # The rendezvous endpoint is the host node's private address, found in the store.
-    _until(lambda: job.metrics().get("loss"), "training to start")
+    wait_until(lambda: job.metrics().get("loss"), 240, "training to start")
     record = rdzv.read(job.store)
     assert record is not None and record[0].endpoint is not None
     host = record[0].host
     assert record[0].endpoint.rsplit(":", 1)[0] == sim.instances[host].address != "127.0.0.1"
     # The host's notice, from FIS to that node only.
     job.provider.interrupt(job.job_id, instance=host)
-    _until(lambda: [e for e in job.events(follow=False) if e.instance == host
-                    and e.type == "status"
-                    and "interruption notice" in str(e.data.get("detail"))],
-           "the host's agent to see its notice")
+    wait_until(lambda: [e for e in job.events(follow=False) if e.instance == host
+                        and e.type == "status"
+                        and "interruption notice" in str(e.data.get("detail"))],
+               240, "the host's agent to see its notice")
     assert all(n.notice_at is None for n in sim.running(job.job_id) if n.id != host)
     go.write_text("go")
     result = job.wait(timeout=300)

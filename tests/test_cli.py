@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import wait_until
 from nbformat.v4 import new_code_cell, new_notebook
 
 import spotnb
@@ -40,13 +41,6 @@ def cloud(spotnb_home: Path, monkeypatch: pytest.MonkeyPatch, private_tmpdir: Pa
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "1")
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
     return spotnb_home
-
-
-def wait_for(what: str, check: object, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def wait_for_first_metric(handle: spotnb.JobHandle, timeout: float = 120) -> None:
@@ -107,7 +101,7 @@ def test_jobs_interrupt_and_logs_follow_a_job_to_its_end(
     assert "instance terminated" in lines[-1] and "job-finished" in lines[-1]
     # The followed log is the whole log: read again, it has the same lines (in time
     # order; live, a line can come a moment late, after the lines of another stream).
-    wait_for("the group to exit", lambda: group_exited(handle.job_id))
+    wait_until(lambda: group_exited(handle.job_id), 60, "the group to exit")
     assert main(["logs", handle.job_id]) == 0
     assert sorted(capsys.readouterr().out.splitlines()) == sorted(lines)
     assert main(["jobs"]) == 0
@@ -122,7 +116,7 @@ def test_stop_ends_the_job_and_cleanup_lists_exactly_what_it_does(
     out = capsys.readouterr().out
     assert f"job {handle.job_id} stopped" in out
     assert handle.status == "stopped"
-    wait_for("the group to exit", lambda: group_exited(handle.job_id))
+    wait_until(lambda: group_exited(handle.job_id), 60, "the group to exit")
 
     # What killed agents leave in the temporary directory: a socket nobody listens on,
     # and the kernel's connection file with its key. A live one must stay.
@@ -311,4 +305,4 @@ def test_run_timeout_stops_the_cells_job_and_says_so(cloud: Path, tmp_path: Path
     executed = nbformat.read(tmp_path / "forever.executed.ipynb", as_version=4)
     last = executed.cells[1].outputs[-1]
     assert last["output_type"] == "error" and last["ename"] == "CellTimeoutError"
-    wait_for("the group to exit", lambda: group_exited(job.job_id))
+    wait_until(lambda: group_exited(job.job_id), 60, "the group to exit")

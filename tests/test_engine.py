@@ -330,23 +330,33 @@ def test_user_error_fails_with_the_remote_traceback_and_no_retry(cloud: Path) ->
     wait_no_processes(cloud)
 
 
-def test_a_kernel_that_dies_fails_the_job_with_its_exit_reason(cloud: Path) -> None:
+def test_a_kernel_that_dies_fails_the_job_with_its_exit_reason(
+        cloud: Path, tmp_path: Path) -> None:
     # What the out-of-memory killer does to a kernel; a child it started goes with it.
-    code = textwrap.dedent("""
-        import os, signal, subprocess, time
+    # The kernel dies once the test has seen its output arrive (not after a sleep).
+    go = tmp_path / "go"
+    code = textwrap.dedent(f"""
+        import os, pathlib, signal, subprocess, time
         child = subprocess.Popen(["sleep", "300"])
         print("started", child.pid, flush=True)
-        time.sleep(1)  # the output reaches the agent before the kernel dies
+        deadline = time.monotonic() + 120
+        while not pathlib.Path({str(go)!r}).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     handle = spotnb.submit(code)
+    live = handle.events(timeout=120)
+    started = next((e for e in live if e.type == "stream"
+                    and e.data["text"].startswith("started")), None)
+    live.close()
+    assert started is not None, "the cell's output never arrived"
+    go.touch()
     result = handle.wait(timeout=120)
     assert result.status == "failed"
     assert result.error is not None and result.error["ename"] == "KernelDied"
     assert "killed by signal 9 SIGKILL (out of memory?)" in result.error["evalue"]
     assert len(result.attempts) == 1
-    child = int(next(e.data["text"].split()[1] for e in handle.events(follow=False)
-                     if e.type == "stream" and e.data["text"].startswith("started")))
+    child = int(started.data["text"].split()[1])
     wait_no_processes(cloud)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
 

@@ -226,7 +226,8 @@ def test_lightning_notice_notice_kill_resumes_from_the_newest_save_and_loses_no_
     # Nobody follows the job: what attempt 3 logged and printed before the kill
     # reaches the log through the snapshot it saved.
     import psutil
-    from test_reliability import booted, kernel_of, wait_for
+    from helpers import wait_until
+    from test_reliability import booted, kernel_of
 
     from spotnb import cli
     from spotnb.checkpoints import CheckpointStore
@@ -235,13 +236,13 @@ def test_lightning_notice_notice_kill_resumes_from_the_newest_save_and_loses_no_
     steps = 40
     handle = spotnb.submit(LIGHTNING_KILLED, inputs={"STEPS": steps})
     snapshots = CheckpointStore(handle.store, f"sync/{sync_name('checkpoints')}")
-    boot = wait_for(lambda: booted(handle, 3), "attempt 3", timeout=600)
+    boot = wait_until(lambda: booted(handle, 3), 600, "attempt 3")
 
     def saved_30() -> bool:
         latest = snapshots.latest()
         return latest is not None and latest.metadata.get("step") == 30 \
             and latest.attempt == 3
-    wait_for(saved_30, "attempt 3's periodic save of step 30", timeout=300)
+    wait_until(saved_30, 300, "attempt 3's periodic save of step 30", interval=0.02)
     agent = psutil.Process(boot.data["pid"])
     kernel = kernel_of(agent.pid)
     agent.kill()

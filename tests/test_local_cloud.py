@@ -11,12 +11,13 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 import pytest
+from helpers import wait_until
 
 from spotnb import catalog
 from spotnb.events import Event, EventReader
@@ -29,7 +30,6 @@ from spotnb.spec import JobSpec, Policy, Resources, SpecError
 from spotnb.store import LocalStore
 
 AGENT = Path(__file__).with_name("local_cloud_agent.py")
-T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -84,16 +84,6 @@ def cloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert not leftovers, f"processes outlived the test: {leftovers}"
 
 
-def wait_until(check: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-
-
 def group_events(spec: JobSpec, type: str | None = None, **match: Any) -> list[Event]:
     events = EventReader(LocalStore(spec.store_uri.removeprefix("file://"))).replay()
     return [e for e in events if e.attempt == 0 and (type is None or e.type == type)
@@ -128,7 +118,7 @@ def launched(spec: JobSpec, count: int = 1) -> list[Event]:
         found = group_events(spec, "instance", action="launched")
         return found if len(found) >= count else None
 
-    return wait_until(enough, f"{count} launched instance(s)")
+    return wait_until(enough, 10, f"{count} launched instance(s)")
 
 
 # ---------------------------------------------------------------------- lifecycle
@@ -138,7 +128,7 @@ def test_interruption_notice_then_termination_then_replacement(cloud: Cloud) -> 
     spec = cloud.spec()
     cloud.provider.launch(spec)
     first = launched(spec)[0].data
-    ident = wait_until(lambda: identity_of(first["instance_id"]), "the agent's IMDS identity")
+    ident = wait_until(lambda: identity_of(first["instance_id"]), 10, "the agent's IMDS identity")
     # The agent learned who it is from its own IMDS, as on EC2.
     assert ident["instance_id"] == first["instance_id"]
     assert ident["instance_type"] == "g4dn.xlarge"
@@ -149,19 +139,18 @@ def test_interruption_notice_then_termination_then_replacement(cloud: Cloud) -> 
 
     cloud.provider.interrupt(spec.job_id)
     notice_file = instance_dir(first["instance_id"]) / "notice.json"
-    seen = json.loads(wait_until(
-        lambda: notice_file.read_text() if notice_file.exists() else None,
-        "the agent to see the notice"))
+    seen = json.loads(wait_until(lambda: notice_file.read_text() if notice_file.exists() else None,
+                                 10, "the agent to see the notice"))
     assert seen["action"] == "terminate" and seen["rebalance"] is not None
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "the notice event")[0]
+                        10, "the notice event")[0]
     assert notice.instance == first["instance_id"] and notice.data["reason"] == "requested"
 
     second = launched(spec, 2)[1].data
     assert second["instance_id"] != first["instance_id"]
     ended = wait_until(lambda: group_events(spec, "instance", action="terminated",
                                             instance_id=first["instance_id"]),
-                       "the terminated event")[0]
+                       10, "the terminated event")[0]
     assert ended.data["reason"] == "spot-interruption"
     assert ended.time - notice.time >= 0.45  # the notice period
     assert not psutil.pid_exists(ident["pid"]) or psutil.Process(
@@ -169,7 +158,7 @@ def test_interruption_notice_then_termination_then_replacement(cloud: Cloud) -> 
     # The replacement's agent took the lease at once and works as attempt 2.
     wait_until(lambda: [e for e in EventReader(store_of(spec)).replay()
                         if e.attempt == 2 and e.instance == second["instance_id"]],
-               "events of attempt 2")
+               10, "events of attempt 2")
 
     cloud.provider.terminate(spec.job_id)
     result = result_of(spec)
@@ -181,8 +170,8 @@ def test_a_multi_node_group_keeps_its_nodes_and_replaces_the_interrupted_one(
     spec = cloud.spec(min_nodes=2, max_nodes=3)
     cloud.provider.launch(spec)
     nodes = [e.data for e in launched(spec, 3)]
-    idents = [wait_until(lambda n=n: identity_of(n["instance_id"]),  # type: ignore[misc]
-                         "each node's IMDS identity") for n in nodes]
+    idents = [wait_until(lambda n=n: identity_of(n["instance_id"]),
+                         10, "each node's IMDS identity") for n in nodes]
     # Three instances, each with its own metadata service.
     assert len({i["instance_id"] for i in idents}) == 3
     assert [i["instance_id"] for i in idents] == [n["instance_id"] for n in nodes]
@@ -191,7 +180,7 @@ def test_a_multi_node_group_keeps_its_nodes_and_replaces_the_interrupted_one(
     victim = nodes[1]["instance_id"]
     cloud.provider.interrupt(spec.job_id, instance=victim)
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "the notice event")
+                        10, "the notice event")
     assert [e.instance for e in notice] == [victim]
     fourth = launched(spec, 4)[3].data
     assert fourth["instance_id"] not in {n["instance_id"] for n in nodes}
@@ -231,13 +220,13 @@ def test_capacity_returns_while_the_job_waits(cloud: Cloud) -> None:
     spec = cloud.spec()
     cloud.provider.launch(spec)
     waiting = wait_until(lambda: group_events(spec, "status", state="waiting_for_capacity"),
-                         "the group to wait for capacity")[0]
+                         10, "the group to wait for capacity")[0]
     assert not group_events(spec, "instance", action="launched")
     config.write_text(json.dumps({"no_capacity": [], "boot_seconds": 0.5}))
     inst = launched(spec)[0]
     assert inst.time - waiting.time >= 2.5  # the group retries every few seconds
     # The agent starts after the simulated boot time.
-    wait_until(lambda: identity_of(inst.data["instance_id"]), "the agent")
+    wait_until(lambda: identity_of(inst.data["instance_id"]), 10, "the agent")
     record = cloud.provider.instances(spec.job_id)[0]
     assert record["state"] == "running"
     identity_file = instance_dir(inst.data["instance_id"]) / "identity.json"
@@ -258,7 +247,7 @@ def test_terminate_leaves_no_process_and_is_idempotent(cloud: Cloud) -> None:
     spec = cloud.spec()
     cloud.provider.launch(spec)
     instance_id = launched(spec)[0].data["instance_id"]
-    agent_pid = wait_until(lambda: identity_of(instance_id), "the agent")["pid"]
+    agent_pid = wait_until(lambda: identity_of(instance_id), 10, "the agent")["pid"]
     group = cloud.provider.group(spec.job_id)
     assert group is not None and group["alive"]
     assert len(_our_processes(cloud.home)) == 2  # the supervisor and the agent
@@ -279,7 +268,7 @@ def test_finished_job_ends_the_group(cloud: Cloud, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("STANDIN_STEPS", "5")
     spec = cloud.spec()
     cloud.provider.launch(spec)
-    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
     assert result_of(spec) == {"status": "completed", "reason": ""}
     ended = group_events(spec, "instance", action="terminated")
     assert [e.data["reason"] for e in ended] == ["job-finished"]
@@ -290,9 +279,9 @@ def test_stop_request_lets_the_agent_stop_itself(cloud: Cloud) -> None:
     spec = cloud.spec()
     cloud.provider.launch(spec)
     instance_id = launched(spec)[0].data["instance_id"]
-    wait_until(lambda: identity_of(instance_id), "the agent")
+    wait_until(lambda: identity_of(instance_id), 10, "the agent")
     store_of(spec).put(STOP, json.dumps({"reason": "user"}).encode())
-    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
     assert result_of(spec) == {"status": "stopped", "reason": "stop requested"}  # the agent's
     ended = group_events(spec, "instance", action="terminated")
     assert [e.data["reason"] for e in ended] == ["job-finished"]
@@ -308,7 +297,7 @@ def test_budget_and_deadline_stop_an_agent_that_ignores_stop(
     policy = Policy(budget_usd=0.00003) if limit == "budget" else Policy(max_duration=1.0)
     spec = cloud.spec(policy=policy)
     cloud.provider.launch(spec)
-    wait_until(lambda: group_gone(cloud, spec), "the group to exit")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
     stop = json.loads(store_of(spec).get(STOP))
     assert stop["reason"] == limit and stop["detail"]
     result = result_of(spec)
@@ -322,7 +311,7 @@ def test_crash_loop_fails_the_job(cloud: Cloud, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("STANDIN_MODE", "crash")
     spec = cloud.spec()
     cloud.provider.launch(spec)
-    wait_until(lambda: group_gone(cloud, spec), "the group to give up", timeout=20)
+    wait_until(lambda: group_gone(cloud, spec), 20, "the group to give up")
     result = result_of(spec)
     assert result is not None and result["status"] == "failed"
     assert "crashed repeatedly" in result["reason"]
@@ -342,7 +331,7 @@ def test_simulated_interruption_waits_for_a_checkpoint_and_progress(
     monkeypatch.setenv("STANDIN_STEPS", "15")
     spec = cloud.spec(simulate_interruptions={"count": 1})
     cloud.provider.launch(spec)
-    wait_until(lambda: group_gone(cloud, spec), "the job to finish", timeout=20)
+    wait_until(lambda: group_gone(cloud, spec), 20, "the job to finish")
     assert result_of(spec) == {"status": "completed", "reason": ""}
 
     notices = group_events(spec, "instance", action="notice")
@@ -359,7 +348,7 @@ def test_scheduled_interruption(cloud: Cloud) -> None:
     first = launched(spec)[0]
     launched(spec, 2)
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "the notice event")[0]
+                        10, "the notice event")[0]
     assert notice.data["reason"] == "scheduled"
     assert notice.instance == first.data["instance_id"]
     assert 1.0 <= notice.time - first.time < 3.0
@@ -377,7 +366,7 @@ def test_price_above_max_price_interrupts(cloud: Cloud,
     spec = cloud.spec(job_id="price-2", max_price=max_price)
     cloud.provider.launch(spec)
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "a price interruption", timeout=30)[0]
+                        30, "a price interruption")[0]
     assert notice.data["reason"] == "price" and notice.data["price"] > max_price
     launch = group_events(spec, "instance", action="launched")[0]
     assert launch.data["price"] <= max_price
@@ -395,7 +384,7 @@ def test_hazard_interrupts_at_the_advisor_rate(cloud: Cloud,
     spec = cloud.spec(types=("p3.2xlarge",))
     cloud.provider.launch(spec)
     notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
-                        "a hazard interruption", timeout=15)[0]
+                        15, "a hazard interruption")[0]
     assert notice.data["reason"] == "hazard"
     cloud.provider.terminate(spec.job_id)
 
@@ -436,11 +425,11 @@ def test_cleanup_kills_orphans_of_a_dead_supervisor(cloud: Cloud) -> None:
     spec = cloud.spec()
     cloud.provider.launch(spec)
     instance_id = launched(spec)[0].data["instance_id"]
-    agent_pid = wait_until(lambda: identity_of(instance_id), "the agent")["pid"]
+    agent_pid = wait_until(lambda: identity_of(instance_id), 10, "the agent")["pid"]
     group = cloud.provider.group(spec.job_id)
     assert group is not None
     os.kill(group["supervisor"]["pid"], signal.SIGKILL)  # the supervisor dies hard
-    wait_until(lambda: group_gone(cloud, spec), "the supervisor to die")
+    wait_until(lambda: group_gone(cloud, spec), 10, "the supervisor to die")
 
     planned = cloud.provider.cleanup(dry_run=True)
     assert any("would remove capacity group job-1" in line for line in planned)

@@ -20,6 +20,7 @@ from typing import Any
 
 import cloudpickle
 import pytest
+from helpers import wait_until
 from IPython.core.error import UsageError
 from IPython.core.getipython import get_ipython
 from IPython.core.inputtransformer2 import TransformerManager
@@ -357,6 +358,35 @@ def test_local_modules_are_shipped_respecting_gitignore(project: Path) -> None:
     assert any("secret_mod" in note and ".gitignore" in note for note in cap.notes)
 
 
+def test_gitignore_rules_follow_git_syntax(tmp_path: Path) -> None:
+    """Rules git reads one way and a hand-written subset another: escapes, ``**``
+    inside a name, a class with ``]``, negation (none below an ignored directory),
+    anchors and directory-only rules, in a nested ``.gitignore`` too. The expected
+    list is what ``git ls-files --others --exclude-standard`` says of the same tree."""
+    root = tmp_path / "repo"
+    files = ["pkg/__init__.py", "pkg/#notes.py", "pkg/notes.py", "pkg/!bang.py",
+             "pkg/bang.py", "pkg/trail ", "pkg/*star", "pkg/xstar", "pkg/gen_a.py",
+             "pkg/gen/x.py", "pkg/x]y", "pkg/ab", "pkg/keep.log", "pkg/sub/keep.log",
+             "pkg/other.log", "pkg/build/keep.py", "pkg/build/x.py", "pkg/out/keep.py",
+             "pkg/out/x.py", "pkg/data", "pkg/data2/a.py", "pkg/top.py", "pkg/sub/top.py",
+             "pkg/sub/deep/a.py", "pkg/sub/deep/b.txt", "pkg/sub/deeper/c.txt"]
+    for rel in files:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    (root / ".git").mkdir()
+    (root / ".gitignore").write_text("\n".join([
+        "\\#notes.py", "\\!bang.py", "trail\\ ", "\\*star", "gen**.py", "x[]]y",
+        "a\\b", "*.log", "!/pkg/keep.log", "build/", "!build/keep.py", "out/*",
+        "!out/keep.py", "data/", "data2/", "/pkg/top.py", "!"]) + "\n")
+    (root / "pkg" / "sub" / ".gitignore").write_text("/deep/*\n!*.py\n!/deeper/\n")
+    shipped, _ = local_module_files(["pkg"], root, max_bytes=1 << 20)
+    # out/* is anchored by its inner slash: pkg/out/x.py stays.
+    assert sorted(shipped) == ["pkg/__init__.py", "pkg/bang.py", "pkg/data", "pkg/gen/x.py",
+                               "pkg/keep.log", "pkg/notes.py", "pkg/out/keep.py",
+                               "pkg/out/x.py", "pkg/sub/.gitignore", "pkg/sub/deep/a.py",
+                               "pkg/sub/deeper/c.txt", "pkg/sub/top.py", "pkg/xstar"]
+
+
 def test_module_variables_become_imports(project: Path) -> None:
     import helper
     import numpy
@@ -624,13 +654,6 @@ def test_module_docstring_example_parses() -> None:
 
 # -- a real job on the local cloud, driven by the line magics ------------------------------
 
-def _wait_for(what: str, check: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_detach_interrupt_logs_and_stop_a_real_job(
         ip: Any, spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -661,9 +684,9 @@ def test_detach_interrupt_logs_and_stop_a_real_job(
     with capture_output() as out:
         ip.run_line_magic("spot_interrupt", "")  # the latest job
     assert f"interruption notice delivered to job {job_id}" in out.stdout
-    _wait_for("the resumed attempt", lambda: any(
-        e.type == "status" and e.attempt == 2 and e.data.get("detail", "").startswith("restored")
-        for e in handle.events(follow=False)))
+    wait_until(lambda: any(
+         e.type == "status" and e.attempt == 2 and e.data.get("detail", "").startswith("restored")
+         for e in handle.events(follow=False)), 60, "the resumed attempt")
 
     with capture_output() as out:
         ip.run_line_magic("spot_logs", job_id)

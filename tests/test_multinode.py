@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from spotnb import lease
 from spotnb.layout import LEASE, lease_key
@@ -327,18 +328,6 @@ def _worlds(store: LocalStore) -> list[dict[str, object]]:
             if e.type == "world"]
 
 
-def _wait(check: object, what: str, timeout: float = 240) -> object:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()  # type: ignore[operator]
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
@@ -360,7 +349,7 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
     job = spotnb.submit(UNTIL_GO, nodes="1:2", inputs={"GO": str(go)},
                         outputs=["world", "steps"], instance_types="g4dn.xlarge")
     store = LocalStore(job.spec.store_uri.removeprefix("file://"))
-    _wait(lambda: [w for w in _worlds(store) if w["world_size"] == 2], "a world of 2")
+    wait_until(lambda: [w for w in _worlds(store) if w["world_size"] == 2], 240, "a world of 2")
     current = rdzv.read(store)
     assert current is not None and current[0].generation == 1
     host = current[0].host
@@ -372,17 +361,17 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
                 if m["instance_id"] == host)
     os.kill(int(meta["pid"]), signal.SIGKILL)
     # The survivor hosts generation 2 and trains on alone.
-    alone = _wait(lambda: [w for w in _worlds(store)
-                           if w["world_size"] == 1 and w["generation"] == 2],
-                  "the survivor alone in generation 2")
+    alone = wait_until(lambda: [w for w in _worlds(store)
+                                if w["world_size"] == 1 and w["generation"] == 2],
+                       240, "the survivor alone in generation 2")
     survivor = alone[0]["instance"]  # type: ignore[index]
     assert survivor != host
     record = rdzv.read(store)
     assert record is not None and record[0].host == survivor
     # Capacity returns: the replacement joins, the world re-forms at 2.
     config.write_text(json.dumps({"no_capacity": []}))
-    _wait(lambda: [w for w in _worlds(store) if w["world_size"] == 2
-                   and w["generation"] == 2], "the world re-formed at 2")
+    wait_until(lambda: [w for w in _worlds(store) if w["world_size"] == 2
+                        and w["generation"] == 2], 240, "the world re-formed at 2")
     go.write_text("go")
     result = job.wait(timeout=240)
     assert result.status == "completed", (result.status, result.reason)
@@ -466,14 +455,14 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
     def events(type: str) -> list[object]:
         return [e for e in EventReader(store).replay() if e.type == type]
 
-    _wait(lambda: job.metrics().get("loss"), "training to start")
+    wait_until(lambda: job.metrics().get("loss"), 240, "training to start")
     current = rdzv.read(store)
     assert current is not None
     host = current[0].host
     job.provider.interrupt(job.job_id, instance=host)
-    _wait(lambda: [e for e in events("status") if e.instance == host  # type: ignore[attr-defined]
-                   and "interruption notice" in str(e.data.get("detail"))],  # type: ignore[attr-defined]
-          "the host's agent to see its notice")
+    wait_until(lambda: [e for e in events("status") if e.instance == host  # type: ignore[attr-defined]
+                        and "interruption notice" in str(e.data.get("detail"))],
+               240, "the host's agent to see its notice")
     go.write_text("go")
     result = job.wait(timeout=300)
     assert result.status == "completed", (result.status, result.reason)
@@ -528,7 +517,7 @@ def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
         return [step for step, _ in job.metrics().get("loss", [])]
 
     # Mid-epoch: past a checkpoint (step 9), held at step 12 before its maybe_save.
-    _wait(lambda: 12 in metric_steps(), "training to reach step 12")
+    wait_until(lambda: 12 in metric_steps(), 240, "training to reach step 12")
     nodes = [m for m in LocalProvider().instances(job.job_id) if m.get("state") == "running"]
     assert len(nodes) == 3
     victim = random.choice(nodes)

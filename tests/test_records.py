@@ -330,10 +330,6 @@ def test_the_job_ended_hook_stores_and_returns_the_record(
 
 def test_a_cell_whose_job_ended_carries_the_record_in_its_output_metadata(
         quickstart: dict[str, Any]) -> None:
-    from spotnb.magics import SpotMagics
-
-    if not hasattr(SpotMagics, "_keep_record"):
-        pytest.skip("the notebook layer does not call spotnb.records.job_ended yet")
     nb = nbformat.read(quickstart["path"], as_version=4)
     (job,) = nb.metadata["spotnb"]["jobs"]
     carried = [o["metadata"]["spotnb"]["job"] for o in nb.cells[job["cell"]].outputs

@@ -19,10 +19,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import psutil
 import pytest
+from helpers import wait_until
 from test_engine import live_processes, steps_by_attempt, wait_no_processes
 
 import spotnb
@@ -32,8 +32,6 @@ from spotnb.events.live import Follower
 from spotnb.store import LocalStore
 
 pytestmark = pytest.mark.slow
-
-T = TypeVar("T")
 
 # Logs every step, checkpoints every CKPT steps; the digest of `w` is the result.
 COUNTING = textwrap.dedent("""
@@ -56,17 +54,6 @@ def cloud(spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "2")
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
     return spotnb_home
-
-
-def wait_for(check: Callable[[], T | None], what: str, timeout: float = 120.0) -> T:
-    """Poll ``check`` until it returns something true (a condition, not a duration)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def events_of(handle: spotnb.JobHandle) -> list[Event]:
@@ -108,7 +95,7 @@ def kernel_of(agent_pid: int) -> psutil.Process:
             if any("ipykernel" in part for part in child.cmdline()):
                 return child
         return None
-    return wait_for(find, "the kernel process")
+    return wait_until(find, 120, "the kernel process")
 
 
 def all_steps(events: list[Event]) -> set[int]:
@@ -142,18 +129,18 @@ def test_a_sigkilled_agent_loses_no_metric_step(
     inputs = {"STEPS": 240, "STEP_SECONDS": 0.02, "CKPT": 40}
     code = "import os\nos.environ.pop('SPOTNB_LOCAL_STORE_FAULT', None)\n" + COUNTING
     handle = spotnb.submit(code, inputs=inputs, outputs=["total"])
-    boot = wait_for(lambda: booted(handle, 1), "attempt 1")
+    boot = wait_until(lambda: booted(handle, 1), 120, "attempt 1")
     first = wait_event(handle, is_durable, "a first checkpoint").data["step"]
     from spotnb.providers.local.state import instance_dir
 
     agent_log = instance_dir(str(boot.instance)) / "agent.log"
     latest = handle.store.child("checkpoints")
     switch.write_text("read-only")
-    wait_for(lambda: "Read-only file system (simulated)" in agent_log.read_text(),
-             "the agent's writes to fail")
+    wait_until(lambda: "Read-only file system (simulated)" in agent_log.read_text(),
+               120, "the agent's writes to fail")
     # Two more checkpoints become LATEST (the kernel writes) whose rows the log lacks.
-    wait_for(lambda: json.loads(latest.get("LATEST"))["step"] >= first + 80,
-             "newer checkpoints than the log's rows")
+    wait_until(lambda: json.loads(latest.get("LATEST"))["step"] >= first + 80,
+               120, "newer checkpoints than the log's rows")
     agent = psutil.Process(boot.data["pid"])
     kernel = kernel_of(agent.pid)
     agent.send_signal(signal.SIGKILL)
@@ -184,7 +171,7 @@ def test_a_frozen_agent_writes_nothing_once_another_took_over(
     monkeypatch.setenv(lease.ENV_TTL, "6")
     inputs = {"STEPS": 300, "STEP_SECONDS": 0.02, "CKPT": 20}
     handle = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
-    boot = wait_for(lambda: booted(handle, 1), "attempt 1")
+    boot = wait_until(lambda: booted(handle, 1), 120, "attempt 1")
     wait_event(handle, is_durable, "a first checkpoint")
     agent = psutil.Process(boot.data["pid"])
     kernel = kernel_of(agent.pid)
@@ -195,8 +182,8 @@ def test_a_frozen_agent_writes_nothing_once_another_took_over(
                                   handle.store.uri], cwd=tmp_path, env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         # The kernel stopped itself once its agent fell silent.
-        wait_for(lambda: kernel.status() == psutil.STATUS_STOPPED, "the kernel to stop")
-        took_over = wait_for(lambda: booted(handle, 2), "the second agent to take over")
+        wait_until(lambda: kernel.status() == psutil.STATUS_STOPPED, 120, "the kernel to stop")
+        took_over = wait_until(lambda: booted(handle, 2), 120, "the second agent to take over")
     finally:
         agent.resume()
     stderr = racer.communicate(timeout=240)[1]
@@ -224,7 +211,7 @@ def test_a_parked_attempt_whose_kernel_dies_writes_nothing(
     code = COUNTING.replace("time.sleep(STEP_SECONDS)",
                             "time.sleep(STEP_SECONDS)\n    ckpt.maybe_save(step)")
     handle = spotnb.submit(code, inputs=inputs, outputs=["total"], max_restarts_on_error=1)
-    boot = wait_for(lambda: booted(handle, 1), "attempt 1")
+    boot = wait_until(lambda: booted(handle, 1), 120, "attempt 1")
     wait_event(handle, is_metric, "a metric")
     handle.interrupt()
     wait_event(handle, lambda e: e.type == "status" and "waiting for the instance to be "
@@ -244,7 +231,7 @@ def test_a_store_that_fails_for_a_while_loses_nothing_and_starts_no_storm(
     monkeypatch.setenv("SPOTNB_LOCAL_STORE_FAULT", str(switch))
     inputs = {"STEPS": 400, "STEP_SECONDS": 0.02, "CKPT": 50}
     handle = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
-    boot = wait_for(lambda: booted(handle, 1), "attempt 1")
+    boot = wait_until(lambda: booted(handle, 1), 120, "attempt 1")
     wait_event(handle, is_metric, "a metric")
     from spotnb.providers.local.state import instance_dir
 
@@ -256,9 +243,9 @@ def test_a_store_that_fails_for_a_while_loses_nothing_and_starts_no_storm(
     # Writes fail (reads work) until the agent has met the failure, then a full disk
     # until a checkpoint has failed too; then the store heals.
     switch.write_text("read-only")
-    wait_for(logged("Read-only file system (simulated)"), "the agent to meet the fault")
+    wait_until(logged("Read-only file system (simulated)"), 120, "the agent to meet the fault")
     switch.write_text("full")
-    wait_for(logged("No space left on device (simulated)"), "a failed write on a full disk")
+    wait_until(logged("No space left on device (simulated)"), 120, "a failed write on a full disk")
     switch.unlink()
     result = handle.wait(timeout=240)
     assert result.status == "completed", (result.reason, result.error)
@@ -290,7 +277,7 @@ def test_jobs_resume_after_their_supervisor_dies(cloud: Path,
     boot = booted(first, 1)
     assert boot is not None
     os.kill(provider.group(first.job_id)["supervisor"]["pid"], signal.SIGKILL)
-    wait_for(lambda: not provider.group(first.job_id)["alive"], "the supervisor to die")
+    wait_until(lambda: not provider.group(first.job_id)["alive"], 120, "the supervisor to die")
     agent = psutil.Process(boot.data["pid"])
     for proc in [*agent.children(recursive=True), agent]:
         proc.kill()
@@ -432,8 +419,8 @@ def test_a_kill_after_a_save_loses_no_row_and_no_output_line(
     snapshots = CheckpointStore(handle.store, f"sync/{sync_name('out')}")
 
     def kill_after(attempt: int, saved: Callable[[], bool]) -> None:
-        boot = wait_for(lambda: booted(handle, attempt), f"attempt {attempt}")
-        wait_for(saved, f"attempt {attempt}'s save")
+        boot = wait_until(lambda: booted(handle, attempt), 120, f"attempt {attempt}")
+        wait_until(saved, 120, f"attempt {attempt}'s save", interval=0.02)
         agent = psutil.Process(boot.data["pid"])
         kernel = kernel_of(agent.pid)
         agent.send_signal(signal.SIGKILL)

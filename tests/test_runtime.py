@@ -489,14 +489,31 @@ def test_maybe_save_every_n_steps(job: Job, monkeypatch: pytest.MonkeyPatch) -> 
     assert [s for s in range(start, 15) if ckpt.maybe_save(s)] == [11, 14]
 
 
+class _SkewedTime:
+    """The ``time`` module with a monotonic clock that a test moves forward."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.skew
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
 def test_maybe_save_every_n_seconds(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(channel.ENV_CHECKPOINT_EVERY, json.dumps({"seconds": 0.3, "steps": None}))
+    # A period far longer than any stall of a loaded machine, and the runtime's clock
+    # moved past it: the test orders the saves, not the scheduler.
+    monkeypatch.setenv(channel.ENV_CHECKPOINT_EVERY, json.dumps({"seconds": 60, "steps": None}))
+    clock = _SkewedTime()
+    monkeypatch.setattr(spot, "time", clock)
     ckpt = spot.Checkpoint(stats={"n": 0})
     assert not ckpt.maybe_save(0)
-    time.sleep(0.35)
+    clock.skew += 60
     assert ckpt.maybe_save(1)
     assert not ckpt.maybe_save(2)
-    time.sleep(0.35)
+    clock.skew += 60
     assert ckpt.maybe_save(3)
     ckpt.wait()
     job.agent.wait_for(lambda m: m.get("phase") == "durable" and m["step"] == 3)
@@ -610,6 +627,7 @@ def _run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[st
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # over 30 s: two training runs in subprocesses
 def test_interrupted_run_is_bitwise_identical(job: Job) -> None:
     env = dict(job.env)
     env[channel.ENV_CHECKPOINT_EVERY] = json.dumps({"seconds": None, "steps": 4})
@@ -657,6 +675,7 @@ _PARK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # over 30 s
 def test_notice_forces_a_save_then_parks(job: Job) -> None:
     proc = subprocess.Popen([sys.executable, "-c", _PARK], env=_subprocess_env(job.env),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -8,13 +8,13 @@ an update sends, weigh them, and check the throttle, on a fake clock.
 from __future__ import annotations
 
 import json
-import time
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
@@ -592,12 +592,6 @@ def test_detach_button_ends_the_follow_loop_as_an_interrupt_would() -> None:
     board.events([])  # once only
 
 
-def _wait_for(predicate: Any) -> None:
-    """Wait for a button's thread (bounded by the suite's timeout, not by a sleep)."""
-    while not predicate():
-        time.sleep(0.01)
-
-
 def test_stop_asks_for_confirmation_and_interrupt_acts() -> None:
     clock = FakeClock()
     board = Dashboard(clock=clock, show=False)
@@ -605,7 +599,7 @@ def test_stop_asks_for_confirmation_and_interrupt_acts() -> None:
     board.start(handle)
     assert board.buttons["interrupt"].layout.display is None  # shown on the local cloud
     board.buttons["interrupt"].click()
-    _wait_for(lambda: "interrupt" in handle.calls)
+    wait_until(lambda: "interrupt" in handle.calls, 10, "the button's thread")
     board.buttons["stop"].click()
     assert "stop" not in " ".join(handle.calls)  # the first click only asks
     assert board.buttons["stop"].description == "Confirm stop"
@@ -618,7 +612,7 @@ def test_stop_asks_for_confirmation_and_interrupt_acts() -> None:
     assert board.buttons["stop"].description == "Stop job…"
     board.buttons["stop"].click()
     board.buttons["stop"].click()
-    _wait_for(lambda: len(handle.calls) == 2)
+    wait_until(lambda: len(handle.calls) == 2, 10, "the button's thread")
     assert sorted(handle.calls) == ["interrupt", "stop %spot_stop button"]
     assert board.buttons["stop"].disabled
 
@@ -629,7 +623,7 @@ def test_messages_expire() -> None:
     handle = fake_handle()
     board.start(handle)
     board.buttons["interrupt"].click()
-    _wait_for(lambda: "delivered" in board.message.value)
+    wait_until(lambda: "delivered" in board.message.value, 10, "the button's thread")
     clock.now += dashboard_mod.MESSAGE_SECONDS - 1
     board.events([])
     assert "delivered" in board.message.value

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from spotnb.backoff import Backoff
 from spotnb.events import (
     EVENTS_PREFIX,
     GROUP_STREAM,
@@ -157,7 +158,8 @@ class EventWriter:
         #: When writes started failing (None while they succeed), for the job's state.
         self.failing_since: float | None = None
         self.last_error: BaseException | None = None
-        self._retry_delay = 0.0
+        self._retry_delay = 0.0  # while writes fail: the delay before the next try
+        self._backoff = Backoff(RETRY_SECONDS, MAX_RETRY_SECONDS)
         self._thread = threading.Thread(target=self._run, name="spotnb-events", daemon=True)
         self._thread.start()
 
@@ -289,7 +291,7 @@ class EventWriter:
                 self.stop_writing()
                 return True
             if standing is Standing.UNCONFIRMED:
-                self._retry_delay = min(max(self._retry_delay * 2, 0.5), MAX_RETRY_SECONDS)
+                self._retry_delay = self._backoff.next()
                 return False
         body = ("\n".join(lines) + "\n").encode()
         try:
@@ -299,13 +301,13 @@ class EventWriter:
                 self.failing_since = time.time()
                 log.warning("writing events failed (%s); keeping them and retrying", err)
             self.last_error = err
-            self._retry_delay = min(max(self._retry_delay * 2, RETRY_SECONDS),
-                                    MAX_RETRY_SECONDS)
+            self._retry_delay = self._backoff.next()
             return False
         if self.failing_since is not None:
             log.warning("writing events works again after %.0f s",
                         time.time() - self.failing_since)
         self.failing_since, self.last_error, self._retry_delay = None, None, 0.0
+        self._backoff.reset()
         with self._lock:
             del self._pending[:len(lines)]
             self.written += len(lines)

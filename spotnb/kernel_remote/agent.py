@@ -66,6 +66,7 @@ from typing import Any, TypeVar
 import psutil
 
 from spotnb import layout, lease, usage
+from spotnb.backoff import Backoff
 from spotnb.events import (
     EVENTS_PREFIX,
     Event,
@@ -680,7 +681,7 @@ class Agent:
         next_renew = time.monotonic() + every
         next_stop = time.monotonic() + STOP_POLL_SECONDS
         next_usage = time.monotonic() + USAGE_SECONDS
-        backoff = STORE_RETRY_SECONDS
+        retry = Backoff(STORE_RETRY_SECONDS, STORE_MAX_RETRY_SECONDS)
         while not self._done.wait(
                 max(0.05, min(next_renew, next_stop, next_usage) - time.monotonic())):
             now = time.monotonic()
@@ -689,15 +690,15 @@ class Agent:
                 try:
                     held.renew()
                     next_renew = now + every
-                    backoff = STORE_RETRY_SECONDS
+                    retry.reset()
                 except lease.LeaseLost:
                     self._fence_off()
                     return
                 except Exception as err:
+                    delay = retry.next()
                     log.warning("renewing the lease failed (%s); retrying in %.1f s", err,
-                                backoff)
-                    next_renew = now + backoff
-                    backoff = min(backoff * 2, STORE_MAX_RETRY_SECONDS)
+                                delay)
+                    next_renew = now + delay
             if now >= next_stop and self.stop_requested is None:
                 next_stop = now + STOP_POLL_SECONDS
                 self._watch_stop()

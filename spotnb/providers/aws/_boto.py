@@ -43,7 +43,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from types import ModuleType
 from typing import Any, Literal, TypeVar
 
 from spotnb import __version__, usage
+from spotnb.backoff import Backoff
 from spotnb.providers import ProviderError
 from spotnb.spec import SpecError
 
@@ -413,6 +413,7 @@ def with_backoff(fn: Callable[[], T], *, what: str, attempts: int = 6, base: flo
     still busy with a scaling activity. Anything else is raised at once through
     :func:`raise_for`.
     """
+    delays = Backoff(min(base, cap), cap, jitter=0.5)
     for attempt in range(attempts):
         try:
             return fn()
@@ -421,7 +422,7 @@ def with_backoff(fn: Callable[[], T], *, what: str, attempts: int = 6, base: flo
                 any(code in str(err) for code in retry_codes))
             if not retryable or attempt == attempts - 1:
                 raise_for(err, what)
-            delay = min(cap, base * 2 ** attempt) * (0.5 + random.random() / 2)
+            delay = delays.next()
             log.info("%s: %s; retrying in %.1fs", what, error_code(err) or err, delay)
             time.sleep(delay)
     raise TypeError("with_backoff ran out of attempts; this is a spotnb bug; please report it")

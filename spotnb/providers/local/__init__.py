@@ -94,7 +94,7 @@ from spotnb.providers.local.state import (
     write_json,
 )
 from spotnb.spec import JobSpec, SpecError
-from spotnb.store import StoreError, open_store, upload_mbps
+from spotnb.store import StoreError, file_lock, open_store, upload_mbps
 
 __all__ = ["CleanupAction", "LocalProvider", "Settings", "abandoned_socket_dirs"]
 
@@ -207,7 +207,7 @@ class LocalProvider(Provider):
         store_uri = info.get("store_uri")
         if not store_uri or _has_result(store_uri):
             return None
-        with _locked(home / "restart.lock"):
+        with file_lock(home / "restart.lock"):
             info = read_json(home / GROUP_FILE) or info
             if _alive(info) or _has_result(store_uri):
                 return None  # another process restarted it, or the job ended
@@ -498,20 +498,6 @@ def _has_result(store_uri: Any) -> bool:
         return open_store(str(store_uri)).exists(RESULT)
     except StoreError:
         return False
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Any:
-    """An exclusive lock on ``path`` (processes of this machine)."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _write_result(store_uri: Any, status: str, reason: str) -> None:

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from spotnb import catalog
+from spotnb.backoff import Backoff
 from spotnb.catalog import Pool
 from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.events.live import Follower, request_stop
@@ -152,7 +153,7 @@ class Supervisor:
         self.started = float(previous.get("started") or time.time())
         self.pending_result: dict[str, Any] | None = previous.get("pending_result")
         self.store_failing_since: float | None = None
-        self.store_backoff = STORE_BACKOFF_SECONDS
+        self.store_backoff = Backoff(STORE_BACKOFF_SECONDS, STORE_MAX_BACKOFF_SECONDS)
         self.markets: dict[str, Market] = {}
         self.instances: list[LocalInstance] = []
         # The instances the group keeps (launched, not ended): at most ``target``.
@@ -516,11 +517,11 @@ class Supervisor:
         log_path = inst.log_path
         if code == AGENT_EXIT_STORE:
             # The store failed the agent: another instance now would meet the same.
+            delay = self.store_backoff.next()
             log.warning("agent on %s gave up on the store; launching again in %.0f s",
-                        inst.id, self.store_backoff)
+                        inst.id, delay)
             self._end(inst, now, "agent-exited", exit_code=code)
-            self.next_launch_at = now + self.store_backoff
-            self.store_backoff = min(self.store_backoff * 2, STORE_MAX_BACKOFF_SECONDS)
+            self.next_launch_at = now + delay
             return
         log.warning("agent on %s exited with code %s after %.1fs without a result; see %s",
                     inst.id, code, lived, log_path)
