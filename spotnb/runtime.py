@@ -58,7 +58,6 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
-import json
 import logging
 import os
 import shutil
@@ -86,7 +85,7 @@ from spotnb.checkpoints import (
 from spotnb.ckpt import MAX_FILES, PIECE_BYTES
 from spotnb.ckpt.memory import MemoryBudget
 from spotnb.kernel_remote import channel
-from spotnb.session import LOCAL_DIR, ROWS, Session
+from spotnb.session import EVENTS_FILE, LOCAL_DIR, METRICS_FILE, ROWS, Carry, Session
 from spotnb.spec import parse_duration
 from spotnb.store import NotFound, retrying
 from spotnb.syncdir import Select, SyncDir, find_checkpoints, sync_name
@@ -103,9 +102,6 @@ PREFETCH_WAIT_SECONDS = 600.0
 PARK_CHECK_SECONDS = 0.02
 # Without torch the state is one pickle, under this name.
 PICKLE_FILE = "state.pkl"
-# The file of a checkpoint that carries the metric rows the event log had not confirmed
-# when it was saved: a resume records those the log lacks (DESIGN invariant 8).
-METRICS_FILE = "metrics.json"
 # Upload parts in flight per checkpoint file, at most (stores that upload in parts):
 # S3's default (spotnb.providers.aws.store.STREAM_PARTS_IN_FLIGHT).
 MAX_PARTS_IN_FLIGHT = 10
@@ -494,7 +490,7 @@ class _ShardedUpload:
     """
 
     def __init__(self, owner: Checkpoint, cid: str, step: int, rank: int, world_size: int,
-                 future: Future[Any], pending: PendingCheckpoint, rows: list[list[Any]],
+                 future: Future[Any], pending: PendingCheckpoint, carry: Carry,
                  forced: bool, started: float, answers: list[bool], copied: bool) -> None:
         self.owner = owner
         self.rt = owner._rt
@@ -510,7 +506,7 @@ class _ShardedUpload:
         self.stall: float | None = time.monotonic() - started if copied else None
         self._future: Future[Any] | None = future
         self._pending = pending
-        self._rows = rows
+        self._carry = carry
         self._answers = answers
         self._done = threading.Event()
         self.rt.last_upload = self
@@ -557,8 +553,8 @@ class _ShardedUpload:
         """Rank 0: the manifest of every rank's files, then ``LATEST`` (fenced)."""
         rt, step, pending = self.rt, self.step, self._pending
         store = self.owner._store
-        if self._rows:
-            _rows_writer(self._rows, step)(pending)
+        if self._carry:
+            _carry_writer(self._carry, step)(pending)
         uploaded = retrying(
             lambda: pending.finish("dcp", metadata={"spotnb": __version__,
                                                     "ranks": self.world_size}),
@@ -634,14 +630,16 @@ def _import_writer_in_background() -> None:
         _writer_import.start()
 
 
-def _rows_writer(rows: list[list[Any]], step: int) -> Callable[[PendingCheckpoint], None]:
-    """The part that carries the metric rows the event log has not confirmed."""
-    data = json.dumps(rows, separators=(",", ":")).encode()
+def _carry_writer(carry: Carry, step: int) -> Callable[[PendingCheckpoint], None]:
+    """The part that carries the metric rows and events the event log has not
+    confirmed (:class:`spotnb.session.Carry`)."""
+    files = carry.files()
 
-    def write_rows(pending: PendingCheckpoint) -> None:
-        retrying(lambda: pending.put_bytes(METRICS_FILE, data),
-                 f"writing the metric rows of the checkpoint of step {step}")
-    return write_rows
+    def write_carry(pending: PendingCheckpoint) -> None:
+        for name, data in files.items():
+            retrying(functools.partial(pending.put_bytes, name, data),
+                     f"writing what the checkpoint of step {step} carries of the log")
+    return write_carry
 
 
 def _state_writer(captured: snapshot.Captured, upload: _Upload,
@@ -783,7 +781,7 @@ class Checkpoint:
                 return 0
             manifest, directory, downloaded = found
             try:
-                state, carried = self._load(manifest, directory, world)
+                state, carry = self._load(manifest, directory, world)
                 break
             except CorruptCheckpoint as e:
                 if not manifest.metadata.get("ranks"):
@@ -796,12 +794,15 @@ class Checkpoint:
             finally:
                 if downloaded:
                     shutil.rmtree(directory, ignore_errors=True)
-        if carried and (world is None or world[0] == 0):
-            # Rows the checkpoint's attempt logged that its agent may not have written
-            # (it died with them): the agent records those its log lacks. In a
-            # distributed job global rank 0's agent alone, as spot.log records rank 0's
-            # rows: agents of several nodes appending the same rows would repeat them.
-            self._rt.send({"op": "replay", "attempt": manifest.attempt, "rows": carried})
+        if world is None or world[0] == 0:
+            # Rows and output the checkpoint's attempt logged that its agent may not
+            # have written (it died with them): the agent records those its log lacks.
+            # In a distributed job global rank 0's agent alone, as spot.log records
+            # rank 0's rows: agents of several nodes appending the same rows would
+            # repeat them.
+            carry.replay(self._rt, manifest.attempt,
+                         {"phase": "durable", "id": manifest.id, "step": manifest.step,
+                          "bytes": manifest.total_bytes}, manifest.created)
         saved = state["objects"]
         for name, obj in list(self._objects.items()):
             if name in saved and saved[name][0] == "dcp":
@@ -830,10 +831,10 @@ class Checkpoint:
         return manifest.step + 1
 
     def _load(self, manifest: Manifest, directory: Path, world: tuple[int, int] | None
-              ) -> tuple[dict[str, Any], list[list[Any]]]:
-        """The state tree of a fetched checkpoint, and the metric rows it carries."""
+              ) -> tuple[dict[str, Any], Carry]:
+        """The state tree of a fetched checkpoint, and what it carries of the log."""
         if not manifest.metadata.get("ranks"):
-            return self._read(manifest, directory), _read_rows(manifest, directory)
+            return self._read(manifest, directory), _read_carry(manifest, directory)
         # Written by every rank (sharded): DCP reshards it to this world, each rank
         # fetching and reading only the files its part is in (collective in a
         # distributed job; a damaged file raises CorruptCheckpoint on every rank).
@@ -843,17 +844,18 @@ class Checkpoint:
         reader = StoreReader(self._store, manifest, directory)
         state = sharded.load(self._objects, reader, world[0] if world else 0)
         if world is not None and world[0] != 0:
-            return state, []  # global rank 0 replays the rows (its agent records them)
-        if manifest.entry(METRICS_FILE) is not None:
+            return state, Carry()  # global rank 0 replays (its agent records them)
+        carried = [n for n in (METRICS_FILE, EVENTS_FILE) if manifest.entry(n) is not None]
+        if carried:
             try:
-                reader.fetch_files([METRICS_FILE])
+                reader.fetch_files(carried)
             except (CheckpointError, OSError) as e:
-                # Not the training state: the restore goes on (as _read_rows does).
-                _logger.warning("the metric rows of checkpoint %s cannot be fetched (%s); "
-                                "the metric history may miss the steps just before it",
+                # Not the training state: the restore goes on (as _read_carry does).
+                _logger.warning("what checkpoint %s carries of the log cannot be fetched "
+                                "(%s); the history may miss the steps just before it",
                                 manifest.id, e)
-                return state, []
-        return state, _read_rows(manifest, directory)
+                return state, Carry()
+        return state, _read_carry(manifest, directory)
 
     def _read(self, manifest: Manifest, directory: Path) -> dict[str, Any]:
         """The saved state tree of a verified local copy, tensors resolved."""
@@ -1162,7 +1164,7 @@ class Checkpoint:
         if rank == 0:  # one report per checkpoint, as a single-node job's
             rt.send({"op": "checkpoint", "phase": "begin", "id": cid, "step": step,
                      "forced": forced, "bytes": 0, "seconds": 0.0})
-        rows = rt.rows_not_durable() if rank == 0 else []
+        carry = rt.carry() if rank == 0 else Carry()
         copy_budget, parts = self._plan_memory()
         self._retry = False
         future, copied = sharded.save(self._objects, pending, step=step, rank=rank,
@@ -1172,7 +1174,7 @@ class Checkpoint:
         rt.force_save = False
         self._warmed = True
         upload = self._upload = _ShardedUpload(self, cid, step, rank, world_size, future,
-                                               pending, rows, forced, started, answers,
+                                               pending, carry, forced, started, answers,
                                                copied)
         if not copied:
             upload.wait()  # written from the training state: it must not change meanwhile
@@ -1243,12 +1245,12 @@ class Checkpoint:
         self._warmed = True
         cid = new_id(step, rt.attempt)
 
-        rows = rt.rows_not_durable()
+        carry = rt.carry()
 
         def files(upload: _Upload) -> FileWriters:
             parts_of = {"state": _state_writer(captured, upload, parts)}
-            if rows:
-                parts_of["metrics"] = _rows_writer(rows, step)
+            if carry:
+                parts_of["carry"] = _carry_writer(carry, step)
             return parts_of
 
         upload = self._upload = _Upload(rt, self._store, cid, step, files, fmt, forced,
@@ -1309,17 +1311,10 @@ def _world() -> tuple[int, int] | None:
 _world_seen: tuple[Any, tuple[int, int] | None] = (None, None)
 
 
-def _read_rows(manifest: Manifest, directory: Path) -> list[list[Any]]:
-    """The metric rows a checkpoint carries (verified with the rest), or []."""
-    if not manifest.entry(METRICS_FILE) is not None:
-        return []
-    try:
-        rows = json.loads((directory / METRICS_FILE).read_bytes())
-    except (OSError, ValueError) as e:
-        _logger.warning("the metric rows of checkpoint %s cannot be read (%s); the metric "
-                        "history may miss the steps just before it", manifest.id, e)
-        return []
-    return rows if isinstance(rows, list) else []
+def _read_carry(manifest: Manifest, directory: Path) -> Carry:
+    """What a checkpoint carries of the log (verified with the rest), or nothing."""
+    names = {f.name for f in manifest.files}
+    return Carry.read(directory, names, f"checkpoint {manifest.id}")
 
 
 # -- directories the user writes to --------------------------------------------------

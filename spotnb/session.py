@@ -13,9 +13,11 @@ standalone mode without it). It owns:
   can wait for all of them;
 * parking: once the save forced by an interruption notice is durable, the cell is
   held in a sleep loop until the instance is terminated;
-* the rows sent but not yet durable in the event log (the agent says up to which time
-  they are, ``{"op": "durable"}``): a checkpoint carries them, so that a resume can
-  record rows that died with an agent (DESIGN invariant 8);
+* what a checkpoint carries so that a resume can record what died with an agent
+  (DESIGN invariant 8), :class:`Carry`: the rows sent but not yet durable in the event
+  log (the agent says up to which time they are, ``{"op": "durable"}``), and the
+  events the agent holds unwritten (the cell's output lines among them), asked for at
+  the save (``{"op": "unlogged"}``);
 * the fencing question: before a checkpoint becomes ``LATEST`` or the outputs are
   written, the agent is asked whether it still holds the job's lease;
 * the watchdog: the agent pings every second or so, with the time until which its
@@ -32,15 +34,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -55,7 +60,8 @@ if TYPE_CHECKING:
     from spotnb.checkpoints import Manifest
     from spotnb.syncdir import SyncDir
 
-__all__ = ["LOCAL_DIR", "ROWS", "AgentChannel", "Session"]
+__all__ = ["EVENTS_FILE", "LOCAL_DIR", "METRICS_FILE", "ROWS", "AgentChannel", "Carry",
+           "Session"]
 
 _logger = logging.getLogger(__name__)
 
@@ -92,6 +98,13 @@ FENCE_RETRY_SECONDS = 1.0
 USAGE_SECONDS = 300.0
 # Rows kept for the next checkpoint while the log has not confirmed them (each ~200 B).
 MAX_UNACKED_ROWS = 1_000_000
+# How long a save waits for the agent's list of unlogged events (it answers once the
+# kernel's output up to the save has reached it: milliseconds, unless it is frozen).
+UNLOGGED_REPLY_SECONDS = 10.0
+# The files of a checkpoint (or synced directory's snapshot) that carry what the event
+# log had not confirmed when it was saved: a resume records what the log lacks.
+METRICS_FILE = "metrics.json"  # the metric rows, as the runtime sent them
+EVENTS_FILE = "events.jsonl"  # the agent's unwritten events (output lines...), as JSON lines
 # Standalone mode keeps its store here, relative to the working directory.
 LOCAL_DIR = ".spotnb-local"
 
@@ -103,6 +116,76 @@ ROWS: collections.deque[tuple[Any, float, dict[str, Any]]] = collections.deque()
 class FenceUnknown(RuntimeError):
     """The agent did not answer whether it still holds the lease: nothing was made
     current; the next save tries again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """What a checkpoint carries of what the event log had not confirmed when it was
+    saved (:meth:`Session.carry`): metric rows ``[step, t, {name: value}]`` and the
+    agent's unwritten events (JSON lines). A resume sends both to its agent
+    (``replay``), which records what the saving attempt's log lacks."""
+
+    rows: list[list[Any]] = dataclasses.field(default_factory=list)
+    events: list[str] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.events)
+
+    def files(self) -> dict[str, bytes]:
+        """The checkpoint files that hold it (none when there is nothing to carry)."""
+        files = {}
+        if self.rows:
+            files[METRICS_FILE] = json.dumps(self.rows, separators=(",", ":")).encode()
+        if self.events:
+            files[EVENTS_FILE] = "".join(line + "\n" for line in self.events).encode()
+        return files
+
+    @classmethod
+    def read(cls, directory: Path, names: Any, what: str) -> Carry:
+        """The carry of a verified local copy whose files are ``names``; what cannot be
+        read is logged and left out (it is not the training state)."""
+        rows: list[list[Any]] = []
+        events: list[str] = []
+        try:
+            if METRICS_FILE in names:
+                loaded = json.loads((directory / METRICS_FILE).read_bytes())
+                rows = loaded if isinstance(loaded, list) else []
+            if EVENTS_FILE in names:
+                text = (directory / EVENTS_FILE).read_text()
+                events = [line for line in text.splitlines() if line.strip()]
+        except (OSError, ValueError) as e:
+            _logger.warning("what %s carries of the log cannot be read (%s); the history "
+                            "may miss the steps just before it", what, e)
+        return cls(rows, events)
+
+    def replay(self, rt: Session, attempt: int, durable: dict[str, Any],
+               saved: float) -> None:
+        """Have the agent record what the log of ``attempt`` lacks of this carry, and
+        the ``checkpoint`` event ``durable`` of the restored save (saved at time
+        ``saved``) if that log lacks it (its agent died before writing it)."""
+        if attempt != rt.attempt:
+            rt.send({"op": "replay", "attempt": attempt, "rows": self.rows,
+                     "events": self.events, "checkpoint": durable, "saved": saved})
+
+
+def _mark_output(token: str) -> bool:
+    """Flush the kernel's ``sys.stdout``/``sys.stderr`` and publish a mark after what
+    they sent on its output channel (the agent relays in order); False outside an
+    IPython kernel."""
+    out: Any = sys.stdout
+    session = getattr(out, "session", None)
+    pub = getattr(out, "pub_thread", None)
+    if session is None or pub is None:
+        return False
+    try:
+        out.flush()
+        sys.stderr.flush()
+        msg = session.msg(channel.OUTPUT_MARK, {"token": token}, parent=out.parent_header)
+        session.send(pub, msg, ident=b"spotnb")
+    except Exception:
+        _logger.debug("cannot mark the kernel's output", exc_info=True)
+        return False
+    return True
 
 
 class Upload(Protocol):
@@ -249,6 +332,7 @@ class Session:
         self.unacked: collections.deque[list[Any]] = collections.deque()
         self._unacked_lock = threading.Lock()
         self._fence_replies: dict[int, tuple[threading.Event, list[bool | None]]] = {}
+        self._unlogged_replies: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
         self._fence_ids = 0
         self._heard = time.monotonic()
         # The watchdog is armed by the agent's first ping (an agent that never pings,
@@ -413,6 +497,12 @@ class Session:
         if op == "durable":
             self._forget_durable(float(message.get("t", 0.0)))
             return
+        if op == "unlogged":
+            asked = self._unlogged_replies.get(int(message.get("id", -1)))
+            if asked is not None:
+                asked[1].append(message)
+                asked[0].set()
+            return
         if op == "fence":
             answer = self._fence_replies.get(int(message.get("id", -1)))
             if answer is not None:
@@ -543,6 +633,40 @@ class Session:
         self.drain()
         with self._unacked_lock:
             return list(self.unacked) if self.remote else []
+
+    def carry(self) -> Carry:
+        """What a checkpoint saved now must carry so that no step it covers loses its
+        metrics or output (DESIGN invariant 8): every row logged so far that the log
+        has not confirmed, and the events (output lines...) the agent holds unwritten."""
+        rows = self.rows_not_durable()  # sent first: the agent records them before it answers
+        return Carry(rows, self.unlogged_events())
+
+    def unlogged_events(self) -> list[str]:
+        """The events this attempt's agent has emitted and not yet written (JSON lines),
+        everything printed so far included; [] without an agent that answers."""
+        chan = self.channel
+        if not self.remote or chan is None or chan.broken or not self._pinged \
+                or os.environ.get("RANK", "0") != "0":
+            return []  # a distributed job: global rank 0's checkpoints carry its node's
+        token = uuid.uuid4().hex
+        marked = _mark_output(token)
+        with self._unacked_lock:
+            self._fence_ids += 1
+            ask = self._fence_ids
+            asked: tuple[threading.Event, list[dict[str, Any]]] = (threading.Event(), [])
+            self._unlogged_replies[ask] = asked
+        try:
+            if not chan.send({"op": "unlogged", "id": ask, "mark": token if marked else None}):
+                return []
+            if not asked[0].wait(UNLOGGED_REPLY_SECONDS):
+                _logger.warning("the spotnb agent did not say within %g s which events its "
+                                "log lacks; this checkpoint carries none",
+                                UNLOGGED_REPLY_SECONDS)
+                return []
+            events = asked[1][0].get("events")
+        finally:
+            self._unlogged_replies.pop(ask, None)
+        return [str(line) for line in events] if isinstance(events, list) else []
 
     def sync(self, token: str) -> None:
         """Send every row logged so far, then a marker the agent waits for."""

@@ -26,6 +26,11 @@ never by a timer, so a snapshot never catches a checkpoint half-written::
 checkpoint folder of a directory that holds many (Hugging Face's ``checkpoint-N``),
 so each upload, and the last one before termination above all, carries one
 checkpoint, not every one the framework keeps.
+
+Each snapshot also carries what the job's event log had not confirmed when it was
+taken (:class:`spotnb.session.Carry`: metric rows, output lines), beside its files;
+restoring it has the agent record what the saving attempt's log lacks (DESIGN
+invariant 8), as a restored ``spot.Checkpoint`` does.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from spotnb.checkpoints import (
     Manifest,
     copy_hashing,
 )
+from spotnb.session import Carry
 from spotnb.store import _check_key, retrying
 
 if TYPE_CHECKING:
@@ -205,12 +211,28 @@ class SyncDir:
         stage = self.rt.scratch / f"sync-{self.name}-{uuid.uuid4().hex[:8]}"
         try:
             files = self._store.download(manifest, stage)
+            carry = Carry.read(stage, set(files), f"the snapshot of {self.path}")
+            mtimes = manifest.metadata.get("mtimes")
             for name, src in files.items():
-                dest = self.path / name[len(self._FILES):]
+                if not name.startswith(self._FILES):
+                    continue  # what the snapshot carries of the log (above)
+                rel = name[len(self._FILES):]
+                dest = self.path / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(src, dest)
+                # As it was when saved: a framework may pick its newest file by mtime
+                # (Lightning's ckpt_path="last" among last.ckpt, last-v1.ckpt...).
+                mtime = mtimes.get(rel) if isinstance(mtimes, dict) else None
+                if isinstance(mtime, int) and not isinstance(mtime, bool) and mtime >= 0:
+                    os.utime(dest, ns=(mtime, mtime))
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+        durable: dict[str, object] = {"kind": "sync", "name": self.name, "phase": "durable",
+                                      "id": manifest.id, "files": len(manifest.files),
+                                      "bytes": manifest.total_bytes}
+        if manifest.metadata.get("step") is not None:
+            durable["step"] = manifest.metadata["step"]
+        carry.replay(self.rt, manifest.attempt, durable, manifest.created)
         self._seq = manifest.step + 1
         self._signature = self._sig(self._scan())
         self.rt.send({"op": "sync", "name": self.name, "phase": "restored",
@@ -237,7 +259,8 @@ class SyncDir:
             try:
                 manifest = retrying(lambda: self._store.write(
                     staged.seq, staged.files, attempt=self.rt.attempt, fence=self.rt.fence,
-                    fmt="dir", digests=staged.digests, metadata={"path": str(self.path)},
+                    fmt="dir", digests=staged.digests,
+                    metadata={"path": str(self.path), "mtimes": staged.mtimes},
                 ), f"uploading {self.path}")
             except BaseException as e:
                 self._signature = None  # not uploaded: the next sync tries again
@@ -259,15 +282,20 @@ class SyncDir:
         stage = self.rt.scratch / f"sync-up-{self.name}-{uuid.uuid4().hex[:8]}"
         staged = _Staged(stage, self._seq, step)
         try:
-            for rel, full, _st in files:
+            for rel, full, st in files:
                 key = self._FILES + rel
-                dest = stage / rel
+                dest = stage / key  # the carry's files (below) sit beside files/
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     staged.digests[key] = copy_hashing(full, dest)
                 except FileNotFoundError:
                     continue  # deleted since the scan
                 staged.files[key] = dest
+                staged.mtimes[rel] = st.st_mtime_ns
+            # What the log has not confirmed up to now (the step the framework saved).
+            for name, data in self.rt.carry().files().items():
+                (stage / name).write_bytes(data)
+                staged.files[name] = stage / name
         except BaseException:
             staged.discard()
             raise
@@ -276,7 +304,7 @@ class SyncDir:
         return staged
 
     def _report(self, manifest: Manifest, step: int | None, forced: bool) -> None:
-        message = {"op": "sync", "name": self.name, "phase": "durable",
+        message = {"op": "sync", "name": self.name, "phase": "durable", "id": manifest.id,
                    "files": len(manifest.files), "bytes": manifest.total_bytes}
         if step is not None:
             message.update(step=step, forced=forced)
@@ -396,6 +424,8 @@ class _Staged:
         self.step = step
         self.files: dict[str, Path] = {}
         self.digests: dict[str, tuple[int, str]] = {}
+        #: Each file's mtime (ns) when copied: a restore sets it again.
+        self.mtimes: dict[str, int] = {}
 
     def discard(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -427,7 +457,8 @@ class _DirUpload:
             uploaded = retrying(lambda: sd._store.upload(
                 self.staged.seq, self.staged.files, attempt=rt.attempt, fmt="dir",
                 digests=self.staged.digests, metadata={"path": str(sd.path),
-                                                       "step": self.staged.step}),
+                                                       "step": self.staged.step,
+                                                       "mtimes": self.staged.mtimes}),
                 f"uploading {sd.path}")
             if self._after is not None:
                 self._after.wait()

@@ -167,3 +167,103 @@ def test_transformers_params_are_recorded_without_secrets(
     assert "hf_secret" not in json.dumps(params)
     assert all(isinstance(v, (type(None), bool, int, float, str, list)) for v in params.values())
     assert re.fullmatch(r"\w+", str(params["lr_scheduler_type"]))
+
+
+# Notices after step 3 of attempt 1 and step 24 of attempt 2; attempt 3 stops moving
+# one step after its periodic save of step 30, and the test kills it there.
+LIGHTNING_KILLED = textwrap.dedent("""
+    import time
+    import lightning.pytorch as L
+    import torch
+    import spotnb
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Staging(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            step = trainer.global_step
+            print(f"step {step}")
+            if (spot.attempt, step) in ((1, 3), (2, 24)) and not spot.interrupt_pending:
+                spotnb.attach(spot.job_id).interrupt()
+                deadline = time.monotonic() + 300
+                while not spot.interrupt_pending and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            while (spot.attempt, step) == (3, 31):
+                time.sleep(0.05)
+
+    torch.manual_seed(0)
+    X = torch.randn(64, 8)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True)), batch_size=64)
+    trainer = L.Trainer(max_steps=STEPS, logger=False, log_every_n_steps=1,
+                        callbacks=[Staging(), spot.callbacks.lightning(every_n_train_steps=10)],
+                        enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", default_root_dir=".")
+    trainer.fit(Net(), loader, ckpt_path="last")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # four attempts, each a kernel and Lightning's imports
+def test_lightning_notice_notice_kill_resumes_from_the_newest_save_and_loses_no_line(
+        spotnb_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # After a notice SpotCheckpoint writes last.ckpt; the restored callback state named
+    # the previous instance's directory, so Lightning's next periodic saves went to
+    # last-v1.ckpt, last-v2.ckpt beside it, and after a kill ckpt_path="last" took
+    # the last.ckpt of the second notice (step 24) although the snapshot held step 30.
+    # Nobody follows the job: what attempt 3 logged and printed before the kill
+    # reaches the log through the snapshot it saved.
+    import psutil
+    from helpers import wait_until
+    from test_reliability import booted, kernel_of
+
+    from spotnb import cli
+    from spotnb.checkpoints import CheckpointStore
+    from spotnb.syncdir import sync_name
+
+    steps = 40
+    handle = spotnb.submit(LIGHTNING_KILLED, inputs={"STEPS": steps})
+    snapshots = CheckpointStore(handle.store, f"sync/{sync_name('checkpoints')}")
+    boot = wait_until(lambda: booted(handle, 3), 600, "attempt 3")
+
+    def saved_30() -> bool:
+        latest = snapshots.latest()
+        return latest is not None and latest.metadata.get("step") == 30 \
+            and latest.attempt == 3
+    wait_until(saved_30, 300, "attempt 3's periodic save of step 30", interval=0.02)
+    agent = psutil.Process(boot.data["pid"])
+    kernel = kernel_of(agent.pid)
+    agent.kill()
+    _, alive = psutil.wait_procs([kernel], timeout=30)
+    assert not alive, "the kernel outlived its agent"
+    result = handle.wait(timeout=600)
+    assert result.status == "completed", (result.reason, result.error)
+
+    # Resumed from step 30: attempt 4 redoes at most what attempt 3 did after it.
+    logged: dict[int, list[int]] = {}
+    for step, attempt in ((int(e.data["step"]), e.attempt)
+                          for e in handle.events(follow=False) if e.type == "metric"):
+        logged.setdefault(attempt, []).append(step)
+    assert sorted(logged) == [1, 2, 3, 4], logged
+    redone = set(logged[3]) & set(logged[4])
+    assert len(redone) <= 4, (sorted(redone), logged)
+    # Every step's row and line, none missing, whatever was killed.
+    every = sorted({s for s, _ in handle.metrics()["loss"]})
+    assert every == list(range(every[0], steps)), every
+    capsys.readouterr()
+    assert cli.main(["logs", handle.job_id]) == 0
+    printed = {int(line.split()[1]) for line in capsys.readouterr().out.splitlines()
+               if re.fullmatch(r"step \d+", line)}
+    assert printed == set(range(1, steps + 1)), sorted(set(range(1, steps + 1)) - printed)

@@ -378,3 +378,101 @@ def test_the_event_writer_keeps_events_through_a_failing_store(
     assert writer.close(timeout=30)
     steps = [e.data["step"] for e in EventReader(store).poll()]
     assert steps == [0, 1, 2]
+
+
+# Saves its state with spot.Checkpoint (steps 19, 59, ...) and in a synced directory
+# (steps 39, 79, ...: what a framework's integration does), prints a line and logs a
+# row every step, and resumes from whichever is newer. Attempt 1 stops moving after
+# the Checkpoint of step 59, attempt 2 after the snapshot of step 79, so that the test
+# kills each right after that save, exactly.
+TWO_SAVERS = textwrap.dedent("""
+    import json, os, time
+    state = {"w": 0.0}
+    ckpt = spot.Checkpoint(state=state)
+    out = spot.sync_dir("out", every=None)
+    start = ckpt.restore()
+    saved = os.path.join("out", "state.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            snap = json.load(f)
+        if snap["step"] + 1 > start:
+            start, state["w"] = snap["step"] + 1, snap["w"]
+    for step in range(start, STEPS):
+        state["w"] += step
+        spot.log(step, w=state["w"])
+        print(f"step {step} w={state['w']}")
+        time.sleep(STEP_SECONDS)
+        if step % 40 == 19:
+            ckpt.save(step)
+        if step % 40 == 39:
+            with open(saved + ".tmp", "w") as f:
+                json.dump({"step": step, "w": state["w"]}, f)
+            os.replace(saved + ".tmp", saved)
+            out.save(step)
+        while (spot.attempt, step) in ((1, 59), (2, 79)):
+            time.sleep(0.05)  # the test kills this attempt now
+    total = state["w"]
+""")
+
+
+def test_a_kill_after_a_save_loses_no_row_and_no_output_line(
+        cloud: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Nobody follows the job, so its agent writes its log once a minute: when the agent
+    # is SIGKILLed right after a save, the log lacks the rows and lines of the steps
+    # before it. The checkpoint (attempt 1) and the synced directory's snapshot
+    # (attempt 2: what the framework integrations save) carry them, and the next
+    # attempt records them in the log: every step's row and line, each exactly once.
+    from spotnb import cli
+    from spotnb.checkpoints import CheckpointStore
+    from spotnb.syncdir import sync_name
+
+    steps = 120
+    handle = spotnb.submit(TWO_SAVERS, inputs={"STEPS": steps, "STEP_SECONDS": 0.01},
+                           outputs=["total"])
+    checkpoints = CheckpointStore(handle.store, "checkpoints")
+    snapshots = CheckpointStore(handle.store, f"sync/{sync_name('out')}")
+
+    def kill_after(attempt: int, saved: Callable[[], bool]) -> None:
+        boot = wait_until(lambda: booted(handle, attempt), 120, f"attempt {attempt}")
+        wait_until(saved, 120, f"attempt {attempt}'s save", interval=0.02)
+        agent = psutil.Process(boot.data["pid"])
+        kernel = kernel_of(agent.pid)
+        agent.send_signal(signal.SIGKILL)
+        _, alive = psutil.wait_procs([kernel], timeout=30)
+        assert not alive, "the kernel outlived its agent"
+
+    def newest(cs: CheckpointStore) -> Callable[[], bool]:
+        def check() -> bool:
+            manifest = cs.latest()
+            return manifest is not None and (manifest.metadata.get("step", manifest.step)
+                                             in (59, 79))
+        return check
+
+    kill_after(1, newest(checkpoints))
+    kill_after(2, newest(snapshots))
+    result = handle.wait(timeout=300)
+    assert result.status == "completed", (result.reason, result.error)
+    assert result.outputs["total"] == sum(range(steps))
+    assert len(result.attempts) == 3
+
+    # Every step's row, each once per attempt that ran it: attempt 1 ran 0-59 (and
+    # its rows reached the log through the checkpoint), attempt 2 ran 60-79 (through
+    # the snapshot), attempt 3 the rest.
+    events = events_of(handle)
+    by_attempt = steps_by_attempt(events)
+    assert sorted(by_attempt[1]) == list(range(60)), by_attempt[1]
+    assert sorted(by_attempt[2]) == list(range(60, 80)), by_attempt[2]
+    assert sorted(by_attempt[3]) == list(range(80, steps))
+    assert [s for s, _ in handle.metrics()["w"]] == list(range(steps))
+    # The killed attempts' own saves are in their history, once each.
+    durable = [(e.attempt, e.data.get("kind", "state"), e.data.get("step"), e.data["id"])
+               for e in events if e.type == "checkpoint" and e.data.get("phase") == "durable"]
+    assert {(1, "state", 59), (2, "sync", 79)} <= {d[:3] for d in durable}, durable
+    assert len({d[3] for d in durable}) == len(durable), durable
+    # Every line printed, once, in `spotnb logs`.
+    capsys.readouterr()
+    assert cli.main(["logs", handle.job_id]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("step ")]
+    assert printed == [f"step {s} w={sum(range(s + 1))}.0" for s in range(steps)]
+    wait_no_processes(cloud)

@@ -57,6 +57,9 @@ class FakeAgent:
         # Scripted answers to the runtime's "fence" questions, in order; while there is
         # none, the question goes unanswered (the runtime then reads the lease itself).
         self.fence_replies: list[dict[str, Any]] = []
+        # The events this agent holds unwritten, answered to an "unlogged" question
+        # (None: unanswered, as an agent of an older spotnb).
+        self.unlogged: list[str] | None = None
         self.cond = threading.Condition()
         self.conns: list[socket.socket] = []
         self.readers: list[threading.Thread] = []
@@ -84,6 +87,10 @@ class FakeAgent:
                     self.cond.notify_all()
                     reply = (self.fence_replies.pop(0) if message["op"] == "fence"
                              and self.fence_replies else None)
+                    unlogged = self.unlogged if message["op"] == "unlogged" else None
+                if unlogged is not None:
+                    conn.sendall(channel.encode({"op": "unlogged", "id": message["id"],
+                                                 "events": unlogged, "next": 9}))
                 if reply is not None:
                     conn.sendall(channel.encode({"op": "fence", "id": message["id"], **reply}))
 
@@ -780,6 +787,45 @@ def test_sync_dir_restores_and_uploads_on_notice(
     job.agent.wait_for(lambda m: m["op"] == "sync" and m.get("files") == 3)
 
 
+def test_a_frameworks_save_carries_what_the_log_has_not_confirmed(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Accelerate's integration (Transformers' and Lightning's save the same way: a
+    # synced directory's snapshot at the framework's save point): the snapshot carries
+    # the rows the agent has not confirmed and the events it holds unwritten, and the
+    # next attempt's restore hands both to its agent, which records what the log lacks.
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    monkeypatch.chdir(job.tmp)
+    printed = json.dumps({"type": "stream", "time": 1.0, "attempt": 1, "instance": "i-test",
+                          "data": {"name": "stdout", "text": "step 3\n"}, "v": 1, "n": 7})
+    job.agent.unlogged = [printed]
+    job.agent.fence_replies = [{"ok": True}] * 4  # it holds the lease
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 1))
+    saves = spot.callbacks.accelerate(accelerator, "ck")
+    job.agent.send({"op": "ping"})  # a live agent: it answers what its log lacks
+    deadline = time.monotonic() + 30
+    while not spot._rt()._pinged and time.monotonic() < deadline:
+        time.sleep(0.01)
+    spot.log(3, loss=0.5)
+    saves.save(3)
+    manifest = saves._dir.wait()
+    assert manifest is not None
+    assert {"metrics.json", "events.jsonl"} <= {f.name for f in manifest.files}
+    spot._finish()
+
+    # The next attempt: the directory comes back, its carry goes to the agent.
+    shutil.rmtree(job.tmp / "ck")
+    monkeypatch.setenv(channel.ENV_ATTEMPT, "2")
+    assert spot.callbacks.accelerate(accelerator, "ck").restore() == 4
+    replay = job.agent.wait_for(lambda m: m["op"] == "replay")
+    assert replay["attempt"] == 1 and replay["events"] == [printed]
+    assert [(step, values) for step, _t, values in replay["rows"]] == [(3, {"loss": 0.5})]
+    assert not (job.tmp / "ck" / "metrics.json").exists()  # not put among the user's files
+
+
 # -- hooks the agent calls ---------------------------------------------------------------
 
 
@@ -881,12 +927,14 @@ def test_framework_dir_saved_at_save_points_then_parked_on_notice(
     finally:
         proc.kill()
         proc.communicate(timeout=30)
-    # The snapshot holds one checkpoint, the newest, whole.
+    # The snapshot holds one checkpoint, the newest, whole (and the rows the fake
+    # agent never confirmed).
     snapshots = CheckpointStore(job.store, f"{layout.SYNC}/{spot.sync_name('out')}")
     latest = snapshots.latest()
     assert latest is not None
     assert sorted(f.name for f in latest.files) == [
-        f"files/checkpoint-{parked['step']}/step", f"files/checkpoint-{parked['step']}/weights.bin"]
+        f"files/checkpoint-{parked['step']}/step", f"files/checkpoint-{parked['step']}/weights.bin",
+        "metrics.json"]
 
     # The replacement: restored, and last_checkpoint names it.
     fresh = job.tmp / "fresh"

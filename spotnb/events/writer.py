@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import json
 import logging
 import re
 import threading
@@ -174,6 +175,15 @@ class EventWriter:
         """Events emitted and not yet written."""
         with self._lock:
             return len(self._pending)
+
+    def unwritten(self, types: frozenset[str]) -> tuple[list[str], int]:
+        """The lines emitted and not yet written whose event type is in ``types``, and
+        the number the next event will get: what a checkpoint carries so that a later
+        attempt can record what this writer dies with (``spotnb.runtime``)."""
+        with self._lock:
+            lines = list(self._pending)
+            following = self._n
+        return [line for line in lines if json.loads(line).get("type") in types], following
 
     def emit(self, type: str, **data: Any) -> Event:
         """Queue an event; it is durable after the next flush."""

@@ -9,12 +9,18 @@ In a ``%%spot_train`` cell::
 in place of yours) whose ``dirpath`` (default ``checkpoints``) is a synced directory:
 
 * made: the directory is restored from the store, so ``ckpt_path="last"`` finds the
-  ``last.ckpt`` of the previous attempt (``save_last`` is on);
+  ``last.ckpt`` of the previous attempt (``save_last`` is on). The restored callback
+  state names the previous instance's directory; its paths are moved to this one
+  (``load_state_dict``), so Lightning keeps writing ``last.ckpt`` rather than
+  starting ``last-v1.ckpt`` beside it (whose mtime, restored, would not tell
+  ``ckpt_path="last"`` which of the two is newer);
 * ``setup``: adds :class:`SpotLogger` to the trainer's loggers (unless one is there):
   ``self.log(...)`` values go to ``spot.log``, the LightningModule's (and
   DataModule's) hparams to the job's record;
 * after each of Lightning's own saves (``every_n_train_steps``, epoch ends,
-  validation): a snapshot of the directory, uploaded in the background;
+  validation): a snapshot of the directory, uploaded in the background, taken at the
+  next hook, once Lightning has logged the batch's metrics (the snapshot carries the
+  rows the log has not confirmed: spotnb.session.Carry);
 * at the end of a training batch after an interruption notice: ``trainer.
   save_checkpoint`` to ``last.ckpt``, uploaded at once; at the next hook, once
   Lightning has logged the batch's metrics, the cell waits until it is durable and is
@@ -78,6 +84,7 @@ class SpotCheckpoint(ModelCheckpoint):
         super().__init__(dirpath=dirpath, save_last=save_last, **kwargs)
         self._log = log
         self._written = False
+        self._snapshot_due = False  # a periodic save to snapshot at the next hook
         self._hold_at: int | None = None  # the step whose save a notice forced
         # Restored now, before fit(ckpt_path="last") looks for last.ckpt.
         self._dir: SyncDir = spot.sync_dir(dirpath, every=None)
@@ -108,7 +115,8 @@ class SpotCheckpoint(ModelCheckpoint):
         import torch
 
         rng = state_dict.get("spotnb_rng")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "spotnb_rng"})
+        super().load_state_dict(self._moved_here(
+            {k: v for k, v in state_dict.items() if k != "spotnb_rng"}))
         if rng:
             random.setstate(rng["python"])
             torch.set_rng_state(rng["torch"])
@@ -118,6 +126,32 @@ class SpotCheckpoint(ModelCheckpoint):
                 kind, keys, pos, has_gauss, cached = rng["numpy"]
                 numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos,
                                         has_gauss, cached))
+
+    def _moved_here(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The callback state of a checkpoint saved in the previous attempt's directory
+        (another instance's path), with its paths in this directory, which holds the
+        same files (restored). Lightning drops ``last_model_path`` and the top-k of a
+        state whose ``dirpath`` differs, and its next ``save_last`` then writes
+        ``last-v1.ckpt`` beside the ``last.ckpt`` it does not recognise as its own."""
+        before, here = state.get("dirpath"), self.dirpath
+        if not before or not here or before == here:
+            return state
+
+        def moved(path: Any) -> Any:
+            if not isinstance(path, str) or not path:
+                return path
+            relative = os.path.relpath(path, before)
+            if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+                return path  # not in the synced directory: left as it was
+            return os.path.join(here, relative)
+
+        state = dict(state, dirpath=here)
+        for key in ("last_model_path", "best_model_path", "kth_best_model_path"):
+            if key in state:
+                state[key] = moved(state[key])
+        if isinstance(state.get("best_k_models"), dict):
+            state["best_k_models"] = {moved(k): v for k, v in state["best_k_models"].items()}
+        return state
 
     # -- saves ---------------------------------------------------------------------------
 
@@ -134,12 +168,27 @@ class SpotCheckpoint(ModelCheckpoint):
             self._written = False
             self._dir.save(trainer.global_step, hold=hold)  # holds the cell after a notice
 
-    def _hold(self) -> None:
+    def _hold(self, trainer: pl.Trainer) -> None:
         # The batch's metrics are logged by now (Lightning logs them after the
-        # on_train_batch_end hooks): wait until the forced save is durable, then park.
+        # on_train_batch_end hooks): snapshot a periodic save, so that it carries them;
+        # wait until the forced save is durable, then park.
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self._snapshot(trainer)
         step, self._hold_at = self._hold_at, None
         if step is not None:
             self._dir.hold(step)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        # Resumed from a "last" checkpoint of this directory: it is this callback's
+        # last one, whatever the restored state said (a checkpoint of an older spotnb,
+        # or the user's own save), so the next save_last replaces it.
+        resumed = trainer.ckpt_path
+        if resumed and self.dirpath and os.path.dirname(os.path.abspath(resumed)) == \
+                os.path.abspath(self.dirpath) and \
+                os.path.basename(resumed).startswith(self.CHECKPOINT_NAME_LAST):
+            self.last_model_path = os.path.join(self.dirpath, os.path.basename(resumed))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -149,23 +198,28 @@ class SpotCheckpoint(ModelCheckpoint):
             path = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
             if os.path.islink(path):
                 os.unlink(path)  # save_last="link": never write through the link
-            trainer.save_checkpoint(path)
+            # Named before the save, as Lightning's own save_last does: the state saved
+            # in it says that last.ckpt is this callback's, so the next attempt's
+            # periodic saves go on writing last.ckpt (not last-v1.ckpt beside it).
             self.last_model_path = path
+            trainer.save_checkpoint(path)
             self._hold_at = trainer.global_step
-        self._snapshot(trainer, hold=not notice)
+            self._snapshot(trainer, hold=False)
+        else:
+            self._snapshot_due = self._written  # at the next hook (_hold)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        self._hold()
+        self._hold(trainer)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._hold()
+        self._hold(trainer)
         super().on_train_epoch_end(trainer, pl_module)
         self._snapshot(trainer)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._hold()
+        self._hold(trainer)
         super().on_validation_start(trainer, pl_module)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -173,5 +227,5 @@ class SpotCheckpoint(ModelCheckpoint):
         self._snapshot(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._hold()
+        self._hold(trainer)
         super().on_train_end(trainer, pl_module)

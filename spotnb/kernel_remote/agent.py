@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -66,7 +67,15 @@ import psutil
 
 from spotnb import layout, lease, usage
 from spotnb.backoff import Backoff
-from spotnb.events import EVENTS_PREFIX, Event, EventWriter, metric_rows, parse_chunk, stream_name
+from spotnb.events import (
+    EVENTS_PREFIX,
+    Event,
+    EventWriter,
+    metric_rows,
+    metrics_data,
+    parse_chunk,
+    stream_name,
+)
 from spotnb.events.live import CONTROL_QUEUE, LiveSender
 from spotnb.events.queues import queue_for
 from spotnb.events.writer import StreamObject, read_object
@@ -132,6 +141,15 @@ STORE_RETRY_SECONDS = 0.5
 STORE_MAX_RETRY_SECONDS = 30.0
 # Exit codes: the capacity group only cares whether a result exists, and whether the
 # store was out of reach (then launching another instance at once would not help).
+# A checkpoint carries the events of these types that the log has not confirmed (the
+# cell's output, earlier saves, rows an earlier replay recorded...), so a later attempt
+# records what this agent dies with (DESIGN invariant 8). Metric batches are carried
+# by the runtime itself (its rows); GPU samples and statuses are not worth it.
+CARRIED_TYPES = frozenset({"stream", "checkpoint", "metric", "params", "progress", "warning"})
+# How long a checkpoint's question for those events waits for the runtime's mark on the
+# kernel's output channel (everything printed before the save has arrived by then).
+OUTPUT_MARK_SECONDS = 5.0
+
 EXIT_OK = 0
 EXIT_FENCED = 3
 EXIT_STORE = 4
@@ -185,6 +203,10 @@ class Agent:
         self._metric_marks: collections.deque[tuple[int, float]] = collections.deque()
         self._marks_lock = threading.Lock()
         self._marks_waiting: dict[str, threading.Event] = {}
+        # The runtime's marks seen on the kernels' output (channel.OUTPUT_MARK), newest
+        # last: a checkpoint's question for the unlogged events waits for its mark.
+        self._output_marks: collections.deque[str] = collections.deque(maxlen=64)
+        self._output_seen = threading.Condition()
         # Metric rows from the runtime, not yet an event (see _emit_rows).
         self._rows: list[list[Any]] = []
         self._rows_at = time.monotonic()
@@ -583,9 +605,16 @@ class Agent:
                 if self.terminating.is_set() or self.fenced.is_set():
                     raise Fenced() from None
                 raise
+            kind = msg["header"]["msg_type"]
+            if kind == channel.OUTPUT_MARK:
+                # Everything the kernel printed before it is relayed: a checkpoint's
+                # question for the unlogged events may be answered (on_message).
+                with self._output_seen:
+                    self._output_marks.append(str(msg["content"].get("token")))
+                    self._output_seen.notify_all()
+                continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
-            kind = msg["header"]["msg_type"]
             content = msg["content"]
             if kind == "status" and content.get("execution_state") == "idle":
                 return self._reply_error(kc, msg_id)
@@ -973,7 +1002,23 @@ class Agent:
         elif op == "usage":
             ev.emit("usage", process="runtime", requests=msg.get("requests") or {})
         elif op == "replay":
-            self._replay(int(msg.get("attempt", 0)), msg.get("rows") or [])
+            self._replay(int(msg.get("attempt", 0)), msg.get("rows") or [],
+                         msg.get("events") or [], msg.get("checkpoint"), msg.get("saved"))
+        elif op == "unlogged":
+            # A checkpoint being saved asks for the events the log has not confirmed
+            # (after its mark on the kernel's output: every line printed before the
+            # save is among them): it carries them.
+            mark = msg.get("mark")
+            if mark:
+                with self._output_seen:
+                    if not self._output_seen.wait_for(lambda: mark in self._output_marks,
+                                                      OUTPUT_MARK_SECONDS):
+                        log.warning("the kernel's output mark did not arrive within %g s; "
+                                    "a checkpoint carries the output relayed so far",
+                                    OUTPUT_MARK_SECONDS)
+            lines, following = ev.unwritten(CARRIED_TYPES)
+            self._reply(conn, {"op": "unlogged", "id": msg.get("id"), "events": lines,
+                               "next": following})
         elif op == "fence":
             # The runtime asks before it moves LATEST or writes the outputs.
             # UNCONFIRMED (the store did not answer the last renewals) is not LOST:
@@ -1033,29 +1078,80 @@ class Agent:
         else:
             log.warning("unknown message from the runtime: %s", op)
 
-    def _replay(self, source: int, rows: list[list[Any]]) -> None:
-        """Record the rows a restored checkpoint carried that the log of the attempt
-        that saved it lacks (its agent died with them unwritten). Rows are logged in
-        time order, so those after the newest metric in that attempt's log are the
-        missing ones. They keep their attempt and time, as if written then."""
-        ev = self.events
-        if ev is None or self.held is None or source == self.held.epoch or not rows:
+    def _replay(self, source: int, rows: list[list[Any]], lines: list[str],
+                durable: Any = None, saved: Any = None) -> None:
+        """Record what a restored checkpoint carried that the log of the attempt that
+        saved it lacks (its agent died with it unwritten): metric rows, and events (the
+        cell's output, earlier saves...). Rows are logged in time order, so those after
+        the newest metric in that attempt's log are the missing ones; events are
+        numbered, so those after the newest number in it.
+
+        They are appended to that attempt's own stream as one chunk, under the numbers
+        its agent gave them, as if it had written them: the log reads as if that agent
+        had lived, and a later restore of the same checkpoint finds them there and
+        records nothing twice. That agent writes nothing more (it lost the lease this
+        agent holds), so the stream still has one writer at a time. The restored save's
+        own ``checkpoint`` event (``durable``, saved at time ``saved``) is added when
+        that log lacks it too (its agent died between the save and the next write of
+        its log), and the rows as one batch: both unnumbered, since that agent may
+        have given any later number to an event another checkpoint carries; a
+        checkpoint event is recorded once by its id and phase."""
+        held = self.held
+        if self.events is None or held is None or source == held.epoch:
             return
+        if not isinstance(durable, dict) or not isinstance(saved, (int, float)) \
+                or not isinstance(durable.get("id"), str):
+            durable = None
+        carried = []
+        for line in lines:
+            try:
+                event = Event.from_dict(json.loads(line))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not an event: the carry is read from the store, not trusted
+            if event.n is not None:
+                carried.append(event)
+
+        def append() -> tuple[int, int]:
+            prefix = f"{EVENTS_PREFIX}{stream_name(source)}/"
+            objs = [o for k in self.store.list_keys(prefix)
+                    if (o := StreamObject.parse(k)) is not None]
+            since = min([float(saved or 0.0), *(e.time for e in carried)])
+            newest_n, newest_t, recent = _newest_logged(self.store, objs, since)
+            saves = {(e.data.get("id"), e.data.get("phase")) for e in recent
+                     if e.type == "checkpoint" and e.data.get("id")}
+            # Compared as logged: the log keeps each row's time to the millisecond.
+            missing = [(step, _row_time(t), values) for step, t, values in rows
+                       if _row_time(t) > newest_t]
+            events = []
+            for e in sorted(carried, key=lambda e: e.n or 0):
+                save = (e.data.get("id"), e.data.get("phase"))
+                if (e.n or 0) <= newest_n or (e.type == "checkpoint" and save in saves):
+                    continue
+                saves.add(save)
+                events.append(dataclasses.replace(e, data={**e.data,
+                                                           "replayed_by": held.epoch}))
+            if durable is not None and (durable["id"], "durable") not in saves:
+                events.append(Event(type="checkpoint", time=float(saved), attempt=source,
+                                    instance=None, data={**durable, "replayed_by": held.epoch}))
+            if missing:
+                data = {**metrics_data(missing), "replayed_by": held.epoch}
+                events.append(Event(type="metrics", time=missing[-1][1], attempt=source,
+                                    instance=None, data=data))
+            if events:
+                seq = max((o.last for o in objs), default=-1) + 1
+                body = "".join(e.to_json() + "\n" for e in events).encode()
+                if self.store.put_if_absent(f"{prefix}{seq:08d}.jsonl", body) is None:
+                    raise StoreError("the restored attempt's log changed meanwhile")
+            return len(missing), len(events) - (1 if missing else 0)
+
         try:
-            newest = self._retry(lambda: _newest_metric_time(self.store, source),
-                                 "reading the restored attempt's log")
+            recorded = self._write(append, "the rows and events the restored checkpoint "
+                                           "carried")
         except (StoreUnavailable, Fenced):
             return
-        # Compared as logged: the log keeps each row's time to the millisecond.
-        missing = [row for row in rows if _row_time(row[1]) > newest]
-        for step, t, values in missing:
-            t = _row_time(t)
-            ev.emit_event(Event(type="metric", time=t, attempt=source,
-                                instance=None, data={"step": step, "t": t, "values": values,
-                                                     "replayed_by": self.held.epoch}))
-        if missing:
-            log.info("recorded %d metric row(s) of attempt %d that its log lacked",
-                     len(missing), source)
+        if any(recorded):
+            log.info("recorded %d metric row(s) and %d event(s) of attempt %d that its log "
+                     "lacked", *recorded, source)
 
     def _done_with_lease(self) -> None:
         assert self.held is not None and self.events is not None
@@ -1216,20 +1312,27 @@ def _row_time(t: Any) -> float:
     return round(float(t), 3)
 
 
-def _newest_metric_time(store: Store, attempt: int) -> float:
-    """The time of the newest metric row in an attempt's log (-inf without any):
-    its objects are read from the last one back until one holds a metric."""
-    objs = [o for k in store.list_keys(f"{EVENTS_PREFIX}{stream_name(attempt)}/")
-            if (o := StreamObject.parse(k)) is not None]
+def _newest_logged(store: Store, objs: list[StreamObject], since: float
+                   ) -> tuple[int, float, list[Event]]:
+    """The newest event number and metric row time among a stream's objects (-1 and
+    -inf without any), and its events from time ``since`` on: read from the last one
+    back until one holds a metric and one an event older than ``since`` (the first
+    read gives the newest number: objects are in event order)."""
+    newest_n, newest_t = -1, None
+    recent: list[Event] = []
     for obj in sorted(objs, key=lambda o: (o.last, o.first), reverse=True):
         try:
-            body = read_object(store, obj)
+            events = parse_chunk(read_object(store, obj))
         except NotFound:
             continue
-        newest = [float(t) for e in parse_chunk(body) for _, t, _ in metric_rows(e)]
-        if newest:
-            return max(newest)
-    return float("-inf")
+        newest_n = max([newest_n, *(e.n for e in events if e.n is not None)])
+        recent += [e for e in events if e.time >= since]
+        times = [float(t) for e in events for _, t, _ in metric_rows(e)]
+        if times and newest_t is None:
+            newest_t = max(times)
+        if newest_t is not None and any(e.time < since for e in events):
+            break
+    return newest_n, float("-inf") if newest_t is None else newest_t, recent
 
 
 def _retry_store(fn: Callable[[], T], what: str,

@@ -27,6 +27,16 @@ runtime -> agent
     agent re-forms the world without that node.
     ``{"op": "warning", "kind": str, "text": str}``: something the user should know
     (``notice-fit``: a checkpoint takes too long to fit in the interruption notice).
+    ``{"op": "unlogged", "id": int, "mark": str|null}``: a checkpoint being saved asks
+    for the events the log has not confirmed, which it carries (``events.jsonl``; the
+    runtime's own unconfirmed metric rows go in ``metrics.json``). ``mark``: a token
+    the runtime published on the kernel's output channel (an :data:`OUTPUT_MARK`
+    message) after flushing ``sys.stdout``/``sys.stderr``; the agent answers once it
+    has relayed that mark, so every line printed before the save is in the answer.
+    ``{"op": "replay", "attempt": int, "rows": [...], "events": [str, ...]}``: a
+    restored checkpoint's carry, for the attempt that saved it; the agent records what
+    that attempt's log lacks (rows newer than its newest row, events numbered after its
+    newest event), once.
 
 agent -> runtime
     ``{"op": "ping", "until": float | null}``: every second or so; ``until`` is when
@@ -36,6 +46,9 @@ agent -> runtime
     ``{"op": "notice", "kind": "instance-action"|"rebalance", "action": str,
     "time": str}``: sent when the notice appears, and again on connect if one is
     pending.
+    ``{"op": "unlogged", "id": int, "events": [str, ...], "next": int}``: the answer:
+    the JSON lines of the events emitted and not yet written (types
+    ``spotnb.kernel_remote.agent.CARRIED_TYPES``), and the next event number.
 
 The kernel's environment (set by the agent when it spawns the kernel, before it holds
 the lease): ``SPOTNB_JOB_URI``, ``SPOTNB_JOB_ID``, ``SPOTNB_AGENT_SOCKET``,
@@ -71,6 +84,9 @@ ENV_NOTICE_SECONDS = "SPOTNB_NOTICE_SECONDS"
 ENV_PEER_TIMEOUT = "SPOTNB_PEER_TIMEOUT"
 ENV_SLOT = "SPOTNB_SLOT"
 PREFETCH_DONE = ".prefetch-done"
+#: The type of the message the runtime publishes on the kernel's output (IOPub) channel
+#: to mark the end of what it printed so far (``{"token": str}``): the ``unlogged`` op.
+OUTPUT_MARK = "spotnb_output_mark"
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -10,7 +10,11 @@ life, among
 * ``supervisor``: SIGKILL the local cloud's supervisor (the next look at the job
   restarts it);
 * ``store``: every write to the store fails (read-only or full) for a few seconds;
-* ``notice``: a spot interruption notice.
+* ``notice``: a spot interruption notice;
+* ``save-kill``: SIGKILL the agent as soon as the next save is durable, a
+  ``spot.Checkpoint`` or a synced directory's snapshot (what the framework
+  integrations save): the log lacks what the steps before it logged and printed,
+  which the save carries.
 
 Multi-node schedules (``--nodes 1:2``, every node's kernel running the same loop with an
 all-reduce each step, so a lost peer fails its survivors' collectives) draw among
@@ -26,7 +30,7 @@ all-reduce each step, so a lost peer fails its survivors' collectives) draw amon
 After the schedule the job must complete, and:
 
 * its result is bitwise the result of the same code run without faults;
-* every metric step is in the log (invariant 8);
+* every metric step and every printed line is in the log (invariant 8);
 * no attempt wrote to its stream after the next attempt took the lease (invariant 3,
   as the local store's file times show);
 * no process is left behind (the ``spotnb_home`` fixture checks it).
@@ -51,33 +55,56 @@ import psutil
 import pytest
 
 import spotnb
-from spotnb.events import Event
+from spotnb.events import Event, parse_chunk
 from spotnb.events.live import Follower
+from spotnb.events.writer import StreamObject, read_object
 from spotnb.providers.local import LocalProvider
-from spotnb.store import LocalStore
+from spotnb.store import LocalStore, NotFound
+from spotnb.syncdir import sync_name
 
 pytestmark = pytest.mark.slow
 
 FAST_SEEDS = (11, 23, 37)
 SOAK = int(os.environ.get("SPOTNB_FAULT_SOAK", "0"))
 STEPS = 240
-KINDS = ("agent", "kernel", "freeze", "supervisor", "store", "notice")
+KINDS = ("agent", "kernel", "freeze", "supervisor", "store", "notice", "save-kill")
+# A save-kill waits at most this long for the next save to be durable.
+SAVE_WAIT_SECONDS = 60.0
 MULTI_FAST_SEEDS = (4,)  # a join: a node killed while capacity is short
 MULTI_STEPS = 160
 MULTI_KINDS = ("node-notice", "node-kill", "host-kill", "two-notices", "node-freeze", "join")
 # The peer timeout of the multi-node schedules: a frozen node is frozen past it.
 PEER_TIMEOUT_SECONDS = 10.0
 
+# Two savers, as a cell with a framework has: spot.Checkpoint (the job's policy: every
+# 20 steps) and a synced directory the code writes its own state to (steps 9, 29, ...;
+# a framework's integration snapshots it so); it resumes from the newer.
 CELL = """
-import random, time
+import json, os, random, time
 random.seed(5)
 state = {"w": 0.0}
 ckpt = spot.Checkpoint(state=state)
-for step in range(ckpt.restore(), STEPS):
+out = spot.sync_dir("out", every=None)
+start = ckpt.restore()
+saved = os.path.join("out", "state.json")
+if os.path.exists(saved):
+    with open(saved) as f:
+        snap = json.load(f)
+    if snap["step"] + 1 > start:
+        start, state["w"] = snap["step"] + 1, snap["w"]
+        version, internal, gauss = snap["rng"]
+        random.setstate((version, tuple(internal), gauss))
+for step in range(start, STEPS):
     state["w"] += random.random()
     spot.log(step, w=state["w"])
+    print(f"step {step}")
     time.sleep(0.03)
     ckpt.maybe_save(step)
+    if step % 20 == 9:
+        with open(saved + ".tmp", "w") as f:
+            json.dump({"step": step, "w": state["w"], "rng": random.getstate()}, f)
+        os.replace(saved + ".tmp", saved)
+        out.save(step)
 total = state["w"]
 """
 
@@ -241,9 +268,24 @@ class Attacker:
                 continue
         return None
 
+    def latest(self) -> tuple[bytes | None, ...]:
+        """The LATEST pointers of the job's checkpoints and synced directory."""
+        found = []
+        for key in ("checkpoints/LATEST", f"sync/{sync_name('out')}/LATEST"):
+            try:
+                found.append(self.handle.store.get(key))
+            except NotFound:
+                found.append(None)
+        return tuple(found)
+
     def apply(self, fault: Fault) -> None:
+        if fault.kind == "save-kill":
+            before = self.latest()
+            deadline = time.monotonic() + SAVE_WAIT_SECONDS
+            while self.latest() == before and time.monotonic() < deadline:
+                time.sleep(0.02)  # a condition: the next save is durable
         agent = self.agent()
-        if fault.kind == "agent" and agent is not None:
+        if fault.kind in ("agent", "save-kill") and agent is not None:
             agent.kill()
         elif fault.kind == "kernel" and agent is not None:
             for child in agent.children():
@@ -311,6 +353,10 @@ def run_schedule(seed: int, home: Path, switch: Path) -> None:
     events = list(handle.events(follow=False))
     steps = {e.data["step"] for e in events if e.type == "metric"}
     assert steps == set(range(STEPS)), (context, sorted(set(range(STEPS)) - steps))
+    printed = {line for e in events if e.type == "stream"
+               for line in str(e.data.get("text", "")).splitlines()}
+    unprinted = [s for s in range(STEPS) if f"step {s}" not in printed]
+    assert unprinted == [], (context, "lines missing", unprinted)
     # No attempt wrote after the next one took over (the files' times tell).
     store = LocalStore(handle.store.uri.removeprefix("file://"))
     boots = {e.attempt: e.time for e in events if e.type == "status"
@@ -320,8 +366,17 @@ def run_schedule(seed: int, home: Path, switch: Path) -> None:
         if successor is None:
             continue
         late = [k for k in store.list_keys(f"events/{attempt:06d}/")
-                if (store.root / k).stat().st_mtime > successor + 1.0]
+                if (store.root / k).stat().st_mtime > successor + 1.0
+                and not replayed(store, k, attempt)]
         assert late == [], (context, attempt, late)
+
+
+def replayed(store: LocalStore, key: str, attempt: int) -> bool:
+    """Whether a chunk of ``attempt``'s stream holds only what a checkpoint carried and
+    a later attempt (the lease's holder) appended for it."""
+    events = parse_chunk(read_object(store, StreamObject.parse(key)))  # type: ignore[arg-type]
+    return bool(events) and all(int(e.data.get("replayed_by") or 0) > attempt
+                                for e in events)
 
 
 @pytest.mark.parametrize("seed", FAST_SEEDS)
