@@ -14,7 +14,11 @@ import psutil
 import pytest
 
 LEFTOVER_GRACE_SECONDS = 20.0
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# The data files as the project received them (beside the checkout, where it has them);
+# else the copy the package ships (a fresh clone elsewhere: CI).
+SHARED_DATA = next(p for p in (Path(__file__).resolve().parents[1].parent / "shared" / "data",
+                                Path(__file__).resolve().parents[1] / "spotnb" / "data")
+                    if (p / "aws_gpu_catalog.csv").exists())
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 # Debian's Chromium, headless and with no network of its own (the machine has none).
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -7,6 +7,10 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from spotnb.events import parse_chunk
+from spotnb.events.writer import StreamObject, read_object
+from spotnb.store import LocalStore
+
 T = TypeVar("T")
 
 
@@ -24,3 +28,12 @@ def wait_until(predicate: Callable[[], T | None], timeout: float, message: str, 
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {message}")
         time.sleep(interval)
+
+
+def replayed(store: LocalStore, key: str, attempt: int) -> bool:
+    """Whether a chunk of ``attempt``'s stream holds only what a checkpoint carried and
+    a later attempt (the lease's holder) appended for it (a restore writes what the
+    saving attempt's log lacked into that attempt's own stream)."""
+    events = parse_chunk(read_object(store, StreamObject.parse(key)))  # type: ignore[arg-type]
+    return bool(events) and all(int(e.data.get("replayed_by") or 0) > attempt
+                                for e in events)

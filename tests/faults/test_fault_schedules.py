@@ -53,11 +53,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import replayed
 
 import spotnb
-from spotnb.events import Event, parse_chunk
+from spotnb.events import Event
 from spotnb.events.live import Follower
-from spotnb.events.writer import StreamObject, read_object
 from spotnb.providers.local import LocalProvider
 from spotnb.store import LocalStore, NotFound
 from spotnb.syncdir import sync_name
@@ -369,14 +369,6 @@ def run_schedule(seed: int, home: Path, switch: Path) -> None:
                 if (store.root / k).stat().st_mtime > successor + 1.0
                 and not replayed(store, k, attempt)]
         assert late == [], (context, attempt, late)
-
-
-def replayed(store: LocalStore, key: str, attempt: int) -> bool:
-    """Whether a chunk of ``attempt``'s stream holds only what a checkpoint carried and
-    a later attempt (the lease's holder) appended for it."""
-    events = parse_chunk(read_object(store, StreamObject.parse(key)))  # type: ignore[arg-type]
-    return bool(events) and all(int(e.data.get("replayed_by") or 0) > attempt
-                                for e in events)
 
 
 @pytest.mark.parametrize("seed", FAST_SEEDS)
