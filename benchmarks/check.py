@@ -217,6 +217,9 @@ def load() -> str:
 
 
 def main() -> int:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if sys.argv[1:2] == ["--part"]:
         print(json.dumps(PARTS[sys.argv[2]]()))
         return 0
