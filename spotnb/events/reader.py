@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # A stream whose objects vanish under the reader this often in one poll is being
 # compacted as fast as it is read; the next poll goes on.
 _RELIST_TRIES = 3
+# A hole in a stream's chunk numbers that this many polls in a row still list is a
+# chunk lost for good (not a compaction caught half-way): the reader reads past it.
+_HOLE_POLLS = 5
 
 
 def _objects(store: Store) -> dict[str, list[StreamObject]]:
@@ -69,6 +72,8 @@ class EventReader:
         self._last_chunk: dict[str, int] = {}
         self._last_n: dict[str, int] = {}
         self._read_keys: dict[str, set[str]] = collections.defaultdict(set)
+        # stream -> ((last chunk read, first chunk listed after it), polls it stayed)
+        self._holes: dict[str, tuple[tuple[int, int], int]] = {}
         #: Requests this reader made (LISTs and GETs), for the cost it reports.
         self.lists = 0
         self.gets = 0
@@ -100,7 +105,7 @@ class EventReader:
 
     def _read_stream(self, stream: str, objs: list[StreamObject]) -> list[Event]:
         out: list[Event] = []
-        for _ in range(_RELIST_TRIES):
+        for tries_left in reversed(range(_RELIST_TRIES)):
             vanished = False
             group = stream == stream_name(GROUP_STREAM)
             for obj in objs:
@@ -112,6 +117,24 @@ class EventReader:
                         continue
                 elif obj.last <= self._last_chunk.get(stream, -1):
                     continue
+                elif (hole := (self._last_chunk.get(stream, -1), obj.first))[1] > hole[0] + 1:
+                    # A hole before this object: an attempt's chunks are numbered from 0
+                    # without gaps, so the listing caught a compaction half-way (a LIST
+                    # is no snapshot: the chunks already deleted, their segment not yet
+                    # listed). Reading on would skip the hole's events for good: list
+                    # again, and after that leave the stream to the next poll. Only a
+                    # hole that stays over several polls (a chunk lost for good) is
+                    # read past.
+                    if tries_left:
+                        vanished = True
+                        break
+                    polls = self._holes.get(stream, (hole, 0))
+                    polls = (hole, polls[1] + 1 if polls[0] == hole else 1)
+                    self._holes[stream] = polls
+                    if polls[1] < _HOLE_POLLS:
+                        return out
+                    log.warning("events %s: chunks %d-%d are missing; reading on",
+                                stream, hole[0] + 1, hole[1] - 1)
                 try:
                     self.gets += 1
                     body = read_object(self.store, obj)
