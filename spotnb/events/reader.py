@@ -6,7 +6,9 @@ not read yet. Objects are read in the order of the chunks they hold; the reader 
 for each stream, the last chunk it has read and the last event number ``n`` it has
 delivered, so a segment that replaces chunks it has already read adds only what it had
 not seen. A chunk that vanished between the listing and the GET was compacted: the
-stream is listed again, and its segment read instead.
+stream is listed again, and its segment read instead; so is a listing with a hole in an
+attempt's chunk numbers (a LIST is no snapshot: it can miss both the compacted chunks
+and their new segment).
 """
 
 from __future__ import annotations
