@@ -160,6 +160,7 @@ class CheckpointEvent:
     forced: bool = False
     kind: str = ""
     name: str = ""
+    id: str | None = None  # the save's id (the same in each of its phases)
 
     @property
     def durable(self) -> bool:
@@ -316,7 +317,8 @@ def _checkpoint(e: Event, d: dict[str, Any]) -> CheckpointEvent:
     step = d.get("step")
     return CheckpointEvent(phase=_str(d.get("phase")), step=None if step is None else _int(step),
                            bytes=_int(d.get("bytes")), forced=bool(d.get("forced")),
-                           kind=_str(d.get("kind")), name=_str(d.get("name")))
+                           kind=_str(d.get("kind")), name=_str(d.get("name")),
+                           id=_opt_str(d.get("id")))
 
 
 def _instance(e: Event, d: dict[str, Any]) -> Instance:

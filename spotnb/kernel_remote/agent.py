@@ -71,6 +71,7 @@ from spotnb.events import (
     EVENTS_PREFIX,
     Event,
     EventWriter,
+    codec,
     metric_rows,
     metrics_data,
     parse_chunk,
@@ -1117,17 +1118,20 @@ class Agent:
                     if (o := StreamObject.parse(k)) is not None]
             since = min([float(saved or 0.0), *(e.time for e in carried)])
             newest_n, newest_t, recent = _newest_logged(self.store, objs, since)
-            saves = {(e.data.get("id"), e.data.get("phase")) for e in recent
-                     if e.type == "checkpoint" and e.data.get("id")}
+            saves: set[tuple[str | None, str]] = {(b.id, b.phase) for e in recent
+                     if isinstance(b := e.body, codec.CheckpointEvent) and b.id}
             # Compared as logged: the log keeps each row's time to the millisecond.
             missing = [(step, _row_time(t), values) for step, t, values in rows
                        if _row_time(t) > newest_t]
             events = []
             for e in sorted(carried, key=lambda e: e.n or 0):
-                save = (e.data.get("id"), e.data.get("phase"))
-                if (e.n or 0) <= newest_n or (e.type == "checkpoint" and save in saves):
+                kind = e.body
+                save = (kind.id, kind.phase) if isinstance(kind, codec.CheckpointEvent) \
+                    else None
+                if (e.n or 0) <= newest_n or (save is not None and save in saves):
                     continue
-                saves.add(save)
+                if save is not None:
+                    saves.add(save)
                 events.append(dataclasses.replace(e, data={**e.data,
                                                            "replayed_by": held.epoch}))
             if durable is not None and (durable["id"], "durable") not in saves:
