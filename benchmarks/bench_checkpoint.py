@@ -20,13 +20,22 @@ process, same disk:
   ``maybe_save`` warmed the buffers; the steady state
   (later saves, buffers reused); the first save after ``restore()``; and a budget of a
   quarter of the state (``host_memory``), where three quarters are written straight
-  from the training tensors while the loop waits (streamed).
+  from the training tensors while the loop waits (streamed);
+* the same bytes held in ONE tensor (``table``: an embedding table, say): ``torch.save``
+  of it with and without ``fsync``, spotnb's first save right after ``Checkpoint()``
+  and its steady state; and ``restore()`` of each state right after its steady save,
+  read back into the registered tensors (the two shapes take turns going first). A
+  state's shape must not decide its speed: the one-tensor cases are shown
+  against the many-tensor ones of the same round (target: within 1.2x; the one
+  tensor's cold stall at most 0.3x its ``torch.save``).
 
 The cases take turns, REPEAT rounds, and each reports its median (and range). "Peak
 extra RSS" is the highest resident memory of the process during the case (``VmHWM``,
 reset before it) less its resident memory just before, the highest over the rounds:
 what the case costs in host memory beyond the state itself (page cache not included;
-the steady state's buffers were allocated by the cold save before it). Durable ratios
+the steady state's buffers were allocated by the cold save before it). Each case
+starts after an ``os.sync()``, so that the previous case's writeback does not weigh
+on it. Durable ratios
 are against ``torch.save`` with an fsync (the same bytes made durable on the same
 disk); stall ratios against ``torch.save`` into the page cache.
 """
@@ -65,6 +74,9 @@ def rss() -> tuple[int, int]:
 
 
 def reset_peak() -> int:
+    # The previous case's writes leave the page cache first: its writeback must not
+    # weigh on the next case.
+    os.sync()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -77,7 +89,7 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     work = tempfile.mkdtemp(prefix="snb-bench-ckpt-", dir=os.environ.get("BENCH_DIR"))
     os.chdir(work)
@@ -90,6 +102,7 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
     model(torch.randn(2, width)).sum().backward()
     opt.step()
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 2
+    table = torch.randn(state // 4 // width, width)  # the same bytes in one tensor
     out: dict[str, Any] = {"bytes": state, "cpus": os.cpu_count(),
                            "torch": torch.__version__, "stream_budget": state // 4}
     runs: dict[str, list[tuple[float, float, int]]] = {}
@@ -99,11 +112,22 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         print(f"  {name}: stall {stall:.3f} durable {durable:.3f}", file=sys.stderr,
               flush=True)
 
-    def torch_save(sync: bool) -> tuple[float, float]:
+    restores: dict[str, list[float]] = {}
+
+    def restore(name: str, ckpt: Any) -> None:
+        os.sync()
+        t0 = time.perf_counter()
+        ckpt.restore()
+        took = time.perf_counter() - t0
+        restores.setdefault(name, []).append(took)
+        print(f"  {name}: {took:.3f}", file=sys.stderr, flush=True)
+
+    def torch_save(sync: bool, one_tensor: bool = False) -> tuple[float, float]:
         path = os.path.join(work, "sync.pt")
         t0 = time.perf_counter()
         with open(path, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+            torch.save({"table": table} if one_tensor else
+                       {"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
             if sync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -114,7 +138,7 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
     def dcp_async() -> tuple[float, float]:
         path = os.path.join(work, "dcp")
         t0 = time.perf_counter()
-        future = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+        future: Any = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
                                 checkpoint_id=path)
         stall = time.perf_counter() - t0
         future.result()
@@ -139,17 +163,43 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         step = 1000 * rnd
         for name, fn in (("torch.save", lambda: torch_save(False)),
                          ("torch.save + fsync", lambda: torch_save(True)),
+                         ("torch.save, one tensor", lambda: torch_save(False, True)),
+                         ("torch.save + fsync, one tensor", lambda: torch_save(True, True)),
                          ("dcp.async_save", dcp_async)):
             before = reset_peak()
             record(name, before, *fn())
 
-        before = reset_peak()
-        ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
-        record("spotnb, first save, cold", before, *save(ckpt, step))
-        before = reset_peak()
-        record("spotnb, steady state", before, *save(ckpt, step + 1))
-        del ckpt
-        spot._finish()
+        def many_block(step: int) -> None:
+            before = reset_peak()
+            ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
+            record("spotnb, first save, cold", before, *save(ckpt, step))
+            before = reset_peak()
+            record("spotnb, steady state", before, *save(ckpt, step + 1))
+            del ckpt
+            spot._finish()
+            restore("many tensors", spot.Checkpoint(model=model, optimizer=opt,
+                                                    host_memory=whole))
+            spot._finish()
+
+        def one_block(step: int) -> None:
+            before = reset_peak()
+            ckpt = spot.Checkpoint(table=table, host_memory=whole)
+            record("one tensor: first save, cold", before, *save(ckpt, step))
+            before = reset_peak()
+            record("one tensor: steady state", before, *save(ckpt, step + 1))
+            del ckpt
+            spot._finish()
+            restore("one tensor", spot.Checkpoint(table=table, host_memory=whole))
+            spot._finish()
+
+        # The two shapes take turns going first, so that neither always follows the
+        # same case.
+        # (Steps grow case after case: a restore reads the newest checkpoint.)
+        first, second = ((many_block, one_block) if rnd % 2 == 0 else
+                         (one_block, many_block))
+        first(step)
+        second(step + 10)
+        step += 20
 
         before = reset_peak()
         ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
@@ -173,9 +223,13 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         del ckpt
         spot._finish()
     dist.destroy_process_group()
-    save_rows, fsync_rows = runs["torch.save"], runs["torch.save + fsync"]
     for name, rows in runs.items():
-        # Ratios round by round (same moment, same load), then their median and range.
+        # Ratios round by round (same moment, same load), then their median and range;
+        # a one-tensor case against torch.save of the one tensor.
+        one_tensor = "one tensor" in name
+        save_rows = runs["torch.save, one tensor" if one_tensor else "torch.save"]
+        fsync_rows = runs["torch.save + fsync, one tensor" if one_tensor
+                          else "torch.save + fsync"]
         stall_x = [r[0] / b[0] for r, b in zip(rows, save_rows, strict=True)]
         durable_x = [r[1] / b[1] for r, b in zip(rows, fsync_rows, strict=True)]
         out[name] = {"stall": statistics.median(r[0] for r in rows),
@@ -185,14 +239,32 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
                      "durable_x": statistics.median(durable_x),
                      "durable_x_range": [min(durable_x), max(durable_x)],
                      "peak_extra": max(r[2] for r in rows)}
+    # One tensor against many tensors of the same bytes, round by round.
+    shape: dict[str, Any] = {}
+    for what, one_name, many_name, col in (
+            ("stall, cold", "one tensor: first save, cold", "spotnb, first save, cold", 0),
+            ("durable, cold", "one tensor: first save, cold", "spotnb, first save, cold", 1),
+            ("stall, steady", "one tensor: steady state", "spotnb, steady state", 0),
+            ("durable, steady", "one tensor: steady state", "spotnb, steady state", 1)):
+        pairs = list(zip(runs[one_name], runs[many_name], strict=True))
+        shape[what] = _summary([o[col] for o, _ in pairs], [m[col] for _, m in pairs])
+    shape["restore"] = _summary(restores["one tensor"], restores["many tensors"])
+    out["one_vs_many"] = shape
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def _summary(one: list[float], many: list[float]) -> dict[str, Any]:
+    ratios = [o / m for o, m in zip(one, many, strict=True)]
+    return {"one": statistics.median(one), "many": statistics.median(many),
+            "x": statistics.median(ratios), "x_range": [min(ratios), max(ratios)]}
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--one"]:
         print(json.dumps(one(int(sys.argv[2]), int(sys.argv[3]))))
         return
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for size in SIZES.split(","):
         run = subprocess.run([sys.executable, __file__, "--one", str(parse(size)),
                               str(REPEAT)], capture_output=True, text=True)
@@ -206,7 +278,7 @@ def main() -> None:
         print(f"{'':44} {'stall s':>8} {'x torch.save':>18} {'durable s':>10} "
               f"{'x save+fsync':>18} {'peak extra RSS':>15}")
         for name, r in res.items():
-            if not isinstance(r, dict):
+            if not isinstance(r, dict) or name == "one_vs_many":
                 continue
             sx, dx = r["stall_x_range"], r["durable_x_range"]
             print(f"{name:44} {r['stall']:8.3f} {r['stall_x']:6.2f} ({sx[0]:.2f}-{sx[1]:.2f}) "
@@ -218,6 +290,16 @@ def main() -> None:
         print(f"stall / torch.save: worst unstreamed case {worst:.2f} (target <= 0.3), "
               f"steady {steady['stall_x']:.2f} (target <= 0.1); durable / (torch.save + "
               f"fsync): steady {steady['durable_x']:.2f} (target <= 1.2)")
+        print("one tensor / many tensors of the same bytes (target <= 1.2), seconds "
+              "and ratio (median, range over rounds):")
+        for what, r in res["one_vs_many"].items():
+            lo, hi = r["x_range"]
+            print(f"  {what:16} one {r['one']:7.3f} many {r['many']:7.3f}  "
+                  f"x {r['x']:.2f} ({lo:.2f}-{hi:.2f})")
+        cold = res["one tensor: first save, cold"]
+        print(f"one tensor, cold stall / torch.save of it: {cold['stall_x']:.2f} "
+              f"({cold['stall_x_range'][0]:.2f}-{cold['stall_x_range'][1]:.2f}; target <= 0.3)")
+        print(f"load average after {size}: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 if __name__ == "__main__":
     main()

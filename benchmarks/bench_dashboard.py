@@ -24,7 +24,7 @@ from typing import Any
 import comm
 import numpy as np
 
-from spotnb.events import Event
+from spotnb.protocol.events import Event
 from spotnb.widgets import plots
 from spotnb.widgets.dashboard import Dashboard
 from spotnb.widgets.series import DEFAULT_BUCKETS, MinMaxBuckets

@@ -11,6 +11,7 @@ the rows while the loop runs (as in a job).
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import os
 import shutil
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 CALLS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 200_000
@@ -78,9 +79,9 @@ def timer_overhead(calls: int) -> float:
     return statistics.median(samples)
 
 
-def run(calls: int, tensorboard: bool = True) -> tuple[dict[str, tuple[float, ...]], float]:
-    """Every method measured in this process (``tensorboard``: the ``add_scalar``
-    cases too): ``({method: (median, mean, p99, loop)}, timer overhead)``, in ns."""
+@contextlib.contextmanager
+def session() -> Iterator[None]:
+    """``spot.log`` connected to a fake agent on a real Unix socket, as in a job."""
     work = tempfile.mkdtemp(prefix="snb-log-")
     agent = SinkAgent()
     os.environ.update({
@@ -91,61 +92,103 @@ def run(calls: int, tensorboard: bool = True) -> tuple[dict[str, tuple[float, ..
         "SPOTNB_AGENT_SOCKET": agent.path,
         "SPOTNB_SCRATCH": os.path.join(work, "scratch"),
     })
-    import torch
+    # A training process has torch imported: its objects are what the GC walks.
+    import torch  # noqa: F401
 
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     spot.log(-1, warmup=0.0)  # connect first: the connection is not the hot path
-    writer: Any = None
-    if tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(log_dir=os.path.join(work, "tb"))
-    rows: collections.deque[object] = collections.deque()
-    append = rows.append
-    loss_t = torch.tensor(0.25)
-    stop = threading.Event()
-
-    def drain_bare() -> None:
-        # Like spot.log's background thread, minus the conversion and the sending.
-        while not stop.wait(0.2):
-            for _ in range(len(rows)):
-                rows.popleft()
-
-    drainer = threading.Thread(target=drain_bare, daemon=True)
-    drainer.start()
-
-    def bare(i: int) -> None:
-        append((i, time.time(), {"loss": 0.25}))
-
-    overhead = timer_overhead(calls)
-    results = {
-        "deque.append (bare, drained)": measure(bare, calls, overhead),
-        "spot.log(step, loss=float)": measure(lambda i: spot.log(i, loss=0.25), calls, overhead),
-        "spot.log(step, loss=tensor)": measure(lambda i: spot.log(i, loss=loss_t), calls,
-                                               overhead),
-    }
-    if writer is not None:
-        results["SummaryWriter.add_scalar(float)"] = measure(
-            lambda i: writer.add_scalar("loss", 0.25, i), calls // 4, overhead)
-        results["SummaryWriter.add_scalar(tensor)"] = measure(
-            lambda i: writer.add_scalar("loss", loss_t, i), calls // 4, overhead)
-    # The means above are dominated by the interpreter's cyclic GC (full passes over
-    # the ~500k objects torch creates), common to every method: measure without it.
-    gc.disable()
     try:
-        results["deque.append (bare, drained), GC off"] = measure(bare, calls, overhead)
-        results["spot.log(step, loss=float), GC off"] = measure(
-            lambda i: spot.log(i, loss=0.25), calls, overhead)
+        yield
     finally:
-        gc.enable()
-    stop.set()
-    drainer.join()
-    spot._finish()
-    if writer is not None:
-        writer.close()
-    agent.close()
-    shutil.rmtree(work, ignore_errors=True)
+        spot._finish()
+        agent.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class BareDeque:
+    """The baseline: a row appended to a deque that a thread drains every 0.2 s, like
+    ``spot.log``'s background thread minus the conversion and the sending."""
+
+    def __init__(self) -> None:
+        self.rows: collections.deque[object] = collections.deque()
+        self._stop = threading.Event()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
+
+    def _drain(self) -> None:
+        while not self._stop.wait(0.2):
+            for _ in range(len(self.rows)):
+                self.rows.popleft()
+
+    def __call__(self, i: int) -> None:
+        self.rows.append((i, time.time(), {"loss": 0.25}))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._drainer.join()
+
+
+def rounds(calls: int, count: int) -> list[tuple[float, float]]:
+    """``count`` rounds of ``calls`` calls each, the bare deque then ``spot.log(step,
+    loss=float)`` in every round: ``[(deque median, spot.log median)]`` in ns. Rounds
+    that alternate the two see the same load; a single long run of each does not."""
+    from spotnb.train import runtime as spot
+
+    bare = BareDeque()
+    try:
+        overhead = timer_overhead(calls)
+        out = []
+        for _ in range(count):
+            deque = measure(bare, calls, overhead)[0]
+            log = measure(lambda i: spot.log(i, loss=0.25), calls, overhead)[0]
+            out.append((deque, log))
+        return out
+    finally:
+        bare.close()
+
+
+def run(calls: int, tensorboard: bool = True) -> tuple[dict[str, tuple[float, ...]], float]:
+    """Every method measured in this process (``tensorboard``: the ``add_scalar``
+    cases too): ``({method: (median, mean, p99, loop)}, timer overhead)``, in ns."""
+    import torch
+
+    from spotnb.train import runtime as spot
+
+    with session():
+        writer: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=tempfile.mkdtemp(prefix="snb-tb-"))
+        loss_t = torch.tensor(0.25)
+        bare = BareDeque()
+        overhead = timer_overhead(calls)
+        results = {
+            "deque.append (bare, drained)": measure(bare, calls, overhead),
+            "spot.log(step, loss=float)": measure(lambda i: spot.log(i, loss=0.25), calls,
+                                                  overhead),
+            "spot.log(step, loss=tensor)": measure(lambda i: spot.log(i, loss=loss_t), calls,
+                                                   overhead),
+        }
+        if writer is not None:
+            results["SummaryWriter.add_scalar(float)"] = measure(
+                lambda i: writer.add_scalar("loss", 0.25, i), calls // 4, overhead)
+            results["SummaryWriter.add_scalar(tensor)"] = measure(
+                lambda i: writer.add_scalar("loss", loss_t, i), calls // 4, overhead)
+        # The means above are dominated by the interpreter's cyclic GC (full passes over
+        # the ~500k objects torch creates), common to every method: measure without it.
+        gc.disable()
+        try:
+            results["deque.append (bare, drained), GC off"] = measure(bare, calls, overhead)
+            results["spot.log(step, loss=float), GC off"] = measure(
+                lambda i: spot.log(i, loss=0.25), calls, overhead)
+        finally:
+            gc.enable()
+        bare.close()
+        if writer is not None:
+            writer.close()
+            shutil.rmtree(writer.log_dir, ignore_errors=True)
     return results, overhead
 
 

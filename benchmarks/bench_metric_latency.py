@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from spotnb.jobs import POLL_SECONDS
+from spotnb.client.jobs import POLL_SECONDS
 
 CELL = """
 import time

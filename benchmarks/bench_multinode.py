@@ -16,10 +16,13 @@ Run by hand: ``python benchmarks/bench_multinode.py [STEPS]`` (default 60). Four
    N-1) and to the next one of 4 (re-formed at N, the replacement joined).
 3. **A loss and a join, in steps redone and seconds lost**: ``--nodes 2:3``, a cell that
    sleeps STEP_SLEEP per step and saves every 20 steps; a node (not rank 0's) is killed
-   without notice mid-training (``JobHandle.kill(node=K)``): the survivors redo the
-   steps since the last checkpoint. Its replacement joins: every rank saves first, so
-   the join redoes none. Seconds lost: from the last row logged before the fault to the
-   first row past it (for the loss: past the step reached at the kill).
+   without notice mid-training (``JobHandle.kill(node=K)``) while the pool has no
+   capacity: the survivors redo the steps since the last checkpoint. Capacity returns
+   once they train again (15 steps past the step reached at the kill), so the
+   replacement joins a world that is training: every rank saves first, so the join
+   redoes none. Seconds lost: from the last row logged before the fault to the first
+   row past it (for the loss: past the step reached at the kill; for the join: from
+   the row of the join's save to the first row after it).
 4. **Cost per sample**, from the bundled catalog: 4 x g5.2xlarge spot (the cheapest
    pool in us-east-1) against 1 x g5.12xlarge on-demand (4 GPUs), at the same samples
    per second per GPU times the ratio of part 1 (a same-machine stand-in for the
@@ -84,8 +87,8 @@ def _throughput(steps: int, nodes: int, procs: int) -> float:
 
 def _notice_reaction(steps: int) -> tuple[float, float]:
     import spotnb
-    from spotnb.events import EventReader
-    from spotnb.store import LocalStore
+    from spotnb.protocol.events import EventReader
+    from spotnb.protocol.store import LocalStore
 
     go = Path(tempfile.mkdtemp()) / "go"
     job = spotnb.submit(CELL, nodes="3:4", outputs=["samples_per_s"],
@@ -126,8 +129,8 @@ def _loss_and_join(steps: int) -> dict[str, float]:
     """Part 3: steps redone and seconds lost for a node killed, then for its
     replacement joining."""
     import spotnb
-    from spotnb.events import EventReader, metric_rows
-    from spotnb.store import LocalStore
+    from spotnb.protocol.events import EventReader, metric_rows
+    from spotnb.protocol.store import LocalStore
 
     job = spotnb.submit(CELL, nodes="2:3", outputs=["samples_per_s"],
                         inputs={"STEPS": steps, "PAUSE_AT": -1, "GO": "", "STEP_SLEEP": 0.1},
@@ -148,8 +151,31 @@ def _loss_and_join(steps: int) -> dict[str, float]:
     worlds = [e for e in EventReader(store).replay() if e.type == "world"]
     rank0 = next(e.instance for e in worlds if 0 in e.data.get("ranks", []))
     victim = next(e for e in worlds if e.instance != rank0)
+    # No capacity until the survivors train again: the replacement then joins a world
+    # that has a checkpoint to save (a join while the survivors' cells still import
+    # has nothing to save and redoes nothing either way).
+    config = Path(os.environ["SPOTNB_HOME"], "cloud", "config.json")
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps({"no_capacity": ["g4dn.xlarge"]}))
     killed_at = time.time()
-    job.kill(node=(victim.attempt - 1) % 3)
+    try:
+        job.kill(node=(victim.attempt - 1) % 3)
+        # Followed live again (rows reach the log within a second only while watched).
+        reached_then, training_again = 0, False
+        live = job.events(timeout=900)
+        for event in live:
+            for step, t, _ in metric_rows(event):
+                if t <= killed_at:
+                    reached_then = max(reached_then, step)
+                elif step > reached_then + 15:
+                    training_again = True
+            if training_again:
+                break
+        live.close()
+        if not training_again:
+            raise SystemExit("loss and join run: the survivors did not train again")
+    finally:
+        config.write_text(json.dumps({"no_capacity": []}))
     result = job.wait(timeout=1800)
     if result.status != "completed":
         raise SystemExit(f"loss and join run: {result.status}: {result.reason}")
@@ -174,7 +200,7 @@ def _loss_and_join(steps: int) -> dict[str, float]:
 
 
 def _cost_per_sample(ratio: float) -> tuple[float, float]:
-    from spotnb import catalog
+    from spotnb.providers import catalog
 
     spot = min(p.spot for p in catalog.pools("g5.2xlarge", "us-east-1") if p.spot)
     ondemand = catalog.ondemand_price("g5.12xlarge", "us-east-1") or float("nan")
@@ -190,7 +216,7 @@ def main() -> None:
     os.environ.setdefault("SPOTNB_LOCAL_HAZARD", "0")
     os.environ.setdefault("SPOTNB_LOCAL_NOTICE_SECONDS", "20")
     if "--faults-only" in sys.argv:
-        print(json.dumps(_loss_and_join(max(steps, 150))))
+        print(json.dumps(_loss_and_join(max(steps, 400))))
         return
     one_node = _throughput(steps, 1, 4)
     four_nodes = _throughput(steps, 4, 1)
@@ -200,7 +226,7 @@ def main() -> None:
     to_n1, to_n = _notice_reaction(max(steps, 40))
     print(f"notice -> training at N-1 (3 nodes): {to_n1:6.1f} s   notice -> re-formed at "
           f"N (4 nodes): {to_n:6.1f} s")
-    faults = _loss_and_join(max(steps, 150))
+    faults = _loss_and_join(max(steps, 400))
     print(f"node killed: {faults['loss_redone_steps']:.0f} steps redone, "
           f"{faults['loss_seconds_lost']:.1f} s lost   node joined: "
           f"{faults['join_redone_steps']:.0f} steps redone, "

@@ -8,7 +8,7 @@ Every request that reaches the simulator's moto server is
 recorded with its service, operation and origin (the ``spotnb-origin/...`` part of the
 User-Agent: job-agent, runtime, instance-agent, notebook, cli); the simulator's own
 fulfilment traffic (origin ``simulator``) is left out. Prices are us-east-1 list
-prices (:mod:`spotnb.usage`).
+prices (:mod:`spotnb.protocol.usage`).
 
 Cases, each at SECONDS and at 10 x SECONDS of run length:
 
@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import spotnb
-from spotnb import catalog, usage
-from spotnb.events import Event, EventWriter, metrics_data
+from spotnb.protocol import usage
+from spotnb.protocol.events import Event, EventWriter, metrics_data
+from spotnb.providers import catalog
 from spotnb.testing import AwsSimulator
 
 CELL = """
@@ -173,8 +174,8 @@ def reattach(sim: AwsSimulator | None,
              handle: spotnb.JobHandle) -> dict[str, tuple[int, float]]:
     """Requests (counted on the simulator; 0 without one) and seconds of each way of
     showing a long job's history."""
-    from spotnb import display
-    from spotnb.cli import main as cli
+    from spotnb.client import display
+    from spotnb.client.cli import main as cli
 
     out: dict[str, tuple[int, float]] = {}
 
@@ -196,6 +197,10 @@ def reattach(sim: AwsSimulator | None,
         pass
     measure("%spot_attach (text)", lambda: display.follow(spotnb.attach(handle.job_id),
                                                           display.TextRenderer()))
+    # Two runs (the same job twice): twice what one re-attach costs, no more.
+    with contextlib.suppress(ImportError):  # without the widgets
+        measure("%spot_compare (2 runs)",
+                lambda: spotnb.compare(handle.job_id, handle.job_id, follow=False))
     measure("spotnb logs", lambda: cli(["logs", handle.job_id]))
     return out
 

@@ -64,8 +64,8 @@ class _Spot:
         def maybe_save(self, step): pass
     def log(self, step, **metrics):
         now = time.time()
-        from spotnb.kernel_remote.agent import _process_started
-        print(now - _process_started(), flush=True)
+        from spotnb.kernel_remote.procs import process_started
+        print(now - process_started(), flush=True)
         os._exit(0)
 spot = _Spot()
 """

@@ -116,7 +116,7 @@ def main() -> None:
 
         import torch
 
-        from spotnb.checkpoints import CheckpointStore
+        from spotnb.ckpt.checkpoints import CheckpointStore
         from spotnb.ckpt.dcp import StoreWriter, save_state, state_key
 
         with open(path, "rb") as f:

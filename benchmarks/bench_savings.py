@@ -74,7 +74,7 @@ def _run(market_hours: float, schedule: list[float] | None, hazard: bool) -> Any
 
 def _breakdown(handle: Any, result: Any, step_seconds: float,
                requests_per_hour: float) -> dict[str, Any]:
-    from spotnb.events import GROUP_STREAM, EventReader, metric_rows
+    from spotnb.protocol.events import GROUP_STREAM, EventReader, metric_rows
 
     events = EventReader(handle.store, batches=True).poll()
     launched = {e.data["instance_id"]: e for e in events if e.attempt == GROUP_STREAM
@@ -106,7 +106,7 @@ def _breakdown(handle: Any, result: Any, step_seconds: float,
     redone_seconds = redone * step_seconds
     overhead = replacements_startup + parked + redone_seconds
     useful = billed - overhead
-    from spotnb import catalog
+    from spotnb.providers import catalog
 
     ondemand = float(catalog.ondemand_price(TYPE, REGION) or 0.0)
     instances_usd = result.cost_usd - result.requests_usd

@@ -49,7 +49,7 @@ def rank_main(rank: int, rendezvous: str, per_rank: int, repeat: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                            world_size=WORLD)

@@ -18,14 +18,16 @@ import sys
 import nbformat
 
 nb = nbformat.read(sys.argv[1], as_version=4)
-wanted = re.compile(r"^(\[spotnb .*\] spot interruption notice.*|test accuracy .*|"
+wanted = re.compile(r"^(\[spotnb .*\] .*spot interruption notice.*|test accuracy .*|"
                     r"accuracy .* attempts|cost \$.*on-demand.*)$")
 for cell in nb.cells:
     for out in cell.get("outputs", []):
-        if out.get("output_type") == "stream":
-            for line in out["text"].splitlines():
-                if wanted.match(line):
-                    print(line)
+        # printed lines, and the display's (the milestones are in its text form)
+        text = out.get("text") if out.get("output_type") == "stream" else \
+            out.get("data", {}).get("text/plain", "")
+        for line in str(text or "").splitlines():
+            if wanted.match(line):
+                print(line)
 PY
 echo
 echo "Open $OUT in Jupyter to see the whole run; spotnb jobs lists the job."

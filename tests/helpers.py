@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from spotnb.events import parse_chunk
-from spotnb.events.writer import StreamObject, read_object
-from spotnb.store import LocalStore
+from spotnb.protocol.events import parse_chunk
+from spotnb.protocol.events.writer import StreamObject, read_object
+from spotnb.protocol.store import LocalStore
 
 T = TypeVar("T")
 

@@ -2,8 +2,9 @@
 
 It behaves towards the capacity group as the real agent must: it learns who it is from
 the instance-metadata service (IMDSv2), takes the job's lease, writes its attempt's
-events with its instance id, polls ``spot/instance-action``, and on a notice releases
-the lease and waits to be terminated. Instead of running user code it logs a metric
+events with its instance id, polls ``spot/instance-action`` (and logs the rebalance
+recommendation once, when it first sees it), and on a notice releases the lease and
+waits to be terminated. Instead of running user code it logs a metric
 every 0.1 s.
 
 Environment: ``STANDIN_MODE`` ``run`` (default), ``crash`` (exit 3 at once) or
@@ -26,11 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-from spotnb import lease
-from spotnb.events import EventWriter
-from spotnb.kernel_remote.imds import ImdsClient, ImdsError
-from spotnb.layout import RESULT, STOP
-from spotnb.store import Store, open_store
+from spotnb.protocol import lease
+from spotnb.protocol.events import EventWriter
+from spotnb.protocol.layout import RESULT, STOP
+from spotnb.protocol.store import Store, open_store
+from spotnb.providers.imds import ImdsClient, ImdsError
 
 
 def main() -> int:
@@ -60,6 +61,7 @@ def main() -> int:
                          flush_seconds=0.1)
     events.emit("status", state="running", instance_type=me["instance_type"], az=me["az_id"])
     step = 0
+    rebalance_seen = False
     while True:
         step += 1
         events.emit("metric", step=step, t=time.time(), values={"loss": 1.0 / step})
@@ -68,8 +70,14 @@ def main() -> int:
                         seconds=0.0, forced=False)
         try:
             action = imds.instance_action()
+            rebalance = None if rebalance_seen else imds.rebalance()
         except ImdsError:  # the metadata service is gone (its supervisor died): go on
-            action = None
+            action = rebalance = None
+        if rebalance is not None:  # as the agent does: logged once, when first seen
+            rebalance_seen = True
+            events.emit("notice", kind="rebalance", action="rebalance",
+                        notice_time=rebalance["noticeTime"])
+            events.flush()
         if action is not None:
             events.emit("notice", kind="instance-action", action=action["action"],
                         notice_time=action["time"])

@@ -31,10 +31,11 @@ import pytest
 from helpers import wait_until
 
 import spotnb
-from spotnb import catalog, layout, secretstore, usage
-from spotnb.cli import main as cli_main
-from spotnb.events import Event
-from spotnb.providers import get_provider
+from spotnb.client.cli import main as cli_main
+from spotnb.protocol import layout, secretstore, usage
+from spotnb.protocol.events import Event
+from spotnb.protocol.spec import SpecError
+from spotnb.providers import catalog, get_provider
 from spotnb.providers.aws import AwsProvider, _boto
 from spotnb.providers.aws.resources import (
     READ_ONLY_ACTIONS,
@@ -44,7 +45,7 @@ from spotnb.providers.aws.resources import (
     instance_policy,
     user_data,
 )
-from spotnb.spec import SpecError
+from spotnb.providers.imds import ImdsClient
 from spotnb.testing import FAKE_CREDENTIALS, AwsSimulator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,6 +281,12 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
     group = asg.describe_auto_scaling_groups(
         AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"][0]
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 1, 1)
+    # A warm standby on a rebalance recommendation (the job's policy.standby).
+    assert group["CapacityRebalance"] is True
+    (hook,) = asg.describe_lifecycle_hooks(AutoScalingGroupName=f"spotnb-{job}")[
+        "LifecycleHooks"]  # its wait is the agent's notice for a final save
+    assert (hook["LifecycleTransition"], hook["HeartbeatTimeout"], hook["DefaultResult"]) \
+        == ("autoscaling:EC2_INSTANCE_TERMINATING", 120, "CONTINUE")
     policy = group["MixedInstancesPolicy"]
     assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == [
         "g5.xlarge", "g4dn.xlarge"]
@@ -327,6 +334,34 @@ def test_a_stop_before_the_job_agent_starts_ends_the_job(sim: AwsSimulator) -> N
     result = handle.wait(timeout=30)
     assert result.status == "stopped", (result.reason, result.error)
     assert not [e for e in handle.events(follow=False) if e.type == "metric"]
+
+
+def test_the_simulator_recommends_before_the_notice_alone_or_not_at_all(
+        sim: AwsSimulator) -> None:
+    ec2 = _boto.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
+    ids = [i["InstanceId"] for i in ec2.run_instances(
+        ImageId=image, InstanceType="g4dn.xlarge", MinCount=3, MaxCount=3)["Instances"]]
+    booted = wait_until(lambda: all(i in sim.instances for i in ids), 10, "the instances")
+    assert booted
+    early, alone, unannounced = (ImdsClient(sim.instances[i].imds.endpoint) for i in ids)
+    sim.interrupt(ids[0], lead=1.0)  # the recommendation now, the notice a second later
+    sim.recommend_rebalance(ids[1])  # a false alarm
+    sim.interrupt(ids[2], lead=None)  # a notice with no recommendation
+    assert early.rebalance() is not None
+    wait_until(early.instance_action, 10, "the notice the recommendation announced")
+    assert alone.rebalance() is not None and alone.instance_action() is None
+    assert unannounced.instance_action() is not None and unannounced.rebalance() is None
+    sent = [(i, kind) for _, i, kind in sim.signals_sent]
+    assert sent == [(ids[0], "rebalance"), (ids[1], "rebalance"), (ids[2], "notice"),
+                    (ids[0], "notice")]
+    times = {(i, kind): t for t, i, kind in sim.signals_sent}
+    assert times[ids[0], "notice"] - times[ids[0], "rebalance"] >= 1.0
+    wait_until(lambda: sim.instances[ids[0]].terminated, 10, "the termination")
+    # Leads drawn from EC2's signals, scaled as the notice period (2 s for 120 s).
+    leads = [sim.drawn_lead() for _ in range(200)]
+    assert any(lead is None for lead in leads)
+    assert all(0 <= lead <= sim.signals.lead_max / 60 for lead in leads if lead is not None)
 
 
 def test_capacity_error_on_the_first_type_runs_on_the_next_and_says_why(
@@ -692,11 +727,25 @@ def test_secrets_reach_every_attempt_and_no_store_file_or_cloud_state_holds_them
     (aws_seen,) = [e.data["text"].strip() for e in handle.events(follow=False)
                    if e.type == "stream" and "saw" in e.data["text"]]
     assert aws_seen == f"saw {_digest(remote['HF_TOKEN'])} no webhook"
-    # The webhook travelled too: the local job's interruption and end, the AWS job's end.
-    texts = [b["text"] for b in hook.wait_for(3)]
+    # The webhook travelled too: the local job's start, interruption, resume and end;
+    # the AWS job's start and end (and the standby's lines, where one was started).
+    def ended(texts: list[str]) -> bool:
+        return all(any(t.startswith(":white_check_mark:") and f"*{name}*" in t
+                       for t in texts) for name in ("local-secrets", "aws-secrets"))
+
+    texts = [b["text"] for b in hook.wait_for(6)]
+    while not ended(texts):
+        texts = [b["text"] for b in hook.wait_for(len(texts) + 1)]
     hook.close()
-    assert sum("*local-secrets*" in t for t in texts) == 2, texts
-    assert sum("*aws-secrets*" in t for t in texts) == 1, texts
+
+    def kinds(name: str) -> list[str]:
+        return [t.split(" ", 1)[0] for t in texts
+                if f"*{name}*" in t and not t.startswith(":hourglass:")]
+
+    local_kinds = kinds("local-secrets")  # a standby that took over tells its handover too
+    assert local_kinds[0] == ":arrow_forward:" and local_kinds[-1] == ":white_check_mark:"
+    assert ":warning:" in local_kinds and ":arrows_counterclockwise:" in local_kinds, texts
+    assert kinds("aws-secrets") == [":arrow_forward:", ":white_check_mark:"], texts
 
     # Step 3: deleted with the jobs (the instance's teardown, the local supervisor).
     deadline = time.monotonic() + 30
@@ -890,6 +939,20 @@ def _bucket_keys() -> list[str]:
         Bucket="spotnb-123456789012-us-east-1").get("Contents", ())]
 
 
+def test_a_sweep_on_aws_is_kept_in_the_bucket_beside_its_trials(sim: AwsSimulator) -> None:
+    """A sweep's own state goes where its trials' jobs go (the default bucket), so it
+    re-attaches from any machine that reads the bucket, not only this one."""
+    pytest.importorskip("optuna")
+    made = spotnb.sweep("spot.log(0, loss=lr)", params=[{"lr": 1.0}], parallel=1,
+                        provider="aws", instance_types=["g4dn.xlarge"], name="aws-sweep")
+    try:
+        keys = _bucket_keys()
+        assert f"sweeps/{made.sweep_id}/sweep.json" in keys, keys
+    finally:
+        made.stop()
+    assert made.wait(120)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
@@ -903,7 +966,7 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     reduced in another order). Then everything of both jobs is deleted. First, what
     is refused before launch: nodes that no single AZ has capacity for."""
     torch = pytest.importorskip("torch")
-    from spotnb.multinode import rendezvous as rdzv
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
 
     _refuse_nodes_without_capacity_in_one_az(sim, monkeypatch)
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from spotnb.protocol.spec import SpecError
+from spotnb.protocol.store import NotFound, StoreError, open_store
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.store import (
     LIFECYCLE_RULES,
@@ -19,8 +21,6 @@ from spotnb.providers.aws.store import (
     default_bucket,
     ensure_bucket,
 )
-from spotnb.spec import SpecError
-from spotnb.store import NotFound, StoreError, open_store
 from spotnb.testing import DEFAULT_ACCOUNT
 
 OTHER_ACCOUNT = "111111111111"
@@ -127,7 +127,7 @@ def test_every_request_names_the_expected_bucket_owner(store: S3Store, tmp_path:
 def test_a_checkpoint_streams_to_s3_in_parts_with_checksums(
         store: S3Store, tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from spotnb.checkpoints import CheckpointStore
+    from spotnb.ckpt.checkpoints import CheckpointStore
     from spotnb.ckpt.dcp import FileReader, StoreWriter, load_state, save_state, state_key
 
     seen: list[tuple[str, str | None]] = []

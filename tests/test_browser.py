@@ -1,7 +1,8 @@
 """A real front end: JupyterLab on loopback, driven by headless Chromium.
 
 The quickstart is opened in JupyterLab and run whole ("Run All Cells"); the test then
-looks at what a person would see: while the job runs, the log panel's newest line in
+looks at what a person would see: while the job runs, the status bar still saying the
+kernel is busy after clicks on the dashboard's buttons, the log panel's newest line in
 view (and a reader's scroll kept), each metric on its own axis, the figure as wide as
 the cell; at the end, the header saying the job completed after two interruptions, the
 plots shown once, the figure following a narrower window; the picker fitting the cell,
@@ -64,6 +65,13 @@ def lab(spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     root.mkdir()
     for name in ("quickstart.ipynb", "digits_data.py"):
         shutil.copy(REPO / "notebooks" / name, root / name)
+    with _jupyter_lab(root, tmp_path) as url:
+        yield url, root
+
+
+@contextlib.contextmanager
+def _jupyter_lab(root: Path, tmp_path: Path) -> Iterator[str]:
+    """JupyterLab serving ``root`` on loopback, without news or update checks: its URL."""
     settings = tmp_path / "lab-settings"
     # No "get Jupyter news?" prompt over the page, and no news fetched.
     news = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
@@ -95,7 +103,7 @@ def lab(spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                     raise AssertionError("JupyterLab did not start:\n" + (
                         tmp_path / "lab.log").read_text()[-3000:]) from None
                 time.sleep(0.5)
-        yield url, root
+        yield url
     finally:
         proc.terminate()  # the server shuts its kernels down on the way out
         try:
@@ -186,6 +194,16 @@ _AXES = """() => {
   return {loss: axis('loss'), lr: axis('lr'), cpu: axis('CPU utilisation %'),
           subplots: gd.querySelectorAll('.cartesianlayer .subplot').length};
 }"""
+_Y_TYPES = """() => {
+  const gd = document.querySelector('.spotnb-dashboard .spotnb-figure .js-plotly-plot');
+  const type = name => {
+    const t = gd._fullData.find(t => t.name === name);
+    return t && gd._fullLayout[t.yaxis.replace('y', 'yaxis')].type;
+  };
+  const xs = Object.keys(gd._fullLayout).filter(k => /^xaxis\\d+$/.test(k));
+  return {loss: type('loss'), lr: type('lr'), cpu: type('CPU utilisation %'),
+          linked: xs.length >= 2 && xs.every(k => gd._fullLayout[k].matches === 'x')};
+}"""
 _WIDTHS = """() => {
   const plot = document.querySelector('.spotnb-dashboard .spotnb-figure .js-plotly-plot .main-svg');
   const cell = document.querySelector('.spotnb-dashboard').closest('.jp-OutputArea-output');
@@ -219,7 +237,35 @@ _DRAWN = """() => {
 }"""
 
 
+# The kernel's status reports as the page receives them: [state, about a comm message].
+_RECORD_STATUS = r"""(() => {
+  window.spotnbStatus = [];
+  const Native = window.WebSocket;
+  window.WebSocket = class extends Native {
+    constructor(...args) {
+      super(...args);
+      this.addEventListener('message', e => {
+        const text = typeof e.data === 'string' ? e.data
+          : e.data instanceof ArrayBuffer ? new TextDecoder().decode(e.data) : '';
+        const state = /"msg_type":\s*"status"/.test(text)
+          && text.match(/"execution_state":\s*"(\w+)"/);
+        if (state) window.spotnbStatus.push([state[1], /"msg_type":\s*"comm_msg"/.test(text)]);
+      });
+    }
+  };
+})();"""
+# Since `mark`: a click's request reported done (idle), after it the last report busy,
+# and the status bar saying so.
+_BUSY_AFTER_CLICKS = """mark => {
+  const seen = window.spotnbStatus.slice(mark);
+  return seen.some(([state, comm]) => state === 'idle' && comm)
+    && seen[seen.length - 1][0] === 'busy'
+    && document.body.innerText.includes('Python 3 (ipykernel) | Busy');
+}"""
+
+
 def _run_and_check(url: str, p: Any) -> None:
+    p.add_init_script(_RECORD_STATUS)
     p.goto(f"{url}/lab/tree/quickstart.ipynb")
     # The kernel has started when the status bar says so.
     p.get_by_text(re.compile(r"Python 3 \(ipykernel\) \| Idle")).wait_for(timeout=60_000)
@@ -231,6 +277,14 @@ def _run_and_check(url: str, p: Any) -> None:
     # Live: the dashboard plots while the job runs, an interruption is marked.
     board = p.locator(".spotnb-dashboard")
     board.locator(".spotnb-figure .js-plotly-plot").wait_for(timeout=90_000)
+    # Clicks while the cell runs (Stop asks, Keep running takes it back): once the
+    # kernel has reported the clicks done, the status bar still says it is busy.
+    p.get_by_text(re.compile(r"Python 3 \(ipykernel\) \| Busy")).wait_for(timeout=30_000)
+    mark = p.evaluate("() => window.spotnbStatus.length")
+    board.get_by_role("button", name="Stop job…").click()
+    board.get_by_role("button", name="Keep running").click()
+    board.get_by_role("button", name="Stop job…").wait_for(timeout=30_000)
+    p.wait_for_function(_BUSY_AFTER_CLICKS, arg=mark, timeout=30_000)
     p.wait_for_function(
         "() => [...document.querySelectorAll('.spotnb-log-line')]"
         ".some(l => l.textContent.includes('spot interruption notice'))",
@@ -258,6 +312,12 @@ def _run_and_check(url: str, p: Any) -> None:
     assert len({axes["loss"], axes["lr"], axes["cpu"]}) == 3 and axes["subplots"] >= 3, axes
     widths = p.evaluate(_WIDTHS)
     assert widths["plot"] > 0.9 * widths["cell"], widths
+    # A log scale for one panel (its checkbox, while the job runs): the others keep
+    # theirs; every panel's x axis follows the first's zoom.
+    board.get_by_role("checkbox", name="lr", exact=True).check()
+    p.wait_for_function(f"() => ({_Y_TYPES})().lr === 'log'", timeout=60_000)
+    types = p.evaluate(_Y_TYPES)
+    assert types["loss"] == types["cpu"] == "linear" and types["linked"], types
     _shot(board, "dashboard-live.png")
 
     # The end: completed after two interruptions.
@@ -309,21 +369,15 @@ def _run_and_check(url: str, p: Any) -> None:
 
 
 def _check_picker(p: Any) -> None:
-    """The picker fits the cell, keeps its key columns in view, sorts by a header and
-    takes a choice by a click on a row."""
+    """The picker fits the cell without sideways scrolling, sorts by a header and takes
+    a choice by a click on a row."""
     picker = p.locator(".spotnb-picker")
     picker.scroll_into_view_if_needed()
-    wrap = picker.locator(".spotnb-table-wrap")
-    cell = picker.locator("xpath=ancestor::div[contains(@class, 'jp-OutputArea-output')][1]")
-    assert wrap.bounding_box()["width"] <= cell.bounding_box()["width"] + 1
+    fit = p.evaluate(_PICKER_FIT)
+    assert fit["scroll"] <= fit["wrap"] and fit["table"] <= fit["cell"], fit
     types = picker.locator(".spotnb-picker-table tbody tr td:first-child")
     names = [types.nth(i).inner_text() for i in range(types.count())]
     assert names and not any(n.startswith(("g4ad", "g5g")) for n in names)  # CUDA only
-    # Scrolled sideways, the type column stays in view.
-    wrap.evaluate("w => { w.scrollLeft = w.scrollWidth; }")
-    first, box = types.first.bounding_box(), wrap.bounding_box()
-    assert first["x"] >= box["x"] - 1 and wrap.evaluate("w => w.scrollLeft") > 0
-    wrap.evaluate("w => { w.scrollLeft = 0; }")
     # Sort by the spot price: a click on its header.
     picker.locator(".spotnb-picker-table th", has_text=re.compile(r"^spot \$/h")).click()
     p.wait_for_function(
@@ -342,6 +396,76 @@ def _check_picker(p: Any) -> None:
         "() => document.querySelector(\".spotnb-picker-table tr[data-type='g5.xlarge']\")"
         "?.textContent.startsWith('1.')", timeout=30_000)
     _shot(picker, "picker.png")
+
+
+_PICKER_FIT = """() => {
+  const wrap = document.querySelector('.spotnb-picker .spotnb-table-wrap');
+  const cell = wrap.closest('.jp-OutputArea-output');
+  return {wrap: wrap.clientWidth, scroll: wrap.scrollWidth,
+          table: wrap.querySelector('table').getBoundingClientRect().width,
+          cell: cell.getBoundingClientRect().width};
+}"""
+_CELL_TEXT = """([type, key]) => {
+  const table = document.querySelector('.spotnb-picker-table');
+  const i = [...table.rows[0].cells].findIndex(c => c.dataset.key === key);
+  return table.querySelector(`tr[data-type='${type}']`).cells[i].textContent;
+}"""
+
+
+@pytest.mark.timeout(600)
+def test_picker_fits_the_cell_at_1280px_and_keeps_its_reference_gpu(
+        lab: tuple[str, Path], page: tuple[Any, list[str]]) -> None:
+    """At a 1280 px window, JupyterLab's default layout, the picker's table fits its
+    cell at the default columns; a re-run after choosing an H100 type shows the same
+    costs against the same reference GPU; all columns scroll with the type in view."""
+    url, root = lab
+    p, _refused = page
+    nb = {"cells": [{"cell_type": "code", "metadata": {}, "outputs": [],
+                     "execution_count": None, "source": src}
+                    for src in ("%load_ext spotnb", "%spot_picker")],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    (root / "picker.ipynb").write_text(json.dumps(nb))
+    p.set_viewport_size({"width": 1280, "height": 900})
+    p.goto(f"{url}/lab/tree/picker.ipynb")
+    p.get_by_text(re.compile(r"Python 3 \(ipykernel\) \| Idle")).wait_for(timeout=60_000)
+
+    def run_all() -> None:
+        p.get_by_role("menuitem", name="Run", exact=True).click()
+        p.locator("li[data-command='runmenu:run-all']").click()
+        with contextlib.suppress(playwright_sync.TimeoutError):
+            p.locator(".jp-Dialog button", has_text="Select").click(timeout=2000)
+
+    run_all()
+    picker = p.locator(".spotnb-picker")
+    picker.locator(".spotnb-picker-table tr[data-type='g4dn.xlarge']").wait_for(timeout=120_000)
+    fit = p.evaluate(_PICKER_FIT)
+    assert fit["cell"] < 900, fit  # the narrow cell a 1280 px window gives
+    assert fit["scroll"] <= fit["wrap"] and fit["table"] <= fit["cell"], fit
+    cost = p.evaluate(_CELL_TEXT, ["g4dn.xlarge", "est_spot_usd"])
+    reference = picker.locator(".spotnb-reference")
+    assert "on one T4" in reference.inner_text()
+    _shot(picker, "picker-1280.png")
+
+    # Choosing an H100 type makes it the default instance type; the picker run again
+    # still counts the job on a T4, so every cost stays what it was.
+    picker.locator(".spotnb-picker-table tr[data-type='p5.48xlarge']").click()
+    picker.locator(".spotnb-train-line").wait_for(timeout=30_000)
+    run_all()
+    p.locator(".spotnb-train-line").wait_for(state="detached", timeout=120_000)
+    picker.locator(".spotnb-picker-table tr[data-type='g4dn.xlarge']").wait_for(timeout=120_000)
+    assert "on one T4" in reference.inner_text()
+    assert p.evaluate(_CELL_TEXT, ["g4dn.xlarge", "est_spot_usd"]) == cost
+
+    # All the columns: wider than the cell, scrolled sideways with the type in view.
+    picker.get_by_text(re.compile(r"^all columns")).click()
+    p.wait_for_function(f"() => ({_PICKER_FIT})().scroll > ({_PICKER_FIT})().wrap",
+                        timeout=30_000)
+    wrap = picker.locator(".spotnb-table-wrap")
+    wrap.evaluate("w => { w.scrollLeft = w.scrollWidth; }")
+    first = picker.locator(".spotnb-picker-table tbody tr td:first-child").first
+    assert first.bounding_box()["x"] >= wrap.bounding_box()["x"] - 1
+    assert wrap.evaluate("w => w.scrollLeft") > 0
 
 
 def _export_offline(url: str, root: Path, p: Any) -> None:
@@ -373,3 +497,120 @@ def _export_offline(url: str, root: Path, p: Any) -> None:
     assert image.bounding_box()["width"] > 600
     assert "interruptions 2" in p.locator("body").inner_text()  # the status, as text
     _shot(image, "export-offline.png")
+
+
+# The comparison's loss panel as drawn: per run (its curve's legend group), the stroke
+# colour and the pieces of its line, and of its interruption marks.
+_COMPARE_DRAWN = """() => {
+  const gd = document.querySelector('.spotnb-compare .spotnb-figure .js-plotly-plot');
+  if (!gd || !gd._fullData) return null;
+  const out = {};
+  for (const g of gd.querySelectorAll('.scatterlayer .trace')) {
+    const t = g.__data__?.[0]?.trace;
+    if (!t || !t.meta || !t.meta.run || t.yaxis !== 'y' || t.visible !== true) continue;
+    const paths = [...g.querySelectorAll('path.js-line')].filter(p => p.getAttribute('d'));
+    if (!paths.length) continue;
+    const run = out[t.meta.run] ??= {};
+    run[t.meta.marks ? 'marks' : 'line'] = {
+      stroke: paths[0].style.stroke, dash: paths[0].style.strokeDasharray,
+      pieces: paths.length};
+  }
+  return out;
+}"""
+
+
+@pytest.mark.timeout(300)
+def test_two_runs_appear_overlaid_in_one_panel_with_two_colours(
+        spotnb_home: Path, tmp_path: Path, page: tuple[Any, list[str]]) -> None:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+    from test_compare import fake_job
+
+    fake_job(spotnb_home, "20250101-000000-aaaaaa", lr=0.1, interrupt_after=24, resume_at=20)
+    fake_job(spotnb_home, "20250101-000000-bbbbbb", lr=0.05)
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    nbformat.write(new_notebook(
+        cells=[new_code_cell("%load_ext spotnb\n%spot_compare aaaaaa bbbbbb")],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}}), root / "compare.ipynb")
+    p, refused = page
+    with _jupyter_lab(root, tmp_path) as url:
+        p.goto(f"{url}/lab/tree/compare.ipynb")
+        p.get_by_text(re.compile(r"Python 3 \(ipykernel\) \| Idle")).wait_for(timeout=60_000)
+        p.get_by_role("menuitem", name="Run", exact=True).click()
+        p.locator("li[data-command='runmenu:run-all']").click()
+        view = p.locator(".spotnb-compare")
+        view.locator(".spotnb-figure .js-plotly-plot").wait_for(timeout=90_000)
+        p.wait_for_function(f"() => Object.keys(({_COMPARE_DRAWN})() || {{}}).length == 2",
+                            timeout=60_000)
+        drawn = p.evaluate(_COMPARE_DRAWN)
+        a, b = drawn["lr0.1 aaaaaa"], drawn["lr0.05 bbbbbb"]
+        # Two curves in the one panel, each its own colour; the interrupted run's mark
+        # dashed in its colour (the other run had none).
+        assert a["line"]["stroke"] != b["line"]["stroke"], drawn
+        assert a["marks"]["stroke"] == a["line"]["stroke"] and a["marks"]["dash"], drawn
+        assert "marks" not in b, drawn
+        _shot(view, "compare.png")
+        # A click on a run's row hides its curves; the other stays.
+        view.locator("tr[data-type='lr0.1 aaaaaa']").click()
+        p.wait_for_function(f"() => Object.keys(({_COMPARE_DRAWN})() || {{}}).length == 1",
+                            timeout=30_000)
+        assert list(p.evaluate(_COMPARE_DRAWN)) == ["lr0.05 bbbbbb"]
+    assert not refused, refused[:5]
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_shows_four_trials_two_at_a_time_and_the_pruned_one_marked(
+        spotnb_home: Path, tmp_path: Path, page: tuple[Any, list[str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    pytest.importorskip("optuna", reason="optuna is not installed: pip install -e '.[dev]'")
+    from test_sweep import SETS, cell, instance_spans, most_at_once
+
+    from spotnb.sweep import sweeps
+
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")  # the trials: no random notices
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    nbformat.write(new_notebook(cells=[
+        new_code_cell("%load_ext spotnb\nimport optuna\n"
+                      "pruner = optuna.pruners.ThresholdPruner(upper=1.0)\n"
+                      f"sets = {SETS!r}"),
+        new_code_cell("%%spot_sweep --params sets -k 2 --pruner pruner --name swept"
+                      + cell(60))],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}}), root / "sweep.ipynb")
+    p, refused = page
+    with _jupyter_lab(root, tmp_path) as url:
+        p.goto(f"{url}/lab/tree/sweep.ipynb")
+        p.get_by_text(re.compile(r"Python 3 \(ipykernel\) \| Idle")).wait_for(timeout=60_000)
+        p.get_by_role("menuitem", name="Run", exact=True).click()
+        p.locator("li[data-command='runmenu:run-all']").click()
+        view = p.locator(".spotnb-sweep")
+        # The sweep's end, as its line says it.
+        view.locator(".spotnb-sweep-header", has_text="completed, 0 running").wait_for(
+            timeout=180_000)
+        rows = view.locator(".spotnb-compare-table tr[data-type]")
+        p.wait_for_function(
+            "() => document.querySelectorAll('.spotnb-sweep .spotnb-compare-table "
+            "tr[data-type]').length == 4", timeout=30_000)
+        statuses = sorted(rows.nth(i).locator("td").nth(1).inner_text() for i in range(4))
+        assert statuses == ["completed"] * 3 + ["pruned"], statuses
+        pruned = view.locator(".spotnb-compare-table tr[data-type^='t3 ']")
+        assert "pruned" in pruned.inner_text() and "lr=5.0" in pruned.inner_text()
+        # Four curves in the loss panel, a colour each.
+        p.wait_for_function(f"() => Object.keys(({_COMPARE_DRAWN})() || {{}}).length == 4",
+                            timeout=30_000)
+        drawn = p.evaluate(_COMPARE_DRAWN)
+        assert len({run["line"]["stroke"] for run in drawn.values()}) == 4, drawn
+        _shot(view, "sweep.png")
+    assert not refused, refused[:5]
+    # Never more than two trials' instances at once, judged from the jobs' own events.
+    (definition,) = sweeps()
+    from spotnb.sweep import attach_sweep
+
+    made = attach_sweep(definition["sweep_id"], drive=False)
+    assert most_at_once(instance_spans([t.job_id for t in made.trials])) == 2

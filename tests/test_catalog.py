@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from spotnb import catalog
-from spotnb.spec import SpecError
+from spotnb.protocol.spec import SpecError
+from spotnb.providers import catalog
 
 
 def test_instance_types_describe_the_hardware() -> None:
@@ -22,6 +25,32 @@ def test_instance_types_describe_the_hardware() -> None:
     assert types["inf2.xlarge"].gpu_memory_mib is None
     # The catalog is GPU-only.
     assert "m5.large" not in types
+
+
+def test_gpu_speeds_are_training_throughput_measured_or_derived_from_bandwidth() -> None:
+    speeds = catalog.gpu_speeds()
+    nvidia = {t.gpu_model for t in catalog.instance_types().values()
+              if t.gpu_manufacturer == "NVIDIA"}
+    assert nvidia <= set(speeds)
+    assert speeds["V100"].training == 1.0  # the unit
+    measured = {m for m, s in speeds.items() if s.measured}
+    assert {"V100", "A100", "A100-80GB", "H100", "H200"} <= measured
+    assert not measured & {"T4", "L4", "L40S", "A10G"}  # no benchmark published: derived
+    assert all(s.source.startswith("https://") and s.basis for s in speeds.values())
+    # Memory bandwidth counts: the same tensor peak, more bandwidth, faster.
+    assert speeds["H200"].tflops == speeds["H100"].tflops
+    assert speeds["H200"].training > speeds["H100"].training
+    assert speeds["A10G"].training > speeds["L4"].training  # 600 against 300 GB/s
+
+
+def test_gpu_throughput_csv_is_what_its_derivation_script_prints() -> None:
+    root = Path(__file__).resolve().parents[1]
+    printed = subprocess.run([sys.executable, str(root / "scripts/gpu_training_speed.py")],
+                             check=True, capture_output=True, text=True).stdout
+    assert printed == (root / "spotnb/data/gpu_throughput.csv").read_text()
+    sources = (root / "spotnb/data/SOURCES.md").read_text()
+    for model in catalog.gpu_speeds():
+        assert f"| {model} |" in sources  # each figure's row in the provenance table
 
 
 def test_pools_are_spot_pools_cheapest_first_and_below_on_demand() -> None:

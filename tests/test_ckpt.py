@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 import torch
 
-from spotnb import runtime as spot
-from spotnb.checkpoints import MANIFEST, CheckpointStore, FileEntry, Manifest
 from spotnb.ckpt import METADATA_FILE, node_share
+from spotnb.ckpt.checkpoints import MANIFEST, CheckpointStore, FileEntry, Manifest
 from spotnb.ckpt.dcp import FileReader, ItemLocation, StoreWriter, load_state, save_state, state_key
 from spotnb.ckpt.memory import MemoryBudget, parse_size
 from spotnb.ckpt.notice import NoticeFit, input_state_bytes
-from spotnb.store import LocalStore
+from spotnb.protocol.store import LocalStore
+from spotnb.train import runtime as spot
 
 # Environment variables of a job (set by other tests' fixtures): a subprocess here
 # runs standalone, against ./.spotnb-local.
@@ -79,7 +79,7 @@ _PEAK = textwrap.dedent(
     import json, re, sys
     import torch
     import spotnb.ckpt.dcp  # imported first: imports are not the save's memory
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     def rss():
         status = open("/proc/self/status").read()
@@ -120,6 +120,7 @@ def _peak_extra(tmp_path: Path, budget: str) -> tuple[int, int]:
     return int(out["extra"]), int(out["bytes"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_peak_host_memory_of_a_save_stays_within_the_budget(tmp_path: Path) -> None:
     budget = 16 * 10**6
@@ -134,7 +135,7 @@ def test_peak_host_memory_of_a_save_stays_within_the_budget(tmp_path: Path) -> N
 
 def test_warming_and_a_capture_share_the_buffers_and_allocate_each_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from spotnb import snapshot
+    from spotnb.ckpt import snapshot
 
     allocated: list[tuple[int, ...]] = []
     real_empty = snapshot._empty
@@ -163,10 +164,52 @@ def test_warming_and_a_capture_share_the_buffers_and_allocate_each_once(
     assert pool.held == captured.copied <= total // 2
 
 
+def test_one_large_buffer_is_filled_in_pieces_by_the_warming_thread_and_the_capture(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One large tensor's pages are filled by both threads, as many tensors' are."""
+    import threading
+
+    from spotnb.ckpt import memory, snapshot
+
+    if not memory.can_populate():
+        pytest.skip("filling part of a mapping needs MADV_POPULATE_WRITE (Linux 5.14+)")
+    piece = 1 << 20
+    monkeypatch.setattr(snapshot, "FILL_PIECE_BYTES", piece)
+    calls: list[tuple[str, int, int]] = []
+    warming, capturing = threading.Event(), threading.Event()
+    real_populate = snapshot.populate
+
+    def recording(address: int, nbytes: int) -> None:
+        name = threading.current_thread().name
+        calls.append((name, address, nbytes))
+        if name == "spotnb-warm":
+            warming.set()
+            # Held after its first piece until the capture fills one too.
+            assert capturing.wait(60), "the capture filled no piece of the buffer"
+        else:
+            capturing.set()
+        real_populate(address, nbytes)
+
+    monkeypatch.setattr(snapshot, "populate", recording)
+    table = torch.randn(2048, 1024)  # 8 MiB: 8 pieces
+    objects = {"table": table}
+    pool = snapshot.BufferPool()
+    pool.warm_async(snapshot.tensor_specs(objects), 1 << 30)
+    assert warming.wait(60), "the warming thread filled no piece"
+    captured = snapshot.capture(objects, pool, step=1)
+    pool.wait_warm()
+    buf = captured.tensors["table"]
+    assert torch.equal(buf, table) and buf.data_ptr() != table.data_ptr()
+    # Every piece filled exactly once, by one thread or the other.
+    assert sorted((address, n) for _, address, n in calls) == \
+        [(buf.data_ptr() + i * piece, piece) for i in range(8)]
+    assert {name for name, *_ in calls} == {"spotnb-warm", threading.current_thread().name}
+    assert pool.held == 8 * piece
+
+
 def test_a_copy_batch_splits_the_bytes_over_threads_and_copies_each_exactly(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from spotnb import snapshot
-    from spotnb.ckpt import memory
+    from spotnb.ckpt import memory, snapshot
 
     monkeypatch.setattr(memory, "_COPY_SHARE_MIN_BYTES", 1 << 10)
     shares: list[int] = []  # the bytes of each share, as the threads copy them
@@ -294,13 +337,122 @@ def test_a_streamed_save_restores_byte_exactly_in_place(
     assert again["swapped"].tolist() == list(range(12))
 
 
+# -- a state of one large tensor -------------------------------------------------------------
+
+
+def _one_large_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 1 MiB and a file per 2 MiB: a few-MB tensor is split like a 1 GB one."""
+    import spotnb.ckpt.dcp as dcp_mod
+
+    monkeypatch.setattr(dcp_mod, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(dcp_mod, "FILE_MIN_BYTES", 2 << 20)
+
+
+def _holding(directory: Path, fqn: str) -> set[str]:
+    """The data files holding a part of tensor ``fqn``."""
+    metadata = FileReader(directory).read_metadata()
+    return {loc.file for index, loc in metadata.storage_data.items() if index.fqn == fqn}
+
+
+def test_one_large_tensor_is_written_in_chunks_by_every_file_and_restores_bitwise(
+        standalone: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(5)
+    table = torch.randn(1000, 1500)  # 6 MB: rows split into chunks
+    wide = torch.randn(2, 700_000)  # 5.6 MB in 2 rows: each row split too
+    ckpt = spot.Checkpoint(table=table, wide=wide)
+    ckpt.save(1)
+    old = ckpt.wait()  # chunking off (as spotnb wrote it before): one chunk per tensor
+    assert old is not None
+    at_first = {"table": table.clone(), "wide": wide.clone()}
+    _one_large_tensor(monkeypatch)
+    local = standalone / spot.LOCAL_DIR / "checkpoints"
+    saved_before = FileReader(local / old.id).read_metadata().state_dict_metadata
+    assert len(saved_before["table"].chunks) == len(saved_before["wide"].chunks) == 1
+    with torch.no_grad():
+        table.add_(1)
+        wide.add_(1)
+    ckpt.save(2)
+    manifest = ckpt.wait()
+    assert manifest is not None
+    metadata = FileReader(local / manifest.id).read_metadata()
+    names = {fqn for fqn in metadata.state_dict_metadata if not fqn.startswith("spotnb/")}
+    assert names == {"table", "wide"}
+    assert len(metadata.state_dict_metadata["table"].chunks) == 6
+    assert len(metadata.state_dict_metadata["wide"].chunks) == 6
+    data_files = {f.name for f in manifest.files if f.name.endswith(".distcp")}
+    assert len(data_files) == 4 and _holding(local / manifest.id, "table") == data_files
+    # A streamed save (the budget holds none of it): the chunks of the live tensors are
+    # written from the training tensors by every live file.
+    streamed = spot.Checkpoint(table=table, wide=wide, host_memory=4096)
+    streamed.save(3)
+    third = streamed.wait()
+    assert third is not None
+    assert len(_holding(local / third.id, "table")) > 1
+    spot._finish()
+
+    fresh_table, fresh_wide = torch.zeros(1000, 1500), torch.zeros(2, 700_000)
+    at = fresh_table.data_ptr()
+    assert spot.Checkpoint(table=fresh_table, wide=fresh_wide).restore() == 4
+    assert torch.equal(fresh_table, table) and torch.equal(fresh_wide, wide)
+    assert fresh_table.data_ptr() == at  # read in place, chunk by chunk
+    # The checkpoint of one chunk per tensor still restores, the chunked one as well
+    # when nothing is registered to read into (a fresh optimizer's state, say).
+    for cid, expect in ((old.id, at_first), (manifest.id, {"table": table, "wide": wide})):
+        reader = FileReader(local / cid)
+        targets: dict[str, Any] = {"table": torch.empty(1000, 1500),
+                                   "wide": torch.empty(2, 700_000)}
+        load_state(targets, reader)
+        assert torch.equal(targets["table"], expect["table"]), cid
+        assert torch.equal(targets["wide"], expect["wide"]), cid
+    # DCP itself reads the chunks back into one tensor.
+    import torch.distributed.checkpoint as dcp
+
+    target = {"table": torch.zeros(1000, 1500)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: assuming one process"
+        dcp.load(target, storage_reader=FileReader(local / manifest.id))
+    assert torch.equal(target["table"], table)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_chunk_of_a_large_tensor_falls_back_to_the_checkpoint_before(
+        standalone: Path, monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
+    _one_large_tensor(monkeypatch)
+    table = torch.randn(1000, 1500)
+    ckpt = spot.Checkpoint(table=table)
+    ckpt.save(1)
+    first = ckpt.wait()
+    at_first = table.clone()
+    with torch.no_grad():
+        table.add_(1)
+    ckpt.save(2)
+    second = ckpt.wait()
+    assert first is not None and second is not None
+    spot._finish()
+    directory = standalone / spot.LOCAL_DIR / "checkpoints" / second.id
+    holding = sorted(_holding(directory, "table"))
+    assert len(holding) > 1  # the tensor is in several files: damage one of them
+    victim = directory / holding[-1]
+    if damage == "flip":
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-4096])
+    else:
+        victim.unlink()
+    fresh = torch.zeros(1000, 1500)
+    assert spot.Checkpoint(table=fresh).restore() == 2
+    assert torch.equal(fresh, at_first)
+
+
 # -- invariant 2 when a streamed save is killed ---------------------------------------------
 
 _KILLED = textwrap.dedent(
     """
     import os
     import torch
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     small = spot.Checkpoint(tag={"step": 1})
     small.save(1)
@@ -476,9 +628,9 @@ def test_notice_fit_says_what_to_do() -> None:
 
 def test_submit_warns_when_the_inputs_alone_would_miss_the_notice(
         spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from spotnb.jobs import _notice_warnings
+    from spotnb.client.jobs import _notice_warnings
+    from spotnb.protocol.spec import JobSpec, Policy, Resources
     from spotnb.providers.local import LocalProvider
-    from spotnb.spec import JobSpec, Policy, Resources
 
     spec = JobSpec(job_id="20250101-000000-ffffff", name="big", code="x", provider="local",
                    resources=Resources(instance_types=("g5.xlarge",)), policy=Policy(),
@@ -502,9 +654,9 @@ _RANK = textwrap.dedent(
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-    from spotnb.checkpoints import CheckpointStore
+    from spotnb.ckpt.checkpoints import CheckpointStore
     from spotnb.ckpt.dcp import StoreReader, StoreWriter
-    from spotnb.store import LocalStore
+    from spotnb.protocol.store import LocalStore
 
     rank, world, rendezvous, root, what = sys.argv[1:6]
     rank, world = int(rank), int(world)
@@ -575,22 +727,6 @@ def test_a_checkpoint_of_n_ranks_loads_on_m(tmp_path: Path) -> None:
     _ranks(tmp_path, 2, tmp_path / "one", "load")
 
 
-def test_checkpoints_of_the_previous_format_still_restore(standalone: Path) -> None:
-    """A job resumed by a newer spotnb reads what the older one wrote (one state.pt)."""
-    torch.manual_seed(4)
-    model = torch.nn.Linear(5, 3)
-    state = {"format": 1, "step": 11, "rng": {"torch": torch.get_rng_state()},
-             "objects": {"model": ("state_dict", {k: v.clone()
-                                                  for k, v in model.state_dict().items()})}}
-    old = standalone / "state.pt"
-    torch.save(state, old)
-    cs = CheckpointStore(LocalStore(standalone / spot.LOCAL_DIR), "checkpoints")
-    cs.write(11, {"state.pt": old}, fmt="torch")
-    fresh = torch.nn.Linear(5, 3)
-    assert spot.Checkpoint(model=fresh).restore() == 12
-    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
-
-
 # -- sharded state (FSDP2) in a distributed job: every rank writes ---------------------------
 
 _SHARDED = textwrap.dedent(
@@ -602,12 +738,12 @@ _SHARDED = textwrap.dedent(
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from pathlib import Path
-    from spotnb import runtime as spot
-    from spotnb.checkpoints import CheckpointStore
+    from spotnb.train import runtime as spot
+    from spotnb.ckpt.checkpoints import CheckpointStore
     from spotnb.ckpt import node_share
     from spotnb.ckpt.dcp import StoreWriter
     from spotnb.kernel_remote.channel import PREFETCH_DONE
-    from spotnb.store import LocalStore
+    from spotnb.protocol.store import LocalStore
 
     rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     def latest_id():

@@ -18,12 +18,12 @@ from helpers import wait_until
 from nbformat.v4 import new_code_cell, new_notebook
 
 import spotnb
-from spotnb import layout
-from spotnb.cli import main
-from spotnb.events import EventWriter
+from spotnb.client.cli import main
+from spotnb.protocol import layout
+from spotnb.protocol.events import EventWriter
+from spotnb.protocol.spec import JobSpec, Policy, Resources
+from spotnb.protocol.store import open_store
 from spotnb.providers.local import LocalProvider
-from spotnb.spec import JobSpec, Policy, Resources
-from spotnb.store import open_store
 
 pytestmark = pytest.mark.slow
 
@@ -218,7 +218,7 @@ def test_help_is_written_for_users(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_a_closed_pipe_ends_the_command_quietly(spotnb_home: Path) -> None:
     # `spotnb catalog | head -1`: the reader is gone before the command writes.
-    proc = subprocess.Popen([sys.executable, "-m", "spotnb.cli", "catalog", "--all"],
+    proc = subprocess.Popen([sys.executable, "-m", "spotnb.client.cli", "catalog", "--all"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
     proc.stdout.close()
@@ -263,7 +263,7 @@ def _notebook(path: Path, *cells: str) -> Path:
 
 def _spotnb(*args: str) -> subprocess.CompletedProcess[str]:
     """The command as a user runs it: its own process, the kernel's output included."""
-    return subprocess.run([sys.executable, "-m", "spotnb.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "spotnb.client.cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 

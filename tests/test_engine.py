@@ -19,11 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import wait_until
 
 import spotnb
-from spotnb import layout
-from spotnb.events import Event
-from spotnb.spec import SpecError
+from spotnb.protocol import layout
+from spotnb.protocol.events import Event
+from spotnb.protocol.events.fold import EndReason, JobState, fold
+from spotnb.protocol.spec import SpecError
 
 pytestmark = pytest.mark.slow
 
@@ -141,8 +143,8 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
     common = dict(instance_types=["g4dn.xlarge"], inputs=inputs,
                   outputs=["digest", "accuracy"], checkpoint_every="20 steps")
 
-    baseline = spotnb.submit(TORCH_TRAINING, name="baseline", **common).wait(timeout=240)
-    assert baseline.status == "completed", (baseline.reason, baseline.error)
+    # The uninterrupted run, beside the interrupted one (its settings are taken now).
+    uninterrupted = spotnb.submit(TORCH_TRAINING, name="baseline", **common)
 
     # Attempt 2 is interrupted while a checkpoint uploads: the cell itself asks the
     # local cloud for the notice right after its first save starts (the notice then
@@ -177,6 +179,8 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
 
     events = follow(handle, on_event)
     result = handle.wait(timeout=60)
+    baseline = uninterrupted.wait(timeout=240)
+    assert baseline.status == "completed", (baseline.reason, baseline.error)
     assert [why for _, why in interrupt.delivered] == [
         "between checkpoints", "during an upload", "between checkpoints"]
     assert result.status == "completed", (result.reason, result.error)
@@ -216,6 +220,33 @@ def test_pure_python_training_survives_interruptions(cloud: Path) -> None:
     assert result.interruptions == 3
     assert result.outputs["weights"] == baseline.outputs["weights"]
     assert result.metrics["norm"] == baseline.metrics["norm"]
+    wait_no_processes(cloud)
+
+
+def test_the_agent_logs_a_recommendation_when_it_came_before_any_notice(
+        cloud: Path) -> None:
+    # A recommendation at launch and no interruption after it (a false alarm); then an
+    # interruption asked for, once the agent has logged the recommendation.
+    handle = spotnb.submit(PYTHON_TRAINING, inputs={"STEPS": 100_000, "STEP_SECONDS": 0.05},
+                           checkpoint_every="1000 steps",
+                           simulate_signals={"false_alarms": [0], "false_alarm": 0})
+
+    def notices() -> list[tuple[int, str]]:
+        return [(e.attempt, e.data["kind"]) for e in handle.events(follow=False)
+                if e.type == "notice"]
+
+    try:
+        wait_until(notices, 60, "the agent to log the recommendation")
+        assert notices() == [(1, "rebalance")]
+        handle.interrupt()
+        wait_until(lambda: len(notices()) > 1, 60, "the agent to log the notice")
+    finally:
+        handle.stop()
+    assert notices()[:2] == [(1, "rebalance"), (1, "instance-action")]
+    reasons = [e.data["reason"] for e in handle.events(follow=False)
+               if e.attempt == 0 and e.type == "instance" and e.data["action"] == "rebalance"]
+    assert reasons[:2] == ["false-alarm", "requested"]
+    assert handle.wait(timeout=60).status == "stopped"
     wait_no_processes(cloud)
 
 
@@ -303,7 +334,7 @@ def test_job_completes_after_the_submitting_process_exits(cloud: Path) -> None:
 
 
 def test_jobs_lists_an_ended_job_from_its_cache_until_its_log_changes(cloud: Path) -> None:
-    from spotnb.events import EventWriter
+    from spotnb.protocol.events import EventWriter
 
     handle = spotnb.submit("x = 1")
     assert handle.wait(timeout=120).status == "completed"
@@ -390,8 +421,8 @@ def test_user_error_retried_when_the_policy_allows(cloud: Path) -> None:
 
 
 def test_two_agents_on_one_job_only_one_works(cloud: Path, tmp_path: Path) -> None:
-    from spotnb.spec import JobSpec, Policy, Resources
-    from spotnb.store import LocalStore
+    from spotnb.protocol.spec import JobSpec, Policy, Resources
+    from spotnb.protocol.store import LocalStore
 
     store = LocalStore(tmp_path / "job")
     spec = JobSpec(job_id="j-two", name="two", code="import time\ntime.sleep(3)\nvalue = 42",
@@ -506,4 +537,59 @@ def test_a_cell_without_checkpoints_is_interrupted_after_it_shows_output(
     notice = next(e for e in events if e.type == "notice" and e.attempt == 1)
     first_tick = next(e for e in events if e.type == "stream" and e.attempt == 1)
     assert notice.time >= first_tick.time + 3
+    wait_no_processes(cloud)
+
+
+@pytest.mark.timeout(150)
+def test_a_warm_standby_takes_the_job_over_once_ready_with_no_step_redone(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rebalance recommendation once the first attempt has checkpoints: the group
+    # starts a standby and, once it is ready, ends the old instance through its
+    # termination hook (Auto Scaling's capacity rebalancing): the old agent saves and
+    # releases the lease, and the standby trains on from that save.
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "20")
+    handle = spotnb.submit(PYTHON_TRAINING, inputs={"STEPS": 100_000, "STEP_SECONDS": 0.05},
+                           checkpoint_every="10 steps",
+                           simulate_signals={"false_alarms": [8], "false_alarm": 0})
+    state = JobState()
+
+    def trained_after_takeover() -> bool:
+        return any(sb.restored is not None and (state.attempts[sb.attempt].last_step or 0)
+                   > (state.attempts[sb.attempt].first_step or 0) + 5
+                   for sb in state.standbys.values() if sb.attempt is not None)
+
+    try:
+        for e in handle.events(timeout=120):  # followed: the log is written live
+            state.apply(e)
+            if trained_after_takeover():
+                break
+    finally:
+        handle.stop()
+    assert handle.wait(timeout=60).status == "stopped"
+    assert trained_after_takeover()
+    events = list(handle.events(follow=False))
+    state = fold(events)
+
+    def group(action: str) -> list[Event]:
+        return [e for e in events if e.attempt == 0 and e.type == "instance"
+                and e.data.get("action") == action]
+
+    (sb,) = state.standbys.values()
+    first = group("launched")[0].data["instance_id"]
+    assert sb.standby_for == first and not group("notice")  # no interruption came
+    (moved,) = [e for e in group("terminated") if e.instance == first]
+    assert moved.data["reason"] == "rebalanced"
+    # Warm before the old instance ended: its kernel started, its cell waited at restore().
+    assert sb.kernel_started is not None and sb.kernel_started < moved.time
+    assert sb.ready is not None and sb.given_back is None
+    assert sb.attempt == 2 and [b.redone for b in state.breaks()] == [0], state.breaks()
+    assert state.breaks()[0].resumed_at == state.breaks()[0].step + 1
+    # A move, not an interruption: the job left the instance before EC2 took it.
+    assert state.breaks()[0].reason is EndReason.MOVED and state.interruptions() == 0
+    handover = state.handover_seconds(sb)
+    assert handover is not None and handover < 30
+    assert [text for _, text in sb.story(state)] == [
+        "rebalance recommendation: standby booting", "standby ready",
+        f"handed over in {handover:.1f} s"]
+    assert len(group("launched")) == 2  # no replacement besides the standby
     wait_no_processes(cloud)

@@ -28,8 +28,8 @@ import nbformat
 import pytest
 
 import spotnb
-from spotnb import layout
-from spotnb.notebook import run_notebook
+from spotnb.client.notebook import run_notebook
+from spotnb.protocol import layout
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -59,9 +59,10 @@ def test_core_and_notebook_side_never_import_a_framework() -> None:
         from IPython.testing.globalipapp import start_ipython
         ip = start_ipython()
         ip.run_line_magic("load_ext", "spotnb")
-        import spotnb, spotnb.magics, spotnb.runtime, spotnb.integrations, spotnb.records
-        from spotnb import runtime as spot
-        assert spot.callbacks is spotnb.integrations
+        import spotnb, spotnb.client.magics, spotnb.train.runtime, spotnb.records
+        import spotnb.train.integrations
+        from spotnb.train import runtime as spot
+        assert spot.callbacks is spotnb.train.integrations
         ip.run_line_magic("spot_config", "")
         try:
             spot.callbacks.transformers()
@@ -151,7 +152,7 @@ def test_transformers_params_are_recorded_without_secrets(
     monkeypatch.chdir(tmp_path)  # standalone mode keeps its store here
     from transformers import TrainingArguments
 
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     args = TrainingArguments(output_dir=str(tmp_path / "out"), hub_token="hf_secret",
                              report_to="none", use_cpu=True)
@@ -229,9 +230,9 @@ def test_lightning_notice_notice_kill_resumes_from_the_newest_save_and_loses_no_
     from helpers import wait_until
     from test_reliability import booted, kernel_of
 
-    from spotnb import cli
-    from spotnb.checkpoints import CheckpointStore
-    from spotnb.syncdir import sync_name
+    from spotnb.ckpt.checkpoints import CheckpointStore
+    from spotnb.client import cli
+    from spotnb.train.syncdir import sync_name
 
     steps = 40
     handle = spotnb.submit(LIGHTNING_KILLED, inputs={"STEPS": steps})

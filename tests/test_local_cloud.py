@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import random
 import shlex
 import signal
 import sys
@@ -20,15 +22,19 @@ import psutil
 import pytest
 from helpers import wait_until
 
-from spotnb import catalog
-from spotnb.events import Event, EventReader
-from spotnb.layout import RESULT, STOP
-from spotnb.providers import ProviderError
+from spotnb.protocol.events import Event, EventReader
+from spotnb.protocol.events.fold import fold
+from spotnb.protocol.layout import RESULT, STOP
+from spotnb.protocol.spec import JobSpec, Policy, Resources, SpecError
+from spotnb.protocol.store import LocalStore
+from spotnb.providers import ProviderError, catalog
+from spotnb.providers.imds import ImdsClient
 from spotnb.providers.local import LocalProvider
+from spotnb.providers.local.group import Supervisor
+from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.market import Market
-from spotnb.providers.local.state import instance_dir
-from spotnb.spec import JobSpec, Policy, Resources, SpecError
-from spotnb.store import LocalStore
+from spotnb.providers.local.signals import SignalModel
+from spotnb.providers.local.state import Settings, instance_dir
 
 AGENT = Path(__file__).with_name("local_cloud_agent.py")
 
@@ -592,6 +598,20 @@ def test_market_replays_the_trace_time_compressed() -> None:
     assert same.offset == market.offset != other.offset
 
 
+def test_market_knows_when_the_price_first_rises_above_a_limit() -> None:
+    pool = catalog.pools("p3.2xlarge", "us-east-1")[0]
+    market = Market(pool, start_wall=1000.0, time_scale=60.0, seed="job-a")
+    prices = sorted({p for _, p in market.trace.points})
+    limit = prices[len(prices) // 2]
+    crossing = market.next_above(1000.0, limit)
+    assert crossing is not None and market.price_at(crossing) > limit
+    t = 1000.0  # no change before it rises above the limit
+    while (change := market.next_change_after(t)) is not None and change < crossing:
+        assert market.price_at(change) <= limit
+        t = change
+    assert market.next_above(1000.0, prices[-1]) is None  # never above its highest
+
+
 def test_market_cost_integrates_price_over_time() -> None:
     pool = catalog.pools("p3.2xlarge", "us-east-1")[0]
     market = Market(pool, start_wall=0.0, time_scale=60.0, seed="job-a")
@@ -665,3 +685,156 @@ def test_a_job_that_ends_while_its_supervisor_is_dead_logs_its_instances_end(
     wait_until(lambda: group_gone(cloud, spec), 10, "the supervisor to exit")
     assert not any(e.type == "status" and e.data.get("state") == "launching"
                    and e.time > ended[0].time for e in group_events(spec))
+
+
+# ------------------------------------------------------------ rebalance signals
+
+
+def test_signal_model_draws_follow_its_stated_distribution() -> None:
+    model = SignalModel(seed="s")
+    rng = random.Random("draws")
+    leads = [model.draw(rng) for _ in range(20000)]
+    assert [model.draw(random.Random("x")) for _ in range(3)] == \
+        [model.draw(random.Random("x")) for _ in range(3)]  # seeded: the same draws
+    given = [lead for lead in leads if lead is not None]
+    assert abs(1 - len(given) / len(leads) - model.no_recommendation) < 0.015
+    assert all(0 <= lead <= model.lead_max for lead in given)
+    assert abs(sum(lead == 0 for lead in given) / len(given) - model.together) < 0.01
+    ahead = sorted(lead for lead in given if lead > 0)
+    assert abs(ahead[len(ahead) // 2] - model.lead_median) < 0.05 * model.lead_median
+    in_band = sum(600 <= lead <= 1200 for lead in ahead) / len(ahead)
+    assert 0.40 < in_band < 0.47  # "often 10-20 minutes": 43% by the stated model
+
+    # Instances interrupted at rate 1: the share of recommendations no notice follows.
+    followed = false = 0
+    for _ in range(20000):
+        end = rng.expovariate(1.0)
+        followed += model.draw(rng) is not None
+        t = 0.0
+        while (t := t + (model.false_alarm_gap(rng, 1.0) or math.inf)) < end:
+            false += 1
+    assert abs(false / (false + followed) - model.false_alarm) < 0.015
+    assert SignalModel(false_alarm=0).false_alarm_gap(rng, 1.0) is None
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"false_alarm": 1}, "false_alarm"), ({"lead_median": -1}, "lead_median"),
+    ({"together": 1.5}, "together"), ({"leads": 3}, "no leads"),
+    ({"false_alarms": "1"}, "false_alarms"), ("x", "a dict"),
+])
+def test_a_bad_signal_model_is_refused(cloud: Cloud, raw: Any, field: str) -> None:
+    with pytest.raises(SpecError, match=field):
+        cloud.spec(simulate_signals=raw)
+
+
+def _agent_notices(spec: JobSpec) -> list[str]:
+    """The kinds of notice the job's agent logged, in order."""
+    return [e.data["kind"] for e in EventReader(store_of(spec)).replay()
+            if e.attempt == 1 and e.type == "notice"]
+
+
+@pytest.mark.parametrize("recommended", [True, False], ids=["recommended", "unannounced"])
+def test_a_recommendation_comes_minutes_before_its_notice_or_not_at_all(
+        cloud: Cloud, recommended: bool) -> None:
+    # 180 market seconds ahead, 3 s at the default scale: the recommendation at 1 s.
+    signals = {"lead_median": 180, "lead_sigma": 0, "together": 0, "false_alarm": 0,
+               "no_recommendation": 0 if recommended else 1, "seed": "t"}
+    spec = cloud.spec(simulate_interruptions={"schedule": [4.0]}, simulate_signals=signals)
+    cloud.provider.launch(spec)
+    first = launched(spec)[0].data["instance_id"]
+    notice_file = instance_dir(first) / "notice.json"
+    seen = json.loads(wait_until(lambda: notice_file.exists() and notice_file.read_text(),
+                                 15, "the agent to see the notice"))
+    notice = wait_until(lambda: group_events(spec, "instance", action="notice"),
+                        10, "the notice event")[0]
+    rebalances = group_events(spec, "instance", action="rebalance")
+    if recommended:
+        assert [(e.instance, e.data["reason"]) for e in rebalances] == [(first, "scheduled")]
+        assert rebalances[0].time < notice.time
+        # Read at the instance's metadata service before its notice, and logged.
+        assert _agent_notices(spec) == ["rebalance", "instance-action"]
+        assert seen["rebalance"]["noticeTime"] <= seen["time"]
+        state = fold(EventReader(store_of(spec)).replay())
+        assert [(i, r) for _, i, r in state.group_rebalances] == [(first, "scheduled")]
+    else:
+        assert rebalances == [] and seen["rebalance"] is None
+        assert _agent_notices(spec) == ["instance-action"]
+    cloud.provider.terminate(spec.job_id)
+
+
+def test_a_false_alarm_is_a_recommendation_no_notice_follows(cloud: Cloud) -> None:
+    signals = {"false_alarms": [0.5], "false_alarm": 0, "seed": "f"}
+    spec = cloud.spec(simulate_signals=signals)
+    cloud.provider.launch(spec)
+    first = launched(spec)[0].data["instance_id"]
+    wait_until(lambda: _agent_notices(spec), 15, "the agent to log the recommendation")
+    store_of(spec).put(STOP, json.dumps({"reason": "user"}).encode())
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
+    assert _agent_notices(spec) == ["rebalance"]
+    assert [(e.instance, e.data["reason"])
+            for e in group_events(spec, "instance", action="rebalance")] == \
+        [(first, "false-alarm")]
+    assert group_events(spec, "instance", action="notice") == []
+    assert result_of(spec) == {"status": "stopped", "reason": "stop requested"}
+
+
+def test_a_recommendation_lead_is_market_time_compressed_as_the_notice(cloud: Cloud) -> None:
+    # Driven tick by tick at chosen times, with no process: 600 market seconds ahead of
+    # a hazard interruption is 5 real seconds at a time scale of 120.
+    signals = {"lead_median": 600, "lead_sigma": 0, "together": 0, "no_recommendation": 0,
+               "false_alarm": 0}
+    spec = cloud.spec(simulate_signals=signals)
+    store_of(spec).put("spec.json", spec.to_json().encode())
+    settings = Settings(time_scale=120.0, hazard=False)
+    group = Supervisor(store_of(spec), spec, settings, cloud.home / "group")
+    pool = catalog.pools("g4dn.xlarge", "us-east-1")[0]
+    now = time.time()
+    inst = LocalInstance.create(pool, group._market(pool), index=1, now=now,
+                                boot_seconds=0, hazard_at=now + 100, job_id=spec.job_id)
+    try:
+        group._signal(inst, now + 94.9)
+        assert inst.rebalance_at is None
+        group._signal(inst, now + 95.1)
+        assert inst.rebalance_at == now + 95.1
+        assert ImdsClient(inst.imds.endpoint).rebalance() is not None
+        group._signal(inst, now + 99)
+        assert inst.rebalance_at == now + 95.1  # one recommendation per interruption
+    finally:
+        inst.imds.stop()
+        group.events.close()
+    rebalances = group_events(spec, "instance", action="rebalance")
+    assert [(e.time, e.data["reason"]) for e in rebalances] == [(now + 95.1, "hazard")]
+
+
+@pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
+def test_a_standby_no_notice_follows_is_given_back_and_billed(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch, standby: bool) -> None:
+    # At 600x the standby's hold (600 market seconds) is 1 s. The stand-in agent never
+    # warms up as a standby: not ready by the end of its hold, it is given back (a
+    # ready one takes the job over: test_engine).
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "600")
+    signals = {"false_alarms": [0.5], "false_alarm": 0, "seed": "g"}
+    spec = cloud.spec(simulate_signals=signals, policy=Policy(standby=standby))
+    cloud.provider.launch(spec)
+    first = launched(spec)[0].data["instance_id"]
+    wait_until(lambda: group_events(spec, "instance", action="rebalance"), 15,
+               "the recommendation")
+    if standby:
+        given_back = wait_until(
+            lambda: group_events(spec, "instance", reason="standby-given-back"), 15,
+            "the standby to be given back")
+    store_of(spec).put(STOP, json.dumps({"reason": "user"}).encode())
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
+    state = fold(EventReader(store_of(spec)).replay())
+    if not standby:  # today's behaviour: one instance, nothing launched on the signal
+        assert [e.data["instance_id"] for e in launched(spec)] == [first]
+        assert state.standbys == {}
+        return
+    (sb,) = state.standbys.values()
+    assert sb.standby_for == first and sb.instance_id != first
+    assert sb.given_back == given_back[0].time and sb.attempt is None
+    assert group_events(spec, "instance", action="notice") == []
+    cost = state.instance_cost(sb.instance_id)
+    assert cost > 0 and state.standbys_cost(time.time()) == pytest.approx(cost)
+    assert cost < state.cost(time.time())[0]  # billed to the job, with the first
+    assert sb.story(state)[-1][1] == f"standby given back (not ready in time): ${cost:.3f}"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from spotnb.kernel_remote.imds import DEFAULT_ENDPOINT, ImdsClient, ImdsError
+from spotnb.providers.imds import DEFAULT_ENDPOINT, ImdsClient, ImdsError
 from spotnb.providers.local.imds import ImdsServer, InstanceIdentity, iso_utc
 
 IDENTITY = InstanceIdentity(
@@ -173,3 +173,20 @@ def test_client_endpoint_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("SPOTNB_IMDS_ENDPOINT", "http://127.0.0.1:2")
     assert ImdsClient().endpoint == "http://127.0.0.1:2"
     assert ImdsClient("http://127.0.0.1:3").endpoint == "http://127.0.0.1:3"
+
+
+def test_auto_scaling_ending_the_instance_is_a_notice_to_the_agent(
+        server: ImdsServer) -> None:
+    from spotnb.kernel_remote.watch import NoticeWatcher
+
+    watcher = NoticeWatcher(ImdsClient(server.endpoint))
+    assert watcher.poll() == (None, None)
+    server.set_target_lifecycle_state("InService")
+    assert watcher.poll() == (None, None)
+    # Capacity rebalancing ends it once its standby is in service: a termination
+    # hook's wait, read as the notice (the final save, then the lease for the standby).
+    server.set_target_lifecycle_state("Terminated")
+    action, rebalance = watcher.poll()
+    assert action is not None and action["action"] == "terminate" and rebalance is None
+    assert action["source"] == "auto-scaling" and watcher.notice == action
+    assert watcher.poll() == (None, None)  # said once

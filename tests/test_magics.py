@@ -30,14 +30,15 @@ from traitlets import TraitError
 from traitlets.config import Config
 
 import spotnb
-from spotnb import display, layout
-from spotnb.capture import Capture, CaptureError, capture, local_module_files
-from spotnb.events import Event, EventWriter
-from spotnb.freevars import free_names
-from spotnb.jobs import JobHandle
-from spotnb.magics import SpotMagics
-from spotnb.spec import JobSpec, Policy, Resources, SpecError
-from spotnb.store import open_store
+from spotnb.client import display
+from spotnb.client.capture import Capture, CaptureError, capture, local_module_files
+from spotnb.client.freevars import free_names
+from spotnb.client.jobs import JobHandle
+from spotnb.client.magics import SpotMagics
+from spotnb.protocol import layout
+from spotnb.protocol.events import Event, EventWriter
+from spotnb.protocol.spec import JobSpec, Policy, Resources, SpecError
+from spotnb.protocol.store import open_store
 
 
 @pytest.fixture
@@ -122,6 +123,12 @@ def test_options_override_configuration(ip: Any) -> None:
     assert magics.train_request("--simulate-interruptions 20s,1m").submit[
         "simulate_interruptions"] == [20.0, 60.0]
     assert not magics.train_request("--no-capture").capture
+    # A warm standby on a rebalance recommendation unless turned off, per cell or always.
+    assert default.submit["standby"] is True
+    assert magics.train_request("--no-standby").submit["standby"] is False
+    ip.run_line_magic("config", "SpotMagics.standby = False")
+    assert magics.train_request("").submit["standby"] is False
+    ip.run_line_magic("config", "SpotMagics.standby = True")
     # A distributed job: MIN:MAX nodes, processes per node; bad counts refused at once.
     assert "nodes" not in default.submit and "procs_per_node" not in default.submit
     multi = magics.train_request("--nodes 3:4 --procs-per-node 2")

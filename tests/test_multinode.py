@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 
-from spotnb import lease
-from spotnb.layout import LEASE, lease_key
-from spotnb.spec import MAX_NODES, JobSpec, Resources, SpecError, parse_nodes
-from spotnb.store import LocalStore
+from spotnb.protocol import lease
+from spotnb.protocol.layout import LEASE, lease_key
+from spotnb.protocol.spec import MAX_NODES, JobSpec, Resources, SpecError, parse_nodes
+from spotnb.protocol.store import LocalStore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +56,7 @@ def test_node_counts_survive_the_spec_round_trip() -> None:
 def _spec_json() -> str:
     import json
 
-    from spotnb.spec import Policy
+    from spotnb.protocol.spec import Policy
 
     base = {
         "job_id": "j-1", "name": "n", "code": "pass", "provider": "local",
@@ -106,7 +106,7 @@ def test_a_worker_without_its_agent_checks_its_own_slots_lease(
     slot's (SPOTNB_SLOT), not the job's slot 0 (a survivor on slot 1 took itself for
     fenced and failed the job)."""
     from spotnb.kernel_remote import channel
-    from spotnb.session import Session
+    from spotnb.train.session import Session
 
     store = LocalStore(tmp_path / "job")
     held = [lease.acquire(store, f"i-{k}", slot=k, stride=2) for k in range(2)]
@@ -143,7 +143,7 @@ def test_a_waiting_replacement_asks_whether_holders_are_gone_rarely(tmp_path: Pa
     # node is still in its notice period) retries every half second; the provider's
     # "is that instance gone?" (a DescribeInstances on AWS) is asked once per holder per
     # HOLDER_GONE_RECHECK_SECONDS, and a holder found gone is not asked again.
-    from spotnb.kernel_remote.agent import _rechecked
+    from spotnb.kernel_remote.leasing import rechecked
 
     store = LocalStore(tmp_path / "job")
     for k in range(3):
@@ -155,7 +155,7 @@ def test_a_waiting_replacement_asks_whether_holders_are_gone_rarely(tmp_path: Pa
         asked.append(held.holder)
         return held.holder in dead
 
-    gone = _rechecked(instance_gone, seconds=3600)
+    gone = rechecked(instance_gone, seconds=3600)
     assert gone is not None
     for _ in range(20):  # the wait loop's tries, well within the recheck interval
         assert all(lease.acquire(store, "i-new", holder_gone=gone, slot=k, stride=3) is None
@@ -163,7 +163,7 @@ def test_a_waiting_replacement_asks_whether_holders_are_gone_rarely(tmp_path: Pa
     assert sorted(asked) == ["i-0", "i-1", "i-2"], "once per holder, not once per try"
     # A holder found gone stays gone: its slot is taken without asking again.
     dead.add("i-1")
-    fresh = _rechecked(instance_gone, seconds=3600)
+    fresh = rechecked(instance_gone, seconds=3600)
     assert fresh is not None and fresh(lease.read(store, 1)[0])  # type: ignore[index]
     taken = lease.acquire(store, "i-new", holder_gone=fresh, slot=1, stride=3)
     assert taken is not None and taken.lease.epoch == 2 + 3
@@ -176,7 +176,7 @@ def test_a_waiting_replacement_asks_whether_holders_are_gone_rarely(tmp_path: Pa
 def test_first_node_hosts_the_rendezvous_and_the_others_join(tmp_path: Path) -> None:
     from torch.distributed import TCPStore
 
-    from spotnb.multinode import rendezvous as rdzv
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
 
     store = LocalStore(tmp_path / "job")
     held = lease.acquire(store, "i-a", slot=0, stride=2)
@@ -200,7 +200,7 @@ def test_first_node_hosts_the_rendezvous_and_the_others_join(tmp_path: Path) -> 
 
 def test_a_host_with_notice_vacates_and_one_survivor_hosts_the_next_generation(
         tmp_path: Path) -> None:
-    from spotnb.multinode import rendezvous as rdzv
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
 
     store = LocalStore(tmp_path / "job")
     a = lease.acquire(store, "i-a", slot=0, stride=3)
@@ -225,7 +225,7 @@ def test_a_host_with_notice_vacates_and_one_survivor_hosts_the_next_generation(
 
 
 def test_a_dead_host_is_replaced_by_the_next_generation(tmp_path: Path) -> None:
-    from spotnb.multinode import rendezvous as rdzv
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
 
     store = LocalStore(tmp_path / "job")
     a = lease.acquire(store, "i-a", slot=0, stride=2)
@@ -391,7 +391,7 @@ dist.destroy_process_group()
 
 
 def _worlds(store: LocalStore) -> list[dict[str, object]]:
-    from spotnb.events import EventReader
+    from spotnb.protocol.events import EventReader
 
     return [dict(e.data, instance=e.instance) for e in EventReader(store).replay()
             if e.type == "world"]
@@ -411,7 +411,7 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
     import signal
 
     import spotnb
-    from spotnb.multinode import rendezvous as rdzv
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
     from spotnb.providers.local import LocalProvider
 
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
@@ -447,8 +447,8 @@ def test_losing_the_rendezvous_host_shrinks_the_world_then_it_re_forms(
     assert result.status == "completed", (result.status, result.reason)
     assert result.outputs["world"] == 2
     # The join: one save at the step the survivor had reached, restored at 2 nodes.
-    from spotnb import display
-    from spotnb.events import EventReader
+    from spotnb.client import display
+    from spotnb.protocol.events import EventReader
 
     view = display.JobView(job_id=job.job_id, name="", created=0.0, min_nodes=1,
                            max_nodes=2)
@@ -493,6 +493,56 @@ dist.destroy_process_group()
 """
 
 
+# The uninterrupted run that a job's final weights are compared with: the same cell as
+# plain torchrun workers on this machine (no instances, no agents), with `spot` reduced
+# to what an uninterrupted run does with it (never restores, saves nothing that matters).
+_PLAIN_SPOT = """
+import os, sys, torch
+class _Checkpoint:
+    def __init__(self, **state): pass
+    def restore(self): return 0
+    def maybe_save(self, step): return False
+class spot:
+    Checkpoint = _Checkpoint
+    @staticmethod
+    def log(step, **values): pass
+"""
+
+
+class Uninterrupted:
+    """``code`` run by ``world`` torchrun workers with ``inputs``, started at once (it
+    runs beside the job); :meth:`weights` waits for rank 0's ``weights``."""
+
+    def __init__(self, code: str, inputs: dict[str, object], world: int,
+                 tmp_path: Path) -> None:
+        import subprocess
+        import sys
+
+        self.out = tmp_path / "uninterrupted.pt"
+        script = tmp_path / "uninterrupted.py"
+        given = "".join(f"{k} = {v!r}\n" for k, v in inputs.items())
+        # os._exit: no interpreter teardown after the process group is gone (gloo's
+        # threads there can abort the process: "terminate called without an active
+        # exception", seen beside two busy loops).
+        script.write_text(f"{_PLAIN_SPOT}{given}{code}\n"
+                          f"if os.environ['RANK'] == '0':\n"
+                          f"    torch.save(weights, {str(self.out)!r})\n"
+                          f"sys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n")
+        self.log = tmp_path / "uninterrupted.log"
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={world}", str(script)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+    def weights(self, timeout: float = 300) -> list[object]:
+        import torch
+
+        rc = self.proc.wait(timeout=timeout)
+        assert rc == 0, self.log.read_text()[-3000:]
+        return torch.load(self.out)  # type: ignore[no-any-return]
+
+
 # The same training sharded with FSDP2: every rank writes its shards (asynchronously,
 # spotnb.ckpt.sharded), and a world that shrank reads them resharded. The bias (one
 # element) leaves rank 1 of two an empty shard.
@@ -520,18 +570,15 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
     import torch
 
     import spotnb
-    from spotnb.events import EventReader
-    from spotnb.multinode import rendezvous as rdzv
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
+    from spotnb.protocol.events import EventReader
 
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "20")
     go = tmp_path / "go"
     common = {"nodes": "1:2", "outputs": ["weights"], "instance_types": "g4dn.xlarge",
               "checkpoint_every": "5 steps"}
-    reference_go = tmp_path / "reference-go"
-    reference_go.write_text("go")
-    reference = spotnb.submit(code, inputs={"STEPS": 30, "PAUSE_AT": 12,
-                                                    "GO": str(reference_go)}, **common)
+    reference = Uninterrupted(code, {"STEPS": 30, "PAUSE_AT": -1, "GO": ""}, 2, tmp_path)
     job = spotnb.submit(code, inputs={"STEPS": 30, "PAUSE_AT": 12, "GO": str(go)},
                         **common)
     store = LocalStore(job.spec.store_uri.removeprefix("file://"))
@@ -550,8 +597,7 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
     go.write_text("go")
     result = job.wait(timeout=300)
     assert result.status == "completed", (result.status, result.reason)
-    ref = reference.wait(timeout=300)
-    assert ref.status == "completed", (ref.status, ref.reason)
+    want = reference.weights()
     # The coordinated checkpoint: one forced save, at the gate's step.
     forced = [e for e in events("checkpoint") if e.data.get("phase") == "durable"  # type: ignore[attr-defined]
               and e.data.get("forced")]  # type: ignore[attr-defined]
@@ -559,7 +605,7 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
     record = rdzv.read(store)
     assert record is not None and record[0].generation >= 2 and record[0].host != host
     sizes = {w["world_size"] for w in _worlds(store)}
-    got, want = result.outputs["weights"], ref.outputs["weights"]
+    got = result.outputs["weights"]
     if sizes == {2}:
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     else:
@@ -591,22 +637,17 @@ def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupte
     import torch
 
     import spotnb
-    from spotnb import cli
-    from spotnb.events import EventReader
-    from spotnb.multinode import rendezvous as rdzv
+    from spotnb.client import cli
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
+    from spotnb.protocol.events import EventReader
 
     assert GATED_TRAINING != DDP_TRAINING
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "10")
     common = {"nodes": 2, "outputs": ["weights"], "instance_types": "g4dn.xlarge",
               "checkpoint_every": "5 steps"}
-    reference_go = tmp_path / "reference-go"
-    reference_go.mkdir()
-    for step in (12, 20):
-        (reference_go / str(step)).write_text("go")
     inputs = {"STEPS": 26, "PAUSES": [12, 20], "PAUSE_AT": -1}
-    reference = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(reference_go)},
-                              **common)
+    reference = Uninterrupted(GATED_TRAINING, {**inputs, "PAUSES": [], "GO": ""}, 2, tmp_path)
     go = tmp_path / "go"
     go.mkdir()
     job = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(go)}, **common)
@@ -633,8 +674,7 @@ def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupte
     (go / "20").write_text("go")
     result = job.wait(timeout=400)
     assert result.status == "completed", (result.status, result.reason)
-    ref = reference.wait(timeout=300)
-    assert ref.status == "completed", (ref.status, ref.reason)
+    want = reference.weights()
     # One coordinated save for the two notices, at the gate's step.
     forced = [e for e in EventReader(store).replay() if e.type == "checkpoint"
               and e.data.get("phase") == "durable" and e.data.get("forced")]
@@ -642,7 +682,7 @@ def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupte
     assert {w["world_size"] for w in _worlds(store)} == {2}
     later = rdzv.read(store)
     assert later is not None and later[0].generation > record[0].generation
-    got, want = result.outputs["weights"], ref.outputs["weights"]
+    got = result.outputs["weights"]
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
@@ -666,12 +706,10 @@ def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
 
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
     go = tmp_path / "go"
-    reference_go = tmp_path / "reference-go"
-    reference_go.write_text("go")
     common = {"nodes": "2:3", "outputs": ["weights"], "instance_types": "g4dn.xlarge",
               "checkpoint_every": "5 steps"}
-    reference = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 24, "PAUSE_AT": 12,
-                                                    "GO": str(reference_go)}, **common)
+    reference = Uninterrupted(DDP_TRAINING, {"STEPS": 24, "PAUSE_AT": -1, "GO": ""}, 3,
+                              tmp_path)
     job = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 24, "PAUSE_AT": 12, "GO": str(go)},
                         **common)
     store = LocalStore(job.spec.store_uri.removeprefix("file://"))
@@ -688,15 +726,14 @@ def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
     go.write_text("go")
     result = job.wait(timeout=300)
     assert result.status == "completed", (result.status, result.reason)
-    ref = reference.wait(timeout=300)
-    assert ref.status == "completed", (ref.status, ref.reason)
+    want = reference.weights()
     # The steps after the last checkpoint before the kill were redone.
     steps = metric_steps()
     assert steps.count(12) >= 2 and steps[-1] == 23
     worlds = _worlds(store)
     assert any(w["instance"] == victim["instance_id"] for w in worlds)
     sizes = {w["world_size"] for w in worlds}
-    got, want = result.outputs["weights"], ref.outputs["weights"]
+    got = result.outputs["weights"]
     if sizes == {3}:
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     else:
@@ -736,7 +773,7 @@ def _three_node_job() -> tuple[JobSpec, list[object]]:
     job completes. Every node samples its CPU; global rank 0 (node 0) logs the loss."""
     import json
 
-    from spotnb.events import GROUP_STREAM, Event
+    from spotnb.protocol.events import GROUP_STREAM, Event
 
     raw = json.loads(_spec_json())
     raw["resources"].update(min_nodes=2, max_nodes=3, procs_per_node=1)
@@ -794,7 +831,7 @@ def _three_node_job() -> tuple[JobSpec, list[object]]:
 
 
 def test_the_display_tells_a_multi_node_job_in_nodes_and_worlds() -> None:
-    from spotnb import display
+    from spotnb.client import display
 
     spec, events = _three_node_job()
     view = display.JobView(job_id=spec.job_id, name=spec.name, created=T0,
@@ -830,8 +867,8 @@ def test_the_display_tells_a_multi_node_job_in_nodes_and_worlds() -> None:
 
 
 def test_the_cost_of_a_multi_node_job_counts_every_node() -> None:
-    from spotnb import display
-    from spotnb.jobs import instances_label, nodes_label, summarize
+    from spotnb.client import display
+    from spotnb.client.jobs import instances_label, nodes_label, summarize
 
     spec, events = _three_node_job()
     result = summarize(spec, events, {"status": "completed"})  # type: ignore[arg-type]
@@ -861,7 +898,7 @@ def test_the_cost_of_a_multi_node_job_counts_every_node() -> None:
 def test_a_multi_node_record_names_its_nodes_and_the_dashboard_plots_them(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     np = pytest.importorskip("numpy")
-    from spotnb.jobs import JobHandle, summarize
+    from spotnb.client.jobs import JobHandle, summarize
     from spotnb.records.summary import job_record
     from spotnb.widgets import plots, series
 

@@ -21,9 +21,9 @@ from jupyter_client.manager import start_new_kernel
 from nbformat.v4 import new_code_cell, new_notebook
 
 import spotnb
-from spotnb import cli
-from spotnb.events import FINAL_STATES
-from spotnb.notebook import run_notebook
+from spotnb.client import cli
+from spotnb.client.notebook import run_notebook
+from spotnb.protocol.events import FINAL_STATES
 
 pytestmark = pytest.mark.slow
 
@@ -297,8 +297,8 @@ def test_multinode_notebook_trains_on_two_nodes_through_an_interruption(
     nodes = record["nodes"]
     assert (nodes["min"], nodes["max"], nodes["worlds"][0]["nodes"]) == (1, 2, 2), nodes
     assert {i["node"] for i in nodes["instances"]} == {0, 1}, nodes
-    from spotnb.events import GROUP_STREAM, EventReader
-    from spotnb.jobs import summarize
+    from spotnb.client.jobs import summarize
+    from spotnb.protocol.events import GROUP_STREAM, EventReader
 
     handle = spotnb.attach(job.job_id)
     events = list(EventReader(handle.store).replay())

@@ -1,6 +1,6 @@
 """What the header says about a job's progress, and the jobs listing.
 
-:mod:`spotnb.progress` from scripted events (pace, time left, the time and money an
+:mod:`spotnb.client.progress` from scripted events (pace, time left, the time and money an
 interruption took, steps redone), the loop's total found by ``spot.log`` (and given by
 ``spot.progress``), and ``spotnb jobs`` / ``%spot_jobs``: newest first, with the
 instance, duration, cost, saving and last metric, and a note where names repeat.
@@ -14,10 +14,11 @@ from types import FrameType
 
 import pytest
 
-from spotnb import cli
-from spotnb.events import Event
-from spotnb.jobs import JobInfo
-from spotnb.progress import Progress, loop_total
+from spotnb.client import listing
+from spotnb.client.jobs import JobInfo
+from spotnb.client.progress import Progress
+from spotnb.protocol.events import Event
+from spotnb.train.looptotal import loop_total
 
 T0 = 1_800_000_000.0
 
@@ -25,6 +26,31 @@ T0 = 1_800_000_000.0
 def metric(attempt: int, step: int, at: float) -> Event:
     return Event("metric", T0 + at, attempt, f"i-{attempt}",
                  {"step": step, "t": T0 + at, "values": {"loss": 1.0}})
+
+
+def test_the_redone_rule_is_one_for_every_view() -> None:
+    """The fold's rule (RedoneSteps), which the progress line and the dashboard read:
+    an ended attempt's steps from the next logging attempt's first step on are redone;
+    an attempt in between that logged nothing is passed over; late rows of the ended
+    attempt raise the count; a view's own count of moved points can only raise it."""
+    from spotnb.protocol.events.fold import RedoneSteps, replaced_attempt
+
+    redo = RedoneSteps()
+    redo.logged(1, 0, 40)
+    redo.end(1)
+    assert redo.of(1) is None  # not known until the next attempt logs
+    redo.end(2)  # attempt 2 died before it logged
+    assert redo.logged(3, 31, 31) == 1
+    assert (redo.of(1), redo.of(2)) == (10, None)
+    assert redo.logged(1, 41, 44) == 1  # late rows of attempt 1, read after 3's
+    assert redo.of(1) == 14
+    redo.end(3)
+    assert redo.logged(4, 50, 60, moved=3) == 3  # resumed past 3's last step
+    assert redo.of(3) == 3 and redo.total() == 17
+    assert replaced_attempt(5, {1, 3, 4}, 1) == 4
+    assert replaced_attempt(1, set(), 1) is None
+    assert replaced_attempt(4, {1, 2, 3}, 3) == 1  # node slot 0's previous attempt
+    assert replaced_attempt(3, {1, 2}, 3) is None  # a node joining replaces none
 
 
 def launched(instance: str, at: float, price: float = 0.36) -> Event:
@@ -148,7 +174,7 @@ def test_spot_log_finds_the_total_of_its_loop(code: str, total: int | None) -> N
 def test_spot_progress_sets_the_total(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                       ) -> None:
     monkeypatch.chdir(tmp_path)  # standalone mode keeps its files here
-    from spotnb import runtime
+    from spotnb.train import runtime
 
     try:
         runtime.progress(total=1234)
@@ -166,9 +192,9 @@ def test_the_listing_is_newest_first_with_the_facts_and_notes_shared_names() -> 
                   metric=("loss", 0.12345))
     new = JobInfo(job_id="20250102-000000-bbbbbb", name="run", status="waiting_for_capacity",
                   attempts=0, interruptions=0, cost_usd=0.0, created=T0 + 86400)
-    table, notes = cli.jobs_table([old, new], T0 + 2 * 86400)
+    table, notes = listing.jobs_table([old, new], T0 + 2 * 86400)
     assert [row[0] for row in table] == [new.job_id, old.job_id]
-    row = dict(zip(cli.JOB_COLUMNS, table[1], strict=True))
+    row = dict(zip(listing.JOB_COLUMNS, table[1], strict=True))
     assert row == {"job": old.job_id, "name": "run", "status": "completed",
                    "instance": "g5.xlarge", "duration": "1:02:05", "cost $": "0.0200",
                    "saving": "60%", "last metric": "loss 0.1235", "attempts": "3",
@@ -191,3 +217,19 @@ def test_a_multi_node_job_counts_every_step_logged_again() -> None:
                   *(metric(2, s, 90 + s) for s in range(40, 60))]:
         p.apply(event)
     assert p.redone_steps() == 24 + 5
+
+
+def test_a_multi_node_break_resumes_where_its_redone_count_was_taken() -> None:
+    """A 2-node job: rank 0's rows came from node slot 0 (attempt 1); after a notice to
+    that node the world re-formed with rank 0 on slot 1's node (attempt 2), and slot 0's
+    replacement (attempt 3) logs nothing. The break's resume point and its redone count
+    are both taken against attempt 2's first row."""
+    from spotnb.protocol.events.fold import fold
+
+    events = [Event("status", T0 + n, n, f"i-{n}", {"state": "booting"}) for n in (1, 2)]
+    events += [metric(1, s, 10 + s) for s in range(41)]
+    events += [Event("notice", T0 + 51, 1, "i-1", {"kind": "instance-action"}),
+               Event("status", T0 + 80, 3, "i-3", {"state": "booting"})]
+    events += [metric(2, s, 90 + s) for s in range(31, 60)]
+    (gone,) = fold(events, max_nodes=2).breaks()
+    assert (gone.attempt, gone.step, gone.resumed_at, gone.redone) == (1, 40, 31, 10)

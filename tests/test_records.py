@@ -33,7 +33,8 @@ from conftest import ARTIFACTS, CHROMIUM, CHROMIUM_FLAGS, LEFTOVER_GRACE_SECONDS
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 import spotnb
-from spotnb import cli, layout
+from spotnb.client import cli
+from spotnb.protocol import layout
 from spotnb.records import document, figures
 from spotnb.records.library import compare_rows, find_records, load_record
 from spotnb.records.run import inject_parameters, parse_parameters
@@ -238,7 +239,9 @@ def test_the_quickstart_record_is_small_and_carries_a_static_dashboard(
     train = nb.cells[job["cell"]]
     # The dashboard's own PNG: the record adds none of its own.
     (figure,) = document.static_figures(train, job["job_id"])
-    image = Image.open(io.BytesIO(base64.b64decode(figure["data"]["image/png"])))
+    png = document.figure_png(figure)
+    assert png is not None
+    image = Image.open(io.BytesIO(png))
     assert image.size[0] >= 900 and image.size[1] >= 400
     # The figure's 5 MB bundle is not kept, and nothing needs a CDN.
     assert not any(document.PLOTLY_MIME in o.get("data", {}) for o in train.outputs)
@@ -272,6 +275,15 @@ def test_the_html_export_shows_the_loss_curve_in_headless_chromium(
     assert html.is_file()
     body = html.read_text()
     assert document.PLOTLY_MIME not in body  # the export shows the PNG, not a CDN script
+    # The final PNG is stored once, in the record and in its export.
+    nb = nbformat.read(quickstart["path"], as_version=4)
+    (job,) = nb.metadata["spotnb"]["jobs"]
+    (figure,) = document.static_figures(nb.cells[job["cell"]], job["job_id"])
+    encoded = base64.b64encode(document.figure_png(figure) or b"").decode()
+    assert quickstart["path"].read_text().count(encoded) == 1
+    assert body.count(encoded) == 1
+    # No widget manager to fetch: every widget view gave way to its static form.
+    assert document.WIDGET_VIEW_MIME not in body and "html-manager" not in body
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -285,6 +297,18 @@ def test_the_html_export_shows_the_loss_curve_in_headless_chromium(
                 page.route("**/*", lambda route: route.continue_()
                            if route.request.url.startswith("file:") else route.abort())
                 page.goto(html.as_uri())
+                # What a person reads offline: the picker's table, the training's
+                # output (the dashboard's output panel), and no widget placeholder.
+                text = page.inner_text("body")
+                assert "Loading widget" not in text
+                picker = page.locator(".spotnb-static-picker table")
+                assert picker.count() == 1 and picker.is_visible()
+                assert "g4dn.xlarge" in picker.inner_text()
+                assert "job $ spot" in picker.inner_text()
+                panel = page.locator(".spotnb-static-log")
+                assert panel.count() == 1 and panel.is_visible()
+                log = panel.inner_text()
+                assert "test accuracy" in log and log.count("spot interruption notice") == 2
                 sizes = page.evaluate("Array.from(document.images).map("
                                       "i => [i.naturalWidth, i.getBoundingClientRect().width])")
                 assert sizes and all(w > 0 for w, _ in sizes), sizes
@@ -410,6 +434,41 @@ def test_records_list_and_compare_two_runs_with_different_parameters(
     assert [r.path.name for r in find_records(records_dir)] == [
         "quickstart.record.ipynb", "small-a.record.ipynb", "small-b.record.ipynb",
         "failing.record.ipynb"]
+
+
+def test_records_compare_three_records_with_the_interruptions_marked(
+        quickstart: dict[str, Any], small: dict[str, Any], records_dir: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The quickstart was interrupted twice: its record says where each attempt stopped.
+    (job,) = load_record(quickstart["path"]).jobs
+    breaks = job["breaks"]
+    assert [b["reason"] for b in breaks] == ["interrupted", "interrupted"], breaks
+    steps = job["curves"]["loss"]["step"]
+    for b in breaks:
+        assert steps[0] <= b["step"] <= steps[-1] and b["resumed_at"] <= b["step"] + 1
+        assert b["redone"] == b["step"] - b["resumed_at"] + 1
+    assert job["redone_steps"] == sum(b["redone"] for b in breaks)
+
+    capsys.readouterr()
+    figure = records_dir / "three.png"
+    assert cli.main(["records", "compare", str(quickstart["path"]), str(small["a"]),
+                     str(small["b"]), "-o", str(figure)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\* interruptions\s+2\s+0\s+0$", out, re.M), out
+    assert re.search(r"^\* STEPS\s+\S+\s+30\s+60$", out, re.M), out
+    assert f"the metric curves, overlaid: {figure} (dashed lines: interruptions" in out
+    import numpy as np
+    from PIL import Image
+
+    from spotnb.records.figures import RUN_COLOURS
+
+    with Image.open(figure) as image:
+        rgb = np.asarray(image.convert("RGB")).astype(int)
+    first = np.array([int(RUN_COLOURS[0][i:i + 2], 16) for i in (1, 3, 5)])
+    near = np.abs(rgb - first).sum(axis=2) < 60
+    # The quickstart's two interruptions: two columns of its colour (dashed) per panel.
+    tall = np.flatnonzero(near.sum(axis=0) > 100)
+    assert len(tall) and (np.diff(tall) > 3).sum() >= 1, tall
 
 
 def test_records_show_prints_the_run_and_its_jobs(
@@ -556,6 +615,53 @@ def test_bundled_widgets_are_dropped_and_unlinked() -> None:
     assert set(state) == {"box", "head"}
     assert state["box"]["state"]["children"] == ["IPY_MODEL_head"]
     assert nb.cells[0].outputs[0]["data"] == {"text/plain": "FigureWidget"}
+
+
+def _view_output(model_id: str, **data: str) -> Any:
+    return nbformat.v4.new_output(
+        "display_data", data={document.WIDGET_VIEW_MIME: {"model_id": model_id}, **data})
+
+
+def test_widget_views_without_state_give_way_to_their_static_form() -> None:
+    nb = new_notebook(cells=[new_code_cell("d")])
+    nb.cells[0].outputs = [
+        _view_output("kept", **{"text/html": "<b>kept</b>", "text/plain": "kept"}),
+        _view_output("closed", **{"text/html": "<table>picker</table>",
+                                  "text/plain": "picker"}),
+        _view_output("bare"),
+    ]
+    nb.metadata["widgets"] = {document.WIDGET_STATE_MIME: {
+        "state": {"kept": {"model_name": "HTMLModel", "state": {}}},
+        "version_major": 2, "version_minor": 0}}
+    assert document.drop_views_without_state(nb) == 2
+    kept, closed = nb.cells[0].outputs  # the view with nothing else went whole
+    assert document.WIDGET_VIEW_MIME in kept["data"]
+    assert closed["data"] == {"text/html": "<table>picker</table>", "text/plain": "picker"}
+    # Saved without any widget state: no view is left to wait for a model.
+    del nb.metadata["widgets"]
+    assert document.drop_views_without_state(nb) == 1
+    assert not any(document.WIDGET_VIEW_MIME in o["data"] for o in nb.cells[0].outputs)
+
+
+def test_the_html_export_shows_static_forms_in_place_of_widget_views() -> None:
+    nb = new_notebook(cells=[new_code_cell("d")])
+    nb.cells[0].outputs = [
+        _view_output("board", **{"text/html": "<pre>epoch 3 done</pre>",
+                                 "text/plain": "epoch 3 done"}),
+        nbformat.v4.new_output("display_data", data={
+            "text/html": "<img src='data:image/png;base64,iVBORw0KGgo=' alt='fig'>",
+            "text/plain": "Final dashboard"},
+            metadata={"spotnb": {"figure": document.FIGURE_KIND, "job_id": "j"}}),
+    ]
+    nb.metadata["widgets"] = {document.WIDGET_STATE_MIME: {
+        "state": {"board": {"model_name": "VBoxModel", "state": {}}},
+        "version_major": 2, "version_minor": 0}}
+    page = document.for_html(nb)
+    assert page.cells[0].outputs[0]["data"] == {"text/html": "<pre>epoch 3 done</pre>",
+                                                "text/plain": "epoch 3 done"}
+    assert "widgets" not in page.metadata  # no widget manager to fetch from a CDN
+    assert document.WIDGET_VIEW_MIME in nb.cells[0].outputs[0]["data"]  # a copy
+    assert document.figure_png(page.cells[0].outputs[1]) == base64.b64decode("iVBORw0KGgo=")
 
 
 def test_a_notebook_saved_by_hand_is_read_from_its_output_metadata(tmp_path: Path) -> None:

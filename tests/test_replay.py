@@ -1,8 +1,8 @@
 """Re-attaching replays a job's history a batch at a time, with the figures that taking
 its rows one by one gives.
 
-A day of metrics is a million rows; the view (:class:`~spotnb.display.JobView`), the
-progress (:class:`~spotnb.progress.Progress`) and the dashboard's series
+A day of metrics is a million rows; the view (:class:`~spotnb.client.display.JobView`), the
+progress (:class:`~spotnb.client.progress.Progress`) and the dashboard's series
 (:class:`~spotnb.widgets.series.DashboardData`) take a ``metrics`` batch in bulk. These
 tests feed the same random runs (several attempts, redone steps, metrics only some rows
 have, NaNs and ties, late rows of an ended attempt, times out of order, batches split
@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from spotnb import display
-from spotnb.display import JobView
-from spotnb.events import Event, expand, merge_metrics, metrics_data
-from spotnb.progress import Progress
+from spotnb.client import display
+from spotnb.client.display import JobView
+from spotnb.client.progress import Progress
+from spotnb.protocol.events import Event, expand, merge_metrics, metrics_data
 
 np = pytest.importorskip("numpy")
 series = pytest.importorskip("spotnb.widgets.series")
@@ -218,7 +218,7 @@ def _dashboard(data: Any) -> dict[str, Any]:
         "series": {name: (_points(s), s.gaps, s.starts, s.attempt, s.last_step)
                    for name, s in data.metrics.items()},
         "markers": [dataclasses.asdict(m) for m in data.markers],
-        "steps": (data._first_step, data._last_step, data._attempt),
+        "steps": (data.redo.first, data.redo.last, data._attempt),
         "times": (data.first_time, data.last_time),
         "version": data.version,
         "sys": data.util.full.x.tobytes(),
@@ -238,7 +238,7 @@ def test_dashboard_data_takes_batches_as_their_rows(seed: int, rows: list[Event]
 def _progress(p: Progress, now: float) -> dict[str, Any]:
     return {"figures": p.summary(now), "step": p.step, "furthest": p.furthest,
             "attempt": p.attempt, "window": list(p._window), "last": p._last,
-            "first": p._first,
+            "first": p.redo.first,
             "interruptions": [dataclasses.asdict(i) for i in p.interruptions]}
 
 

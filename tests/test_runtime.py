@@ -27,11 +27,13 @@ import numpy as np
 import pytest
 import torch
 
-from spotnb import layout, lease
-from spotnb import runtime as spot
-from spotnb.checkpoints import CheckpointError, CheckpointStore, CorruptCheckpoint, FencedOff
+from spotnb.ckpt.checkpoints import CheckpointError, CheckpointStore, CorruptCheckpoint, FencedOff
 from spotnb.kernel_remote import channel
-from spotnb.store import LocalStore
+from spotnb.protocol import layout, lease
+from spotnb.protocol.store import LocalStore
+from spotnb.train import process
+from spotnb.train import runtime as spot
+from spotnb.train.syncdir import sync_name
 
 # The data file of a small checkpoint (one rank, one file: spotnb.ckpt.dcp).
 DATA = "__0_0.distcp"
@@ -327,7 +329,7 @@ def test_generators_and_arrays_restore_in_place(job: Job) -> None:
 _NO_TORCH = textwrap.dedent(
     """
     import random, sys
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     random.seed(5)
     state = {"history": []}
@@ -568,7 +570,7 @@ def test_a_lease_the_agent_cannot_confirm_is_not_a_lost_one(job: Job) -> None:
                                {"ok": False, "unknown": True}, {"ok": True}]
     job.agent.send({"op": "ping"})  # the runtime now asks the agent, not the store
     deadline = time.monotonic() + 20
-    while not (spot._runtime is not None and spot._runtime._pinged):
+    while not ((rt := process.existing()) is not None and rt._pinged):
         assert time.monotonic() < deadline, "the runtime never read the ping"
         time.sleep(0.01)
     ckpt.save(1)
@@ -591,7 +593,7 @@ _TRAIN = textwrap.dedent(
     """
     import hashlib, os, random, signal, sys
     import numpy as np, torch
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     total, kill_after = int(sys.argv[1]), int(sys.argv[2])
     random.seed(0); np.random.seed(0); torch.manual_seed(0)
@@ -661,7 +663,7 @@ _PARK = textwrap.dedent(
     """
     import time
     import torch
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     model = torch.nn.Linear(4, 4)
     ckpt = spot.Checkpoint(model=model)
@@ -704,7 +706,7 @@ def test_notice_forces_a_save_then_parks(job: Job) -> None:
 _SLOW_PARK = textwrap.dedent(
     """
     import os, time
-    from spotnb import runtime as spot
+    from spotnb.train import runtime as spot
 
     state = {"blob": os.urandom(50_000), "step": -1}
     ckpt = spot.Checkpoint(state=state)
@@ -882,8 +884,8 @@ def test_standalone_without_environment(
 _FRAMEWORK_LOOP = textwrap.dedent(
     """
     import os, shutil
-    from spotnb import runtime as spot
-    from spotnb.syncdir import find_checkpoints, newest_checkpoint_only
+    from spotnb.train import runtime as spot
+    from spotnb.train.syncdir import find_checkpoints, newest_checkpoint_only
 
     # A framework's way: checkpoint-<step>/ folders written in place (not atomically),
     # the newest two kept on disk; saved every 5 steps and when a notice asks.
@@ -929,7 +931,7 @@ def test_framework_dir_saved_at_save_points_then_parked_on_notice(
         proc.communicate(timeout=30)
     # The snapshot holds one checkpoint, the newest, whole (and the rows the fake
     # agent never confirmed).
-    snapshots = CheckpointStore(job.store, f"{layout.SYNC}/{spot.sync_name('out')}")
+    snapshots = CheckpointStore(job.store, f"{layout.SYNC}/{sync_name('out')}")
     latest = snapshots.latest()
     assert latest is not None
     assert sorted(f.name for f in latest.files) == [
@@ -946,7 +948,7 @@ def test_framework_dir_saved_at_save_points_then_parked_on_notice(
 
 
 def test_newest_checkpoint_only_keeps_the_newest_the_best_and_other_files() -> None:
-    from spotnb.syncdir import newest_checkpoint_only
+    from spotnb.train.syncdir import newest_checkpoint_only
 
     rels = ["checkpoint-5/a.bin", "checkpoint-10/a.bin", "checkpoint-10/sub/b.json",
             "checkpoint-9/a.bin", "runs/events.out", "config.json",
@@ -983,5 +985,20 @@ def test_log_params_sends_bounded_json(job: Job) -> None:
     assert message["source"] == "test"
     assert params["lr"] == 0.1 and params["layers"] == [64, 32] and params["extra"] is True
     assert params["kind"] == "linear" and params["path"] == "/x" and params["nan"] == "nan"
-    assert len(params["blob"]) <= spot.MAX_PARAM_CHARS + 1
+    assert len(params["blob"]) <= process.MAX_PARAM_CHARS + 1
     assert params["obj"].startswith("<object object")
+
+
+def test_a_saves_states_all_lead_from_start_to_done() -> None:
+    # Checkpoint's save is a state machine: every state is reachable from START, every
+    # one but DONE leads on, and DONE (only) ends it.
+    table = spot.SAVE_TRANSITIONS
+    assert set(table) == set(spot.SaveState)
+    reached, todo = {spot.SaveState.START}, [spot.SaveState.START]
+    while todo:
+        for following in table[todo.pop()]:
+            if following not in reached:
+                reached.add(following)
+                todo.append(following)
+    assert reached == set(spot.SaveState)
+    assert [s for s in spot.SaveState if not table[s]] == [spot.SaveState.DONE]

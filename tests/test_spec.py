@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spotnb
-from spotnb.jobs import prepare
-from spotnb.spec import (
+from spotnb.client.jobs import prepare
+from spotnb.protocol.spec import (
     MAX_NODES,
     PEER_TIMEOUT_MAX_SECONDS,
     PEER_TIMEOUT_MIN_SECONDS,
@@ -80,6 +80,18 @@ def _simulation(sim: Any) -> bool:
         type(t) in (int, float) and math.isfinite(t) and t >= 0 for t in sim["schedule"])
 
 
+def _signals(sig: Any) -> bool:
+    if sig is None:
+        return True
+    numbers = [sig[k] for k in ("lead_median", "lead_sigma", "lead_max", "together",
+                                "false_alarm", "no_recommendation")]
+    return (all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in numbers)
+            and sig["together"] <= 1 and sig["no_recommendation"] <= 1
+            and sig["false_alarm"] < 1 and (sig["seed"] is None or isinstance(sig["seed"], str))
+            and all(type(t) in (int, float) and math.isfinite(t) and t >= 0
+                    for t in sig["false_alarms"]))
+
+
 # What an accepted value must have become, per argument of submit: checked
 # independently of spotnb's own checks.
 VALID: dict[str, Callable[[JobSpec], bool]] = {
@@ -102,6 +114,7 @@ VALID: dict[str, Callable[[JobSpec], bool]] = {
         s.policy.max_duration),
     "keep_checkpoints": lambda s: _whole(s.policy.keep_checkpoints, 1),
     "simulate_interruptions": lambda s: _simulation(s.simulate_interruptions),
+    "simulate_signals": lambda s: _signals(s.simulate_signals),
     "env": lambda s: all(_name(k) or k.isidentifier() for k in s.env) and all(
         v is None or isinstance(v, str) for v in s.env.values()),
     "files": lambda s: True,  # nothing of them is in the spec; a bad one is refused
@@ -300,3 +313,13 @@ def test_a_tampered_spec_json_is_a_spec_error(path: str, value: Any, words: str)
 def test_a_spec_json_of_the_wrong_shape_is_a_spec_error(text: str) -> None:
     with pytest.raises(SpecError, match=r"spec\.json|submit the job again"):
         JobSpec.from_json(text)
+
+
+def test_the_standby_setting_is_a_flag_checked_at_submit_and_read_back() -> None:
+    assert prepare(CODE).policy.standby is True
+    spec = prepare(CODE, standby=False)
+    assert spec.policy.standby is False and JobSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(SpecError, match=r"standby must be True .* or False"):
+        prepare(CODE, standby="no")
+    with pytest.raises(SpecError, match="standby must be True or False"):
+        JobSpec.from_json(spec.to_json().replace('"standby": false', '"standby": 0'))

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from spotnb import lease
-from spotnb.events import EventReader, EventWriter
-from spotnb.store import LocalStore, NotFound, Store, open_store
+from spotnb.protocol import lease
+from spotnb.protocol.events import EventReader, EventWriter
+from spotnb.protocol.store import LocalStore, NotFound, Store, open_store
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -463,7 +463,7 @@ def test_a_frozen_agents_kernel_stops_before_anyone_may_take_the_lease(
     # over TTL seconds after the renewal; the kernel's watchdog must have stopped it
     # before then, whatever the TTL (it was fixed at 15 s: 60-74 steps trained after
     # the takeover with a TTL of 6 s).
-    from spotnb.session import watchdog_verdict
+    from spotnb.train.session import watchdog_verdict
 
     before = lease.clock()
     held = lease.acquire(store, "i-a", ttl=ttl)
@@ -489,7 +489,7 @@ def test_a_frozen_agents_kernel_stops_before_anyone_may_take_the_lease(
 
 
 def test_backoff_doubles_to_its_cap_and_starts_over_after_a_success() -> None:
-    from spotnb.backoff import Backoff
+    from spotnb.protocol.backoff import Backoff
 
     # The store's retries: 0.5 s doubling up to 30 s, as every retry loop had them.
     delays = Backoff(0.5, 30.0)

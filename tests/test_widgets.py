@@ -8,6 +8,7 @@ an update sends, weigh them, and check the throttle, on a fake clock.
 from __future__ import annotations
 
 import json
+import re
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -21,14 +22,17 @@ pytest.importorskip("plotly")
 
 import comm
 
-from spotnb import display
-from spotnb.display import JobView
-from spotnb.events import Event, merge_metrics, metrics_data
+from spotnb.client import comparison, display
+from spotnb.client.display import JobView
+from spotnb.protocol.events import Event, merge_metrics, metrics_data
 from spotnb.widgets import dashboard as dashboard_mod
 from spotnb.widgets import plots, series, static
+from spotnb.widgets.compare import Comparison
 from spotnb.widgets.dashboard import Dashboard, DetachRequested
 from spotnb.widgets.header import header_html
 from spotnb.widgets.picker import (
+    COLUMNS,
+    DEFAULT_COLUMNS,
     InstancePicker,
     PickerRow,
     estimate,
@@ -54,6 +58,10 @@ class RecordingComm:
     def on_close(self, *_a: Any) -> None: ...
     def open(self, *_a: Any, **_k: Any) -> None: ...
     def close(self, *_a: Any, **_k: Any) -> None: ...
+
+
+def display_view_mime(data: dict[str, Any]) -> bool:
+    return "application/vnd.jupyter.widget-view+json" in data
 
 
 def size(message: tuple[dict[str, Any], list[Any]]) -> int:
@@ -372,7 +380,7 @@ def test_grouping_log_scale_time_axis_and_smoothing_are_the_users_choice() -> No
     board.controls["grouping"].value = "all"
     assert len({t["yaxis"] for t in traces(board) if t["name"] != "redone steps"}) == 1
 
-    board.controls["log_y"].value = True
+    board.log_boxes["metrics"].value = True
     assert board.figure.plot_layout["yaxis"]["type"] == "log"
     board.controls["x"].value = "time"
     assert board.figure.plot_layout["xaxis"]["type"] == "date"
@@ -382,6 +390,205 @@ def test_grouping_log_scale_time_axis_and_smoothing_are_the_users_choice() -> No
     smooth = trace(board, "val/loss (smoothed)")
     assert smooth["visible"] and trace(board, "val/loss")["opacity"] < 1
     assert np.allclose(ys(smooth), plots.ema(ys(trace(board, "val/loss")), 0.9))
+
+
+def test_log_scale_is_per_panel_and_x_zoom_is_linked() -> None:
+    board = dashboard()
+    board.events([*metrics(0, 40, lr=0.1, accuracy=0.5), sys_sample(1)])
+    board.flush()
+    assert [b.description for b in board.log_bar.children[1:]] == ["loss", "lr", "accuracy"]
+    board.log_boxes["loss"].value = True
+    layout = board.figure.plot_layout
+
+    def y_axis(name: str) -> dict[str, Any]:
+        return board.figure.plot_layout[f"yaxis{trace(board, name)['yaxis'][1:]}"]
+
+    assert y_axis("loss")["type"] == "log"
+    assert y_axis("lr")["type"] == y_axis("accuracy")["type"] == "linear"
+    assert y_axis("CPU utilisation %").get("type", "linear") == "linear"
+    # Only the panel whose scale changed forgets its zoom.
+    assert y_axis("loss")["uirevision"] != y_axis("lr")["uirevision"]
+    # Every x axis, the system panel's too, follows the first one's zoom.
+    x_axes = sorted(k for k in layout if k.startswith("xaxis"))
+    assert len(x_axes) == 4 and "matches" not in layout["xaxis"]
+    assert all(layout[k]["matches"] == "x" for k in x_axes if k != "xaxis")
+    board.log_boxes["loss"].value = False
+    assert y_axis("loss")["type"] == "linear"
+
+
+def test_x_as_time_since_the_start() -> None:
+    assert plots.relative_unit(100) == (1.0, "s")
+    assert plots.relative_unit(600) == (60.0, "min")
+    assert plots.relative_unit(5 * 3600) == (3600.0, "h")
+    board = dashboard()
+    interrupted_run(board)
+    board.controls["x"].value = "relative"
+    layout = board.figure.plot_layout
+    assert layout["xaxis"]["type"] == "linear"
+    assert layout["xaxis"]["title"]["text"] == "time since the start (s)"
+    loss = trace(board, "loss")
+    x = xs(loss)
+    assert x[0] == 0.0 and np.nanmax(x) == 179.0  # seconds since the first event
+    assert "since the start" in loss["hovertemplate"]
+    cpu = xs(trace(board, "CPU utilisation %"))
+    assert set(cpu[np.isfinite(cpu)]) == {55.0, 120.0}
+    assert {s["x0"] for s in layout["shapes"]} == {60.0, 70.0}  # notice, boot
+    # A longer run counts in minutes.
+    board.events([Event("metric", T0 + 600, 2, "i-2", {"step": 100, "t": T0 + 600,
+                                                       "values": {"loss": 0.4}})])
+    board.flush()
+    assert board.figure.plot_layout["xaxis"]["title"]["text"] == \
+        "time since the start (min)"
+    assert np.nanmax(xs(trace(board, "loss"))) == pytest.approx(10.0)
+
+
+def with_sys_samples() -> list[Event]:
+    """:func:`interrupted_events` with CPU samples at steps 30 (attempt 1), 55 (later
+    redone), between the attempts, 60 (attempt 2) and after the last row."""
+    events = interrupted_events()
+    at = next(i for i, e in enumerate(events) if e.type == "checkpoint")
+    return [*events[:at], sys_sample(30), *events[at:],
+            sys_sample(140, attempt=2), sys_sample(200, attempt=2)]
+
+
+def test_system_samples_are_placed_at_the_step_reached() -> None:
+    data = series.DashboardData()
+    data.add(with_sys_samples())
+    steps = data.time_to_step(np.array([T0 + 30, T0 + 55, T0 + 57.5, T0 + 120, T0 + 140,
+                                        T0 + 200, T0 - 5]))
+    assert list(steps[:3]) == [30.0, 55.0, 57.5] and steps[4] == 60.0
+    # Between two attempts, after the last row and before the first: no step.
+    assert np.isnan(steps[[3, 5, 6]]).all()
+    # A step function's times (the world size) are held at the nearest step.
+    assert list(data.time_to_step(np.array([T0 - 5, T0 + 200]), held=True)) == [0.0, 99.0]
+
+    board = dashboard()
+    board.events(with_sys_samples())
+    board.flush()
+    layout = board.figure.plot_layout
+    cpu = trace(board, "CPU utilisation %")
+    x = xs(cpu)
+    assert list(x[np.isfinite(x)]) == [30.0, 55.0, 60.0]
+    sys_axis = layout[f"xaxis{cpu['xaxis'][1:]}"]
+    assert sys_axis["type"] == "linear" and sys_axis["title"]["text"] == "step"
+    assert sys_axis["matches"] == "x"
+    assert {s["x0"] for s in layout["shapes"]} == {59.0, 50.0}  # at the steps marked
+    board.controls["x"].value = "time"
+    x = xs(trace(board, "CPU utilisation %"))
+    assert x[0] == pytest.approx((T0 + 30 + board.plots._tz) * 1000)
+
+
+def test_before_the_first_row_the_system_panel_stays_on_the_clock() -> None:
+    board = dashboard()
+    board.events([sys_sample(1), sys_sample(2)])
+    board.flush()
+    layout = board.figure.plot_layout
+    (axis,) = [k for k in layout if k.startswith("xaxis")]
+    assert layout[axis]["type"] == "date" and "matches" not in layout[axis]
+    assert xs(trace(board, "CPU utilisation %"))[0] == pytest.approx(
+        (T0 + 1 + board.plots._tz) * 1000)
+    board.events(metrics(0, 10))  # rows: the samples move to the steps of their times
+    board.flush()
+    assert list(xs(trace(board, "CPU utilisation %"))) == [1.0, 2.0]
+    cpu_axis = board.figure.plot_layout[f"xaxis{trace(board, 'CPU utilisation %')['xaxis'][1:]}"]
+    assert cpu_axis["type"] == "linear" and cpu_axis["matches"] == "x"
+
+
+def test_smoothing_is_weighted_by_the_step_gap() -> None:
+    y = np.random.default_rng(1).normal(size=200)
+    # A point per step: TensorBoard's debiased average.
+    per_point = plots.ema(y, 0.9)
+    assert np.allclose(plots.ema(y, 0.9, np.arange(200.0)), per_point)
+    tensorboard = np.empty_like(y)
+    last = 0.0
+    for i, v in enumerate(y):
+        last = last * 0.9 + 0.1 * v
+        tensorboard[i] = last / (1 - 0.9 ** (i + 1))
+    assert np.allclose(per_point, tensorboard)
+    # Points 10 steps apart: each decays the average as 10 steps do.
+    assert np.allclose(plots.ema(y, 0.9, np.arange(200.0) * 10), plots.ema(y, 0.9 ** 10))
+    assert np.allclose(plots.ema(y, 0.9, np.arange(200.0) * 10, unit=10.0), per_point)
+
+
+def test_a_metric_logged_every_25_steps_does_not_lag() -> None:
+    board = dashboard()
+
+    def line(step: int) -> float:
+        return 1.0 - step / 1000
+
+    board.events([Event("metric", T0 + s, 1, "i-1", {
+        "step": s, "t": T0 + s,
+        "values": {"loss": line(s), **({"val": line(s)} if s % 25 == 0 else {})}})
+        for s in range(1000)])
+    board.controls["smoothing"].value = 0.9
+
+    def lag(name: str) -> float:
+        """How many steps the smoothed curve trails the raw one at its end."""
+        raw, smooth = trace(board, name), trace(board, f"{name} (smoothed)")
+        return float(ys(smooth)[-1] - ys(raw)[-1]) * 1000
+
+    assert 8 < lag("loss") < 10  # the per-step metric: about w / (1 - w) steps
+    assert lag("val") < 3  # not 9 points (225 steps) behind, as a per-point average is
+    val = ys(trace(board, "val"))
+    assert (plots.ema(val, 0.9)[-1] - val[-1]) * 1000 > 200
+
+
+class StepRun(comparison.Run):
+    """A run of a comparison with a ``loss`` curve given as arrays."""
+
+    def __init__(self, key: str, x: np.ndarray, y: np.ndarray) -> None:
+        super().__init__(key, key, None, key)
+        self.curve = (x, y)
+
+    def metric_names(self) -> list[str]:
+        return ["loss", "lr"]
+
+    def points(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        return self.curve if name == "loss" else (self.curve[0], np.full_like(self.curve[1], 0.1))
+
+    @property
+    def marks(self) -> list[comparison.Mark]:
+        return [comparison.Mark(1, "interrupted", 10.0)]
+
+    @property
+    def facts(self) -> comparison.Facts:
+        return comparison.Facts()
+
+
+def test_the_comparison_has_the_dashboards_log_panels_linked_zoom_and_smoothing() -> None:
+    x = np.arange(0.0, 1000.0, 25.0)
+    view = Comparison([StepRun("a", x, 1.0 - x / 1000), StepRun("b", x, 2.0 - x / 1000)],
+                      follow=False)
+    assert [b.description for b in view.log_bar.children[1:]] == ["loss", "lr"]
+    view.log_boxes["loss"].value = True
+    layout = view.figure.plot_layout
+    assert layout["yaxis"]["type"] == "log" and layout["yaxis2"]["type"] == "linear"
+    assert layout["xaxis2"]["matches"] == "x"
+    marks = next(t for t in view.figure.plot_data if t.get("meta", {}).get("marks"))
+    assert np.nanmin(ys(marks)) > 0  # the marks span the values on the log axis
+    view.smoothing.value = 0.9
+    (a,) = [t for t in view.figure.plot_data if t["name"] == "a" and t["yaxis"] == "y"]
+    (raw,) = [t for t in view.figure.plot_data if t["name"] == "a (raw)" and t["yaxis"] == "y"]
+    assert raw["opacity"] < 1 and np.allclose(ys(raw), 1.0 - x / 1000)
+    # Smoothed by the step gap: 25 steps apart, it trails by about 2 steps, not 225.
+    assert np.allclose(ys(a), plots.ema(ys(raw), 0.9, x))
+    assert (ys(a)[-1] - ys(raw)[-1]) * 1000 < 3
+    view.close()
+
+
+def test_smoothing_continues_across_an_interruption() -> None:
+    board = dashboard()
+    interrupted_run(board)
+    board.controls["smoothing"].value = 0.9
+    raw, smooth = trace(board, "loss"), trace(board, "loss (smoothed)")
+    x, y, s = xs(raw), ys(raw), ys(smooth)
+    gap = int(np.flatnonzero(np.isnan(y))[0])
+    assert np.isnan(s[gap]) and x[gap - 1] == 49 and x[gap + 1] == 50
+    # The resumed attempt's curve goes on from the average at step 49, as if the run
+    # had never stopped: not from its own first value.
+    keep = ~np.isnan(y)
+    assert np.allclose(s[keep], plots.ema(y[keep], 0.9, x[keep]))
+    assert s[gap + 1] < y[gap + 1] - 0.3  # the average was near 0.1; the new value is 0.5
 
 
 def test_interruptions_and_resumes_are_marked_with_a_legend_and_hover_text() -> None:
@@ -498,7 +705,7 @@ def test_metric_batches_read_as_their_rows() -> None:
 
 
 def test_the_cost_note_says_what_the_summary_includes() -> None:
-    from spotnb.jobs import JobResult
+    from spotnb.client.jobs import JobResult
 
     view = JobView(job_id="job-1", name="test", created=T0)
     result = JobResult(job_id="job-1", name="test", status="completed", reason="",
@@ -662,19 +869,43 @@ def test_interrupt_now_is_hidden_off_the_local_cloud() -> None:
 
 def test_the_static_copy_is_a_png_hidden_next_to_its_live_dashboard() -> None:
     pytest.importorskip("matplotlib")
+    from spotnb.records.document import figure_png
+
     board = dashboard()
     interrupted_run(board)
     board.view = _view([], now=T0 + 200)
     data, meta = board.static_bundle()  # type: ignore[misc]
-    assert data["image/png"] and meta == {"spotnb": {"figure": "dashboard",
-                                                     "job_id": "job-1"}}
+    assert meta == {"spotnb": {"figure": "dashboard", "job_id": "job-1"}}
     assert data["text/plain"].startswith("Final dashboard of spotnb job job-1")
+    # The PNG is stored once: inline in the HTML, no image/png copy beside it.
+    assert sorted(data) == ["text/html", "text/plain"]
+    png = figure_png({"data": data})
+    assert png is not None and png.startswith(b"\x89PNG")
+    assert data["text/html"].count("base64,") == 1
     live = static.live_class("job-1")
     assert live in board.widget._dom_classes
     assert (f"body:has(.{live} .spotnb-figure .js-plotly-plot) .spotnb-static-job-1"
             in data["text/html"])
-    page = data["text/html"].replace(data["image/png"], "")
+    page = re.sub(r"base64,[A-Za-z0-9+/=]+", "", data["text/html"])
     assert "<script" not in page and "http" not in page  # nothing to load: reads offline
+
+
+def test_the_dashboard_reads_without_widgets_as_its_header_and_output_panel() -> None:
+    board = dashboard()
+    interrupted_run(board)
+    for i in range(3):
+        board.stream("stdout", f"epoch {i} <done>\n")
+    board.stream("stderr", "a warning\n")
+    board.view = _view([], now=T0 + 200)
+    data = board._repr_mimebundle_()
+    assert display_view_mime(data)
+    page = data["text/html"]
+    # What the output panel holds, escaped, stderr coloured as in the live panel.
+    assert "epoch 2 &lt;done&gt;" in page and "<done>" not in page
+    assert "<span style='color:#b35900'>a warning</span>" in page
+    assert "job-1" in page  # the header
+    assert "<script" not in page and "http" not in page
+    assert "epoch 2 <done>" in data["text/plain"]
 
 
 # -- the picker ------------------------------------------------------------------------
@@ -683,6 +914,7 @@ class FakeMagics:
     instance_types: list[str] = ["g4dn.xlarge"]
     region = "us-east-1"
     checkpoint_every = "10m"
+    gpu_reference = ""
 
 
 def test_picker_ranks_by_expected_cost_counting_gpu_speed() -> None:
@@ -697,7 +929,7 @@ def test_picker_ranks_by_expected_cost_counting_gpu_speed() -> None:
     t4_job = estimate(t4, 100.0, 600.0, "T4")
     h100_job = estimate(h100, 100.0, 600.0, "T4", all_gpus=True)
     assert t4_job is not None and h100_job is not None
-    assert h100_job.wall_hours < t4_job.wall_hours / 100  # 8 H100s against one T4
+    assert h100_job.wall_hours < t4_job.wall_hours / 80  # 8 H100s against one T4
     assert picker.table.rows[0]["id"] == picker.shown[0].instance_type
     assert "job $ spot" in [c["label"] for c in picker.table.columns]
 
@@ -778,4 +1010,101 @@ def test_picker_rows_are_gpu_types_with_spot_prices_and_speed_figures() -> None:
     assert rows and all(isinstance(r, PickerRow) for r in rows)
     assert not any(r.gpu_model in ("Inferentia2", "Trainium") for r in rows)
     assert all(r.spot > 0 and r.pools >= 1 for r in rows)
-    assert all(r.gpu_tflops for r in rows if r.cuda)  # every CUDA GPU has its figure
+    assert all(r.gpu_speed for r in rows if r.cuda)  # every CUDA GPU has its figure
+
+
+def test_picker_ranks_by_training_speed_not_peak_tflops() -> None:
+    rows = {r.instance_type: r for r in picker_rows("us-east-1")}
+    a10g, l40s, v100 = rows["g5.xlarge"], rows["g6e.xlarge"], rows["p3.2xlarge"]
+    # Peak FP16 TFLOPS made an L40S 5.6 T4s, an A10G 0.58 of an L4 and a V100 about an
+    # L4; memory-bound training is not like that.
+    assert 2.0 < l40s.speed("T4") < 4.0  # type: ignore[operator]
+    assert a10g.speed("L4") > 1.2  # type: ignore[operator]
+    assert v100.speed("L4") > 1.8  # type: ignore[operator]
+    picker = InstancePicker(magics=FakeMagics())
+    cells = {r["id"]: r for r in picker.table.rows}
+    assert cells["p3.2xlarge"]["cells"]["speed"] == f"{v100.speed('T4'):.2f}"  # measured
+    assert cells["g6.xlarge"]["cells"]["speed"].endswith("*")  # derived, and says so
+    assert "derived" in cells["g6.xlarge"]["titles"]["speed"]
+
+
+def test_picker_keeps_its_reference_gpu_when_choices_change_the_default_type() -> None:
+    magics = FakeMagics()
+    first = InstancePicker(magics=magics)
+    assert first.reference.value == "T4" and magics.gpu_reference == "T4"
+    cost = {r["id"]: r["cells"]["est_spot_usd"] for r in first.table.rows}
+    first.choose("p5.48xlarge")
+    assert magics.instance_types == ["p5.48xlarge"]
+    # The cell run again: the same reference, so the same costs, and it says which.
+    again = InstancePicker(magics=magics)
+    assert again.reference.value == "T4"
+    assert {r["id"]: r["cells"]["est_spot_usd"] for r in again.table.rows} == cost
+    assert "100 hours of training on one T4" in again.note.value
+    assert "(x T4)" in again.text()
+    # A reference changed by hand is the one kept.
+    again.reference.value = "A10G"
+    assert InstancePicker(magics=magics).reference.value == "A10G"
+
+
+def test_picker_shows_the_default_columns_until_all_are_asked_for() -> None:
+    picker = InstancePicker(magics=FakeMagics())
+    assert [c["key"] for c in picker.table.columns] == list(DEFAULT_COLUMNS)
+    assert "ondemand" in picker.table.rows[0]["cells"]  # kept for readers of the state
+    picker.all_columns.value = True
+    assert [c["key"] for c in picker.table.columns] == list(COLUMNS)
+
+
+def test_picker_reads_without_widgets_as_an_html_table() -> None:
+    picker = InstancePicker(magics=FakeMagics())
+    picker.choose("g5.xlarge")
+    data = picker._repr_mimebundle_()
+    assert display_view_mime(data)
+    page = data["text/html"]
+    # The table's header and first rows, as the widget's table shows them.
+    labels = [c["label"] for c in picker.table.columns]
+    assert all(f">{label}</th>" in page for label in labels), labels
+    first = picker.table.rows[0]["cells"]
+    assert f"<td style='padding:2px 8px'>{first['instance_type']}</td>" in page
+    assert page.count("<tr>") == 1 + min(20, len(picker.shown))
+    assert "%%spot_train -t g5.xlarge" in page and "reference GPU" in page
+    assert "<script" not in page and "http" not in page
+
+
+class _RecordingKernel:
+    """Stands in for ipykernel's Kernel where _StatusKeeper touches it: the status it
+    publishes, and the parent of the request the main shell handles."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, str | None]] = []
+        self.parent: dict[str, Any] = {}
+
+    def _publish_status(self, status: str, channel: str, parent: Any = None) -> None:
+        self.published.append((status, (parent or self.parent)["header"]["msg_id"]))
+
+    def get_parent(self, channel: str) -> dict[str, Any]:
+        return self.parent
+
+
+def _request(msg_id: str, msg_type: str) -> dict[str, Any]:
+    return {"header": {"msg_id": msg_id, "msg_type": msg_type}}
+
+
+def test_a_request_handled_nested_in_the_running_cell_leaves_the_kernel_busy() -> None:
+    # A cell that polls the kernel's messages itself (as ui-poll helpers do) handles
+    # a click on the main thread, inside its own request: after the click's idle, the
+    # cell is reported busy again; the cell's own idle ends it.
+    from spotnb.widgets.kernel import _StatusKeeper
+
+    kernel = _RecordingKernel()
+    keeper = _StatusKeeper(kernel)
+    cell, click = _request("cell", "execute_request"), _request("click", "comm_msg")
+    for status, parent in (("busy", cell), ("busy", click), ("idle", click),
+                           ("idle", cell)):
+        kernel.parent = parent
+        keeper(status, "shell", parent)
+    assert kernel.published == [("busy", "cell"), ("busy", "click"), ("idle", "click"),
+                                ("busy", "cell"), ("idle", "cell")]
+    kernel.parent = click  # a click while no cell runs: no busy on anyone's behalf
+    keeper("busy", "shell", click)
+    keeper("idle", "shell", click)
+    assert kernel.published[-2:] == [("busy", "click"), ("idle", "click")]

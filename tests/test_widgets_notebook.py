@@ -26,6 +26,7 @@ from conftest import SHARED_DATA
 from jupyter_client.manager import start_new_kernel
 
 import spotnb
+from spotnb.records import document
 from spotnb.widgets.picker import picker_rows
 
 pytest.importorskip("ipywidgets")
@@ -104,8 +105,8 @@ def assert_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image(
     kinds = [sorted(o.get("data", {})) for o in train.outputs
              if o["output_type"] == "display_data"]
     # The dashboard, its static copy (a PNG), and the job's record line.
-    assert kinds == [["application/vnd.jupyter.widget-view+json", "text/plain"],
-                     ["image/png", "text/html", "text/plain"], ["text/plain"]], kinds
+    assert kinds == [["application/vnd.jupyter.widget-view+json", "text/html", "text/plain"],
+                     ["text/html", "text/plain"], ["text/plain"]], kinds
     dashboard, static, record = (o for o in train.outputs if o["output_type"] == "display_data")
     assert record["metadata"]["spotnb"]["job"]["interruptions"] == 2
     job_id = record["metadata"]["spotnb"]["job"]["job_id"]
@@ -121,7 +122,8 @@ def assert_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image(
     html = static["data"]["text/html"]
     assert f"body:has(.spotnb-live-{job_id} .spotnb-figure .js-plotly-plot)" in html
     assert "<script" not in html
-    png = base64.b64decode(static["data"]["image/png"])
+    png = document.figure_png(static)
+    assert png is not None and html.count("base64,") == 1  # the PNG is stored once
     image = Image.open(io.BytesIO(png)).convert("RGB")
     assert image.size[0] >= 900
     target = np.array([int(LOSS_COLOUR[i:i + 2], 16) for i in (1, 3, 5)])
@@ -214,13 +216,76 @@ def test_the_stop_button_works_while_the_cell_follows_the_job(
     assert job.status == "stopped"
 
 
+PROBE_CELL = """\
+import threading
+import ipywidgets as w
+from spotnb.widgets import kernel
+clicks = []
+second = threading.Event()
+def clicked(_b):
+    clicks.append(1)
+    if len(clicks) == 2:
+        second.set()
+probe = w.Button(description="probe")
+probe.on_click(clicked)
+print("subshell", kernel.serve_while_busy(probe))
+display(probe)
+second.wait(60)
+"""
+
+
+def test_the_kernel_stays_busy_after_a_click_while_the_cell_runs(tmp_path: Path) -> None:
+    """JupyterLab shows the kernel's last busy or idle report as its status, whatever
+    request it was about: after a click handled on the subshell, the running cell is
+    reported busy again (the status bar does not say "Idle" while the cell runs)."""
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        cell = kc.execute(PROBE_CELL)
+        opened = _iopub_until(kc, lambda m: m["msg_type"] == "comm_open" and m["content"][
+            "data"].get("state", {}).get("description") == "probe", 60)
+        comm_id = opened[-1]["content"]["comm_id"]
+        # The comm opens when the button is made, before its messages are routed to the
+        # subshell; a person clicks only once it is shown, after the routing.
+        opened += _iopub_until(kc, lambda m: m["msg_type"] == "stream" and "subshell" in m[
+            "content"].get("text", ""), 60)
+        click = kc.session.msg("comm_msg", {
+            "comm_id": comm_id, "data": {"method": "custom", "content": {"event": "click"}}})
+        kc.shell_channel.send(click)
+        first = click["header"]["msg_id"]
+        seen = opened + _iopub_until(kc, lambda m: m["msg_type"] == "status" and m[
+            "parent_header"].get("msg_id") == first and m["content"]["execution_state"] ==
+            "idle", 60)
+        second = kc.session.msg("comm_msg", click["content"])
+        kc.shell_channel.send(second)
+        ends = {cell, second["header"]["msg_id"]}
+        idle: set[str] = set()
+
+        def both_idle(m: dict[str, Any]) -> bool:
+            if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                idle.add(m["parent_header"].get("msg_id"))
+            return ends <= idle
+
+        seen += _iopub_until(kc, both_idle, 60)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert any("subshell True" in m["content"].get("text", "") for m in seen)
+    statuses = [(m["content"]["execution_state"], m["parent_header"].get("msg_id"))
+                for m in seen if m["msg_type"] == "status"]
+    after_click = statuses.index(("idle", first))
+    # Right after the click's idle, the cell is reported busy again...
+    assert statuses[after_click + 1] == ("busy", cell), statuses
+    # ... and once the cell has ended, the kernel reads idle.
+    assert statuses[-1][0] == "idle", statuses
+
+
 def test_tensorboard_logs_written_on_the_instance_can_be_fetched(
         spotnb_home: Path, tmp_path: Path) -> None:
     pytest.importorskip("torch.utils.tensorboard")
-    from spotnb.tb import TB_SYNC_NAME, download_logs
+    from spotnb.train.tb import TB_SYNC_NAME, download_logs
 
     handle = spotnb.submit(
-        "from spotnb.tb import tensorboard\n"
+        "from spotnb.train.tb import tensorboard\n"
         "writer = tensorboard(every='1s')\n"
         "for step in range(5):\n"
         "    writer.add_scalar('loss', 1 / (step + 1), step)\n"

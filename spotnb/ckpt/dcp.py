@@ -1,7 +1,7 @@
 """``torch.distributed.checkpoint`` storage on spotnb's store: streamed, checksummed, parallel.
 
 :class:`StoreWriter` is a DCP ``StorageWriter`` that writes each rank's items straight
-into the store through a :class:`~spotnb.checkpoints.PendingCheckpoint` (no scratch
+into the store through a :class:`~spotnb.ckpt.checkpoints.PendingCheckpoint` (no scratch
 file, no second pass to checksum); :class:`FileReader` is the ``StorageReader`` for a
 local copy of such a checkpoint (the agent's prefetch, or a download), and
 :class:`StoreReader` the one that fetches into such a copy only what a rank reads
@@ -16,14 +16,17 @@ How a rank's items are written (:meth:`StoreWriter.write_data`):
 1. Split the items into files ``__<rank>_<i>.distcp``: one per
    :data:`FILE_MIN_BYTES` of data, at most :data:`MAX_FILES`, each item to the
    lightest file. *Live* items (written from the training process's own tensors, so
-   training waits for them) get files of their own, apart from the copied ones.
+   training waits for them) get files of their own, apart from the copied ones. In
+   one process (:func:`save_state`) a tensor larger than :data:`CHUNK_BYTES` is first
+   cut into DCP chunks (:func:`chunked`), items of their own: one large tensor is
+   written by every file's thread, as a state of many tensors is.
 2. One thread per file streams its items into the store, each at an offset aligned
    to :data:`ALIGN` bytes: a tensor as its raw bytes (from a GPU through a small
    pinned staging buffer), anything else as ``torch.save`` bytes. The file is
-   checksummed as it is written (a running CRC-32C, :mod:`spotnb.checksum`). When
+   checksummed as it is written (a running CRC-32C, :mod:`spotnb.ckpt.checksum`). When
    every live file's items are written,
    :attr:`StoreWriter.live_written` is set: training may go on. A file the store
-   fails to take is written again (``spotnb.store.retrying``), a live one only while
+   fails to take is written again (``spotnb.protocol.store.retrying``), a live one only while
    training still waits for it; a live file that fails later abandons the checkpoint
    (the next save retries).
 3. Each file's size and checksum travel with the write results (an extra result per
@@ -38,7 +41,7 @@ How a rank's items are written (:meth:`StoreWriter.write_data`):
 no ``.metadata``, manifest or ``LATEST`` is written), then writes ``.metadata``: DCP's
 ``Metadata`` pickled, whose ``storage_data`` maps each item to its
 :class:`ItemLocation` (file, offset, length). The manifest and ``LATEST`` come after,
-from :mod:`spotnb.checkpoints`. A rank whose ``write_data`` raised (it died, its store
+from :mod:`spotnb.ckpt.checkpoints`. A rank whose ``write_data`` raised (it died, its store
 failed) makes DCP's gather fail before ``finish``: nothing is written either.
 """
 
@@ -61,8 +64,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
@@ -75,13 +80,24 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotnb.checkpoints import (
+from spotnb.ckpt import (
+    ALIGN,
+    CHUNK_BYTES,
+    DATA_SUFFIX,
+    FILE_MIN_BYTES,
+    MAX_FILES,
+    METADATA_FILE,
+    PIECE_BYTES,
+    chunk_boxes,
+)
+from spotnb.ckpt.checkpoints import (
     CheckpointError,
     CheckpointStore,
     FencedOff,
@@ -89,18 +105,11 @@ from spotnb.checkpoints import (
     Manifest,
     PendingCheckpoint,
 )
-from spotnb.ckpt import (
-    ALIGN,
-    DATA_SUFFIX,
-    FILE_MIN_BYTES,
-    MAX_FILES,
-    METADATA_FILE,
-    PIECE_BYTES,
-)
-from spotnb.store import retrying
+from spotnb.protocol.store import retrying
 
 __all__ = [
     "ALIGN",
+    "CHUNK_BYTES",
     "FILE_MIN_BYTES",
     "MAX_FILES",
     "METADATA_FILE",
@@ -109,6 +118,7 @@ __all__ = [
     "ItemLocation",
     "StoreReader",
     "StoreWriter",
+    "chunked",
     "load_state",
     "save_state",
     "state_key",
@@ -127,6 +137,11 @@ RANGE_GAP_BYTES = 2**20
 #: read half of another rank's file): each is held in memory until written out, so
 #: FETCH_THREADS of them at once bound the memory; 64 MiB costs a request per 64 MiB.
 RANGE_PIECE_BYTES = 64 * 2**20
+#: A FileReader reads a checkpoint's tensors in this many threads at once (each
+#: ``preadv`` lets go of the GIL), a tensor of more than READ_PIECE_BYTES in pieces of
+#: that size: a state of one large tensor is read as fast as one of many.
+READ_THREADS = MAX_FILES
+READ_PIECE_BYTES = 32 * 2**20
 
 # The result that carries a file's size and checksum to the coordinator has this name.
 _FILE_RESULT = "spotnb/file/"
@@ -435,7 +450,9 @@ class FileReader(StorageReader):
     """Reads a checkpoint of :class:`StoreWriter` from a local directory.
 
     A tensor is read straight into its destination when that is a contiguous CPU
-    tensor and the request covers the whole saved chunk (no temporary copy); through a
+    tensor and the request covers the whole saved chunk (no temporary copy), in pieces
+    by :data:`READ_THREADS` threads at once (a chunked tensor's chunks, a large
+    tensor of an older checkpoint in pieces of :data:`READ_PIECE_BYTES`); through a
     staging buffer into a GPU tensor; through a temporary of one saved chunk when DCP
     reshards (a request for part of a chunk). Also usable with ``dcp.load``:
     ``dcp.load(state_dict, storage_reader=FileReader(path))``.
@@ -498,8 +515,14 @@ class FileReader(StorageReader):
         by_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             by_file.setdefault(self._location(req.storage_index).file, []).append(req)
-        for name, reqs in by_file.items():
-            with open(self._local_file(name), "rb", buffering=0) as f:
+        # Reads straight into contiguous CPU tensors are gathered and made at the end,
+        # READ_THREADS at a time; the others (into a GPU tensor through the staging
+        # buffer, into a temporary when resharding) one by one, as they come.
+        pieces: list[tuple[Any, int, memoryview]] = []
+        read: list[tuple[ReadItem, torch.Tensor]] = []
+        with contextlib.ExitStack() as files:
+            for name, reqs in by_file.items():
+                f = files.enter_context(open(self._local_file(name), "rb", buffering=0))
                 for req in sorted(reqs, key=lambda r: self._location(r.storage_index).offset):
                     loc = self._location(req.storage_index)
                     if req.type == LoadItemType.BYTE_IO:
@@ -515,12 +538,19 @@ class FileReader(StorageReader):
                     with torch.no_grad():
                         if whole and target.is_contiguous() and \
                                 target.dtype == saved.properties.dtype:
+                            if target.device.type == "cpu":
+                                pieces += _pieces(f, loc.offset, target)
+                                read.append((req, target))
+                                continue
                             _read_into(f, loc.offset, target, self._staging_buffer)
                         else:
                             tmp = torch.empty(tuple(chunk.sizes), dtype=saved.properties.dtype)
                             _read_into(f, loc.offset, tmp, self._staging_buffer)
                             target.copy_(_narrow(tmp, req.storage_offsets, req.lengths))
                     planner.commit_tensor(req, target)
+            _read_pieces(pieces)
+        for req, target in read:
+            planner.commit_tensor(req, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -566,7 +596,7 @@ class StoreReader(FileReader):
 
     ``directory`` receives the local copies: the agent's prefetch (shared by the ranks
     of a node, which may fetch the same file at once: see
-    :meth:`~spotnb.checkpoints.CheckpointStore.fetch`), or a fresh directory.
+    :meth:`~spotnb.ckpt.checkpoints.CheckpointStore.fetch`), or a fresh directory.
 
     1. :meth:`read_metadata` fetches ``.metadata`` (one request, unless the prefetch
        brought it).
@@ -588,7 +618,7 @@ class StoreReader(FileReader):
 
     Every byte read comes from a file verified whole in the same load: by this rank,
     or by the rank chosen in step 2, whose ``read_data`` raises
-    :class:`~spotnb.checkpoints.CorruptCheckpoint` for a file that is missing or
+    :class:`~spotnb.ckpt.checkpoints.CorruptCheckpoint` for a file that is missing or
     differs; DCP reports that to every rank before any rank's load returns
     (:func:`spotnb.ckpt.sharded.load` turns it into the same ``CorruptCheckpoint``
     everywhere), so no rank goes on with bytes of a damaged file. :attr:`fetched`
@@ -704,6 +734,36 @@ def _pread(f: Any, offset: int, length: int) -> bytes:
     return data
 
 
+def _pieces(f: Any, offset: int, t: torch.Tensor) -> list[tuple[Any, int, memoryview]]:
+    """The reads that fill the contiguous CPU tensor ``t`` from ``offset`` of file ``f``:
+    ``(file, offset, bytes of t)``, at most READ_PIECE_BYTES each."""
+    view = _byte_view(t)
+    return [(f, offset + start, view[start:start + READ_PIECE_BYTES])
+            for start in range(0, len(view), READ_PIECE_BYTES)]
+
+
+def _read_piece(f: Any, offset: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(f.fileno(), [view[done:done + PIECE_BYTES]], offset + done)
+        if n <= 0:
+            raise OSError(f"{f.name}: the file ends before its tensor at {offset + done}")
+        done += n
+
+
+def _read_pieces(pieces: list[tuple[Any, int, memoryview]]) -> None:
+    """Make the reads of :func:`_pieces`, READ_THREADS at a time (``preadv`` lets go of
+    the GIL); raise the first failure."""
+    if len(pieces) <= 1:
+        for piece in pieces:
+            _read_piece(*piece)
+        return
+    with ThreadPoolExecutor(min(READ_THREADS, len(pieces)),
+                            thread_name_prefix="spotnb-read") as pool:
+        for future in [pool.submit(_read_piece, *piece) for piece in pieces]:
+            future.result()
+
+
 def _read_into(f: Any, offset: int, t: torch.Tensor,
                staging: Callable[[], torch.Tensor]) -> None:
     """Fill the contiguous tensor ``t`` with the bytes at ``offset`` of file ``f``.
@@ -711,13 +771,7 @@ def _read_into(f: Any, offset: int, t: torch.Tensor,
     A GPU tensor is filled piece by piece through the host buffer ``staging()``.
     """
     if t.device.type == "cpu":
-        view = _byte_view(t)
-        done = 0
-        while done < len(view):
-            n = os.preadv(f.fileno(), [view[done:done + PIECE_BYTES]], offset + done)
-            if n <= 0:
-                raise OSError(f"{f.name}: the file ends before its tensor at {offset}")
-            done += n
+        _read_piece(f, offset, _byte_view(t))
         return
     flat = t.reshape(-1).view(torch.uint8)
     host = staging()
@@ -727,9 +781,10 @@ def _read_into(f: Any, offset: int, t: torch.Tensor,
         flat[start:start + piece.numel()].copy_(piece)
 
 
-def _narrow(t: torch.Tensor, offsets: Iterable[int], sizes: Iterable[int]) -> torch.Tensor:
+def _narrow(t: torch.Tensor, offsets: Iterable[int], sizes: Iterable[int],
+            always: bool = False) -> torch.Tensor:
     for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
-        if size < t.size(dim):
+        if size < t.size(dim) or always:
             t = t.narrow(dim, offset, size)
     return t
 
@@ -737,14 +792,56 @@ def _narrow(t: torch.Tensor, offsets: Iterable[int], sizes: Iterable[int]) -> to
 # -- single-process drivers -----------------------------------------------------------------
 
 
+def chunked(plan: SavePlan, chunk_bytes: int | None = None) -> SavePlan:
+    """``plan`` with each whole tensor larger than ``chunk_bytes`` (default
+    :data:`CHUNK_BYTES`) cut into DCP chunks (:func:`spotnb.ckpt.chunk_boxes`): shard
+    items whose metadata lists the chunks, which DCP's load planner reads back into the
+    one tensor (and reshards like any sharded tensor's). The writer spreads the chunks
+    over its files like separate tensors. Items of sharded tensors stay as they are.
+    """
+    limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    items: list[WriteItem] = []
+    for item in plan.items:
+        data = item.tensor_data
+        if item.type != WriteItemType.TENSOR or data is None:
+            items.append(item)
+            continue
+        boxes = chunk_boxes(data.size, data.properties.dtype.itemsize, limit)
+        if len(boxes) == 1:
+            items.append(item)
+            continue
+        for offsets, sizes in boxes:
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            items.append(WriteItem(
+                index=MetadataIndex(item.index.fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=data.properties,
+                                            size=data.size)))
+    return dataclasses.replace(plan, items=items)
+
+
+class _ChunkingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with large tensors cut into chunks (:func:`chunked`)."""
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = chunked(super().create_local_plan())
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        obj = self.state_dict.get(write_item.index.fqn)
+        data = write_item.tensor_data
+        if write_item.type == WriteItemType.SHARD and data is not None and \
+                isinstance(obj, torch.Tensor) and not hasattr(obj, "__get_tensor_shard__"):
+            return _narrow(obj, data.chunk.offsets, data.chunk.sizes, always=True)
+        return cast(Any, super().resolve_data(write_item))
+
+
 def save_state(state_dict: Mapping[str, Any], writer: StoreWriter) -> Metadata:
     """What ``dcp.save`` does, in one process without a process group.
 
     ``state_dict`` is flat: names to tensors, and :func:`state_key` to the state tree.
     """
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner = _ChunkingSavePlanner(flatten_state_dict=False)
     planner.set_up_planner(state_dict=dict(state_dict), storage_meta=writer.storage_meta(),
                            is_coordinator=True)
     writer.set_up_storage_writer(True, rank=0, use_collectives=False)

@@ -23,8 +23,10 @@ costs (the kernel zeroes every page before the copy writes it), so buffers are
 allocated ahead, in the background (``snapshot.BufferPool.warm_async``): the filling
 ``madvise`` is called through ctypes, which lets go of the GIL, so that the training
 thread runs meanwhile (Python's ``mmap.madvise`` holds the GIL for the whole call, a
-quarter of a second or more per 256 MB here). Pinned memory for copies from a GPU
-comes from torch.
+quarter of a second or more per 256 MB here). A large buffer is filled in pieces
+(:func:`populate`), so that the warming thread and a save that comes meanwhile fill
+one large tensor's buffer together, as they fill the buffers of many tensors. Pinned
+memory for copies from a GPU comes from torch.
 
 The copies themselves (:class:`CopyBatch`): a save's host-to-host copies are made
 together, split into equal shares of bytes over up to :data:`MAX_COPY_THREADS`
@@ -52,11 +54,14 @@ from typing import Any
 __all__ = [
     "BUDGET_ENV",
     "DEFAULT_FREE_RAM_SHARE",
+    "POPULATE_MIN_BYTES",
     "CopyBatch",
     "MemoryBudget",
+    "can_populate",
     "free_ram",
     "host_empty",
     "parse_size",
+    "populate",
 ]
 
 #: The user's budget for every checkpoint of the process, when the code sets none.
@@ -71,8 +76,9 @@ MAX_COPY_THREADS = 8
 # A share of a batch's copy is at least this many bytes: below it, handing the work to
 # another thread costs more than it saves.
 _COPY_SHARE_MIN_BYTES = 16 << 20
-# Allocations at least this large are mapped and populated in one system call.
-_POPULATE_MIN_BYTES = 1 << 20
+#: Allocations at least this large are mapped and filled in one system call (or, with
+#: ``populate=False``, mapped only, for :func:`populate`).
+POPULATE_MIN_BYTES = 1 << 20
 # madvise(2) advice Python's mmap module may not name (Linux 5.14+).
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
@@ -166,11 +172,15 @@ class MemoryBudget:
         return int(self.setting * (free_ram() + held))
 
 
-def host_empty(torch: Any, shape: Any, dtype: Any, pin: bool = False) -> Any:
+def host_empty(torch: Any, shape: Any, dtype: Any, pin: bool = False,
+               populate: bool = True) -> Any:
     """An uninitialised CPU tensor whose pages are all in memory already.
 
     ``pin``: page-locked memory (for asynchronous copies from a GPU), from torch
-    (page-locked memory is resident by definition).
+    (page-locked memory is resident by definition). ``populate=False``: a large one
+    is only mapped, and the caller fills its pages with :func:`populate` (in pieces,
+    by several threads), unless this kernel cannot do that (see :func:`can_populate`):
+    then it comes filled.
     """
     if pin:
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
@@ -178,11 +188,50 @@ def host_empty(torch: Any, shape: Any, dtype: Any, pin: bool = False) -> Any:
     for n in shape:
         numel *= int(n)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < _POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
+    if nbytes < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
         return torch.zeros(shape, dtype=dtype, device="cpu")  # zeroing touches each page
-    area = _populated(nbytes)
+    if not populate and can_populate():
+        area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            area.madvise(mmap.MADV_HUGEPAGE)
+    else:
+        area = _populated(nbytes)
     # The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
     return torch.frombuffer(area, dtype=dtype, count=numel).view(shape)
+
+
+def populate(address: int, nbytes: int) -> None:
+    """Fill the pages of ``nbytes`` at ``address`` (part of a mapping of
+    :func:`host_empty` with ``populate=False``), without holding the GIL: several
+    threads fill one large buffer together. Pages it could not fill are filled when
+    first written."""
+    libc = _c_library()
+    if not libc or not nbytes:
+        return
+    start = address - address % mmap.PAGESIZE
+    libc.madvise(start, nbytes + address - start, _MADV_POPULATE_WRITE)
+
+
+_can_populate: bool | None = None
+
+
+def can_populate() -> bool:
+    """Whether :func:`populate` works here (``MADV_POPULATE_WRITE``: Linux 5.14+)."""
+    global _can_populate
+    if _can_populate is None:
+        libc = _c_library()
+        works = False
+        if libc:
+            probe = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            anchor = ctypes.c_char.from_buffer(probe)
+            try:
+                works = libc.madvise(ctypes.addressof(anchor), mmap.PAGESIZE,
+                                     _MADV_POPULATE_WRITE) == 0
+            finally:
+                del anchor
+                probe.close()
+        _can_populate = works
+    return _can_populate
 
 
 def _populated(nbytes: int) -> mmap.mmap:
@@ -202,9 +251,8 @@ def _populated(nbytes: int) -> mmap.mmap:
 _libc: Any = None
 
 
-def _madvise_without_gil(area: mmap.mmap, advice: int) -> None:
-    """``area.madvise(advice)``, letting other threads run meanwhile (ctypes calls
-    release the GIL; ``mmap.madvise`` does not). OSError as ``mmap.madvise`` raises."""
+def _c_library() -> Any:
+    """The C library, for ``madvise`` through ctypes; False if there is none."""
     global _libc
     if _libc is None:
         try:
@@ -212,6 +260,13 @@ def _madvise_without_gil(area: mmap.mmap, advice: int) -> None:
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         except (OSError, AttributeError):  # no C library to call: hold the GIL then
             _libc = False
+    return _libc
+
+
+def _madvise_without_gil(area: mmap.mmap, advice: int) -> None:
+    """``area.madvise(advice)``, letting other threads run meanwhile (ctypes calls
+    release the GIL; ``mmap.madvise`` does not). OSError as ``mmap.madvise`` raises."""
+    _c_library()
     if not _libc:
         area.madvise(advice)
         return

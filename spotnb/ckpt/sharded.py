@@ -18,7 +18,7 @@ What is saved, by registered object:
   (FSDP's and DDP's wrappers give fully qualified names; an optimizer's state is keyed
   by parameter name, so it reshards too); restored with the ``set_*`` functions;
 * everything else (schedulers, generators, values, plain tensors): the runtime's own
-  capture (:mod:`spotnb.snapshot`): its tensors by name (replicated: saved once), its
+  capture (:mod:`spotnb.ckpt.snapshot`): its tensors by name (replicated: saved once), its
   state tree as one item per rank, :func:`~spotnb.ckpt.dcp.state_key` ``(rank)``,
   with that rank's RNG states.
 
@@ -28,7 +28,7 @@ tree if the checkpoint has one for its rank, else rank 0's (a world that grew).
 
 Asynchronous save (:func:`save`): the training thread copies this rank's local shards
 (and the other objects' tensors) into host buffers of the checkpoint's
-:class:`~spotnb.snapshot.BufferPool`, reused from one save to the next; that copy is
+:class:`~spotnb.ckpt.snapshot.BufferPool`, reused from one save to the next; that copy is
 the stall. ``dcp.async_save`` then plans, writes and gathers in its own thread, its
 collectives on a gloo group of the checkpoint's own (:func:`checkpoint_group`), so
 they never interleave with the training loop's collectives on the default group.
@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from spotnb import snapshot
-from spotnb.checkpoints import CheckpointError, CorruptCheckpoint, PendingCheckpoint
+from spotnb.ckpt import snapshot
+from spotnb.ckpt.checkpoints import CheckpointError, CorruptCheckpoint, PendingCheckpoint
 from spotnb.ckpt.dcp import FileReader, StoreWriter, state_key, tensor_names
 from spotnb.ckpt.memory import CopyBatch
 
@@ -305,7 +305,7 @@ def load(objects: dict[str, Any], reader: FileReader, rank: int) -> dict[str, An
 
     ``reader``: a :class:`~spotnb.ckpt.dcp.StoreReader` (each rank fetches and verifies
     the files it reads) or a :class:`~spotnb.ckpt.dcp.FileReader` of a verified local
-    copy. A damaged or missing file raises :class:`~spotnb.checkpoints.CorruptCheckpoint`
+    copy. A damaged or missing file raises :class:`~spotnb.ckpt.checkpoints.CorruptCheckpoint`
     on every rank, whichever rank found it (see :func:`_together`), so that the ranks
     agree on falling back to an older checkpoint.
     """

@@ -11,7 +11,7 @@ The contract, which every implementation follows (implementations say "see the
 contract" rather than repeat it):
 
 ``validate(spec)``
-    Raise :class:`spotnb.spec.SpecError` (message names the fix) if the provider
+    Raise :class:`spotnb.protocol.spec.SpecError` (message names the fix) if the provider
     cannot run the spec: unknown instance type, bad region, missing credentials.
     Starts nothing.
 ``launch(spec, secrets=None)``
@@ -19,11 +19,11 @@ contract" rather than repeat it):
     runs). If a step fails, release what was already created, then raise.
     ``secrets`` (``{name: value}``, the names are ``spec.secrets``) go to the provider's
     secret store before any instance starts, readable by the job's instances alone,
-    and are deleted with the group (:mod:`spotnb.secretstore`); no value is written
+    and are deleted with the group (:mod:`spotnb.protocol.secretstore`); no value is written
     anywhere else, logged or put in an exception.
 ``read_secrets(spec)`` (called on the instance, by the agent at its start)
     ``{name: value}`` of ``spec.secrets``; raises
-    :class:`spotnb.secretstore.SecretsUnavailable` (naming them, no value) when they
+    :class:`spotnb.protocol.secretstore.SecretsUnavailable` (naming them, no value) when they
     cannot be read.
 ``interrupt(job_id, instance=None)``
     Deliver a spot interruption notice to the job's current instance now (a multi-node
@@ -72,7 +72,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
-from spotnb.spec import JobSpec, SpecError
+from spotnb.protocol.spec import JobSpec, SpecError
 
 __all__ = ["PROVIDERS", "PoolPrice", "Provider", "ProviderError", "get_provider",
            "notice_seconds"]

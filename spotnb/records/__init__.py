@@ -30,6 +30,8 @@ and, in a notebook run by hand, the output metadata ``spotnb.job`` of its cell):
     attempts      number, instance_id, instance_type, pool, start, end, end_reason,
                   spot_price_usd_per_hour
     interruptions, cost_usd, ondemand_cost_usd, savings_pct
+    breaks        each attempt that ended early: attempt, reason, time, step (its last),
+                  resumed_at (the next attempt's first step), redone; redone_steps
     metrics       the last logged value of each metric
     outputs       the --out values: numbers, booleans, short strings; else {"type": ...}
     final_metrics metrics and numeric outputs together (what lists and comparisons show)

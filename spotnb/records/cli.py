@@ -1,5 +1,5 @@
 """``spotnb record`` and ``spotnb records list|show|compare``: the command-line side of
-records. Like :mod:`spotnb.cli`, this is a notebook-layer module: it prints."""
+records. Like :mod:`spotnb.client.cli`, this is a notebook-layer module: it prints."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["add_record_commands"]
 
-# spotnb.notebook.DEFAULT_CELL_TIMEOUT, without importing nbformat for every command.
+# spotnb.client.notebook.DEFAULT_CELL_TIMEOUT, without importing nbformat for every command.
 _CELL_TIMEOUT = 3600.0
 # `records show` lists this many hyperparameters of a job; --json has them all.
 _PARAMS_SHOWN = 12
@@ -169,28 +169,46 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _letter(n: int) -> str:
+    """A, B, ..., Z, AA, AB, ...: a record's column."""
+    out = ""
+    n += 1
+    while n:
+        n, r = divmod(n - 1, 26)
+        out = chr(ord("A") + r) + out
+    return out
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from spotnb.records import figures
     from spotnb.records.library import compare_rows
 
-    a, b = _open(args.a), _open(args.b)
-    if a is None or b is None:
+    records = [_open(path) for path in args.records]
+    if any(r is None for r in records):
         return 2
-    print(f"A: {a.path}\nB: {b.path}")
-    for title, rows in compare_rows(a, b):
+    if len(records) < 2:
+        print("spotnb records compare: name two records or more", file=sys.stderr)
+        return 2
+    letters = [_letter(n) for n in range(len(records))]
+    for letter, record in zip(letters, records, strict=True):
+        print(f"{letter}: {record.path}")
+    for title, rows in compare_rows(*records):
         if not rows:
             continue
-        marked = [[("* " if va != vb else "  ") + what, va, vb] for what, va, vb in rows]
+        marked = [[("* " if len(set(values)) > 1 else "  ") + what, *values]
+                  for what, *values in rows]
         print(f"\n{title}")
-        print(_table(["", "A", "B"], marked))
+        print(_table(["", *letters], marked))
     if not figures.available():
         print(f"\nno figure of the curves: {figures.INSTALL_HINT}")
         return 0
-    out = Path(args.output) if args.output else \
-        a.path.with_name(f"{a.path.stem}-vs-{b.path.stem}.png")
-    out.write_bytes(figures.compare_png([(f"A: {a.path.stem}", a.jobs),
-                                         (f"B: {b.path.stem}", b.jobs)]))
-    print(f"\n(* differs) the metric curves, overlaid: {out}")
+    first = records[0].path
+    out = Path(args.output) if args.output else first.with_name(
+        "-vs-".join(r.path.stem for r in records) + ".png")
+    out.write_bytes(figures.compare_png([(f"{letter}: {r.path.stem}", r.jobs)
+                                         for letter, r in zip(letters, records, strict=True)]))
+    print(f"\n(* differs) the metric curves, overlaid: {out} (dashed lines: "
+          "interruptions, in the record's colour)")
     return 0
 
 
@@ -224,10 +242,11 @@ def add_record_commands(sub: Any) -> None:
     p.add_argument("record", help="a record (.ipynb)")
     p.add_argument("--json", action="store_true", help="print its metadata.spotnb as JSON")
     p.set_defaults(func=cmd_show)
-    p = rsub.add_parser("compare", help="two records side by side, with their metric curves "
-                                        "overlaid in one figure")
-    p.add_argument("a", help="a record (.ipynb)")
-    p.add_argument("b", help="another record (.ipynb)")
+    p = rsub.add_parser("compare", help="records side by side, with their metric curves "
+                                        "overlaid in one figure, interruptions marked")
+    p.add_argument("records", nargs="+", metavar="RECORD",
+                   help="two records (.ipynb) or more")
     p.add_argument("-o", "--output", default=None,
-                   help="where to write the figure (default: A-vs-B.png next to A)")
+                   help="where to write the figure (default: A-vs-B[-vs-C...].png next "
+                        "to the first)")
     p.set_defaults(func=cmd_compare)

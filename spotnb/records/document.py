@@ -1,23 +1,34 @@
 """What a record keeps of an executed notebook, and its HTML export.
 
-**Widget state.** A plotly ``FigureWidget`` (a user's own, or the dashboard figure of
-an older spotnb) is an anywidget whose saved state carries the whole plotly.js bundle
-(``_esm``, about 5 MB) for every figure. Neither a record nor ``spotnb run``'s executed
-copy keeps it: :func:`drop_bundled_widgets` removes every
-anywidget model whose ``_esm`` passes :data:`MAX_WIDGET_ESM_BYTES` and unlinks it from
-the boxes that held it. The rest of the widget state stays (the dashboard's header,
-output panel, controls and buttons; the instance picker), and the figure survives as
-the PNG that a finished dashboard displays below itself (:mod:`spotnb.widgets.static`;
-for a cell without one, :func:`add_static_figure` adds it), which every viewer shows:
-GitHub, nbviewer, an HTML export read offline, an image viewer, and JupyterLab itself
-wherever the live figure is not drawn.
+**Widget state.** A plotly ``FigureWidget`` (a user's own) is an anywidget whose saved
+state carries the whole plotly.js bundle (``_esm``, about 5 MB) for every figure.
+Neither a record nor ``spotnb run``'s executed copy keeps it:
+:func:`drop_bundled_widgets` removes every anywidget model whose ``_esm`` passes
+:data:`MAX_WIDGET_ESM_BYTES` and unlinks it from the boxes that held it. The rest of the
+widget state stays (the dashboard's header, output panel, controls and buttons; the
+instance picker), and the figure survives as the PNG that a finished dashboard displays
+below itself (:mod:`spotnb.widgets.static`; for a cell without one,
+:func:`add_static_figure` adds it), which every viewer shows: GitHub, nbviewer, an HTML
+export read offline, an image viewer, and JupyterLab itself wherever the live figure is
+not drawn.
+
+**Views without state.** A widget view whose model the saved state does not hold (a
+widget closed before the notebook was saved, or a notebook saved without its widget
+state) would stay a "Loading widget..." placeholder forever:
+:func:`drop_views_without_state` removes the view from its output, which keeps its
+static form (spotnb's widgets give every view a ``text/html`` and a ``text/plain``
+beside it; see :mod:`spotnb.widgets.static`), and removes an output left empty.
 
 **HTML export.** :func:`export_html` runs nbconvert's ``lab`` template on a copy of the
 record in which a cell's plotly outputs (an older dashboard's static copy) give way to
 its PNG: plotly's HTML loads plotly.js from a CDN, so offline it would leave a blank box
-where the curves should be. The export is then one self-contained file whose figures
-need no script and no network. A plain ``jupyter nbconvert --to html`` of a notebook
-run with this version reads offline too: its figures are that same PNG.
+where the curves should be; a widget view with a static form beside it gives way to
+that form (the dashboard's header and output panel, the picker's table), since the
+page's widget manager comes from a CDN and offline draws nothing; without views left,
+the page loads no widget manager at all. The export is then one self-contained file
+that reads whole with no script and no network. A plain ``jupyter nbconvert --to
+html`` of a notebook run with this version reads offline too for its figures (that
+same PNG), though widget views with saved state are left to the CDN's widget manager.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import copy
 import html
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +53,9 @@ __all__ = [
     "add_static_figure",
     "cell_mentions",
     "drop_bundled_widgets",
+    "drop_views_without_state",
     "export_html",
+    "figure_png",
     "static_figures",
 ]
 
@@ -85,9 +99,57 @@ def drop_bundled_widgets(nb: nbformat.NotebookNode) -> list[str]:
         for output in cell.get("outputs", []):
             view = (output.get("data") or {}).get(WIDGET_VIEW_MIME)
             if isinstance(view, dict) and view.get("model_id") in doomed:
-                del output["data"][WIDGET_VIEW_MIME]
                 output["data"].setdefault("text/plain", "(interactive figure not kept)")
+    drop_views_without_state(nb)
     return sorted(doomed.values())
+
+
+def _widget_state(nb: nbformat.NotebookNode) -> dict[str, Any]:
+    widgets = nb.metadata.get("widgets") or {}
+    return (widgets.get(WIDGET_STATE_MIME) or {}).get("state") or {}
+
+
+def _drop_views(nb: nbformat.NotebookNode, doomed: Any) -> int:
+    """Remove the widget views for which ``doomed(output_data)`` holds; an output left
+    without data goes too. How many views went."""
+    count = 0
+    for cell in nb.cells:
+        if "outputs" not in cell:
+            continue
+        kept = []
+        for output in cell.outputs:
+            data = output.get("data") or {}
+            if WIDGET_VIEW_MIME in data and doomed(data):
+                del data[WIDGET_VIEW_MIME]
+                count += 1
+                if not data:
+                    continue
+            kept.append(output)
+        cell.outputs = kept
+    return count
+
+
+def drop_views_without_state(nb: nbformat.NotebookNode) -> int:
+    """Remove every widget view whose model is not in the notebook's saved widget
+    state (see the module docstring); how many went."""
+    state = _widget_state(nb)
+
+    def stateless(data: dict[str, Any]) -> bool:
+        view = data[WIDGET_VIEW_MIME]
+        return not isinstance(view, dict) or view.get("model_id") not in state
+
+    return _drop_views(nb, stateless)
+
+
+def figure_png(output: dict[str, Any]) -> bytes | None:
+    """The PNG of a static figure output: its ``image/png``, or the image inline in its
+    ``text/html`` (a dashboard's static copy stores it there only); None without one."""
+    data = output.get("data") or {}
+    if isinstance(data.get("image/png"), str):
+        return base64.b64decode(data["image/png"])
+    found = re.search(r"src=['\"]data:image/png;base64,([A-Za-z0-9+/=]+)['\"]",
+                      str(data.get("text/html", "")))
+    return base64.b64decode(found.group(1)) if found else None
 
 
 def cell_mentions(cell: nbformat.NotebookNode, text: str) -> bool:
@@ -124,15 +186,26 @@ def add_static_figure(cell: nbformat.NotebookNode, job_id: str, png: bytes,
     outputs.insert(errors[0] if errors else len(outputs), output)
 
 
+def _is_figure(output: dict[str, Any]) -> bool:
+    return ((output.get("metadata") or {}).get("spotnb") or {}).get("figure") == FIGURE_KIND
+
+
 def _has_image(cell: nbformat.NotebookNode) -> bool:
-    return any(m in (o.get("data") or {}) for o in cell.get("outputs", []) for m in _IMAGE_MIMES)
+    return any(_is_figure(o) or any(m in (o.get("data") or {}) for m in _IMAGE_MIMES)
+               for o in cell.get("outputs", []))
 
 
 def for_html(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """A copy of ``nb`` for the HTML export: where a cell has a static image, its
     plotly outputs give way to it (see the module docstring); the records' own figures
-    become ``<img>`` tags with their caption as alternative text."""
+    become ``<img>`` tags with their caption as alternative text; widget views with a
+    static form beside them give way to it, and views without state go."""
     nb = copy.deepcopy(nb)
+    _drop_views(nb, lambda data: "text/html" in data)
+    drop_views_without_state(nb)
+    if not any(WIDGET_VIEW_MIME in (o.get("data") or {})
+               for c in nb.cells for o in c.get("outputs", [])):
+        nb.metadata.pop("widgets", None)  # nothing to draw: no widget manager to load
     for cell in nb.cells:
         if cell.cell_type != "code" or not _has_image(cell):
             continue
@@ -144,8 +217,7 @@ def for_html(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
                     continue
                 for mime in (PLOTLY_MIME, "text/html"):
                     data.pop(mime, None)
-            meta = (output.get("metadata") or {}).get("spotnb") or {}
-            if meta.get("figure") == FIGURE_KIND and "image/png" in data:
+            if _is_figure(output) and "image/png" in data:
                 alt = html.escape(str(data.get("text/plain", "")), quote=True)
                 data["text/html"] = (f'<img src="data:image/png;base64,{data["image/png"]}" '
                                      f'alt="{alt}" style="max-width:100%">')

@@ -6,7 +6,8 @@ with the redone points, the interruptions and the resumes, CPU/GPU use against t
 and a headline with the cost and the spot prices. It is what a reader sees where
 widgets do not render: GitHub's notebook viewer, an HTML export read offline, an image
 viewer. :func:`dashboard_png` draws it from a job's events and record.
-:func:`compare_png` overlays the metric curves of several records.
+:func:`compare_png` overlays the metric curves of several records, with their
+interruptions.
 
 The figures never touch pyplot's global state, so drawing one inside a kernel does not
 change the notebook's own matplotlib backend.
@@ -18,20 +19,23 @@ import io
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from spotnb.events import Event
+from spotnb.protocol.events import Event
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from spotnb.widgets.series import DashboardData
 
-__all__ = ["INSTALL_HINT", "LOSS_COLOUR", "available", "compare_png", "dashboard_png",
-           "price_lines", "render"]
+__all__ = ["INSTALL_HINT", "LOSS_COLOUR", "RUN_COLOURS", "available", "compare_png",
+           "dashboard_png", "price_lines", "render"]
 
 INSTALL_HINT = "pip install 'spotnb[records]' (matplotlib)"
 #: The first metric's colour (the dashboard's); nothing else in the figure uses it.
 LOSS_COLOUR = "#1f77b4"
-_METRIC_COLOURS = (LOSS_COLOUR, "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+#: A colour per run of a comparison, in the order the runs are named (the dashboard's
+#: metric colours, then red and grey: a comparison's interruptions take their run's).
+RUN_COLOURS = ("#1f77b4", "#9467bd", "#2ca02c", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+               "#ff7f0e", "#d62728", "#7f7f7f")
 _SIZE_INCHES = (10.0, 7.6)
 _DPI = 100
 
@@ -205,12 +209,16 @@ def _style(ax: Axes) -> None:
 
 
 def compare_png(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> bytes:
-    """The metric curves of several records overlaid, one plot per metric.
+    """The metric curves of several records overlaid, one plot per metric: a colour
+    per record (:data:`RUN_COLOURS`, as in ``%spot_compare``), a line style per job of
+    a record, and each job's interruptions (its record's ``breaks``) as dashed
+    vertical lines in its colour at the last step the interrupted attempt logged.
 
     ``runs`` is ``[(label, job records), ...]``; a record's curves come from its
     ``curves`` field, so a record compares without the store it came from.
     """
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     names: list[str] = []
     for _label, jobs in runs:
@@ -220,20 +228,29 @@ def compare_png(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> byte
     fig = Figure(figsize=(10.0, 1.0 + 2.8 * rows), layout="constrained")
     axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
     styles = ("-", "--", "-.", ":")
+    marked = False
     for ax, name in zip(axes, names or ["(no metric curves)"], strict=False):
         for r, (label, jobs) in enumerate(runs):
+            colour = RUN_COLOURS[r % len(RUN_COLOURS)]
             for j, job in enumerate(jobs):
                 curve = (job.get("curves") or {}).get(name)
                 if not curve:
                     continue
                 tag = label if len(jobs) == 1 else f"{label}: {job.get('name')}"
                 ax.plot(curve["step"], [float("nan") if v is None else v for v in curve["value"]],
-                        color=_METRIC_COLOURS[r % len(_METRIC_COLOURS)],
-                        ls=styles[j % len(styles)], lw=1.4, label=tag)
+                        color=colour, ls=styles[j % len(styles)], lw=1.4, label=tag)
+                for brk in job.get("breaks") or []:
+                    if isinstance(brk.get("step"), (int, float)):
+                        ax.axvline(brk["step"], color=colour, ls=(0, (4, 3)), lw=1.5)
+                        marked = True
         ax.set_title(name, fontsize=10, loc="left")
         ax.set_xlabel("step")
         ax.grid(True, color="#eaeef2", lw=0.6)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, frameon=False)
+        handles, _labels = ax.get_legend_handles_labels()
+        if handles:
+            if marked:
+                handles.append(Line2D([], [], color="#57606a", ls=(0, (4, 3)), lw=1.2,
+                                      label="interruption (in the run's colour)"))
+            ax.legend(handles=handles, fontsize=8, frameon=False)
     fig.suptitle(" vs ".join(label for label, _ in runs), fontsize=10)
     return _png(fig)

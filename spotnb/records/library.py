@@ -1,4 +1,4 @@
-"""Reading records back: find them, list them, compare two.
+"""Reading records back: find them, list them, compare any number.
 
 A record is any notebook with ``metadata.spotnb`` (written by ``spotnb record``). A
 notebook saved by hand from Jupyter counts too when its cells carry job records in
@@ -155,23 +155,22 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _pairs(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]
-           ) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """Jobs of two records side by side: those with the same name, then the others in
-    order."""
-    matched: dict[int, int] = {}
-    for i, ja in enumerate(a):
-        k = next((k for k, jb in enumerate(b) if k not in matched.values()
-                  and jb.get("name") == ja.get("name")), None)
-        if k is not None:
-            matched[i] = k
-    free = [k for k in range(len(b)) if k not in matched.values()]
-    for i in range(len(a)):
-        if i not in matched and free:
-            matched[i] = free.pop(0)
-    pairs = [(str(ja.get("name")), ja, b[matched[i]] if i in matched else {})
-             for i, ja in enumerate(a)]
-    return pairs + [(str(b[k].get("name")), {}, b[k]) for k in free]
+def _groups(jobs: Sequence[Sequence[dict[str, Any]]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The jobs of several records side by side, one group per job: those of the same
+    name together (a record without one: ``{}``). Records of one job each compare
+    that job, whatever its name."""
+    if all(len(js) == 1 for js in jobs):
+        return [(str(jobs[0][0].get("name")), [js[0] for js in jobs])] if jobs else []
+    groups: list[tuple[str, list[dict[str, Any]]]] = []
+    for r, js in enumerate(jobs):
+        for job in js:
+            name = str(job.get("name"))
+            group = next((g for n, g in groups if n == name and not g[r]), None)
+            if group is None:
+                group = [{} for _ in jobs]
+                groups.append((name, group))
+            group[r] = job
+    return groups
 
 
 def _show(value: Any) -> str:
@@ -192,53 +191,57 @@ def _instances(job: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items()) or "-"
 
 
-def compare_rows(a: Record, b: Record) -> list[tuple[str, list[tuple[str, str, str]]]]:
-    """``spotnb records compare``: sections of (what, A, B) rows."""
-    sections: list[tuple[str, list[tuple[str, str, str]]]] = []
-    ra, rb = a.run, b.run
-    git_a, git_b = ra.get("git") or {}, rb.get("git") or {}
+def compare_rows(*records: Record) -> list[tuple[str, list[tuple[str, ...]]]]:
+    """``spotnb records compare``: sections of ``(what, value in each record...)``
+    rows."""
+    sections: list[tuple[str, list[tuple[str, ...]]]] = []
+    runs = [r.run for r in records]
+
+    def row(what: str, values: Sequence[str]) -> tuple[str, ...]:
+        return (what, *values)
+
     sections.append(("run", [
-        ("status", _show(ra.get("status")), _show(rb.get("status"))),
-        ("date", a.start or "-", b.start or "-"),
-        ("duration", _duration(ra.get("duration_s")), _duration(rb.get("duration_s"))),
-        ("git commit", _commit(git_a), _commit(git_b)),
-        ("spotnb", _show((ra.get("versions") or {}).get("spotnb")),
-         _show((rb.get("versions") or {}).get("spotnb"))),
+        row("status", [_show(r.get("status")) for r in runs]),
+        row("date", [rec.start or "-" for rec in records]),
+        row("duration", [_duration(r.get("duration_s")) for r in runs]),
+        row("git commit", [_commit(r.get("git") or {}) for r in runs]),
+        row("spotnb", [_show((r.get("versions") or {}).get("spotnb")) for r in runs]),
     ]))
-    pa, pb = a.parameters, b.parameters
-    sections.append(("parameters", [(k, _show(pa.get(k)), _show(pb.get(k)))
-                                    for k in dict.fromkeys([*pa, *pb])]))
-    for name, ja, jb in _pairs(a.jobs, b.jobs):
-        oa, ob = ja.get("options") or {}, jb.get("options") or {}
-        rows = [(k, _show(oa.get(k)), _show(ob.get(k))) for k in dict.fromkeys([*oa, *ob])]
+    params = [rec.parameters for rec in records]
+    sections.append(("parameters", [row(k, [_show(p.get(k)) for p in params])
+                                    for k in dict.fromkeys(k for p in params for k in p)]))
+    for name, jobs in _groups([rec.jobs for rec in records]):
+        options = [j.get("options") or {} for j in jobs]
+        rows = [row(k, [_show(o.get(k)) for o in options])
+                for k in dict.fromkeys(k for o in options for k in o)]
         # Hyperparameters (a TrainingArguments has ~100): only those that differ.
-        pa_job, pb_job = ja.get("params") or {}, jb.get("params") or {}
-        rows += [(f"param {k}", _show(pa_job.get(k)), _show(pb_job.get(k)))
-                 for k in dict.fromkeys([*pa_job, *pb_job]) if pa_job.get(k) != pb_job.get(k)]
+        hyper = [j.get("params") or {} for j in jobs]
+        rows += [row(f"param {k}", [_show(h.get(k)) for h in hyper])
+                 for k in dict.fromkeys(k for h in hyper for k in h)
+                 if len({json.dumps(h.get(k), sort_keys=True, default=str)
+                         for h in hyper}) > 1]
         rows += [
-            ("instances", _instances(ja), _instances(jb)),
-            ("status", _show(ja.get("status")), _show(jb.get("status"))),
-            ("attempts", str(len(ja.get("attempts") or [])), str(len(jb.get("attempts") or []))),
-            ("interruptions", _show(ja.get("interruptions")), _show(jb.get("interruptions"))),
-            ("duration", _duration(ja.get("duration_s")), _duration(jb.get("duration_s"))),
-            ("cost $", _number(ja.get("cost_usd"), ".4f"), _number(jb.get("cost_usd"), ".4f")),
-            ("on-demand $", _number(ja.get("ondemand_cost_usd"), ".4f"),
-             _number(jb.get("ondemand_cost_usd"), ".4f")),
-            ("saved %", _number(ja.get("savings_pct"), ".0f"),
-             _number(jb.get("savings_pct"), ".0f")),
+            row("instances", [_instances(j) for j in jobs]),
+            row("status", [_show(j.get("status")) for j in jobs]),
+            row("attempts", [str(len(j.get("attempts") or [])) for j in jobs]),
+            row("interruptions", [_show(j.get("interruptions")) for j in jobs]),
+            row("redone steps", [_show(j.get("redone_steps")) for j in jobs]),
+            row("duration", [_duration(j.get("duration_s")) for j in jobs]),
+            row("cost $", [_number(j.get("cost_usd"), ".4f") for j in jobs]),
+            row("on-demand $", [_number(j.get("ondemand_cost_usd"), ".4f") for j in jobs]),
+            row("saved %", [_number(j.get("savings_pct"), ".0f") for j in jobs]),
         ]
         sections.append((f"job {name}", rows))
-    ta, tb = a.totals, b.totals
+    totals_ = [rec.totals for rec in records]
     sections.append(("cost", [
-        ("spot $", _number(ta.get("cost_usd"), ".4f"), _number(tb.get("cost_usd"), ".4f")),
-        ("on-demand $", _number(ta.get("ondemand_cost_usd"), ".4f"),
-         _number(tb.get("ondemand_cost_usd"), ".4f")),
-        ("saved %", _number(ta.get("savings_pct"), ".0f"), _number(tb.get("savings_pct"), ".0f")),
-        ("interruptions", _show(ta.get("interruptions")), _show(tb.get("interruptions"))),
+        row("spot $", [_number(t.get("cost_usd"), ".4f") for t in totals_]),
+        row("on-demand $", [_number(t.get("ondemand_cost_usd"), ".4f") for t in totals_]),
+        row("saved %", [_number(t.get("savings_pct"), ".0f") for t in totals_]),
+        row("interruptions", [_show(t.get("interruptions")) for t in totals_]),
     ]))
-    fa, fb = a.final_metrics, b.final_metrics
-    sections.append(("final metrics", [(k, _show(fa.get(k)), _show(fb.get(k)))
-                                       for k in dict.fromkeys([*fa, *fb])]))
+    finals = [rec.final_metrics for rec in records]
+    sections.append(("final metrics", [row(k, [_show(f.get(k)) for f in finals])
+                                       for k in dict.fromkeys(k for f in finals for k in f)]))
     return sections
 
 

@@ -8,7 +8,7 @@
 2. Notes what is about to run: versions, the git commit of the notebook's directory
    and whether it has uncommitted changes.
 3. Executes the notebook with nbclient in a fresh kernel started in the notebook's
-   directory (:func:`spotnb.notebook.execute`); ``provider`` becomes the kernel's
+   directory (:func:`spotnb.client.notebook.execute`); ``provider`` becomes the kernel's
    ``SpotMagics.provider``. Before the kernel goes, it is asked for the ``--out``
    values of the jobs the run submitted: they load there.
 4. Finds those jobs: every job created while the notebook ran (in the default store
@@ -46,15 +46,16 @@ from typing import Any
 
 import nbformat
 
-from spotnb import __version__, layout
-from spotnb.events import EventReader
-from spotnb.jobs import JobHandle, JobNotFound, attach
-from spotnb.notebook import DEFAULT_CELL_TIMEOUT, CellFailure, execute
+from spotnb._version import __version__
+from spotnb.client.jobs import JobHandle, JobNotFound, attach
+from spotnb.client.notebook import DEFAULT_CELL_TIMEOUT, CellFailure, execute
+from spotnb.protocol import layout
+from spotnb.protocol.events import EventReader
+from spotnb.protocol.store import open_store
 from spotnb.providers import PROVIDERS
 from spotnb.records import document, figures
 from spotnb.records.scrub import scrub
 from spotnb.records.summary import SCHEMA_VERSION, iso, job_record, store_summary
-from spotnb.store import open_store
 
 __all__ = [
     "MAX_RECORD_BYTES",

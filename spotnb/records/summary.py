@@ -1,7 +1,7 @@
 """A job's record: what ran, on what, for how long, at what cost, with what result.
 
 :func:`job_record` builds it from the job's store prefix (its spec, its event log, its
-checkpoints), reusing :func:`spotnb.jobs.summarize` for attempts and cost. It is plain
+checkpoints), reusing :func:`spotnb.client.jobs.summarize` for attempts and cost. It is plain
 JSON (see :mod:`spotnb.records` for the fields) and bounded in size however long the
 job ran: metric curves are thinned to :data:`MAX_CURVE_POINTS` points, tracebacks and
 strings are clipped.
@@ -22,13 +22,13 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from spotnb import layout
-from spotnb.checkpoints import CheckpointStore
-from spotnb.events import Event, EventReader, codec, expand, metric_columns, metric_names
-from spotnb.events.fold import JobState, fold
-from spotnb.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize_state
+from spotnb.ckpt.checkpoints import CheckpointStore
+from spotnb.client.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize_state
+from spotnb.protocol import layout
+from spotnb.protocol.events import Event, EventReader, codec, expand, metric_columns, metric_names
+from spotnb.protocol.events.fold import JobState, fold
+from spotnb.protocol.secretstore import NOTIFY_SECRET
 from spotnb.records.scrub import scrub
-from spotnb.secretstore import NOTIFY_SECRET
 
 __all__ = [
     "MAX_CURVE_POINTS",
@@ -227,6 +227,7 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
     final.update({k: v for k, v in described.items() if _number(v) is not None})
     curves, omitted = _curves(events)
     ended = result.status in ("completed", "failed", "stopped")
+    breaks = state.breaks(final=ended)
     last_time = state.last_time
     record: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
@@ -256,6 +257,11 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
             "node": a.node,
         } for a in result.attempts],
         "interruptions": result.interruptions,
+        # Where each early end was (the comparison marks them on the curves).
+        "breaks": [{"attempt": b.attempt, "reason": b.reason.value, "time": iso(b.time),
+                    "step": b.step, "resumed_at": b.resumed_at, "redone": b.redone}
+                   for b in breaks],
+        "redone_steps": sum(b.redone or 0 for b in breaks),
         "cost_usd": result.cost_usd,
         "ondemand_cost_usd": result.ondemand_cost_usd,
         "savings_pct": (round(result.savings_pct, 2) if result.savings_pct is not None

@@ -28,8 +28,11 @@ What it does:
   (:class:`spotnb.providers.local.imds.ImdsServer`) in ``SPOTNB_IMDS_ENDPOINT``;
 * delivers **spot interruptions**: the notice appears in the instance's metadata, and
   after the notice period the instance is terminated in moto (SIGTERM to its processes,
-  then SIGKILL after a grace); ``spotnb interrupt`` on AWS goes through the Fault
-  Injection Service, which moto cannot run, so the simulator answers FIS's
+  then SIGKILL after a grace); the **rebalance recommendation** comes with it, or
+  some time before it, or not at all (:meth:`AwsSimulator.interrupt`'s ``lead``, which
+  :meth:`AwsSimulator.drawn_lead` draws as the local cloud does), or alone, a false
+  alarm (:meth:`AwsSimulator.recommend_rebalance`); ``spotnb interrupt`` on AWS goes
+  through the Fault Injection Service, which moto cannot run, so the simulator answers FIS's
   ``StartExperiment`` itself with a botocore event hook (templates are real moto ones);
 * **injects capacity errors** for chosen pools with a botocore event hook on its
   ``RunInstances`` calls.

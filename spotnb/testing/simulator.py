@@ -11,6 +11,7 @@ import datetime
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spotnb.providers.local.signals import SignalModel
 from spotnb.testing.server import DEFAULT_ACCOUNT, DEFAULT_REGION, MotoServer, aws_environment
 
 __all__ = ["AwsSimulator", "SimInstance"]
@@ -60,6 +62,10 @@ class SimInstance:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     notice_at: float | None = None
     terminate_at: float | None = None
+    #: a notice announced by a rebalance recommendation: (its wall time, notice period)
+    pending_notice: tuple[float, float] | None = None
+    #: its last rebalance recommendation
+    rebalance_at: float | None = None
     terminated: bool = False
     #: the Auto Scaling group's placement group, when it names one (a multi-node job)
     placement_group: str | None = None
@@ -89,8 +95,13 @@ class AwsSimulator:
     def __init__(self, workdir: str | os.PathLike[str] | None = None, *,
                  region: str = DEFAULT_REGION, notice_seconds: float = DEFAULT_NOTICE_SECONDS,
                  boot_seconds: float = 0.0, kill_grace: float = KILL_GRACE_SECONDS,
-                 install: bool = False) -> None:
+                 install: bool = False, signals: SignalModel | None = None) -> None:
         self.region = region
+        #: what :meth:`drawn_lead` draws from (EC2's signals as the local cloud plays them)
+        self.signals = signals or SignalModel()
+        self._signal_rng = random.Random(self.signals.seed)
+        #: every signal sent, in order: (wall time, instance id, "rebalance" or "notice")
+        self.signals_sent: list[tuple[float, str, str]] = []
         self.notice_seconds = notice_seconds
         self.boot_seconds = boot_seconds
         self.kill_grace = kill_grace
@@ -197,19 +208,50 @@ class AwsSimulator:
             else:
                 self._no_capacity.clear()
 
-    def interrupt(self, instance_id: str, notice_seconds: float | None = None) -> None:
-        """EC2's spot interruption: rebalance recommendation and instance-action in the
-        instance's metadata now, termination ``notice_seconds`` later."""
+    def interrupt(self, instance_id: str, notice_seconds: float | None = None, *,
+                  lead: float | None = 0.0) -> None:
+        """EC2's spot interruption: the instance-action notice in the instance's metadata,
+        termination ``notice_seconds`` after it. ``lead``: how many real seconds the
+        rebalance recommendation comes first: 0 (default) both at once, as FIS sends
+        them; more: the recommendation now, the notice that much later (a lead drawn
+        from EC2's signals: :meth:`drawn_lead`); None: a notice with no recommendation."""
+        delay = self.notice_seconds if notice_seconds is None else notice_seconds
         with self._lock:
             inst = self.instances[instance_id]
             now = time.time()
-            delay = self.notice_seconds if notice_seconds is None else notice_seconds
-            inst.notice_at = now
-            inst.terminate_at = now + delay
-            inst.imds.set_rebalance(now)
-            inst.imds.set_instance_action(inst.terminate_at)
-        log.info("simulated interruption notice for %s, termination in %.1fs",
-                 instance_id, delay)
+            if lead is not None:
+                self._recommend(inst, now)
+            if lead:
+                inst.pending_notice = (now + lead, delay)
+            else:
+                self._notice(inst, now, delay)
+        log.info("simulated interruption of %s: notice in %.1fs, termination %.1fs later",
+                 instance_id, lead or 0.0, delay)
+
+    def recommend_rebalance(self, instance_id: str) -> None:
+        """A rebalance recommendation now, alone: a false alarm unless an interruption
+        follows."""
+        with self._lock:
+            self._recommend(self.instances[instance_id], time.time())
+
+    def drawn_lead(self) -> float | None:
+        """A recommendation's lead before its notice, drawn from :attr:`signals` (real
+        seconds: EC2's market seconds scaled as the notice period is), or None for a
+        notice with no recommendation. For :meth:`interrupt`'s ``lead``."""
+        lead = self.signals.draw(self._signal_rng)
+        return None if lead is None else lead * self.notice_seconds / 120.0
+
+    def _recommend(self, inst: SimInstance, now: float) -> None:
+        inst.rebalance_at = now
+        inst.imds.set_rebalance(now)
+        self.signals_sent.append((now, inst.id, "rebalance"))
+
+    def _notice(self, inst: SimInstance, now: float, delay: float) -> None:
+        inst.pending_notice = None
+        inst.notice_at = now
+        inst.terminate_at = now + delay
+        inst.imds.set_instance_action(inst.terminate_at)
+        self.signals_sent.append((now, inst.id, "notice"))
 
     def crash(self, instance_id: str) -> None:
         """Kill the instance's processes outright (a kernel panic, a failed host): EC2
@@ -450,6 +492,12 @@ class AwsSimulator:
 
     def _tick(self) -> None:
         now = time.time()
+        # Notices a rebalance recommendation announced.
+        with self._lock:
+            for inst in self.instances.values():
+                if inst.pending_notice is not None and inst.pending_notice[0] <= now \
+                        and not inst.terminated:
+                    self._notice(inst, now, inst.pending_notice[1])
         # Interruptions whose notice period is over.
         with self._lock:
             due = [i for i in self.instances.values()

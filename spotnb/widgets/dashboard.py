@@ -1,11 +1,13 @@
-"""The live dashboard of a job: a :class:`~spotnb.display.Renderer` made of widgets.
+"""The live dashboard of a job: a :class:`~spotnb.client.display.Renderer` made of widgets.
 
 Layout, top to bottom:
 
 * the header (:mod:`spotnb.widgets.header`): state, attempt, instance; step of the
   total, pace and time left; cost against on-demand and the projection; interruptions
   with what they took; the spot price of each pool with a sparkline;
-* the plot controls: x as step or time, smoothing, log scale, how metrics are grouped;
+* the plot controls: x as step, time since the start or wall time, smoothing, a log
+  scale per panel (a checkbox per panel, added as panels appear), how metrics are
+  grouped;
 * the figure (:mod:`spotnb.widgets.plots`): a panel per metric with its own y axis,
   GPU or CPU use, interruptions and resumes marked; it fills the cell's width and
   keeps the user's zoom across updates;
@@ -37,17 +39,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from spotnb import display
-from spotnb.display import JobView
-from spotnb.events import Event
+from spotnb.client import display
+from spotnb.client.display import JobView
+from spotnb.protocol.events import Event
 from spotnb.widgets import static
 from spotnb.widgets.elements import LogPanel, plotly_loader
 from spotnb.widgets.header import header_html
-from spotnb.widgets.plots import GROUPINGS, Plots
+from spotnb.widgets.plots import GROUPINGS, X_AXES, Plots
 from spotnb.widgets.series import DEFAULT_BUCKETS, LOG_LINES, DashboardData
 
 if TYPE_CHECKING:
-    from spotnb.jobs import JobHandle, JobResult
+    from spotnb.client.jobs import JobHandle, JobResult
 
 __all__ = ["FLUSH_SECONDS", "MESSAGE_SECONDS", "STOP_CONFIRM_SECONDS", "Dashboard",
            "DetachRequested", "header_html"]
@@ -64,7 +66,7 @@ STOP_CONFIRM_SECONDS = 10.0
 
 
 class DetachRequested(KeyboardInterrupt):
-    """Raised inside :func:`spotnb.display.follow` when the Detach button was pressed:
+    """Raised inside :func:`spotnb.client.display.follow` when the Detach button was pressed:
     the follow loop treats it like the notebook's interrupt (the job keeps running)."""
 
 
@@ -76,7 +78,7 @@ class Dashboard:
 
     Created without arguments by the magics (``SpotMagics.renderer_class``); the
     follow loop calls :meth:`start` with the job's handle, :meth:`events` with every
-    batch of events, and the :class:`~spotnb.display.Renderer` methods. ``clock`` and
+    batch of events, and the :class:`~spotnb.client.display.Renderer` methods. ``clock`` and
     ``flush_seconds`` are there for tests and the benchmark; ``static_copy`` draws the
     PNG of the final figure (off in the benchmark).
     """
@@ -110,14 +112,12 @@ class Dashboard:
         self.panel = LogPanel(layout=w.Layout(width="100%"))
         self.checkpoint = w.HTML()
         self.controls = {
-            "x": w.ToggleButtons(options=[("step", "step"), ("clock time", "time")],
-                                 value="step", tooltips=["metrics against step",
-                                                         "metrics against clock time"],
-                                 style={"button_width": "7.5em"}),
+            "x": w.ToggleButtons(options=[(label, key) for key, label, _tip in X_AXES],
+                                 value="step", tooltips=[tip for _k, _l, tip in X_AXES],
+                                 style={"button_width": "6.5em"}),
             "smoothing": w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01,
                                        description="smoothing", readout_format=".2f",
                                        continuous_update=False),
-            "log_y": w.Checkbox(value=False, description="log scale", indent=False),
             "grouping": w.Dropdown(options=[(label, key) for key, label in GROUPINGS],
                                    value="metric", description="panels"),
         }
@@ -125,7 +125,6 @@ class Dashboard:
             control.style.description_width = "initial"
             control.observe(self._on_control, names="value")
         self.controls["smoothing"].layout.width = "19em"
-        self.controls["log_y"].layout.width = "7em"
         self.controls["grouping"].layout.width = "auto"
         self.buttons = {
             "detach": w.Button(description="Detach", icon="eject",
@@ -154,7 +153,14 @@ class Dashboard:
         self.message = w.HTML()
         # Where the TensorBoard button's %tensorboard shows (the click is no cell's).
         self.extra = w.Output()
-        toolbar = w.HBox([w.Label("x axis"), *self.controls.values()],
+        # A log scale per metric panel: a checkbox each, by the panel's title, added as
+        # panels appear (:meth:`_sync_log_boxes`).
+        self.log_boxes: dict[str, Any] = {}
+        self.log_bar = w.HBox([w.Label("log scale:")],
+                              layout=w.Layout(flex_flow="row wrap", align_items="center",
+                                              grid_gap="0 8px", display="none"))
+        toolbar = w.HBox([w.Label("x axis"), self.controls["x"], self.controls["smoothing"],
+                          self.log_bar, self.controls["grouping"]],
                          layout=w.Layout(flex_flow="row wrap", align_items="center",
                                          grid_gap="4px 18px"))
         footer = w.HBox(
@@ -177,12 +183,21 @@ class Dashboard:
         return self._bundle()
 
     def _bundle(self) -> dict[str, Any]:
-        """The widget's view, and as text for readers without widgets: the status and
-        the output panel's lines (updated when the job ends, for saved notebooks)."""
+        """The widget's view, and for readers without widgets the header and the
+        output panel's lines, as HTML and as text (updated when the job ends, for
+        saved notebooks and their HTML export)."""
         data = dict(self.widget._repr_mimebundle_())
         lines = display.status_lines(self.view) if self.view is not None else ["spotnb"]
-        log_lines = [text for _kind, text in self.data.log_lines()]
+        with self._lock:
+            panel = self.data.log_lines()
+            header = header_html(self.view, self.data)
+        log_lines = [text for _kind, text in panel]
         data["text/plain"] = "\n".join([*lines, *(["", *log_lines] if log_lines else [])])
+        caption = (f"the last {len(panel)} lines; `%spot_logs` prints them all"
+                   if len(panel) >= LOG_LINES else "")
+        data["text/html"] = (f"<div class='spotnb-static-dashboard'>"
+                             f"{header}"
+                             f"{static.log_html(panel, caption)}</div>")
         return data
 
     # -- the follow loop's calls -------------------------------------------------
@@ -296,6 +311,7 @@ class Dashboard:
                    self._header_version)
             if now[0] != data_v:
                 self.plots.draw(self.data)
+                self._sync_log_boxes()
             if now[1] != log_v:
                 self._draw_panel()
             if now[2] != head_v or now[0] != data_v:
@@ -310,10 +326,36 @@ class Dashboard:
             options = self.plots.options
             options.x = str(self.controls["x"].value)
             options.smoothing = float(self.controls["smoothing"].value)
-            options.log_y = bool(self.controls["log_y"].value)
+            options.log_panels = frozenset(title for title, box in self.log_boxes.items()
+                                           if box.value)
             options.grouping = str(self.controls["grouping"].value)
             self._plots_version += 1
             self.flush()
+
+    def _sync_log_boxes(self) -> None:
+        """A log-scale checkbox for each metric panel shown, in the panels' order (a
+        panel's box keeps its value while it is hidden by another grouping)."""
+        import ipywidgets as w
+
+        titles = self.plots.panel_titles()
+        shown = tuple(box.description for box in self.log_bar.children[1:])
+        if titles == shown:
+            return
+        for title in titles:
+            if title not in self.log_boxes:
+                box = w.Checkbox(value=False, description=title, indent=False,
+                                 tooltip=f"a log y axis for {title}",
+                                 layout=w.Layout(width="auto"))
+                box.style.description_width = "initial"
+                box.observe(self._on_control, names="value")
+                if self.handle is not None:
+                    from spotnb.widgets import kernel
+
+                    kernel.serve_while_busy(box)
+                self.log_boxes[title] = box
+        self.log_bar.children = (self.log_bar.children[0],
+                                 *(self.log_boxes[t] for t in titles))
+        self.log_bar.layout.display = None if titles else "none"
 
     def _draw_panel(self) -> None:
         lines = self.data.log_lines()

@@ -221,13 +221,14 @@ function render({ model, el }) {
       columns.forEach((col, i) => {
         const td = tr.insertCell();
         let text = row.cells[col.key] ?? "";
-        if (i === 0 && rank >= 0) text = `${rank + 1}. ${text}`;
+        if (i === 0 && rank >= 0 && model.get("number_chosen")) text = `${rank + 1}. ${text}`;
         td.textContent = text;
+        if (i === 0 && row.colour) td.style.boxShadow = `inset 4px 0 0 ${row.colour}`;
         if (row.titles && row.titles[col.key]) td.title = row.titles[col.key];
         if (col.frozen) td.classList.add("spotnb-frozen");
         if (!col.numeric) td.classList.add("spotnb-text");
       });
-      tr.title = "click to choose (or unchoose) " + row.id;
+      tr.title = model.get("row_title") + " " + row.id;
       tr.addEventListener("click", () => {
         const now = [...(model.get("chosen") || [])];
         const at = now.indexOf(row.id);
@@ -274,6 +275,8 @@ _TABLE_CSS = """
 .spotnb-table tbody tr { cursor: pointer; }
 .spotnb-table tbody tr:hover td { background: #f3f8ff; }
 .spotnb-table tr.spotnb-chosen td { background: #ddf4ff; font-weight: 600; }
+.spotnb-compare-table tr.spotnb-chosen td { background: #fff; font-weight: normal;
+  color: #8c959f; text-decoration: line-through; }
 """
 
 
@@ -321,7 +324,8 @@ class Table(anywidget.AnyWidget):
     """A table sorted by header clicks, rows chosen by clicks (module docstring).
 
     ``columns``: ``{"key", "label", "title", "frozen", "numeric", "descending_first"}``
-    each; ``rows``: ``{"id", "cells": {key: text}, "titles": {key: tooltip}}`` each.
+    each; ``rows``: ``{"id", "cells": {key: text}, "titles": {key: tooltip}}`` each,
+    and optionally ``"colour"`` (a swatch at the left of its first cell).
     """
 
     _esm = _TABLE_ESM
@@ -334,6 +338,10 @@ class Table(anywidget.AnyWidget):
                             ).tag(sync=True)
     table_class = traitlets.Unicode("spotnb-picker-table", help="the <table>'s class"
                                     ).tag(sync=True)
+    row_title = traitlets.Unicode("click to choose (or unchoose)",
+                                  help="a row's tooltip, before its id").tag(sync=True)
+    number_chosen = traitlets.Bool(True, help="number the chosen rows in their order"
+                                   ).tag(sync=True)
 
     def __repr__(self) -> str:
         return f"<spotnb Table: {len(self.rows)} rows, sorted by {self.sort_key}>"

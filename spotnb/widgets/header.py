@@ -1,6 +1,6 @@
 """The dashboard's header: what a job is doing and what it costs, at a glance.
 
-Four short rows (the text display says the same in lines, :func:`spotnb.display.
+Four short rows (the text display says the same in lines, :func:`spotnb.client.display.
 status_lines`): the state, the attempt (or the one being launched), the instance and
 the time; the step of the total with a bar, the pace and the time left, the last
 metrics; the cost so far against on-demand, and the projection to the end; the
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import html
 
-from spotnb import display
-from spotnb.display import JobView
+from spotnb.client import display
+from spotnb.client.display import JobView
 from spotnb.widgets.series import DashboardData, PoolPrices
 
 __all__ = ["header_html", "sparkline"]

@@ -10,6 +10,13 @@ subshell the comm names. :func:`serve_while_busy` creates one subshell per kerne
 while the cell is busy. Handlers must then be quick and thread-safe (set a flag, start
 a thread). Without subshells (ipykernel 6, a terminal) nothing changes: the buttons
 act when the kernel is next idle, and the notebook's own stop button still detaches.
+
+**The kernel's status.** The kernel reports busy and idle around every request it
+handles, a click on the subshell included; JupyterLab shows the last report as the
+kernel's status, whichever request it was about (jupyterlab/jupyterlab#10701), so after
+a click the status bar would say "Idle" while the cell still runs. :class:`_StatusKeeper`
+follows the main shell's request and, when a subshell's request ends while it runs,
+reports busy again on its behalf: the status bar stays "Busy" until the cell ends.
 """
 
 from __future__ import annotations
@@ -20,10 +27,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spotnb import layout
+from spotnb.protocol import layout
 
 if TYPE_CHECKING:
-    from spotnb.jobs import JobHandle
+    from spotnb.client.jobs import JobHandle
 
 __all__ = ["open_tensorboard", "serve_while_busy", "tensorboard_dir"]
 
@@ -75,9 +82,65 @@ def _create_subshell(kernel: Any) -> str | None:
     return subshell_id
 
 
+class _StatusKeeper:
+    """Wraps a kernel's ``_publish_status`` (see the module docstring): while the main
+    shell runs an ``execute_request``, a status idle about any other request (handled
+    on a subshell, or nested on the main thread) is followed by a status busy with the
+    running request as parent."""
+
+    def __init__(self, kernel: Any) -> None:
+        self._kernel = kernel
+        self._publish = kernel._publish_status
+        self._lock = threading.Lock()
+        # Installed from a running cell: its request is the one in progress.
+        parent = kernel.get_parent("shell") if _on_main_thread() else {}
+        self.running: dict[str, Any] | None = parent if _msg_type(parent) == \
+            "execute_request" else None
+
+    def __call__(self, status: str, channel: str, parent: Any = None) -> None:
+        # One lock for both threads' reports: a busy on the cell's behalf never
+        # follows the cell's own idle.
+        with self._lock:
+            self._publish(status, channel, parent)
+            if channel != "shell":
+                return
+            msg = parent or self._kernel.get_parent(channel)
+            if _on_main_thread():
+                if status == "busy" and _msg_type(msg) == "execute_request" and \
+                        self.running is None:
+                    self.running = msg
+                    return
+                if status == "idle" and _msg_id(msg) == _msg_id(self.running):
+                    self.running = None
+                    return
+            # An idle about another request (a click on the subshell, or one the cell
+            # handled nested on the main thread) while the cell runs: busy again.
+            if status == "idle" and self.running is not None:
+                self._publish("busy", channel, self.running)
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _msg_id(msg: Any) -> str | None:
+    return ((msg or {}).get("header") or {}).get("msg_id")
+
+
+def _msg_type(msg: Any) -> str | None:
+    return ((msg or {}).get("header") or {}).get("msg_type")
+
+
+def _keep_status(kernel: Any) -> None:
+    """Install :class:`_StatusKeeper` on ``kernel`` (once)."""
+    if not isinstance(getattr(kernel, "_publish_status", None), _StatusKeeper):
+        kernel._publish_status = _StatusKeeper(kernel)
+
+
 def serve_while_busy(widget: Any) -> bool:
     """Have the kernel handle ``widget``'s messages on a subshell thread, so its
-    handlers run while a cell is busy. Whether that is possible here."""
+    handlers run while a cell is busy (and the kernel's status stays busy meanwhile).
+    Whether that is possible here."""
     kernel = _kernel()
     comm = getattr(widget, "comm", None)
     if kernel is None or comm is None:
@@ -85,6 +148,8 @@ def serve_while_busy(widget: Any) -> bool:
     subshell_id = _subshell(kernel)
     if subshell_id is None:
         return False
+    with _lock:
+        _keep_status(kernel)
     # ipykernel asks the comm where to route each incoming message (BaseComm).
     comm._reply_subshell_for = lambda _data, _default: subshell_id
     return True
@@ -100,7 +165,7 @@ def open_tensorboard(handle: JobHandle) -> str:
 
     Returns a line saying what happened (no logs yet, or where they are).
     """
-    from spotnb.tb import download_logs
+    from spotnb.train.tb import download_logs
 
     dest = tensorboard_dir(handle.job_id)
     found = download_logs(handle, dest)

@@ -1,7 +1,7 @@
 """The instance picker: GPU instance types ranked by what your job would cost on them.
 
 :func:`picker_rows` is plain Python (one :class:`PickerRow` per instance type with a
-spot pool in the region, from :mod:`spotnb.catalog`); :func:`estimate` prices a job on
+spot pool in the region, from :mod:`spotnb.providers.catalog`); :func:`estimate` prices a job on
 a row. :class:`InstancePicker` (``%spot_picker``) shows the rows as a table (key
 columns frozen on the left, sorted by a click on a header, a row chosen by a click),
 with filters (NVIDIA GPUs on x86 hosts only, by default: what CUDA training needs), and
@@ -9,11 +9,16 @@ a list of chosen types in order of preference; choosing sets
 ``SpotMagics.instance_types`` (and ``region``) for the next ``%%spot_train`` and shows
 the equivalent ``%%spot_train -t ...`` line.
 
-The job is sized as ``N`` hours on one reference GPU (by default the GPU of the
-current default instance type). GPU models differ in speed: each gets a relative
-throughput from a public figure (peak dense FP16 Tensor Core TFLOPS from the vendor's
-datasheet, ``spotnb/data/gpu_throughput.csv`` with its sources), so on an instance of
-``g`` GPUs of a model ``r`` times the reference's speed the estimate is:
+The job is sized as ``N`` hours on one reference GPU. The reference is chosen once
+and then kept: the ``reference`` given, else the one ``SpotMagics.gpu_reference``
+holds, else the GPU of the default instance type when the first picker opens (stored
+in ``gpu_reference`` then), so choosing types, which changes the default instance
+type, does not change the costs shown by the next picker. GPU models differ in speed:
+each has a training throughput (``spotnb/data/gpu_throughput.csv``: published
+mixed-precision training benchmarks where they exist, else a fit of the datasheet's
+tensor peak and memory bandwidth on the measured GPUs; ``SOURCES.md`` has the sources),
+so on an instance of ``g`` GPUs of a model ``r`` times the reference's speed the
+estimate is:
 
 * useful wall time ``T = N / r`` hours on one of the instance's GPUs, the default (a
   notebook's training loop mostly uses one), or ``T = N / (g * r)`` on all ``g`` of
@@ -39,7 +44,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spotnb import catalog
+from spotnb.providers import catalog
 
 __all__ = ["COLUMNS", "Estimate", "InstancePicker", "PickerRow", "estimate", "filter_rows",
            "picker_rows", "sort_rows", "train_line"]
@@ -52,6 +57,10 @@ RESTART_HOURS = 5 / 60
 STALE_DAYS = 7
 #: The reference GPU when the default instance type's GPU has no speed figure.
 FALLBACK_REFERENCE = "A10G"
+#: The columns shown until "all columns" is ticked: the table then fits a notebook
+#: cell (848 px in JupyterLab at 1280 px) without sideways scrolling.
+DEFAULT_COLUMNS = ("instance_type", "gpu", "est_spot_usd", "est_hours", "est_interruptions",
+                   "spot", "savings_pct", "interruption", "speed")
 # The bundled catalog's prices: the snapshot's last month (catalog.DATA_DATE).
 _YEAR_MONTH = re.compile(r"(\d{4})-(\d{2})")
 
@@ -69,8 +78,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "savings_pct": ("saving", "spot against on-demand"),
     "interruption": ("interrupted", "Spot Advisor: how often instances of this type "
                                     "were interrupted over the last month"),
-    "speed": ("speed", "GPU throughput the job gets, relative to one reference GPU "
-                       "(peak FP16 Tensor TFLOPS, vendor datasheets)"),
+    "speed": ("speed", "training throughput the job gets, in reference GPUs (published "
+                       "training benchmarks; * derived from datasheet TFLOPS and memory "
+                       "bandwidth where none was published)"),
     "work_price": ("spot $/ref-GPU-h", "spot price per hour of reference-GPU work"),
     "vcpus": ("vCPUs", "virtual CPUs"),
     "memory_gib": ("RAM GiB", "instance memory"),
@@ -85,9 +95,10 @@ class PickerRow:
 
     ``spot`` is the cheapest pool's price (of ``pools`` pools); ``gpu_memory_gib`` is
     per GPU; ``interruption`` the Spot Advisor label and ``interruption_max_pct`` its
-    upper bound (None when the advisor does not list the type); ``gpu_tflops`` the GPU
-    model's speed figure (None without one); ``price_date`` when the prices were taken
-    and ``source`` from where.
+    upper bound (None when the advisor does not list the type); ``gpu_speed`` the GPU
+    model's training throughput in V100s (None without a figure) and
+    ``gpu_speed_measured`` whether a benchmark measured it; ``price_date`` when the
+    prices were taken and ``source`` from where.
     """
 
     instance_type: str
@@ -107,19 +118,20 @@ class PickerRow:
     source: str
     cpu_arch: str = "x86_64"
     cuda: bool = True
-    gpu_tflops: float | None = None
+    gpu_speed: float | None = None
+    gpu_speed_measured: bool = False
 
     @property
     def spot_per_gpu_hour(self) -> float:
         return self.spot / self.gpu_count
 
     def speed(self, reference: str, all_gpus: bool = False) -> float | None:
-        """The instance's GPU throughput in reference GPUs (None without figures): of
-        one of its GPUs, or of all of them (perfect scaling) with ``all_gpus``."""
+        """The instance's training throughput in reference GPUs (None without figures):
+        of one of its GPUs, or of all of them (perfect scaling) with ``all_gpus``."""
         ref = catalog.gpu_speeds().get(reference)
-        if ref is None or self.gpu_tflops is None:
+        if ref is None or self.gpu_speed is None:
             return None
-        return (self.gpu_count if all_gpus else 1) * self.gpu_tflops / ref.tflops
+        return (self.gpu_count if all_gpus else 1) * self.gpu_speed / ref.training
 
     def age_days(self, today: datetime.date | None = None) -> int:
         return ((today or datetime.date.today()) - self.price_date).days
@@ -163,7 +175,8 @@ def picker_rows(region: str = "us-east-1", gpus_only: bool = True) -> list[Picke
             interruption_max_pct=bucket.max_pct if bucket else None,
             price_date=date, source=f"bundled catalog ({catalog.DATA_DATE['catalog']})",
             cpu_arch=spec.cpu_arch, cuda=spec.cuda,
-            gpu_tflops=speed.tflops if speed is not None else None,
+            gpu_speed=speed.training if speed is not None else None,
+            gpu_speed_measured=speed is not None and speed.measured,
         ))
     return rows
 
@@ -207,7 +220,7 @@ def _sort_value(row: PickerRow, key: str, est: Estimate | None, reference: str,
     if key == "interruption":
         return row.interruption_max_pct
     if key == "gpu":
-        return (row.gpu_tflops or 0) * row.gpu_count
+        return (row.gpu_speed or 0) * row.gpu_count
     if key == "speed":
         return row.speed(reference, all_gpus)
     if key == "work_price":
@@ -283,8 +296,9 @@ class InstancePicker:
 
     ``magics`` is the ``SpotMagics`` whose defaults a choice sets (by default the one
     loaded in this IPython, if any); ``on_choose`` is called with the chosen types.
-    ``work_hours`` sizes the job in hours on one ``reference`` GPU (default: the GPU of
-    the default instance type).
+    ``work_hours`` sizes the job in hours on one ``reference`` GPU (default: the one
+    kept in ``SpotMagics.gpu_reference``, else the GPU of the default instance type,
+    which is then kept there: see the module docstring).
     """
 
     def __init__(self, region: str | None = None, *, magics: Any = None,
@@ -302,8 +316,10 @@ class InstancePicker:
         every = checkpoint_every if checkpoint_every is not None else \
             getattr(self.magics, "checkpoint_every", "10m")
         speeds = catalog.gpu_speeds()
-        reference = reference or default_reference(
+        kept = getattr(self.magics, "gpu_reference", "") or ""
+        reference = reference or (kept if kept in speeds else None) or default_reference(
             list(getattr(self.magics, "instance_types", None) or ()))
+        self._keep_reference(reference)
         self.region = w.Dropdown(options=catalog.all_regions(),
                                  value=region or default_region, description="region")
         self.gpu_model = w.Dropdown(description="GPU")
@@ -317,13 +333,17 @@ class InstancePicker:
                                     indent=False)
         self.work_hours = w.BoundedFloatText(value=work_hours, min=0.01, max=1e6,
                                              description="job: hours on one")
-        self.reference = w.Dropdown(options=sorted(speeds), value=reference,
-                                    description="GPU")
+        self.reference = w.Dropdown(
+            options=sorted(speeds), value=reference, description="reference GPU",
+            tooltip="the GPU the job's hours are counted on; kept for the next pickers")
         self.all_gpus = w.Dropdown(options=[("on one GPU of the instance", False),
                                             ("on all its GPUs (scaling perfectly)", True)],
                                    value=False, description="run")
         self.checkpoint = w.Text(value=_every_text(every), description="checkpoint every",
                                  tooltip="the checkpoint interval, e.g. 10m")
+        self.all_columns = w.Checkbox(value=False, indent=False, description="all columns",
+                                      tooltip="add the on-demand costs, the spot price "
+                                              "per reference GPU-hour, vCPUs and RAM")
         self.chosen = w.TagsInput(allowed_tags=[], allow_duplicates=False,
                                   placeholder="type an instance type, or click rows")
         self.table = Table()
@@ -333,8 +353,10 @@ class InstancePicker:
         self.warning = w.HTML()
         for control in (self.region, self.gpu_model, self.min_memory, self.gpu_count,
                         self.max_spot, self.cuda_only, self.work_hours, self.reference,
-                        self.all_gpus, self.checkpoint):
+                        self.all_gpus, self.checkpoint, self.all_columns):
             control.observe(self._refresh, names="value")
+        self.reference.observe(lambda change: self._keep_reference(change["new"]),
+                               names="value")
         self.table.observe(self._refresh, names=["sort_key", "descending"])
         self.table.observe(self._clicked, names="chosen")
         self.chosen.observe(self._choose, names="value")
@@ -353,7 +375,7 @@ class InstancePicker:
                     self.max_spot, self.cuda_only], layout=box),
             w.HBox([self.work_hours, self.reference, self.all_gpus, self.checkpoint],
                    layout=box),
-            self.note, self.table,
+            self.note, self.all_columns, self.table,
             w.HBox([w.HTML("<b>chosen, in order of preference:</b>&nbsp;"), self.chosen],
                    layout=box),
             self.warning, self.line,
@@ -371,7 +393,24 @@ class InstancePicker:
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         data = dict(self.widget._repr_mimebundle_(**kwargs))
         data["text/plain"] = self.text()
+        data["text/html"] = self.static_html()
         return data
+
+    def static_html(self, limit: int = 20) -> str:
+        """The picker as shown, without widgets (what a saved notebook and its HTML
+        export show where widgets do not render): the note, the table's columns and
+        its first ``limit`` rows, and the chosen types' ``%%spot_train`` line."""
+        from spotnb.widgets import static
+
+        columns = self._columns()
+        rows = [[row["cells"][c["key"]] for c in columns]
+                for row in (self._cells(r) for r in self.shown[:limit])]
+        more = len(self.shown) - limit
+        tail = (f"<div style='font-size:85%;color:#57606a'>… and {more} more</div>"
+                if more > 0 else "")
+        return (f"<div class='spotnb-static-picker'>{self.note.value}"
+                f"{static.table_html([c['label'] for c in columns], rows)}{tail}"
+                f"{self.warning.value}{self.line.value if self.chosen.value else ''}</div>")
 
     def text(self, limit: int = 20) -> str:
         """The table as text (what a saved notebook shows where widgets do not)."""
@@ -386,7 +425,7 @@ class InstancePicker:
                          _num(est.spot_usd if est else None, "{:.2f}"),
                          _num(est.billed_hours if est else None, "{:.1f}"),
                          f"{r.spot:.4f}", _num(r.ondemand, "{:.3f}"), r.interruption or "?",
-                         _num(speed, "{:.2f}")))
+                         _speed_text(r, speed)))
         widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                  for row in (header, *rows)]
@@ -395,14 +434,20 @@ class InstancePicker:
             lines.append(f"... and {more} more")
         lines.append(f"instance types in {self.region.value} for a job of "
                      f"{self.work_hours.value:g} hours on one {ref}, sorted by "
-                     f"{COLUMNS[self.table.sort_key][0]}; {self._staleness()}")
+                     f"{COLUMNS[self.table.sort_key][0]}; speed: measured training "
+                     f"throughput, * derived; {self._staleness()}")
         return "\n".join(lines)
 
     # -- state ---------------------------------------------------------------------
 
+    def _keep_reference(self, reference: str) -> None:
+        """Keep the reference GPU in the magics, for the next pickers' costs."""
+        if self.magics is not None:
+            self.magics.gpu_reference = reference
+
     def checkpoint_seconds(self) -> float:
         """The checkpoint interval the estimate uses (10 minutes if it is in steps)."""
-        from spotnb.spec import SpecError, parse_duration
+        from spotnb.protocol.spec import SpecError, parse_duration
 
         try:
             return parse_duration(self.checkpoint.value, "checkpoint")
@@ -505,13 +550,14 @@ class InstancePicker:
                  "frozen": key in _FROZEN, "numeric": key not in _TEXT,
                  "descending_first": key in ("speed", "savings_pct", "gpu", "vcpus",
                                              "memory_gib")}
-                for key, (label, title) in COLUMNS.items()]
+                for key, (label, title) in COLUMNS.items()
+                if self.all_columns.value or key in DEFAULT_COLUMNS]
 
     def _cells(self, row: PickerRow) -> dict[str, Any]:
         ref = self.reference.value
         est = self._estimate(row)
         speed = row.speed(ref, self.all_gpus.value)
-        no_speed = f"no public throughput figure for {row.gpu_model}"
+        no_speed = f"no training throughput figure for {row.gpu_model}"
         cells = {
             "instance_type": row.instance_type,
             "gpu": _gpus(row),
@@ -523,7 +569,7 @@ class InstancePicker:
             "ondemand": _num(row.ondemand, "{:.3f}"),
             "savings_pct": _num(row.savings_pct, "{:.0f}%"),
             "interruption": row.interruption or "?",
-            "speed": _num(speed, "{:.2f}"),
+            "speed": _speed_text(row, speed),
             "work_price": _num(row.spot / speed if speed else None, "{:.4f}"),
             "vcpus": str(row.vcpus),
             "memory_gib": f"{row.memory_gib:g}",
@@ -531,6 +577,10 @@ class InstancePicker:
         titles = {}
         if est is None:
             titles = {k: no_speed for k in ("est_spot_usd", "est_hours", "speed")}
+        elif not row.gpu_speed_measured:
+            titles = {"speed": f"no published training benchmark of the {row.gpu_model}: "
+                               "derived from its datasheet TFLOPS and memory bandwidth "
+                               "(spotnb/data/SOURCES.md)"}
         if not row.cuda:
             titles["instance_type"] = hidden_reason(row)
         return {"id": row.instance_type, "cells": cells, "titles": titles}
@@ -551,17 +601,22 @@ class InstancePicker:
         filtered = (f" {hidden} types without CUDA (AMD GPUs, ARM hosts) are hidden: "
                     "untick “NVIDIA on x86 only” to see them." if self.cuda_only.value
                     and hidden else "")
+        ref = html.escape(self.reference.value)
         return (
+            f"<div class='spotnb-reference' style='margin:2px 0'>Costs are for "
+            f"<b>{self.work_hours.value:g} hours of training on one {ref}</b>, the "
+            "reference GPU: it stays the same when you choose types or run this cell "
+            "again, until you change it above.</div>"
             f"<div style='font-size:85%;color:#57606a'>"
             f"<span class='spotnb-stale' style='color:{colour}'>{'⚠ ' if stale else ''}"
             f"{html.escape(self._staleness())}.</span> Interruption rates: Spot Advisor "
             f"{html.escape(catalog.DATA_DATE['advisor'])}. {len(self.shown)} of "
             f"{len(self._rows)} types in {html.escape(self.region.value)}, ranked by the "
-            "job's expected spot cost: its hours on one "
-            f"{html.escape(self.reference.value)} divided by the speed of "
-            f"{'all its GPUs' if self.all_gpus.value else 'one of its GPUs'} "
-            "(peak FP16 Tensor TFLOPS from the vendors' datasheets, against the reference; "
-            "real speed also depends on memory bandwidth and your model), plus "
+            f"job's expected spot cost: its hours on one {ref} divided by the training "
+            f"speed of {'all its GPUs' if self.all_gpus.value else 'one of its GPUs'} "
+            "against the reference (published mixed-precision training benchmarks, which "
+            "count memory bandwidth; * marks GPUs without one, derived from datasheet "
+            "TFLOPS and bandwidth; your model's own ratio may differ), plus "
             "interruptions at the Spot Advisor rate, each costing half a checkpoint "
             f"interval and a 5-minute restart. Spot: the cheapest zone.{filtered} "
             "Click a header to sort, a row to choose.</div>")
@@ -570,6 +625,11 @@ class InstancePicker:
 def _gpus(row: PickerRow) -> str:
     memory = f" {row.gpu_memory_gib:.0f} GiB" if row.gpu_memory_gib else ""
     return f"{row.gpu_count} x {row.gpu_model}{memory}"
+
+
+def _speed_text(row: PickerRow, speed: float | None) -> str:
+    """The speed, with ``*`` where the row's GPU figure is derived, not measured."""
+    return _num(speed, "{:.2f}") + ("" if speed is None or row.gpu_speed_measured else "*")
 
 
 def _num(value: float | None, fmt: str) -> str:

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from spotnb import layout
-from spotnb.events import GROUP_STREAM, Event, codec, expand, metric_columns, metric_names
-from spotnb.events.fold import JobState
-from spotnb.tb import TB_SYNC_NAME
+from spotnb.protocol import layout
+from spotnb.protocol.events import GROUP_STREAM, Event, codec, expand, metric_columns, metric_names
+from spotnb.protocol.events.fold import JobState, RedoneSteps, replaced_attempt
+from spotnb.train.tb import TB_SYNC_NAME
 
 __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
 
@@ -473,7 +473,7 @@ class DashboardData:
         self.node_util: dict[int, Reduced] = {}  # node slot -> utilisation, percent
         self.node_gaps: dict[int, list[float]] = {}  # where a replacement's samples start
         self._node_attempt: dict[int, int] = {}
-        # The job's story (spotnb.events.fold): the world, the group's notices.
+        # The job's story (spotnb.protocol.events.fold): the world, the group's notices.
         self.state = JobState(max_nodes)
         self.metrics: dict[str, MetricSeries] = {}
         self.util = Reduced(max_buckets)  # percent
@@ -493,10 +493,10 @@ class DashboardData:
         self.first_time: float | None = None  # the time axes start here
         self.last_time = 0.0
         self._attempt = 0
-        self._first_step: dict[int, float] = {}
-        self._last_step: dict[int, float] = {}
         self._ended: dict[int, Marker] = {}  # the marker that ended each attempt
+        self.redo = RedoneSteps()  # the steps redone after each ended attempt
         self._booted: set[int] = set()
+        self._map: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     # -- input ---------------------------------------------------------------------
 
@@ -555,12 +555,11 @@ class DashboardData:
             self._price(e.time, d)
         elif isinstance(body, codec.Status) and e.attempt != GROUP_STREAM and \
                 body.state == "booting" and e.attempt not in self._booted:
-            if self.multinode:  # a node joins; past MAX, one replaces its slot's last
-                if e.attempt > self.max_nodes:
-                    self._resume(e, e.attempt - self.max_nodes)
-            elif e.attempt > max(self._attempt, 1, *self._booted):
-                self._resume(e, max((a for a in self._booted if a < e.attempt),
-                                    default=None))
+            # A node joins (none replaced) or replaces its slot's last; a single
+            # instance's boot is a resume only when it is the newest attempt seen.
+            if (e.attempt > self.max_nodes if self.multinode
+                    else e.attempt > max(self._attempt, 1, *self._booted)):
+                self._resume(e, replaced_attempt(e.attempt, self._booted, self.max_nodes))
             self._booted.add(e.attempt)
         elif isinstance(body, codec.Notice) and body.interruption and \
                 e.attempt not in self._ended:
@@ -610,20 +609,7 @@ class DashboardData:
             if series is None:
                 series = self.metrics[name] = MetricSeries(name, self.max_buckets)
             moved = max(moved, series.add(e.attempt, step, float(value), t))
-        a = e.attempt
-        if a not in self._first_step:
-            self._first_step[a] = step
-            self._first_logged(a, step, moved)
-        self._last_step[a] = max(self._last_step.get(a, step), step)
-        ended = self._ended.get(a)
-        if ended is not None:
-            ended.step = self._last_step[a]
-            # A late row of an ended attempt: the next attempt's start says how many
-            # of its steps were redone.
-            later = [b for b in self._first_step if b > a]
-            if ended.redone is not None and later:
-                ended.redone = max(ended.redone,
-                                   int(self._last_step[a] - self._first_step[min(later)] + 1))
+        self._logged(e.attempt, step, step, moved)
 
     def _metrics(self, e: Event) -> None:
         """A ``metrics`` batch in bulk, a column at a time: the same as its rows one by
@@ -657,41 +643,32 @@ class DashboardData:
             first_moved = series.add_many(a, step[rows], values, t[rows])
             if idx is None or idx[0] == 0:  # a point of the first row
                 moved = max(moved, first_moved)
-        first = float(step[0])
-        if a not in self._first_step:
-            self._first_step[a] = first
-            self._first_logged(a, first, moved)
-        self._last_step[a] = max(self._last_step.get(a, first), float(step.max()))
-        ended = self._ended.get(a)
-        if ended is not None:
-            ended.step = self._last_step[a]
-            later = [b for b in self._first_step if b > a]
-            if ended.redone is not None and later:
-                ended.redone = max(ended.redone,
-                                   int(self._last_step[a] - self._first_step[min(later)] + 1))
+        self._logged(a, float(step[0]), float(step.max()), moved)
         if a != GROUP_STREAM:
             self._attempt = max(self._attempt, a)
         self.version += len(step)
 
-    def _first_logged(self, attempt: int, step: float, moved: int) -> None:
-        """An attempt's first step: the resume marker learns it, and the attempt it
-        replaced learns how many steps were redone."""
-        for marker in reversed(self.markers):
-            if marker.kind == "resumed" and marker.attempt == attempt:
-                marker.step = step
-                break
-        # The newest earlier attempt that logged steps is the one whose steps are redone
-        # (one in between may have died before logging any).
-        for earlier in sorted((a for a in self._ended if a < attempt), reverse=True):
-            ended = self._ended[earlier]
-            last = self._last_step.get(earlier)
-            if ended.redone is None and last is not None:
-                ended.redone = max(moved, int(last - step + 1) if last >= step else 0)
-                break
+    def _logged(self, attempt: int, first: float, furthest: float, moved: int) -> None:
+        """Rows of ``attempt`` from step ``first`` (in log order) up to ``furthest``;
+        ``moved``: the points of its first row that showed earlier ones redone. An
+        attempt's first step: its resume marker learns it. The count of steps redone
+        is the fold's rule (RedoneSteps); the ended attempt's marker shows it."""
+        if attempt not in self.redo.first:
+            for marker in reversed(self.markers):
+                if marker.kind == "resumed" and marker.attempt == attempt:
+                    marker.step = first
+                    break
+        changed = self.redo.logged(attempt, first, furthest, moved)
+        if changed is not None and changed in self._ended:
+            self._ended[changed].redone = self.redo.of(changed)
+        ended = self._ended.get(attempt)
+        if ended is not None:  # a late row of an ended attempt
+            ended.step = self.redo.last[attempt]
 
     def _end_attempt(self, marker: Marker) -> None:
-        marker.step = self._last_step.get(marker.attempt)
+        marker.step = self.redo.last.get(marker.attempt)
         self._ended[marker.attempt] = marker
+        self.redo.end(marker.attempt)
         self.markers.append(marker)
 
     def _resume(self, e: Event, previous: int | None) -> None:
@@ -781,6 +758,52 @@ class DashboardData:
         at = np.searchsorted(x, np.asarray(gaps), side="left")
         nan = np.full(len(at), np.nan)
         return np.insert(x, at, nan), np.insert(y, at, nan)
+
+    def time_to_step(self, times: np.ndarray, held: bool = False) -> np.ndarray:
+        """The step the job was at at each of ``times``, for plotting system samples
+        against step: interpolated between the logged rows (those of the metric logged
+        most often, its redone rows included, so a sample taken while an interrupted
+        instance worked on steps later redone maps to those steps). NaN outside the
+        rows and between two rows that an instance change separates (an interruption,
+        a resume, a new instance's first sample), where no step was being worked on;
+        with ``held`` (the times of a step function, such as the world size), the
+        nearest step there instead. O(``max_buckets``): it reads the reduced series."""
+        times = np.asarray(times, dtype=float)
+        out = np.full(len(times), np.nan)
+        t, x, bridged = self._step_map()
+        if not len(t) or not len(times):
+            return out
+        if held:
+            return np.interp(times, t, x)
+        inside = (times >= t[0]) & (times <= t[-1])
+        i = np.clip(np.searchsorted(t, times, side="right") - 1, 0, max(len(t) - 2, 0))
+        ok = inside & ((times == t[i]) | (times == t[-1]) | (bridged[i] if len(t) > 1
+                                                              else True))
+        out[ok] = np.interp(times[ok], t, x)
+        return out
+
+    def _step_map(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`time_to_step`'s rows ``(time, step)`` in time order, and whether each
+        row is bridged to the next; computed once per :attr:`version`."""
+        if self._map is not None and self._map[0] == self.version:
+            return self._map[1]
+        series = max(self.metrics.values(), default=None,
+                     key=lambda s: len(s.curve) + len(s.redone))
+        if series is None:
+            empty = np.empty(0)
+            return empty, empty, np.empty(0, dtype=bool)
+        x, _y, t = series.curve.view.points()
+        rx, _ry, rt = series.redone.view.points()
+        t, x = np.concatenate([t, rt]), np.concatenate([x, rx])
+        known = np.isfinite(t) & np.isfinite(x)
+        order = np.argsort(t[known], kind="stable")
+        t, x = t[known][order], x[known][order]
+        breaks = np.sort(np.asarray([*self.sys_gaps, *(m.time for m in self.markers)],
+                                    dtype=float))
+        # Rows i and i + 1 are bridged unless a break falls in (t[i], t[i + 1]].
+        bridged = np.diff(np.searchsorted(breaks, t, side="right")) == 0
+        self._map = (self.version, (t, x, bridged))
+        return t, x, bridged
 
     @property
     def multinode(self) -> bool:

@@ -42,7 +42,7 @@ Where the rest lives, since AWS has no spotnb supervisor process:
   job's security and placement groups, which AWS lets go only once its instances are
   gone: :mod:`.cluster`).
 * **Budget and deadline** are checked by the instance agent of the running instance,
-  every few seconds, from the job's event log (``spotnb.jobs.summarize``: each instance
+  every few seconds, from the job's event log (``spotnb.client.jobs.summarize``: each instance
   billed from its EC2 launch time at the spot prices the agents recorded). Over the
   limit, it writes ``control/stop.json``; the job agent stops the cell, and the group is
   deleted as for any result. While no instance runs nothing is billed, so nothing can
@@ -71,9 +71,12 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from spotnb import catalog, layout
-from spotnb.events import GROUP_STREAM, EventWriter
-from spotnb.providers import PoolPrice, Provider, ProviderError
+from spotnb.protocol import layout
+from spotnb.protocol.events import GROUP_STREAM, EventWriter
+from spotnb.protocol.secretstore import values_for
+from spotnb.protocol.spec import JobSpec, SpecError
+from spotnb.protocol.store import StoreError, open_store
+from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
 from spotnb.providers.aws import _boto, cluster, parameters
 from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
 from spotnb.providers.aws.resources import (
@@ -98,9 +101,7 @@ from spotnb.providers.aws.resources import (
     trust_policy,
     user_data,
 )
-from spotnb.secretstore import values_for
-from spotnb.spec import JobSpec, SpecError
-from spotnb.store import StoreError, open_store
+from spotnb.providers.imds import TERMINATION_HOOK_SECONDS
 
 __all__ = ["AwsProvider", "AwsSettings", "CleanupIncomplete", "stop_capacity_watches"]
 
@@ -113,6 +114,10 @@ _IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Pr
                           "iamInstanceProfile"})
 # FIS's shortest notice, as on a real interruption.
 FIS_NOTICE = "PT2M"
+# A capacity-rebalancing group's termination hook waits this long before Auto Scaling
+# ends the at-risk instance: EC2's notice period, for the agent's final save (it does
+# not complete the hook: the instance is billed to the end of the wait, as in a notice).
+LIFECYCLE_HOOK_SECONDS = int(TERMINATION_HOOK_SECONDS)
 
 
 def _code(err: BaseException) -> str:
@@ -217,6 +222,9 @@ class AwsProvider(Provider):
         if spec.simulate_interruptions:
             raise SpecError("simulate_interruptions works on the local cloud only; on AWS "
                             "use handle.interrupt() (Fault Injection Service)")
+        if spec.simulate_signals is not None:
+            raise SpecError("simulate_signals works on the local cloud only; on AWS, EC2 "
+                            "sends the rebalance recommendations")
         if res.max_nodes > 1 and spec.job_id not in self._zones:
             # One AZ with capacity for all the nodes, or a refusal now, before the bucket is
             # made (cluster.py).
@@ -746,7 +754,9 @@ class AwsProvider(Provider):
             MixedInstancesPolicy=mixed_instances_policy(
                 template_id=template_id, instance_types=spec.resources.instance_types,
                 max_price=spec.resources.max_price, ondemand=ondemand),
-            CapacityRebalance=False,
+            # Capacity rebalancing launches a warm standby on a rebalance
+            # recommendation (spotnb.kernel_remote.standby); a multi-node job's is not.
+            CapacityRebalance=spec.policy.standby and nodes == 1,
             HealthCheckType="EC2",
             Tags=[{**t, "PropagateAtLaunch": False, "ResourceId": name,
                    "ResourceType": "auto-scaling-group"} for t in tag_list],
@@ -756,6 +766,15 @@ class AwsProvider(Provider):
         _boto.with_backoff(lambda: asg.create_auto_scaling_group(**params),
                            what="creating the Auto Scaling group",
                            attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
+        if params["CapacityRebalance"]:
+            # Capacity rebalancing ends the at-risk instance once its standby is in
+            # service, notice or not: this hook's wait (IMDS target-lifecycle-state
+            # "Terminated") is the agent's notice, as long as EC2's, for its final save.
+            _boto.with_backoff(lambda: asg.put_lifecycle_hook(
+                AutoScalingGroupName=name, LifecycleHookName="spotnb-final-save",
+                LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
+                HeartbeatTimeout=LIFECYCLE_HOOK_SECONDS, DefaultResult="CONTINUE"),
+                what="adding the group's termination hook")
 
     # -- deleting
 

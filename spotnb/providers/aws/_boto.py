@@ -4,7 +4,7 @@ Everything else in spotnb asks this module for AWS clients and for the meaning o
 error; nothing else imports ``boto3`` or ``botocore``. The contract:
 
 * boto3 is imported lazily, on the first AWS call, so ``import spotnb`` works without
-  it; without it, :func:`boto3_module` raises :class:`~spotnb.spec.SpecError` naming
+  it; without it, :func:`boto3_module` raises :class:`~spotnb.protocol.spec.SpecError` naming
   ``pip install 'spotnb[aws]'``.
 * Credentials come from the standard chain (environment, ``AWS_PROFILE`` and shared
   config, SSO, instance profile). ``AWS_ENDPOINT_URL`` (and the per-service
@@ -21,7 +21,7 @@ error; nothing else imports ``boto3`` or ``botocore``. The contract:
                  try the next pool, and tell the user the job waits for capacity;
   ``fatal``      no or bad credentials, a missing permission, an account that is not
                  opted in: retrying cannot help. :func:`fatal_error` turns them into a
-                 :class:`~spotnb.spec.SpecError` whose message names the fix;
+                 :class:`~spotnb.protocol.spec.SpecError` whose message names the fix;
   ``other``      everything else (``NoSuchKey``, ``AlreadyExists``, validation errors):
                  the caller knows what they mean in its context.
 
@@ -49,10 +49,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal, TypeVar
 
-from spotnb import __version__, usage
-from spotnb.backoff import Backoff
+from spotnb._version import __version__
+from spotnb.protocol import usage
+from spotnb.protocol.backoff import Backoff
+from spotnb.protocol.spec import SpecError
 from spotnb.providers import ProviderError
-from spotnb.spec import SpecError
 
 __all__ = [
     "CAPACITY_CODES",
@@ -231,7 +232,7 @@ def client(service: str, region: str | None = None, *, sess: Any = None,
     ``attempts=1`` makes a best-effort client that fails fast (callers fall back).
     ``origin`` (default ``$SPOTNB_ORIGIN``, else ``notebook``) names the part of spotnb
     that makes the requests, in their User-Agent: the request benchmark sorts them by
-    it. Every request is counted in :mod:`spotnb.usage`, but a test harness's own
+    it. Every request is counted in :mod:`spotnb.protocol.usage`, but a test harness's own
     (origin ``simulator``).
     """
     origin = origin or os.environ.get(ENV_ORIGIN) or "notebook"
@@ -254,7 +255,7 @@ def client(service: str, region: str | None = None, *, sess: Any = None,
             raise fatal_error(err, f"creating an AWS {service} client") from None
     for event in ("before-parameter-build", "before-call", "after-call"):
         made.meta.events.register(event, _dispatch)
-    # Every request is a line item (spotnb.usage): count each one this process makes.
+    # Every request is a line item (spotnb.protocol.usage): count each one this process makes.
     if origin != "simulator":
         made.meta.events.register("before-call", _count_request)
     return made

@@ -19,6 +19,7 @@ import dataclasses
 import json
 from typing import Any
 
+from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import (
     FIS_ROLE,
@@ -28,7 +29,6 @@ from spotnb.providers.aws.resources import (
     instance_policy,
     user_policy,
 )
-from spotnb.spec import SpecError
 
 __all__ = ["Check", "SetupReport", "doctor", "setup"]
 

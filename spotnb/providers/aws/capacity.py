@@ -20,11 +20,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from spotnb import layout
-from spotnb.events import GROUP_STREAM, EventReader, EventWriter, codec
+from spotnb.protocol import layout
+from spotnb.protocol.events import GROUP_STREAM, EventReader, EventWriter, codec
+from spotnb.protocol.spec import JobSpec
+from spotnb.protocol.store import Store
 from spotnb.providers.aws.resources import capacity_failures, group_name, mixed_instances_policy
-from spotnb.spec import JobSpec
-from spotnb.store import Store
 
 if TYPE_CHECKING:
     from spotnb.providers.aws import AwsProvider

@@ -1,7 +1,7 @@
 """``spotnb aws setup|cleanup|doctor``: the AWS command group of the ``spotnb`` CLI.
 
 A notebook-layer module (it prints); the work is in :mod:`.admin` and the provider.
-``spotnb.cli.build_parser`` calls :func:`add_aws_commands`.
+``spotnb.client.cli.build_parser`` calls :func:`add_aws_commands`.
 """
 
 from __future__ import annotations

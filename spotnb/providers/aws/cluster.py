@@ -53,6 +53,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import (
     TAG_JOB,
@@ -61,7 +62,6 @@ from spotnb.providers.aws.resources import (
     training_group_name,
     training_ingress,
 )
-from spotnb.spec import JobSpec, SpecError
 
 __all__ = ["NO_CAPACITY_SCORE", "Network", "Zone", "choose_zone", "create_network",
            "delete_network", "efa_supported", "sweep"]

@@ -48,15 +48,15 @@ import threading
 import time
 from typing import Any
 
-from spotnb import layout, usage
-from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter
-from spotnb.events.fold import JobState, fold
-from spotnb.events.live import request_stop
-from spotnb.kernel_remote.imds import ImdsClient
+from spotnb.protocol import layout, usage
+from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
+from spotnb.protocol.events.fold import JobState, fold
+from spotnb.protocol.events.live import request_stop
+from spotnb.protocol.spec import JobSpec
+from spotnb.protocol.store import NotFound, Store, open_store
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import capacity_failures, group_name
-from spotnb.spec import JobSpec
-from spotnb.store import NotFound, Store, open_store
+from spotnb.providers.imds import ImdsClient
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class InstanceAgent:
         self.reader = EventReader(self.store, batches=True)
         self._stop_checked = -STOP_CHECK_SECONDS
         self.history: list[Event] = []
-        # The history folded (spotnb.events.fold): what the budget and deadline checks,
+        # The history folded (spotnb.protocol.events.fold): what the budget and deadline checks,
         # and the gap report, read.
         self.state = JobState(self.spec.resources.max_nodes)
         self.agent: subprocess.Popen[bytes] | None = None
@@ -204,8 +204,8 @@ class InstanceAgent:
     def _queue_names(self) -> list[str]:
         """The job's queues: its control queue and the registered followers' (a
         follower deletes its own when it stops; `spotnb aws cleanup` finds the rest)."""
-        from spotnb.events.live import CONTROL_QUEUE, WATCHERS_PREFIX
-        from spotnb.events.queues import sqs_name
+        from spotnb.protocol.events.live import CONTROL_QUEUE, WATCHERS_PREFIX
+        from spotnb.providers.aws.queue import sqs_name
 
         names = [sqs_name(self.spec.job_id, CONTROL_QUEUE)]
         try:
@@ -216,7 +216,7 @@ class InstanceAgent:
         return names
 
     def _report_usage(self) -> None:
-        """A ``usage`` event: the requests this process made so far (spotnb.usage)."""
+        """A ``usage`` event: the requests this process made so far (spotnb.protocol.usage)."""
         self._emit("usage", process="instance-agent", requests=usage.snapshot())
 
     def _emit_event(self, event: Event) -> None:

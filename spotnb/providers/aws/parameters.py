@@ -24,9 +24,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
+from spotnb.protocol.secretstore import SecretsUnavailable
+from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import _boto
-from spotnb.secretstore import SecretsUnavailable
-from spotnb.spec import SpecError
 
 __all__ = ["ROOT", "delete", "leftovers", "parameter_name", "put", "read", "role_statement"]
 

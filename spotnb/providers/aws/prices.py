@@ -20,8 +20,7 @@ import json
 import logging
 from typing import Any
 
-from spotnb import catalog
-from spotnb.providers import PoolPrice
+from spotnb.providers import PoolPrice, catalog
 from spotnb.providers.aws import _boto
 
 __all__ = ["az_ids", "gpu_info", "ondemand_price", "placement_scores", "pool_price",

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import spotnb
+from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import parameters
-from spotnb.spec import SpecError
 
 TAG_JOB = "spotnb:job-id"
 TAG_STORE = "spotnb:store"
@@ -375,7 +375,7 @@ def bundle() -> Bundle:
     files[f"{dist}/METADATA"] = ("\n".join(metadata) + "\n").encode()
     files[f"{dist}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: spotnb\n"
                               b"Root-Is-Purelib: true\nTag: py3-none-any\n")
-    files[f"{dist}/entry_points.txt"] = b"[console_scripts]\nspotnb = spotnb.cli:main\n"
+    files[f"{dist}/entry_points.txt"] = b"[console_scripts]\nspotnb = spotnb.client.cli:main\n"
     record = []
     for name, data in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")

@@ -1,6 +1,6 @@
-"""The S3 store: the :class:`~spotnb.store.Store` contract on an S3 bucket prefix.
+"""The S3 store: the :class:`~spotnb.protocol.store.Store` contract on an S3 bucket prefix.
 
-URI: ``s3://bucket/prefix`` (:func:`spotnb.store.open_store` returns an
+URI: ``s3://bucket/prefix`` (:func:`spotnb.protocol.store.open_store` returns an
 :class:`S3Store` for it). How each part of the contract maps onto S3:
 
 * every write is one ``PutObject`` (or a multipart upload, which S3 completes
@@ -48,9 +48,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from spotnb.protocol.spec import SpecError
+from spotnb.protocol.store import NotFound, ObjectWriter, Store, StoreError, _check_key
 from spotnb.providers.aws import _boto
-from spotnb.spec import SpecError
-from spotnb.store import NotFound, ObjectWriter, Store, StoreError, _check_key
+from spotnb.providers.aws.queue import SqsQueue, job_queue
 
 __all__ = ["LIFECYCLE_RULES", "S3Store", "bucket_problem", "default_bucket", "ensure_bucket"]
 
@@ -123,6 +124,11 @@ class S3Store(Store):
         bucket, prefix = _parse(uri)
         return cls(bucket, prefix, **kwargs)
 
+    def job_queue(self, job_id: str, name: str) -> SqsQueue:
+        """The queue ``name`` of a job in this store: SQS, in the bucket's region
+        (:func:`spotnb.protocol.events.queues.queue_for`)."""
+        return job_queue(self.uri, self.region, self.owner, job_id, name)
+
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r})"
 
@@ -190,7 +196,7 @@ class S3Store(Store):
                               "with `spotnb aws setup` or choose another store")
         return StoreError(f"{what} in {self.uri} failed ({kind}): {err}")
 
-    # -- the contract (see spotnb.store)
+    # -- the contract (see spotnb.protocol.store)
 
     def put(self, key: str, data: bytes) -> str:
         full = self._key(key)

@@ -11,7 +11,7 @@ under ``$SPOTNB_HOME/cloud`` (:mod:`.state`). Provider methods follow the contra
 
 Settings (``$SPOTNB_HOME/cloud/config.json`` keys in brackets; the environment
 variable wins over the file; unknown keys are ignored with a warning; invalid values
-are refused with :class:`~spotnb.spec.SpecError` before anything starts):
+are refused with :class:`~spotnb.protocol.spec.SpecError` before anything starts):
 
 ``SPOTNB_LOCAL_TIME_SCALE`` [time_scale]
     Market time compression: market seconds per real second. Default 60 (an hour of
@@ -46,13 +46,18 @@ are refused with :class:`~spotnb.spec.SpecError` before anything starts):
     Comma-separated names (or ``PREFIX*``) of this machine's environment variables that
     every local instance gets, like variables baked into an AMI. Default none.
 
+An instance's metadata service gives the rebalance recommendation as EC2's does: some
+minutes before its notice, with it, not at all, or with no notice after it, drawn by
+:mod:`.signals` (the job's ``simulate_signals``, else the model's defaults, figures
+from AWS's documentation and field reports); leads are market time.
+
 An instance starts with a clean environment, as an EC2 instance does: not the user's
 credentials, tokens or other variables, only what runs the same Python and spotnb
 (``PATH``, ``HOME``, locale, ``PYTHONPATH``, the library path, ``SPOTNB_*``); see
 :func:`.state.instance_base_environment`. A job passes more on purpose with
 ``env=`` (``%%spot_train --env NAME[=VALUE]``). A job's secrets (``--secret NAME``)
 are kept in ``$SPOTNB_HOME/secrets/<job-id>.json`` (mode 0600, outside the store;
-:mod:`spotnb.secretstore`), which the agent reads at its start; the file is deleted
+:mod:`spotnb.protocol.secretstore`), which the agent reads at its start; the file is deleted
 when the job's supervisor ends, by ``terminate`` and by ``cleanup``.
 
 ``cleanup`` plans before it acts (:meth:`LocalProvider.cleanup_plan`): the dry run
@@ -78,9 +83,11 @@ from typing import Any
 
 import psutil
 
-from spotnb import catalog, secretstore
-from spotnb.layout import RESULT, SPEC
-from spotnb.providers import PoolPrice, Provider, ProviderError
+from spotnb.protocol import secretstore
+from spotnb.protocol.layout import RESULT, SPEC
+from spotnb.protocol.spec import JobSpec, SpecError
+from spotnb.protocol.store import StoreError, file_lock, open_store, upload_mbps
+from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
 from spotnb.providers.local.state import (
     CONTROL_DIR,
     GROUP_FILE,
@@ -96,8 +103,6 @@ from spotnb.providers.local.state import (
     read_json,
     write_json,
 )
-from spotnb.spec import JobSpec, SpecError
-from spotnb.store import StoreError, file_lock, open_store, upload_mbps
 
 __all__ = ["CleanupAction", "LocalProvider", "Settings", "abandoned_socket_dirs"]
 

@@ -10,7 +10,11 @@ group (replace what was lost, whether or not anyone is watching).
 A job's life, as the supervisor sees it::
 
     launch: pick a pool -> i-1 launched -> boot delay -> agent process spawned
-    interruption: notice (rebalance + spot/instance-action) -> notice period
+    rebalance recommendation -> a warm standby launched -> once it is ready, the old
+        instance ended through its termination hook (its agent saves and releases the
+        lease; ended once released); given back if not ready within STANDBY_HOLD_SECONDS
+    interruption: (a recommendation minutes before, or none) -> notice
+        (spot/instance-action) -> notice period
         -> SIGTERM the instance's process group, 1 s, SIGKILL -> terminated
         -> launch a replacement i-2 (back to "launch")
     agent exits with result.json in the store -> job-finished -> supervisor exits
@@ -55,6 +59,18 @@ see ``_simulated_due``) or
 (reason ``scheduled``, seconds since the first launch); the market price rising above
 ``max_price`` (``price``); and the Spot Advisor's interruption rate (``hazard``).
 
+Rebalance recommendations (:mod:`.signals`: the job's ``simulate_signals`` or the
+model's defaults): for each interruption the group knows ahead (``hazard``,
+``scheduled``, ``price``), one ``lead`` before its notice (market seconds over
+``time_scale``; no earlier than the instance's launch) or none (``no_recommendation``);
+false alarms, recommendations no notice follows, at ``false_alarms_per_interruption``
+times the instance's Spot Advisor rate (with ``hazard``) and the schedule's rate over
+its span, and at the model's ``false_alarms`` times; an interruption nobody could know
+ahead (``requested``, ``simulated``) brings its recommendation with its notice, as
+EC2's sometimes does. Each is published at the instance's metadata service and logged
+as an ``instance`` event with action ``rebalance`` and the reason it stands for
+(``false-alarm`` for a false alarm).
+
 Faults without notice, on request: ``LocalProvider.kill`` (the agent and everything it
 started SIGKILLed at once; ``terminated`` with reason ``killed``, then replaced) and
 ``LocalProvider.freeze`` (SIGSTOPped: a node gone silent, ``frozen``; ended with the job).
@@ -70,6 +86,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import signal
 import sys
 import time
@@ -78,16 +95,20 @@ from typing import Any
 
 import psutil
 
-from spotnb import catalog, secretstore
-from spotnb.backoff import Backoff
-from spotnb.catalog import Pool
-from spotnb.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
-from spotnb.events.fold import fold
-from spotnb.events.live import Follower, request_stop
-from spotnb.layout import RESULT, SPEC, STOP
+from spotnb.protocol import lease, secretstore
+from spotnb.protocol.backoff import Backoff
+from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
+from spotnb.protocol.events.fold import fold
+from spotnb.protocol.events.live import Follower, request_stop
+from spotnb.protocol.layout import RESULT, SPEC, STOP
+from spotnb.protocol.spec import JobSpec, SpecError
+from spotnb.protocol.store import NotFound, Store, StoreError, open_store
+from spotnb.providers import catalog
+from spotnb.providers.catalog import Pool
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.market import Market
+from spotnb.providers.local.signals import SignalModel
 from spotnb.providers.local.state import (
     CONTROL_DIR,
     GROUP_FILE,
@@ -99,8 +120,6 @@ from spotnb.providers.local.state import (
     read_json,
     write_json,
 )
-from spotnb.spec import JobSpec, SpecError
-from spotnb.store import NotFound, Store, StoreError, open_store
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +149,16 @@ AGENT_EXIT_STORE = 4
 # simulate_interruptions={"count": N}, for a cell that saves no checkpoint and shows
 # nothing yet (still importing, loading data): wait this many times interrupt_after.
 QUIET_CELL_FACTOR = 3
+# The interruptions the group knows ahead (their recommendation can come earlier).
+FORESEEN = ("hazard", "scheduled", "price")
+# A warm standby (spec.policy.standby) that is not ready within its boot plus this many
+# market seconds is given back (its kernel or the cell's set-up is stuck: a job that
+# moved to it would wait there). Ready, it takes the job over at once, as Auto Scaling's
+# capacity rebalancing does: holding it for a notice instead billed ~18% of a stressed
+# pool's job for a fifth of its interruptions caught warm (README, "Warm standbys").
+STANDBY_HOLD_SECONDS = 600.0
+# Where a standby's agent says it is ready (spotnb.kernel_remote.standby.STANDBY_PREFIX).
+STANDBY_PREFIX = "standby/"
 # The events that show a cell got past its imports: output, or metrics (one row or a batch).
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
@@ -207,8 +236,35 @@ class Supervisor:
                        if self.sim_count else None)
         seed = settings.seed
         self.rng = random.Random(f"{seed}:{spec.job_id}") if seed is not None else random.Random()
+        self._init_signals()
         if adopt:
             self._adopt(time.time())
+
+    def _init_signals(self) -> None:
+        """The job's signal model, and the false alarms that come at fixed times."""
+        self.signals = SignalModel.from_dict(self.spec.simulate_signals)
+        seed = self.signals.seed or self.settings.seed
+        # Every draw has its own generator, named by what it is for: the same seed gives
+        # the same draws whatever order the ticks meet them in.
+        self.signal_seed = (f"{seed}:{self.spec.job_id}" if seed is not None
+                            else secrets.token_hex(8))
+        self.recommended: set[tuple[str, int]] = set()  # interruptions recommended for
+        self.signal_leads: dict[tuple[str, int], float | None] = {}
+        self.false_alarm_rngs: dict[int, random.Random] = {}  # by instance index
+        times = list(self.signals.false_alarms)
+        if self.schedule and self.schedule[-1] > 0:
+            # A scheduled rate of interruptions brings its false alarms over its span.
+            rng = self._signal_rng("schedule-false-alarms")
+            rate = len(self.schedule) / self.schedule[-1]
+            t = 0.0
+            while (gap := self.signals.false_alarm_gap(rng, rate)) is not None and \
+                    (t := t + gap) < self.schedule[-1]:
+                times.append(t)
+        self.false_alarm_times = sorted(times)
+        self.false_alarm_next = 0
+
+    def _signal_rng(self, name: str) -> random.Random:
+        return random.Random(f"{self.signal_seed}:{name}")
 
     def _adopt(self, now: float) -> None:
         """Take over from a supervisor of this job that died (see the module docstring).
@@ -226,6 +282,10 @@ class Supervisor:
         reasons = [reason for _instance, reason in history.group_notices]
         self.sim_done = min(self.sim_count, reasons.count("simulated"))
         self.schedule_next = min(len(self.schedule), reasons.count("scheduled"))
+        self.recommended.update(("scheduled", i) for i in range(self.schedule_next))
+        if self.first_launch is not None:
+            self.false_alarm_next = sum(1 for t in self.false_alarm_times
+                                        if self.first_launch + t <= now)
         if self.sim_done >= self.sim_count:
             self._stop_following()
         if not self.store.exists(RESULT):  # else it only logs the instances' end
@@ -260,6 +320,9 @@ class Supervisor:
                            pool=meta.get("pool"))
                 continue
             log.info("adopted instance %s (agent pid %d)", inst.id, record.pid)
+            if inst.rebalance_at is not None:  # what its recommendation stood for is lost
+                self.recommended.update({("hazard", inst.index), ("price", inst.index)})
+            self._plan_signals(inst, now)
             self.instances.append(inst)
             self.running.append(inst)
 
@@ -414,6 +477,9 @@ class Supervisor:
                 self._begin_stop(now, stop)
         if self.reader is not None:
             self._track_progress(list(self.running))
+        for inst in self.running:
+            if inst.standby_for is not None and inst.started and not inst.standby_ready:
+                self._standby_ready(inst)
 
     def _read_stop(self) -> dict[str, Any] | None:
         try:
@@ -453,6 +519,10 @@ class Supervisor:
                 self._kill(inst, now)
                 return
             self._freeze(inst)
+        if inst.standby_until is not None:
+            self._mind_standby(inst, now)
+            if inst not in self.running:
+                return
         # Step 3: the market moves.
         if inst.next_price_change is not None and now >= inst.next_price_change:
             price = inst.market.price_at(now)
@@ -460,20 +530,188 @@ class Supervisor:
                 inst.price = price
                 self._emit_price(inst)
             inst.next_price_change = inst.market.next_change_after(now)
-        # Step 4: does EC2 want the instance back?
+        # Step 4: does EC2 want the instance back? First its recommendation, if one is
+        # due: one with no lead comes in the tick of its notice, before it.
         if inst.terminate_at is None and self.finish is None:
+            self._signal(inst, now)
             reason = self._interruption_due(inst, now)
             if reason is not None:
                 self._notice(inst, now, reason)
         elif inst.id in self.interrupt_requested:
             # Already under notice, or winding down.
             self.interrupt_requested = [i for i in self.interrupt_requested if i != inst.id]
-        # Step 5: the notice period is over.
+        # Step 5: the notice period is over (or, ended through the termination hook, the
+        # agent handed the lease over).
+        if inst.notice_reason == "rebalanced" and inst.terminate_at is not None and (
+                now >= inst.terminate_at or self._hook_done(inst)):
+            self._end(inst, now, "rebalanced")
+            self._forget(inst)
+            return
         if inst.terminate_at is not None and now >= inst.terminate_at:
             self._end(inst, now, "spot-interruption")
             self._forget(inst)
             self.crashes = 0
             self.next_launch_at = now
+
+    def _plan_signals(self, inst: LocalInstance, now: float) -> None:
+        """What of an instance's signals is known at its launch: its first drawn false
+        alarm, and when the market takes it back at ``max_price``."""
+        rng = self.false_alarm_rngs[inst.index] = self._signal_rng(f"false-alarm:{inst.index}")
+        gap = self.signals.false_alarm_gap(rng, self._hazard_rate(inst.pool))
+        inst.next_false_alarm = None if gap is None else now + gap
+        max_price = self.spec.resources.max_price
+        if max_price is not None:
+            inst.price_risk_at = inst.market.next_above(now, max_price)
+
+    def _foreseen(self, inst: LocalInstance) -> list[tuple[str, int, float]]:
+        """The interruptions of ``inst`` the group knows ahead: (reason, the draw's
+        number, the notice's wall time)."""
+        found = []
+        if inst.hazard_at is not None:
+            found.append(("hazard", inst.index, inst.hazard_at))
+        if inst.price_risk_at is not None:
+            found.append(("price", inst.index, inst.price_risk_at))
+        if (self.schedule_next < len(self.schedule) and self.first_launch is not None
+                and inst.id == self._first_uninterrupted()):
+            found.append(("scheduled", self.schedule_next,
+                          self.first_launch + self.schedule[self.schedule_next]))
+        return found
+
+    def _signal(self, inst: LocalInstance, now: float) -> None:
+        """Publish the recommendations of ``inst`` that are due (see the module
+        docstring)."""
+        for reason, number, notice_at in self._foreseen(inst):
+            key = (reason, number)
+            if key in self.recommended:
+                continue
+            if key not in self.signal_leads:
+                lead = self.signals.draw(self._signal_rng(f"{reason}:{number}"))
+                self.signal_leads[key] = (None if lead is None
+                                          else lead / self.settings.time_scale)
+            lead = self.signal_leads[key]
+            if lead is not None and now >= notice_at - lead:
+                self.recommended.add(key)
+                self._recommend(inst, now, reason)
+        if inst.next_false_alarm is not None and now >= inst.next_false_alarm:
+            gap = self.signals.false_alarm_gap(self.false_alarm_rngs[inst.index],
+                                               self._hazard_rate(inst.pool))
+            inst.next_false_alarm = None if gap is None else now + gap
+            self._recommend(inst, now, "false-alarm")
+        if (self.false_alarm_next < len(self.false_alarm_times) and self.first_launch
+                is not None and now >= self.first_launch
+                + self.false_alarm_times[self.false_alarm_next]
+                and inst.id == self._first_uninterrupted()):
+            self.false_alarm_next += 1
+            self._recommend(inst, now, "false-alarm")
+
+    def _recommend(self, inst: LocalInstance, now: float, reason: str) -> None:
+        """A rebalance recommendation for ``inst`` at its metadata service, and in the
+        log; then, as Auto Scaling's capacity rebalancing, a warm standby for it."""
+        inst.recommend_rebalance(now)
+        log.info("rebalance recommendation for %s (%s)", inst.id, reason)
+        self._emit("instance", inst.id, at=now, action="rebalance", reason=reason,
+                   **inst.describe(), notice_time=iso_utc(now))
+        self._start_standby(inst, now)
+
+    def _start_standby(self, inst: LocalInstance, now: float) -> None:
+        """Launch a standby for ``inst`` (spotnb.kernel_remote.standby): a single-node
+        job whose policy allows it, an instance that runs the job (not a standby still
+        on hold), none standing by for it yet, the job not winding down. Multi-node
+        jobs are not given standbys (a lost node's replacement joins after the loss)."""
+        if (not self.spec.policy.standby or self.target != 1 or self.finish is not None
+                or not inst.started or inst.standby_until is not None
+                or any(i.standby_for == inst.id for i in self.running)):
+            return
+        standby = self._launch(now, standby_for=inst.id)
+        if standby is None:
+            return  # no capacity: the replacement launches after the loss, as without
+        standby.standby_for = inst.id
+        standby.standby_until = (standby.boot_until
+                                 + STANDBY_HOLD_SECONDS / self.settings.time_scale)
+        if standby.boot_until <= now:
+            self._spawn(standby, time.time())
+
+    def _mind_standby(self, inst: LocalInstance, now: float) -> None:
+        """A standby not yet the job's instance. It becomes that when the instance it
+        stands by for is noticed or gone, or, once it is ready, when the job moves to it
+        (Auto Scaling's capacity rebalancing: :meth:`_move_to_standby`); it is given
+        back (terminated, billed to the job) if it is not ready by the end of its hold."""
+        old = next((i for i in self.running if i.id == inst.standby_for), None)
+        if old is None or old.terminate_at is not None:
+            inst.standby_until = None  # the job's next instance now
+            return
+        if inst.standby_ready:
+            self._move_to_standby(old, inst, now)
+            return
+        if now >= (inst.standby_until or now):
+            log.info("standby %s for %s not ready within its hold: giving it back",
+                     inst.id, old.id)
+            self._end(inst, now, "standby-given-back", standby_for=old.id)
+            self._forget(inst)
+            self._notify_given_back(inst, inst.market.cost(inst.launched, inst.ended or now))
+
+    def _move_to_standby(self, old: LocalInstance, standby: LocalInstance,
+                         now: float) -> None:
+        """As Auto Scaling does once a capacity-rebalancing replacement is in service:
+        end the at-risk instance through its termination hook. Its agent takes that
+        for its notice (final save, lease released) and the standby takes the lease;
+        the old instance ends once its lease is released (:meth:`_hook_done`), else at
+        the hook's timeout. An interruption the schedule foresaw for it (its
+        recommendation came) leaves with it: the job is no longer there."""
+        for reason, number, _ in self._foreseen(old):
+            if reason == "scheduled" and (reason, number) in self.recommended:
+                self.schedule_next = max(self.schedule_next, number + 1)
+        old.end_through_hook(now, self.settings.notice_seconds)
+        standby.standby_until = None  # the job's next instance now
+        log.info("standby %s is ready: ending %s through its termination hook",
+                 standby.id, old.id)
+
+    def _hook_done(self, inst: LocalInstance) -> bool:
+        """Whether the agent of ``inst``, ended through its termination hook, released
+        the job's lease (or another holds it): its lifecycle action is complete."""
+        try:
+            current = lease.read(self.store)
+        except Exception:  # the hook's timeout ends it instead
+            return False
+        return current is not None and (current[0].holder != inst.id
+                                        or current[0].released)
+
+    def _notify_given_back(self, inst: LocalInstance, cost: float) -> None:
+        """Tell the job's webhook, if it has one, that a standby was given back: no
+        instance sees it (on AWS, Auto Scaling gives it back)."""
+        if secretstore.NOTIFY_SECRET not in self.spec.secrets:
+            return
+        from spotnb.protocol.notify import Notifier
+
+        try:
+            url = secretstore.read_local(self.spec.job_id, [secretstore.NOTIFY_SECRET])
+        except Exception as err:  # a notification is an extra: never the group's tick
+            log.warning("cannot read the job's webhook: %s", type(err).__name__)
+            return
+        notifier = Notifier(url.get(secretstore.NOTIFY_SECRET), self.spec.job_id,
+                            self.spec.name)
+        notifier.where = f"{inst.pool.instance_type} {inst.pool.az} {inst.id}"
+        notifier.job_start = self.first_launch
+        notifier.standby_given_back(cost)
+        notifier.close(timeout=0)  # sent from its own thread: the tick goes on
+
+    def _standby_ready(self, inst: LocalInstance) -> None:
+        """Log a standby's readiness once its agent said so in the store."""
+        try:
+            raw = self.store.get(f"{STANDBY_PREFIX}{inst.id}.json")
+        except NotFound:
+            return
+        try:
+            said = json.loads(raw)
+        except ValueError:
+            said = {}
+        inst.standby_ready = True
+        ready = said.get("ready") if isinstance(said, dict) else None
+        self._emit("instance", inst.id, at=float(ready) if isinstance(ready, (int, float))
+                   else time.time(), action="standby-ready", **inst.describe(),
+                   standby_for=inst.standby_for,
+                   kernel_started=said.get("kernel_started") if isinstance(said, dict)
+                   else None)
 
     def _kill(self, inst: LocalInstance, now: float) -> None:
         """A machine lost outright: SIGKILL the agent and everything it started at once
@@ -565,6 +803,8 @@ class Supervisor:
 
     def _notice(self, inst: LocalInstance, now: float, reason: str) -> None:
         """Interrupt like EC2: the notice now, the termination after the notice period."""
+        if reason not in FORESEEN:  # nobody knew it ahead: the recommendation comes with it
+            self._recommend(inst, now, reason)
         inst.notice(now, self.settings.notice_seconds, reason)
         assert inst.terminate_at is not None
         log.info("interruption notice for %s (%s); terminating at %s", inst.id, reason,
@@ -582,7 +822,8 @@ class Supervisor:
             self.finish = _Finish("result", now, "job-finished")
             return
         if inst.terminate_at is not None:  # gone a little before its termination time
-            self._end(inst, now, "spot-interruption", exit_code=code)
+            self._end(inst, now, "rebalanced" if inst.notice_reason == "rebalanced"
+                      else "spot-interruption", exit_code=code)
             self.crashes = 0
             return
         if self.finish is not None:
@@ -639,8 +880,9 @@ class Supervisor:
         if inst in self.running:
             self.running.remove(inst)
 
-    def _launch(self, now: float) -> LocalInstance | None:
-        """Start an instance in the first pool that can take it; None if none can."""
+    def _launch(self, now: float, standby_for: str | None = None) -> LocalInstance | None:
+        """Start an instance in the first pool that can take it; None if none can.
+        ``standby_for``: a warm standby for that instance (logged as such)."""
         try:  # capacity shortages may be switched on and off while the job runs
             settings = Settings.load()
         except SpecError as e:
@@ -658,8 +900,9 @@ class Supervisor:
                     f"We currently do not have sufficient {pool.instance_type} capacity in "
                     f"the Availability Zone you requested ({az_name(pool.region, pool.az)})."))
             else:
-                return self._start_instance(pool, now, settings)
-        self.next_launch_at = now + CAPACITY_RETRY_SECONDS
+                return self._start_instance(pool, now, settings, standby_for)
+        if standby_for is None:
+            self.next_launch_at = now + CAPACITY_RETRY_SECONDS
         return None
 
     def _capacity_error(self, pool: Pool, now: float, code: str, message: str) -> None:
@@ -674,11 +917,13 @@ class Supervisor:
                    instance_id=None, instance_type=pool.instance_type, az=pool.az,
                    pool=pool.name)
 
-    def _start_instance(self, pool: Pool, now: float, settings: Settings) -> LocalInstance:
+    def _start_instance(self, pool: Pool, now: float, settings: Settings,
+                        standby_for: str | None = None) -> LocalInstance:
         inst = LocalInstance.create(
             pool, self._market(pool), index=len(self.instances) + 1, now=now,
             boot_seconds=settings.boot_seconds, hazard_at=self._hazard_time(pool, now),
             job_id=self.spec.job_id, store_uri=self.store.uri)
+        self._plan_signals(inst, now)
         self.instances.append(inst)
         self.running.append(inst)
         self.reported_pools.clear()
@@ -686,13 +931,16 @@ class Supervisor:
             self.first_launch = now
         replacing = (f" (replacement #{inst.index - self.target})"
                      if inst.index > self.target else "")
+        if standby_for is not None:
+            replacing = f" (standby for {standby_for}: rebalance recommendation)"
+        extra = {} if standby_for is None else {"standby_for": standby_for}
         # Stamped with the tick's time, like the capacity errors before them: schedules
         # and budgets count from it, and readers see the events in this order.
         self._emit("status", None, at=now, state="launching", instance_type=pool.instance_type,
                    az=pool.az, detail=f"launching {pool.instance_type} in {pool.az}{replacing}")
         self._emit("instance", inst.id, at=now, action="launched", **inst.describe(),
                    price=inst.price, ondemand=pool.ondemand, region=pool.region,
-                   az_name=az_name(pool.region, pool.az))
+                   az_name=az_name(pool.region, pool.az), **extra)
         self._emit_price(inst)
         log.info("launched %s in %s at $%.4f/h; %s", inst.id, pool.name, inst.price,
                  inst.market.source)
@@ -705,13 +953,18 @@ class Supervisor:
         per month, a constant hazard rate in market time, hence ``time_scale`` faster in
         real time.
         """
+        rate = self._hazard_rate(pool)
+        return now + self.rng.expovariate(rate) if rate else None
+
+    def _hazard_rate(self, pool: Pool) -> float:
+        """Interruptions per real second at the pool's Spot Advisor rate (0 without
+        ``hazard`` or a bucket)."""
         if not self.settings.hazard:
-            return None
+            return 0.0
         bucket = catalog.interruption_bucket(pool.instance_type, pool.region)
         if bucket is None:
-            return None
-        rate = bucket.max_pct / 100.0 / MONTH_SECONDS * self.settings.time_scale
-        return now + self.rng.expovariate(rate)
+            return 0.0
+        return bucket.max_pct / 100.0 / MONTH_SECONDS * self.settings.time_scale
 
     def _spawn(self, inst: LocalInstance, now: float) -> None:
         cmd = [*(self.settings.agent_cmd or (sys.executable, *AGENT_MODULE)),
@@ -720,8 +973,14 @@ class Supervisor:
         # purpose (the agent sets those with a value in the kernel's environment).
         passed = [*self.settings.instance_env,
                   *(name for name, value in self.spec.env.items() if value is None)]
+        # The agent reads the job's log (its start notification names the price this
+        # instance launched at): what the group said of it is written before it starts,
+        # as on EC2, where the launch precedes the boot. One try: a failing store is
+        # the writer's to retry, and never holds the launch up.
+        self.events.flush()
         try:
-            inst.spawn(cmd, self.spec.job_id, now, passed, grace=KILL_GRACE_SECONDS)
+            inst.spawn(cmd, self.spec.job_id, now, passed, grace=KILL_GRACE_SECONDS,
+                       hook_seconds=self.settings.notice_seconds)
         except OSError as e:
             # A missing interpreter or agent: the same outcome as an agent that crashed.
             log.error("cannot start the agent %s: %s", cmd, e)

@@ -80,6 +80,7 @@ class ImdsServer:
         self._tokens: dict[str, float] = {}  # token -> monotonic expiry
         self._instance_action: dict[str, str] | None = None
         self._rebalance: dict[str, str] | None = None
+        self._lifecycle: str | None = None
         self.tokens_issued = 0
         self._httpd = _Server((host, port), _Handler)
         self._httpd.imds = self
@@ -114,6 +115,12 @@ class ImdsServer:
         """Publish a rebalance recommendation issued at ``notice_time``."""
         with self._lock:
             self._rebalance = {"noticeTime": iso_utc(notice_time)}
+
+    def set_target_lifecycle_state(self, state: str) -> None:
+        """Auto Scaling's ``autoscaling/target-lifecycle-state`` (``Terminated``: the
+        group ends the instance, through a termination lifecycle hook's wait)."""
+        with self._lock:
+            self._lifecycle = state
 
     def revoke_tokens(self) -> None:
         """Forget every token (as after an instance restart); clients must get a new one."""
@@ -159,6 +166,8 @@ class ImdsServer:
                 leaves["spot/termination-time"] = self._instance_action["time"]
             if self._rebalance is not None:
                 leaves["events/recommendations/rebalance"] = json.dumps(self._rebalance)
+            if self._lifecycle is not None:
+                leaves["autoscaling/target-lifecycle-state"] = self._lifecycle
         return leaves
 
     def identity_document(self) -> str:

@@ -34,7 +34,8 @@ from typing import Any
 
 import psutil
 
-from spotnb.catalog import Pool
+from spotnb.providers.catalog import Pool
+from spotnb.providers.imds import ENV_HOOK_SECONDS
 from spotnb.providers.local.imds import ImdsServer, InstanceIdentity, iso_utc
 from spotnb.providers.local.market import Market
 from spotnb.providers.local.state import (
@@ -84,6 +85,14 @@ class LocalInstance:
     first_output: float | None = None  # the cell's first output or metric
     durable_at: float | None = None  # first durable checkpoint of its attempt
     progressed: bool = False  # any event of its attempt after that checkpoint
+    rebalance_at: float | None = None  # its last rebalance recommendation
+    next_false_alarm: float | None = None  # when its next drawn false alarm comes
+    price_risk_at: float | None = None  # when the price first rises above max_price
+    # A warm standby: the instance it stands by for, and until when it is kept if that
+    # one gets no notice (None once one came: it is the job's next instance).
+    standby_for: str | None = None
+    standby_until: float | None = None
+    standby_ready: bool = False
 
     @classmethod
     def create(cls, pool: Pool, market: Market, index: int, now: float, boot_seconds: float,
@@ -139,10 +148,12 @@ class LocalInstance:
             adopted=ProcessRecord.from_dict(read_json(home / "pid.json")),
             running_since=meta.get("running_since"),
         )
+        if meta.get("rebalance_at") is not None:
+            inst.rebalance_at = float(meta["rebalance_at"])
+            imds.set_rebalance(inst.rebalance_at)
         if meta.get("terminate_at") is not None:
             inst.notice_reason = meta.get("notice_reason")
             inst.terminate_at = float(meta["terminate_at"])
-            imds.set_rebalance(float(meta.get("notice_at") or now))
             imds.set_instance_action(inst.terminate_at)
         inst.update_meta(adopted_at=now)
         return inst
@@ -157,17 +168,20 @@ class LocalInstance:
                 "az": self.pool.az, "pool": self.pool.name}
 
     def spawn(self, cmd: list[str], job_id: str, now: float, passed: Sequence[str] = (),
-              grace: float = 1.0) -> None:
+              grace: float = 1.0, hook_seconds: float | None = None) -> None:
         """Boot: start the agent, detached, in the instance directory, below the
         instance's first process (:mod:`.reaper`; ``grace``: what it gives the agent's
         leftovers between SIGTERM and SIGKILL). Raises OSError.
 
         The agent gets a clean environment, as on EC2 (:func:`.state.instance_base_environment`):
         none of this machine's variables but the basics and ``passed`` (names or
-        ``PREFIX*``)."""
+        ``PREFIX*``). ``hook_seconds``: the wait of the group's termination hook (its
+        notice period, in the local cloud's compressed time)."""
         env = {**instance_base_environment(os.environ, passed),
                "SPOTNB_IMDS_ENDPOINT": self.imds.endpoint,
                **instance_environment(self.id, job_id)}
+        if hook_seconds is not None:
+            env[ENV_HOOK_SECONDS] = f"{hook_seconds:g}"
         self.running_since = now
         # The instance's first process (its "OS"): ends the agent's whole tree when the
         # agent ends, however it ended or its descendants detached (spotnb.providers.
@@ -201,13 +215,31 @@ class LocalInstance:
             return None if self.adopted.alive() else -1
         return None
 
+    def recommend_rebalance(self, now: float) -> None:
+        """EC2's rebalance recommendation: the instance is at elevated risk."""
+        self.rebalance_at = now
+        self.imds.set_rebalance(now)
+        self.update_meta(rebalance_at=now)
+
     def notice(self, now: float, notice_seconds: float, reason: str) -> None:
-        """EC2's interruption notice: rebalance recommendation and instance-action."""
+        """EC2's interruption notice (``spot/instance-action``); a rebalance
+        recommendation is :meth:`recommend_rebalance`'s."""
         self.notice_reason = reason
         self.terminate_at = now + notice_seconds
-        self.imds.set_rebalance(now)
         self.imds.set_instance_action(self.terminate_at)
         self.update_meta(state="marked-for-termination", notice_reason=reason,
+                         termination_time=iso_utc(self.terminate_at), notice_at=now,
+                         terminate_at=self.terminate_at)
+
+    def end_through_hook(self, now: float, hook_seconds: float) -> None:
+        """Auto Scaling's end of an instance whose standby is in service (capacity
+        rebalancing): ``autoscaling/target-lifecycle-state`` becomes ``Terminated`` and
+        the termination lifecycle hook waits up to ``hook_seconds`` (the agent reads it
+        as its notice: final save, lease released)."""
+        self.notice_reason = "rebalanced"
+        self.terminate_at = now + hook_seconds
+        self.imds.set_target_lifecycle_state("Terminated")
+        self.update_meta(state="terminating", notice_reason="rebalanced",
                          termination_time=iso_utc(self.terminate_at), notice_at=now,
                          terminate_at=self.terminate_at)
 

@@ -2,7 +2,7 @@
 
 A :class:`Market` maps wall-clock time to *market time*: ``time_scale`` market seconds
 pass per real second (default 60, so a day of history replays in 24 minutes). The
-history is :func:`spotnb.catalog.price_trace` of the pool; where in it a job starts is
+history is :func:`spotnb.providers.catalog.price_trace` of the pool; where in it a job starts is
 chosen deterministically from a seed (the job id), so different jobs see different
 stretches and the same job always sees the same one. At the end the trace loops.
 
@@ -18,8 +18,8 @@ import hashlib
 import itertools
 import statistics
 
-from spotnb import catalog
-from spotnb.catalog import Pool, PriceTrace
+from spotnb.providers import catalog
+from spotnb.providers.catalog import Pool, PriceTrace
 
 __all__ = ["Market"]
 
@@ -100,6 +100,19 @@ class Market:
         else:  # the loop joins two equal prices: the next change is the second point
             m_next = (cycle + 1) * self.period + self._times[1]
         return self.start_wall + (m_next - self.offset) / self.time_scale + _EPSILON
+
+    def next_above(self, wall_time: float, limit: float) -> float | None:
+        """The wall time after ``wall_time`` at which the price first rises above
+        ``limit`` (a price change), or None if it never does."""
+        t = wall_time
+        for _ in range(len(self._times) + 2):  # one cycle holds every price there is
+            change = self.next_change_after(t)
+            if change is None:
+                return None
+            if self.price_at(change) > limit:
+                return change
+            t = change
+        return None
 
     def cost(self, start_wall: float, end_wall: float) -> float:
         """USD for one instance running from ``start_wall`` to ``end_wall`` (real seconds

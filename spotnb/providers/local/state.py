@@ -1,6 +1,6 @@
 """The local cloud's state on disk, its settings, and the processes it owns.
 
-Everything lives under ``spotnb.layout.cloud_dir()`` (``$SPOTNB_HOME/cloud``)::
+Everything lives under ``spotnb.protocol.layout.cloud_dir()`` (``$SPOTNB_HOME/cloud``)::
 
     config.json                      optional settings (see Settings; env vars win)
     groups/<job_id>/group.json       the capacity group: supervisor pid, state, store URI
@@ -31,8 +31,8 @@ from typing import Any
 
 import psutil
 
-from spotnb.layout import cloud_dir
-from spotnb.spec import SpecError
+from spotnb.protocol.layout import cloud_dir
+from spotnb.protocol.spec import SpecError
 
 log = logging.getLogger(__name__)
 

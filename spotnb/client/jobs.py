@@ -1,0 +1,964 @@
+"""The Python API: submit a job, follow it, wait for its result. No IPython needed.
+
+The magics call these functions; so can scripts and tests::
+
+    handle = spotnb.submit(code, instance_types=["g5.xlarge"], outputs=["model"])
+    for event in handle.events():   # follows until the job ends
+        ...
+    result = handle.wait()          # JobResult: status, outputs, attempts, cost
+
+Everything is read back from the job's store prefix, so :func:`attach` in another
+process (after a kernel restart) sees exactly what the submitting process saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import cloudpickle
+
+from spotnb.client.validation import DEFAULT_INSTANCE_TYPES, prepare_job
+from spotnb.protocol import layout
+from spotnb.protocol.events import (
+    Event,
+    EventReader,
+    log_state,
+    metric_rows,
+)
+from spotnb.protocol.events.fold import JobState, fold
+from spotnb.protocol.events.live import CONTROL_QUEUE, Follower, request_stop
+from spotnb.protocol.events.queues import queue_for
+from spotnb.protocol.spec import JobSpec, Resources, SpecError
+from spotnb.protocol.store import NotFound, Store, StoreError, open_store
+from spotnb.providers import Provider, get_provider
+
+__all__ = [
+    "Attempt",
+    "JobHandle",
+    "JobInfo",
+    "JobNotFound",
+    "JobRef",
+    "JobResult",
+    "attach",
+    "find_job",
+    "jobs",
+    "prepare",
+    "submit",
+    "summarize",
+    "summarize_state",
+]
+
+log = logging.getLogger(__name__)
+
+# How long a stop waits for the agent to wind down before the group is deleted.
+STOP_GRACE_SECONDS = 30.0
+# A result file without the agent's closing events: the agent died in between.
+RESULT_WITHOUT_EVENTS_GRACE = 5.0
+# After the job's result, its capacity group reports the last instance terminated: at
+# once when the agent exits by itself, at the latest after the local cloud's stop grace
+# (15 s) for one that does not. A followed log waits this long for that report.
+GROUP_END_GRACE_SECONDS = 30.0
+POLL_SECONDS = 0.25
+# How often a process following a job checks that its capacity group is supervised.
+SUPERVISION_CHECK_SECONDS = 10.0
+# A follower waits this long for live events per poll (an SQS long poll each time).
+FOLLOW_WAIT_SECONDS = 1.0
+# While following, result.json is looked up this often (an S3 HEAD; the result event
+# normally comes first, live: this is for an agent that died right after writing it);
+# wait() looks every POLL_SECONDS at first, then less often.
+RESULT_CHECK_SECONDS = 60.0
+WAIT_MAX_SECONDS = 10.0
+
+
+class JobNotFound(LookupError):
+    """No job, or more than one, matches what was asked for.
+
+    ``query`` is what was asked for (None: the latest job), ``where`` the store looked
+    in, ``candidates`` the jobs an ambiguous query matches (empty if none matched).
+    :meth:`message` names the command that lists jobs (the magics say ``%spot_jobs``).
+    """
+
+    def __init__(self, query: str | None, where: str,
+                 candidates: Sequence[JobRef] = ()) -> None:
+        self.query = query
+        self.where = where
+        self.candidates = tuple(candidates)
+        super().__init__(self.message())
+
+    def message(self, lister: str = "`spotnb jobs`") -> str:
+        if self.query is None:
+            return (f"no jobs yet in {self.where}: submit one with %%spot_train in a "
+                    "notebook or spotnb.submit()")
+        if not self.candidates:
+            return (f"no job {self.query!r} in {self.where}: give a job's id, the end of "
+                    f"its id, or its name, as {lister} lists them")
+        rows = "\n".join(f"  {c.job_id}  {c.name}  (submitted {_when(c.created)}, "
+                         f"{c.status()})" for c in self.candidates)
+        return (f"{self.query!r} matches {len(self.candidates)} jobs:\n{rows}\n"
+                "Give the id of the one you mean (or the end of it).")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRef:
+    """A job found by :func:`find_job`: its id and name, when it was submitted, and
+    where it lives."""
+
+    job_id: str
+    name: str
+    created: float
+    store_uri: str
+
+    def status(self) -> str:
+        """``completed``, ``failed``, ``stopped`` or ``not ended`` (one read)."""
+        try:
+            return str(json.loads(open_store(self.store_uri).get(layout.RESULT))["status"])
+        except NotFound:
+            return "not ended"
+        except (StoreError, ValueError, KeyError, TypeError, OSError):
+            return "unknown"
+
+
+def _when(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One attempt: an agent's run under one lease epoch, on one instance."""
+
+    number: int
+    instance_id: str | None
+    instance_type: str | None
+    pool: str | None
+    start: float
+    end: float | None
+    end_reason: str
+    spot_price: float | None
+    #: The availability zone, where the instance said.
+    az: str | None = None
+    #: The node slot it ran on (``layout.node_slot``; 0 for a single-node job).
+    node: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """How a job ended (or where it stands, for a job still running)."""
+
+    job_id: str
+    name: str
+    status: str
+    reason: str
+    attempts: tuple[Attempt, ...]
+    interruptions: int
+    #: What the job cost: its instances, billed per second from launch (boot included)
+    #: at their pools' spot prices, plus :attr:`requests_usd`.
+    cost_usd: float
+    #: The same instance-seconds at the on-demand price.
+    ondemand_cost_usd: float
+    metrics: dict[str, float]
+    duration: float
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: dict[str, Any] | None = None
+    #: spotnb's own AWS requests (S3, SQS) at list prices, as its agents, runtime and
+    #: followers reported them; 0 on the local cloud, whose requests cost nothing.
+    requests_usd: float = 0.0
+    #: A multi-node job's world as it changed: (time, nodes, processes), from its
+    #: ``world`` events (every node of a round reports it; each change is kept once).
+    worlds: tuple[tuple[float, int, int], ...] = ()
+
+    @property
+    def savings_pct(self) -> float | None:
+        """Savings versus on-demand in percent (None before any cost): what the job
+        cost, boot time and spotnb's own requests included, against its instance time
+        at the on-demand price."""
+        if self.ondemand_cost_usd <= 0:
+            return None
+        return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+
+    @property
+    def cost_includes(self) -> str:
+        """What :attr:`cost_usd` includes, for a person."""
+        return (f"instances billed from launch (boot included) and spotnb's own requests "
+                f"(${self.requests_usd:.4f})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, without the outputs (they are arbitrary objects)."""
+        out = dataclasses.asdict(self)
+        out.pop("outputs")
+        out["output_names"] = sorted(self.outputs)
+        out["savings_pct"] = self.savings_pct
+        return out
+
+    def __repr__(self) -> str:
+        """Every field on a line (``r = %spot_result`` shows this), readable: money in
+        USD, times as dates, durations in h/m/s, attempts one per line."""
+        fields = _fields(self)
+        width = max(len(label) for label, _ in fields) + 2
+        lines = [f"JobResult {self.job_id} {self.name!r}"]
+        for label, value in fields:
+            if label == "attempts":
+                lines.append(f"  {label:<{width}}{len(value)}")
+                lines += [f"    {_attempt_line(a)}" for a in value]
+            else:
+                lines.append(f"  {label:<{width}}{_text(label, value)}".rstrip())
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The same as a table, for notebooks."""
+        import html
+
+        rows = []
+        for label, value in _fields(self):
+            if label == "attempts" and value:
+                names = [f.name for f in dataclasses.fields(value[0])]
+                head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
+                body = "".join("<tr>" + "".join(
+                    f"<td>{html.escape(_text(n, getattr(a, n)))}</td>" for n in names)
+                    + "</tr>" for a in value)
+                cell = f"<table><tr>{head}</tr>{body}</table>"
+            else:
+                cell = html.escape(_text(label, value)).replace("\n", "<br>")
+            rows.append(f"<tr><th style='text-align:left;vertical-align:top'>"
+                        f"{html.escape(label)}</th><td style='text-align:left'>{cell}</td></tr>")
+        return (f"<b>JobResult {html.escape(self.job_id)} {html.escape(repr(self.name))}</b>"
+                f"<table>{''.join(rows)}</table>")
+
+
+def _fields(obj: Any) -> list[tuple[str, Any]]:
+    """A dataclass's fields, then its properties, as (name, value): whatever fields the
+    class has, so a new one appears in the repr without further work."""
+    pairs = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)
+             if f.name not in ("job_id", "name")]
+    properties = {name for klass in type(obj).__mro__ for name, member in vars(klass).items()
+                  if isinstance(member, property)}
+    return pairs + [(name, getattr(obj, name)) for name in sorted(properties)]
+
+
+def _text(name: str, value: Any) -> str:
+    """One value for a person, by what its name says it is."""
+    import reprlib
+
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if name.endswith("_usd"):
+            return f"${value:,.4f}"
+        if name.endswith("_pct"):
+            return f"{value:.1f}%"
+        if name == "duration" or name.endswith(("_seconds", "_duration")):
+            return _duration(float(value))
+        if name in ("created", "start", "end", "time") or name.endswith("_at"):
+            return _when(float(value))
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+    if isinstance(value, dict) and {"ename", "evalue"} <= set(value):
+        return f"{value['ename']}: {value['evalue']}"
+    if isinstance(value, dict):
+        if not value:
+            return "-"
+        return ", ".join(f"{k} = {_item(str(k), v)}" for k, v in value.items())
+    return str(value) if isinstance(value, str) else reprlib.repr(value)
+
+
+def _item(name: str, value: Any) -> str:
+    """A value inside a dict: numbers formatted, anything else a short repr (an output
+    may be a whole model)."""
+    import reprlib
+
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _text(name, value)
+    return reprlib.repr(value)
+
+
+def _attempt_line(attempt: Any) -> str:
+    return "  ".join(f"{name} {_text(name, value)}" for name, value in _fields(attempt))
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    return (f"{hours}h {rest // 60:02d}m {rest % 60:02d}s" if hours
+            else f"{rest // 60}m {rest % 60:02d}s")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobInfo:
+    """A row of :func:`jobs`.
+
+    ``instance_type`` is the last attempt's; ``duration`` in seconds; ``metric`` the
+    last value of the first metric logged, as ``(name, value)``.
+    """
+
+    job_id: str
+    name: str
+    status: str
+    attempts: int
+    interruptions: int
+    cost_usd: float
+    created: float
+    instance_type: str | None = None
+    duration: float = 0.0
+    ondemand_cost_usd: float = 0.0
+    metric: tuple[str, float] | None = None
+    #: How many nodes: ``"1"``, ``"4"``, ``"3:4"`` (MIN:MAX); ``"x2"`` appended with
+    #: two worker processes per node; a multi-node job whose world formed says how
+    #: many nodes it has now (or had at the end) first: ``"3 nodes (3:4)"``.
+    nodes: str = "1"
+
+    @property
+    def savings_pct(self) -> float | None:
+        """Savings versus on-demand in percent (None before any cost)."""
+        if self.ondemand_cost_usd <= 0:
+            return None
+        return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+
+
+def nodes_label(resources: Resources, result: JobResult | None = None) -> str:
+    """A job's nodes as ``%spot_jobs`` shows them (see :attr:`JobInfo.nodes`)."""
+    low, high = resources.min_nodes, resources.max_nodes
+    label = str(high) if low == high else f"{low}:{high}"
+    label += f"x{resources.procs_per_node}" if resources.procs_per_node > 1 else ""
+    if high > 1 and result is not None and result.worlds:
+        nodes = result.worlds[-1][1]
+        return f"{nodes} node{'' if nodes == 1 else 's'} ({label})"
+    return label
+
+
+def node_instances(result: JobResult) -> list[Attempt]:
+    """The newest attempt of each node slot, in slot order: the instances a
+    multi-node job runs on now (or ran on at the end)."""
+    newest: dict[int, Attempt] = {}
+    for attempt in result.attempts:
+        if attempt.node not in newest or attempt.number > newest[attempt.node].number:
+            newest[attempt.node] = attempt
+    return [newest[k] for k in sorted(newest)]
+
+
+def instances_label(result: JobResult, multinode: bool) -> str | None:
+    """The instance type(s) ``%spot_jobs`` shows: the last attempt's; for a multi-node
+    job each node's newest, counted, with their zone where the instances said it
+    (``"g4dn.xlarge x2 us-east-1a, g5.xlarge us-east-1a"``)."""
+    if not result.attempts:
+        return None
+    if not multinode:
+        return result.attempts[-1].instance_type
+    counts: dict[str, int] = {}
+    for a in node_instances(result):
+        where = " ".join(p for p in (a.instance_type or "?", a.az) if p)
+        counts[where] = counts.get(where, 0) + 1
+    parts = []
+    for where, n in counts.items():
+        kind, _, zone = where.partition(" ")
+        parts.append(" ".join(p for p in (kind, f"x{n}" if n > 1 else "", zone) if p))
+    return ", ".join(parts)
+
+
+# -- submitting ----------------------------------------------------------------------
+
+def submit(
+    code: str,
+    *,
+    provider: str = "local",
+    instance_types: Sequence[str] | str = DEFAULT_INSTANCE_TYPES,
+    region: str = "us-east-1",
+    max_price: float | None = None,
+    name: str | None = None,
+    inputs: Mapping[str, Any] | None = None,
+    outputs: Sequence[str] | str | None = None,
+    checkpoint_every: float | str = "5m",
+    max_restarts_on_error: int = 0,
+    budget_usd: float | None = None,
+    max_duration: float | str | None = None,
+    keep_checkpoints: int = 3,
+    simulate_interruptions: int | Sequence[float | str] | None = None,
+    simulate_signals: Mapping[str, Any] | None = None,
+    env: Mapping[str, str | None] | Sequence[str] | None = None,
+    files: Mapping[str, str | os.PathLike[str]] | None = None,
+    store: str | os.PathLike[str] | None = None,
+    notify_url: str | None = None,
+    nodes: int | str | tuple[int, int] = 1,
+    procs_per_node: int = 1,
+    peer_timeout: float | str = "2m",
+    secrets: Mapping[str, str | None] | Sequence[str] | None = None,
+    standby: bool = True,
+) -> JobHandle:
+    """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
+
+    Everything is checked before anything starts; bad input raises
+    :class:`~spotnb.protocol.spec.SpecError` with the fix (its ``field`` names the argument).
+    ``inputs`` maps names to values that are defined in the remote namespace before the
+    code runs; ``outputs`` names variables whose values :meth:`JobHandle.wait` brings
+    back. ``checkpoint_every`` is a time (``"5m"``) or a step count (``"500 steps"``)
+    for ``Checkpoint.maybe_save``. ``simulate_interruptions`` (local cloud): a count, or
+    times after launch. ``simulate_signals`` (local cloud): the rebalance recommendations'
+    model, :class:`spotnb.providers.local.signals.SignalModel`'s fields (``{"lead_median":
+    600, "false_alarm": 0, "seed": "a"}``). ``env``: environment variables for the cell, as
+    ``{"NAME": "value"}`` or ``["NAME=value"]``; a name without a value (``None``, or
+    ``"NAME"``) passes that variable of this machine's environment through, on the local
+    cloud only. Values are written into the job's spec: no secrets (those that look like one
+    are refused: pass those as ``secrets``). ``secrets``: environment variables of the cell
+    whose values are secrets (``["HF_TOKEN", "WANDB_API_KEY"]``, taken from this machine's
+    environment, or ``{"HF_TOKEN": value}``): the values go to the provider's secret store
+    (AWS: SSM Parameter Store), never into the spec, and are deleted with the job; a name
+    whose variable is not set is refused.
+    ``files`` maps paths relative to the remote working
+    directory to local files (helper modules next to the notebook): they are importable
+    in the cell. ``notify_url``: a Slack-compatible webhook the instance posts to when
+    an attempt is interrupted and when the job ends (:mod:`spotnb.protocol.notify`); it travels
+    as a secret.
+    ``nodes`` (``4`` or ``"3:4"``: MIN:MAX) and ``procs_per_node`` make the job
+    distributed: the cell runs as torchrun's workers on every node (``RANK``,
+    ``WORLD_SIZE``, ... set), and goes on with MIN nodes while a lost node's
+    replacement boots (:mod:`spotnb.kernel_remote.multinode`); ``peer_timeout`` bounds every wait on
+    a peer. ``standby``: on a rebalance recommendation, start a warm standby that takes
+    the job over at the interruption notice (billed to the job; README, "Warm
+    standbys"); False replaces an instance only once it is gone.
+    """
+    job = prepare_job(code, provider=provider, instance_types=instance_types, region=region,
+                   max_price=max_price, name=name, inputs=inputs, outputs=outputs,
+                   checkpoint_every=checkpoint_every,
+                   max_restarts_on_error=max_restarts_on_error, budget_usd=budget_usd,
+                   max_duration=max_duration, keep_checkpoints=keep_checkpoints,
+                   simulate_interruptions=simulate_interruptions,
+                   simulate_signals=simulate_signals, env=env, files=files,
+                   store=store, notify_url=notify_url, nodes=nodes,
+                   procs_per_node=procs_per_node, peer_timeout=peer_timeout,
+                   secrets=secrets, standby=standby)
+    spec, job_store, prov = job.spec, job.store, job.provider
+    warnings = _notice_warnings(prov, spec, inputs if isinstance(inputs, Mapping) else {})
+    # Inputs first: an agent that can read spec.json can read everything it names.
+    job_store.put(layout.INPUTS, job.inputs)
+    if job.workdir is not None:
+        job_store.put(layout.WORKDIR, job.workdir)
+    job_store.put(layout.SPEC, spec.to_json().encode())
+    try:
+        # The agent long-polls it for followers and stop requests (spotnb.protocol.events.live).
+        queue_for(job_store, spec.job_id, CONTROL_QUEUE).create()
+    except Exception as err:
+        log.warning("no control queue for job %s (%s): followers read its log", spec.job_id, err)
+    try:
+        prov.launch(spec, secrets=job.secret_values)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            queue_for(job_store, spec.job_id, CONTROL_QUEUE).delete()
+        job_store.put_if_absent(layout.RESULT, json.dumps(
+            {"status": "failed", "reason": "the capacity group could not be created",
+             "time": time.time()}).encode())
+        raise
+    _index(spec)
+    log.info("submitted job %s (%s) to %s", spec.job_id, spec.name, spec.provider)
+    handle = JobHandle(job_store, spec, prov)
+    handle.warnings = warnings
+    return handle
+
+
+def _notice_warnings(prov: Provider, spec: JobSpec, inputs: Mapping[str, Any]
+                     ) -> tuple[str, ...]:
+    """Whether a checkpoint of the captured inputs would miss the interruption notice.
+
+    A lower bound of the state (the inputs' tensors; the cell may create more) over the
+    provider's expected upload bandwidth; see :mod:`spotnb.ckpt.notice`. Nothing to
+    say when the bandwidth is unknown (the runtime warns after the first save).
+    """
+    from spotnb.ckpt.notice import NoticeFit, input_state_bytes
+
+    mbps = prov.upload_mbps(spec)
+    if mbps is None or not inputs:
+        return ()
+    fit = NoticeFit.at_rate(input_state_bytes(inputs.values()), mbps, prov.notice_seconds())
+    if fit.fits:
+        return ()
+    text = f"the cell's inputs alone are large to checkpoint: {fit.advice()}"
+    log.warning("job %s: %s", spec.job_id, text)
+    return (text,)
+
+
+def prepare(code: str, **options: Any) -> JobSpec:
+    """The :class:`~spotnb.protocol.spec.JobSpec` that ``submit(code, **options)`` would launch.
+
+    Runs every check :func:`submit` runs (and pickles the inputs), but writes and starts
+    nothing. Raises :class:`~spotnb.protocol.spec.SpecError` for bad input, ``TypeError`` for an
+    argument :func:`submit` does not have.
+    """
+    return prepare_job(code, **options).spec
+
+
+# -- following -----------------------------------------------------------------------
+
+class JobHandle:
+    """A submitted job. Cheap to create; everything is read from the store."""
+
+    def __init__(self, store: Store, spec: JobSpec, provider: Provider | None = None) -> None:
+        self.store = store
+        self.spec = spec
+        self._provider = provider
+        self._supervision_checked = -SUPERVISION_CHECK_SECONDS
+        #: What ``submit`` found worth telling before the job ran (e.g. that its
+        #: checkpoints may not fit in the interruption notice); empty for ``attach``.
+        self.warnings: tuple[str, ...] = ()
+        self._result_checked = -RESULT_CHECK_SECONDS
+
+    def __repr__(self) -> str:
+        return f"<JobHandle {self.job_id} {self.spec.name!r}>"
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    @property
+    def provider(self) -> Provider:
+        if self._provider is None:
+            self._provider = get_provider(self.spec.provider)
+        return self._provider
+
+    def keep_supervised(self, force: bool = False) -> str | None:
+        """Make sure the job's capacity group is supervised (the provider restarts a
+        supervisor that died); at most every SUPERVISION_CHECK_SECONDS unless ``force``.
+        Returns what was done, or None."""
+        now = time.monotonic()
+        if not force and now - self._supervision_checked < SUPERVISION_CHECK_SECONDS:
+            return None
+        self._supervision_checked = now
+        try:
+            done = self.provider.ensure_supervised(self.job_id)
+        except Exception:
+            log.warning("could not check the supervision of job %s", self.job_id,
+                        exc_info=True)
+            return None
+        if done:
+            log.warning("job %s: %s", self.job_id, done)
+        return done
+
+    def result_record(self) -> dict[str, Any] | None:
+        """``result.json`` as written by the agent, or None while the job runs."""
+        try:
+            return dict(json.loads(self.store.get(layout.RESULT)))
+        except NotFound:
+            return None
+
+    @property
+    def status(self) -> str:
+        """The job's state (see :data:`spotnb.protocol.events.STATES`)."""
+        result = self.result_record()
+        if result is not None:
+            return str(result["status"])
+        return fold(EventReader(self.store, batches=True).poll()).status.value
+
+    def events(self, follow: bool = True, timeout: float | None = None,
+               batches: bool = False) -> Iterator[Event]:
+        """Every event from the start; with ``follow``, then new ones until the job ends
+        (see :meth:`event_batches`). ``batches`` gives ``metrics`` events as batches
+        rather than one ``metric`` event per row."""
+        for batch in self.event_batches(follow=follow, timeout=timeout, batches=batches):
+            yield from batch
+
+    def event_batches(self, follow: bool = True, timeout: float | None = None,
+                      batches: bool = False) -> Iterator[list[Event]]:
+        """The events as they are read, one non-empty list per read: the first holds
+        the history so far.
+
+        Following registers with the job's agent for live events (see
+        :mod:`spotnb.protocol.events.live`): they arrive within about a second, at a fraction
+        of what tailing the log would cost. Reads go on until the job has ended and
+        its capacity group has reported each of its instances terminated, so that a
+        followed log always ends the same way (the group reports the last termination
+        a moment after the job's result). That wait is bounded, since a group that is
+        gone reports nothing: :data:`GROUP_END_GRACE_SECONDS`.
+        """
+        if not follow:
+            history = EventReader(self.store, batches=batches).poll()
+            if history:
+                yield history
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        result_seen = False  # the agent's result event
+        group_read = False  # the group's events read from the log since that
+        ended_at: float | None = None  # when the job's end was first seen
+        state = JobState()  # what the group launched and has not terminated
+        with Follower(self.store, self.job_id, batches=batches) as follower:
+            while True:
+                if not result_seen:
+                    batch = follower.poll(wait=FOLLOW_WAIT_SECONDS)
+                else:
+                    # Only the log has the group's events (the live channel carries
+                    # the attempts'): read it, after a pause while it has not reported
+                    # every instance's end yet.
+                    if group_read:
+                        time.sleep(FOLLOW_WAIT_SECONDS)
+                    batch, group_read = follower.read_log(), True
+                state.apply_all(batch)
+                result_seen = state.result is not None
+                if batch:
+                    yield batch
+                if group_read and not state.running_instances():
+                    return
+                now = time.monotonic()
+                if ended_at is None and (result_seen or self.result_written()):
+                    ended_at = now
+                # A result file without the agent's closing events: the agent died
+                # between the two.
+                grace = GROUP_END_GRACE_SECONDS if result_seen else RESULT_WITHOUT_EVENTS_GRACE
+                if ended_at is not None and now - ended_at > grace:
+                    return
+                if deadline is not None and now > deadline:
+                    return
+                self.keep_supervised()
+
+    def result_written(self) -> bool:
+        """Whether result.json exists, looked up at most every RESULT_CHECK_SECONDS (an
+        S3 HEAD each time)."""
+        now = time.monotonic()
+        if now - self._result_checked < RESULT_CHECK_SECONDS:
+            return False
+        self._result_checked = now
+        return self.store.exists(layout.RESULT)
+
+    def wait(self, timeout: float | None = None) -> JobResult:
+        """Block until the job ends; its :class:`JobResult` (with outputs).
+
+        Raises ``TimeoutError`` if ``timeout`` seconds pass first; the job keeps going.
+        Looks for the result every second at first, then less often (one S3 HEAD each
+        time, at most every WAIT_MAX_SECONDS).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_SECONDS
+        while not self.store.exists(layout.RESULT):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {self.job_id} still runs after {timeout}s; it keeps running: "
+                    f"wait again, or stop it with spotnb.attach({self.job_id!r}).stop()")
+            self.keep_supervised()
+            pause = delay if deadline is None else min(delay, max(0.0, deadline -
+                                                                  time.monotonic()))
+            time.sleep(pause)
+            delay = min(delay * 1.5, WAIT_MAX_SECONDS)
+        # The agent writes its closing events right after result.json; its capacity
+        # group reports each instance's end (what it cost) a moment later. The cost
+        # shown is the final one: wait for those reports (bounded, as for a followed
+        # log: a group that is gone reports nothing).
+        end = time.monotonic() + RESULT_WITHOUT_EVENTS_GRACE
+        reader = EventReader(self.store, batches=True)
+        events = reader.poll()
+        state = fold(events)
+        while state.result is None and time.monotonic() < end:
+            time.sleep(POLL_SECONDS)
+            new = reader.poll()
+            events += new
+            state.apply_all(new)
+        end = time.monotonic() + GROUP_END_GRACE_SECONDS
+        while state.running_instances() and time.monotonic() < end:
+            time.sleep(POLL_SECONDS)
+            new = reader.poll()
+            events += new
+            state.apply_all(new)
+        return self.summary(with_outputs=True, events=sorted(events, key=lambda e: e.time))
+
+    def summary(self, with_outputs: bool = False,
+                events: list[Event] | None = None) -> JobResult:
+        """Where the job stands now, from its full event history (read now, unless
+        ``events`` is that history)."""
+        if events is None:
+            events = EventReader(self.store, batches=True).poll()
+        result = summarize(self.spec, events, self.result_record())
+        if with_outputs and result.status == "completed" and self.spec.outputs:
+            outputs = cloudpickle.loads(self.store.get(layout.OUTPUTS))
+            result = dataclasses.replace(result, outputs=dict(outputs))
+        return result
+
+    def metrics(self) -> dict[str, list[tuple[int, float]]]:
+        """Every logged metric in the store as (step, value) pairs, in logging order.
+
+        While nobody follows a running job its agent writes metrics about once a
+        minute (each write is a billed request); :meth:`events` follows it live."""
+        series: dict[str, list[tuple[int, float]]] = {}
+        for event in EventReader(self.store, batches=True).poll():
+            for step, _t, values in metric_rows(event):
+                for key, value in values.items():
+                    series.setdefault(key, []).append((step, value))
+        return series
+
+    def interrupt(self, node: int | None = None) -> None:
+        """Deliver a spot interruption notice now: to node ``node`` of a multi-node job
+        (its node slot, as the display numbers them), else to the first running
+        instance. The job checkpoints and goes on without it; the group replaces it."""
+        self.provider.interrupt(self.job_id, self._target(node, "interrupt"))
+
+    def kill(self, node: int | None = None) -> None:
+        """End node ``node`` (else the first running instance) at once, without a notice:
+        a machine lost outright, the way to test a cell against one (local cloud only).
+        The job goes on from its last checkpoint; the group replaces the node."""
+        from spotnb.providers import ProviderError
+
+        try:
+            self.provider.kill(self.job_id, self._target(node, "kill"))
+        except ProviderError as err:  # not simulated by this provider: bad input
+            raise SpecError(str(err)) from None
+
+    def _target(self, node: int | None, what: str) -> str | None:
+        """The instance that node slot ``node`` runs on now (None: the first running)."""
+        from spotnb.protocol import lease
+
+        if self.store.exists(layout.RESULT):
+            raise SpecError(f"job {self.job_id} has ended; there is no instance to {what}")
+        if node is None:
+            return None
+        nodes = self.spec.resources.max_nodes
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < nodes:
+            raise SpecError(f"node {node!r}: job {self.job_id} has "
+                            + (f"nodes 0 to {nodes - 1}" if nodes > 1 else "one node, node 0"))
+        current = lease.read(self.store, node)
+        if current is None or current[0].released:
+            raise SpecError(f"node {node} of job {self.job_id} is not running now (it has "
+                            "not joined yet, or left and its replacement has not)")
+        return current[0].holder
+
+    def stop(self, reason: str = "requested") -> None:
+        """Stop the job: the cell is interrupted, the capacity group deleted."""
+        request_stop(self.store, self.job_id, {"reason": reason, "time": time.time()})
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        while not self.store.exists(layout.RESULT) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        self.provider.terminate(self.job_id)
+        self.store.put_if_absent(layout.RESULT, json.dumps(
+            {"status": "stopped", "reason": f"stop requested ({reason})",
+             "time": time.time()}).encode())
+
+
+def _index(spec: JobSpec) -> None:
+    """Remember where the job lives, so attach and jobs() find it in any store."""
+    path = layout.index_dir() / f"{spec.job_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"store_uri": spec.store_uri, "provider": spec.provider,
+                                "name": spec.name, "created": spec.created}))
+
+
+def _indexed_store(job_id: str) -> str | None:
+    try:
+        return str(json.loads((layout.index_dir() / f"{job_id}.json").read_text())["store_uri"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+
+
+def _open_job(job_id: str, store: str | None = None) -> tuple[Store, JobSpec]:
+    if store is None and (uri := _indexed_store(job_id)) is not None:
+        job_store = open_store(uri)
+        where = uri
+    else:
+        root = open_store(store or layout.default_store_root())
+        job_store = root.child(f"jobs/{job_id}")
+        where = root.uri
+    try:
+        spec = JobSpec.from_json(job_store.get(layout.SPEC))
+    except NotFound:
+        raise JobNotFound(job_id, where) from None
+    return job_store, spec
+
+
+# What a job id looks like (spotnb's are 20250101-120000-ab12cd): only such a query is
+# tried as an id directly, before any listing.
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def find_job(job: str | None = None, store: str | None = None) -> JobRef:
+    """The job that ``job`` names: its id, its name, or the end of its id (tried in
+    this order); None names the latest job. The magics, the CLI and :func:`attach` all
+    resolve jobs here.
+
+    Raises :class:`JobNotFound` if nothing matches, or if a name or an id's end matches
+    several jobs (``candidates`` lists them).
+    """
+    if job is not None and _JOB_ID.match(job):
+        try:  # the common case, a whole id: one read, no listing
+            job_store, spec = _open_job(job, store)
+            return JobRef(spec.job_id, spec.name, spec.created, job_store.uri)
+        except JobNotFound:
+            pass
+    where = store or layout.default_store_root()
+    if job is not None and not job.strip():
+        raise JobNotFound(job, str(where))  # every id ends with ""
+    refs = _job_refs(store)
+    if job is None:
+        if not refs:
+            raise JobNotFound(None, str(where))
+        return max(refs, key=lambda r: r.created)
+    for matches in ([r for r in refs if r.name == job],
+                    [r for r in refs if r.job_id.endswith(job)]):
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise JobNotFound(job, str(where), sorted(matches, key=lambda r: r.created))
+    raise JobNotFound(job, str(where))
+
+
+def _job_refs(store: str | None) -> list[JobRef]:
+    """Every job of ``store`` (default: the local store, and every job submitted from
+    this machine), from the job index where it has them, else from ``spec.json``."""
+    refs: dict[str, JobRef] = {}
+    if store is None and layout.index_dir().is_dir():
+        for path in layout.index_dir().glob("*.json"):
+            try:
+                raw = json.loads(path.read_text())
+                refs[path.stem] = JobRef(path.stem, str(raw["name"]), float(raw["created"]),
+                                         str(raw["store_uri"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    root = open_store(store or layout.default_store_root())
+    for job_id in root.list_children("jobs"):
+        if job_id in refs:
+            continue
+        job_store = root.child(f"jobs/{job_id}")
+        try:
+            spec = JobSpec.from_json(job_store.get(layout.SPEC))
+        except (NotFound, SpecError, ValueError, KeyError, TypeError):
+            continue  # not a job (yet): its spec is written last
+        refs[job_id] = JobRef(job_id, spec.name, spec.created, job_store.uri)
+    return list(refs.values())
+
+
+def attach(job: str | None = None, store: str | None = None) -> JobHandle:
+    """A handle on an existing job (after a kernel restart, from another process).
+
+    ``job`` is a job id, a job's name or the end of its id (:func:`find_job`); None is
+    the latest job. Without ``store``, a job submitted from this machine is found
+    wherever it lives (local directory or bucket); otherwise it is looked up in
+    ``store``.
+    """
+    ref = find_job(job, store)
+    job_store, spec = _open_job(ref.job_id, store)
+    handle = JobHandle(job_store, spec)
+    if not job_store.exists(layout.RESULT):
+        handle.keep_supervised(force=True)
+    return handle
+
+
+def jobs(store: str | None = None) -> list[JobInfo]:
+    """Every job in ``store`` (default: the local store plus every job submitted from
+    this machine), oldest first."""
+    root = open_store(store or layout.default_store_root())
+    ids = set(root.list_children("jobs"))
+    if store is None and layout.index_dir().is_dir():
+        ids |= {p.stem for p in layout.index_dir().glob("*.json")}
+    rows = []
+    for job_id in sorted(ids):
+        try:
+            job_store, spec = _open_job(job_id, store)
+            rows.append(_job_info(job_store, spec))
+        except JobNotFound:
+            continue
+        except Exception as err:  # a bucket gone or unreachable must not hide the rest
+            log.warning("cannot read job %s: %s", job_id, err)
+            continue
+    return sorted(rows, key=lambda r: r.created)
+
+
+# Bump when JobInfo or summarize() change what a listed row says.
+_LISTING_VERSION = 4  # 4: a multi-node row's nodes and instances are its world's
+
+
+def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
+    """One row of :func:`jobs`.
+
+    Summarising reads the job's whole event log (a long run logs millions of metrics;
+    on S3 that is thousands of GETs), so the row of an ended job is kept in
+    ``$SPOTNB_HOME/index/listing/`` with the log's state (:func:`log_state`: one
+    listing per stream) and reused while that state is unchanged. A running job's row
+    depends on the time (its cost grows), so it is always computed.
+    """
+    cache = layout.index_dir() / "listing" / f"{spec.job_id}.json"
+    state = log_state(job_store) if job_store.exists(layout.RESULT) else None
+    if state is not None:
+        try:
+            cached = json.loads(cache.read_text())
+            if cached["version"] == _LISTING_VERSION and cached["log"] == state:
+                fields = dict(cached["row"])
+                fields["metric"] = tuple(fields["metric"]) if fields.get("metric") else None
+                return JobInfo(**fields)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no cache, or one from another version: compute the row
+    handle = JobHandle(job_store, spec)
+    if state is None:
+        handle.keep_supervised(force=True)
+    s = handle.summary()
+    metric = next(((str(k), float(v)) for k, v in s.metrics.items()
+                   if isinstance(v, (int, float))), None)
+    row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
+                  attempts=len(s.attempts), interruptions=s.interruptions,
+                  cost_usd=s.cost_usd, created=spec.created,
+                  instance_type=instances_label(s, spec.resources.max_nodes > 1),
+                  duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
+                  nodes=nodes_label(spec.resources, s))
+    if state is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"version": _LISTING_VERSION, "log": state,
+                                       "row": dataclasses.asdict(row)}))
+            os.replace(tmp, cache)
+        except OSError as err:
+            log.debug("cannot cache the listing of job %s: %s", spec.job_id, err)
+    return row
+
+
+# -- summarising ---------------------------------------------------------------------
+
+def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
+              now: float | None = None) -> JobResult:
+    """A :class:`JobResult` from the event history (and ``result.json`` if any).
+
+    Cost: each instance is billed per second from launch to termination at its pool's
+    spot price, which changes when ``price`` events say so; the on-demand equivalent
+    bills the same seconds at the on-demand price.
+    """
+    return summarize_state(spec, fold(events, spec.resources.max_nodes), result, now)
+
+
+def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | None,
+                    now: float | None = None) -> JobResult:
+    """:func:`summarize` of the job's events folded (:mod:`spotnb.protocol.events.fold`)."""
+    now = time.time() if now is None else now
+    final = result is not None
+    end_of_job = (state.last_time if state.last_time is not None else now) if final else now
+    requests_usd = state.requests_usd()
+    cost, ondemand = state.cost(end_of_job)
+    job_status = (result or {}).get("status")
+    attempts = []
+    for number in sorted(state.attempts):
+        a = state.attempts[number]
+        instance = state.instances.get((a.instance_id if a.boot_time is not None
+                                        else a.first_instance) or "")
+        end_reason = state.end_reason(number, final, job_status)
+        attempts.append(Attempt(
+            number=number,
+            instance_id=a.instance_id if a.boot_time is not None else a.first_instance,
+            instance_type=a.instance_type or (instance.instance_type if instance else None),
+            pool=instance.pool if instance else None,
+            start=a.start,
+            end=a.last_time if end_reason != "running" else None,
+            end_reason=end_reason,
+            spot_price=instance.price if instance else None,
+            az=a.az or (instance.az if instance else None),
+            node=a.node,
+        ))
+    if result is not None:
+        status, reason = str(result["status"]), str(result.get("reason", ""))
+    else:
+        status, reason = state.status_now()
+    start = state.first_time if state.first_time is not None else spec.created
+    return JobResult(
+        job_id=spec.job_id, name=spec.name, status=status, reason=reason,
+        attempts=tuple(attempts), interruptions=state.interruptions(),
+        cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=state.metrics(),
+        duration=max(0.0, end_of_job - min(start, spec.created)),
+        error=(result or {}).get("error") or (state.error() if status == "failed" else None),
+        requests_usd=requests_usd, worlds=tuple(state.worlds),
+    )

@@ -1,0 +1,94 @@
+"""Jobs and events as text: ``spotnb jobs``/``spotnb logs`` and ``%spot_jobs``/``%spot_logs``.
+
+One place for the table of jobs and the line of each event, so the command line and
+the magics say the same, without the magics importing the command line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from spotnb.protocol.events import Event, codec
+
+if TYPE_CHECKING:
+    from spotnb.client.jobs import JobInfo
+
+__all__ = ["JOB_COLUMNS", "format_age", "format_event", "format_events", "jobs_table"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def format_age(created: float, now: float) -> str:
+    """How long ago ``created`` was, in one unit: ``42s``, ``5m``, ``3h``, ``2d``."""
+    seconds = max(0, int(now - created))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def format_event(event: Event) -> str | None:
+    """A human line (or block) for an event, or None for events not worth a line."""
+    when = datetime.datetime.fromtimestamp(event.time).strftime("%H:%M:%S")
+    d = event.data
+    where = f"[{when} a{event.attempt}]" if event.attempt else f"[{when} group]"
+    b = codec.peek(event)
+    if isinstance(b, codec.Stream):
+        return str(d.get("text", "")).rstrip("\n")
+    if isinstance(b, codec.Status):
+        return f"{where} {d.get('state')}: {d.get('detail', '')}".rstrip(": ")
+    if isinstance(b, codec.Error):
+        tb = "\n".join(_ANSI.sub("", line) for line in d.get("traceback", []))
+        return f"{where} error: {d.get('ename')}: {d.get('evalue')}\n{tb}".rstrip()
+    if isinstance(b, codec.Notice):
+        return f"{where} notice: {d.get('kind')} {d.get('action')} at {d.get('notice_time')}"
+    if isinstance(b, codec.Instance):
+        detail = " ".join(str(d[k]) for k in ("instance_id", "instance_type", "az", "reason")
+                          if d.get(k))
+        return f"{where} instance {d.get('action')}: {detail}"
+    if isinstance(b, codec.CheckpointEvent) and b.durable:
+        return f"{where} checkpoint at step {d.get('step')} durable ({d.get('bytes', 0):,} bytes)"
+    if isinstance(b, codec.Warning):
+        return f"{where} warning: {d.get('text', '')}"
+    if isinstance(b, codec.Display):
+        text = (d.get("data") or {}).get("text/plain")
+        return str(text) if text else None
+    return None
+
+
+#: The columns of ``spotnb jobs`` and ``%spot_jobs``.
+JOB_COLUMNS = ("job", "name", "status", "instance", "duration", "cost $", "saving",
+               "last metric", "attempts", "interruptions", "nodes", "age")
+
+
+def jobs_table(rows: Sequence[JobInfo], now: float
+               ) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The jobs newest first, one tuple of texts per job (:data:`JOB_COLUMNS`), and
+    notes: which names several jobs share (a name then means the newest of them)."""
+    table: list[tuple[str, ...]] = []
+    for r in sorted(rows, key=lambda r: r.created, reverse=True):
+        metric = f"{r.metric[0]} {r.metric[1]:.4g}" if r.metric else ""
+        saving = f"{r.savings_pct:.0f}%" if r.savings_pct is not None else ""
+        minutes, seconds = divmod(int(r.duration), 60)
+        hours, minutes = divmod(minutes, 60)
+        table.append((r.job_id, r.name, r.status.replace("_", " "), r.instance_type or "",
+                      f"{hours}:{minutes:02d}:{seconds:02d}", f"{r.cost_usd:.4f}", saving,
+                      metric, str(r.attempts), str(r.interruptions), r.nodes,
+                      format_age(r.created, now)))
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.name] = counts.get(r.name, 0) + 1
+    shared = sorted(name for name, n in counts.items() if n > 1)
+    notes = [f"{len(shared)} name(s) are shared by several jobs ({', '.join(shared)}): a "
+             "name picks the newest of its jobs; give the job id for another"] if shared else []
+    return table, notes
+
+
+def format_events(events: Sequence[Event]) -> str:
+    """The lines of :func:`format_event` for a batch of events, as one text."""
+    return "\n".join(line for e in events if (line := format_event(e)) is not None)
+
+

@@ -1,0 +1,469 @@
+"""The event vocabulary, typed: one small frozen dataclass per event type.
+
+An :class:`~spotnb.protocol.events.Event` is the envelope as the log stores it (``type``,
+``time``, ``attempt``, ``instance``, ``n`` and a ``data`` dict); its ``body`` is the
+typed payload, decoded once per event (the first time it is asked for) by
+:func:`decode`. Readers dispatch on the body's class (``isinstance(e.body,
+codec.Status)``) instead of testing type strings; this module and the fold
+(:mod:`spotnb.protocol.events.fold`) are the only places that know them.
+
+A type this version does not know (a log written by a newer spotnb) decodes to
+:class:`Unknown`, which every reader ignores. A field missing or of the wrong kind in
+an old or hand-written log decodes to its default rather than raising.
+
+``metrics`` batches decode to :class:`Metrics`, which holds nothing: a reader takes its
+columns with :func:`~spotnb.protocol.events.metric_columns` (the hot path: no object per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spotnb.protocol.events import Event
+
+__all__ = [
+    "Body",
+    "CheckpointEvent",
+    "Display",
+    "Error",
+    "Instance",
+    "Metric",
+    "Metrics",
+    "Notice",
+    "Params",
+    "Price",
+    "ProgressTotal",
+    "Result",
+    "Standby",
+    "Status",
+    "Stream",
+    "Sys",
+    "Unknown",
+    "Usage",
+    "Warning",
+    "World",
+    "decode",
+    "is_batch",
+    "is_control",
+    "is_output",
+    "is_row",
+    "peek",
+]
+
+
+def _str(value: Any, default: str = "") -> str:
+    return default if value is None else str(value)
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None or value == "" else str(value)
+
+
+def _opt_float(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(value) if value is not None else default
+    except (TypeError, ValueError):
+        return default
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """``status``: the job's state as the attempt (or the group) says it."""
+
+    state: str
+    detail: str = ""
+    instance_type: str | None = None
+    az: str | None = None
+
+    @property
+    def retrying(self) -> bool:
+        """A boot of the same attempt again (max_restarts_on_error), not a new one."""
+        return self.detail.startswith("retrying")
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """``metric``: one row of metrics."""
+
+    step: float | None
+    t: float
+    values: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    """``metrics``: a batch of rows by column (read with ``metric_columns``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressTotal:
+    """``progress``: the steps of the run."""
+
+    total: int | None
+    source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """``stream``: stdout/stderr text."""
+
+    name: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Display:
+    """``display``: a rich output."""
+
+    kind: str
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+    display_id: str | None = None
+    wait: bool = False  # a clear_output's
+
+    @property
+    def execute_result(self) -> bool:
+        return self.kind == "execute_result"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sys:
+    """``sys``: a utilisation sample."""
+
+    kind: str
+    util: float | None
+    mem_used: float | None
+    mem_total: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointEvent:
+    """``checkpoint``: a save's phase (or a synced directory's snapshot, ``kind`` "sync")."""
+
+    phase: str
+    step: int | None = None
+    bytes: int = 0
+    forced: bool = False
+    kind: str = ""
+    name: str = ""
+    id: str | None = None  # the save's id (the same in each of its phases)
+
+    @property
+    def durable(self) -> bool:
+        return self.phase == "durable"
+
+    @property
+    def sync(self) -> bool:
+        return self.kind == "sync"
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """``params``: hyperparameters."""
+
+    params: dict[str, Any] | None
+    source: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """``notice``: an interruption notice (``instance-action``) or a rebalance
+    recommendation, as the attempt's agent saw it."""
+
+    kind: str
+    action: str | None = None
+    notice_time: Any = None
+    #: ``auto-scaling``: the group ends the instance because its warm standby is in
+    #: service (capacity rebalancing), not EC2 taking it back.
+    source: str | None = None
+
+    @property
+    def interruption(self) -> bool:
+        return self.kind == "instance-action"
+
+    @property
+    def moved(self) -> bool:
+        """The end of the instance the job moves away from, to its standby."""
+        return self.interruption and self.source == "auto-scaling"
+
+
+@dataclasses.dataclass(frozen=True)
+class Price:
+    """``price``: a pool's spot price from this time on."""
+
+    pool: str
+    price: float | None
+    instance_type: str | None = None
+    az: str | None = None
+    ondemand: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    """``instance``: the group launched, noticed or terminated an instance, or found no
+    capacity in a pool."""
+
+    action: str
+    instance_id: str | None = None
+    instance_type: str | None = None
+    az: str | None = None
+    pool: str = ""
+    price: float | None = None
+    ondemand: float | None = None
+    reason: str | None = None
+    standby_for: str | None = None  # a warm standby's: the instance it stands by for
+    kernel_started: float | None = None  # a standby's, once ready
+
+    @property
+    def launched(self) -> bool:
+        return self.action == "launched"
+
+    @property
+    def terminated(self) -> bool:
+        return self.action == "terminated"
+
+    @property
+    def noticed(self) -> bool:
+        return self.action == "notice"
+
+    @property
+    def rebalance(self) -> bool:
+        """The local cloud published a rebalance recommendation (``reason``: the
+        interruption it stands for, or ``false-alarm``)."""
+        return self.action == "rebalance"
+
+    @property
+    def standby_ready(self) -> bool:
+        """A warm standby's kernel is started and its cell waits at its restore point."""
+        return self.action == "standby-ready"
+
+    @property
+    def capacity_error(self) -> bool:
+        return self.action == "capacity_error"
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """``usage``: a process's request counts so far (totals)."""
+
+    process: str | None
+    requests: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Warning:
+    """``warning``: something the user should know, in words."""
+
+    kind: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Error:
+    """``error``: the cell raised."""
+
+    ename: Any
+    evalue: Any
+    traceback: Any
+    retrying: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """``result``: the attempt's (and so the job's) end."""
+
+    status: str | None
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """``world``: a multi-node job's world as one node saw it form."""
+
+    nodes: int
+    world_size: int
+    max_nodes: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """``joined``: nodes joined a multi-node job's world after every rank saved (global
+    rank 0's node writes it once the re-formed world restored that save)."""
+
+    nodes: tuple[int, ...]
+    world_size: int
+    step: int
+    saved_step: int | None
+    redone: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Standby:
+    """``standby``: a warm standby took the job over (``phase`` "took-over": the lease
+    is its; when its kernel started and it was ready, the checkpoint step it prefetched
+    and the bytes it read at the takeover) or restored it ("restored": training goes
+    on)."""
+
+    phase: str
+    kernel_started: float | None = None
+    ready: float | None = None
+    lease_at: float | None = None
+    prefetched_step: int | None = None
+    step: int | None = None
+    read_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Unknown:
+    """An event of a type this version does not know (a newer spotnb wrote it)."""
+
+    type: str
+
+
+Body = (Status | Metric | Metrics | ProgressTotal | Stream | Display | Sys | CheckpointEvent
+        | Params | Notice | Price | Instance | Usage | Warning | Error | Result | World
+        | Joined | Standby | Unknown)
+
+
+def _status(e: Event, d: dict[str, Any]) -> Status:
+    return Status(state=_str(d.get("state")), detail=_str(d.get("detail")),
+                  instance_type=_opt_str(d.get("instance_type")), az=_opt_str(d.get("az")))
+
+
+def _metric(e: Event, d: dict[str, Any]) -> Metric:
+    step = _opt_float(d.get("step"))
+    return Metric(step=None if d.get("step") is None else step,
+                  t=_opt_float(d.get("t")) or e.time, values=_dict(d.get("values")))
+
+
+def _checkpoint(e: Event, d: dict[str, Any]) -> CheckpointEvent:
+    step = d.get("step")
+    return CheckpointEvent(phase=_str(d.get("phase")), step=None if step is None else _int(step),
+                           bytes=_int(d.get("bytes")), forced=bool(d.get("forced")),
+                           kind=_str(d.get("kind")), name=_str(d.get("name")),
+                           id=_opt_str(d.get("id")))
+
+
+def _instance(e: Event, d: dict[str, Any]) -> Instance:
+    return Instance(action=_str(d.get("action")), instance_id=_opt_str(d.get("instance_id")),
+                    instance_type=_opt_str(d.get("instance_type")), az=_opt_str(d.get("az")),
+                    pool=_str(d.get("pool")), price=_opt_float(d.get("price")),
+                    ondemand=_opt_float(d.get("ondemand")), reason=_opt_str(d.get("reason")),
+                    standby_for=_opt_str(d.get("standby_for")),
+                    kernel_started=_opt_float(d.get("kernel_started")))
+
+
+def _standby(e: Event, d: dict[str, Any]) -> Standby:
+    def step(key: str) -> int | None:
+        return None if d.get(key) is None else _int(d.get(key))
+
+    return Standby(phase=_str(d.get("phase")), kernel_started=_opt_float(d.get("kernel_started")),
+                   ready=_opt_float(d.get("ready")), lease_at=_opt_float(d.get("lease_at")),
+                   prefetched_step=step("prefetched_step"), step=step("step"),
+                   read_bytes=_int(d.get("read_bytes")))
+
+
+def _price(e: Event, d: dict[str, Any]) -> Price:
+    return Price(pool=_str(d.get("pool")), price=_opt_float(d.get("price")),
+                 instance_type=_opt_str(d.get("instance_type")), az=_opt_str(d.get("az")),
+                 ondemand=_opt_float(d.get("ondemand")))
+
+
+_DECODERS: dict[str, Any] = {
+    "status": _status,
+    "metric": _metric,
+    "metrics": lambda e, d: Metrics(),
+    "progress": lambda e, d: ProgressTotal(total=_int(d.get("total")) or None,
+                                           source=_str(d.get("source"))),
+    "stream": lambda e, d: Stream(name=_str(d.get("name"), "stdout"), text=_str(d.get("text"))),
+    "display": lambda e, d: Display(kind=_str(d.get("kind"), "display_data"),
+                                    data=_dict(d.get("data")), metadata=_dict(d.get("metadata")),
+                                    display_id=d.get("display_id"),
+                                    wait=bool(d.get("wait"))),
+    "sys": lambda e, d: Sys(kind=_str(d.get("kind")), util=_opt_float(d.get("util")),
+                            mem_used=_opt_float(d.get("mem_used")),
+                            mem_total=_opt_float(d.get("mem_total"))),
+    "checkpoint": _checkpoint,
+    "params": lambda e, d: Params(params=d["params"] if isinstance(d.get("params"), dict)
+                                  else None, source=_opt_str(d.get("source"))),
+    "notice": lambda e, d: Notice(kind=_str(d.get("kind")), action=_opt_str(d.get("action")),
+                                  notice_time=d.get("notice_time"),
+                                  source=_opt_str(d.get("source"))),
+    "price": _price,
+    "instance": _instance,
+    "standby": _standby,
+    "usage": lambda e, d: Usage(process=_opt_str(d.get("process")),
+                                requests=_dict(d.get("requests"))),
+    "warning": lambda e, d: Warning(kind=_str(d.get("kind")), text=_str(d.get("text"))),
+    "error": lambda e, d: Error(ename=d.get("ename"), evalue=d.get("evalue"),
+                                traceback=d.get("traceback"), retrying=bool(d.get("retrying"))),
+    "result": lambda e, d: Result(status=_opt_str(d.get("status")), reason=_str(d.get("reason"))),
+    "world": lambda e, d: World(nodes=_int(d.get("nodes")), world_size=_int(d.get("world_size")),
+                                max_nodes=_int(d.get("max_nodes"), 1) or 1),
+    "joined": lambda e, d: Joined(
+        nodes=tuple(_int(n) for n in d.get("nodes") or () if isinstance(n, int)),
+        world_size=_int(d.get("world_size")), step=_int(d.get("step")),
+        saved_step=None if d.get("saved_step") is None else _int(d.get("saved_step")),
+        redone=_int(d.get("redone"))),
+}
+
+
+def decode(event: Event) -> Body:
+    """The typed body of ``event`` (:class:`Unknown` for a type this version does not
+    know). Use ``event.body``, which decodes once."""
+    decoder = _DECODERS.get(event.type)
+    if decoder is None:
+        return Unknown(type=event.type)
+    body: Body = decoder(event, event.data if isinstance(event.data, dict) else {})
+    return body
+
+
+# Metric rows are most of a log (a day's run: millions): the hot paths (a display's
+# live update, a re-attach) tell them apart without building a body for each.
+
+def is_row(event: Event) -> bool:
+    """Whether ``event`` is one row of metrics (a :class:`Metric`), without decoding it:
+    a reader takes its ``step``, ``t`` and ``values`` from ``event.data``."""
+    return event.type == "metric"
+
+
+def peek(event: Event) -> Body | None:
+    """The body of ``event``, or None for a metric row (no body built: a reader that
+    wants rows takes them from ``event.data``, see :func:`is_row`)."""
+    return None if event.type == "metric" else event.body
+
+
+def is_batch(event: Event) -> bool:
+    """Whether ``event`` is a batch of metric rows (a :class:`Metrics`)."""
+    return event.type == "metrics"
+
+
+_OUTPUT_TYPES = frozenset({"stream", "display", "metric", "metrics"})
+_CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result",
+                            "usage", "standby"})
+
+
+def is_output(event: Event) -> bool:
+    """Whether ``event`` is output of the cell (stdout/stderr, a rich output, metrics)."""
+    return event.type in _OUTPUT_TYPES
+
+
+def is_control(event: Event) -> bool:
+    """Whether ``event`` is one the job's cost and attempts are made of (the rest:
+    output, metrics, samples)."""
+    return event.type in _CONTROL_TYPES

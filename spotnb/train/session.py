@@ -1,0 +1,804 @@
+"""The runtime's per-process session: the agent channel, notices, metrics, parking.
+
+One :class:`Session` exists per kernel process (``spotnb.train.runtime`` creates it on first
+use from the environment that :mod:`spotnb.kernel_remote.channel` describes, or in
+standalone mode without it). It owns:
+
+* the :class:`AgentChannel` to the agent's Unix socket and the receiver thread that
+  turns ``notice`` messages into flags the cell's thread reads (``force_save``,
+  ``park_requested``, ``interrupt_pending``) and wakes the synced directories;
+* the metrics thread that drains :data:`ROWS` (filled by ``spot.log``) every
+  0.2 s, converts the values with ``float()`` and sends them in batches;
+* the uploads in progress and the synced directories, so that :meth:`Session.finish`
+  can wait for all of them;
+* parking: once the save forced by an interruption notice is durable, the cell is
+  held in a sleep loop until the instance is terminated;
+* what a checkpoint carries so that a resume can record what died with an agent
+  (DESIGN invariant 8), :class:`Carry`: the rows sent but not yet durable in the event
+  log (the agent says up to which time they are, ``{"op": "durable"}``), and the
+  events the agent holds unwritten (the cell's output lines among them), asked for at
+  the save (``{"op": "unlogged"}``);
+* the fencing question: before a checkpoint becomes ``LATEST`` or the outputs are
+  written, the agent is asked whether it still holds the job's lease;
+* the watchdog: the agent pings every second or so, with the time until which its
+  lease counts as held (``until``: its last confirmed renewal plus the TTL less the
+  safety margin, :meth:`spotnb.protocol.lease.HeldLease.held_until`). A kernel whose agent falls
+  silent (frozen) stops itself (SIGSTOP to its process group) at that time, before any
+  other agent may take the job over whatever the lease's TTL, or after
+  :data:`AGENT_SILENT_SECONDS` of silence when it knows no such time
+  (:func:`watchdog_verdict`), so that nothing trains that nobody records. The agent
+  resumes it once it has confirmed its lease, or kills it if it lost it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+from spotnb.ckpt.notice import EC2_NOTICE_SECONDS, NoticeFit
+from spotnb.kernel_remote import channel
+from spotnb.protocol import lease as lease_mod
+from spotnb.protocol import usage
+from spotnb.protocol.spec import CheckpointEvery
+from spotnb.protocol.store import LocalStore, Store, open_store
+
+if TYPE_CHECKING:
+    from spotnb.ckpt.checkpoints import Manifest
+
+__all__ = ["EVENTS_FILE", "LOCAL_DIR", "METRICS_FILE", "ROWS", "AgentChannel", "Carry",
+           "Session"]
+
+_logger = logging.getLogger(__name__)
+
+# The background thread sends metrics this often; the notebook promises ~1 s latency.
+_DRAIN_SECONDS = 0.2
+# At most this many metric rows per channel message, to keep lines reasonably short.
+_ROWS_PER_MESSAGE = 2000
+# The agent listens before it starts the kernel; wait a little in case it is slow.
+_CONNECT_SECONDS = 5.0
+# A parked cell sleeps in steps of this length until the instance is terminated.
+_PARK_SLEEP_SECONDS = 1.0
+# The agent pings every second or so; this much silence means it is frozen (or gone:
+# then PR_SET_PDEATHSIG has already killed this kernel). Well above any scheduling
+# hiccup of a busy machine. Only while no ping has said until when the lease is held
+# (before the agent holds it); otherwise that time bounds the kernel, whatever the TTL.
+AGENT_SILENT_SECONDS = 15.0
+# Past the lease's time, the kernel stops only once its agent has also been silent this
+# long: while the agent speaks, it pauses the kernel itself (a store outage), and a ping
+# already in the socket when a stopped kernel resumes carries the renewed time. Below
+# the lease's smallest safety margin (1 s, at the smallest TTL of 3 s): a frozen agent's
+# last renewal is at most a heartbeat old, so the lease's time comes at least a third of
+# the TTL after its last ping, and another agent may take over only after the margin.
+LEASE_GRACE_SECONDS = 0.5
+# The watchdog looks at least this often (and at the lease's time exactly), and looks
+# again this much later before it stops the kernel.
+_WATCHDOG_SECONDS = 1.0
+_RECHECK_SECONDS = 0.1
+_PAST_SECONDS = 0.25
+# How long a fencing question waits for the agent's answer.
+FENCE_REPLY_SECONDS = 30.0
+# Between two questions while the agent cannot confirm the lease (a store outage).
+FENCE_RETRY_SECONDS = 1.0
+# How often the kernel reports the AWS requests it made (its uploads) to the agent.
+USAGE_SECONDS = 300.0
+# Rows kept for the next checkpoint while the log has not confirmed them (each ~200 B).
+MAX_UNACKED_ROWS = 1_000_000
+# How long a save waits for the agent's list of unlogged events (it answers once the
+# kernel's output up to the save has reached it: milliseconds, unless it is frozen).
+UNLOGGED_REPLY_SECONDS = 10.0
+# The files of a checkpoint (or synced directory's snapshot) that carry what the event
+# log had not confirmed when it was saved: a resume records what the log lacks.
+METRICS_FILE = "metrics.json"  # the metric rows, as the runtime sent them
+EVENTS_FILE = "events.jsonl"  # the agent's unwritten events (output lines...), as JSON lines
+# Standalone mode keeps its store here, relative to the working directory.
+LOCAL_DIR = ".spotnb-local"
+
+#: Rows logged by ``spot.log`` and not sent yet: ``(step, time, {name: value})``.
+#: Appending to a deque is atomic under the GIL, so the hot path takes no lock.
+ROWS: collections.deque[tuple[Any, float, dict[str, Any]]] = collections.deque()
+
+
+class FenceUnknown(RuntimeError):
+    """The agent did not answer whether it still holds the lease: nothing was made
+    current; the next save tries again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """What a checkpoint carries of what the event log had not confirmed when it was
+    saved (:meth:`Session.carry`): metric rows ``[step, t, {name: value}]`` and the
+    agent's unwritten events (JSON lines). A resume sends both to its agent
+    (``replay``), which records what the saving attempt's log lacks."""
+
+    rows: list[list[Any]] = dataclasses.field(default_factory=list)
+    events: list[str] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.events)
+
+    def files(self) -> dict[str, bytes]:
+        """The checkpoint files that hold it (none when there is nothing to carry)."""
+        files = {}
+        if self.rows:
+            files[METRICS_FILE] = json.dumps(self.rows, separators=(",", ":")).encode()
+        if self.events:
+            files[EVENTS_FILE] = "".join(line + "\n" for line in self.events).encode()
+        return files
+
+    @classmethod
+    def read(cls, directory: Path, names: Any, what: str) -> Carry:
+        """The carry of a verified local copy whose files are ``names``; what cannot be
+        read is logged and left out (it is not the training state)."""
+        rows: list[list[Any]] = []
+        events: list[str] = []
+        try:
+            if METRICS_FILE in names:
+                loaded = json.loads((directory / METRICS_FILE).read_bytes())
+                rows = loaded if isinstance(loaded, list) else []
+            if EVENTS_FILE in names:
+                text = (directory / EVENTS_FILE).read_text()
+                events = [line for line in text.splitlines() if line.strip()]
+        except (OSError, ValueError) as e:
+            _logger.warning("what %s carries of the log cannot be read (%s); the history "
+                            "may miss the steps just before it", what, e)
+        return cls(rows, events)
+
+    def replay(self, rt: Session, attempt: int, durable: dict[str, Any],
+               saved: float) -> None:
+        """Have the agent record what the log of ``attempt`` lacks of this carry, and
+        the ``checkpoint`` event ``durable`` of the restored save (saved at time
+        ``saved``) if that log lacks it (its agent died before writing it)."""
+        if attempt != rt.attempt:
+            rt.send({"op": "replay", "attempt": attempt, "rows": self.rows,
+                     "events": self.events, "checkpoint": durable, "saved": saved})
+
+
+def _mark_output(token: str) -> bool:
+    """Flush the kernel's ``sys.stdout``/``sys.stderr`` and publish a mark after what
+    they sent on its output channel (the agent relays in order); False outside an
+    IPython kernel."""
+    out: Any = sys.stdout
+    session = getattr(out, "session", None)
+    pub = getattr(out, "pub_thread", None)
+    if session is None or pub is None:
+        return False
+    try:
+        out.flush()
+        sys.stderr.flush()
+        msg = session.msg(channel.OUTPUT_MARK, {"token": token}, parent=out.parent_header)
+        session.send(pub, msg, ident=b"spotnb")
+    except Exception:
+        _logger.debug("cannot mark the kernel's output", exc_info=True)
+        return False
+    return True
+
+
+class Upload(Protocol):
+    """A checkpoint upload (``spotnb.train.runtime``'s) that :meth:`Session.finish` waits for."""
+
+    step: int
+    error: BaseException | None
+
+    def wait(self) -> Manifest | None: ...
+
+
+class SyncedDir(Protocol):
+    """A directory kept in the job's store (``spotnb.train.syncdir.SyncDir``), as the session
+    drives it: woken by a notice, saved before the cell parks, closed at the end."""
+
+    path: Path
+
+    def wake(self) -> None: ...
+
+    def sync_quietly(self) -> BaseException | None: ...
+
+    def stop(self) -> None: ...
+
+    def close(self) -> BaseException | None: ...
+
+
+class AgentChannel:
+    """The runtime's end of the agent's Unix socket (protocol: kernel_remote.channel)."""
+
+    def __init__(self, path: str, on_message: Any) -> None:
+        self.path = path
+        self._sock = self._connect(path)
+        self._send_lock = threading.Lock()
+        self._broken = False
+        self._reader = threading.Thread(target=self._read, args=(on_message,),
+                                        name="spotnb-channel", daemon=True)
+        self._reader.start()
+
+    @staticmethod
+    def _connect(path: str) -> socket.socket:
+        deadline = time.monotonic() + _CONNECT_SECONDS
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(path)
+                return sock
+            except OSError:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    @property
+    def broken(self) -> bool:
+        """Whether the connection is gone (nothing more can be sent)."""
+        return self._broken
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """Send one message; False if the agent is gone (then nothing more is sent)."""
+        data = channel.encode(message)
+        with self._send_lock:
+            if self._broken:
+                return False
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                self._broken = True
+                _logger.warning("lost the connection to the spotnb agent (%s); metrics and "
+                                "checkpoint reports are no longer recorded", e)
+                return False
+        return True
+
+    def _read(self, on_message: Any) -> None:
+        with self._sock.makefile("rb") as f:
+            try:
+                for line in f:
+                    try:
+                        message = channel.decode(line)
+                    except ValueError:
+                        _logger.warning("ignoring a malformed message from the agent: %r", line)
+                        continue
+                    try:
+                        on_message(message)
+                    except Exception:
+                        _logger.exception("handling %s from the agent failed", message)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._send_lock:
+            self._broken = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._reader.join(timeout=5)
+        self._sock.close()
+
+
+def watchdog_verdict(silent: float, until: float | None, now: float) -> str | None:
+    """Why a kernel must stop now, or None: its agent has been silent for ``silent``
+    seconds, and said its lease counts as held until ``until`` (None: it did not say);
+    ``now`` on :func:`spotnb.protocol.lease.clock`.
+
+    The lease's time comes before anyone else may take the job: the TTL less the
+    holder's safety margin after its last confirmed renewal. So with any TTL, the kernel
+    of a frozen agent stops before the next attempt holds the lease.
+    """
+    if until is not None and now >= until and silent >= LEASE_GRACE_SECONDS:
+        return (f"the spotnb agent has not answered for {silent:.1f} s and its lease is "
+                f"no longer confirmed (for {now - until:.1f} s)")
+    if silent >= AGENT_SILENT_SECONDS:
+        return f"the spotnb agent has not answered for {silent:.0f} s"
+    return None
+
+
+class Session:
+    """Per-process state: where the job lives, the channel, notices, background work."""
+
+    def __init__(
+        self,
+        *,
+        remote: bool,
+        job_id: str,
+        attempt: int,
+        instance_id: str,
+        store: Store,
+        every: CheckpointEvery,
+        keep: int,
+        scratch: Path | None,
+        restore_dir: Path | None,
+        socket_path: str | None,
+        notice_seconds: float = EC2_NOTICE_SECONDS,
+        slot: int = 0,
+    ) -> None:
+        self.remote = remote
+        self.job_id = job_id
+        self.attempt = attempt
+        self.instance_id = instance_id
+        #: The lease this attempt's agent holds: its node slot's in a distributed job
+        #: (``SPOTNB_SLOT``), else the job's (slot 0).
+        self.slot = slot
+        self.store = store
+        self.every = every
+        self.keep = keep
+        self._scratch = scratch
+        self._own_scratch = False
+        self.restore_dir = restore_dir
+        self.notice_seconds = notice_seconds
+        self._notice_fit_checked = False
+        # Notice state, written by the receiver thread, read by the cell's thread.
+        self.notice: str | None = None
+        self.interrupt_pending = False
+        self.force_save = False
+        self.park_requested = False
+        self.join_requested = False  # a node waits to join (a distributed job)
+        self.has_checkpoint = False  # the cell made a spot.Checkpoint
+        self.fenced = False
+        self.history: list[tuple[int, float, dict[str, float]]] = []
+        # Rows sent to the agent and not yet confirmed durable in the event log.
+        self.unacked: collections.deque[list[Any]] = collections.deque()
+        self._unacked_lock = threading.Lock()
+        self._fence_replies: dict[int, tuple[threading.Event, list[bool | None]]] = {}
+        self._unlogged_replies: dict[
+            int, tuple[threading.Event, list[channel.UnloggedReply]]] = {}
+        self._fence_ids = 0
+        self._heard = time.monotonic()
+        # The watchdog is armed by the agent's first ping (an agent that never pings,
+        # such as a test's, is never taken for a frozen one).
+        self._pinged = False
+        # Until when the agent's lease counts as held (spotnb.protocol.lease.clock), from its
+        # pings; None while it holds none.
+        self._until: float | None = None
+        #: Hyperparameters given to ``spot.log_params`` (also sent to the agent).
+        self.params: dict[str, Any] = {}
+        self.total: int | None = None
+        self.sync_dirs: dict[str, SyncedDir] = {}
+        # The newest checkpoint upload: the end of the job waits until it is durable.
+        self.last_upload: Upload | None = None
+        self._drain_lock = threading.Lock()
+        self._bad_metrics: set[str] = set()
+        self._stop = threading.Event()
+        self.channel: AgentChannel | None = None
+        if socket_path:
+            try:
+                self.channel = AgentChannel(socket_path, self._on_message)
+            except OSError as e:
+                _logger.warning("cannot connect to the spotnb agent at %s (%s); metrics and "
+                                "notices are not available in this kernel", socket_path, e)
+            else:
+                self.send({"op": "hello", "pid": os.getpid()})
+        self._drainer = threading.Thread(target=self._drain_loop, name="spotnb-metrics",
+                                         daemon=True)
+        self._drainer.start()
+        if self.channel is not None:
+            threading.Thread(target=self._watchdog, name="spotnb-watchdog",
+                             daemon=True).start()
+
+    @classmethod
+    def from_env(cls) -> Session:
+        """A session for this process: a job's if ``SPOTNB_JOB_URI`` is set (then the
+        other variables of :mod:`spotnb.kernel_remote.channel` apply), else standalone."""
+        env = os.environ
+        uri = env.get(channel.ENV_JOB_URI)
+        if not uri:
+            return cls(remote=False, job_id="local", attempt=0, instance_id="local",
+                       store=LocalStore(Path.cwd() / LOCAL_DIR), every=CheckpointEvery(),
+                       keep=3, scratch=None, restore_dir=None, socket_path=None)
+        every = CheckpointEvery()
+        raw_every = env.get(channel.ENV_CHECKPOINT_EVERY)
+        if raw_every:
+            try:
+                parsed = json.loads(raw_every)
+                every = CheckpointEvery(seconds=parsed.get("seconds"), steps=parsed.get("steps"))
+            except (ValueError, TypeError, AttributeError):
+                _logger.warning("ignoring %s=%r: not JSON like {\"seconds\": 60}; saving "
+                                "every 5 minutes", channel.ENV_CHECKPOINT_EVERY, raw_every)
+        scratch = env.get(channel.ENV_SCRATCH)
+        restore = env.get(channel.ENV_RESTORE_DIR)
+        try:
+            notice = float(env.get(channel.ENV_NOTICE_SECONDS) or EC2_NOTICE_SECONDS)
+        except ValueError:
+            notice = EC2_NOTICE_SECONDS
+        return cls(
+            remote=True,
+            job_id=env.get(channel.ENV_JOB_ID, "unknown"),
+            attempt=int(env.get(channel.ENV_ATTEMPT, "0")),
+            instance_id=env.get(channel.ENV_INSTANCE_ID, socket.gethostname()),
+            store=open_store(uri),
+            every=every,
+            keep=int(env.get(channel.ENV_KEEP_CHECKPOINTS, "3")),
+            scratch=Path(scratch) if scratch else None,
+            restore_dir=Path(restore) if restore else None,
+            socket_path=env.get(channel.ENV_SOCKET),
+            notice_seconds=notice,
+            slot=int(env.get(channel.ENV_SLOT) or 0),
+        )
+
+    @property
+    def scratch(self) -> Path:
+        """A local directory for this attempt's temporary files."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="spotnb-scratch-"))
+            self._own_scratch = True
+        self._scratch.mkdir(parents=True, exist_ok=True)
+        return self._scratch
+
+    def fence(self) -> bool:
+        """Whether this attempt still holds its lease (the job's, or its node slot's in a
+        distributed job; always true standalone).
+
+        Asks the agent, which knows (its last confirmed renewal); raises
+        :class:`FenceUnknown` if it does not answer. Without a channel to the agent,
+        reads the lease from the store.
+        """
+        if not self.remote:
+            return True
+        while True:
+            chan = self.channel
+            if chan is None or chan.broken or not self._pinged:
+                return lease_mod.still_holds(self.store, self.attempt, self.instance_id,
+                                             slot=self.slot)
+            with self._unacked_lock:
+                self._fence_ids += 1
+                ask = self._fence_ids
+                answer: tuple[threading.Event, list[bool | None]] = (threading.Event(), [])
+                self._fence_replies[ask] = answer
+            try:
+                if not chan.send({"op": "fence", "id": ask}):
+                    return lease_mod.still_holds(self.store, self.attempt,
+                                                 self.instance_id, slot=self.slot)
+                if not answer[0].wait(FENCE_REPLY_SECONDS):
+                    raise FenceUnknown(
+                        f"the spotnb agent did not answer within {FENCE_REPLY_SECONDS:g} s "
+                        "whether it still holds the job's lease")
+                holds = answer[1][0]
+            finally:
+                self._fence_replies.pop(ask, None)
+            if holds is not None:
+                return holds
+            # The agent could not confirm the lease (the store fails): neither held nor
+            # lost. Wait until it knows; it pauses this kernel meanwhile anyway.
+            time.sleep(FENCE_RETRY_SECONDS)
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.channel is not None:
+            self.channel.send(message)
+
+    @property
+    def _say_level(self) -> int:
+        # Under an agent, notices and parking are events the notebook shows as its own
+        # one line each; a warning on the kernel's stderr would say it twice.
+        return logging.INFO if self.channel is not None else logging.WARNING
+
+    def report_total(self, total: int, source: str) -> None:
+        """The run's total number of steps (``spot.progress``, or the loop's range)."""
+        self.total = total
+        self.send({"op": "progress", "total": total, "source": source})
+
+    # -- notices ---------------------------------------------------------------------
+
+    def check_notice_fit(self, nbytes: int, seconds: float) -> None:
+        """After a durable save: warn once if a save this long would not fit a notice.
+
+        The first save of the session tells the real size and the measured time to
+        durable (:class:`spotnb.ckpt.notice.NoticeFit`); the warning becomes an event
+        the notebook shows.
+        """
+        if not self.remote or self._notice_fit_checked:
+            return
+        self._notice_fit_checked = True
+        fit = NoticeFit(nbytes, seconds, self.notice_seconds, measured=True)
+        if fit.fits:
+            return
+        text = fit.advice()
+        _logger.warning("%s", text)
+        self.send({"op": "warning", "kind": "notice-fit", "text": text})
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        """A message from the agent, handled through :meth:`handlers` (by its op); an op
+        the runtime does not know is ignored (an agent of a newer spotnb)."""
+        self._heard = time.monotonic()
+        try:
+            typed = channel.parse(message, channel.TO_RUNTIME)
+        except channel.UnknownOp as err:
+            _logger.debug("ignoring %s from the agent", err.op)
+            return
+        self.handlers()[typed.op](typed)
+
+    def handlers(self) -> dict[str, Callable[[Any], None]]:
+        """The handler of each op the runtime accepts (:data:`channel.TO_RUNTIME`)."""
+        return {channel.Ping.op: self._on_ping, channel.Durable.op: self._on_durable,
+                channel.UnloggedReply.op: self._on_unlogged,
+                channel.FenceReply.op: self._on_fence, channel.Error.op: self._on_error,
+                channel.Notice.op: self._on_notice}
+
+    def _on_ping(self, message: channel.Ping) -> None:
+        until = message.until
+        self._until = float(until) if isinstance(until, (int, float)) else None
+        self._pinged = True
+
+    def _on_durable(self, message: channel.Durable) -> None:
+        self._forget_durable(message.t)
+
+    def _on_unlogged(self, message: channel.UnloggedReply) -> None:
+        asked = self._unlogged_replies.get(int(message.id))
+        if asked is not None:
+            asked[1].append(message)
+            asked[0].set()
+
+    def _on_fence(self, message: channel.FenceReply) -> None:
+        answer = self._fence_replies.get(int(message.id))
+        if answer is not None:
+            answer[1].append(None if message.unknown else message.ok)
+            answer[0].set()
+
+    def _on_error(self, message: channel.Error) -> None:
+        _logger.warning("the spotnb agent could not handle a message (%s): %s",
+                        message.about, message.error)
+
+    def _on_notice(self, message: channel.Notice) -> None:
+        kind = message.kind
+        if kind == "join":
+            # A node waits to join this distributed job: every rank saves at the same
+            # step, then the world re-forms with it (spotnb.kernel_remote.multinode.node).
+            if not self.has_checkpoint:  # nothing to save: re-form now
+                self.send({"op": "reform", "step": None, "join": True})
+                return
+            _logger.log(self._say_level, "a node waits to join: saving at the next "
+                        "maybe_save, then the world re-forms")
+            self.join_requested = True
+            self.force_save = True
+            return
+        _logger.log(self._say_level, "spot %s notice (%s): saving at the next opportunity",
+                    kind, message.action)
+        self.notice = kind
+        if kind == "instance-action":
+            self.interrupt_pending = True
+            self.park_requested = True
+        self.force_save = True
+        for sd in list(self.sync_dirs.values()):
+            sd.wake()
+
+    @property
+    def save_requested(self) -> bool:
+        """Whether the next step should save: a notice is pending (or the lease was
+        lost, which a save turns into holding the cell)."""
+        return self.force_save or self.park_requested or self.fenced
+
+    def park(self, step: int) -> NoReturn:
+        """Report the forced save durable and hold the cell until the instance is gone."""
+        self.drain()
+        for sd in list(self.sync_dirs.values()):
+            sd.sync_quietly()
+            sd.stop()  # the agent gives the lease up on "parked": no upload after it
+        self.send({"op": "parked", "step": step})
+        _logger.log(self._say_level, "interruption: the checkpoint of step %d is durable; "
+                    "holding the cell until the instance is terminated (the job resumes on "
+                    "a new instance)", step)
+        while True:
+            time.sleep(_PARK_SLEEP_SECONDS)
+
+    def hold_for_reform(self, step: int) -> NoReturn:
+        """A node of this distributed job leaves after the checkpoint of ``step``: ask
+        the agent to re-form the world without it, and hold the cell until it does
+        (torchelastic restarts this worker; spotnb.kernel_remote.multinode)."""
+        self.drain()
+        if self.join_requested and not self.interrupt_pending:
+            self.send({"op": "reform", "step": step, "join": True})
+            _logger.log(self._say_level, "the checkpoint of step %d is durable; holding "
+                        "the cell while the world re-forms with the node that joins", step)
+        else:
+            self.send({"op": "reform", "step": step})
+            _logger.warning("a node leaves after the checkpoint of step %d; holding the "
+                            "cell while the world re-forms without it", step)
+        while True:
+            time.sleep(_PARK_SLEEP_SECONDS)
+
+    def hold_fenced(self) -> NoReturn:
+        """Another agent took the job over: write nothing more, run nothing more."""
+        self.drain()
+        _logger.error("this instance lost the job's lease to another agent; the cell is "
+                      "held and nothing more is written (the other agent carries on)")
+        while True:
+            time.sleep(_PARK_SLEEP_SECONDS)
+
+    def _watchdog(self) -> None:
+        """Stop this kernel (its whole process group) while the agent is silent: at the
+        time its lease stops counting as held, or after AGENT_SILENT_SECONDS."""
+        while not self._stop.wait(self._watchdog_wait()):
+            chan = self.channel
+            if chan is None or chan.broken:
+                return
+            # Only a kernel the agent started leads its own process group: never stop
+            # anything else (a test, a script that happens to have the variables set).
+            if not self._pinged or os.getpgrp() != os.getpid():
+                continue
+            if self._verdict() is None:
+                continue
+            # Resumed by the agent just now? Its pings wait in the socket, with the
+            # renewed time: let the reader take them before deciding.
+            if self._stop.wait(_RECHECK_SECONDS):
+                return
+            why = self._verdict()
+            if why is None:
+                continue
+            _logger.error("%s: stopping this kernel until it answers (nothing may train "
+                          "that is not recorded)", why)
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgrp(), signal.SIGSTOP)
+            # Resumed (SIGCONT from the agent): give it time to speak again.
+            self._heard = time.monotonic()
+
+    def _verdict(self) -> str | None:
+        return watchdog_verdict(time.monotonic() - self._heard, self._until,
+                                lease_mod.clock())
+
+    def _watchdog_wait(self) -> float:
+        """Until the watchdog's next look: at the lease's time, at the latest in
+        _WATCHDOG_SECONDS; past that time, every _PAST_SECONDS (for the agent's
+        silence)."""
+        until = self._until
+        if until is None:
+            return _WATCHDOG_SECONDS
+        left = until - lease_mod.clock()
+        return min(_WATCHDOG_SECONDS, left) if left > 0.01 else _PAST_SECONDS
+
+    # -- metrics ---------------------------------------------------------------------
+
+    def _forget_durable(self, t: float) -> None:
+        """The agent wrote every row up to time ``t`` into the event log."""
+        with self._unacked_lock:
+            unacked = self.unacked
+            while unacked and unacked[0][1] <= t:
+                unacked.popleft()
+
+    def rows_not_durable(self) -> list[list[Any]]:
+        """Every row logged so far that the log has not confirmed: what a checkpoint
+        must carry so that no step it covers loses its metrics."""
+        self.drain()
+        with self._unacked_lock:
+            return list(self.unacked) if self.remote else []
+
+    def carry(self) -> Carry:
+        """What a checkpoint saved now must carry so that no step it covers loses its
+        metrics or output (DESIGN invariant 8): every row logged so far that the log
+        has not confirmed, and the events (output lines...) the agent holds unwritten."""
+        rows = self.rows_not_durable()  # sent first: the agent records them before it answers
+        return Carry(rows, self.unlogged_events())
+
+    def unlogged_events(self) -> list[str]:
+        """The events this attempt's agent has emitted and not yet written (JSON lines),
+        everything printed so far included; [] without an agent that answers."""
+        chan = self.channel
+        if not self.remote or chan is None or chan.broken or not self._pinged \
+                or os.environ.get("RANK", "0") != "0":
+            return []  # a distributed job: global rank 0's checkpoints carry its node's
+        token = uuid.uuid4().hex
+        marked = _mark_output(token)
+        with self._unacked_lock:
+            self._fence_ids += 1
+            ask = self._fence_ids
+            asked: tuple[threading.Event, list[channel.UnloggedReply]] = (threading.Event(),
+                                                                         [])
+            self._unlogged_replies[ask] = asked
+        try:
+            if not chan.send({"op": "unlogged", "id": ask, "mark": token if marked else None}):
+                return []
+            if not asked[0].wait(UNLOGGED_REPLY_SECONDS):
+                _logger.warning("the spotnb agent did not say within %g s which events its "
+                                "log lacks; this checkpoint carries none",
+                                UNLOGGED_REPLY_SECONDS)
+                return []
+            events = asked[1][0].events
+        finally:
+            self._unlogged_replies.pop(ask, None)
+        return [str(line) for line in events] if isinstance(events, list) else []
+
+    def sync(self, token: str) -> None:
+        """Send every row logged so far, then a marker the agent waits for."""
+        self.drain()
+        self.send({"op": "mark", "token": token})
+
+    def _drain_loop(self) -> None:
+        reported = time.monotonic()
+        while not self._stop.wait(_DRAIN_SECONDS):
+            try:
+                self.drain()
+                if time.monotonic() - reported >= USAGE_SECONDS:
+                    reported = time.monotonic()
+                    self.report_usage()
+            except Exception:
+                _logger.exception("sending metrics failed; will retry")
+
+    def report_usage(self) -> None:
+        """Tell the agent the AWS requests this kernel made (checkpoint uploads...): the
+        cost a job shows includes them (spotnb.protocol.usage)."""
+        counts = usage.snapshot()
+        if counts:
+            self.send({"op": "usage", "requests": counts})
+
+    def drain(self) -> None:
+        """Convert the rows logged so far and send them (or keep them, standalone)."""
+        with self._drain_lock:
+            rows = []
+            popleft = ROWS.popleft
+            for _ in range(len(ROWS)):
+                try:
+                    raw = popleft()
+                except IndexError:
+                    break  # another session's drain took them (one left running)
+                row = self._convert(raw)
+                if row is not None:
+                    rows.append(row)
+            if not rows:
+                return
+            if self.channel is None:
+                self.history.extend((r[0], r[1], r[2]) for r in rows)
+                return
+            for i in range(0, len(rows), _ROWS_PER_MESSAGE):
+                self.send({"op": "metrics", "rows": rows[i:i + _ROWS_PER_MESSAGE]})
+            if self.remote:
+                with self._unacked_lock:
+                    self.unacked.extend(rows)
+                    while len(self.unacked) > MAX_UNACKED_ROWS:
+                        self.unacked.popleft()
+
+    def _convert(self, row: tuple[Any, float, dict[str, Any]]) -> list[Any] | None:
+        # float() of a 0-d CUDA tensor waits for the GPU: that is why it happens here.
+        step, t, metrics = row
+        try:
+            step = int(step)
+        except Exception:
+            self._warn_bad("step", step)
+            return None
+        values: dict[str, float] = {}
+        for name, value in metrics.items():
+            try:
+                if hasattr(value, "detach"):
+                    value = value.detach()  # float() of a tensor needing grad warns
+                values[name] = float(value)
+            except Exception:
+                self._warn_bad(name, value)
+        return [step, t, values]
+
+    def _warn_bad(self, name: str, value: Any) -> None:
+        if name not in self._bad_metrics:
+            self._bad_metrics.add(name)
+            _logger.warning("spot.log: %s=%r is not a number and was dropped; log a number "
+                            "or a one-element tensor (e.g. loss.item() or loss)",
+                            name, type(value).__name__)
+
+    # -- the end ---------------------------------------------------------------------
+
+    def finish(self) -> list[str]:
+        """Wait until everything is sent and durable, then close; return what failed.
+
+        Waits for the newest checkpoint upload, uploads every synced directory a last
+        time, sends the remaining metrics and closes the channel.
+        """
+        problems = []
+        if self.last_upload is not None and self.last_upload.wait() is None \
+                and self.last_upload.error is not None:
+            problems.append(f"the checkpoint of step {self.last_upload.step} could not be "
+                            f"made durable: {self.last_upload.error}")
+        for sd in list(self.sync_dirs.values()):
+            error = sd.close()
+            if error is not None:
+                problems.append(f"the last upload of {sd.path} failed: {error}")
+        self._stop.set()
+        self._drainer.join(timeout=10)
+        self.drain()
+        self.report_usage()
+        if self.channel is not None:
+            self.channel.close()
+        if self._own_scratch and self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        return problems
