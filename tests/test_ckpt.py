@@ -687,8 +687,14 @@ _RANK = textwrap.dedent(
         else:
             assert reader.fetched == {".metadata"}, reader.fetched
             assert reader.ranges == {"__0_0.distcp": 5}, reader.ranges
+    # Every rank past its collectives before any tears the group down; then no
+    # interpreter teardown (gloo's threads there can abort the process: "terminate
+    # called without an active exception", seen beside two busy loops).
+    dist.barrier()
     dist.destroy_process_group()
     print("ok", rank, flush=True)
+    import os
+    os._exit(0)
     """
 )
 
@@ -896,8 +902,14 @@ _SHARDED = textwrap.dedent(
     assert restored(expected) == 2
     assert fetched == [] and sorted(ranged) == sorted(replicated - {f"__{rank}_0.distcp"})
     assert not [p for p in node_dir.iterdir() if p.name.startswith(".ranges")]
+    # Every rank past its collectives before any tears the group down; then no
+    # interpreter teardown (gloo's threads there can abort the process: "terminate
+    # called without an active exception", seen beside two busy loops).
+    dist.barrier()
     dist.destroy_process_group()
     print("ok", rank, flush=True)
+    import os
+    os._exit(0)
     """
 )
 
