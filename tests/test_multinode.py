@@ -701,18 +701,23 @@ def test_a_warm_standby_joins_in_a_recommended_nodes_place_with_no_step_redone(
     boot in the gap (no instance launched but the two nodes and the standby), no step
     redone, and the weights of an uninterrupted run, bitwise. The fold and the display
     tell a move to the standby, not an interruption."""
+    import time
+
     import spotnb
     from spotnb.client import display
     from spotnb.kernel_remote.multinode import rendezvous as rdzv
     from spotnb.protocol import layout
     from spotnb.protocol.events import Event, EventReader, metric_rows
     from spotnb.protocol.events.fold import EndReason, fold
+    from spotnb.protocol.events.live import Follower
     from spotnb.providers.local import LocalProvider
 
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
     # A standby's hold is 600 market seconds after its boot: 150 s at this scale, for
     # two nodes' kernels and a standby's warm-up on a busy machine.
     monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "4")
+    # An instance boots in 5 s: the standby's boot comes before the move, not in it.
+    monkeypatch.setenv("SPOTNB_LOCAL_BOOT_SECONDS", "5")
     # The termination hook's wait; the node ends as soon as it released its slot.
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "60")
     inputs = {"STEPS": 16, "PAUSES": [6, 12], "PAUSE_AT": -1}
@@ -727,34 +732,37 @@ def test_a_warm_standby_joins_in_a_recommended_nodes_place_with_no_step_redone(
     def steps() -> list[int]:
         return [step for step, _ in job.metrics().get("loss", [])]
 
-    def follow_until(seen: Callable[[Event], bool], what: str) -> None:
-        # Followed: the agents send their events live (unwatched, rows wait a minute).
-        for e in job.events(timeout=240):
-            if seen(e):
-                return
-        raise AssertionError(f"gave up waiting for {what}")
-
     def rounds() -> set[tuple[object, ...]]:
         return {(w["instance"], w["generation"], w["round"]) for w in _worlds(store)}
 
-    follow_until(lambda e: e.type == "metric" and e.data.get("step") == 6,
-                 "training to reach step 6")
-    record = rdzv.read(store)
-    assert record is not None
-    (node,) = [m["instance_id"] for m in LocalProvider().instances(job.job_id)
-               if m.get("state") == "running" and m["instance_id"] != record[0].host]
-    before = rounds()
-    LocalProvider().recommend(job.job_id, instance=node)
-    follow_until(lambda e: e.type == "notice" and e.instance == node
-                 and e.data.get("kind") == "rebalance", "the node to see its recommendation")
-    (go / "6").write_text("go")  # every rank saves at step 6 (a standby boots meanwhile)
-    # The standby warms up outside the world; once it is ready, the node is ended
-    # through its hook and its agent takes that for its notice.
-    follow_until(lambda e: e.type == "status" and e.instance == node and "the warm "
-                 "standby is ready: moving to it" in str(e.data.get("detail")),
-                 "the node to be moved to its standby")
-    assert rounds() == before, "the world re-formed while the node was in it"
-    (go / "12").write_text("go")
+    # Followed: the agents send their events live (unwatched, they write once a minute).
+    with Follower(job.store, job.job_id) as follower:
+        seen: list[Event] = []
+
+        def follow_until(found: Callable[[Event], bool], what: str) -> None:
+            deadline = time.monotonic() + 240
+            while not any(found(e) for e in seen):
+                assert time.monotonic() < deadline, f"gave up waiting for {what}"
+                seen.extend(follower.poll(wait=0.5))
+
+        follow_until(lambda e: e.type == "metric" and e.data.get("step") == 6,
+                     "training to reach step 6")
+        record = rdzv.read(store)
+        assert record is not None
+        (node,) = [m["instance_id"] for m in LocalProvider().instances(job.job_id)
+                   if m.get("state") == "running" and m["instance_id"] != record[0].host]
+        before = rounds()
+        LocalProvider().recommend(job.job_id, instance=node)
+        follow_until(lambda e: e.type == "notice" and e.instance == node
+                     and e.data.get("kind") == "rebalance", "the node to see its recommendation")
+        (go / "6").write_text("go")  # every rank saves at step 6 while the standby boots
+        # The standby warms up outside the world; once it is ready, the node is ended
+        # through its hook and its agent takes that for its notice.
+        follow_until(lambda e: e.type == "status" and e.instance == node and "the warm "
+                     "standby is ready: moving to it" in str(e.data.get("detail")),
+                     "the node to be moved to its standby")
+        assert rounds() == before, "the world re-formed while the node was in it"
+        (go / "12").write_text("go")
     result = job.wait(timeout=300)
     assert result.status == "completed", (result.status, result.reason)
     want = reference.weights()
