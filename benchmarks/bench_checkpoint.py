@@ -27,7 +27,11 @@ process, same disk:
   read back into the registered tensors (the two shapes take turns going first). A
   state's shape must not decide its speed: the one-tensor cases are shown
   against the many-tensor ones of the same round (target: within 1.2x; the one
-  tensor's cold stall at most 0.3x its ``torch.save``).
+  tensor's cold stall at most 0.3x its ``torch.save``). Each ``restore()`` is also
+  shown against ``torch.load`` of the same state from a file on the same disk, copied
+  into the same tensors (target: within 1.2x): standalone (it copies the checkpoint
+  out of the store and verifies it first) and from a copy downloaded ahead (what a
+  job's restore reads: its agent downloads the checkpoint while the kernel starts).
 
 The cases take turns, REPEAT rounds, and each reports its median (and range). "Peak
 extra RSS" is the highest resident memory of the process during the case (``VmHWM``,
@@ -113,6 +117,7 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
               flush=True)
 
     restores: dict[str, list[float]] = {}
+    loads: dict[str, list[float]] = {}
 
     def restore(name: str, ckpt: Any) -> None:
         os.sync()
@@ -120,7 +125,61 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         ckpt.restore()
         took = time.perf_counter() - t0
         restores.setdefault(name, []).append(took)
-        print(f"  {name}: {took:.3f}", file=sys.stderr, flush=True)
+        loads.setdefault(name, []).append(torch_load(name == "one tensor"))
+        print(f"  {name}: restore {took:.3f}, torch.load {loads[name][-1]:.3f}",
+              file=sys.stderr, flush=True)
+
+    def restore_prefetched(name: str, make: Any) -> None:
+        """``restore()`` of the newest checkpoint from a copy downloaded ahead, as the
+        agent's prefetch does while the kernel starts and the cell's imports run
+        (untimed), against ``torch.load`` of the same state."""
+        from spotnb.ckpt.checkpoints import CheckpointStore
+        from spotnb.kernel_remote import channel
+        from spotnb.protocol.store import LocalStore
+
+        store = CheckpointStore(LocalStore(Path(work) / spot.LOCAL_DIR), "checkpoints")
+        manifest = store.latest()
+        assert manifest is not None
+        pre = Path(work) / "prefetched"
+        store.download(manifest, pre)
+        (pre / channel.PREFETCH_DONE).touch()
+        ckpt = make()
+        spot._rt().restore_dir = pre  # a standalone session has none of its own
+        os.sync()
+        t0 = time.perf_counter()
+        ckpt.restore()
+        took = time.perf_counter() - t0
+        key = f"{name}, prefetched"
+        restores.setdefault(key, []).append(took)
+        loads.setdefault(key, []).append(torch_load(name == "one tensor"))
+        print(f"  {key}: restore {took:.3f}, torch.load {loads[key][-1]:.3f}",
+              file=sys.stderr, flush=True)
+        del ckpt
+        spot._finish()
+        shutil.rmtree(pre, ignore_errors=True)
+
+    def torch_load(one_tensor: bool) -> float:
+        """The baseline of a restore: the same state read back with ``torch.load``
+        from a file on the same disk (written and synced first, untimed) and copied
+        into the training tensors."""
+        path = os.path.join(work, "load.pt")
+        with open(path, "wb") as f:
+            torch.save({"table": table} if one_tensor else
+                       {"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        t0 = time.perf_counter()
+        loaded = torch.load(path, map_location="cpu")
+        if one_tensor:
+            with torch.no_grad():
+                table.copy_(loaded["table"])
+        else:
+            model.load_state_dict(loaded["model"])
+            opt.load_state_dict(loaded["optimizer"])
+        took = time.perf_counter() - t0
+        del loaded
+        os.unlink(path)
+        return took
 
     def torch_save(sync: bool, one_tensor: bool = False) -> tuple[float, float]:
         path = os.path.join(work, "sync.pt")
@@ -180,6 +239,8 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
             restore("many tensors", spot.Checkpoint(model=model, optimizer=opt,
                                                     host_memory=whole))
             spot._finish()
+            restore_prefetched("many tensors", lambda: spot.Checkpoint(
+                model=model, optimizer=opt, host_memory=whole))
 
         def one_block(step: int) -> None:
             before = reset_peak()
@@ -191,6 +252,8 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
             spot._finish()
             restore("one tensor", spot.Checkpoint(table=table, host_memory=whole))
             spot._finish()
+            restore_prefetched("one tensor", lambda: spot.Checkpoint(
+                table=table, host_memory=whole))
 
         # The two shapes take turns going first, so that neither always follows the
         # same case.
@@ -249,7 +312,12 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         pairs = list(zip(runs[one_name], runs[many_name], strict=True))
         shape[what] = _summary([o[col] for o, _ in pairs], [m[col] for _, m in pairs])
     shape["restore"] = _summary(restores["one tensor"], restores["many tensors"])
+    shape["restore, prefetched"] = _summary(restores["one tensor, prefetched"],
+                                            restores["many tensors, prefetched"])
     out["one_vs_many"] = shape
+    # restore() against torch.load of the same state, round by round.
+    out["restore_vs_load"] = {name: _summary(restores[name], loads[name])
+                              for name in restores}
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -278,7 +346,7 @@ def main() -> None:
         print(f"{'':44} {'stall s':>8} {'x torch.save':>18} {'durable s':>10} "
               f"{'x save+fsync':>18} {'peak extra RSS':>15}")
         for name, r in res.items():
-            if not isinstance(r, dict) or name == "one_vs_many":
+            if not isinstance(r, dict) or name in ("one_vs_many", "restore_vs_load"):
                 continue
             sx, dx = r["stall_x_range"], r["durable_x_range"]
             print(f"{name:44} {r['stall']:8.3f} {r['stall_x']:6.2f} ({sx[0]:.2f}-{sx[1]:.2f}) "
@@ -296,6 +364,10 @@ def main() -> None:
             lo, hi = r["x_range"]
             print(f"  {what:16} one {r['one']:7.3f} many {r['many']:7.3f}  "
                   f"x {r['x']:.2f} ({lo:.2f}-{hi:.2f})")
+        for name, r in res["restore_vs_load"].items():
+            lo, hi = r["x_range"]
+            print(f"restore(), {name}: {r['one']:.3f} s, torch.load + copy {r['many']:.3f} s"
+                  f": x {r['x']:.2f} ({lo:.2f}-{hi:.2f}; target <= 1.2)")
         cold = res["one tensor: first save, cold"]
         print(f"one tensor, cold stall / torch.save of it: {cold['stall_x']:.2f} "
               f"({cold['stall_x_range'][0]:.2f}-{cold['stall_x_range'][1]:.2f}; target <= 0.3)")

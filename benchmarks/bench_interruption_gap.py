@@ -1,8 +1,8 @@
 """Training time an interruption costs, with a warm standby and without, and what
 standbys cost.
 
-Run by hand: ``python benchmarks/bench_interruption_gap.py [--mb 256] [--rounds 1]``
-(about a minute per case on a quiet machine).
+Run by hand: ``python benchmarks/bench_interruption_gap.py [--mb 256] [--rounds 1]
+[--aws]`` (about a minute per case on a quiet machine).
 
 A job with one tensor of ``--mb`` MB (an embedding table) trains on the local cloud,
 time-compressed as ``bench_savings.py`` does: one real second is TIME_SCALE market
@@ -16,6 +16,12 @@ a boot). Two cases in the same run, one after the other:
 * ``no standby`` (``standby=False``): today's behaviour, a replacement launched once the
   old instance is gone.
 
+``--aws``: the same on the AWS simulator (:mod:`spotnb.testing`, with EC2's boot and
+notice scaled the same): the recommendation from ``AwsSimulator.interrupt(lead=...)``,
+the standby from Auto Scaling's capacity rebalancing as the simulator plays it (in
+service once its launch hook is completed, the old instance ended through the
+termination hook).
+
 Training time lost: from the last metric row of the interrupted attempt to the first of
 the next (each row's own time). Parts of that gap run compressed (the rest of the notice
 period after the final save, the replacement's boot): the market figure adds those back
@@ -25,11 +31,15 @@ the standby's own cost is reported with the job's.
 What standbys cost besides, false alarms included, is computed from the local cloud's
 signal model (:mod:`spotnb.providers.local.signals`: 0.7 of recommendations are false
 alarms, 0.4 of notices come unannounced, leads log-normal around 15 minutes): the
-group's policy (the job moves to a standby once it is booted) bills each standby its
-boot, false alarms included; beside it, holding a standby for the notice up to a bound
-and giving it back then. Per interruption, as a share of the instance-time between
-interruptions at the pool's Spot Advisor rate and at the stressed rate of
-``bench_savings.py`` (one every 2 market hours).
+group's policy (the job moves to a standby once it is ready) bills each standby its
+boot (EC2's 90 s) and its warm-up (the kernel, the cell's imports, the prefetch: this
+run's, in real seconds, as they would take on an instance), false alarms included;
+net of what each interruption it catches no longer bills (the notice window after the
+final save, this run's, and a cold replacement's start, which the standby's time
+replaced). Per interruption, as a share of the instance-time between interruptions at
+the pool's Spot Advisor rate and at the stressed rate of ``bench_savings.py`` (one
+every 2 market hours). ``bench_savings.py`` measures the same end to end on the
+stressed schedule, with standbys and without.
 """
 
 from __future__ import annotations
@@ -65,18 +75,34 @@ for step in range(ckpt.restore(), 10**9):
 """
 
 
-def _case(standby: bool, mb: int) -> dict[str, Any]:
+def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
+    """One interruption announced LEAD ahead, on the local cloud or (``sim``) on the AWS
+    simulator."""
     import spotnb
     from spotnb.protocol.events.fold import fold
 
     rows = mb * 2**20 // (64 * 4)
-    notice_at = 35.0  # real seconds after the first launch: it has saved by the signal
-    handle = spotnb.submit(
-        CELL, inputs={"ROWS": rows, "STEP": STEP_SECONDS}, checkpoint_every="200 steps",
-        standby=standby, simulate_interruptions=[notice_at],
-        simulate_signals={"lead_median": LEAD_MARKET_SECONDS, "lead_sigma": 0,
-                          "together": 0, "no_recommendation": 0, "false_alarm": 0,
-                          "seed": "gap"})
+    # Real seconds after the first launch: it has saved by the recommendation.
+    notice_at = 35.0 + LEAD_MARKET_SECONDS / TIME_SCALE
+    common: dict[str, Any] = dict(inputs={"ROWS": rows, "STEP": STEP_SECONDS},
+                                  checkpoint_every="200 steps", standby=standby)
+    if sim is None:
+        handle = spotnb.submit(
+            CELL, simulate_interruptions=[notice_at],
+            simulate_signals={"lead_median": LEAD_MARKET_SECONDS, "lead_sigma": 0,
+                              "together": 0, "no_recommendation": 0, "false_alarm": 0,
+                              "seed": "gap"}, **common)
+    else:
+        handle = spotnb.submit(CELL, provider="aws", instance_types=["g4dn.xlarge"],
+                               **common)
+        first = sim.wait_for_instance(handle.job_id, timeout=120)
+        deadline = time.monotonic() + 240
+        while not any(e.type == "checkpoint" and e.data.get("phase") == "durable"
+                      for e in handle.events(follow=False)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("no checkpoint before the recommendation")
+            time.sleep(1.0)
+        sim.interrupt(first.id, lead=LEAD_MARKET_SECONDS / TIME_SCALE)
     deadline = time.monotonic() + 240
     state = fold([])
     try:
@@ -107,7 +133,18 @@ def _case(standby: bool, mb: int) -> dict[str, Any]:
             "handover_s": state.handover_seconds(sb) if sb else None,
             "read_mb": sb.read_bytes / 2**20 if sb else None,
             "redone": state.redone_steps(),
+            # the standby's warm-up after its (compressed) boot: real seconds, as on EC2
+            "warmup_s": (sb.ready - sb.launched - BOOT_MARKET_SECONDS / TIME_SCALE)
+            if sb and sb.ready and sb.launched else None,
+            # the notice window billed after the last row (market seconds)
+            "parked_market_s": None if standby else max(0.0, ended - parked) * TIME_SCALE,
             "standby_cost_share": state.standbys_cost(end) / max(state.cost(end)[0], 1e-12)}
+
+
+def med_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The median of ``key`` over ``rows`` (None where absent)."""
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
 
 
 def _row_times(events: list[Any], attempt: int) -> list[float]:
@@ -125,11 +162,15 @@ def _row_times(events: list[Any], attempt: int) -> list[float]:
     return out
 
 
-def standby_seconds(hold: float, boot: float = BOOT_MARKET_SECONDS, draws: int = 200_000,
-                    seed: int = 1) -> dict[str, float]:
-    """Per interruption, from the signal model: market seconds of standby billed
-    (followed recommendations: launch to notice, or to the give-back; false alarms:
-    boot plus hold), and the share of notices a ready standby catches."""
+def move_seconds(ready: float, saved: float, boot: float = BOOT_MARKET_SECONDS,
+                 draws: int = 200_000, seed: int = 1) -> dict[str, float]:
+    """The group's policy, per interruption, from the signal model, in market seconds of
+    instance time billed beside the training: each standby bills its time to ready
+    (``ready``: boot plus warm-up; the job moves to it then; or up to the notice, when
+    that came first), false alarms included (``billed``). A notice announced more than
+    ``ready`` ahead finds the job gone: that interruption bills neither the notice
+    window after the final save nor a cold replacement's start, which the standby's
+    time replaced (``saved`` each). ``net``: billed less saved."""
     from spotnb.providers.local.signals import SignalModel
 
     model = SignalModel()
@@ -139,70 +180,76 @@ def standby_seconds(hold: float, boot: float = BOOT_MARKET_SECONDS, draws: int =
         lead = model.draw(rng)
         if lead is None:
             continue  # no recommendation: no standby, a cold replacement
-        if lead <= boot + hold:
-            billed += lead  # launched at the recommendation, the job's from the notice
-            caught += lead >= boot  # ready (booted) by the notice
-        else:
-            billed += boot + hold  # given back before its notice came
+        if lead >= ready:
+            billed += ready
+            caught += 1
+        # else the standby is the replacement, started earlier: billed as one would be
     per = model.false_alarms_per_interruption
-    return {"billed": billed / draws + per * (boot + hold), "caught": caught / draws,
-            "false_alarms": per}
+    billed = billed / draws + per * ready
+    caught /= draws
+    return {"billed": billed, "caught": caught, "false_alarms": per,
+            "net": billed - caught * (saved + ready), "boot": boot}
 
 
-def move_seconds(boot: float = BOOT_MARKET_SECONDS, draws: int = 200_000,
-                 seed: int = 1) -> dict[str, float]:
-    """The group's policy, per interruption, from the signal model: each standby bills
-    its boot (the job moves to it then; or less, when the notice came first), false
-    alarms included; a notice announced more than a boot ahead finds the job gone."""
-    from spotnb.providers.local.signals import SignalModel
-
-    model = SignalModel()
-    rng = random.Random(seed)
-    billed = caught = 0.0
-    for _ in range(draws):
-        lead = model.draw(rng)
-        if lead is None:
-            continue  # no recommendation: no standby, a cold replacement
-        billed += min(lead, boot)
-        caught += lead >= boot
-    per = model.false_alarms_per_interruption
-    return {"billed": billed / draws + per * boot, "caught": caught / draws,
-            "false_alarms": per}
-
-
-def _cost_table() -> None:
-    print("\nwhat standbys cost (signal model, per interruption; share of the instance-time "
-          "between interruptions)")
-    print(f"{'policy':>24} {'standby min/interr.':>20} {'caught':>7} "
-          f"{'advisor rate':>13} {'every 2 h':>10}")
+def _cost_table(warmup: float | None, parked: float | None) -> None:
+    """What standbys cost, for this run's warm-up and longer ones (market seconds)."""
+    saved = NOTICE_MARKET_SECONDS if parked is None else parked
+    print(f"\nwhat standbys cost (signal model, per interruption; share of the instance-time "
+          f"between interruptions): each standby bills its boot ({BOOT_MARKET_SECONDS:g} s) "
+          f"and its warm-up; a caught interruption saves the notice window after the final "
+          f"save ({saved:.0f} s{' (assumed)' if parked is None else ', this run'}) and the "
+          "cold replacement's start")
+    print(f"{'warm-up':>22} {'billed min':>11} {'net min':>8} {'caught':>7} "
+          f"{'advisor rate':>13} {'every 2 h':>10} {'net, advisor':>13} {'net, 2 h':>9}")
     advisor = MONTH_SECONDS / ADVISOR_PER_MONTH
-    rows = [("move when ready (group)", move_seconds())]
-    rows += [(f"hold {hold / 60:.0f} min", standby_seconds(hold))
-             for hold in (300.0, 600.0, 1200.0, 1800.0)]
-    for name, f in rows:
-        print(f"{name:>24} {f['billed'] / 60:>20.1f} {f['caught']:>7.0%} "
-              f"{f['billed'] / advisor:>13.2%} {f['billed'] / (STRESS_HOURS * 3600):>10.1%}")
+    stressed = STRESS_HOURS * 3600
+    warmups = [(f"{warmup:.0f} s (this run)", warmup)] if warmup is not None else []
+    warmups += [(f"{w:.0f} s", w) for w in (30.0, 60.0, 120.0)]
+    for name, warm in warmups:
+        f = move_seconds(BOOT_MARKET_SECONDS + warm, saved)
+        print(f"{name:>22} {f['billed'] / 60:>11.1f} {f['net'] / 60:>8.1f} "
+              f"{f['caught']:>7.0%} {f['billed'] / advisor:>13.2%} "
+              f"{f['billed'] / stressed:>10.1%} {f['net'] / advisor:>13.2%} "
+              f"{f['net'] / stressed:>9.1%}")
 
 
 def main(argv: list[str] | None = None) -> None:
+    global TIME_SCALE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="the state's size (one tensor)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--time-scale", type=float, default=TIME_SCALE,
+                        help="market seconds a real second (default %(default)g): lower it "
+                             "for a large state, whose final save takes real seconds, so "
+                             "that it fits in the compressed notice period")
+    parser.add_argument("--aws", action="store_true",
+                        help="on the AWS simulator (capacity rebalancing, lifecycle hooks; "
+                             "EC2's boot and notice scaled the same) instead of the local "
+                             "cloud")
     args = parser.parse_args(argv)
+    TIME_SCALE = args.time_scale
     home = tempfile.mkdtemp(prefix="spotnb-bench-gap-")
     os.environ.update({
         "SPOTNB_HOME": home, "SPOTNB_LOCAL_TIME_SCALE": str(TIME_SCALE),
         "SPOTNB_LOCAL_BOOT_SECONDS": str(BOOT_MARKET_SECONDS / TIME_SCALE),
         "SPOTNB_LOCAL_NOTICE_SECONDS": str(NOTICE_MARKET_SECONDS / TIME_SCALE),
         "SPOTNB_LOCAL_HAZARD": "0"})
-    print(f"local cloud at {TIME_SCALE:g}x: boot {BOOT_MARKET_SECONDS:g} s, notice "
+    where = "AWS simulator" if args.aws else "local cloud"
+    print(f"{where} at {TIME_SCALE:g}x: boot {BOOT_MARKET_SECONDS:g} s, notice "
           f"{NOTICE_MARKET_SECONDS:g} s, recommendation {LEAD_MARKET_SECONDS:g} s ahead "
           f"(market); one {args.mb} MB tensor; load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
     results: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for standby in (True, False):  # side by side, in the same run
-            row = _case(standby, args.mb)
+            if args.aws:
+                from spotnb.testing import AwsSimulator
+
+                with AwsSimulator(notice_seconds=NOTICE_MARKET_SECONDS / TIME_SCALE,
+                                  boot_seconds=BOOT_MARKET_SECONDS / TIME_SCALE) as sim:
+                    row = _case(standby, args.mb, sim)
+            else:
+                row = _case(standby, args.mb)
             results.setdefault(row["case"], []).append(row)
     print(f"\n{'case':>11} {'lost (real s)':>14} {'lost (market s)':>16} {'handover s':>11} "
           f"{'read MB':>8} {'redone':>7} {'standby/job':>13}")
@@ -218,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{fmt(med('gap_market_s'), '16.1f')} {fmt(med('handover_s'), '11.1f')} "
               f"{fmt(med('read_mb'), '8.0f')} {fmt(med('redone'), '7.0f')} "
               f"{fmt(med('standby_cost_share'), '13.1%')}")
-    _cost_table()
+    _cost_table(med_of(results.get("standby", []), "warmup_s"),
+                med_of(results.get("no standby", []), "parked_market_s"))
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
 

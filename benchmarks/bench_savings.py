@@ -11,7 +11,10 @@ g4dn.xlarge in us-east-1:
 * at its Spot Advisor rate (bucket "15-20%", read as 22 interruptions a month per
   instance; at this length, usually none);
 * stressed: an interruption every STRESS_HOURS market hours (scheduled), far above any
-  pool's rate, to show what each one costs.
+  pool's rate, to show what each one costs; run twice, side by side, with warm standbys
+  (the default: the local cloud plays EC2's rebalance recommendations, false alarms
+  included, :mod:`spotnb.providers.local.signals`) and without (``standby=False``), so
+  the difference between the two is what standbys cost or save, all included.
 
 For each it reports the realized saving against the pool's own discount:
 
@@ -25,8 +28,10 @@ For each it reports the realized saving against the pool's own discount:
   discount (goal: at least 0.95).
 
 The overheads are broken down in instance-time at the spot price: the boot and start-up
-of every replacement (launch to its first metric, restore included), the notice windows
-billed after the final checkpoint was durable, steps redone, and the requests.
+of every replacement (launch to its first metric, restore included), the same for warm
+standbys (launch to their first metric, or to their give-back: billed beside the
+instance that trains), the notice windows billed after the final checkpoint was durable,
+steps redone, and the requests.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ for step in range(ckpt.restore(), STEPS):
 """
 
 
-def _run(market_hours: float, schedule: list[float] | None, hazard: bool) -> Any:
+def _run(market_hours: float, schedule: list[float] | None, hazard: bool,
+         standby: bool = True) -> Any:
     import spotnb
 
     os.environ["SPOTNB_LOCAL_TIME_SCALE"] = str(TIME_SCALE)
@@ -66,7 +72,7 @@ def _run(market_hours: float, schedule: list[float] | None, hazard: bool) -> Any
     steps = int(market_hours * 3600 / STEP_MARKET_SECONDS)
     handle = spotnb.submit(CELL, instance_types=[TYPE], region=REGION,
                            inputs={"STEPS": steps, "STEP": step},
-                           checkpoint_every="60s",
+                           checkpoint_every="60s", standby=standby,
                            simulate_interruptions=schedule or None)
     result = handle.wait(timeout=market_hours * 3600 / TIME_SCALE * 3 + 600)
     return handle, result, step
@@ -94,7 +100,10 @@ def _breakdown(handle: Any, result: Any, step_seconds: float,
     order = sorted(launched, key=lambda i: launched[i].time)
     startup = [first_metric.get(i, ended[i].time if i in ended else 0) - launched[i].time
                for i in order]
-    replacements_startup = sum(startup[1:])
+    standbys = {i for i in order if launched[i].data.get("standby_for")}
+    replacements_startup = sum(s for i, s in zip(order[1:], startup[1:], strict=True)
+                               if i not in standbys)
+    standbys_startup = sum(s for i, s in zip(order, startup, strict=True) if i in standbys)
     parked = sum(ended[i].time - durable_forced[i] for i in order
                  if i in durable_forced and i in ended)
     redone = 0
@@ -104,7 +113,7 @@ def _breakdown(handle: Any, result: Any, step_seconds: float,
         redone += len(current & seen)
         seen |= current
     redone_seconds = redone * step_seconds
-    overhead = replacements_startup + parked + redone_seconds
+    overhead = replacements_startup + standbys_startup + parked + redone_seconds
     useful = billed - overhead
     from spotnb.providers import catalog
 
@@ -120,10 +129,12 @@ def _breakdown(handle: Any, result: Any, step_seconds: float,
     saving = 1 - realized / reference if reference else 0.0
     return {
         "market_hours": billed * TIME_SCALE / 3600.0, "interruptions": result.interruptions,
-        "instances": len(order), "avg_spot": avg_spot, "ondemand": ondemand,
+        "instances": len(order), "standbys": len(standbys), "avg_spot": avg_spot,
+        "ondemand": ondemand,
         "discount": discount, "saving": saving, "ratio": saving / discount,
         "overheads_pct": {
             "boot and start-up of replacements": 100 * replacements_startup / billed,
+            "warm standbys until they train (or given back)": 100 * standbys_startup / billed,
             "notice windows after the final checkpoint": 100 * parked / billed,
             "steps redone": 100 * redone_seconds / billed,
             "spotnb's requests": 100 * requests_usd / max(realized, 1e-12),
@@ -134,7 +145,8 @@ def _breakdown(handle: Any, result: Any, step_seconds: float,
 
 def _print(name: str, row: dict[str, Any]) -> None:
     print(f"\n== {name}: {row['market_hours']:.1f} market hours, {row['instances']} "
-          f"instance(s), {row['interruptions']} interruption(s)")
+          f"instance(s) ({row['standbys']} warm standbys), {row['interruptions']} "
+          f"interruption(s)")
     print(f"spot paid ${row['avg_spot']:.4f}/h vs on-demand ${row['ondemand']:.4f}/h: the "
           f"market's discount {100 * row['discount']:.1f}%")
     print(f"realized saving {100 * row['saving']:.1f}% = {row['ratio']:.3f}x the discount "
@@ -158,24 +170,48 @@ def _schedule(market_hours: float, every_hours: float, seed: int) -> list[float]
 
 
 def main(argv: Iterable[str] | None = None) -> None:
+    global TIME_SCALE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("market_hours", nargs="?", type=float, default=24.0)
     parser.add_argument("--requests-usd-per-hour", type=float, default=0.0,
                         help="spotnb's own request cost per job-hour on AWS "
                              "(bench_requests.py); the local cloud's is 0")
+    parser.add_argument("--only-stressed", action="store_true",
+                        help="leave out the Spot Advisor rate's case")
+    parser.add_argument("--time-scale", type=float, default=TIME_SCALE,
+                        help="market seconds a real second (default %(default)g); what "
+                             "runs in real time (a kernel's start, the cell's imports, "
+                             "the agents' polls) is billed this many times over, so a "
+                             "lower scale bills a warm-up closer to a real instance's")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    TIME_SCALE = args.time_scale
+    print(f"local cloud at {TIME_SCALE:g} market seconds a real second; load "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as home:
         os.environ["SPOTNB_HOME"] = home
         os.environ["SPOTNB_LOCAL_SEED"] = "7"
+        stressed = _schedule(args.market_hours, STRESS_HOURS, seed=1)
+        every = f"an interruption every {STRESS_HOURS:g} market hours on average"
         cases = [
-            (f"{TYPE} at its Spot Advisor rate", None, True),
-            (f"{TYPE}, an interruption every {STRESS_HOURS:g} market hours on average",
-             _schedule(args.market_hours, STRESS_HOURS, seed=1), False),
+            (f"{TYPE} at its Spot Advisor rate", None, True, True),
+            (f"{TYPE}, {every}, warm standbys", stressed, False, True),
+            (f"{TYPE}, {every}, no standby (standby=False)", stressed, False, False),
         ]
-        for name, schedule, hazard in cases:
-            handle, result, step = _run(args.market_hours, schedule, hazard)
+        if args.only_stressed:
+            cases = cases[1:]
+        rows = {}
+        for name, schedule, hazard, standby in cases:
+            handle, result, step = _run(args.market_hours, schedule, hazard, standby)
             assert result.status == "completed", result
-            _print(name, _breakdown(handle, result, step, args.requests_usd_per_hour))
+            rows[standby, hazard] = row = _breakdown(handle, result, step,
+                                                     args.requests_usd_per_hour)
+            _print(name, row)
+        on, off = rows[True, False], rows[False, False]
+        print(f"\nside by side, {every}: realized saving with warm standbys "
+              f"{100 * on['saving']:.1f}% ({on['ratio']:.3f}x the discount), without "
+              f"{100 * off['saving']:.1f}% ({off['ratio']:.3f}x); what standbys cost, net "
+              f"of what they saved: {100 * (off['saving'] - on['saving']):+.2f} points of "
+              f"the on-demand reference")
 
 
 if __name__ == "__main__":

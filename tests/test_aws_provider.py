@@ -38,6 +38,8 @@ from spotnb.protocol.spec import SpecError
 from spotnb.providers import catalog, get_provider
 from spotnb.providers.aws import AwsProvider, _boto
 from spotnb.providers.aws.resources import (
+    LAUNCH_HOOK_NAME,
+    LIFECYCLE_HOOK_NAME,
     READ_ONLY_ACTIONS,
     TAG_JOB,
     bundle,
@@ -283,10 +285,15 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 1, 1)
     # A warm standby on a rebalance recommendation (the job's policy.standby).
     assert group["CapacityRebalance"] is True
-    (hook,) = asg.describe_lifecycle_hooks(AutoScalingGroupName=f"spotnb-{job}")[
-        "LifecycleHooks"]  # its wait is the agent's notice for a final save
-    assert (hook["LifecycleTransition"], hook["HeartbeatTimeout"], hook["DefaultResult"]) \
-        == ("autoscaling:EC2_INSTANCE_TERMINATING", 120, "CONTINUE")
+    hooks = {h["LifecycleHookName"]: (h["LifecycleTransition"], h["HeartbeatTimeout"],
+                                      h["DefaultResult"])
+             for h in asg.describe_lifecycle_hooks(AutoScalingGroupName=f"spotnb-{job}")[
+                 "LifecycleHooks"]}
+    assert hooks == {
+        # in service once ready (a standby) or holding the lease (the job's instance)
+        LAUNCH_HOOK_NAME: ("autoscaling:EC2_INSTANCE_LAUNCHING", 690, "CONTINUE"),
+        # its wait is the agent's notice for a final save
+        LIFECYCLE_HOOK_NAME: ("autoscaling:EC2_INSTANCE_TERMINATING", 120, "CONTINUE")}
     policy = group["MixedInstancesPolicy"]
     assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == [
         "g5.xlarge", "g4dn.xlarge"]
@@ -591,6 +598,72 @@ def test_quickstart_cell_across_two_interruptions_equals_the_uninterrupted_run(
     assert 0 < result.cost_usd < result.ondemand_cost_usd
     # No credential anywhere in the job's records (user data, spec, events, checkpoints).
     scan_for_credentials(handle)
+
+
+# Trains until the gate exists, a checkpoint every 10 steps.
+UNTIL_GATE = """
+import os, time
+ckpt = spot.Checkpoint(progress={{"n": 0}})
+step = ckpt.restore()
+while not (os.path.exists({gate!r}) and step >= 20):
+    spot.log(step, loss=1.0 / (step + 1))
+    time.sleep(0.05)
+    ckpt.maybe_save(step)
+    step += 1
+"""
+
+
+def test_capacity_rebalancing_moves_the_job_to_its_standby_and_completes_the_hook(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebalance recommendation alone (a false alarm): Auto Scaling launches a
+    replacement, which is in service once its agent, a warm standby, is ready (the
+    launch hook); the at-risk instance is then ended through the termination hook: its
+    agent saves, lets go of the lease and completes the hook; the standby goes on with
+    no step redone and no interruption counted."""
+    from spotnb.protocol.events import metric_rows
+    from spotnb.protocol.events.fold import EndReason, fold
+
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    gate = tmp_path / "gate"
+    # A hook's wait (the notice period's scale) long enough that only the completion
+    # can end it first.
+    with AwsSimulator(tmp_path / "sim", notice_seconds=60.0) as sim:
+        handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
+                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
+        old = sim.wait_for_instance(handle.job_id)
+        wait_until(lambda: any(e.type == "checkpoint" and e.data.get("phase") == "durable"
+                               for e in handle.events(follow=False)), 120,
+                   "a durable checkpoint before the recommendation")
+        sim.recommend_rebalance(old.id)
+        wait_until(lambda: old.terminated, 120,
+                   "the at-risk instance ended once its standby was in service")
+        assert (old.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed, \
+            "its agent completed the termination hook (not its timeout)"
+        state = wait_until(lambda: (s := fold(handle.events(follow=False))).attempts.get(2)
+                           and s.attempts[2].last_step is not None and s, 120,
+                           "the standby training")
+        gate.touch()
+        result = handle.wait(timeout=120)
+        events = list(handle.events(follow=False))
+        assert_nothing_left(sim)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(events)
+    assert state.attempts[1].reason is EndReason.MOVED
+    assert state.interruptions() == 0 and result.interruptions == 0
+    assert state.redone_steps() == 0
+    (standby,) = state.standbys.values()
+    assert standby.lease_at is not None, "the standby took the lease"
+    assert standby.ready is not None and standby.ready <= standby.lease_at, \
+        "the job moved to a standby that was ready (its launch hook)"
+    new = state.attempts[2].instance_id
+    assert new not in (None, old.id)
+    assert (new, LAUNCH_HOOK_NAME) in sim.hooks_completed
+    assert (old.id, LAUNCH_HOOK_NAME) in sim.hooks_completed  # the first, at its lease
+    ended = [e for e in events if e.attempt == 0 and e.type == "instance"
+             and e.data.get("action") == "terminated" and e.instance == old.id]
+    assert [e.data.get("reason") for e in ended] == ["rebalanced"]
+    steps = [step for e in events for step, _t, _values in metric_rows(e)]
+    assert steps == list(range(len(steps))), "every step once, in order"
 
 
 CREDENTIAL_PATTERNS = [re.compile(p) for p in (

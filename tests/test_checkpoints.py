@@ -121,6 +121,45 @@ def test_a_checkpoint_is_downloaded_several_files_at_once(store: LocalStore,
         cs.verify_local(written, tmp_path / "out")
 
 
+def test_a_refresh_reads_only_what_changed_and_a_failed_one_leaves_no_verified_mark(
+        store: LocalStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy ``download`` made whole is not checksummed again (its MANIFEST.json says it
+    was verified), nor are the files a newer manifest lists the same; a refresh that
+    fails half-way leaves no MANIFEST.json, so the copy is checksummed in full again."""
+    import spotnb.ckpt.checkpoints as checkpoints
+
+    cs = CheckpointStore(store)
+    same, old, new = os.urandom(50_000), os.urandom(20_000), os.urandom(20_000)
+    first = cs.write(1, _files(tmp_path, same=same, changed=old))
+    out = tmp_path / "out"
+    cs.download(first, out)
+    hashed: list[str] = []
+    real = checkpoints.hash_file
+
+    def hash_file(path: Any, *args: Any) -> Any:
+        hashed.append(Path(path).name)
+        return real(path, *args)
+
+    monkeypatch.setattr(checkpoints, "hash_file", hash_file)
+    assert set(cs.verify_local(first, out, downloaded=True)) == {"same", "changed"}
+    assert hashed == [], "a verified download is not read again"
+    second = cs.write(2, _files(tmp_path, same=same, changed=new))
+    hashed.clear()  # (the write hashed its source files)
+    cs.download(second, out)
+    assert "same" not in hashed and any("changed" in n for n in hashed), hashed
+    assert (out / "changed").read_bytes() == new
+    # A refresh whose new file is damaged in the store fails: no mark is left, so the
+    # copy is verified in full, and a file damaged in place (same size) is found.
+    third = cs.write(3, _files(tmp_path, same=same, changed=os.urandom(20_000)))
+    (store.root / "checkpoints" / third.id / "changed").write_bytes(os.urandom(20_000))
+    with pytest.raises(CorruptCheckpoint, match="changed"):
+        cs.download(third, out)
+    assert not (out / MANIFEST).exists()
+    (out / "same").write_bytes(os.urandom(50_000))
+    with pytest.raises(CorruptCheckpoint, match="same"):
+        cs.verify_local(second, out, downloaded=True)
+
+
 def test_nested_names_and_prefix(store: LocalStore, tmp_path: Path) -> None:
     cs = CheckpointStore(store, prefix="sync/runs-1234")
     src = tmp_path / "a.bin"

@@ -64,7 +64,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from spotnb.ckpt.checksum import Checksum, algorithm_of
-from spotnb.protocol.store import NotFound, ObjectWriter, Store
+from spotnb.protocol.store import LocalStore, NotFound, ObjectWriter, Store
 
 __all__ = [
     "CHECKPOINT_FORMATS",
@@ -727,18 +727,31 @@ class CheckpointStore:
         """
         dest = Path(dest_dir)
         dest.mkdir(parents=True, exist_ok=True)
+        # MANIFEST.json says the files beside it were verified against it (a download
+        # wrote it last): those the new manifest lists the same (name, size, checksum)
+        # are not read again. None while the files change (a refresh that fails
+        # half-way leaves none).
+        same: set[str] = set()
+        with contextlib.suppress(OSError, ValueError, KeyError, CheckpointError):
+            before = Manifest.read_local(dest)
+            same = {e.name for e in manifest.files if before.entry(e.name) == e}
+        with contextlib.suppress(FileNotFoundError):
+            (dest / MANIFEST).unlink()
         wanted = None if names is None else set(names)
         paths = _in_parallel([entry.name for entry in manifest.files
                               if wanted is None or entry.name in wanted],
-                             lambda name: self.fetch(manifest, name, dest))
+                             lambda name: self.fetch(manifest, name, dest,
+                                                     verified=name in same))
         (dest / MANIFEST).write_text(manifest.to_json())
         return paths
 
-    def fetch(self, manifest: Manifest, name: str, directory: str | os.PathLike[str]
-              ) -> Path:
+    def fetch(self, manifest: Manifest, name: str, directory: str | os.PathLike[str],
+              *, verified: bool = False) -> Path:
         """One file of a checkpoint, verified, in ``directory``; its local path.
 
-        A copy already there that matches the manifest is used as it is (no request);
+        A copy already there that matches the manifest is used as it is (no request;
+        ``verified``: it was verified against this file's entry before, so only its
+        size is checked);
         otherwise the file is downloaded under a temporary name, verified, and renamed
         into place, so that processes sharing ``directory`` (the ranks of one node) may
         fetch the same file at once and never see a partial or unverified one. Raises
@@ -752,7 +765,10 @@ class CheckpointStore:
         path = Path(directory) / _check_name(name)
         if path.exists():
             try:
-                _verify(manifest, entry, path, remove_bad=False)
+                if verified:
+                    _verify_size(manifest, entry, path)
+                else:
+                    _verify(manifest, entry, path, remove_bad=False)
                 return path
             except CorruptCheckpoint:
                 pass  # stale or damaged: replaced below, never removed (another process
@@ -796,18 +812,39 @@ class CheckpointStore:
                 f"{offset + length} (the manifest says {entry.size} bytes)")
         return data
 
+    def local_dir(self, manifest: Manifest) -> Path | None:
+        """Where a checkpoint's files lie in a local store (read them there, verified:
+        no copy), or None for a store elsewhere."""
+        if not isinstance(self.store, LocalStore):
+            return None
+        return self.store.root / self._key(_check_name(manifest.id))
+
     def verify_local(
-        self, manifest: Manifest, directory: str | os.PathLike[str]
+        self, manifest: Manifest, directory: str | os.PathLike[str], *,
+        downloaded: bool = False,
     ) -> dict[str, Path]:
         """Check a local copy of a checkpoint (e.g. one an agent prefetched).
 
-        Returns {name: local path}; raises :class:`CorruptCheckpoint` like :meth:`download`.
+        ``downloaded``: the copy is one :meth:`download` made (an agent's prefetch): if
+        it made it whole for this manifest (its ``MANIFEST.json`` is this manifest,
+        written once every file beside it was verified), its files' sizes are checked,
+        not their checksums: reading it all again would cost a restore a second pass
+        over the state. Returns {name: local path}; raises :class:`CorruptCheckpoint`
+        like :meth:`download`.
         """
+        verified = False
+        if downloaded:
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                verified = (Path(directory) / MANIFEST).read_text() == manifest.to_json()
+
         def verify(name: str) -> Path:
             entry = manifest.entry(name)
             assert entry is not None
             path = Path(directory) / _check_name(name)
-            _verify(manifest, entry, path, remove_bad=False)
+            if verified:
+                _verify_size(manifest, entry, path)
+            else:
+                _verify(manifest, entry, path, remove_bad=False)
             return path
 
         return _in_parallel([entry.name for entry in manifest.files], verify)
@@ -830,6 +867,18 @@ def _in_parallel(names: list[str], fn: Callable[[str], Path]) -> dict[str, Path]
                             thread_name_prefix="spotnb-fetch") as pool:
         futures = [pool.submit(fn, name) for name in names]
     return {name: future.result() for name, future in zip(names, futures, strict=True)}
+
+
+def _verify_size(manifest: Manifest, entry: FileEntry, path: Path) -> None:
+    """Check a file verified before: present, of the manifest's size."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"checkpoint {manifest.id}: file {entry.name!r} is missing "
+                                f"from {path.parent}") from None
+    if size != entry.size:
+        raise CorruptCheckpoint(f"checkpoint {manifest.id}: file {entry.name!r} has {size} "
+                                f"bytes, the manifest says {entry.size}")
 
 
 def _verify(manifest: Manifest, entry: FileEntry, path: Path, remove_bad: bool,

@@ -61,12 +61,10 @@ from spotnb.protocol.events import EventWriter
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import Store, retrying
 
-__all__ = ["STANDBY_PREFIX", "NodeStandby", "Standby", "lease_now", "take_lease", "wanted"]
+__all__ = ["NodeStandby", "Standby", "lease_now", "take_lease", "wanted"]
 
 log = logging.getLogger(__name__)
 
-#: Where a standby says it is ready (one PUT per standby): ``standby/<instance>.json``.
-STANDBY_PREFIX = "standby/"
 #: How long the bootstrap may take in a standby's kernel (it imports the runtime).
 BOOTSTRAP_SECONDS = 120.0
 #: How long the cell may take to reach its restore point before the standby says it is
@@ -186,7 +184,7 @@ class Standby:
                 "ready": self.ready_at, "cell_waiting": self.cell_msg is not None,
                 "step": getattr(self.prefetched, "step", None)}
         try:
-            self.store.put(f"{STANDBY_PREFIX}{self.instance_id}.json",
+            self.store.put(layout.standby_ready_key(self.instance_id),
                            json.dumps(body).encode())
         except Exception:
             log.warning("could not say the standby is ready", exc_info=True)

@@ -16,6 +16,7 @@ Job prefix (in the store, one per job)::
     checkpoints/LATEST          pointer to the newest complete checkpoint
     sync/<name>/...             spot.sync_dir snapshots (same protocol as checkpoints)
     control/stop.json           a stop request (from the notebook or the CLI)
+    standby/<instance>.json     a warm standby is ready (spotnb.kernel_remote.standby)
     outputs.pkl                 cloudpickled {name: value} of the job's outputs
     result.json                 the final result, written once by the agent
     summary.json                the job's record (spotnb.records): attempts, cost,
@@ -54,6 +55,12 @@ def lease_key(slot: int = 0) -> str:
     """The lease of node slot ``slot``: ``lease.json`` for slot 0 (every single-node
     job's one lease), ``lease.<slot>.json`` for the other slots of a multi-node job."""
     return LEASE if slot == 0 else f"lease.{slot}.json"
+
+
+def standby_ready_key(instance_id: str) -> str:
+    """Where a warm standby's agent says it is ready (one PUT per standby; see
+    :mod:`spotnb.kernel_remote.standby`): its group reads it."""
+    return f"standby/{instance_id}.json"
 
 
 def node_slot(attempt: int, max_nodes: int) -> int:

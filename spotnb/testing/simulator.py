@@ -71,6 +71,12 @@ class SimInstance:
     placement_group: str | None = None
     #: ``local-ipv4`` in its metadata: a loopback address of its own (see _boot)
     address: str = "127.0.0.1"
+    #: capacity rebalancing: the instance its group launched for it on a recommendation
+    rebalanced_by: str | None = None
+    #: ended through its group's termination hook: when the hook's wait runs out
+    hook_until: float | None = None
+    #: when it booted (its launch hook's wait starts then)
+    booted: float = dataclasses.field(default_factory=time.time)
 
     @property
     def alive(self) -> bool:
@@ -126,6 +132,8 @@ class AwsSimulator:
         self._retry_at: dict[str, float] = {}
         self._placed: dict[str, str | None] = {}  # instance id -> its placement group
         self._killers: list[threading.Thread] = []
+        #: (instance id, hook name) of each CompleteLifecycleAction, in order
+        self.hooks_completed: list[tuple[str, str]] = []
         self.errors: list[str] = []
 
     # ----------------------------------------------------------------- lifecycle
@@ -293,7 +301,7 @@ class AwsSimulator:
     def _patch_moto(self) -> None:
         from moto.autoscaling.models import FakeAutoScalingGroup
         from moto.autoscaling.responses import AutoScalingResponse
-        from moto.core.responses import ActionResult
+        from moto.core.responses import ActionResult, EmptyResult
 
         from spotnb.providers.aws.resources import TAG_JOB
 
@@ -310,13 +318,21 @@ class AwsSimulator:
                 found = list(reversed(self.activities.get(name, [])))  # newest first
             return ActionResult({"Activities": found})
 
+        def complete_lifecycle_action(response: Any) -> Any:
+            with self._lock:
+                self.hooks_completed.append((str(response._get_param("InstanceId")),
+                                             str(response._get_param("LifecycleHookName"))))
+            return EmptyResult()
+
         original_activities = AutoScalingResponse.describe_scaling_activities
         FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
         AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
+        AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
 
         def unpatch() -> None:
             FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
             AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
+            del AutoScalingResponse.complete_lifecycle_action  # type: ignore[attr-defined]
 
         self._undo.append(unpatch)
         self._patch_ec2()
@@ -504,8 +520,11 @@ class AwsSimulator:
                    if i.terminate_at is not None and i.terminate_at <= now and not i.terminated]
         if due:
             self._ec2.terminate_instances(InstanceIds=[i.id for i in due])
-        # Auto Scaling: fill every spotnb group up to its desired capacity.
+        # Auto Scaling: capacity rebalancing, then fill every spotnb group up to its
+        # desired capacity.
         for group in self._asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
+            if group.get("CapacityRebalance") and self._rebalance(group, now):
+                continue  # the description is stale: the next tick fills the group
             self._fulfil(group, now)
         # EC2: boot new instances, shut down terminated ones.
         states = {}
@@ -526,7 +545,6 @@ class AwsSimulator:
                 killer.start()
 
     def _fulfil(self, group: dict[str, Any], now: float) -> None:
-        from spotnb.providers.aws import _boto
         from spotnb.providers.aws.resources import TAG_JOB
 
         tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
@@ -538,6 +556,16 @@ class AwsSimulator:
                   if i.get("LifecycleState") not in ("Terminating", "Terminated")]
         if len(active) >= group["DesiredCapacity"] or now < self._retry_at.get(name, 0.0):
             return
+        self._launch(group, now, keep_desired=len(active) + 1 < group["DesiredCapacity"])
+
+    def _launch(self, group: dict[str, Any], now: float, keep_desired: bool) -> str | None:
+        """Launch one instance for ``group`` as Auto Scaling does (the policy's types in
+        order, each in the group's subnets in order); its id, or None if no pool had
+        capacity. ``keep_desired``: set the desired capacity back after attaching it."""
+        from spotnb.providers.aws import _boto
+
+        name = group["AutoScalingGroupName"]
+        policy = group["MixedInstancesPolicy"]
         spec = policy["LaunchTemplate"]
         template = spec["LaunchTemplateSpecification"]
         types = [o["InstanceType"] for o in spec.get("Overrides", ())]
@@ -550,7 +578,7 @@ class AwsSimulator:
                 f"Launching a new EC2 instance. Status Reason: The placement group "
                 f"'{placement}' is unknown. Launching EC2 instance failed."), types[0])
             self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
-            return
+            return None
         for instance_type in types:
             for subnet in subnets:
                 az, az_id = self._subnet(subnet)
@@ -576,7 +604,7 @@ class AwsSimulator:
                     self._placed[launched["InstanceId"]] = placement
                 self._asg.attach_instances(AutoScalingGroupName=name,
                                            InstanceIds=[launched["InstanceId"]])
-                if len(active) + 1 < group["DesiredCapacity"]:
+                if keep_desired:
                     # moto's AttachInstances sets the desired capacity to the instances
                     # it holds; the group's own launches leave it (a group of N).
                     self._asg.set_desired_capacity(AutoScalingGroupName=name,
@@ -585,8 +613,85 @@ class AwsSimulator:
                     f"Launching a new EC2 instance: {launched['InstanceId']} "
                     f"({instance_type} in {az}, {az_id})"), instance_type)
                 self._retry_at.pop(name, None)
-                return
+                return str(launched["InstanceId"])
         self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
+        return None
+
+    def _rebalance(self, group: dict[str, Any], now: float) -> bool:
+        """Auto Scaling's capacity rebalancing for a group that has it on: a replacement
+        for each instance EC2 recommended rebalancing (the group may exceed its desired
+        capacity meanwhile); once that replacement is in service (booted and, if the
+        group has a launch hook, that hook completed or its wait over), the at-risk
+        instance is ended through the group's termination hook (IMDS
+        ``autoscaling/target-lifecycle-state`` ``Terminated``), and terminated when its
+        agent completes the hook or the hook's wait runs out; with no such hook, at
+        once. Hooks' waits (HeartbeatTimeout) are scaled as the notice period is.
+        Whether the group changed (its description is stale then)."""
+        name = group["AutoScalingGroupName"]
+        with self._lock:
+            members = [self.instances[i["InstanceId"]] for i in group.get("Instances", ())
+                       if i["InstanceId"] in self.instances]
+        changed = False
+        hooks = self._asg.describe_lifecycle_hooks(
+            AutoScalingGroupName=name)["LifecycleHooks"] if members else []
+        launch_wait = self._hook(hooks, "LAUNCHING")
+        ending = self._hook(hooks, "TERMINATING") or ("", 0.0)
+        for inst in members:
+            if inst.terminated or inst.rebalance_at is None:
+                continue
+            if inst.rebalanced_by is None and inst.terminate_at is None:
+                if now >= self._retry_at.get(name, 0.0):
+                    # Auto Scaling goes over the group's size for the replacement (moto
+                    # refuses to attach past MaxSize: raised meanwhile).
+                    self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
+                                                        MaxSize=group["MaxSize"] + 1)
+                    inst.rebalanced_by = self._launch(group, now, keep_desired=False)
+                    if inst.rebalanced_by is None:
+                        self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
+                                                            MaxSize=group["MaxSize"])
+                    changed = True
+                continue
+            with self._lock:
+                standby = self.instances.get(inst.rebalanced_by or "")
+            if inst.hook_until is None and standby is not None and standby.alive \
+                    and inst.terminate_at is None:
+                if launch_wait is not None and now < standby.booted + launch_wait[1] \
+                        and not self._completed(standby.id, launch_wait[0]):
+                    continue  # not in service yet (Pending:Wait)
+                inst.hook_until = now + ending[1]
+                inst.imds.set_target_lifecycle_state("Terminated")
+                self.signals_sent.append((now, inst.id, "terminating"))
+                log.info("capacity rebalancing: %s is in service; ending %s through the "
+                         "termination hook", standby.id, inst.id)
+            if inst.hook_until is not None and inst.terminate_at is None and (
+                    now >= inst.hook_until or self._completed(inst.id, ending[0])):
+                inst.terminate_at = now  # the tick's termination below takes it
+        # The group goes back to its size as each at-risk instance ends: it leaves the
+        # group (once: moto decrements the desired capacity at every call).
+        for inst in members:
+            if inst.rebalanced_by is not None and inst.terminate_at is not None \
+                    and inst.terminate_at <= now:
+                self._asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
+                                           ShouldDecrementDesiredCapacity=True)
+                self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
+                                                    MaxSize=max(1, group["MaxSize"] - 1))
+                changed = True
+        return changed
+
+    def _hook(self, hooks: list[dict[str, Any]], transition: str) -> tuple[str, float] | None:
+        """The group's lifecycle hook for ``transition`` (``LAUNCHING``,
+        ``TERMINATING``): its name and its wait in real seconds (HeartbeatTimeout,
+        scaled as the notice period is); None if it has none."""
+        for h in hooks:
+            if h["LifecycleTransition"] == f"autoscaling:EC2_INSTANCE_{transition}":
+                return (h["LifecycleHookName"],
+                        float(h.get("HeartbeatTimeout", 3600)) * self.notice_seconds / 120.0)
+        return None
+
+    def _completed(self, instance_id: str, hook: str) -> bool:
+        """Whether ``instance_id``'s agent completed lifecycle hook ``hook``."""
+        with self._lock:
+            return (instance_id, hook) in self.hooks_completed
 
     def _activity(self, group: str, status: str, message: str, instance_type: str) -> None:
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -669,6 +774,8 @@ class AwsSimulator:
         script = home / "user-data"
         script.write_bytes(base64.b64decode(encoded))
         env = {**os.environ, "SPOTNB_IMDS_ENDPOINT": record.imds.endpoint,
+               # The termination hook's wait, scaled as the notice period is.
+               "SPOTNB_TERMINATION_HOOK_SECONDS": str(self.notice_seconds),
                "SPOTNB_INSTANCE_DIR": str(home), "SPOTNB_SIM_INSTANCE_ID": instance_id}
         if self.install:
             site = home / "site"

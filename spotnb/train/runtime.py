@@ -792,7 +792,8 @@ class Checkpoint:
 
     def _fetch(self, manifest: Manifest) -> tuple[Path, bool]:
         """A local copy of the checkpoint: the agent's prefetch if it is this
-        checkpoint, else a fresh download. The second item says whether we downloaded
+        checkpoint, else the store's own files if the store is local (verified where
+        they are), else a fresh download. The second item says whether we downloaded
         it (and remove it after the restore).
 
         Verified whole, except a sharded checkpoint's: of that, only the directory is
@@ -809,8 +810,8 @@ class Checkpoint:
             try:
                 local = Manifest.read_local(restore_dir)
                 if local.id == manifest.id:
-                    if not sharded:
-                        self._store.verify_local(manifest, restore_dir)
+                    if not sharded:  # the agent's download verified every file
+                        self._store.verify_local(manifest, restore_dir, downloaded=True)
                     return restore_dir, False
                 _logger.info("the prefetched checkpoint %s is not the latest (%s); "
                              "downloading", local.id, manifest.id)
@@ -821,6 +822,10 @@ class Checkpoint:
             own = restore_dir / manifest.id
             own.mkdir(exist_ok=True)
             return own, False
+        here = None if sharded else self._store.local_dir(manifest)
+        if here is not None:  # a local store: its files are read where they are
+            self._store.verify_local(manifest, here)
+            return here, False
         dest = self._rt.scratch / f"runtime-restore-{uuid.uuid4().hex[:8]}"
         if sharded:
             dest.mkdir(parents=True)

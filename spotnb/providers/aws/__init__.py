@@ -83,6 +83,9 @@ from spotnb.providers.aws.resources import (
     BOOTSTRAP_PREFIX,
     FIS_ROLE,
     IAM_PATH,
+    LAUNCH_HOOK_NAME,
+    LAUNCH_HOOK_SECONDS,
+    LIFECYCLE_HOOK_NAME,
     SECURITY_GROUP,
     TAG_JOB,
     TAG_MANAGED,
@@ -94,6 +97,7 @@ from spotnb.providers.aws.resources import (
     instance_policy,
     launch_template_data,
     mixed_instances_policy,
+    rebalancing,
     role_name,
     s3_location,
     tags,
@@ -115,8 +119,8 @@ _IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Pr
 # FIS's shortest notice, as on a real interruption.
 FIS_NOTICE = "PT2M"
 # A capacity-rebalancing group's termination hook waits this long before Auto Scaling
-# ends the at-risk instance: EC2's notice period, for the agent's final save (it does
-# not complete the hook: the instance is billed to the end of the wait, as in a notice).
+# ends the at-risk instance: EC2's notice period, for the agent's final save (the
+# instance agent completes the hook once the job agent is done, which ends the wait).
 LIFECYCLE_HOOK_SECONDS = int(TERMINATION_HOOK_SECONDS)
 
 
@@ -756,7 +760,7 @@ class AwsProvider(Provider):
                 max_price=spec.resources.max_price, ondemand=ondemand),
             # Capacity rebalancing launches a warm standby on a rebalance
             # recommendation (spotnb.kernel_remote.standby); a multi-node job's is not.
-            CapacityRebalance=spec.policy.standby and nodes == 1,
+            CapacityRebalance=rebalancing(spec),
             HealthCheckType="EC2",
             Tags=[{**t, "PropagateAtLaunch": False, "ResourceId": name,
                    "ResourceType": "auto-scaling-group"} for t in tag_list],
@@ -768,10 +772,17 @@ class AwsProvider(Provider):
                            attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
         if params["CapacityRebalance"]:
             # Capacity rebalancing ends the at-risk instance once its standby is in
-            # service, notice or not: this hook's wait (IMDS target-lifecycle-state
-            # "Terminated") is the agent's notice, as long as EC2's, for its final save.
+            # service, notice or not. A standby is in service once it is ready (this
+            # launch hook, completed by its instance agent); the at-risk instance's
+            # termination hook's wait (IMDS target-lifecycle-state "Terminated") is its
+            # agent's notice, as long as EC2's, for its final save.
             _boto.with_backoff(lambda: asg.put_lifecycle_hook(
-                AutoScalingGroupName=name, LifecycleHookName="spotnb-final-save",
+                AutoScalingGroupName=name, LifecycleHookName=LAUNCH_HOOK_NAME,
+                LifecycleTransition="autoscaling:EC2_INSTANCE_LAUNCHING",
+                HeartbeatTimeout=LAUNCH_HOOK_SECONDS, DefaultResult="CONTINUE"),
+                what="adding the group's launch hook")
+            _boto.with_backoff(lambda: asg.put_lifecycle_hook(
+                AutoScalingGroupName=name, LifecycleHookName=LIFECYCLE_HOOK_NAME,
                 LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
                 HeartbeatTimeout=LIFECYCLE_HOOK_SECONDS, DefaultResult="CONTINUE"),
                 what="adding the group's termination hook")

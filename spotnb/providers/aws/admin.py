@@ -41,6 +41,7 @@ SPOT_QUOTAS = {
 NEEDED_ACTIONS = (
     "ec2:CreateLaunchTemplate", "ec2:DeleteLaunchTemplate", "ec2:RunInstances",
     "autoscaling:CreateAutoScalingGroup", "autoscaling:DeleteAutoScalingGroup",
+    "autoscaling:PutLifecycleHook",
     "iam:CreateRole", "iam:PutRolePolicy", "iam:CreateInstanceProfile",
     "iam:AddRoleToInstanceProfile", "iam:PassRole", "iam:DeleteRole",
     "s3:PutObject", "s3:GetObject", "s3:ListBucket", "ssm:GetParameter",

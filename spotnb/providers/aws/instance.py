@@ -15,7 +15,13 @@ An instance's life, narrated::
             (terminated in EC2: billed until their last event); then "launched"
             (at EC2's launch time, with the pool's spot and on-demand prices)
     Step 3  run the job agent; every POLL_SECONDS look at IMDS for the interruption
-            notice ("notice" event), every LIMITS_SECONDS at the budget and deadline
+            notice ("notice" event) and for Auto Scaling ending the instance through
+            its termination hook (``autoscaling/target-lifecycle-state`` Terminated:
+            capacity rebalancing, the job's warm standby is in service; the job agent
+            reads it as its notice); in a capacity-rebalancing group, complete the
+            launch hook once the job agent holds the lease or, a warm standby, is
+            ready, and the termination hook once it let go of the lease; every
+            LIMITS_SECONDS look at the budget and deadline
             (over: control/stop.json, which the job agent obeys), every PRICE_SECONDS
             at the spot price ("price" event when it changed)
     Step 4  the job agent exited:
@@ -26,6 +32,10 @@ An instance's life, narrated::
                 placement groups too where AWS allows it yet (every node that sees
                 the result does the same)
             after an interruption notice -> wait for EC2 to terminate the instance
+            ended through the termination hook -> complete the hook's lifecycle
+                action (the final save is durable and the lease released: the
+                standby has the job), so Auto Scaling terminates the instance now,
+                not at the end of the hook's wait; then wait for that
             a stop request it did not answer within STOP_GRACE_SECONDS -> "stopped"
                 result, then as for a result
             otherwise (crash, lost lease) -> start it again; CRASH_LOOP_COUNT quick
@@ -48,19 +58,28 @@ import threading
 import time
 from typing import Any
 
-from spotnb.protocol import layout, usage
+from spotnb.protocol import layout, lease, usage
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import JobState, fold
 from spotnb.protocol.events.live import request_stop
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import NotFound, Store, open_store
 from spotnb.providers.aws import _boto
-from spotnb.providers.aws.resources import capacity_failures, group_name
+from spotnb.providers.aws.resources import (
+    LAUNCH_HOOK_NAME,
+    LIFECYCLE_HOOK_NAME,
+    capacity_failures,
+    group_name,
+    rebalancing,
+)
 from spotnb.providers.imds import ImdsClient
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
+# While a lifecycle hook waits for this instance (capacity rebalancing), the lease (and
+# a standby's ready mark) is read this often: a GET (and a HEAD), for a minute or so.
+HOOK_POLL_SECONDS = 2.0
 # Budget and deadline are checked this often, from what this agent knows (the group's
 # history read once at boot, and its own price): no request.
 LIMITS_SECONDS = 5.0
@@ -100,6 +119,12 @@ class InstanceAgent:
         self.state = JobState(self.spec.resources.max_nodes)
         self.agent: subprocess.Popen[bytes] | None = None
         self.notice: dict[str, Any] | None = None
+        #: Auto Scaling ends this instance through the group's termination hook.
+        self.hook_ending = False
+        #: The group's lifecycle hooks this instance has still to complete (capacity
+        #: rebalancing: see resources.LAUNCH_HOOK_NAME and LIFECYCLE_HOOK_NAME).
+        self.launch_hook_due = rebalancing(self.spec)
+        self.end_hook_due = False
         self.stop_seen_at: float | None = None
         self.price: float | None = None
         self.tearing_down = threading.Event()
@@ -134,7 +159,12 @@ class InstanceAgent:
             if self.store.exists(layout.RESULT):
                 reason = "job-finished"
                 break
-            if self.notice is not None:
+            if self.end_hook_due:
+                log.info("the job agent exited after Auto Scaling began to end this "
+                         "instance: completing the termination hook")
+                self.end_hook_due = False
+                self._complete(LIFECYCLE_HOOK_NAME)
+            if self.notice is not None or self.hook_ending:
                 log.info("the job agent exited after the interruption notice; waiting for "
                          "EC2 to terminate this instance")
                 while True:
@@ -172,10 +202,15 @@ class InstanceAgent:
                 [sys.executable, "-m", AGENT_MODULE, "--job", self.job_uri],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         last_limits = last_price = last_usage = time.monotonic()
+        last_hooks = 0.0
         while self.agent.poll() is None:
             time.sleep(POLL_SECONDS)
             now = time.monotonic()
             self._watch_notice()
+            if (self.launch_hook_due or self.end_hook_due) and \
+                    now - last_hooks >= HOOK_POLL_SECONDS:
+                last_hooks = now
+                self._watch_hooks()
             if now - last_usage >= USAGE_SECONDS:
                 last_usage = now
                 self._report_usage()
@@ -324,6 +359,12 @@ class InstanceAgent:
             return
         try:
             action = self.imds.instance_action()
+            if not action and not self.hook_ending and \
+                    self.imds.target_lifecycle_state() == "Terminated":
+                # Not EC2 taking the instance back: no notice event, no interruption.
+                self.hook_ending = self.end_hook_due = True
+                log.info("Auto Scaling is ending this instance through its termination "
+                         "hook (capacity rebalancing): the job moves to its standby")
         except OSError:
             return
         if action:
@@ -394,6 +435,45 @@ class InstanceAgent:
 
     # ---------------------------------------------------------------- the end
 
+    def _watch_hooks(self) -> None:
+        """Complete the group's lifecycle hooks once their time came: the launch hook
+        once this instance's job agent holds the lease or, a warm standby, says it is
+        ready (the group may then end the at-risk instance); the termination hook once
+        it holds the lease no more (its final save is durable, the standby has the job),
+        so that Auto Scaling terminates it now, not at the end of the hook's wait, and
+        the instance the job left is not billed for the rest of it."""
+        iid = self.identity["instance_id"]
+        try:
+            current = lease.read(self.store)
+            held = current is not None and current[0].holder == iid \
+                and not current[0].released
+            if self.launch_hook_due and (
+                    held or self.store.exists(layout.standby_ready_key(iid))):
+                self.launch_hook_due = False
+                self._complete(LAUNCH_HOOK_NAME)
+            if self.end_hook_due and not held:
+                self.end_hook_due = False
+                self._complete(LIFECYCLE_HOOK_NAME)
+        except Exception:
+            log.debug("reading the lease for the lifecycle hooks failed", exc_info=True)
+
+    def _complete(self, hook: str) -> None:
+        """Tell Auto Scaling this instance is done with lifecycle hook ``hook`` (one
+        request); if that fails, the hook's timeout does it."""
+        ident = self.identity
+        try:
+            _boto.with_backoff(lambda: _boto.client("autoscaling", ident["region"])
+                               .complete_lifecycle_action(
+                                   LifecycleHookName=hook,
+                                   AutoScalingGroupName=group_name(self.spec.job_id),
+                                   LifecycleActionResult="CONTINUE",
+                                   InstanceId=ident["instance_id"]),
+                               what=f"completing the lifecycle hook {hook}")
+            log.info("completed the lifecycle hook %s", hook)
+        except Exception as err:
+            log.warning("could not complete the lifecycle hook %s (%s); Auto Scaling goes "
+                        "on at its timeout", hook, err)
+
     def _write_result(self, status: str, reason: str) -> None:
         body = {"status": status, "reason": reason, "time": time.time(), "by": "aws-instance",
                 "instance_id": self.identity.get("instance_id")}
@@ -455,8 +535,9 @@ class InstanceAgent:
                 with contextlib.suppress(OSError):
                     self.agent.send_signal(signal.SIGTERM)
             ident = self.identity
-            self._emit("instance", action="terminated",
-                       reason="spot-interruption" if self.notice else "terminated",
+            reason = "spot-interruption" if self.notice else \
+                "rebalanced" if self.hook_ending else "terminated"
+            self._emit("instance", action="terminated", reason=reason,
                        instance_id=ident.get("instance_id"),
                        instance_type=ident.get("instance_type"), az=ident.get("az_id"),
                        pool=f"{ident.get('instance_type')}@{ident.get('az_id')}")

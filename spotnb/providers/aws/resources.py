@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import spotnb
-from spotnb.protocol.spec import SpecError
+from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.providers.aws import parameters
 
 TAG_JOB = "spotnb:job-id"
@@ -124,6 +124,27 @@ def _seconds(env: Any, name: str) -> float | None:
 
 
 # ------------------------------------------------------------------------- names
+
+#: The termination lifecycle hook of a capacity-rebalancing group: its wait is the
+#: at-risk instance's final save; the instance agent completes it.
+LIFECYCLE_HOOK_NAME = "spotnb-final-save"
+#: The launch lifecycle hook of a capacity-rebalancing group: an instance is in service
+#: (capacity rebalancing ends the at-risk one then) once its instance agent completes
+#: it: at once for the job's instance, when its job agent holds the lease; for a warm
+#: standby, once it is ready (kernel started, checkpoint prefetched, cell at its restore
+#: point). So the job moves to a standby that is ready, as on the local cloud.
+LAUNCH_HOOK_NAME = "spotnb-standby-ready"
+#: How long the launch hook waits for a standby to be ready: EC2's boot and the local
+#: group's hold (spotnb.providers.local.group.STANDBY_HOLD_SECONDS); then it is in
+#: service anyway (the job moves to it, unready).
+LAUNCH_HOOK_SECONDS = 690
+
+
+def rebalancing(spec: JobSpec) -> bool:
+    """Whether the job's group has capacity rebalancing, and so warm standbys (its
+    ``policy.standby``; single-node jobs)."""
+    return bool(spec.policy.standby) and spec.resources.max_nodes == 1
+
 
 def group_name(job_id: str) -> str:
     return f"spotnb-{job_id}"
@@ -222,6 +243,16 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
         },
         {
+            # Capacity rebalancing: the instance the job left ends its termination
+            # hook's wait once its final save is durable (providers/aws/instance.py).
+            "Sid": "CompleteOwnHook",
+            "Effect": "Allow",
+            "Action": "autoscaling:CompleteLifecycleAction",
+            "Resource": (f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:"
+                         f"autoScalingGroupName/{group_name(job_id)}"),
+            "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
+        },
+        {
             "Sid": "DeleteOwnTemplate",
             "Effect": "Allow",
             "Action": "ec2:DeleteLaunchTemplate",
@@ -302,7 +333,7 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
                     "ec2:AuthorizeSecurityGroupIngress", "ec2:DeleteSecurityGroup",
                     "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup",
                     "ec2:TerminateInstances", "autoscaling:CreateAutoScalingGroup",
-                    "autoscaling:UpdateAutoScalingGroup",
+                    "autoscaling:UpdateAutoScalingGroup", "autoscaling:PutLifecycleHook",
                     "autoscaling:DeleteAutoScalingGroup", "autoscaling:CreateOrUpdateTags",
                     "fis:CreateExperimentTemplate", "fis:StartExperiment",
                     "fis:DeleteExperimentTemplate", "fis:TagResource"],

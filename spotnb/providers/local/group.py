@@ -104,7 +104,7 @@ from typing import Any
 
 import psutil
 
-from spotnb.protocol import lease, secretstore
+from spotnb.protocol import layout, lease, secretstore
 from spotnb.protocol.backoff import Backoff
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
 from spotnb.protocol.events.fold import fold
@@ -166,8 +166,6 @@ FORESEEN = ("hazard", "scheduled", "price")
 # capacity rebalancing does: holding it for a notice instead billed ~18% of a stressed
 # pool's job for a fifth of its interruptions caught warm (README, "Warm standbys").
 STANDBY_HOLD_SECONDS = 600.0
-# Where a standby's agent says it is ready (spotnb.kernel_remote.standby.STANDBY_PREFIX).
-STANDBY_PREFIX = "standby/"
 # The events that show a cell got past its imports: output, or metrics (one row or a batch).
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
@@ -740,7 +738,7 @@ class Supervisor:
     def _standby_ready(self, inst: LocalInstance) -> None:
         """Log a standby's readiness once its agent said so in the store."""
         try:
-            raw = self.store.get(f"{STANDBY_PREFIX}{inst.id}.json")
+            raw = self.store.get(layout.standby_ready_key(inst.id))
         except NotFound:
             return
         try:
