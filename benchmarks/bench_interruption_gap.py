@@ -29,7 +29,7 @@ at full length; the standby's gap has none. The figure is for the instance's wal
 the standby's own cost is reported with the job's.
 
 What standbys cost besides, false alarms included, is computed from the local cloud's
-signal model (:mod:`spotnb.providers.local.signals`: 0.7 of recommendations are false
+signal model (:mod:`spotnb.protocol.signals`: 0.7 of recommendations are false
 alarms, 0.4 of notices come unannounced, leads log-normal around 15 minutes): the
 group's policy (the job moves to a standby once it is ready) bills each standby its
 boot (EC2's 90 s) and its warm-up (the kernel, the cell's imports, the prefetch: this
@@ -171,7 +171,7 @@ def move_seconds(ready: float, saved: float, boot: float = BOOT_MARKET_SECONDS,
     ``ready`` ahead finds the job gone: that interruption bills neither the notice
     window after the final save nor a cold replacement's start, which the standby's
     time replaced (``saved`` each). ``net``: billed less saved."""
-    from spotnb.providers.local.signals import SignalModel
+    from spotnb.protocol.signals import SignalModel
 
     model = SignalModel()
     rng = random.Random(seed)

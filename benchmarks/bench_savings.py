@@ -13,7 +13,7 @@ g4dn.xlarge in us-east-1:
 * stressed: an interruption every STRESS_HOURS market hours (scheduled), far above any
   pool's rate, to show what each one costs; run twice, side by side, with warm standbys
   (the default: the local cloud plays EC2's rebalance recommendations, false alarms
-  included, :mod:`spotnb.providers.local.signals`) and without (``standby=False``), so
+  included, :mod:`spotnb.protocol.signals`) and without (``standby=False``), so
   the difference between the two is what standbys cost or save, all included.
 
 For each it reports the realized saving against the pool's own discount:

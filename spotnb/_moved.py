@@ -33,6 +33,7 @@ MOVED: dict[str, str] = {
     "listing": "client.listing",
     "comparison": "client.comparison",
     "spec": "protocol.spec",
+    "providers.local.signals": "protocol.signals",
     "errors": "protocol.errors",
     "store": "protocol.store",
     "layout": "protocol.layout",

@@ -32,7 +32,7 @@ from helpers import wait_until
 
 import spotnb
 from spotnb.client.cli import main as cli_main
-from spotnb.protocol import layout, secretstore, usage
+from spotnb.protocol import layout, lease, secretstore, usage
 from spotnb.protocol.events import Event
 from spotnb.protocol.spec import SpecError
 from spotnb.providers import catalog, get_provider
@@ -631,17 +631,16 @@ def test_capacity_rebalancing_moves_the_job_to_its_standby_and_completes_the_hoo
         handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
                                instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
         old = sim.wait_for_instance(handle.job_id)
-        wait_until(lambda: any(e.type == "checkpoint" and e.data.get("phase") == "durable"
-                               for e in handle.events(follow=False)), 120,
+        # (The store, not the log: a job nobody follows writes its log once a minute.)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
                    "a durable checkpoint before the recommendation")
         sim.recommend_rebalance(old.id)
         wait_until(lambda: old.terminated, 120,
                    "the at-risk instance ended once its standby was in service")
         assert (old.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed, \
             "its agent completed the termination hook (not its timeout)"
-        state = wait_until(lambda: (s := fold(handle.events(follow=False))).attempts.get(2)
-                           and s.attempts[2].last_step is not None and s, 120,
-                           "the standby training")
+        wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder != old.id,
+                   120, "the standby holding the lease")
         gate.touch()
         result = handle.wait(timeout=120)
         events = list(handle.events(follow=False))

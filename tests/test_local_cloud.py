@@ -25,6 +25,7 @@ from helpers import wait_until
 from spotnb.protocol.events import Event, EventReader
 from spotnb.protocol.events.fold import fold
 from spotnb.protocol.layout import RESULT, STOP
+from spotnb.protocol.signals import SignalModel
 from spotnb.protocol.spec import JobSpec, Policy, Resources, SpecError
 from spotnb.protocol.store import LocalStore
 from spotnb.providers import ProviderError, catalog
@@ -33,7 +34,6 @@ from spotnb.providers.local import LocalProvider
 from spotnb.providers.local.group import Supervisor
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.market import Market
-from spotnb.providers.local.signals import SignalModel
 from spotnb.providers.local.state import Settings, instance_dir
 
 AGENT = Path(__file__).with_name("local_cloud_agent.py")

@@ -401,7 +401,7 @@ def submit(
     back. ``checkpoint_every`` is a time (``"5m"``) or a step count (``"500 steps"``)
     for ``Checkpoint.maybe_save``. ``simulate_interruptions`` (local cloud): a count, or
     times after launch. ``simulate_signals`` (local cloud): the rebalance recommendations'
-    model, :class:`spotnb.providers.local.signals.SignalModel`'s fields (``{"lead_median":
+    model, :class:`spotnb.protocol.signals.SignalModel`'s fields (``{"lead_median":
     600, "false_alarm": 0, "seed": "a"}``). ``env``: environment variables for the cell, as
     ``{"NAME": "value"}`` or ``["NAME=value"]``; a name without a value (``None``, or
     ``"NAME"``) passes that variable of this machine's environment through, on the local

@@ -306,14 +306,14 @@ def _standby(value: Any) -> bool:
 
 
 def _signals(value: Any, provider: str) -> dict[str, Any] | None:
-    """The job's signal model (:class:`spotnb.providers.local.signals.SignalModel`'s
+    """The job's signal model (:class:`spotnb.protocol.signals.SignalModel`'s
     fields, all of them) or None (the model's defaults)."""
     if value is None:
         return None
     if provider != "local":
         raise SpecError("{option} works on the local cloud only (provider 'local'); "
                         "on AWS, EC2 sends the signals", field="simulate_signals")
-    from spotnb.providers.local.signals import check_signals
+    from spotnb.protocol.signals import check_signals
 
     return check_signals(value)
 

@@ -427,7 +427,7 @@ class JobSpec:
                 raise _bad(field, "names without repeats", names)
         _check_simulation(self.simulate_interruptions)
         if self.simulate_signals is not None:
-            from spotnb.providers.local.signals import SignalModel
+            from spotnb.protocol.signals import SignalModel
 
             SignalModel.from_dict(self.simulate_signals)
         if not isinstance(self.env, dict):

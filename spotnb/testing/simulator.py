@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spotnb.providers.local.signals import SignalModel
+from spotnb.protocol.signals import SignalModel
 from spotnb.testing.server import DEFAULT_ACCOUNT, DEFAULT_REGION, MotoServer, aws_environment
 
 __all__ = ["AwsSimulator", "SimInstance"]

@@ -110,6 +110,7 @@ from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import fold
 from spotnb.protocol.events.live import Follower, request_stop
 from spotnb.protocol.layout import RESULT, SPEC, STOP
+from spotnb.protocol.signals import SignalModel
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
 from spotnb.providers import catalog
@@ -117,7 +118,6 @@ from spotnb.providers.catalog import Pool
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.market import Market
-from spotnb.providers.local.signals import SignalModel
 from spotnb.providers.local.state import (
     CONTROL_DIR,
     GROUP_FILE,
