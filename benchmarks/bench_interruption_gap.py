@@ -162,8 +162,8 @@ def _row_times(events: list[Any], attempt: int) -> list[float]:
     return out
 
 
-def move_seconds(ready: float, saved: float, boot: float = BOOT_MARKET_SECONDS,
-                 draws: int = 200_000, seed: int = 1) -> dict[str, float]:
+def move_seconds(ready: float, saved: float, draws: int = 200_000,
+                 seed: int = 1) -> dict[str, float]:
     """The group's policy, per interruption, from the signal model, in market seconds of
     instance time billed beside the training: each standby bills its time to ready
     (``ready``: boot plus warm-up; the job moves to it then; or up to the notice, when
@@ -188,7 +188,7 @@ def move_seconds(ready: float, saved: float, boot: float = BOOT_MARKET_SECONDS,
     billed = billed / draws + per * ready
     caught /= draws
     return {"billed": billed, "caught": caught, "false_alarms": per,
-            "net": billed - caught * (saved + ready), "boot": boot}
+            "net": billed - caught * (saved + ready)}
 
 
 def _cost_table(warmup: float | None, parked: float | None) -> None:

@@ -631,9 +631,10 @@ class AwsSimulator:
         with self._lock:
             members = [self.instances[i["InstanceId"]] for i in group.get("Instances", ())
                        if i["InstanceId"] in self.instances]
+        if not any(i.rebalance_at is not None for i in members):
+            return False  # nothing recommended: no request this tick
         changed = False
-        hooks = self._asg.describe_lifecycle_hooks(
-            AutoScalingGroupName=name)["LifecycleHooks"] if members else []
+        hooks = self._asg.describe_lifecycle_hooks(AutoScalingGroupName=name)["LifecycleHooks"]
         launch_wait = self._hook(hooks, "LAUNCHING")
         ending = self._hook(hooks, "TERMINATING") or ("", 0.0)
         for inst in members:
