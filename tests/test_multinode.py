@@ -6,6 +6,7 @@ rendezvous store.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -688,6 +689,153 @@ def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupte
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_warm_standby_joins_in_a_recommended_nodes_place_with_no_step_redone(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two nodes of seeded DDP code (--nodes 2). EC2 recommends a rebalance of one node
+    (held at step 6): every rank saves at once, and the world goes on as it is (it
+    re-formed around the node before). The group starts a warm standby for the node,
+    which starts its kernels and downloads the newest checkpoint without joining the
+    world. Once it is ready the group ends the node through its termination hook
+    (capacity rebalancing): every rank saves at one step, the node leaves, and the
+    standby takes its slot and joins: the world re-forms at 2 from that save, with no
+    boot in the gap (no instance launched but the two nodes and the standby), no step
+    redone, and the weights of an uninterrupted run, bitwise. The fold and the display
+    tell a move to the standby, not an interruption."""
+    import time
+
+    import spotnb
+    from spotnb.client import display
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
+    from spotnb.protocol import layout
+    from spotnb.protocol.events import Event, EventReader, metric_rows
+    from spotnb.protocol.events.fold import EndReason, fold
+    from spotnb.protocol.events.live import Follower
+    from spotnb.providers.local import LocalProvider
+
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    # A standby's hold is 600 market seconds after its boot: 150 s at this scale, for
+    # two nodes' kernels and a standby's warm-up on a busy machine.
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "4")
+    # An instance boots in 5 s: the standby's boot comes before the move, not in it.
+    monkeypatch.setenv("SPOTNB_LOCAL_BOOT_SECONDS", "5")
+    # The termination hook's wait; the node ends as soon as it released its slot.
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "60")
+    inputs = {"STEPS": 16, "PAUSES": [6, 12], "PAUSE_AT": -1}
+    reference = Uninterrupted(GATED_TRAINING, {**inputs, "PAUSES": [], "GO": ""}, 2, tmp_path)
+    go = tmp_path / "go"
+    go.mkdir()
+    job = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(go)}, nodes=2,
+                        outputs=["weights"], instance_types="g4dn.xlarge",
+                        checkpoint_every="5 steps")
+    store = LocalStore(job.spec.store_uri.removeprefix("file://"))
+
+    def steps() -> list[int]:
+        return [step for step, _ in job.metrics().get("loss", [])]
+
+    def rounds() -> set[tuple[object, ...]]:
+        return {(w["instance"], w["generation"], w["round"]) for w in _worlds(store)}
+
+    # Followed: the agents send their events live (unwatched, they write once a minute).
+    with Follower(job.store, job.job_id) as follower:
+        seen: list[Event] = []
+
+        def follow_until(found: Callable[[Event], bool], what: str) -> None:
+            deadline = time.monotonic() + 240
+            while not any(found(e) for e in seen):
+                assert time.monotonic() < deadline, f"gave up waiting for {what}"
+                seen.extend(follower.poll(wait=0.5))
+
+        follow_until(lambda e: e.type == "metric" and e.data.get("step") == 6,
+                     "training to reach step 6")
+        record = rdzv.read(store)
+        assert record is not None
+        (node,) = [m["instance_id"] for m in LocalProvider().instances(job.job_id)
+                   if m.get("state") == "running" and m["instance_id"] != record[0].host]
+        before = rounds()
+        LocalProvider().recommend(job.job_id, instance=node)
+        follow_until(lambda e: e.type == "notice" and e.instance == node
+                     and e.data.get("kind") == "rebalance", "the node to see its recommendation")
+        (go / "6").write_text("go")  # every rank saves at step 6 while the standby boots
+        # The standby warms up outside the world; once it is ready, the node is ended
+        # through its hook and its agent takes that for its notice.
+        follow_until(lambda e: e.type == "status" and e.instance == node and "the warm "
+                     "standby is ready: moving to it" in str(e.data.get("detail")),
+                     "the node to be moved to its standby")
+        assert rounds() == before, "the world re-formed while the node was in it"
+        (go / "12").write_text("go")
+    result = job.wait(timeout=300)
+    assert result.status == "completed", (result.status, result.reason)
+    want = reference.weights()
+    got = result.outputs["weights"]
+    assert all(torch_equal(a, b) for a, b in zip(got, want, strict=True))
+
+    events = list(EventReader(store).replay())
+    state = fold(events, 2)
+    (sb,) = state.standbys.values()
+
+    def group(action: str) -> list[object]:
+        return [e for e in events if e.attempt == 0 and e.type == "instance"
+                and e.data.get("action") == action]
+
+    (moved,) = [e for e in group("terminated") if e.instance == node]  # type: ignore[attr-defined]
+    assert moved.data["reason"] == "rebalanced"  # type: ignore[attr-defined]
+    assert sb.standby_for == node and sb.given_back is None and sb.attempt is not None
+    # Warm before the node left: its kernels started, it said it was ready.
+    assert sb.kernel_started is not None and sb.ready is not None
+    assert sb.kernel_started <= sb.ready < moved.time  # type: ignore[attr-defined]
+    # It took the node's slot; the node's attempt ended moved to its standby, not
+    # interrupted; no instance launched but the two nodes and the standby.
+    (gone,) = [a for a in state.attempts.values() if a.instance_id == node]
+    assert layout.node_slot(sb.attempt, 2) == gone.node
+    assert state.end_reason(gone.number, final=True) == EndReason.MOVED.value
+    assert state.interruptions() == 0 and not group("notice")
+    assert len(group("launched")) == 3
+    # A save at once at step 6, where the recommendation found the job (the policy's
+    # are every 5th step), one coordinated save before the node left; every step
+    # logged once: none redone.
+    durable = [e.data for e in events if e.type == "checkpoint"
+               and e.data.get("phase") == "durable"]
+    assert 6 in [d["step"] for d in durable], durable
+    assert len([d for d in durable if d.get("forced")]) == 1, durable
+    assert sorted(steps()) == list(range(16))
+    assert {w["world_size"] for w in _worlds(store)} == {2}
+    handover = state.handover_seconds(sb)
+    assert handover is not None
+    # What the notebook shows.
+    view = display.JobView(job_id=job.job_id, name="", created=0.0, min_nodes=2,
+                           max_nodes=2)
+    lines = []
+    for event in events:
+        view.apply(event)
+        if (text := display.milestone(event, view)) is not None:
+            lines.append(text)
+    assert view.progress.redone_steps() == 0
+    slot = gone.node
+    assert any(line.startswith(f"node {slot} (attempt {gone.number}): its warm standby "
+                               f"{sb.instance_id} is ready: moving to it") for line in lines), lines
+    assert any(line.startswith(f"node {slot} (attempt {sb.attempt}): its warm standby "
+                               "joining in its place") for line in lines), lines
+    for text in ("rebalance recommendation: standby booting", "standby ready",
+                 f"handed over in {handover:.1f} s"):
+        assert text in lines, lines
+    # The gap: the node's save durable -> the next step logged (printed for the record).
+    (saved,) = [e for e in events if e.type == "checkpoint"
+                and e.data.get("phase") == "durable" and e.data.get("forced")]
+    resumed = min(t for e in EventReader(store, batches=True).poll()
+                  for step, t, _values in metric_rows(e) if step == saved.data["step"] + 1)
+    print(f"standby handover: {handover:.1f} s; save of step {saved.data['step']} durable "
+          f"-> next step: {resumed - saved.time:.1f} s; rounds: "
+          f"{sorted({(w['generation'], w['round']) for w in _worlds(store)})}")
+
+
+def torch_equal(a: object, b: object) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
         spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three nodes of seeded DDP code (--nodes 2:3); one node, chosen at random, is
@@ -953,3 +1101,106 @@ def test_a_multi_node_record_names_its_nodes_and_the_dashboard_plots_them(
     assert len(layout["shapes"]) == 2
     assert any(axis.get("title", {}).get("text") == "world size"
                for key, axis in layout.items() if key.startswith("yaxis"))
+
+
+def _standby_move_job() -> tuple[JobSpec, list[object]]:
+    """The events of a --nodes 2 job whose node 1 (attempt 2, i-2) gets a rebalance
+    recommendation: standby i-3 launches, is ready, node 1 is ended through its
+    termination hook (its notice from Auto Scaling), and the standby joins in its
+    place as node 1's next attempt (4): the world re-forms at 2."""
+    import json
+
+    from spotnb.protocol.events import GROUP_STREAM, Event
+
+    raw = json.loads(_spec_json())
+    raw["resources"].update(min_nodes=2, max_nodes=2, procs_per_node=1)
+    raw["created"] = T0
+    spec = JobSpec.from_json(json.dumps(raw))
+    ev: list[object] = []
+
+    def group(at: float, type_: str, **data: object) -> None:
+        ev.append(Event(type_, T0 + at, GROUP_STREAM, data.get("instance_id"), data))  # type: ignore[arg-type]
+
+    def agent(at: float, attempt: int, instance: str, type_: str, **data: object) -> None:
+        ev.append(Event(type_, T0 + at, attempt, instance, data))
+
+    where = {"instance_type": "g4dn.xlarge", "az": "us-east-1a",
+             "pool": "g4dn.xlarge/us-east-1a"}
+    for a in (1, 2):
+        group(0, "instance", action="launched", instance_id=f"i-{a}", price=SPOT,
+              ondemand=ONDEMAND, **where)
+        agent(10, a, f"i-{a}", "status", state="booting", detail=f"attempt {a}",
+              instance_type="g4dn.xlarge", az="us-east-1a")
+    for rank, a in enumerate((1, 2)):
+        agent(20, a, f"i-{a}", "world", generation=1, round=1, nodes=2, world_size=2,
+              node_rank=rank, ranks=[rank], min_nodes=2, max_nodes=2)
+    agent(25, 1, "i-1", "metric", step=0, t=T0 + 25, values={"loss": 1.0})
+    group(30, "instance", action="rebalance", reason="requested", instance_id="i-2", **where)
+    agent(30, 2, "i-2", "notice", kind="rebalance", action="rebalance")
+    group(30, "instance", action="launched", instance_id="i-3", price=SPOT,
+          ondemand=ONDEMAND, standby_for="i-2", **where)
+    group(40, "instance", action="standby-ready", instance_id="i-3", standby_for="i-2",
+          kernel_started=T0 + 38, **where)
+    agent(41, 2, "i-2", "notice", kind="instance-action", action="terminate",
+          notice_time="2027-01-15T08:00:00Z", source="auto-scaling")
+    agent(41, 2, "i-2", "status", state="interrupted",
+          detail="the warm standby is ready: moving to it (this instance ends at "
+                 "2027-01-15T08:00:00Z); saving a checkpoint")
+    agent(42, 1, "i-1", "metric", step=1, t=T0 + 42, values={"loss": 0.5})
+    group(44, "instance", action="terminated", reason="rebalanced", instance_id="i-2",
+          **where)
+    agent(44, 4, "i-3", "status", state="booting", detail="attempt 4",
+          instance_type="g4dn.xlarge", az="us-east-1a")
+    agent(44, 4, "i-3", "standby", phase="took-over", kernel_started=T0 + 38,
+          ready=T0 + 40, lease_at=T0 + 44, read_bytes=0)
+    for rank, (a, i) in enumerate(((1, "i-1"), (4, "i-3"))):
+        agent(46, a, i, "world", generation=1, round=2, nodes=2, world_size=2,
+              node_rank=rank, ranks=[rank], min_nodes=2, max_nodes=2)
+    agent(47, 4, "i-3", "standby", phase="restored", step=1)
+    agent(48, 1, "i-1", "metric", step=2, t=T0 + 48, values={"loss": 0.25})
+    agent(50, 1, "i-1", "result", status="completed", reason="the cell finished")
+    for i in ("i-1", "i-3"):
+        group(52, "instance", action="terminated", reason="job-finished", instance_id=i,
+              **where)
+    return spec, ev
+
+
+def test_the_display_tells_a_nodes_move_to_its_warm_standby() -> None:
+    """A node moved to its warm standby is not an interruption: the node's attempt
+    ended "moved to its standby", the standby joins in its place, and the fold tells
+    the standby's story (booting, ready, handed over)."""
+    from spotnb.client import display
+    from spotnb.client.jobs import summarize
+    from spotnb.protocol.events.fold import fold
+
+    spec, events = _standby_move_job()
+    view = display.JobView(job_id=spec.job_id, name=spec.name, created=T0,
+                           min_nodes=2, max_nodes=2)
+    lines = []
+    for event in events:
+        view.apply(event)  # type: ignore[arg-type]
+        text = display.milestone(event, view)  # type: ignore[arg-type]
+        if text is not None:
+            lines.append(text)
+    assert lines == [
+        "node 0 (attempt 1): joining, g4dn.xlarge us-east-1a (i-1)",
+        "node 1 (attempt 2): joining, g4dn.xlarge us-east-1a (i-2)",
+        "world formed: 2 nodes, world size 2 (--nodes 2:2)",
+        "node 1 (attempt 2): rebalance recommendation for i-2: it is at elevated risk of "
+        "interruption; every rank saves a checkpoint",
+        "rebalance recommendation: standby booting",
+        "standby ready",
+        "node 1 (attempt 2): its warm standby i-3 is ready: moving to it; every rank "
+        "saves a checkpoint, then the standby joins the world in its place",
+        "node 1 (attempt 4): its warm standby joining in its place, g4dn.xlarge "
+        "us-east-1a (i-3)",
+        "handed over in 6.0 s",
+    ], lines
+    state = fold(events, 2)  # type: ignore[arg-type]
+    (sb,) = state.standbys.values()
+    assert (sb.standby_for, sb.attempt, state.handover_seconds(sb)) == ("i-2", 4, 6.0)
+    result = summarize(spec, events, {"status": "completed"})  # type: ignore[arg-type]
+    assert result.interruptions == 0
+    assert [(a.number, a.node, a.end_reason) for a in result.attempts] == [
+        (1, 0, "completed"), (2, 1, "moved to its standby"),
+        (4, 1, "ended with the job (completed)")]

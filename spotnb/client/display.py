@@ -253,6 +253,9 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
             return detail
         return None
     if isinstance(body, codec.Notice):
+        if body.moved:
+            return (f"attempt {event.attempt}: {_moving_to(event, view)}; saving a "
+                    "checkpoint, then the standby trains on from it")
         if body.interruption:
             when = _clock_of(body.notice_time)
             return (f"attempt {event.attempt}: spot interruption notice for {event.instance} "
@@ -288,6 +291,15 @@ def _standby_milestone(event: Event, body: codec.Body | None, state: JobState
     if sb is None:
         return None
     return next((text for t, text in sb.story(state) if t == event.time), None)
+
+
+def _moving_to(event: Event, view: JobView | None) -> str:
+    """An attempt's instance ended because its warm standby is ready (capacity
+    rebalancing), in words: naming the standby where the fold knows it."""
+    standby = None if view is None else next(
+        (sb.instance_id for sb in view.folded.standbys.values()
+         if sb.standby_for == event.instance), None)
+    return f"its warm standby{f' {standby}' if standby else ''} is ready: moving to it"
 
 
 def _plural(n: int, word: str) -> str:
@@ -328,9 +340,19 @@ def _node_milestone(event: Event, view: JobView) -> str | None:
     who = f"node {slot} (attempt {event.attempt})"
     if isinstance(body, codec.Status) and body.state == "booting" and not body.retrying:
         where = " ".join(str(p) for p in (body.instance_type, body.az) if p)
+        standby = view.folded.standbys.get(str(event.instance))
         how = ("joining" if event.attempt <= view.max_nodes
+               else "its warm standby joining in its place"
+               if standby is not None and standby.standby_for
                else "a replacement instance joining in the lost node's place")
         return f"{who}: {how}, {where} ({event.instance})"
+    if isinstance(body, codec.Notice) and body.moved:
+        return (f"{who}: {_moving_to(event, view)}; every rank saves a checkpoint, then "
+                "the standby joins the world in its place")
+    if isinstance(body, codec.Notice) and not body.interruption and not any(
+            i.attempt == event.attempt and i.noticed for i in view.progress.interruptions):
+        return (f"{who}: rebalance recommendation for {event.instance}: it is at elevated "
+                "risk of interruption; every rank saves a checkpoint")
     if isinstance(body, codec.Notice) and body.interruption:
         when = _clock_of(body.notice_time)
         return (f"{who}: spot interruption notice for {event.instance} ({body.action} "

@@ -431,7 +431,14 @@ class Agent:
         try:
             self.retry(lambda: self.kernels.unpack_workdir(self.store),
                        "reading the job's files")
-            self.node = NodeRun(self, KERNEL_READY_TIMEOUT)
+            found, self.warm = self.warm, None
+            warm = found if isinstance(found, standby.NodeStandby) else None
+            if warm is not None:
+                # A standby's kernels are started and its download is there: the node
+                # joins with them (standby.NodeStandby, Step 5).
+                warm.took_over(self.held.epoch, self.events)
+                self.warm = warm  # for the first `restored` message: the handover
+            self.node = NodeRun(self, KERNEL_READY_TIMEOUT, warm=warm)
             return str(self.node.run())
         finally:
             sampler.stop()

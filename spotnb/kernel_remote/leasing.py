@@ -90,23 +90,29 @@ def rechecked(check: lease.HolderGone | None,
     return gone
 
 
+def free_slot(store: Store, spec: JobSpec, instance: str,
+              gone: lease.HolderGone | None) -> lease.HeldLease | None:
+    """One try at the job's lease (a distributed job's: of the first free node slot):
+    the lease, or None while live agents hold every slot. Store errors are raised."""
+    slots = spec.resources.max_nodes if spec.resources.distributed else 1
+    for slot in range(slots):
+        held = lease.acquire(store, holder=instance, holder_gone=gone,
+                             ttl=lease.configured_ttl(), slot=slot, stride=slots)
+        if held is not None:
+            return held
+    return None
+
+
 def take_lease(store: Store, spec: JobSpec, instance: str) -> lease.HeldLease | None:
     """Wait for the lease (a distributed job's: of the first free node slot); None
     if the job ended or was stopped meanwhile."""
     gone = rechecked(holder_gone_check(spec), HOLDER_GONE_RECHECK_SECONDS)
-    slots = spec.resources.max_nodes if spec.resources.distributed else 1
     while True:
         try:
             if store.exists(layout.RESULT) or store.exists(layout.STOP):
                 log.info("job ended while waiting for the lease; exiting without writing")
                 return None
-            held = None
-            for slot in range(slots):
-                held = lease.acquire(store, holder=instance, holder_gone=gone,
-                                     ttl=lease.configured_ttl(), slot=slot,
-                                     stride=slots)
-                if held is not None:
-                    break
+            held = free_slot(store, spec, instance, gone)
             if held is not None and store.exists(layout.RESULT):
                 # The previous holder finished the job and released the lease.
                 held.release()

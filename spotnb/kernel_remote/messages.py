@@ -153,7 +153,9 @@ class RuntimeMessages:
                        f"in {msg.get('seconds', 0):.1f}s")
         if self.agent.node is not None and msg.get("step") is not None:
             self.agent.node.on_restored(int(msg.get("step")))
-        if self.agent.warm is not None:  # a standby's: the handover is done
+        warm, self.agent.warm = self.agent.warm, None
+        if warm is not None:  # a standby's: the handover is done (said once: a
+            # distributed node's every worker restores)
             ev.emit("standby", phase="restored", step=msg.get("step"),
                     seconds=msg.get("seconds"))
             self.agent.notifier.handed_over(ev.attempt)

@@ -3,7 +3,8 @@
 The capacity group starts a second instance when EC2 recommends a rebalance of the one
 that runs the job (Auto Scaling's capacity rebalancing on AWS, the local group the
 same). Its agent finds the lease held by a live holder and, instead of only waiting for
-it, warms up (single-node jobs whose ``policy.standby`` is on)::
+it, warms up (jobs whose ``policy.standby`` is on; a single-node job's, below, a
+distributed job's: :class:`NodeStandby`)::
 
     Step 1  unpack the job's files; the kernel (spawned already) answers.
     Step 2  download the newest checkpoint into the restore directory (no lease needed:
@@ -30,6 +31,13 @@ restore point (the cell is then sent at the takeover, as in any attempt: only th
 kernel's start and the runtime's import were saved), nor keep more than the kernel
 client's queue of the cell's output before its restore point (ZeroMQ's default of
 1,000 messages).
+
+A distributed job's standby (:class:`NodeStandby`) stands by for one node: it finds
+every node slot held and warms up without joining the world (its ranks are
+torchelastic's to give, at a rendezvous it must not join while the node it stands by
+for is in the world: that would make the world re-form around it). Once that node has
+saved with every rank and released its slot, the standby takes the slot and joins in
+its place, its kernels and download ready.
 """
 
 from __future__ import annotations
@@ -45,15 +53,15 @@ from typing import Any
 
 from spotnb.kernel_remote import channel, leasing
 from spotnb.kernel_remote.cells import reply_error
-from spotnb.kernel_remote.kernel import KernelNotReady
-from spotnb.kernel_remote.kernels import BOOTSTRAP, KernelSupervisor
+from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
+from spotnb.kernel_remote.kernels import BOOTSTRAP, KERNEL_READY_TIMEOUT, KernelSupervisor
 from spotnb.kernel_remote.leasing import holder_gone_check
 from spotnb.protocol import layout, lease
 from spotnb.protocol.events import EventWriter
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import Store, retrying
 
-__all__ = ["Standby", "lease_now", "take_lease", "wanted"]
+__all__ = ["NodeStandby", "Standby", "lease_now", "take_lease", "wanted"]
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +72,25 @@ BOOTSTRAP_SECONDS = 120.0
 RESTORE_POINT_SECONDS = 300.0
 
 
+#: What a distributed job's standby imports in its kernels ahead (binding no name in the
+#: cell's namespace): the runtime a worker's bootstrap starts, and torch.distributed,
+#: which every distributed cell and the runtime's coordinated saves use.
+NODE_PREIMPORT = "__import__('torch.distributed'); __import__('spotnb.train.runtime')"
+
+
 def lease_now(store: Store, spec: JobSpec, instance: str) -> lease.HeldLease | None:
-    """One try at the job's lease (free, released, expired, or its holder gone); None
-    while a live agent holds it (or the job is distributed: its slots are taken by
-    :func:`spotnb.kernel_remote.leasing.take_lease`)."""
-    if spec.resources.distributed or store.exists(layout.RESULT) or store.exists(layout.STOP):
+    """One try at the job's lease (a distributed job's: of a free node slot; free,
+    released, expired, or its holder gone); None while live agents hold it (every
+    slot), or once the job ended."""
+    if store.exists(layout.RESULT) or store.exists(layout.STOP):
         return None
-    return lease.acquire(store, holder=instance, holder_gone=holder_gone_check(spec),
-                         ttl=lease.configured_ttl())
+    return leasing.free_slot(store, spec, instance, holder_gone_check(spec))
 
 
 def wanted(spec: JobSpec) -> bool:
-    """Whether an agent that finds the lease held warms up as a standby."""
-    return spec.policy.standby and not spec.resources.distributed
+    """Whether an agent that finds the lease (every node slot) held warms up as a
+    standby."""
+    return spec.policy.standby
 
 
 def take_lease(store: Store, spec: JobSpec, kernels: KernelSupervisor, scratch: Path,
@@ -90,7 +104,8 @@ def take_lease(store: Store, spec: JobSpec, kernels: KernelSupervisor, scratch: 
         held = retrying(lambda: lease_now(store, spec, instance), "taking the lease")
         if held is not None:
             return held, None
-        warm = Standby(store, spec, kernels, scratch, instance, on_ready)
+        kind = NodeStandby if spec.resources.distributed else Standby
+        warm = kind(store, spec, kernels, scratch, instance, on_ready)
         warm.warm()
     return leasing.take_lease(store, spec, instance), warm
 
@@ -177,18 +192,43 @@ class Standby:
         if self._on_ready is not None:
             self._on_ready()
 
+    def _checkpoints(self) -> Any:
+        from spotnb.ckpt.checkpoints import CHECKPOINT_FORMATS, CheckpointStore
+
+        return CheckpointStore(self.store, prefix=layout.CHECKPOINTS,
+                               keep=self.spec.policy.keep_checkpoints,
+                               formats=CHECKPOINT_FORMATS)
+
+    def _share(self, manifest: Any) -> list[str] | None:
+        """The files of ``manifest`` to download ahead (None: every file)."""
+        return None
+
     def _download(self, previous: Any) -> Any:
         """The newest checkpoint into the restore directory (files already there that
         verify are kept); its manifest, or None if the job has none."""
-        from spotnb.ckpt.checkpoints import CHECKPOINT_FORMATS, CheckpointStore
-
-        ckpts = CheckpointStore(self.store, prefix=layout.CHECKPOINTS,
-                                keep=self.spec.policy.keep_checkpoints,
-                                formats=CHECKPOINT_FORMATS)
+        ckpts = self._checkpoints()
         manifest = ckpts.latest()
         if manifest is not None and (previous is None or manifest.id != previous.id):
-            ckpts.download(manifest, self.restore_dir)
+            ckpts.download(manifest, self.restore_dir, names=self._share(manifest))
         return manifest
+
+    def _read_since(self, newest: Any) -> int:
+        """Bytes of ``newest``'s files that the download ahead did not bring."""
+        if newest is None:
+            return 0
+        if self.prefetched is None:
+            return int(newest.total_bytes)
+        before = {(f.name, f.size, f.checksum) for f in self.prefetched.files}
+        return sum(f.size for f in newest.files if (f.name, f.size, f.checksum) not in before)
+
+    def _said_took_over(self, events: EventWriter, taken: float, newest: Any,
+                        read: int) -> None:
+        events.emit("standby", phase="took-over", kernel_started=self.kernel_started,
+                    ready=self.ready_at, lease_at=taken,
+                    prefetched_step=getattr(self.prefetched, "step", None),
+                    step=getattr(newest, "step", None), read_bytes=read,
+                    cell_waiting=self.cell_msg is not None)
+        events.flush_soon()
 
     # -- at the takeover -------------------------------------------------------------
 
@@ -199,13 +239,8 @@ class Standby:
         read = 0
         try:
             newest = self._download(self.prefetched)
-            if newest is not None and self.prefetched is not None and \
-                    newest.id != self.prefetched.id:
-                before = {(f.name, f.size, f.checksum) for f in self.prefetched.files}
-                read = sum(f.size for f in newest.files
-                           if (f.name, f.size, f.checksum) not in before)
-            elif newest is not None and self.prefetched is None:
-                read = newest.total_bytes
+            read = self._read_since(newest) if newest is not None and (
+                self.prefetched is None or newest.id != self.prefetched.id) else 0
         except Exception:
             log.exception("refreshing the prefetched checkpoint failed; the runtime "
                           "downloads what it lacks")
@@ -214,9 +249,81 @@ class Standby:
         tmp.write_text(json.dumps({"attempt": attempt}))
         os.replace(tmp, self.restore_dir / channel.STANDBY_LEASED)
         (self.restore_dir / channel.PREFETCH_DONE).touch()
-        events.emit("standby", phase="took-over", kernel_started=self.kernel_started,
-                    ready=self.ready_at, lease_at=taken,
-                    prefetched_step=getattr(self.prefetched, "step", None),
-                    step=getattr(newest, "step", None), read_bytes=read,
-                    cell_waiting=self.cell_msg is not None)
-        events.flush_soon()
+        self._said_took_over(events, taken, newest, read)
+
+
+class NodeStandby(Standby):
+    """The warm-up of a distributed job's agent that finds every node slot held: the
+    capacity group's standby for a node with a rebalance recommendation (or a
+    replacement that came while the node it replaces still holds its slot)::
+
+        Step 1  unpack the job's files; spawn the node's P kernels (the first round's
+                workers) and wait until each answers.
+        Step 2  import torch.distributed and spotnb's runtime in each
+                (:data:`NODE_PREIMPORT`): the workers' bootstrap and the cell's imports
+                find them loaded.
+        Step 3  download the newest checkpoint: a replicated one (DDP: global rank 0
+                wrote it) whole; of a sharded one its ``.metadata`` (which shards this
+                node reads only its ranks tell, given at the rendezvous).
+        Step 4  say so in the store (``standby/<instance>.json``), then wait for a free
+                slot as any agent does, outside the rendezvous: the world is not
+                disturbed while the node stood by for is in it.
+        Step 5  that node saved with every rank (its notice, or the group's move) and
+                released its slot: take it; the kernels become the first round's
+                workers and the download its restore directory (refreshed there with
+                this node's share), and the node joins the rendezvous in its place
+                (:class:`spotnb.kernel_remote.multinode.node.NodeRun`).
+    """
+
+    def __init__(self, store: Store, spec: JobSpec, kernels: KernelSupervisor,
+                 scratch: Path, instance_id: str,
+                 on_ready: Callable[[], None] | None = None) -> None:
+        super().__init__(store, spec, kernels, scratch, instance_id, on_ready)
+        #: The node's kernels, spawned ahead: the first round's workers.
+        self.spares: list[KernelProcess] = []
+
+    def _share(self, manifest: Any) -> list[str] | None:
+        from spotnb.ckpt import node_share
+
+        return node_share(manifest, (), 0)
+
+    def _warm(self) -> None:
+        log.info("every node slot is held by a live agent: warming up as a standby")
+        self.kernels.unpack_workdir(self.store)
+        self.spares = [self.kernels.start(f"r{rank}")
+                       for rank in range(self.spec.resources.procs_per_node)]
+        clients = []
+        for kernel in self.spares:
+            try:
+                clients.append(kernel.connect(timeout=KERNEL_READY_TIMEOUT))
+            except KernelNotReady as err:
+                log.warning("a standby's kernel did not start (%s)", err)
+        self.kernel_started = time.time()
+        sent = [(kc, kc.execute(NODE_PREIMPORT, silent=True, store_history=False,
+                                allow_stdin=False)) for kc in clients]
+        for kc, msg_id in sent:
+            try:
+                error = reply_error(kc, msg_id, BOOTSTRAP_SECONDS)
+                if error is not None:
+                    log.warning("importing ahead in a standby's kernel failed: %s: %s",
+                                error["ename"], error["evalue"])
+            finally:
+                kc.stop_channels()  # each worker connects a client of its own
+        self.prefetched = self._download(None)
+        self._say_ready()
+
+    def took_over(self, attempt: int, events: EventWriter) -> None:
+        """Step 5: this agent holds a node slot's lease (``attempt``). The first
+        round's prefetch refreshes the download; here only what it will read."""
+        self._taken.set()
+        taken = time.time()
+        try:
+            newest = self._checkpoints().latest()
+        except Exception:
+            log.warning("could not read the newest checkpoint's manifest", exc_info=True)
+            newest = None
+        read = 0
+        if newest is not None and (self.prefetched is None
+                                   or newest.id != self.prefetched.id):
+            read = self._read_since(newest)
+        self._said_took_over(events, taken, newest, read)

@@ -910,7 +910,10 @@ class Checkpoint:
         """``maybe_save`` in a distributed job (every rank calls it at the same steps).
 
         Step 1  one all-reduce (MAX) of [a notice on my node, a save due here]: every
-                rank decides the same, so a notice on any node saves at one step.
+                rank decides the same, so a notice on any node saves at one step. A
+                rebalance recommendation is a save due, not a notice: every rank
+                saves at once and the world goes on as it is (its node's warm standby
+                takes over later, through that node's notice).
         Step 2  global rank 0 writes the checkpoint (DDP: every rank holds the same
                 state; spotnb.kernel_remote.multinode), every other rank only notes the step; or,
                 when a registered module holds sharded tensors (FSDP), every rank
@@ -926,8 +929,13 @@ class Checkpoint:
         import torch.distributed as dist
 
         rt = self._rt
-        noticed = rt.force_save or rt.park_requested or rt.fenced
-        flags = torch.tensor([float(noticed), float(self._due(step) or self._retry),
+        # A recommendation's save: every rank saves now, none holds for a re-formation
+        # (the world would re-form around the node it is for, which stays).
+        rebalance = rt.force_save and rt.notice == "rebalance" and not (
+            rt.park_requested or rt.fenced or rt.join_requested)
+        noticed = (rt.force_save and not rebalance) or rt.park_requested or rt.fenced
+        flags = torch.tensor([float(noticed),
+                              float(self._due(step) or self._retry or rebalance),
                               float(rt.join_requested)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         notice_anywhere, due = bool(flags[0].item()), bool(flags[1].item())
@@ -937,6 +945,8 @@ class Checkpoint:
             if not self._warmed:
                 self._warm()  # as maybe_save's first call that does not save
             return False
+        if not notice_anywhere:
+            rt.force_save = False  # a recommendation's (if any): served by this save
         if _sharded(self._objects):
             # Sharded state (FSDP): every rank writes its shards, at once (see
             # _save_sharded); the outcome is known on every rank when it returns.

@@ -31,7 +31,9 @@ within ``--max-restarts-on-error``).
 
 Kernels boot ahead: the next round's kernels are spawned as soon as the previous ones
 are stopped, so they start while the rendezvous completes; a round's settings
-(``RANK``, ``WORLD_SIZE``, ...) reach them with the bootstrap.
+(``RANK``, ``WORLD_SIZE``, ...) reach them with the bootstrap. A warm standby's node
+(:class:`spotnb.kernel_remote.standby.NodeStandby`) joins with the kernels it started
+while it waited for its slot, and the checkpoint it downloaded meanwhile.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from spotnb.kernel_remote.multinode.elastic import KernelElasticAgent
 from spotnb.protocol import layout, lease
 
 if TYPE_CHECKING:
+    from spotnb.kernel_remote.standby import NodeStandby
     from spotnb.protocol.lease import HeldLease
     from spotnb.protocol.spec import JobSpec
     from spotnb.protocol.store import Store
@@ -273,7 +276,8 @@ class WorkerRun:
 class NodeRun:
     """The agent's tenure of a node slot in a distributed job (module docstring)."""
 
-    def __init__(self, agent: Agent, kernel_timeout: float) -> None:
+    def __init__(self, agent: Agent, kernel_timeout: float,
+                 warm: NodeStandby | None = None) -> None:
         self.agent = agent
         self.spec = agent.spec
         self.store = agent.store
@@ -294,6 +298,17 @@ class NodeRun:
         self.hosted: dict[int, rdzv.HostedStore] = {}  # generation -> our store server
         self.workers: list[WorkerRun] = []
         self.spares: list[KernelProcess] = []
+        # A standby's warm-up (spotnb.kernel_remote.standby.NodeStandby): its kernels
+        # are the first round's workers, its download that round's restore directory.
+        self._warm_dir: Path | None = None
+        if warm is not None:
+            for kernel in warm.spares:
+                if kernel.alive:
+                    self.spares.append(kernel)
+                else:
+                    kernel.kill()
+                    agent.forget_kernel(kernel)
+            self._warm_dir = warm.restore_dir
         self.group: WorkerGroup | None = None
         self.rank0_here = False
         # stopping: the workers are being stopped (a kernel that dies now was killed);
@@ -557,7 +572,9 @@ class NodeRun:
         if 0 in [w.global_rank for w in group.workers]:
             self._slots_before = self.round_slots
             self.round_slots = self._held_slots()
-        restore_dir = agent.scratch / f"restore-{agent.held.epoch}-{self.rounds}"
+        restore_dir = (self._warm_dir
+                       or agent.scratch / f"restore-{agent.held.epoch}-{self.rounds}")
+        self._warm_dir = None
         restore_dir.mkdir(parents=True, exist_ok=True)
         ranks = [w.global_rank for w in group.workers]
         self.rank0_here = 0 in ranks

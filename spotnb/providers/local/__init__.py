@@ -270,6 +270,14 @@ class LocalProvider(Provider):
         log.info("requested an interruption of job %s's instance %s", job_id,
                  instance or "(the first running)")
 
+    def recommend(self, job_id: str, instance: str | None = None) -> None:
+        """Publish a rebalance recommendation for the job's instance (a multi-node
+        job's ``instance``, else its first running one) at its metadata service now,
+        as EC2 would, with no notice to follow; with ``policy.standby`` the group
+        starts a warm standby for it. For tests that aim a recommendation at a moment
+        (``simulate_signals`` draws them, or gives their times since launch)."""
+        self._fault(job_id, "rebalance", instance)
+
     def kill(self, job_id: str, instance: str | None = None) -> None:
         """See the contract: the supervisor SIGKILLs the instance's agent and everything
         it started at once (no notice, no grace), as a machine lost outright."""

@@ -13,6 +13,8 @@ A job's life, as the supervisor sees it::
     rebalance recommendation -> a warm standby launched -> once it is ready, the old
         instance ended through its termination hook (its agent saves and releases the
         lease; ended once released); given back if not ready within STANDBY_HOLD_SECONDS
+        (a multi-node job's: a standby for the recommended node, which takes that
+        node's slot and joins the world in its place)
     interruption: (a recommendation minutes before, or none) -> notice
         (spot/instance-action) -> notice period
         -> SIGTERM the instance's process group, 1 s, SIGKILL -> terminated
@@ -46,7 +48,14 @@ every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
 
 Multi-node jobs: the group keeps ``max_nodes`` instances, each with its own metadata
 service (its own notices), launched and replaced one by one exactly as the one instance
-of a single-node job; the job ends for all of them with its result.
+of a single-node job; the job ends for all of them with its result. A warm standby is
+one node's: it waits for that node's slot outside the rendezvous
+(:class:`spotnb.kernel_remote.standby.NodeStandby`), and the node ended through its
+termination hook is done once it released its slot's lease. A standby that takes the
+slot of another node, lost meanwhile, is that node's replacement and no longer on hold.
+
+Recommendations on request (``LocalProvider.recommend``: reason ``requested``, no
+notice follows) come at the next tick, for tests that must aim them at a moment.
 
 Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``; of one
 named instance, or of the first running one not yet under notice; every request read in
@@ -221,6 +230,8 @@ class Supervisor:
         self.interrupt_requested: list[str] = []
         # Faults without notice asked for: (instance id, "kill" or "freeze").
         self.faults_requested: list[tuple[str, str]] = []
+        # Rebalance recommendations asked for (LocalProvider.recommend): instance ids.
+        self.rebalance_requested: list[str] = []
 
         sim = spec.simulate_interruptions or {}
         self.sim_count = int(sim.get("count", 0))
@@ -445,6 +456,14 @@ class Supervisor:
                     else:
                         self.interrupt_requested.append(
                             str(target) if target else self._first_uninterrupted())
+            elif kind == "rebalance":
+                target = (read_json(path) or {}).get("instance")
+                if not self.running or (target and all(i.id != target for i in self.running)):
+                    log.warning("a rebalance recommendation requested for %s, which is not "
+                                "running; ignored", target or "the first instance")
+                else:
+                    self.rebalance_requested.append(
+                        str(target) if target else self._first_uninterrupted())
             elif kind in ("kill", "freeze"):
                 target = (read_json(path) or {}).get("instance")
                 if not self.running or (target and all(i.id != target for i in self.running)):
@@ -476,6 +495,12 @@ class Supervisor:
         if self.reader is not None:
             self._track_progress(list(self.running))
         for inst in self.running:
+            if inst.standby_until is not None and self.target > 1 and inst.started and \
+                    self._slot_of(inst.id) is not None:
+                # It took the slot of another node, lost meanwhile (a kill, a notice
+                # before its own node's): that node's replacement now, not on hold.
+                log.info("standby %s took the place of a lost node", inst.id)
+                inst.standby_until = None
             if inst.standby_for is not None and inst.started and not inst.standby_ready:
                 self._standby_ready(inst)
 
@@ -531,6 +556,9 @@ class Supervisor:
         # Step 4: does EC2 want the instance back? First its recommendation, if one is
         # due: one with no lead comes in the tick of its notice, before it.
         if inst.terminate_at is None and self.finish is None:
+            if inst.id in self.rebalance_requested:
+                self.rebalance_requested.remove(inst.id)
+                self._recommend(inst, now, "requested")
             self._signal(inst, now)
             reason = self._interruption_due(inst, now)
             if reason is not None:
@@ -612,11 +640,12 @@ class Supervisor:
         self._start_standby(inst, now)
 
     def _start_standby(self, inst: LocalInstance, now: float) -> None:
-        """Launch a standby for ``inst`` (spotnb.kernel_remote.standby): a single-node
-        job whose policy allows it, an instance that runs the job (not a standby still
-        on hold), none standing by for it yet, the job not winding down. Multi-node
-        jobs are not given standbys (a lost node's replacement joins after the loss)."""
-        if (not self.spec.policy.standby or self.target != 1 or self.finish is not None
+        """Launch a standby for ``inst`` (spotnb.kernel_remote.standby): a job whose
+        policy allows it, an instance that runs the job (not a standby still on hold),
+        none standing by for it yet, the job not winding down. A multi-node job's
+        standby is one node's: it joins the world in that node's place once the node
+        has left it (spotnb.kernel_remote.standby.NodeStandby)."""
+        if (not self.spec.policy.standby or self.finish is not None
                 or not inst.started or inst.standby_until is not None
                 or any(i.standby_for == inst.id for i in self.running)):
             return
@@ -666,13 +695,26 @@ class Supervisor:
 
     def _hook_done(self, inst: LocalInstance) -> bool:
         """Whether the agent of ``inst``, ended through its termination hook, released
-        the job's lease (or another holds it): its lifecycle action is complete."""
+        the job's lease (or another holds it; a multi-node job's: of its node slot):
+        its lifecycle action is complete."""
         try:
+            if self.target > 1:
+                return self._slot_of(inst.id) is None
             current = lease.read(self.store)
         except Exception:  # the hook's timeout ends it instead
             return False
         return current is not None and (current[0].holder != inst.id
                                         or current[0].released)
+
+    def _slot_of(self, instance_id: str) -> int | None:
+        """The node slot whose lease ``instance_id`` holds (not released), if any: one
+        read of each slot's lease (a multi-node job's standbys and moves only)."""
+        for slot in range(self.target):
+            current = lease.read(self.store, slot)
+            if current is not None and current[0].holder == instance_id and \
+                    not current[0].released:
+                return slot
+        return None
 
     def _notify_given_back(self, inst: LocalInstance, cost: float) -> None:
         """Tell the job's webhook, if it has one, that a standby was given back: no
