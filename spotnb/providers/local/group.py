@@ -53,6 +53,10 @@ one node's: it waits for that node's slot outside the rendezvous
 (:class:`spotnb.kernel_remote.standby.NodeStandby`), and the node ended through its
 termination hook is done once it released its slot's lease. A standby that takes the
 slot of another node, lost meanwhile, is that node's replacement and no longer on hold.
+Only a recommendation that comes before its node's notice starts one: one that comes
+with the notice (in its tick) has nothing to warm ahead of, and a standby launched then
+would only be the lost node's replacement, launched before the node is gone (the world
+would count one node too many while it is).
 
 Recommendations on request (``LocalProvider.recommend``: reason ``requested``, no
 notice follows) come at the next tick, for tests that must aim them at a moment.
@@ -232,6 +236,9 @@ class Supervisor:
         self.faults_requested: list[tuple[str, str]] = []
         # Rebalance recommendations asked for (LocalProvider.recommend): instance ids.
         self.rebalance_requested: list[str] = []
+        # Multi-node jobs: the instances recommended in this tick's step 4, whose standby
+        # starts at its end unless their notice came in the same tick (_step).
+        self.standby_wanted: set[str] = set()
 
         sim = spec.simulate_interruptions or {}
         self.sim_count = int(sim.get("count", 0))
@@ -563,6 +570,10 @@ class Supervisor:
             reason = self._interruption_due(inst, now)
             if reason is not None:
                 self._notice(inst, now, reason)
+            if inst.id in self.standby_wanted:
+                self.standby_wanted.discard(inst.id)
+                if inst.terminate_at is None:  # its notice did not come with it
+                    self._start_standby(inst, now)
         elif inst.id in self.interrupt_requested:
             # Already under notice, or winding down.
             self.interrupt_requested = [i for i in self.interrupt_requested if i != inst.id]
@@ -632,12 +643,17 @@ class Supervisor:
 
     def _recommend(self, inst: LocalInstance, now: float, reason: str) -> None:
         """A rebalance recommendation for ``inst`` at its metadata service, and in the
-        log; then, as Auto Scaling's capacity rebalancing, a warm standby for it."""
+        log; then, as Auto Scaling's capacity rebalancing, a warm standby for it (a
+        multi-node job's: at the end of the instance's step 4, unless its notice came
+        in the same tick; see the module docstring)."""
         inst.recommend_rebalance(now)
         log.info("rebalance recommendation for %s (%s)", inst.id, reason)
         self._emit("instance", inst.id, at=now, action="rebalance", reason=reason,
                    **inst.describe(), notice_time=iso_utc(now))
-        self._start_standby(inst, now)
+        if self.target > 1:
+            self.standby_wanted.add(inst.id)
+        else:
+            self._start_standby(inst, now)
 
     def _start_standby(self, inst: LocalInstance, now: float) -> None:
         """Launch a standby for ``inst`` (spotnb.kernel_remote.standby): a job whose
