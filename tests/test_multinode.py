@@ -671,7 +671,14 @@ def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupte
     wait_until(lambda: 20 in steps(), 240, "training to reach step 20 on the replacements")
     record = rdzv.read(store)
     assert record is not None and record[0].host not in first
+    host = record[0].host
     assert cli.main(["kill", job.job_id, "--node", str(record[0].host_slot)]) == 0
+    # The kill is a request the group carries out at its next tick: the gate opens once
+    # the host is gone, else the survivor can train the last steps before it is.
+    wait_until(lambda: [e for e in EventReader(store).replay() if e.type == "instance"
+                        and e.data.get("action") == "terminated"
+                        and e.data.get("reason") == "killed"
+                        and e.instance == host], 60, "the host to be killed")
     (go / "20").write_text("go")
     result = job.wait(timeout=400)
     assert result.status == "completed", (result.status, result.reason)
