@@ -25,7 +25,10 @@ all-reduce each step, so a lost peer fails its survivors' collectives) draw amon
 * ``two-notices``: a notice to each node, 0.3 s apart;
 * ``node-freeze``: one node SIGSTOPped past the job's peer timeout, then let go;
 * ``join``: no capacity while a node is killed, then capacity returns: the
-  replacement joins a running world.
+  replacement joins a running world;
+* ``node-recommend`` (the soak's only, CI's draws unchanged): a rebalance
+  recommendation for one node, no notice after it: every rank saves, and the node's
+  warm standby (the job's default ``standby=True``) warms up and takes its place.
 
 After the schedule the job must complete, and:
 
@@ -73,6 +76,7 @@ SAVE_WAIT_SECONDS = 60.0
 MULTI_FAST_SEEDS = (40,)  # a join (a node killed while capacity is short), then a node frozen
 MULTI_STEPS = 300  # 15 s of steps: every fault of a schedule finds the job running
 MULTI_KINDS = ("node-notice", "node-kill", "host-kill", "two-notices", "node-freeze", "join")
+MULTI_SOAK_KINDS = (*MULTI_KINDS, "node-recommend")
 # The peer timeout of the multi-node schedules: a frozen node is frozen past it.
 PEER_TIMEOUT_SECONDS = 10.0
 
@@ -191,6 +195,12 @@ class NodeAttacker:
                 if record is None or record[0].host_slot is None:
                     return
                 self.handle.kill(node=record[0].host_slot)
+            elif fault.kind == "node-recommend":
+                running = self._running()
+                if not running:
+                    return
+                victim = self.rng.choice(running)
+                self.provider.recommend(self.handle.job_id, str(victim["instance_id"]))
             elif fault.kind == "two-notices":
                 self.handle.interrupt(node=0)
                 time.sleep(0.3)  # the fault: the second notice 0.3 s after the first
@@ -222,9 +232,10 @@ class NodeAttacker:
         self.done.append(fault.kind)
 
 
-def run_multi_schedule(seed: int, home: Path) -> list[str]:
+def run_multi_schedule(seed: int, home: Path,
+                       kinds: tuple[str, ...] = MULTI_KINDS) -> list[str]:
     """Run seed's schedule on a 1:2-node job; the faults that found a node to hit."""
-    schedule = draw(seed, MULTI_KINDS, count=(1, 2), within=4.0)
+    schedule = draw(seed, kinds, count=(1, 2), within=4.0)
     handle = spotnb.submit(MULTI_CELL, nodes="1:2", inputs={"STEPS": MULTI_STEPS},
                            outputs=["total"], instance_types="g4dn.xlarge",
                            checkpoint_every="20 steps",
@@ -413,8 +424,9 @@ def test_multi_node_soak(seed: int, spotnb_home: Path,
                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "5")
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
-    done = run_multi_schedule(seed, spotnb_home)
-    print(f"seed {seed}: {[f.kind for f in draw(seed, MULTI_KINDS, count=(1, 2), within=4.0)]}"
+    done = run_multi_schedule(seed, spotnb_home, MULTI_SOAK_KINDS)
+    print(f"seed {seed}: "
+          f"{[f.kind for f in draw(seed, MULTI_SOAK_KINDS, count=(1, 2), within=4.0)]}"
           f", hit {done}")  # the soak's table (pytest -s) says which faults hit
 
 
