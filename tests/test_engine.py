@@ -549,7 +549,7 @@ def test_a_warm_standby_takes_the_job_over_once_ready_with_no_step_redone(
     # releases the lease, and the standby trains on from that save.
     monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "20")
     handle = spotnb.submit(PYTHON_TRAINING, inputs={"STEPS": 100_000, "STEP_SECONDS": 0.05},
-                           checkpoint_every="10 steps",
+                           checkpoint_every="10 steps", standby_first_hour=True,
                            simulate_signals={"false_alarms": [8], "false_alarm": 0})
     state = JobState()
 

@@ -299,7 +299,7 @@ def test_a_standby_given_back_is_notified_with_its_cost(
     monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "600")
     monkeypatch.setenv("SPOTNB_LOCAL_AGENT_CMD", shlex.join(
         [sys.executable, str(Path(__file__).with_name("local_cloud_agent.py"))]))
-    handle = spotnb.submit(CELL, name="held", notify_url=hook.url,
+    handle = spotnb.submit(CELL, name="held", notify_url=hook.url, standby_first_hour=True,
                            simulate_signals={"false_alarms": [2], "false_alarm": 0})
     try:
         bodies = hook.wait_for(1)

@@ -95,7 +95,7 @@ from typing import Any
 
 import psutil
 
-from spotnb.protocol import layout, lease, secretstore
+from spotnb.protocol import billing, layout, lease, secretstore
 from spotnb.protocol.backoff import Backoff
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
 from spotnb.protocol.events.fold import fold
@@ -157,6 +157,11 @@ FORESEEN = ("hazard", "scheduled", "price")
 # capacity rebalancing does: holding it for a notice instead billed ~18% of a stressed
 # pool's job for a fifth of its interruptions caught warm (README, "Warm standbys").
 STANDBY_HOLD_SECONDS = 600.0
+# In an instance's first hour, a standby on a recommendation is launched to be ready as the
+# hour ends (its boot plus this many market seconds of warm-up before it), not at once:
+# EC2 interrupting the instance before then makes all of it free (protocol/billing.py),
+# and moving the job off it would forfeit that (policy.standby_first_hour: at once).
+STANDBY_WARMUP_SECONDS = 120.0
 # The events that show a cell got past its imports: output, or metrics (one row or a batch).
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
@@ -532,6 +537,9 @@ class Supervisor:
         # due: one with no lead comes in the tick of its notice, before it.
         if inst.terminate_at is None and self.finish is None:
             self._signal(inst, now)
+            if inst.standby_due is not None and now >= inst.standby_due:
+                inst.standby_due = None
+                self._start_standby(inst, now, defer=False)
             reason = self._interruption_due(inst, now)
             if reason is not None:
                 self._notice(inst, now, reason)
@@ -602,23 +610,30 @@ class Supervisor:
             self.false_alarm_next += 1
             self._recommend(inst, now, "false-alarm")
 
-    def _recommend(self, inst: LocalInstance, now: float, reason: str) -> None:
+    def _recommend(self, inst: LocalInstance, now: float, reason: str,
+                   at_notice: bool = False) -> None:
         """A rebalance recommendation for ``inst`` at its metadata service, and in the
-        log; then, as Auto Scaling's capacity rebalancing, a warm standby for it."""
+        log; then, as Auto Scaling's capacity rebalancing, a warm standby for it
+        (``at_notice``: the recommendation comes with the notice)."""
         inst.recommend_rebalance(now)
         log.info("rebalance recommendation for %s (%s)", inst.id, reason)
         self._emit("instance", inst.id, at=now, action="rebalance", reason=reason,
                    **inst.describe(), notice_time=iso_utc(now))
-        self._start_standby(inst, now)
+        self._start_standby(inst, now, defer=not at_notice)
 
-    def _start_standby(self, inst: LocalInstance, now: float) -> None:
+    def _start_standby(self, inst: LocalInstance, now: float, defer: bool = True) -> None:
         """Launch a standby for ``inst`` (spotnb.kernel_remote.standby): a single-node
         job whose policy allows it, an instance that runs the job (not a standby still
         on hold), none standing by for it yet, the job not winding down. Multi-node
-        jobs are not given standbys (a lost node's replacement joins after the loss)."""
+        jobs are not given standbys (a lost node's replacement joins after the loss).
+        In the instance's first hour the launch waits to be ready as the hour ends
+        (:data:`STANDBY_WARMUP_SECONDS`), unless ``defer`` is False (the recommendation
+        came with the notice: the instance is EC2's to end, free or not)."""
         if (not self.spec.policy.standby or self.target != 1 or self.finish is not None
                 or not inst.started or inst.standby_until is not None
                 or any(i.standby_for == inst.id for i in self.running)):
+            return
+        if defer and self._defer_standby(inst, now):
             return
         standby = self._launch(now, standby_for=inst.id)
         if standby is None:
@@ -628,6 +643,25 @@ class Supervisor:
                                  + STANDBY_HOLD_SECONDS / self.settings.time_scale)
         if standby.boot_until <= now:
             self._spawn(standby, time.time())
+
+    def _defer_standby(self, inst: LocalInstance, now: float) -> bool:
+        """Whether the standby for ``inst`` waits (its launch time set, and said once):
+        launched now, it would move the job off ``inst`` inside its first hour."""
+        if self.spec.policy.standby_first_hour:
+            return False
+        scale = self.settings.time_scale
+        ahead = self.settings.boot_seconds * scale + STANDBY_WARMUP_SECONDS
+        wait = billing.free_hour_left(inst.age(now)) - ahead
+        if wait <= 0:
+            inst.standby_due = None
+            return False
+        if inst.standby_due is None:
+            inst.standby_due = now + wait / scale
+            log.info("standby for %s waits %.0f market s: in its first hour an "
+                     "interruption by EC2 is free", inst.id, wait)
+            self._emit("instance", inst.id, at=now, action="standby-deferred",
+                       **inst.describe(), standby_due=inst.standby_due)
+        return True
 
     def _mind_standby(self, inst: LocalInstance, now: float) -> None:
         """A standby not yet the job's instance. It becomes that when the instance it
@@ -646,7 +680,7 @@ class Supervisor:
                      inst.id, old.id)
             self._end(inst, now, "standby-given-back", standby_for=old.id)
             self._forget(inst)
-            self._notify_given_back(inst, inst.market.cost(inst.launched, inst.ended or now))
+            self._notify_given_back(inst, inst.cost(now))
 
     def _move_to_standby(self, old: LocalInstance, standby: LocalInstance,
                          now: float) -> None:
@@ -802,7 +836,7 @@ class Supervisor:
     def _notice(self, inst: LocalInstance, now: float, reason: str) -> None:
         """Interrupt like EC2: the notice now, the termination after the notice period."""
         if reason not in FORESEEN:  # nobody knew it ahead: the recommendation comes with it
-            self._recommend(inst, now, reason)
+            self._recommend(inst, now, reason, at_notice=True)
         inst.notice(now, self.settings.notice_seconds, reason)
         assert inst.terminate_at is not None
         log.info("interruption notice for %s (%s); terminating at %s", inst.id, reason,
@@ -938,7 +972,8 @@ class Supervisor:
                    az=pool.az, detail=f"launching {pool.instance_type} in {pool.az}{replacing}")
         self._emit("instance", inst.id, at=now, action="launched", **inst.describe(),
                    price=inst.price, ondemand=pool.ondemand, region=pool.region,
-                   az_name=az_name(pool.region, pool.az), **extra)
+                   az_name=az_name(pool.region, pool.az), time_scale=inst.market.time_scale,
+                   **extra)
         self._emit_price(inst)
         log.info("launched %s in %s at $%.4f/h; %s", inst.id, pool.name, inst.price,
                  inst.market.source)
@@ -991,7 +1026,7 @@ class Supervisor:
 
     def cost(self, now: float) -> float:
         """USD spent so far: each instance's market price over the time it existed."""
-        return sum(i.market.cost(i.launched, i.ended or now) for i in self.instances)
+        return sum(i.cost(now) for i in self.instances)
 
     def _check_limits(self, now: float) -> None:
         policy = self.spec.policy
