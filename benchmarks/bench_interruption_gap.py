@@ -10,7 +10,9 @@ seconds, and so are EC2's boot (90 s) and notice period (120 s). One interruptio
 scheduled, announced by a rebalance recommendation LEAD market seconds ahead (more than
 a boot). Two cases in the same run, one after the other:
 
-* ``standby``: the group starts a warm standby at the recommendation; the job moves to
+* ``standby``: the group starts a warm standby at the recommendation (at once, with
+  ``standby_first_hour``: by default, in an instance's first hour it is timed to be
+  ready as that hour ends, and this interruption comes in the first); the job moves to
   it once it is ready (the old instance ends through its termination hook), so the
   announced interruption finds it gone;
 * ``no standby`` (``standby=False``): today's behaviour, a replacement launched once the
@@ -84,8 +86,12 @@ def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
     rows = mb * 2**20 // (64 * 4)
     # Real seconds after the first launch: it has saved by the recommendation.
     notice_at = 35.0 + LEAD_MARKET_SECONDS / TIME_SCALE
+    # The interruption comes in the first instance's first hour, where the group times
+    # a standby to be ready as the hour ends by default (an interruption before then is
+    # free): standby_first_hour starts it at once, for the handover measured here.
     common: dict[str, Any] = dict(inputs={"ROWS": rows, "STEP": STEP_SECONDS},
-                                  checkpoint_every="200 steps", standby=standby)
+                                  checkpoint_every="200 steps", standby=standby,
+                                  standby_first_hour=True)
     if sim is None:
         handle = spotnb.submit(
             CELL, simulate_interruptions=[notice_at],
@@ -128,6 +134,11 @@ def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
     compressed = 0.0 if standby else max(0.0, ended - parked) + BOOT_MARKET_SECONDS / TIME_SCALE
     sb = next(iter(state.standbys.values()), None)
     end = events[-1].time
+    launches = [e.time for e in group if e.data.get("action") == "launched"]
+    # a cold replacement's start: EC2's boot, then its own start-up in real seconds
+    cold = (BOOT_MARKET_SECONDS + max(0.0, min(rows2) - launches[1]
+                                      - BOOT_MARKET_SECONDS / TIME_SCALE)
+            if not standby and len(launches) > 1 else None)
     return {"case": "standby" if standby else "no standby", "mb": mb,
             "gap_real_s": gap, "gap_market_s": gap + compressed * (TIME_SCALE - 1),
             "handover_s": state.handover_seconds(sb) if sb else None,
@@ -138,6 +149,7 @@ def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
             if sb and sb.ready and sb.launched else None,
             # the notice window billed after the last row (market seconds)
             "parked_market_s": None if standby else max(0.0, ended - parked) * TIME_SCALE,
+            "cold_market_s": cold,
             "standby_cost_share": state.standbys_cost(end) / max(state.cost(end)[0], 1e-12)}
 
 
@@ -162,55 +174,104 @@ def _row_times(events: list[Any], attempt: int) -> list[float]:
     return out
 
 
-def move_seconds(ready: float, saved: float, draws: int = 200_000,
-                 seed: int = 1) -> dict[str, float]:
-    """The group's policy, per interruption, from the signal model, in market seconds of
-    instance time billed beside the training: each standby bills its time to ready
-    (``ready``: boot plus warm-up; the job moves to it then; or up to the notice, when
-    that came first), false alarms included (``billed``). A notice announced more than
-    ``ready`` ahead finds the job gone: that interruption bills neither the notice
-    window after the final save nor a cold replacement's start, which the standby's
-    time replaced (``saved`` each). ``net``: billed less saved."""
+def job_cost(policy: str, ready: float, cold: float, parked: float, rate_per_hour: float,
+             useful_hours: float = 20_000.0, seed: int = 1) -> dict[str, float]:
+    """A long job's instance time under one standby policy, from the signal model, with
+    AWS's first-hour refund (:mod:`spotnb.protocol.billing`), in market seconds.
+
+    Each instance is interrupted at ``rate_per_hour`` (a constant hazard, drawn anew for
+    each instance), gets false alarms at 1.4 times that rate, and a real interruption's
+    recommendation comes its drawn lead ahead (or none). ``policy``: ``"none"`` (no
+    standby: the replacement launches once the old instance is gone and trains after
+    its ``cold`` start; the old one bills the notice period, ``parked`` of it after the
+    final save), ``"at once"`` (a standby launched at the recommendation, the job moved
+    to it after ``ready``: the old instance ended by us, always billed) or
+    ``"deferred"`` (spotnb's default: in the instance's first hour the standby is
+    launched to be ready as the hour ends, so an interruption before then stays free).
+    A notice that finds the standby not yet ready makes it the replacement.
+
+    Returns billed market seconds per useful second (``per_useful``) and the share of
+    it that is the refund (``refunded``); ``standbys``: the standbys' time beside the
+    instance they stand by for, as a share of the billed time."""
+    from spotnb.protocol.billing import FREE_HOUR_SECONDS, free_of_charge
     from spotnb.protocol.signals import SignalModel
+    from spotnb.providers.local.group import STANDBY_WARMUP_SECONDS
 
     model = SignalModel()
     rng = random.Random(seed)
-    billed = caught = 0.0
-    for _ in range(draws):
+    rate = rate_per_hour / 3600.0
+    fa_rate = model.false_alarms_per_interruption * rate
+    target = useful_hours * 3600.0
+    useful = billed = refunded = overlap = 0.0
+    start = 0.0  # the instance's launch (billing)
+    train_from = cold  # when it trains (a cold first start)
+    while useful < target:
+        interrupt = start + rng.expovariate(rate)
         lead = model.draw(rng)
-        if lead is None:
-            continue  # no recommendation: no standby, a cold replacement
-        if lead >= ready:
-            billed += ready
-            caught += 1
-        # else the standby is the replacement, started earlier: billed as one would be
-    per = model.false_alarms_per_interruption
-    billed = billed / draws + per * ready
-    caught /= draws
-    return {"billed": billed, "caught": caught, "false_alarms": per,
-            "net": billed - caught * (saved + ready)}
+        recommended = None if lead is None else max(start, interrupt - lead)
+        alarm = start + rng.expovariate(fa_rate)
+        # The standby, if one: launched on the first recommendation (real or not).
+        rec = min(t for t in (recommended, alarm) if t is not None) \
+            if recommended is not None or alarm < interrupt else None
+        launch = None
+        if policy != "none" and rec is not None and rec < interrupt:
+            launch = rec
+            if policy == "deferred":  # as the local group times it
+                launch = max(rec, start + FREE_HOUR_SECONDS - BOOT_MARKET_SECONDS
+                             - STANDBY_WARMUP_SECONDS)
+        if launch is not None and launch + ready <= interrupt:
+            # Moved: the old instance ends at the standby's readiness, billed; the
+            # standby, billed from its launch, trains on (about a second lost).
+            moved = launch + ready
+            useful += moved - train_from
+            billed += moved - start
+            overlap += ready
+            start, train_from = launch, moved
+            continue
+        # The notice: the final save, the notice period, then EC2 ends the instance.
+        end = interrupt + NOTICE_MARKET_SECONDS
+        useful += max(0.0, end - parked - train_from)
+        if free_of_charge("spot-interruption", end - start):
+            refunded += end - start
+        else:
+            billed += end - start
+        if launch is not None and launch <= interrupt:
+            # The standby launched before the notice is the replacement.
+            overlap += end - launch
+            start, train_from = launch, max(launch + ready, end)
+        else:
+            start, train_from = end, end + cold
+    return {"per_useful": billed / useful, "refunded": refunded / (billed + refunded),
+            "standbys": overlap / billed}
 
 
-def _cost_table(warmup: float | None, parked: float | None) -> None:
-    """What standbys cost, for this run's warm-up and longer ones (market seconds)."""
-    saved = NOTICE_MARKET_SECONDS if parked is None else parked
-    print(f"\nwhat standbys cost (signal model, per interruption; share of the instance-time "
-          f"between interruptions): each standby bills its boot ({BOOT_MARKET_SECONDS:g} s) "
-          f"and its warm-up; a caught interruption saves the notice window after the final "
-          f"save ({saved:.0f} s{' (assumed)' if parked is None else ', this run'}) and the "
-          "cold replacement's start")
-    print(f"{'warm-up':>22} {'billed min':>11} {'net min':>8} {'caught':>7} "
-          f"{'advisor rate':>13} {'every 2 h':>10} {'net, advisor':>13} {'net, 2 h':>9}")
-    advisor = MONTH_SECONDS / ADVISOR_PER_MONTH
-    stressed = STRESS_HOURS * 3600
+def _cost_table(warmup: float | None, parked: float | None, cold: float | None) -> None:
+    """What standbys cost, for this run's warm-up and longer ones: a long job's instance
+    time under each policy (:func:`job_cost`), against no standby."""
+    parked = NOTICE_MARKET_SECONDS if parked is None else parked
+    cold = BOOT_MARKET_SECONDS + 60.0 if cold is None else cold
+    print(f"\nwhat standbys cost (signal model, a 20,000-hour job, AWS's first-hour "
+          f"refund): instance time per useful hour against no standby; boot "
+          f"{BOOT_MARKET_SECONDS:g} s, a cold start {cold:.0f} s, {parked:.0f} s of the "
+          "notice window after the final save (this run's where measured)")
+    rates = (("advisor rate", ADVISOR_PER_MONTH / (MONTH_SECONDS / 3600)),
+             (f"every {STRESS_HOURS:g} h", 1 / STRESS_HOURS))
+    print(f"{'warm-up':>16} " + " ".join(
+        f"{name + ': at once':>22} {'deferred':>9} {'(standbys)':>10} {'refund':>7}"
+        for name, _ in rates))
     warmups = [(f"{warmup:.0f} s (this run)", warmup)] if warmup is not None else []
     warmups += [(f"{w:.0f} s", w) for w in (30.0, 60.0, 120.0)]
     for name, warm in warmups:
-        f = move_seconds(BOOT_MARKET_SECONDS + warm, saved)
-        print(f"{name:>22} {f['billed'] / 60:>11.1f} {f['net'] / 60:>8.1f} "
-              f"{f['caught']:>7.0%} {f['billed'] / advisor:>13.2%} "
-              f"{f['billed'] / stressed:>10.1%} {f['net'] / advisor:>13.2%} "
-              f"{f['net'] / stressed:>9.1%}")
+        ready = BOOT_MARKET_SECONDS + warm
+        cells = []
+        for _, rate in rates:
+            base = job_cost("none", ready, cold, parked, rate)
+            at_once = job_cost("at once", ready, cold, parked, rate)
+            deferred = job_cost("deferred", ready, cold, parked, rate)
+            cells.append(f"{at_once['per_useful'] / base['per_useful'] - 1:>22.2%} "
+                         f"{deferred['per_useful'] / base['per_useful'] - 1:>9.2%} "
+                         f"{deferred['standbys']:>10.2%} {base['refunded']:>7.1%}")
+        print(f"{name:>16} " + " ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{fmt(med('read_mb'), '8.0f')} {fmt(med('redone'), '7.0f')} "
               f"{fmt(med('standby_cost_share'), '13.1%')}")
     _cost_table(med_of(results.get("standby", []), "warmup_s"),
-                med_of(results.get("no standby", []), "parked_market_s"))
+                med_of(results.get("no standby", []), "parked_market_s"),
+                med_of(results.get("no standby", []), "cold_market_s"))
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
 

@@ -21,9 +21,11 @@ For each it reports the realized saving against the pool's own discount:
 * discount = 1 - (time-weighted spot price paid) / on-demand price;
 * the on-demand reference pays for the useful time only: one boot and start-up, and
   every step once;
-* realized = instances billed from launch to termination at the replayed spot price
-  + spotnb's own requests (``--requests-usd-per-hour``: the per-hour figure of
-  ``bench_requests.py`` on the AWS simulator; the local cloud's cost nothing);
+* realized = instances billed from launch to termination at the replayed spot price,
+  but nothing for an instance EC2 interrupted in its first hour (AWS's rule,
+  :mod:`spotnb.protocol.billing`; reported as "refunded") + spotnb's own requests
+  (``--requests-usd-per-hour``: the per-hour figure of ``bench_requests.py`` on the
+  AWS simulator; the local cloud's cost nothing);
 * saving = 1 - realized / on-demand reference; the figure of merit is saving /
   discount (goal: at least 0.95).
 
@@ -81,6 +83,7 @@ def _run(market_hours: float, schedule: list[float] | None, hazard: bool,
 def _breakdown(handle: Any, result: Any, step_seconds: float,
                requests_per_hour: float) -> dict[str, Any]:
     from spotnb.protocol.events import GROUP_STREAM, EventReader, metric_rows
+    from spotnb.protocol.events.fold import fold, integrate
 
     events = EventReader(handle.store, batches=True).poll()
     launched = {e.data["instance_id"]: e for e in events if e.attempt == GROUP_STREAM
@@ -119,9 +122,15 @@ def _breakdown(handle: Any, result: Any, step_seconds: float,
 
     ondemand = float(catalog.ondemand_price(TYPE, REGION) or 0.0)
     instances_usd = result.cost_usd - result.requests_usd
+    # EC2's refund of an instance it interrupts in its first hour (protocol/billing.py):
+    # in the job's cost, not in the market's discount (the prices the pool charged).
+    state = fold(events)
+    refunded = state.refunded()
+    refunded_usd = sum(integrate(state.prices.get(i.pool, []), i.start, i.end or i.start,
+                                 i.price or 0.0) for i in refunded)
     # The local cloud bills each real second at the market's price per hour, so every
     # dollar here is on that basis; the requests' dollars per job-hour go on it too.
-    avg_spot = instances_usd / (billed / 3600.0) if billed else 0.0
+    avg_spot = (instances_usd + refunded_usd) / (billed / 3600.0) if billed else 0.0
     requests_usd = requests_per_hour * billed / 3600.0
     realized = (instances_usd + requests_usd)
     reference = ondemand * useful / 3600.0
@@ -140,6 +149,8 @@ def _breakdown(handle: Any, result: Any, step_seconds: float,
             "spotnb's requests": 100 * requests_usd / max(realized, 1e-12),
         },
         "redone_steps": redone,
+        "refunded": len(refunded),
+        "refunded_pct": 100 * refunded_usd / max(instances_usd + refunded_usd, 1e-12),
     }
 
 
@@ -154,6 +165,8 @@ def _print(name: str, row: dict[str, Any]) -> None:
     for what, pct in row["overheads_pct"].items():
         print(f"  {what:<45}{pct:>8.3f}% of the billed time")
     print(f"  ({row['redone_steps']} steps redone)")
+    print(f"  refunded: {row['refunded']} instance(s) EC2 interrupted in their first hour, "
+          f"{row['refunded_pct']:.1f}% of the instances' cost at the spot price")
 
 
 def _schedule(market_hours: float, every_hours: float, seed: int) -> list[float]:

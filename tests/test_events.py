@@ -274,3 +274,37 @@ def test_the_fold_tells_one_story_and_ignores_types_it_does_not_know(
     assert spot == pytest.approx(0.36 * (20 + 28) / 3600)
     assert ondemand == pytest.approx(1.0 * (20 + 28) / 3600)
     assert fold(e for e in events if e.type != "hologram").cost(t0 + 40) == (spot, ondemand)
+
+
+@pytest.mark.parametrize(("reason", "minutes", "scale", "billed"), [
+    ("spot-interruption", 59, 1.0, False),  # EC2 took it in its first hour: free
+    ("spot-interruption", 61, 1.0, True),  # after its first hour: its seconds
+    ("rebalanced", 30, 1.0, True),  # Auto Scaling (for us) ended it: its seconds
+    ("job-finished", 30, 1.0, True),
+    ("spot-interruption", 2, 60.0, True),  # 2 real minutes at 60x: 2 market hours
+    ("spot-interruption", 0.5, 60.0, False),  # 30 market minutes
+])
+def test_an_instance_ec2_interrupts_in_its_first_hour_costs_nothing(
+        reason: str, minutes: float, scale: float, billed: bool) -> None:
+    """AWS's rule ("Billing for interrupted Spot Instances"): every view of the cost
+    reads it from the fold; the time the interruption took (cost_between) too."""
+    from spotnb.protocol.events.fold import fold
+
+    t0, end = 1_800_000_000.0, 1_800_000_000.0 + 60 * minutes
+    launched = {"action": "launched", "pool": "p@a", "price": 0.36, "ondemand": 1.0,
+                "time_scale": scale}
+    events = [
+        Event("instance", t0, 0, "i-1", {**launched, "instance_id": "i-1"}),
+        Event("instance", end, 0, "i-1", {"action": "terminated", "instance_id": "i-1",
+                                          "reason": reason}),
+    ]
+    state = fold(events)
+    full = 0.36 * (end - t0) / 3600
+    spot, ondemand = state.cost(end + 100)
+    assert spot == pytest.approx(full if billed else 0.0)
+    assert ondemand == pytest.approx(1.0 * (end - t0) / 3600)  # on demand: always billed
+    assert state.instance_cost("i-1") == pytest.approx(spot)
+    assert state.cost_between(t0, end) == pytest.approx(spot)
+    assert [i.instance_id for i in state.refunded()] == ([] if billed else ["i-1"])
+    # While it runs, it bills: only its end says whether AWS refunds it.
+    assert fold(events[:1]).cost(end)[0] == pytest.approx(full)

@@ -31,7 +31,7 @@ from spotnb.protocol.store import LocalStore
 from spotnb.providers import ProviderError, catalog
 from spotnb.providers.imds import ImdsClient
 from spotnb.providers.local import LocalProvider
-from spotnb.providers.local.group import Supervisor
+from spotnb.providers.local.group import STANDBY_WARMUP_SECONDS, Supervisor
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.market import Market
 from spotnb.providers.local.state import Settings, instance_dir
@@ -814,7 +814,10 @@ def test_a_standby_no_notice_follows_is_given_back_and_billed(
     # ready one takes the job over: test_engine).
     monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "600")
     signals = {"false_alarms": [0.5], "false_alarm": 0, "seed": "g"}
-    spec = cloud.spec(simulate_signals=signals, policy=Policy(standby=standby))
+    # Started at once, in the instance's first hour too (the default waits for its end:
+    # the next test).
+    spec = cloud.spec(simulate_signals=signals,
+                      policy=Policy(standby=standby, standby_first_hour=True))
     cloud.provider.launch(spec)
     first = launched(spec)[0].data["instance_id"]
     wait_until(lambda: group_events(spec, "instance", action="rebalance"), 15,
@@ -838,3 +841,58 @@ def test_a_standby_no_notice_follows_is_given_back_and_billed(
     assert cost > 0 and state.standbys_cost(time.time()) == pytest.approx(cost)
     assert cost < state.cost(time.time())[0]  # billed to the job, with the first
     assert sb.story(state)[-1][1] == f"standby given back (not ready in time): ${cost:.3f}"
+
+
+def test_in_its_first_hour_an_instance_s_standby_waits_for_the_hour_to_end(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standby launched at once would move the job off an instance that EC2 does not
+    bill if it interrupts it in its first hour: it is launched to be ready as the hour
+    ends (boot + STANDBY_WARMUP_SECONDS before it)."""
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "600")  # a market hour: 6 real s
+    signals = {"false_alarms": [0.5], "false_alarm": 0, "seed": "d"}
+    spec = cloud.spec(simulate_signals=signals)
+    cloud.provider.launch(spec)
+    first = launched(spec)[0]
+    (deferred,) = wait_until(lambda: group_events(spec, "instance", action="standby-deferred"),
+                             15, "the standby deferred")
+    assert deferred.instance == first.data["instance_id"]
+    due = first.time + (3600 - STANDBY_WARMUP_SECONDS) / 600
+    assert deferred.data["standby_due"] == pytest.approx(due, abs=0.05)
+    from spotnb.client.display import milestone
+
+    said = milestone(deferred)
+    assert said is not None and said.startswith(
+        f"rebalance recommendation for {deferred.instance} in its first hour: its standby "
+        "starts at "), said
+    standby = launched(spec, 2)[1]  # launched, once the wait is over
+    assert standby.data["standby_for"] == first.data["instance_id"]
+    assert standby.time >= deferred.data["standby_due"]
+    store_of(spec).put(STOP, json.dumps({"reason": "user"}).encode())
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
+
+
+def test_an_interruption_in_an_instance_s_first_hour_is_free_and_needs_no_standby(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "600")
+    # Interrupted at 2 real s (1,200 market s), recommended 600 market s (1 s) ahead.
+    signals = {"lead_median": 600, "lead_sigma": 0, "together": 0, "false_alarm": 0,
+               "no_recommendation": 0, "seed": "i"}
+    spec = cloud.spec(simulate_interruptions={"schedule": [2.0]}, simulate_signals=signals)
+    cloud.provider.launch(spec)
+    first = launched(spec)[0].data["instance_id"]
+    ended = wait_until(lambda: group_events(spec, "instance", action="terminated",
+                                            reason="spot-interruption"),
+                       15, "the first instance interrupted")
+    assert [e.instance for e in ended] == [first]
+    assert [e.instance for e in group_events(spec, "instance", action="standby-deferred")] \
+        == [first]
+    assert ended[0].data["cost_usd"] == 0  # as AWS bills it
+    second = launched(spec, 2)[1]
+    assert "standby_for" not in second.data  # the lost instance's replacement
+    store_of(spec).put(STOP, json.dumps({"reason": "user"}).encode())
+    wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
+    state = fold(EventReader(store_of(spec)).replay())
+    assert [i.instance_id for i in state.refunded()] == [first]
+    assert state.instance_cost(first) == 0
+    assert state.cost(time.time())[0] == pytest.approx(
+        state.instance_cost(second.data["instance_id"]))

@@ -731,9 +731,11 @@ def test_a_warm_standby_joins_in_a_recommended_nodes_place_with_no_step_redone(
     reference = Uninterrupted(GATED_TRAINING, {**inputs, "PAUSES": [], "GO": ""}, 2, tmp_path)
     go = tmp_path / "go"
     go.mkdir()
+    # standby_first_hour: the standby starts at the recommendation, not as the node's
+    # first hour ends (when an interruption by EC2 would no longer be free).
     job = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(go)}, nodes=2,
                         outputs=["weights"], instance_types="g4dn.xlarge",
-                        checkpoint_every="5 steps")
+                        checkpoint_every="5 steps", standby_first_hour=True)
     store = LocalStore(job.spec.store_uri.removeprefix("file://"))
 
     def steps() -> list[int]:

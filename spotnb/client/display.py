@@ -266,6 +266,11 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
             return None
         return (f"attempt {event.attempt}: rebalance recommendation for {event.instance}: "
                 "it is at elevated risk of interruption; saving a checkpoint")
+    if isinstance(body, codec.Instance) and body.standby_deferred:
+        due = datetime.datetime.fromtimestamp(body.standby_due or event.time)
+        return (f"rebalance recommendation for {event.instance} in its first hour: its "
+                f"standby starts at {due.strftime('%H:%M:%S')}, to be ready as the hour "
+                "ends (EC2 interrupting it before then makes it free)")
     if isinstance(body, codec.Instance) and body.capacity_error:
         return (f"no spot capacity for {body.instance_type} in {body.az}: "
                 "trying the next pool")

@@ -391,6 +391,7 @@ def submit(
     peer_timeout: float | str = "2m",
     secrets: Mapping[str, str | None] | Sequence[str] | None = None,
     standby: bool = True,
+    standby_first_hour: bool = False,
 ) -> JobHandle:
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
 
@@ -422,7 +423,9 @@ def submit(
     replacement boots (:mod:`spotnb.kernel_remote.multinode`); ``peer_timeout`` bounds every wait on
     a peer. ``standby``: on a rebalance recommendation, start a warm standby that takes
     the job over at the interruption notice (billed to the job; README, "Warm
-    standbys"); False replaces an instance only once it is gone.
+    standbys"); False replaces an instance only once it is gone. In an instance's first
+    hour a standby is timed to be ready as the hour ends (EC2 interrupting the instance
+    before then makes it free); ``standby_first_hour=True`` starts it at once.
     """
     job = prepare_job(code, provider=provider, instance_types=instance_types, region=region,
                    max_price=max_price, name=name, inputs=inputs, outputs=outputs,
@@ -433,7 +436,8 @@ def submit(
                    simulate_signals=simulate_signals, env=env, files=files,
                    store=store, notify_url=notify_url, nodes=nodes,
                    procs_per_node=procs_per_node, peer_timeout=peer_timeout,
-                   secrets=secrets, standby=standby)
+                   secrets=secrets, standby=standby,
+                   standby_first_hour=standby_first_hour)
     spec, job_store, prov = job.spec, job.store, job.provider
     warnings = _notice_warnings(prov, spec, inputs if isinstance(inputs, Mapping) else {})
     # Inputs first: an agent that can read spec.json can read everything it names.

@@ -117,6 +117,10 @@ def _job_args(func: F) -> F:
                  help="start no warm standby on a rebalance recommendation: replace the "
                       "instance only once it is gone (cheaper; each interruption then costs "
                       "a boot and a restore)"),
+        argument("--standby-first-hour", action="store_true", default=None,
+                 help="in an instance's first hour too, start a standby at once on a "
+                      "recommendation (by default it is timed to be ready as the hour "
+                      "ends: EC2 interrupting the instance before then makes it free)"),
         argument("--name", help="a name for the job, shown by %%spot_jobs"),
         argument("--nodes", metavar="N|MIN:MAX",
                  help="train on N instances as torchrun's workers (RANK, WORLD_SIZE, ... set "
@@ -190,6 +194,8 @@ _OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
     "procs_per_node": ("--procs-per-node", "procs_per_node", None),
     "peer_timeout": ("--peer-timeout", "peer_timeout", None),
     "standby": ("--no-standby", "no_standby", "standby"),
+    "standby_first_hour": ("--standby-first-hour", "standby_first_hour",
+                           "standby_first_hour"),
 }
 
 
@@ -311,6 +317,11 @@ class SpotMagics(Magics):
                               "takes the job over at the interruption notice (it is billed "
                               "to the job: README, 'Warm standbys'); --no-standby turns it "
                               "off for one cell.").tag(config=True)
+    standby_first_hour = Bool(False, help="Start a standby at once in an instance's first "
+                                          "hour too (by default it is timed to be ready as "
+                                          "the hour ends: an interruption before then is "
+                                          "free); --standby-first-hour for one cell."
+                              ).tag(config=True)
     renderer_class = Type(None, klass=object, allow_none=True,
                           help="The display that follows a job (a spotnb.client.display."
                                "Renderer). None: the widget dashboard where widgets "
@@ -434,6 +445,7 @@ class SpotMagics(Magics):
             "notify_url": pick(args.notify, self.notify_url),
             "secrets": list(dict.fromkeys([*self.secrets, *(args.secrets or ())])) or None,
             "standby": False if args.no_standby else self.standby,
+            "standby_first_hour": bool(args.standby_first_hour or self.standby_first_hour),
         }
         # Only a distributed job passes these (submit's defaults: one node, one process).
         if args.nodes is not None:

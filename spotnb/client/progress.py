@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from spotnb.protocol.events import GROUP_STREAM, Event, codec, metric_columns
-from spotnb.protocol.events.fold import JobState, RedoneSteps, integrate, replaced_attempt
+from spotnb.protocol.events.fold import JobState, RedoneSteps, replaced_attempt
 
 __all__ = ["RATE_WINDOW_SECONDS", "Interruption", "Progress", "Projection"]
 
@@ -321,8 +321,7 @@ class Progress:
                 a, b = max(start, inst.start), min(end, inst.end or now)
                 if b <= a:
                     continue
-                spot += integrate(self.state.prices.get(inst.pool, []), a, b,
-                                  inst.price or 0.0)
+                spot += self.state.billed(inst, a, b)
                 ondemand += (inst.ondemand or 0.0) * (b - a) / 3600.0
         return spot, ondemand
 

@@ -76,7 +76,7 @@ def prepare_job(
     simulate_interruptions: Any = None, simulate_signals: Any = None, env: Any = None,
     files: Any = None, store: Any = None, notify_url: Any = None, nodes: Any = 1,
     procs_per_node: Any = 1, peer_timeout: Any = "2m", secrets: Any = None,
-    standby: Any = True,
+    standby: Any = True, standby_first_hour: Any = False,
 ) -> PreparedJob:
     """Check and normalise every argument of :func:`spotnb.submit` (see there); values
     of any type are handled: a wrong type is a SpecError too. Writes and starts nothing.
@@ -119,6 +119,7 @@ def prepare_job(
         keep_checkpoints=whole_number(keep_checkpoints, "keep_checkpoints", minimum=1),
         peer_timeout=parse_peer_timeout(peer_timeout),
         standby=_standby(standby),
+        standby_first_hour=_standby_first_hour(standby_first_hour),
     )
     out_names = _variable_names(outputs, "outputs")
     simulation = _simulation(simulate_interruptions, provider)
@@ -294,6 +295,16 @@ def _simulation(value: Any, provider: str) -> dict[str, Any] | None:
     except SpecError:
         raise SpecError(usage, field="simulate_interruptions") from None
     return {"schedule": schedule} if schedule else None
+
+
+def _standby_first_hour(value: Any) -> bool:
+    """Whether a standby starts at once in an instance's first hour too."""
+    if not isinstance(value, bool):
+        raise SpecError(f"{{option}} must be False (in an instance's first hour, time a "
+                        f"standby to be ready as the hour ends: an interruption before then "
+                        f"is free) or True (start it at once), not {value!r}",
+                        field="standby_first_hour")
+    return value
 
 
 def _standby(value: Any) -> bool:

@@ -342,10 +342,17 @@ class Policy:
     # boots, starts the kernel and prefetches the checkpoint while the old instance
     # trains, and takes over at the notice. Billed to the job; off for the cheapest run.
     standby: bool = True
+    # In an instance's first hour a standby is timed to be ready as that hour ends, not
+    # started at once: EC2 interrupting it before then makes the whole instance free
+    # (spotnb.protocol.billing), which moving the job off it forfeits. True starts
+    # standbys at once (the shortest gap, for a deadline, at that price).
+    standby_first_hour: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.standby, bool):
             raise _bad("standby", "True or False", self.standby)
+        if not isinstance(self.standby_first_hour, bool):
+            raise _bad("standby_first_hour", "True or False", self.standby_first_hour)
         if not isinstance(self.checkpoint_every, CheckpointEvery):
             raise _bad("checkpoint_every", "a CheckpointEvery", self.checkpoint_every)
         _exact_int(self.max_restarts_on_error, "max_restarts_on_error", 0)

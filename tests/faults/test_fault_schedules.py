@@ -239,7 +239,10 @@ def run_multi_schedule(seed: int, home: Path,
     handle = spotnb.submit(MULTI_CELL, nodes="1:2", inputs={"STEPS": MULTI_STEPS},
                            outputs=["total"], instance_types="g4dn.xlarge",
                            checkpoint_every="20 steps",
-                           peer_timeout=f"{PEER_TIMEOUT_SECONDS:g}s")
+                           peer_timeout=f"{PEER_TIMEOUT_SECONDS:g}s",
+                           # node-recommend's standby starts at once, not as the
+                           # node's first hour ends
+                           standby_first_hour=True)
     attacker = NodeAttacker(handle, home, random.Random(seed))
     # The first step, seen live (a job nobody follows writes its log once a minute:
     # read from the log, the first rows of a short job come when it has ended, and

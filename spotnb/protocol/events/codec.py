@@ -228,6 +228,10 @@ class Instance:
     reason: str | None = None
     standby_for: str | None = None  # a warm standby's: the instance it stands by for
     kernel_started: float | None = None  # a standby's, once ready
+    # A launch's: market seconds a real second (the local cloud's compressed time; an
+    # instance's first hour, which an interruption refunds, is that long in market time).
+    time_scale: float = 1.0
+    standby_due: float | None = None  # a deferred standby's launch time
 
     @property
     def launched(self) -> bool:
@@ -251,6 +255,12 @@ class Instance:
     def standby_ready(self) -> bool:
         """A warm standby's kernel is started and its cell waits at its restore point."""
         return self.action == "standby-ready"
+
+    @property
+    def standby_deferred(self) -> bool:
+        """A recommendation in the instance's first hour: its standby launches at
+        ``standby_due``, to be ready as that hour ends (spotnb.protocol.billing)."""
+        return self.action == "standby-deferred"
 
     @property
     def capacity_error(self) -> bool:
@@ -365,7 +375,9 @@ def _instance(e: Event, d: dict[str, Any]) -> Instance:
                     pool=_str(d.get("pool")), price=_opt_float(d.get("price")),
                     ondemand=_opt_float(d.get("ondemand")), reason=_opt_str(d.get("reason")),
                     standby_for=_opt_str(d.get("standby_for")),
-                    kernel_started=_opt_float(d.get("kernel_started")))
+                    kernel_started=_opt_float(d.get("kernel_started")),
+                    time_scale=_opt_float(d.get("time_scale")) or 1.0,
+                    standby_due=_opt_float(d.get("standby_due")))
 
 
 def _standby(e: Event, d: dict[str, Any]) -> Standby:

@@ -21,7 +21,7 @@ import enum
 from collections.abc import Iterable
 from typing import Any
 
-from spotnb.protocol import layout, usage
+from spotnb.protocol import billing, layout, usage
 from spotnb.protocol.events import FINAL_STATES, GROUP_STREAM, Event, codec, last_values, step_span
 
 __all__ = [
@@ -100,6 +100,15 @@ class InstanceState:
     instance_type: str | None = None
     az: str | None = None
     end: float | None = None
+    end_reason: str | None = None
+    time_scale: float = 1.0  # market seconds a real second (the local cloud's)
+
+    @property
+    def free(self) -> bool:
+        """Ended, and costs nothing: EC2 interrupted it in its first hour
+        (:mod:`spotnb.protocol.billing`). A running instance is billed until then."""
+        return self.end is not None and billing.free_of_charge(
+            self.end_reason, (self.end - self.start) * self.time_scale)
 
 
 @dataclasses.dataclass
@@ -293,7 +302,8 @@ class JobState:
                 self.instances[body.instance_id] = InstanceState(
                     instance_id=body.instance_id, start=e.time, pool=body.pool,
                     price=body.price, ondemand=body.ondemand,
-                    instance_type=body.instance_type, az=body.az)
+                    instance_type=body.instance_type, az=body.az,
+                    time_scale=body.time_scale)
                 if self.first_launch is None or e.time < self.first_launch:
                     self.first_launch = e.time
                 if body.price is not None:
@@ -302,6 +312,7 @@ class JobState:
                 self.terminated.add(iid)
                 if iid in self.instances:
                     self.instances[iid].end = e.time
+                    self.instances[iid].end_reason = body.reason
             elif body.noticed:
                 key = str(body.instance_id or e.instance)
                 self.noticed_instances.add(key)
@@ -510,9 +521,20 @@ class JobState:
         cost = ondemand = 0.0
         for inst in self.instances.values():
             start, stop = inst.start, inst.end or end
-            cost += integrate(self.prices.get(inst.pool, []), start, stop, inst.price or 0.0)
+            cost += self.billed(inst, start, stop)
             ondemand += (inst.ondemand or 0.0) * max(0.0, stop - start) / 3600.0
         return cost, ondemand
+
+    def billed(self, inst: InstanceState, start: float, stop: float) -> float:
+        """What ``inst`` billed between ``start`` and ``stop``: its pool's spot price as
+        it changed, nothing if EC2 interrupted it in its first hour."""
+        if inst.free:
+            return 0.0
+        return integrate(self.prices.get(inst.pool, []), start, stop, inst.price or 0.0)
+
+    def refunded(self) -> list[InstanceState]:
+        """Instances EC2 interrupted in their first hour, which AWS does not charge."""
+        return [i for i in self.instances.values() if i.free]
 
     def cost_between(self, start: float, stop: float) -> float:
         """What the instances billed between ``start`` and ``stop``, at the spot price
@@ -520,7 +542,7 @@ class JobState:
         total = 0.0
         for inst in self.instances.values():
             lo, hi = max(start, inst.start), min(stop, inst.end or stop)
-            total += integrate(self.prices.get(inst.pool, []), lo, hi, inst.price or 0.0)
+            total += self.billed(inst, lo, hi)
         return total
 
     def cost_usd(self, end: float) -> float:
@@ -534,7 +556,7 @@ class JobState:
         if inst is None:
             return 0.0
         stop = inst.end or end or self.last_time or inst.start
-        return integrate(self.prices.get(inst.pool, []), inst.start, stop, inst.price or 0.0)
+        return self.billed(inst, inst.start, stop)
 
     def handover_seconds(self, sb: StandbyState) -> float | None:
         """Training time a standby's takeover cost: from the last event of the attempt
@@ -558,8 +580,7 @@ class JobState:
             if inst is None:
                 continue
             stop = sb.lease_at if sb.lease_at is not None else (inst.end or end)
-            total += integrate(self.prices.get(inst.pool, []), inst.start, stop,
-                               inst.price or 0.0)
+            total += self.billed(inst, inst.start, stop)
         return total
 
     def running_instances(self) -> list[InstanceState]:

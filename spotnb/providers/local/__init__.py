@@ -270,14 +270,6 @@ class LocalProvider(Provider):
         log.info("requested an interruption of job %s's instance %s", job_id,
                  instance or "(the first running)")
 
-    def recommend(self, job_id: str, instance: str | None = None) -> None:
-        """Publish a rebalance recommendation for the job's instance (a multi-node
-        job's ``instance``, else its first running one) at its metadata service now,
-        as EC2 would, with no notice to follow; with ``policy.standby`` the group
-        starts a warm standby for it. For tests that aim a recommendation at a moment
-        (``simulate_signals`` draws them, or gives their times since launch)."""
-        self._fault(job_id, "rebalance", instance)
-
     def kill(self, job_id: str, instance: str | None = None) -> None:
         """See the contract: the supervisor SIGKILLs the instance's agent and everything
         it started at once (no notice, no grace), as a machine lost outright."""
@@ -288,6 +280,12 @@ class LocalProvider(Provider):
         gone silent, not dead. Nothing answers; its peers go on without it after the
         job's peer timeout. The group ends it when the job ends."""
         self._fault(job_id, "freeze", instance)
+
+    def recommend(self, job_id: str, instance: str | None = None) -> None:
+        """Publish a rebalance recommendation for the instance, as EC2 would: the job
+        saves at once and its group starts a warm standby (a false alarm unless an
+        interruption follows; :meth:`interrupt` gives the notice)."""
+        self._fault(job_id, "recommend", instance)
 
     def _fault(self, job_id: str, kind: str, instance: str | None) -> None:
         home = group_dir(job_id)

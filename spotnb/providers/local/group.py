@@ -108,7 +108,7 @@ from typing import Any
 
 import psutil
 
-from spotnb.protocol import layout, lease, secretstore
+from spotnb.protocol import billing, layout, lease, secretstore
 from spotnb.protocol.backoff import Backoff
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
 from spotnb.protocol.events.fold import fold
@@ -170,6 +170,11 @@ FORESEEN = ("hazard", "scheduled", "price")
 # capacity rebalancing does: holding it for a notice instead billed ~18% of a stressed
 # pool's job for a fifth of its interruptions caught warm (README, "Warm standbys").
 STANDBY_HOLD_SECONDS = 600.0
+# In an instance's first hour, a standby on a recommendation is launched to be ready as the
+# hour ends (its boot plus this many market seconds of warm-up before it), not at once:
+# EC2 interrupting the instance before then makes all of it free (protocol/billing.py),
+# and moving the job off it would forfeit that (policy.standby_first_hour: at once).
+STANDBY_WARMUP_SECONDS = 120.0
 # The events that show a cell got past its imports: output, or metrics (one row or a batch).
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
@@ -234,8 +239,6 @@ class Supervisor:
         self.interrupt_requested: list[str] = []
         # Faults without notice asked for: (instance id, "kill" or "freeze").
         self.faults_requested: list[tuple[str, str]] = []
-        # Rebalance recommendations asked for (LocalProvider.recommend): instance ids.
-        self.rebalance_requested: list[str] = []
         # Multi-node jobs: the instances recommended in this tick's step 4, whose standby
         # starts at its end unless their notice came in the same tick (_step).
         self.standby_wanted: set[str] = set()
@@ -463,15 +466,7 @@ class Supervisor:
                     else:
                         self.interrupt_requested.append(
                             str(target) if target else self._first_uninterrupted())
-            elif kind == "rebalance":
-                target = (read_json(path) or {}).get("instance")
-                if not self.running or (target and all(i.id != target for i in self.running)):
-                    log.warning("a rebalance recommendation requested for %s, which is not "
-                                "running; ignored", target or "the first instance")
-                else:
-                    self.rebalance_requested.append(
-                        str(target) if target else self._first_uninterrupted())
-            elif kind in ("kill", "freeze"):
+            elif kind in ("kill", "freeze", "recommend"):
                 target = (read_json(path) or {}).get("instance")
                 if not self.running or (target and all(i.id != target for i in self.running)):
                     log.warning("%s requested for %s, which is not running; ignored", kind,
@@ -548,7 +543,10 @@ class Supervisor:
             if "kill" in kinds:
                 self._kill(inst, now)
                 return
-            self._freeze(inst)
+            if "recommend" in kinds and inst.terminate_at is None and self.finish is None:
+                self._recommend(inst, now, "requested")
+            if "freeze" in kinds:
+                self._freeze(inst)
         if inst.standby_until is not None:
             self._mind_standby(inst, now)
             if inst not in self.running:
@@ -563,20 +561,20 @@ class Supervisor:
         # Step 4: does EC2 want the instance back? First its recommendation, if one is
         # due: one with no lead comes in the tick of its notice, before it.
         if inst.terminate_at is None and self.finish is None:
-            if inst.id in self.rebalance_requested:
-                self.rebalance_requested.remove(inst.id)
-                self._recommend(inst, now, "requested")
             self._signal(inst, now)
+            if inst.standby_due is not None and now >= inst.standby_due:
+                inst.standby_due = None
+                self._start_standby(inst, now, defer=False)
             reason = self._interruption_due(inst, now)
             if reason is not None:
                 self._notice(inst, now, reason)
-            if inst.id in self.standby_wanted:
-                self.standby_wanted.discard(inst.id)
-                if inst.terminate_at is None:  # its notice did not come with it
-                    self._start_standby(inst, now)
         elif inst.id in self.interrupt_requested:
             # Already under notice, or winding down.
             self.interrupt_requested = [i for i in self.interrupt_requested if i != inst.id]
+        if inst.id in self.standby_wanted:  # a multi-node job's recommendation (step 2, 4)
+            self.standby_wanted.discard(inst.id)
+            if inst.terminate_at is None:  # its notice did not come with it
+                self._start_standby(inst, now)
         # Step 5: the notice period is over (or, ended through the termination hook, the
         # agent handed the lease over).
         if inst.notice_reason == "rebalanced" and inst.terminate_at is not None and (
@@ -641,29 +639,37 @@ class Supervisor:
             self.false_alarm_next += 1
             self._recommend(inst, now, "false-alarm")
 
-    def _recommend(self, inst: LocalInstance, now: float, reason: str) -> None:
+    def _recommend(self, inst: LocalInstance, now: float, reason: str,
+                   at_notice: bool = False) -> None:
         """A rebalance recommendation for ``inst`` at its metadata service, and in the
-        log; then, as Auto Scaling's capacity rebalancing, a warm standby for it (a
-        multi-node job's: at the end of the instance's step 4, unless its notice came
-        in the same tick; see the module docstring)."""
+        log; then, as Auto Scaling's capacity rebalancing, a warm standby for it
+        (``at_notice``: the recommendation comes with the notice; a multi-node job's
+        standby starts at the end of the instance's step 4, unless its notice came in the
+        same tick: see the module docstring)."""
         inst.recommend_rebalance(now)
         log.info("rebalance recommendation for %s (%s)", inst.id, reason)
         self._emit("instance", inst.id, at=now, action="rebalance", reason=reason,
                    **inst.describe(), notice_time=iso_utc(now))
         if self.target > 1:
-            self.standby_wanted.add(inst.id)
-        else:
-            self._start_standby(inst, now)
+            if not at_notice:  # with its notice: no standby (the module docstring)
+                self.standby_wanted.add(inst.id)
+            return
+        self._start_standby(inst, now, defer=not at_notice)
 
-    def _start_standby(self, inst: LocalInstance, now: float) -> None:
+    def _start_standby(self, inst: LocalInstance, now: float, defer: bool = True) -> None:
         """Launch a standby for ``inst`` (spotnb.kernel_remote.standby): a job whose
         policy allows it, an instance that runs the job (not a standby still on hold),
         none standing by for it yet, the job not winding down. A multi-node job's
         standby is one node's: it joins the world in that node's place once the node
-        has left it (spotnb.kernel_remote.standby.NodeStandby)."""
+        has left it (spotnb.kernel_remote.standby.NodeStandby). In the instance's first
+        hour the launch waits to be ready as the hour ends
+        (:data:`STANDBY_WARMUP_SECONDS`), unless ``defer`` is False (the recommendation
+        came with the notice: the instance is EC2's to end, free or not)."""
         if (not self.spec.policy.standby or self.finish is not None
                 or not inst.started or inst.standby_until is not None
                 or any(i.standby_for == inst.id for i in self.running)):
+            return
+        if defer and self._defer_standby(inst, now):
             return
         standby = self._launch(now, standby_for=inst.id)
         if standby is None:
@@ -673,6 +679,25 @@ class Supervisor:
                                  + STANDBY_HOLD_SECONDS / self.settings.time_scale)
         if standby.boot_until <= now:
             self._spawn(standby, time.time())
+
+    def _defer_standby(self, inst: LocalInstance, now: float) -> bool:
+        """Whether the standby for ``inst`` waits (its launch time set, and said once):
+        launched now, it would move the job off ``inst`` inside its first hour."""
+        if self.spec.policy.standby_first_hour:
+            return False
+        scale = self.settings.time_scale
+        ahead = self.settings.boot_seconds * scale + STANDBY_WARMUP_SECONDS
+        wait = billing.free_hour_left(inst.age(now)) - ahead
+        if wait <= 0:
+            inst.standby_due = None
+            return False
+        if inst.standby_due is None:
+            inst.standby_due = now + wait / scale
+            log.info("standby for %s waits %.0f market s: in its first hour an "
+                     "interruption by EC2 is free", inst.id, wait)
+            self._emit("instance", inst.id, at=now, action="standby-deferred",
+                       **inst.describe(), standby_due=inst.standby_due)
+        return True
 
     def _mind_standby(self, inst: LocalInstance, now: float) -> None:
         """A standby not yet the job's instance. It becomes that when the instance it
@@ -691,7 +716,7 @@ class Supervisor:
                      inst.id, old.id)
             self._end(inst, now, "standby-given-back", standby_for=old.id)
             self._forget(inst)
-            self._notify_given_back(inst, inst.market.cost(inst.launched, inst.ended or now))
+            self._notify_given_back(inst, inst.cost(now))
 
     def _move_to_standby(self, old: LocalInstance, standby: LocalInstance,
                          now: float) -> None:
@@ -860,7 +885,7 @@ class Supervisor:
     def _notice(self, inst: LocalInstance, now: float, reason: str) -> None:
         """Interrupt like EC2: the notice now, the termination after the notice period."""
         if reason not in FORESEEN:  # nobody knew it ahead: the recommendation comes with it
-            self._recommend(inst, now, reason)
+            self._recommend(inst, now, reason, at_notice=True)
         inst.notice(now, self.settings.notice_seconds, reason)
         assert inst.terminate_at is not None
         log.info("interruption notice for %s (%s); terminating at %s", inst.id, reason,
@@ -996,7 +1021,8 @@ class Supervisor:
                    az=pool.az, detail=f"launching {pool.instance_type} in {pool.az}{replacing}")
         self._emit("instance", inst.id, at=now, action="launched", **inst.describe(),
                    price=inst.price, ondemand=pool.ondemand, region=pool.region,
-                   az_name=az_name(pool.region, pool.az), **extra)
+                   az_name=az_name(pool.region, pool.az), time_scale=inst.market.time_scale,
+                   **extra)
         self._emit_price(inst)
         log.info("launched %s in %s at $%.4f/h; %s", inst.id, pool.name, inst.price,
                  inst.market.source)
@@ -1049,7 +1075,7 @@ class Supervisor:
 
     def cost(self, now: float) -> float:
         """USD spent so far: each instance's market price over the time it existed."""
-        return sum(i.market.cost(i.launched, i.ended or now) for i in self.instances)
+        return sum(i.cost(now) for i in self.instances)
 
     def _check_limits(self, now: float) -> None:
         policy = self.spec.policy

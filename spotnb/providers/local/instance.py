@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from spotnb.protocol import billing
 from spotnb.providers.catalog import Pool
 from spotnb.providers.imds import ENV_HOOK_SECONDS
 from spotnb.providers.local.imds import ImdsServer, InstanceIdentity, iso_utc
@@ -81,11 +82,13 @@ class LocalInstance:
     notice_reason: str | None = None
     terminate_at: float | None = None
     ended: float | None = None
+    end_reason: str | None = None
     cell_started: float | None = None  # when its attempt started running the cell
     first_output: float | None = None  # the cell's first output or metric
     durable_at: float | None = None  # first durable checkpoint of its attempt
     progressed: bool = False  # any event of its attempt after that checkpoint
     rebalance_at: float | None = None  # its last rebalance recommendation
+    standby_due: float | None = None  # a standby waiting for its first hour to end
     next_false_alarm: float | None = None  # when its next drawn false alarm comes
     price_risk_at: float | None = None  # when the price first rises above max_price
     # A warm standby: the instance it stands by for, and until when it is kept if that
@@ -264,9 +267,21 @@ class LocalInstance:
             log.info("ending %d process(es) that instance %s started", len(strays), self.id)
             kill_processes(strays, grace)
         self.imds.stop()
-        self.ended = now
+        self.ended, self.end_reason = now, reason
         self.update_meta(state="terminated", reason=reason, ended=now)
-        return self.market.cost(self.launched, now)
+        return self.cost(now)
+
+    def age(self, now: float) -> float:
+        """Market seconds since its launch (the local cloud compresses time)."""
+        return (now - self.launched) * self.market.time_scale
+
+    def cost(self, now: float) -> float:
+        """What it billed until ``now`` (or its end): its pool's price over the time it
+        ran, nothing if EC2 (the market) interrupted it in its first hour."""
+        end = self.ended if self.ended is not None else now
+        if self.ended is not None and billing.free_of_charge(self.end_reason, self.age(end)):
+            return 0.0
+        return self.market.cost(self.launched, end)
 
     def update_meta(self, **fields: Any) -> None:
         path = self.dir / "meta.json"
