@@ -542,6 +542,7 @@ class Supervisor:
             self._signal(inst, now)
             if inst.standby_due is not None and now >= inst.standby_due:
                 inst.standby_due = None
+                inst.update_meta(standby_due=None)
                 self._start_standby(inst, now, defer=False)
             reason = self._interruption_due(inst, now)
             if reason is not None:
@@ -660,6 +661,7 @@ class Supervisor:
             return False
         if inst.standby_due is None:
             inst.standby_due = now + wait / scale
+            inst.update_meta(standby_due=inst.standby_due)  # for a supervisor that adopts it
             log.info("standby for %s waits %.0f market s: in its first hour an "
                      "interruption by EC2 is free", inst.id, wait)
             self._emit("instance", inst.id, at=now, action="standby-deferred",
