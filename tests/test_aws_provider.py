@@ -613,13 +613,13 @@ while not (os.path.exists({gate!r}) and step >= 20):
 """
 
 
-def test_capacity_rebalancing_moves_the_job_to_its_standby_and_completes_the_hook(
+def test_a_recommendation_moves_the_job_to_its_standby_and_completes_the_hooks(
         spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rebalance recommendation alone (a false alarm): Auto Scaling launches a
-    replacement, which is in service once its agent, a warm standby, is ready (the
-    launch hook); the at-risk instance is then ended through the termination hook: its
-    agent saves, lets go of the lease and completes the hook; the standby goes on with
-    no step redone and no interruption counted."""
+    """A rebalance recommendation alone (a false alarm), standbys at once in the first
+    hour: the job's instance asks its group for a standby, whose agent completes the
+    launch hook once it is ready; the job's instance then ends itself through the
+    termination hook: its agent saves, lets go of the lease and completes the hook; the
+    standby goes on with no step redone and no interruption counted."""
     from spotnb.protocol.events import metric_rows
     from spotnb.protocol.events.fold import EndReason, fold
 
@@ -629,7 +629,8 @@ def test_capacity_rebalancing_moves_the_job_to_its_standby_and_completes_the_hoo
     # can end it first.
     with AwsSimulator(tmp_path / "sim", notice_seconds=60.0) as sim:
         handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
-                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
+                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps",
+                               standby_first_hour=True)
         old = sim.wait_for_instance(handle.job_id)
         # (The store, not the log: a job nobody follows writes its log once a minute.)
         wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
@@ -663,6 +664,100 @@ def test_capacity_rebalancing_moves_the_job_to_its_standby_and_completes_the_hoo
     assert [e.data.get("reason") for e in ended] == ["rebalanced"]
     steps = [step for e in events for step, _t, _values in metric_rows(e)]
     assert steps == list(range(len(steps))), "every step once, in order"
+
+
+# The first hour in 40 real seconds; EC2's notice period in 10 (a standby has 57.5 s to
+# be ready: LAUNCH_HOOK_SECONDS scaled the same).
+FIRST_HOUR_SCALE = 90.0
+FIRST_HOUR_NOTICE = 10.0
+
+
+def _deferred(handle: spotnb.JobHandle) -> Event | None:
+    return next((e for e in group_events(handle) if e.type == "instance"
+                 and e.data.get("action") == "standby-deferred"), None)
+
+
+def test_a_recommendation_in_the_first_hour_times_the_standby_to_be_ready_as_it_ends(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the local cloud: a recommendation in the instance's first hour launches
+    no standby at once (moving the job would forfeit that hour's refund); the agent
+    says when it will (``standby-deferred``), asks for it then, and the job moves to
+    it once it is ready."""
+    from spotnb.protocol.events.fold import EndReason, fold
+
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    gate = tmp_path / "gate"
+    with AwsSimulator(tmp_path / "sim", notice_seconds=FIRST_HOUR_NOTICE,
+                      time_scale=FIRST_HOUR_SCALE) as sim:
+        handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
+                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
+        old = sim.wait_for_instance(handle.job_id)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+                   "a durable checkpoint before the recommendation")
+        sim.recommend_rebalance(old.id)
+        deferred = wait_until(lambda: _deferred(handle), 60, "the standby deferred")
+        due = deferred.data["standby_due"]
+        launched = next(e.time for e in group_events(handle) if e.type == "instance"
+                        and e.data.get("action") == "launched" and e.instance == old.id)
+        # Due so that it is ready as the hour ends: its boot and warm-up before it.
+        assert deferred.time < due < launched + 3600 / FIRST_HOUR_SCALE
+        standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
+                                           if i.id != old.id), None), 120, "the standby")
+        assert standby.booted >= due, "no standby before its due time"
+        wait_until(lambda: old.terminated, 120, "the job moved to the ready standby")
+        assert (old.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed
+        wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == standby.id,
+                   120, "the standby holding the lease")
+        gate.touch()
+        result = handle.wait(timeout=120)
+        events = list(handle.events(follow=False))
+        assert_nothing_left(sim)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(events)
+    assert state.attempts[1].reason is EndReason.MOVED
+    assert state.interruptions() == 0
+    assert state.attempts[2].instance_id == standby.id
+    assert len(state.instances) == 2, "the standby, no other instance"
+    assert state.refunded() == [], "the instance the job left is billed: it was moved"
+
+
+def test_an_interruption_before_the_deferred_standby_is_free_and_starts_none(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notice while the standby waits for the first hour to end: no standby; EC2
+    ends the instance (``spot-interruption``), the group replaces it, and the
+    instance costs nothing (the fold's ``refunded()``)."""
+    from spotnb.protocol.events.fold import EndReason, fold
+
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    gate = tmp_path / "gate"
+    with AwsSimulator(tmp_path / "sim", notice_seconds=FIRST_HOUR_NOTICE,
+                      time_scale=FIRST_HOUR_SCALE) as sim:
+        handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
+                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
+        old = sim.wait_for_instance(handle.job_id)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+                   "a durable checkpoint before the recommendation")
+        sim.recommend_rebalance(old.id)
+        wait_until(lambda: _deferred(handle), 60, "the standby deferred")
+        sim.interrupt(old.id, lead=None)  # the notice the recommendation announced
+        wait_until(lambda: old.terminated, 120, "EC2 ended the instance")
+        new = sim.wait_for_instance(handle.job_id, timeout=120, exclude=(old.id,))
+        assert old.terminate_at is not None and new.booted >= old.terminate_at, \
+            "the replacement came after the loss: no standby"
+        wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == new.id,
+                   120, "the replacement holding the lease")
+        gate.touch()
+        result = handle.wait(timeout=120)
+        events = list(handle.events(follow=False))
+        assert_nothing_left(sim)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(events)
+    assert state.attempts[1].reason is EndReason.INTERRUPTED
+    assert len(state.instances) == 2 and not state.standbys
+    assert state.instances[old.id].end_reason == "spot-interruption"
+    assert [i.instance_id for i in state.refunded()] == [old.id]
+    assert not sim.hooks_completed or all(
+        hook != LIFECYCLE_HOOK_NAME for _, hook in sim.hooks_completed)
 
 
 CREDENTIAL_PATTERNS = [re.compile(p) for p in (
