@@ -760,6 +760,93 @@ def test_an_interruption_before_the_deferred_standby_is_free_and_starts_none(
         hook != LIFECYCLE_HOOK_NAME for _, hook in sim.hooks_completed)
 
 
+# UNTIL_GATE, whose standby's set-up waits while the file ``slow`` exists: a standby
+# not ready until the test says so.
+SLOW_STANDBY = """
+import os, time
+while os.environ.get("SPOTNB_STANDBY") == "1" and os.path.exists({slow!r}):
+    time.sleep(0.1)
+""" + UNTIL_GATE
+
+
+def test_a_standby_not_ready_in_time_is_given_back(
+        sim: AwsSimulator, tmp_path: Path) -> None:
+    """The job's instance gives back a standby not ready within its hold (the launch
+    hook's wait, LAUNCH_HOOK_SECONDS): the group ends it through its termination hook
+    and goes back to one instance; the job goes on where it ran."""
+    from spotnb.protocol.events.fold import fold
+
+    gate, slow = tmp_path / "gate", tmp_path / "slow"
+    slow.touch()
+    handle = spotnb.submit(SLOW_STANDBY.format(gate=str(gate), slow=str(slow)),
+                           provider="aws", instance_types=["g4dn.xlarge"],
+                           checkpoint_every="10 steps", standby_first_hour=True)
+    old = sim.wait_for_instance(handle.job_id)
+    wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+               "a durable checkpoint before the recommendation")
+    sim.recommend_rebalance(old.id)
+    standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
+                                       if i.id != old.id), None), 60, "the standby")
+    wait_until(lambda: standby.terminated, 120, "the standby given back")
+    assert (standby.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed, \
+        "ended through the termination hook, which its agent completed at once"
+    asg = _boto.client("autoscaling")
+    (group,) = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+    assert group["DesiredCapacity"] == 1
+    assert [i["InstanceId"] for i in group["Instances"]] == [old.id]
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(handle.events(follow=False))
+    assert list(state.attempts) == [1], "the job never left its instance"
+    (story,) = state.standbys.values()
+    assert story.given_back is not None and story.lease_at is None
+    assert state.instances[standby.id].end_reason == "standby-given-back"
+
+
+def test_a_notice_while_the_standby_boots_makes_it_the_replacement(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notice on the job's instance while its standby warms up: the standby is the
+    replacement (the group launches no third instance), and the instance is EC2's to
+    end: in its first hour, free."""
+    from spotnb.protocol.events.fold import EndReason, fold
+
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    gate, slow = tmp_path / "gate", tmp_path / "slow"
+    slow.touch()
+    with AwsSimulator(tmp_path / "sim", notice_seconds=FIRST_HOUR_NOTICE,
+                      time_scale=FIRST_HOUR_SCALE) as sim:
+        handle = spotnb.submit(SLOW_STANDBY.format(gate=str(gate), slow=str(slow)),
+                               provider="aws", instance_types=["g4dn.xlarge"],
+                               checkpoint_every="10 steps", standby_first_hour=True)
+        old = sim.wait_for_instance(handle.job_id)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+                   "a durable checkpoint before the recommendation")
+        sim.recommend_rebalance(old.id)
+        standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
+                                           if i.id != old.id), None), 60, "the standby")
+        sim.interrupt(old.id, lead=None)
+        asg = _boto.client("autoscaling")
+        wait_until(lambda: [i["InstanceId"] for g in asg.describe_auto_scaling_groups()[
+            "AutoScalingGroups"] for i in g["Instances"]] == [standby.id], 60,
+            "the noticed instance out of the group")
+        assert not old.terminated, "it left the group at its notice, before EC2 ended it"
+        slow.unlink()
+        wait_until(lambda: old.terminated, 120, "EC2 ended the noticed instance")
+        wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == standby.id,
+                   120, "the standby holding the lease")
+        gate.touch()
+        result = handle.wait(timeout=120)
+        events = list(handle.events(follow=False))
+        assert_nothing_left(sim)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(events)
+    assert state.attempts[1].reason is EndReason.INTERRUPTED
+    assert state.attempts[2].instance_id == standby.id
+    assert set(state.instances) == {old.id, standby.id}, "no third instance"
+    assert [i.instance_id for i in state.refunded()] == [old.id]
+
+
 CREDENTIAL_PATTERNS = [re.compile(p) for p in (
     rb"AKIA[0-9A-Z]{16}", rb"ASIA[0-9A-Z]{16}", rb"(?i)aws_secret_access_key",
     rb"(?i)aws_session_token")]
