@@ -15,13 +15,20 @@ An instance's life, narrated::
             (terminated in EC2: billed until their last event); then "launched"
             (at EC2's launch time, with the pool's spot and on-demand prices)
     Step 3  run the job agent; every POLL_SECONDS look at IMDS for the interruption
-            notice ("notice" event) and for Auto Scaling ending the instance through
+            notice ("notice" event), for Auto Scaling ending the instance through
             its termination hook (``autoscaling/target-lifecycle-state`` Terminated:
-            capacity rebalancing, the job's warm standby is in service; the job agent
-            reads it as its notice); in a capacity-rebalancing group, complete the
-            launch hook once the job agent holds the lease or, a warm standby, is
-            ready, and the termination hook once it let go of the lease; every
-            LIMITS_SECONDS look at the budget and deadline
+            the job moves to its warm standby; the job agent reads it as its notice)
+            and, in a standby group (resources.rebalancing), for a rebalance
+            recommendation: the job's instance then asks its group for a warm
+            standby (SetDesiredCapacity 2; in its first hour timed to be ready as
+            that hour ends, "standby-deferred", unless policy.standby_first_hour),
+            moves the job to it once it is ready (ends itself through the
+            termination hook: TerminateInstanceInAutoScalingGroup), gives back one
+            not ready in time, and at a notice leaves the group (DetachInstances:
+            the standby is the replacement, EC2 ends this one); see _mind_standby.
+            In a standby group, complete the launch hook once the job agent holds
+            the lease or, a warm standby, is ready, and the termination hook once it
+            let go of the lease; every LIMITS_SECONDS look at the budget and deadline
             (over: control/stop.json, which the job agent obeys), every PRICE_SECONDS
             at the spot price ("price" event when it changed)
     Step 4  the job agent exited:
@@ -83,8 +90,9 @@ from spotnb.providers.imds import (
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
-# While a lifecycle hook waits for this instance (capacity rebalancing), the lease (and
-# a standby's ready mark) is read this often: a GET (and a HEAD), for a minute or so.
+# While a lifecycle hook waits for this instance, the lease (and a standby's ready mark)
+# is read this often: a GET (and a HEAD), for a minute or so; and while the standby the
+# job's instance asked for boots, its ready mark is looked for (a LIST) as often.
 HOOK_POLL_SECONDS = 2.0
 # Budget and deadline are checked this often, from what this agent knows (the group's
 # history read once at boot, and its own price): no request.
@@ -127,8 +135,8 @@ class InstanceAgent:
         self.notice: dict[str, Any] | None = None
         #: Auto Scaling ends this instance through the group's termination hook.
         self.hook_ending = False
-        #: The group's lifecycle hooks this instance has still to complete (capacity
-        #: rebalancing: see resources.LAUNCH_HOOK_NAME and LIFECYCLE_HOOK_NAME).
+        #: The group's lifecycle hooks this instance has still to complete (a standby
+        #: group: see resources.LAUNCH_HOOK_NAME and LIFECYCLE_HOOK_NAME).
         self.launch_hook_due = rebalancing(self.spec)
         self.end_hook_due = False
         #: Whether this instance's job agent was seen holding the lease (a standby
@@ -386,7 +394,8 @@ class InstanceAgent:
                 # Not EC2 taking the instance back: no notice event, no interruption.
                 self.hook_ending = self.end_hook_due = True
                 log.info("Auto Scaling is ending this instance through its termination "
-                         "hook (capacity rebalancing): the job moves to its standby")
+                         "hook: the job moves to its standby (or, a standby, it is given "
+                         "back)")
         except OSError:
             return
         if action:
