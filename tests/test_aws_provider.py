@@ -282,9 +282,11 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
     # The group: one spot instance over the ranked types, in several AZs.
     group = asg.describe_auto_scaling_groups(
         AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"][0]
-    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 1, 1)
-    # A warm standby on a rebalance recommendation (the job's policy.standby).
-    assert group["CapacityRebalance"] is True
+    # Room for a warm standby, which the job's instance asks for on a rebalance
+    # recommendation (the job's policy.standby); not capacity rebalancing, which would
+    # launch it at once, in the instance's first hour too.
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 2, 1)
+    assert group["CapacityRebalance"] is False
     hooks = {h["LifecycleHookName"]: (h["LifecycleTransition"], h["HeartbeatTimeout"],
                                       h["DefaultResult"])
              for h in asg.describe_lifecycle_hooks(AutoScalingGroupName=f"spotnb-{job}")[
