@@ -94,6 +94,9 @@ POLL_SECONDS = 0.5
 # is read this often: a GET (and a HEAD), for a minute or so; and while the standby the
 # job's instance asked for boots, its ready mark is looked for (a LIST) as often.
 HOOK_POLL_SECONDS = 2.0
+# A standby that Auto Scaling will not end yet (its launch hook's wait) is asked again
+# this many times, HOOK_POLL_SECONDS apart.
+GIVE_BACK_TRIES = 60
 # Budget and deadline are checked this often, from what this agent knows (the group's
 # history read once at boot, and its own price): no request.
 LIMITS_SECONDS = 5.0
@@ -147,10 +150,12 @@ class InstanceAgent:
         self.launched_at = time.time()
         #: Warm standbys (see _mind_standby): "none" (no recommendation yet),
         #: "deciding", "deferred" (until standby_due), "asked" (the group launches it),
-        #: "done".
+        #: "giving-back" (not ready in time), "done".
         self.standby_phase = "none"
         self.standby_due: float | None = None
         self.standby_asked: float | None = None
+        self.standby_id: str | None = None
+        self._give_back_tries = 0
         self._standby_checked = -HOOK_POLL_SECONDS
         self.stop_seen_at: float | None = None
         self.price: float | None = None
@@ -451,6 +456,17 @@ class InstanceAgent:
             self._decide_standby(wall)
         elif self.standby_phase == "asked":
             self._watch_asked_standby(wall)
+        elif self.standby_phase == "giving-back":
+            if self.notice is not None:
+                self._leave_at_notice()  # the standby is the replacement after all
+            elif self._give_back(self.standby_id) or self.hook_ending:
+                self.standby_phase = "done"
+            else:
+                self._give_back_tries += 1
+                if self._give_back_tries >= GIVE_BACK_TRIES:
+                    log.warning("could not give back the standby; `spotnb aws cleanup` "
+                                "or the job's end removes it")
+                    self.standby_phase = "done"
 
     def _decide_standby(self, wall: float) -> None:
         """A recommendation came: whether this instance runs the job, and when its
@@ -526,12 +542,7 @@ class InstanceAgent:
         job moves to it; not ready in time, it is given back."""
         iid = self.identity["instance_id"]
         if self.notice is not None:
-            self.standby_phase = "done"
-            # EC2 ends this instance (free in its first hour); out of the group, it is
-            # not replaced by a third: the standby is its replacement.
-            if self._asg("detach_instances", "leaving the group at the notice",
-                         InstanceIds=[iid], ShouldDecrementDesiredCapacity=True):
-                log.info("interruption notice: the standby booting is the replacement")
+            self._leave_at_notice()
             return
         if self.hook_ending:
             self.standby_phase = "done"
@@ -552,12 +563,28 @@ class InstanceAgent:
             if not self._asg("terminate_instance_in_auto_scaling_group",
                              "ending this instance for its standby", InstanceId=iid,
                              ShouldDecrementDesiredCapacity=True):
-                self._give_back(standby)
+                self.standby_id = standby
+                self._start_giving_back()
             return
         assert self.standby_asked is not None
         if wall >= self.standby_asked + self._hold_seconds():
+            self._start_giving_back()
+
+    def _start_giving_back(self) -> None:
+        self.standby_phase = "giving-back"
+        self._give_back_tries = 0
+        if self._give_back(self.standby_id):
             self.standby_phase = "done"
-            self._give_back(None)
+
+    def _leave_at_notice(self) -> None:
+        """A notice while the standby boots: EC2 ends this instance (free in its
+        first hour); out of the group, it is not replaced by a third instance: the
+        standby is its replacement."""
+        self.standby_phase = "done"
+        if self._asg("detach_instances", "leaving the group at the notice",
+                     InstanceIds=[self.identity["instance_id"]],
+                     ShouldDecrementDesiredCapacity=True):
+            log.info("interruption notice: the standby booting is the replacement")
 
     def _ready_standby(self) -> tuple[str, dict[str, Any]] | None:
         """A standby launched for this instance that says it is ready (its mark in the
@@ -580,9 +607,10 @@ class InstanceAgent:
             return other, said if isinstance(said, dict) else {}
         return None
 
-    def _give_back(self, standby: str | None) -> None:
+    def _give_back(self, standby: str | None) -> bool:
         """A standby not ready in time (or the move failed): ended, the group back to
-        one instance."""
+        one instance. Whether that is done (else it is tried again: Auto Scaling may
+        refuse while the standby's launch hook waits)."""
         iid = self.identity["instance_id"]
         if standby is None:
             try:
@@ -595,21 +623,23 @@ class InstanceAgent:
                                i.get("LifecycleState", "")).startswith("Terminat")]
             except Exception as err:
                 log.warning("cannot find the standby to give back: %s", err)
-                members = []
+                return False
             standby = members[0] if members else None
         if standby is None:
             # It never launched (no capacity): the group back to one instance.
-            self._asg("set_desired_capacity", "giving back the standby never launched",
-                      DesiredCapacity=1, HonorCooldown=False)
-            return
+            return self._asg("set_desired_capacity", "giving back the standby never "
+                             "launched", DesiredCapacity=1, HonorCooldown=False)
+        self.standby_id = standby
         log.info("standby %s not ready in time: giving it back", standby)
-        if self._asg("terminate_instance_in_auto_scaling_group", "giving back the standby",
-                     InstanceId=standby, ShouldDecrementDesiredCapacity=True):
-            self._emit_event(Event(
-                type="instance", time=time.time(), attempt=GROUP_STREAM, instance=standby,
-                data={"action": "terminated", "instance_id": standby,
-                      "reason": "standby-given-back", "standby_for": iid,
-                      "reported_by": iid}))
+        if not self._asg("terminate_instance_in_auto_scaling_group",
+                         "giving back the standby", InstanceId=standby,
+                         ShouldDecrementDesiredCapacity=True):
+            return False
+        self._emit_event(Event(
+            type="instance", time=time.time(), attempt=GROUP_STREAM, instance=standby,
+            data={"action": "terminated", "instance_id": standby,
+                  "reason": "standby-given-back", "standby_for": iid, "reported_by": iid}))
+        return True
 
     def _watch_limits(self) -> None:
         policy = self.spec.policy
