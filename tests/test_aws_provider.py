@@ -806,6 +806,36 @@ def test_a_standby_not_ready_in_time_is_given_back(
     assert state.instances[standby.id].end_reason == "standby-given-back"
 
 
+def test_a_standby_never_launched_is_given_back_too(sim: AwsSimulator, tmp_path: Path) -> None:
+    """No spot capacity for the standby within its hold: the group goes back to one
+    instance (no late launch), and the job goes on where it ran."""
+    from spotnb.protocol.events.fold import fold
+
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
+                           instance_types=["g4dn.xlarge"], checkpoint_every="10 steps",
+                           standby_first_hour=True)
+    old = sim.wait_for_instance(handle.job_id)
+    wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+               "a durable checkpoint before the recommendation")
+    sim.no_capacity("g4dn.xlarge")
+    sim.recommend_rebalance(old.id)
+    asg = _boto.client("autoscaling")
+
+    def desired() -> int:
+        (group,) = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+        return int(group["DesiredCapacity"])
+
+    wait_until(lambda: desired() == 2, 60, "the standby asked for")
+    wait_until(lambda: desired() == 1, 60, "the standby given back")
+    sim.restore_capacity()
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(handle.events(follow=False))
+    assert list(state.instances) == [old.id] and list(state.attempts) == [1]
+
+
 def test_a_notice_while_the_standby_boots_makes_it_the_replacement(
         spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A notice on the job's instance while its standby warms up: the standby is the
