@@ -191,7 +191,8 @@ def job_cost(policy: str, ready: float, cold: float, parked: float, rate_per_hou
     A notice that finds the standby not yet ready makes it the replacement.
 
     Returns billed market seconds per useful second (``per_useful``) and the share of
-    it that is the refund (``refunded``)."""
+    it that is the refund (``refunded``); ``standbys``: the standbys' time beside the
+    instance they stand by for, as a share of the billed time."""
     from spotnb.protocol.billing import FREE_HOUR_SECONDS, free_of_charge
     from spotnb.protocol.signals import SignalModel
     from spotnb.providers.local.group import STANDBY_WARMUP_SECONDS
@@ -201,7 +202,7 @@ def job_cost(policy: str, ready: float, cold: float, parked: float, rate_per_hou
     rate = rate_per_hour / 3600.0
     fa_rate = model.false_alarms_per_interruption * rate
     target = useful_hours * 3600.0
-    useful = billed = refunded = 0.0
+    useful = billed = refunded = overlap = 0.0
     start = 0.0  # the instance's launch (billing)
     train_from = cold  # when it trains (a cold first start)
     while useful < target:
@@ -224,6 +225,7 @@ def job_cost(policy: str, ready: float, cold: float, parked: float, rate_per_hou
             moved = launch + ready
             useful += moved - train_from
             billed += moved - start
+            overlap += ready
             start, train_from = launch, moved
             continue
         # The notice: the final save, the notice period, then EC2 ends the instance.
@@ -235,10 +237,12 @@ def job_cost(policy: str, ready: float, cold: float, parked: float, rate_per_hou
             billed += end - start
         if launch is not None and launch <= interrupt:
             # The standby launched before the notice is the replacement.
+            overlap += end - launch
             start, train_from = launch, max(launch + ready, end)
         else:
             start, train_from = end, end + cold
-    return {"per_useful": billed / useful, "refunded": refunded / (billed + refunded)}
+    return {"per_useful": billed / useful, "refunded": refunded / (billed + refunded),
+            "standbys": overlap / billed}
 
 
 def _cost_table(warmup: float | None, parked: float | None, cold: float | None) -> None:
@@ -253,7 +257,8 @@ def _cost_table(warmup: float | None, parked: float | None, cold: float | None) 
     rates = (("advisor rate", ADVISOR_PER_MONTH / (MONTH_SECONDS / 3600)),
              (f"every {STRESS_HOURS:g} h", 1 / STRESS_HOURS))
     print(f"{'warm-up':>16} " + " ".join(
-        f"{name + ': at once':>22} {'deferred':>9} {'refund':>7}" for name, _ in rates))
+        f"{name + ': at once':>22} {'deferred':>9} {'(standbys)':>10} {'refund':>7}"
+        for name, _ in rates))
     warmups = [(f"{warmup:.0f} s (this run)", warmup)] if warmup is not None else []
     warmups += [(f"{w:.0f} s", w) for w in (30.0, 60.0, 120.0)]
     for name, warm in warmups:
@@ -265,7 +270,7 @@ def _cost_table(warmup: float | None, parked: float | None, cold: float | None) 
             deferred = job_cost("deferred", ready, cold, parked, rate)
             cells.append(f"{at_once['per_useful'] / base['per_useful'] - 1:>22.2%} "
                          f"{deferred['per_useful'] / base['per_useful'] - 1:>9.2%} "
-                         f"{base['refunded']:>7.1%}")
+                         f"{deferred['standbys']:>10.2%} {base['refunded']:>7.1%}")
         print(f"{name:>16} " + " ".join(cells))
 
 

@@ -540,6 +540,69 @@ def test_a_cell_without_checkpoints_is_interrupted_after_it_shows_output(
     wait_no_processes(cloud)
 
 
+GATED_TRAINING = textwrap.dedent("""
+    import os, time
+
+    state = {"w": 0.0}
+    ckpt = spot.Checkpoint(state=state)
+    for step in range(ckpt.restore(), STEPS):
+        state["w"] += 1.0
+        spot.log(step, w=state["w"])
+        ckpt.maybe_save(step)
+        while step == GATE_STEP and not os.path.exists(GATE):
+            time.sleep(0.05)
+        time.sleep(0.05)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_a_standby_whose_prefetch_fails_still_runs_the_cell_with_its_inputs(
+        cloud: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standby's checkpoint download fails (here: every checkpoint damaged, as a full
+    disk or a bad object would): it still bootstraps its kernel and says it is ready,
+    and after the takeover the cell runs with the job's inputs from the final save.
+    (Before, the warm-up gave up with its kernel connected but never bootstrapped, and
+    the cell ran there without its inputs: a NameError.)"""
+    from spotnb.providers.local import LocalProvider
+
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "30")  # the final save waits on us
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(GATED_TRAINING, checkpoint_every="1 steps",
+                           standby_first_hour=True,
+                           inputs={"STEPS": 30, "GATE": str(gate), "GATE_STEP": 5})
+    store_root = Path(handle.store.root)
+    try:
+        # Step 5 saved and durable; the cell waits at its gate, so no save comes after.
+        wait_until(lambda: any(
+            e.type == "checkpoint" and e.data.get("phase") == "durable"
+            and e.data.get("step") == 5 for e in handle.events(follow=False)),
+            120, "the checkpoint of step 5")
+        damaged = [f for f in (store_root / layout.CHECKPOINTS).rglob("*")
+                   if f.is_file() and f.name not in ("MANIFEST.json", "LATEST")]
+        assert damaged
+        for f in damaged:
+            f.write_bytes(b"damaged")
+        LocalProvider().recommend(handle.job_id)
+
+        def standby_ready() -> bool:
+            return any(e.attempt == 0 and e.type == "instance"
+                       and e.data.get("action") == "standby-ready"
+                       for e in handle.events(follow=False))
+
+        wait_until(standby_ready, 120, "the standby ready despite its failed prefetch")
+        gate.touch()  # the old cell goes on: its final save, then the takeover
+        result = handle.wait(timeout=120)
+    finally:
+        gate.touch()
+        handle.stop()
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(handle.events(follow=False))
+    (sb,) = state.standbys.values()
+    assert sb.attempt == 2 and state.attempts[2].last_step == 29
+    assert state.breaks()[0].reason is EndReason.MOVED
+    wait_no_processes(cloud)
+
+
 @pytest.mark.timeout(150)
 def test_a_warm_standby_takes_the_job_over_once_ready_with_no_step_redone(
         cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -189,6 +189,21 @@ def test_start_resume_and_end_say_what_the_job_costs_from_its_fold(hook: Hook) -
     assert "job running 0:05:00" in end
 
 
+def test_an_instance_ec2_interrupted_in_its_first_hour_is_not_billed_in_the_summary() -> None:
+    """The same job, its first instance ended by EC2 (``spot-interruption``) 120 s after
+    its launch: AWS bills nothing for it, and the summary says why the cost is lower."""
+    events = _interrupted_job()
+    t0 = events[0].time
+    events = [Event(e.type, e.time, e.attempt, e.instance,
+                    {**e.data, "reason": "spot-interruption"})
+              if e.data.get("action") == "terminated" else e for e in events]
+    text = notify.job_summary(fold(events), t0 + 300)
+    # i-2 only: 150-300 s at $0.20/h; on-demand still counts both (0-120, 150-300 s).
+    assert text == ("ran 0:05:00 · cost $0.0083 (78% under on-demand $0.0375) · "
+                    "1 interruption (1 in the first hour of an instance: not billed) · "
+                    "10 steps redone"), text
+
+
 def test_a_retry_in_place_is_no_resume_and_a_failing_figure_costs_only_the_figures(
         hook: Hook) -> None:
     """An attempt retried in place after an error in the cell (the same agent, the same

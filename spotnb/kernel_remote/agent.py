@@ -340,7 +340,7 @@ class Agent:
         try:
             warm, self.warm = self.warm, None
             sent: str | None = None
-            if warm is not None and warm.kc is not None:
+            if warm is not None and warm.kc is not None and warm.bootstrapped:
                 # A standby's kernel is bootstrapped, its cell at its restore point:
                 # refresh the checkpoint and let it go on (standby, Step 5).
                 kc, boot_error, sent = warm.kc, warm.boot_error, warm.cell_msg

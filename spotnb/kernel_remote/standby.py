@@ -116,6 +116,9 @@ class Standby:
         self.kernel_started: float | None = None
         self.ready_at: float | None = None
         self.prefetched: Any = None  # the checkpoint's Manifest downloaded ahead
+        #: Whether the bootstrap ran in its kernel: only then may the agent use that
+        #: kernel at the takeover (else it bootstraps it as any attempt's).
+        self.bootstrapped = False
         self._taken = threading.Event()
 
     # -- before the lease --------------------------------------------------------------
@@ -137,10 +140,16 @@ class Standby:
             log.warning("the standby's kernel did not start (%s)", err)
             return
         self.kernel_started = time.time()
-        self.prefetched = self._download(None)
+        try:
+            self.prefetched = self._download(None)
+        except Exception:  # a full disk, a damaged checkpoint: the takeover downloads it
+            log.warning("the standby could not prefetch the checkpoint; its cell runs "
+                        "after the takeover", exc_info=True)
+            self.prefetched = None
         self.boot_error = self._run_quietly(BOOTSTRAP.format(env={
             channel.ENV_ATTEMPT: "0", channel.ENV_INSTANCE_ID: self.instance_id,
             channel.ENV_RESTORE_DIR: str(self.restore_dir), channel.ENV_STANDBY: "1"}))
+        self.bootstrapped = True
         if self.boot_error is not None or self.prefetched is None:
             self._say_ready()  # the cell runs after the takeover, as in any attempt
             return

@@ -395,6 +395,9 @@ def job_summary(state: JobState, now: float) -> str:
         parts[-1] += f" ({100 * (1 - cost / ondemand):.0f}% under on-demand ${ondemand:.4f})"
     n = state.interruptions()
     parts.append(f"{n} interruption{'s' if n != 1 else ''}")
+    free = len(state.refunded())
+    if free:
+        parts[-1] += f" ({free} in the first hour of an instance: not billed)"
     redone = state.redone_steps()
     if redone:
         parts.append(f"{redone} step{'s' if redone != 1 else ''} redone")

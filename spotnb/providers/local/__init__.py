@@ -281,6 +281,12 @@ class LocalProvider(Provider):
         job's peer timeout. The group ends it when the job ends."""
         self._fault(job_id, "freeze", instance)
 
+    def recommend(self, job_id: str, instance: str | None = None) -> None:
+        """Publish a rebalance recommendation for the instance, as EC2 would: the job
+        saves at once and its group starts a warm standby (a false alarm unless an
+        interruption follows; :meth:`interrupt` gives the notice)."""
+        self._fault(job_id, "recommend", instance)
+
     def _fault(self, job_id: str, kind: str, instance: str | None) -> None:
         home = group_dir(job_id)
         info = read_json(home / GROUP_FILE)

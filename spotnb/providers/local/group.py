@@ -451,7 +451,7 @@ class Supervisor:
                     else:
                         self.interrupt_requested.append(
                             str(target) if target else self._first_uninterrupted())
-            elif kind in ("kill", "freeze"):
+            elif kind in ("kill", "freeze", "recommend"):
                 target = (read_json(path) or {}).get("instance")
                 if not self.running or (target and all(i.id != target for i in self.running)):
                     log.warning("%s requested for %s, which is not running; ignored", kind,
@@ -522,7 +522,10 @@ class Supervisor:
             if "kill" in kinds:
                 self._kill(inst, now)
                 return
-            self._freeze(inst)
+            if "recommend" in kinds and inst.terminate_at is None and self.finish is None:
+                self._recommend(inst, now, "requested")
+            if "freeze" in kinds:
+                self._freeze(inst)
         if inst.standby_until is not None:
             self._mind_standby(inst, now)
             if inst not in self.running:
