@@ -161,7 +161,8 @@ STANDBY_HOLD_SECONDS = 600.0
 # hour ends (its boot plus this many market seconds of warm-up before it), not at once:
 # EC2 interrupting the instance before then makes all of it free (protocol/billing.py),
 # and moving the job off it would forfeit that (policy.standby_first_hour: at once).
-STANDBY_WARMUP_SECONDS = 120.0
+# The AWS instance agent times it alike (spotnb.protocol.billing).
+STANDBY_WARMUP_SECONDS = billing.STANDBY_WARMUP_SECONDS
 # The events that show a cell got past its imports: output, or metrics (one row or a batch).
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
