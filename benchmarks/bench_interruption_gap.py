@@ -20,9 +20,9 @@ a boot). Two cases in the same run, one after the other:
 
 ``--aws``: the same on the AWS simulator (:mod:`spotnb.testing`, with EC2's boot and
 notice scaled the same): the recommendation from ``AwsSimulator.interrupt(lead=...)``,
-the standby from Auto Scaling's capacity rebalancing as the simulator plays it (in
-service once its launch hook is completed, the old instance ended through the
-termination hook).
+the standby asked of the Auto Scaling group by the job's instance agent (the simulator
+launches it; the old instance ends itself through the termination hook once the
+standby is ready).
 
 Training time lost: from the last metric row of the interrupted attempt to the first of
 the next (each row's own time). Parts of that gap run compressed (the rest of the notice
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
                              "for a large state, whose final save takes real seconds, so "
                              "that it fits in the compressed notice period")
     parser.add_argument("--aws", action="store_true",
-                        help="on the AWS simulator (capacity rebalancing, lifecycle hooks; "
+                        help="on the AWS simulator (standbys through the group, lifecycle hooks; "
                              "EC2's boot and notice scaled the same) instead of the local "
                              "cloud")
     args = parser.parse_args(argv)

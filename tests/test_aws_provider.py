@@ -282,9 +282,11 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
     # The group: one spot instance over the ranked types, in several AZs.
     group = asg.describe_auto_scaling_groups(
         AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"][0]
-    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 1, 1)
-    # A warm standby on a rebalance recommendation (the job's policy.standby).
-    assert group["CapacityRebalance"] is True
+    # Room for a warm standby, which the job's instance asks for on a rebalance
+    # recommendation (the job's policy.standby); not capacity rebalancing, which would
+    # launch it at once, in the instance's first hour too.
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 2, 1)
+    assert group["CapacityRebalance"] is False
     hooks = {h["LifecycleHookName"]: (h["LifecycleTransition"], h["HeartbeatTimeout"],
                                       h["DefaultResult"])
              for h in asg.describe_lifecycle_hooks(AutoScalingGroupName=f"spotnb-{job}")[
@@ -613,13 +615,13 @@ while not (os.path.exists({gate!r}) and step >= 20):
 """
 
 
-def test_capacity_rebalancing_moves_the_job_to_its_standby_and_completes_the_hook(
+def test_a_recommendation_moves_the_job_to_its_standby_and_completes_the_hooks(
         spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rebalance recommendation alone (a false alarm): Auto Scaling launches a
-    replacement, which is in service once its agent, a warm standby, is ready (the
-    launch hook); the at-risk instance is then ended through the termination hook: its
-    agent saves, lets go of the lease and completes the hook; the standby goes on with
-    no step redone and no interruption counted."""
+    """A rebalance recommendation alone (a false alarm), standbys at once in the first
+    hour: the job's instance asks its group for a standby, whose agent completes the
+    launch hook once it is ready; the job's instance then ends itself through the
+    termination hook: its agent saves, lets go of the lease and completes the hook; the
+    standby goes on with no step redone and no interruption counted."""
     from spotnb.protocol.events import metric_rows
     from spotnb.protocol.events.fold import EndReason, fold
 
@@ -629,7 +631,8 @@ def test_capacity_rebalancing_moves_the_job_to_its_standby_and_completes_the_hoo
     # can end it first.
     with AwsSimulator(tmp_path / "sim", notice_seconds=60.0) as sim:
         handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
-                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
+                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps",
+                               standby_first_hour=True)
         old = sim.wait_for_instance(handle.job_id)
         # (The store, not the log: a job nobody follows writes its log once a minute.)
         wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
@@ -663,6 +666,217 @@ def test_capacity_rebalancing_moves_the_job_to_its_standby_and_completes_the_hoo
     assert [e.data.get("reason") for e in ended] == ["rebalanced"]
     steps = [step for e in events for step, _t, _values in metric_rows(e)]
     assert steps == list(range(len(steps))), "every step once, in order"
+
+
+# The first hour in 40 real seconds; EC2's notice period in 10 (a standby has 57.5 s to
+# be ready: LAUNCH_HOOK_SECONDS scaled the same).
+FIRST_HOUR_SCALE = 90.0
+FIRST_HOUR_NOTICE = 10.0
+
+
+def _deferred(handle: spotnb.JobHandle) -> Event | None:
+    return next((e for e in group_events(handle) if e.type == "instance"
+                 and e.data.get("action") == "standby-deferred"), None)
+
+
+def test_a_recommendation_in_the_first_hour_times_the_standby_to_be_ready_as_it_ends(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the local cloud: a recommendation in the instance's first hour launches
+    no standby at once (moving the job would forfeit that hour's refund); the agent
+    says when it will (``standby-deferred``), asks for it then, and the job moves to
+    it once it is ready."""
+    from spotnb.protocol.events.fold import EndReason, fold
+
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    gate = tmp_path / "gate"
+    with AwsSimulator(tmp_path / "sim", notice_seconds=FIRST_HOUR_NOTICE,
+                      time_scale=FIRST_HOUR_SCALE) as sim:
+        handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
+                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
+        old = sim.wait_for_instance(handle.job_id)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+                   "a durable checkpoint before the recommendation")
+        sim.recommend_rebalance(old.id)
+        deferred = wait_until(lambda: _deferred(handle), 60, "the standby deferred")
+        due = deferred.data["standby_due"]
+        launched = next(e.time for e in group_events(handle) if e.type == "instance"
+                        and e.data.get("action") == "launched" and e.instance == old.id)
+        # Due so that it is ready as the hour ends: its boot and warm-up before it.
+        assert deferred.time < due < launched + 3600 / FIRST_HOUR_SCALE
+        standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
+                                           if i.id != old.id), None), 120, "the standby")
+        assert standby.booted >= due, "no standby before its due time"
+        wait_until(lambda: old.terminated, 120, "the job moved to the ready standby")
+        assert (old.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed
+        wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == standby.id,
+                   120, "the standby holding the lease")
+        gate.touch()
+        result = handle.wait(timeout=120)
+        events = list(handle.events(follow=False))
+        assert_nothing_left(sim)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(events)
+    assert state.attempts[1].reason is EndReason.MOVED
+    assert state.interruptions() == 0
+    assert state.attempts[2].instance_id == standby.id
+    assert len(state.instances) == 2, "the standby, no other instance"
+    assert state.refunded() == [], "the instance the job left is billed: it was moved"
+
+
+def test_an_interruption_before_the_deferred_standby_is_free_and_starts_none(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notice while the standby waits for the first hour to end: no standby; EC2
+    ends the instance (``spot-interruption``), the group replaces it, and the
+    instance costs nothing (the fold's ``refunded()``)."""
+    from spotnb.protocol.events.fold import EndReason, fold
+
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    gate = tmp_path / "gate"
+    with AwsSimulator(tmp_path / "sim", notice_seconds=FIRST_HOUR_NOTICE,
+                      time_scale=FIRST_HOUR_SCALE) as sim:
+        handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
+                               instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
+        old = sim.wait_for_instance(handle.job_id)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+                   "a durable checkpoint before the recommendation")
+        sim.recommend_rebalance(old.id)
+        wait_until(lambda: _deferred(handle), 60, "the standby deferred")
+        sim.interrupt(old.id, lead=None)  # the notice the recommendation announced
+        wait_until(lambda: old.terminated, 120, "EC2 ended the instance")
+        new = sim.wait_for_instance(handle.job_id, timeout=120, exclude=(old.id,))
+        assert old.terminate_at is not None and new.booted >= old.terminate_at, \
+            "the replacement came after the loss: no standby"
+        wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == new.id,
+                   120, "the replacement holding the lease")
+        gate.touch()
+        result = handle.wait(timeout=120)
+        events = list(handle.events(follow=False))
+        assert_nothing_left(sim)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(events)
+    assert state.attempts[1].reason is EndReason.INTERRUPTED
+    assert len(state.instances) == 2 and not state.standbys
+    assert state.instances[old.id].end_reason == "spot-interruption"
+    assert [i.instance_id for i in state.refunded()] == [old.id]
+    assert not sim.hooks_completed or all(
+        hook != LIFECYCLE_HOOK_NAME for _, hook in sim.hooks_completed)
+
+
+# UNTIL_GATE, whose standby's set-up waits while the file ``slow`` exists: a standby
+# not ready until the test says so.
+SLOW_STANDBY = """
+import os, time
+while os.environ.get("SPOTNB_STANDBY") == "1" and os.path.exists({slow!r}):
+    time.sleep(0.1)
+""" + UNTIL_GATE
+
+
+def test_a_standby_not_ready_in_time_is_given_back(
+        sim: AwsSimulator, tmp_path: Path) -> None:
+    """The job's instance gives back a standby not ready within its hold (the launch
+    hook's wait, LAUNCH_HOOK_SECONDS): the group ends it through its termination hook
+    and goes back to one instance; the job goes on where it ran."""
+    from spotnb.protocol.events.fold import fold
+
+    gate, slow = tmp_path / "gate", tmp_path / "slow"
+    slow.touch()
+    handle = spotnb.submit(SLOW_STANDBY.format(gate=str(gate), slow=str(slow)),
+                           provider="aws", instance_types=["g4dn.xlarge"],
+                           checkpoint_every="10 steps", standby_first_hour=True)
+    old = sim.wait_for_instance(handle.job_id)
+    wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+               "a durable checkpoint before the recommendation")
+    sim.recommend_rebalance(old.id)
+    standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
+                                       if i.id != old.id), None), 60, "the standby")
+    wait_until(lambda: standby.terminated, 120, "the standby given back")
+    assert (standby.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed, \
+        "ended through the termination hook, which its agent completed at once"
+    asg = _boto.client("autoscaling")
+    (group,) = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+    assert group["DesiredCapacity"] == 1
+    assert [i["InstanceId"] for i in group["Instances"]] == [old.id]
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(handle.events(follow=False))
+    assert list(state.attempts) == [1], "the job never left its instance"
+    (story,) = state.standbys.values()
+    assert story.given_back is not None and story.lease_at is None
+    assert state.instances[standby.id].end_reason == "standby-given-back"
+
+
+def test_a_standby_never_launched_is_given_back_too(sim: AwsSimulator, tmp_path: Path) -> None:
+    """No spot capacity for the standby within its hold: the group goes back to one
+    instance (no late launch), and the job goes on where it ran."""
+    from spotnb.protocol.events.fold import fold
+
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
+                           instance_types=["g4dn.xlarge"], checkpoint_every="10 steps",
+                           standby_first_hour=True)
+    old = sim.wait_for_instance(handle.job_id)
+    wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+               "a durable checkpoint before the recommendation")
+    sim.no_capacity("g4dn.xlarge")
+    sim.recommend_rebalance(old.id)
+    asg = _boto.client("autoscaling")
+
+    def desired() -> int:
+        (group,) = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+        return int(group["DesiredCapacity"])
+
+    wait_until(lambda: desired() == 2, 60, "the standby asked for")
+    wait_until(lambda: desired() == 1, 60, "the standby given back")
+    sim.restore_capacity()
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(handle.events(follow=False))
+    assert list(state.instances) == [old.id] and list(state.attempts) == [1]
+
+
+def test_a_notice_while_the_standby_boots_makes_it_the_replacement(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notice on the job's instance while its standby warms up: the standby is the
+    replacement (the group launches no third instance), and the instance is EC2's to
+    end: in its first hour, free."""
+    from spotnb.protocol.events.fold import EndReason, fold
+
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    gate, slow = tmp_path / "gate", tmp_path / "slow"
+    slow.touch()
+    with AwsSimulator(tmp_path / "sim", notice_seconds=FIRST_HOUR_NOTICE,
+                      time_scale=FIRST_HOUR_SCALE) as sim:
+        handle = spotnb.submit(SLOW_STANDBY.format(gate=str(gate), slow=str(slow)),
+                               provider="aws", instance_types=["g4dn.xlarge"],
+                               checkpoint_every="10 steps", standby_first_hour=True)
+        old = sim.wait_for_instance(handle.job_id)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+                   "a durable checkpoint before the recommendation")
+        sim.recommend_rebalance(old.id)
+        standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
+                                           if i.id != old.id), None), 60, "the standby")
+        sim.interrupt(old.id, lead=None)
+        asg = _boto.client("autoscaling")
+        wait_until(lambda: [i["InstanceId"] for g in asg.describe_auto_scaling_groups()[
+            "AutoScalingGroups"] for i in g["Instances"]] == [standby.id], 60,
+            "the noticed instance out of the group")
+        assert not old.terminated, "it left the group at its notice, before EC2 ended it"
+        slow.unlink()
+        wait_until(lambda: old.terminated, 120, "EC2 ended the noticed instance")
+        wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == standby.id,
+                   120, "the standby holding the lease")
+        gate.touch()
+        result = handle.wait(timeout=120)
+        events = list(handle.events(follow=False))
+        assert_nothing_left(sim)
+    assert result.status == "completed", (result.reason, result.error)
+    state = fold(events)
+    assert state.attempts[1].reason is EndReason.INTERRUPTED
+    assert state.attempts[2].instance_id == standby.id
+    assert set(state.instances) == {old.id, standby.id}, "no third instance"
+    assert [i.instance_id for i in state.refunded()] == [old.id]
 
 
 CREDENTIAL_PATTERNS = [re.compile(p) for p in (

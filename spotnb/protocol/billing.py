@@ -10,6 +10,8 @@ fold (:mod:`spotnb.protocol.events.fold`), and the local cloud plays the same ru
 
 from __future__ import annotations
 
+import os
+
 # How long the refund lasts, in the market's seconds (the local cloud compresses time).
 FREE_HOUR_SECONDS = 3600.0
 
@@ -28,3 +30,32 @@ def free_hour_left(market_seconds: float) -> float:
     """Market seconds left of an instance's first hour, the part in which an
     interruption by EC2 refunds everything it ran (0 once it is over)."""
     return max(0.0, FREE_HOUR_SECONDS - market_seconds)
+
+
+# In an instance's first hour, a warm standby for a rebalance recommendation is launched
+# to be ready as the hour ends (its boot plus this many market seconds of warm-up before
+# it), not at once: EC2 interrupting the instance before then makes all of it free, and
+# moving the job off it would forfeit that (policy.standby_first_hour: at once). The
+# local group and the AWS instance agent time it alike.
+STANDBY_WARMUP_SECONDS = 120.0
+
+# Market seconds a real second on an instance that a simulator runs (the AWS simulator's
+# compressed time: its instance agents read an instance's age in market time); unset on
+# EC2, where it is 1.
+ENV_TIME_SCALE = "SPOTNB_TIME_SCALE"
+
+
+def standby_wait(market_seconds: float, boot_seconds: float) -> float:
+    """Market seconds a recommendation's standby waits before its launch, for an
+    instance ``market_seconds`` old whose standby boots in ``boot_seconds``: so that it
+    is ready as the first hour ends (0: launch it now)."""
+    return max(0.0, free_hour_left(market_seconds) - boot_seconds - STANDBY_WARMUP_SECONDS)
+
+
+def time_scale() -> float:
+    """Market seconds a real second here (:data:`ENV_TIME_SCALE`; 1 on EC2)."""
+    try:
+        scale = float(os.environ.get(ENV_TIME_SCALE, "1") or 1)
+    except ValueError:
+        return 1.0
+    return scale if scale > 0 else 1.0

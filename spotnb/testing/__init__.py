@@ -47,7 +47,16 @@ that reach into moto's in-process state; each is restored on exit):
   conditional S3 writes, which gives S3's atomicity.
 * Auto Scaling: moto's own instance launch for spotnb's groups is switched off (the
   simulator's fulfilment loop replaces it), and ``DescribeScalingActivities`` (always
-  empty in moto) serves the activities the simulator records.
+  empty in moto) serves the activities the simulator records. Lifecycle hooks, which
+  moto only stores: ``CompleteLifecycleAction`` is recorded
+  (:attr:`AwsSimulator.hooks_completed`), and ``TerminateInstanceInAutoScalingGroup``
+  (which moto carries out at once) ends a member of a spotnb group with a termination
+  hook through that hook, as Auto Scaling does: IMDS
+  ``autoscaling/target-lifecycle-state`` ``Terminated``, the instance terminated once
+  its agent completes the hook or the hook's wait (scaled as the notice period is)
+  runs out; the desired capacity goes down at once when asked. Instances count their
+  age (their first hour) in the simulator's market time (``SPOTNB_TIME_SCALE``,
+  :attr:`AwsSimulator.time_scale`).
 * The Deep Learning AMI's public SSM parameter does not exist in moto: the simulator
   publishes it, pointing at one of moto's images.
 * Instance processes get the simulator's fake credentials through the environment

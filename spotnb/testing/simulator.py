@@ -75,6 +75,8 @@ class SimInstance:
     rebalanced_by: str | None = None
     #: ended through its group's termination hook: when the hook's wait runs out
     hook_until: float | None = None
+    #: ended through TerminateInstanceInAutoScalingGroup (the hook's wait first)
+    ending_in_group: bool = False
     #: when it booted (its launch hook's wait starts then)
     booted: float = dataclasses.field(default_factory=time.time)
 
@@ -101,8 +103,13 @@ class AwsSimulator:
     def __init__(self, workdir: str | os.PathLike[str] | None = None, *,
                  region: str = DEFAULT_REGION, notice_seconds: float = DEFAULT_NOTICE_SECONDS,
                  boot_seconds: float = 0.0, kill_grace: float = KILL_GRACE_SECONDS,
-                 install: bool = False, signals: SignalModel | None = None) -> None:
+                 install: bool = False, signals: SignalModel | None = None,
+                 time_scale: float | None = None) -> None:
         self.region = region
+        #: Market seconds a real second, as the instances count their age (their first
+        #: hour, which an interruption refunds): by default as the notice period is
+        #: compressed (120 s in ``notice_seconds``); a test may compress the hour more.
+        self.time_scale = time_scale if time_scale is not None else 120.0 / notice_seconds
         #: what :meth:`drawn_lead` draws from (EC2's signals as the local cloud plays them)
         self.signals = signals or SignalModel()
         self._signal_rng = random.Random(self.signals.seed)
@@ -324,14 +331,56 @@ class AwsSimulator:
                                              str(response._get_param("LifecycleHookName"))))
             return EmptyResult()
 
+        original_terminate = AutoScalingResponse.terminate_instance_in_auto_scaling_group
+
+        def terminate_in_group(response: Any) -> Any:
+            # Auto Scaling ends a member of a group with a termination hook through that
+            # hook: Terminating:Wait (IMDS target-lifecycle-state "Terminated") until
+            # its agent completes the hook or the wait runs out (the tick then
+            # terminates it); the desired capacity goes down at once if asked.
+            instance_id = str(response._get_param("InstanceId"))
+            decrement = response._get_bool_param("ShouldDecrementDesiredCapacity", False)
+            backend = response.autoscaling_backend
+            state = next((st for g in backend.autoscaling_groups.values()
+                          for st in g.instance_states if st.instance.id == instance_id), None)
+            group = state.auto_scaling_group if state is not None else None
+            hook = None if group is None else next(
+                (h for h in backend.describe_lifecycle_hooks(group.name)
+                 if h.lifecycle_transition == "autoscaling:EC2_INSTANCE_TERMINATING"), None)
+            with self._lock:
+                inst = self.instances.get(instance_id)
+            if hook is None or inst is None or state is None or group is None or \
+                    not any(t.get("Key") == TAG_JOB for t in group.tags):
+                return original_terminate(response)
+            now = time.time()
+            with self._lock:
+                if not inst.ending_in_group:
+                    inst.ending_in_group = True
+                    inst.hook_until = now + float(hook.heartbeat_timeout) * \
+                        self.notice_seconds / 120.0
+                    inst.imds.set_target_lifecycle_state("Terminated")
+                    self.signals_sent.append((now, inst.id, "terminating"))
+                    state.lifecycle_state = "Terminating:Wait"
+                    if decrement:
+                        group.desired_capacity = max(0, (group.desired_capacity or 0) - 1)
+            return ActionResult({"Activity": {
+                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group.name,
+                "Description": f"Terminating EC2 instance: {instance_id}",
+                "Cause": "the instance was taken out of service in response to a "
+                         "user request", "StartTime": datetime.datetime.now(
+                             datetime.timezone.utc), "StatusCode": "InProgress",
+                "Progress": 0}})
+
         original_activities = AutoScalingResponse.describe_scaling_activities
         FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
         AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
         AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
+        AutoScalingResponse.terminate_instance_in_auto_scaling_group = terminate_in_group  # type: ignore[method-assign,assignment]
 
         def unpatch() -> None:
             FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
             AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
+            AutoScalingResponse.terminate_instance_in_auto_scaling_group = original_terminate  # type: ignore[method-assign]
             del AutoScalingResponse.complete_lifecycle_action  # type: ignore[attr-defined]
 
         self._undo.append(unpatch)
@@ -520,11 +569,14 @@ class AwsSimulator:
                    if i.terminate_at is not None and i.terminate_at <= now and not i.terminated]
         if due:
             self._ec2.terminate_instances(InstanceIds=[i.id for i in due])
-        # Auto Scaling: capacity rebalancing, then fill every spotnb group up to its
-        # desired capacity.
+        # Auto Scaling: instances its termination hook ends, capacity rebalancing
+        # (groups that have it on), then fill every spotnb group up to its desired
+        # capacity.
         for group in self._asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
-            if group.get("CapacityRebalance") and self._rebalance(group, now):
+            if self._end_through_hook(group, now):
                 continue  # the description is stale: the next tick fills the group
+            if group.get("CapacityRebalance") and self._rebalance(group, now):
+                continue
             self._fulfil(group, now)
         # EC2: boot new instances, shut down terminated ones.
         states = {}
@@ -679,6 +731,25 @@ class AwsSimulator:
                 changed = True
         return changed
 
+    def _end_through_hook(self, group: dict[str, Any], now: float) -> bool:
+        """Members that TerminateInstanceInAutoScalingGroup ended through the group's
+        termination hook: once their agent completed it or its wait ran out, they leave
+        the group and EC2 terminates them. Whether the group changed."""
+        from spotnb.providers.aws.resources import LIFECYCLE_HOOK_NAME
+
+        name = group["AutoScalingGroupName"]
+        with self._lock:
+            members = [self.instances[i["InstanceId"]] for i in group.get("Instances", ())
+                       if i["InstanceId"] in self.instances]
+        done = [i for i in members if i.ending_in_group and i.terminate_at is None
+                and i.hook_until is not None and (
+                    now >= i.hook_until or self._completed(i.id, LIFECYCLE_HOOK_NAME))]
+        for inst in done:
+            inst.terminate_at = now  # the next tick's termination takes it
+            self._asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
+                                       ShouldDecrementDesiredCapacity=False)
+        return bool(done)
+
     def _hook(self, hooks: list[dict[str, Any]], transition: str) -> tuple[str, float] | None:
         """The group's lifecycle hook for ``transition`` (``LAUNCHING``,
         ``TERMINATING``): its name and its wait in real seconds (HeartbeatTimeout,
@@ -777,6 +848,8 @@ class AwsSimulator:
         env = {**os.environ, "SPOTNB_IMDS_ENDPOINT": record.imds.endpoint,
                # The termination hook's wait, scaled as the notice period is.
                "SPOTNB_TERMINATION_HOOK_SECONDS": str(self.notice_seconds),
+               # Its age in market time (spotnb.protocol.billing).
+               "SPOTNB_TIME_SCALE": str(self.time_scale),
                "SPOTNB_INSTANCE_DIR": str(home), "SPOTNB_SIM_INSTANCE_ID": instance_id}
         if self.install:
             site = home / "site"

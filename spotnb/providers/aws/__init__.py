@@ -118,8 +118,8 @@ _IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Pr
                           "iamInstanceProfile"})
 # FIS's shortest notice, as on a real interruption.
 FIS_NOTICE = "PT2M"
-# A capacity-rebalancing group's termination hook waits this long before Auto Scaling
-# ends the at-risk instance: EC2's notice period, for the agent's final save (the
+# A standby group's termination hook waits this long before Auto Scaling ends the
+# instance the job moves off: EC2's notice period, for the agent's final save (the
 # instance agent completes the hook once the job agent is done, which ends the wait).
 LIFECYCLE_HOOK_SECONDS = int(TERMINATION_HOOK_SECONDS)
 
@@ -753,14 +753,18 @@ class AwsProvider(Provider):
         name = group_name(spec.job_id)
         nodes = spec.resources.max_nodes  # a multi-node job's group keeps MAX instances
         params: dict[str, Any] = dict(
-            AutoScalingGroupName=name, MinSize=nodes, MaxSize=nodes, DesiredCapacity=nodes,
+            # A standby group has room for the job's instance's warm standby, which
+            # that instance's agent asks for (SetDesiredCapacity) on a rebalance
+            # recommendation, timed in the instance's first hour (providers/aws/
+            # instance.py); not Auto Scaling's capacity rebalancing, which launches it
+            # at once and would forfeit that hour's refund (protocol/billing.py).
+            AutoScalingGroupName=name, MinSize=nodes,
+            MaxSize=nodes + 1 if rebalancing(spec) else nodes, DesiredCapacity=nodes,
             VPCZoneIdentifier=",".join(s for s, _ in subnets),
             MixedInstancesPolicy=mixed_instances_policy(
                 template_id=template_id, instance_types=spec.resources.instance_types,
                 max_price=spec.resources.max_price, ondemand=ondemand),
-            # Capacity rebalancing launches a warm standby on a rebalance
-            # recommendation (spotnb.kernel_remote.standby); a multi-node job's is not.
-            CapacityRebalance=rebalancing(spec),
+            CapacityRebalance=False,
             HealthCheckType="EC2",
             Tags=[{**t, "PropagateAtLaunch": False, "ResourceId": name,
                    "ResourceType": "auto-scaling-group"} for t in tag_list],
@@ -770,12 +774,11 @@ class AwsProvider(Provider):
         _boto.with_backoff(lambda: asg.create_auto_scaling_group(**params),
                            what="creating the Auto Scaling group",
                            attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
-        if params["CapacityRebalance"]:
-            # Capacity rebalancing ends the at-risk instance once its standby is in
-            # service, notice or not. A standby is in service once it is ready (this
-            # launch hook, completed by its instance agent); the at-risk instance's
-            # termination hook's wait (IMDS target-lifecycle-state "Terminated") is its
-            # agent's notice, as long as EC2's, for its final save.
+        if rebalancing(spec):
+            # The job moves to a ready standby (its agent completes this launch hook
+            # then) by ending the at-risk instance through the termination hook, whose
+            # wait (IMDS target-lifecycle-state "Terminated") is its agent's notice, as
+            # long as EC2's, for its final save.
             _boto.with_backoff(lambda: asg.put_lifecycle_hook(
                 AutoScalingGroupName=name, LifecycleHookName=LAUNCH_HOOK_NAME,
                 LifecycleTransition="autoscaling:EC2_INSTANCE_LAUNCHING",

@@ -125,24 +125,28 @@ def _seconds(env: Any, name: str) -> float | None:
 
 # ------------------------------------------------------------------------- names
 
-#: The termination lifecycle hook of a capacity-rebalancing group: its wait is the
-#: at-risk instance's final save; the instance agent completes it.
+#: The termination lifecycle hook of a standby group (:func:`rebalancing`): its wait is
+#: the instance's final save when the job moves off it; the instance agent completes it.
 LIFECYCLE_HOOK_NAME = "spotnb-final-save"
-#: The launch lifecycle hook of a capacity-rebalancing group: an instance is in service
-#: (capacity rebalancing ends the at-risk one then) once its instance agent completes
-#: it: at once for the job's instance, when its job agent holds the lease; for a warm
-#: standby, once it is ready (kernel started, checkpoint prefetched, cell at its restore
-#: point). So the job moves to a standby that is ready, as on the local cloud.
+#: The launch lifecycle hook of a standby group: an instance is in service once its
+#: instance agent completes it: at once for the job's instance, when its job agent holds
+#: the lease; for a warm standby, once it is ready (kernel started, checkpoint
+#: prefetched, cell at its restore point).
 LAUNCH_HOOK_NAME = "spotnb-standby-ready"
-#: How long the launch hook waits for a standby to be ready: EC2's boot and the local
-#: group's hold (spotnb.providers.local.group.STANDBY_HOLD_SECONDS); then it is in
-#: service anyway (the job moves to it, unready).
-LAUNCH_HOOK_SECONDS = 690
+#: EC2's boot, as the instance agent counts it when it times a standby to be ready as
+#: its instance's first hour ends (spotnb.protocol.billing.standby_wait).
+STANDBY_BOOT_SECONDS = 90
+#: How long a standby may take to be ready: EC2's boot and the local group's hold
+#: (spotnb.providers.local.group.STANDBY_HOLD_SECONDS). The launch hook waits as long;
+#: the job's instance gives back a standby not ready by then.
+LAUNCH_HOOK_SECONDS = STANDBY_BOOT_SECONDS + 600
 
 
 def rebalancing(spec: JobSpec) -> bool:
-    """Whether the job's group has capacity rebalancing, and so warm standbys (its
-    ``policy.standby``; single-node jobs)."""
+    """Whether the job's group has warm standbys (its ``policy.standby``; single-node
+    jobs): room for a second instance, the two lifecycle hooks, and an instance agent
+    that asks for a standby on a rebalance recommendation and moves the job to it
+    (providers/aws/instance.py)."""
     return bool(spec.policy.standby) and spec.resources.max_nodes == 1
 
 
@@ -243,11 +247,17 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
         },
         {
-            # Capacity rebalancing: the instance the job left ends its termination
-            # hook's wait once its final save is durable (providers/aws/instance.py).
-            "Sid": "CompleteOwnHook",
+            # Warm standbys (providers/aws/instance.py): the job's instance asks its
+            # group for a second instance on a rebalance recommendation, moves the job
+            # to it (ends itself through the termination hook, whose wait it ends once
+            # its final save is durable), gives back one not ready in time, or leaves
+            # the group at a notice (EC2 ends it; the standby is its replacement).
+            "Sid": "OwnGroupStandby",
             "Effect": "Allow",
-            "Action": "autoscaling:CompleteLifecycleAction",
+            "Action": ["autoscaling:CompleteLifecycleAction",
+                       "autoscaling:SetDesiredCapacity",
+                       "autoscaling:TerminateInstanceInAutoScalingGroup",
+                       "autoscaling:DetachInstances"],
             "Resource": (f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:"
                          f"autoScalingGroupName/{group_name(job_id)}"),
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},

@@ -174,7 +174,8 @@ STANDBY_HOLD_SECONDS = 600.0
 # hour ends (its boot plus this many market seconds of warm-up before it), not at once:
 # EC2 interrupting the instance before then makes all of it free (protocol/billing.py),
 # and moving the job off it would forfeit that (policy.standby_first_hour: at once).
-STANDBY_WARMUP_SECONDS = 120.0
+# The AWS instance agent times it alike (spotnb.protocol.billing).
+STANDBY_WARMUP_SECONDS = billing.STANDBY_WARMUP_SECONDS
 # The events that show a cell got past its imports: output, or metrics (one row or a batch).
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
@@ -564,6 +565,7 @@ class Supervisor:
             self._signal(inst, now)
             if inst.standby_due is not None and now >= inst.standby_due:
                 inst.standby_due = None
+                inst.update_meta(standby_due=None)
                 self._start_standby(inst, now, defer=False)
             reason = self._interruption_due(inst, now)
             if reason is not None:
@@ -693,6 +695,7 @@ class Supervisor:
             return False
         if inst.standby_due is None:
             inst.standby_due = now + wait / scale
+            inst.update_meta(standby_due=inst.standby_due)  # for a supervisor that adopts it
             log.info("standby for %s waits %.0f market s: in its first hour an "
                      "interruption by EC2 is free", inst.id, wait)
             self._emit("instance", inst.id, at=now, action="standby-deferred",

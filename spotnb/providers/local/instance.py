@@ -154,6 +154,8 @@ class LocalInstance:
         if meta.get("rebalance_at") is not None:
             inst.rebalance_at = float(meta["rebalance_at"])
             imds.set_rebalance(inst.rebalance_at)
+        if meta.get("standby_due") is not None and meta.get("terminate_at") is None:
+            inst.standby_due = float(meta["standby_due"])
         if meta.get("terminate_at") is not None:
             inst.notice_reason = meta.get("notice_reason")
             inst.terminate_at = float(meta["terminate_at"])
