@@ -1,9 +1,10 @@
 """A warm standby: an agent that starts while another holds the job's lease.
 
 The capacity group starts a second instance when EC2 recommends a rebalance of the one
-that runs the job (Auto Scaling's capacity rebalancing on AWS, the local group the
-same). Its agent finds the lease held by a live holder and, instead of only waiting for
-it, warms up (jobs whose ``policy.standby`` is on; a single-node job's, below, a
+that runs the job (on AWS the job's instance agent raises its Auto Scaling group's
+desired capacity, in an instance's first hour timed to be ready as that hour ends; the
+local group the same). Its agent finds the lease held by a live holder and, instead of
+only waiting for it, warms up (jobs whose ``policy.standby`` is on; a single-node job's, below, a
 distributed job's: :class:`NodeStandby`)::
 
     Step 1  unpack the job's files; the kernel (spawned already) answers.

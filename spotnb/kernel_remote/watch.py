@@ -77,8 +77,8 @@ class NoticeWatcher:
             action = self.imds.instance_action()
             if action is None and self.notice is None and \
                     self.imds.target_lifecycle_state() == "Terminated":
-                # Auto Scaling ends the instance (capacity rebalancing, once its
-                # standby is in service): its termination hook's wait is the notice,
+                # Auto Scaling ends the instance (the job moves to its ready standby:
+                # TerminateInstanceInAutoScalingGroup): its termination hook's wait is the notice,
                 # and the final save's time.
                 action = {"action": "terminate", "source": "auto-scaling",
                           "time": iso_utc(time.time() + termination_hook_seconds())}

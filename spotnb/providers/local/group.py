@@ -166,9 +166,10 @@ QUIET_CELL_FACTOR = 3
 FORESEEN = ("hazard", "scheduled", "price")
 # A warm standby (spec.policy.standby) that is not ready within its boot plus this many
 # market seconds is given back (its kernel or the cell's set-up is stuck: a job that
-# moved to it would wait there). Ready, it takes the job over at once, as Auto Scaling's
-# capacity rebalancing does: holding it for a notice instead billed ~18% of a stressed
-# pool's job for a fifth of its interruptions caught warm (README, "Warm standbys").
+# moved to it would wait there). Ready, it takes the job over at once (as the AWS
+# instance agent does through its group's API): holding it for a notice instead billed
+# ~18% of a stressed pool's job for a fifth of its interruptions caught warm (README,
+# "Warm standbys").
 STANDBY_HOLD_SECONDS = 600.0
 # In an instance's first hour, a standby on a recommendation is launched to be ready as the
 # hour ends (its boot plus this many market seconds of warm-up before it), not at once:
@@ -644,7 +645,8 @@ class Supervisor:
     def _recommend(self, inst: LocalInstance, now: float, reason: str,
                    at_notice: bool = False) -> None:
         """A rebalance recommendation for ``inst`` at its metadata service, and in the
-        log; then, as Auto Scaling's capacity rebalancing, a warm standby for it
+        log; then a warm standby for it (on AWS the job's instance agent asks its Auto
+        Scaling group for one)
         (``at_notice``: the recommendation comes with the notice; a multi-node job's
         standby starts at the end of the instance's step 4, unless its notice came in the
         same tick: see the module docstring)."""
@@ -705,7 +707,7 @@ class Supervisor:
     def _mind_standby(self, inst: LocalInstance, now: float) -> None:
         """A standby not yet the job's instance. It becomes that when the instance it
         stands by for is noticed or gone, or, once it is ready, when the job moves to it
-        (Auto Scaling's capacity rebalancing: :meth:`_move_to_standby`); it is given
+        (:meth:`_move_to_standby`, through the old instance's termination hook); it is given
         back (terminated, billed to the job) if it is not ready by the end of its hold."""
         old = next((i for i in self.running if i.id == inst.standby_for), None)
         if old is None or old.terminate_at is not None:
