@@ -668,9 +668,9 @@ def test_a_recommendation_moves_the_job_to_its_standby_and_completes_the_hooks(
     assert steps == list(range(len(steps))), "every step once, in order"
 
 
-# The first hour in 40 real seconds; EC2's notice period in 10 (a standby has 57.5 s to
+# The first hour in 20 real seconds; EC2's notice period in 10 (a standby has 57.5 s to
 # be ready: LAUNCH_HOOK_SECONDS scaled the same).
-FIRST_HOUR_SCALE = 90.0
+FIRST_HOUR_SCALE = 180.0
 FIRST_HOUR_NOTICE = 10.0
 
 
