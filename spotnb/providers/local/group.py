@@ -646,10 +646,9 @@ class Supervisor:
                    at_notice: bool = False) -> None:
         """A rebalance recommendation for ``inst`` at its metadata service, and in the
         log; then a warm standby for it (on AWS the job's instance agent asks its Auto
-        Scaling group for one)
-        (``at_notice``: the recommendation comes with the notice; a multi-node job's
-        standby starts at the end of the instance's step 4, unless its notice came in the
-        same tick: see the module docstring)."""
+        Scaling group for one). ``at_notice``: the recommendation comes with the notice;
+        a multi-node job's standby starts at the end of the instance's step 4, unless its
+        notice came in the same tick (see the module docstring)."""
         inst.recommend_rebalance(now)
         log.info("rebalance recommendation for %s (%s)", inst.id, reason)
         self._emit("instance", inst.id, at=now, action="rebalance", reason=reason,
