@@ -578,13 +578,12 @@ def test_a_standby_whose_prefetch_fails_still_runs_the_cell_with_its_inputs(
 
         ckpts = CheckpointStore(handle.store, prefix=layout.CHECKPOINTS,
                                 formats=CHECKPOINT_FORMATS)
-        wait_until(lambda: getattr(ckpts.latest(), "step", None) == 3, 120,
-                   "the checkpoint of step 3")
-        damaged = [f for f in (store_root / layout.CHECKPOINTS).rglob("*")
-                   if f.is_file() and f.name not in ("MANIFEST.json", "LATEST")]
-        assert damaged
-        for f in damaged:
-            f.write_bytes(b"damaged")
+        newest = wait_until(lambda: (m := ckpts.latest()) is not None and m.step == 3 and m,
+                            120, "the checkpoint of step 3")
+        # Its data damaged (the standby prefetches the newest; older ones are being
+        # pruned meanwhile and are left alone).
+        for entry in newest.files:
+            (store_root / layout.CHECKPOINTS / newest.id / entry.name).write_bytes(b"damaged")
         LocalProvider().recommend(handle.job_id)
 
         def standby_ready() -> bool:
