@@ -122,6 +122,9 @@ SYS_IDLE_SECONDS = 10.0
 USAGE_SECONDS = 300.0
 # EC2 gives processes a moment between SIGTERM and power-off; use well under it.
 TERMINATION_GRACE_SECONDS = 0.8
+# How long a kernel that died while starting waits for the instance's SIGTERM before it
+# counts as the cell's error (the group signals the kernel and the agent one by one).
+KERNEL_TEARDOWN_SECONDS = 2.0
 
 # Exit codes: the capacity group only cares whether a result exists, and whether the
 # store was out of reach (then launching another instance at once would not help).
@@ -358,6 +361,10 @@ class Agent:
                 try:
                     kc = self.kernels.connect()
                 except KernelNotReady as e:
+                    # The instance's teardown may reach the kernel a moment before the
+                    # agent's own SIGTERM: a kernel killed so is no error of the cell's.
+                    if self.terminating.wait(KERNEL_TEARDOWN_SECONDS):
+                        raise Fenced("the instance is being terminated") from e
                     # Killed while it started (out of memory in an import, say): an error
                     # like one in the cell, retried as far as the job's policy allows.
                     return self._on_user_error(None, {
