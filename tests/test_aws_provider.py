@@ -674,6 +674,16 @@ FIRST_HOUR_SCALE = 180.0
 FIRST_HOUR_NOTICE = 10.0
 
 
+def _recommended_once_saved(sim: AwsSimulator, handle: spotnb.JobHandle) -> Any:
+    """The job's first instance, given a rebalance recommendation once the job has a
+    durable checkpoint."""
+    old = sim.wait_for_instance(handle.job_id)
+    wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+               "a durable checkpoint before the recommendation")
+    sim.recommend_rebalance(old.id)
+    return old
+
+
 def _deferred(handle: spotnb.JobHandle) -> Event | None:
     return next((e for e in group_events(handle) if e.type == "instance"
                  and e.data.get("action") == "standby-deferred"), None)
@@ -693,10 +703,7 @@ def test_a_recommendation_in_the_first_hour_times_the_standby_to_be_ready_as_it_
                       time_scale=FIRST_HOUR_SCALE) as sim:
         handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
                                instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
-        old = sim.wait_for_instance(handle.job_id)
-        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
-                   "a durable checkpoint before the recommendation")
-        sim.recommend_rebalance(old.id)
+        old = _recommended_once_saved(sim, handle)
         deferred = wait_until(lambda: _deferred(handle), 60, "the standby deferred")
         due = deferred.data["standby_due"]
         launched = next(e.time for e in group_events(handle) if e.type == "instance"
@@ -736,10 +743,7 @@ def test_an_interruption_before_the_deferred_standby_is_free_and_starts_none(
                       time_scale=FIRST_HOUR_SCALE) as sim:
         handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
                                instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
-        old = sim.wait_for_instance(handle.job_id)
-        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
-                   "a durable checkpoint before the recommendation")
-        sim.recommend_rebalance(old.id)
+        old = _recommended_once_saved(sim, handle)
         wait_until(lambda: _deferred(handle), 60, "the standby deferred")
         sim.interrupt(old.id, lead=None)  # the notice the recommendation announced
         wait_until(lambda: old.terminated, 120, "EC2 ended the instance")
@@ -851,10 +855,7 @@ def test_a_notice_while_the_standby_boots_makes_it_the_replacement(
         handle = spotnb.submit(SLOW_STANDBY.format(gate=str(gate), slow=str(slow)),
                                provider="aws", instance_types=["g4dn.xlarge"],
                                checkpoint_every="10 steps", standby_first_hour=True)
-        old = sim.wait_for_instance(handle.job_id)
-        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
-                   "a durable checkpoint before the recommendation")
-        sim.recommend_rebalance(old.id)
+        old = _recommended_once_saved(sim, handle)
         standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
                                            if i.id != old.id), None), 60, "the standby")
         sim.interrupt(old.id, lead=None)
