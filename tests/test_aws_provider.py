@@ -1250,7 +1250,7 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     every rank saves at the gate's step, the host leaves, the other node goes on, the
     group replaces the host; the weights match an uninterrupted 2-node run (bitwise
     where every round had 2 ranks, else within float tolerance: the same global batch
-    reduced in another order). Then everything of both jobs is deleted. First, what
+    reduced in another order). Then everything of the job is deleted. First, what
     is refused before launch: nodes that no single AZ has capacity for."""
     torch = pytest.importorskip("torch")
     from spotnb.kernel_remote.multinode import rendezvous as rdzv
@@ -1258,14 +1258,14 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     _refuse_nodes_without_capacity_in_one_az(sim, monkeypatch)
 
     sim.notice_seconds = 20.0  # FIS's two minutes: time for the coordinated checkpoint
-    go, reference_go = tmp_path / "go", tmp_path / "reference-go"
-    reference_go.write_text("go")
+    go = tmp_path / "go"
     common: dict[str, Any] = dict(provider="aws", nodes="1:2", instance_types=["g5.8xlarge"],
                                   outputs=["weights"], checkpoint_every="4 steps")
-    from test_multinode import DDP_TRAINING  # the same seeded DDP cell as the local cloud's
+    # The same seeded DDP cell as the local cloud's, and its uninterrupted run.
+    from test_multinode import DDP_TRAINING, Uninterrupted
 
-    reference = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 16, "PAUSE_AT": 8,
-                                                    "GO": str(reference_go)}, **common)
+    reference = Uninterrupted(DDP_TRAINING, {"STEPS": 16, "PAUSE_AT": -1, "GO": ""}, 2,
+                              tmp_path)
     job = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 16, "PAUSE_AT": 8, "GO": str(go)},
                         **common)
     name = f"spotnb-{job.job_id}"
@@ -1273,7 +1273,8 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     # which moto lacks).
     ec2, asg = _boto.client("ec2"), _boto.client("autoscaling")
     group = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]
-    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 2, 2)
+    # Room for one warm standby (providers/aws/standby.py).
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 3, 2)
     assert group["PlacementGroup"] == name and sim.placement_groups[name]["Strategy"] == "cluster"
     subnet = group["VPCZoneIdentifier"]
     assert "," not in subnet, "one subnet: one AZ"
@@ -1304,16 +1305,14 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     assert all(n.notice_at is None for n in sim.running(job.job_id) if n.id != host)
     go.write_text("go")
     result = job.wait(timeout=300)
-    ref = reference.wait(timeout=300)
     assert result.status == "completed", (result.status, result.reason)
-    assert ref.status == "completed", (ref.status, ref.reason)
     events = list(job.events(follow=False))
     forced = [e for e in events if e.type == "checkpoint" and e.data.get("phase") == "durable"
               and e.data.get("forced")]
     assert [e.data["step"] for e in forced] == [8], "one coordinated save, at the notice"
     assert result.interruptions >= 1
     sizes = {e.data["world_size"] for e in events if e.type == "world"}
-    got, want = result.outputs["weights"], ref.outputs["weights"]
+    got, want = result.outputs["weights"], reference.weights()
     if sizes == {2}:
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     else:
@@ -1323,9 +1322,172 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     # keeps a security or placement group while an instance is still in it, so what
     # the teardown could not delete yet is all that cleanup may find, and deletes.
     sim.wait_until_idle(60)
-    ended = {f"spotnb-{j}" for j in (job.job_id, reference.job_id)}
     left = AwsProvider().cleanup()
     assert all(re.fullmatch(r"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
                             r"group spotnb-\S+) in us-east-1 \(its job has a result\)", line)
-               and any(n in line for n in ended) for line in left), left
+               and f"spotnb-{job.job_id}" in line for line in left), left
     assert sim.placement_groups == {}
+
+
+def test_one_node_at_a_time_claims_the_groups_standby(tmp_path: Path) -> None:
+    """A multi-node group has room for one standby (providers/aws/standby.py, Step 3):
+    a node claims it in the store (create-if-absent) and another waits its turn; a node
+    lets go of its own claim only; a claim past its time (its node ended without
+    letting go) is taken over. The slot a node holds is found from the slots' leases,
+    and a released slot is no node's."""
+    from spotnb.protocol.spec import JobSpec
+    from spotnb.protocol.store import LocalStore
+    from spotnb.providers.aws.standby import StandbyDriver, held_slot, slot_holders
+
+    spec = JobSpec.from_json(json.dumps({
+        "job_id": "j-1", "name": "n", "code": "pass", "provider": "aws",
+        "store_uri": str(tmp_path), "created": 0.0,
+        "resources": {"instance_types": ["g5.8xlarge"], "min_nodes": 2, "max_nodes": 2},
+        "policy": {"checkpoint_every": {"seconds": 60.0, "steps": None}}}))
+    store = LocalStore(tmp_path / "store")
+
+    def node(iid: str) -> StandbyDriver:
+        return StandbyDriver(store, spec, ImdsClient("http://127.0.0.1:9"),
+                             {"instance_id": iid, "region": "us-east-1"},
+                             lambda event: None, lambda: (), lambda: False)
+
+    a, b = node("i-a"), node("i-b")
+    held = {iid: lease.acquire(store, iid, slot=slot, stride=2)
+            for slot, iid in enumerate(("i-b", "i-a"))}
+    assert held_slot(store, 2, "i-a") == 1 and held_slot(store, 2, "i-b", first=1) == 0
+    assert held_slot(store, 2, "i-c") is None
+    assert slot_holders(store, 2) == {"i-a", "i-b"}
+    assert a._claim() and a.claimed
+    assert not b._claim() and not b.claimed, "one standby at a time: b waits its turn"
+    assert a._claim(), "a node's own claim stays its own"
+    b._release_claim()  # not b's: a's claim stays
+    assert json.loads(store.get(layout.STANDBY_CLAIM))["for"] == "i-a"
+    a._done()
+    assert not store.exists(layout.STANDBY_CLAIM) and a.phase == "done"
+    assert b._claim(), "b's turn once a let go"
+    # b's node ended without letting go: past its time, the claim is a's to take.
+    claim = json.loads(store.get(layout.STANDBY_CLAIM))
+    store.put(layout.STANDBY_CLAIM, json.dumps({**claim, "until": time.time() - 1}).encode())
+    a2 = node("i-a")
+    assert a2._claim() and json.loads(store.get(layout.STANDBY_CLAIM))["for"] == "i-a"
+    lease_a = held["i-a"]
+    assert lease_a is not None
+    lease_a.release()
+    assert held_slot(store, 2, "i-a", first=1) is None
+    assert slot_holders(store, 2) == {"i-b"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redone(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--nodes 2 on the simulator, standbys at once in the first hour. EC2 recommends a
+    rebalance of both nodes at once (a pool-wide recommendation): the group, which has
+    room for one standby (MaxSize 3), launches one for whichever node claimed it; the
+    other node waits its turn. Each standby warms up outside the world, the node is
+    ended through the termination hook once its standby is ready (every rank saves at
+    the gate's step, the node lets go of its slot and completes the hook), the standby
+    takes the slot and joins; then the second node's turn. The job ends with the
+    weights of an uninterrupted 2-node run, bitwise (every round had 2 ranks), no step
+    redone, no interruption counted, and no instance but the nodes and two standbys."""
+    pytest.importorskip("torch")
+    import torch
+    from test_multinode import GATED_TRAINING, Uninterrupted
+
+    from spotnb.protocol.events.fold import EndReason, fold
+
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    go = tmp_path / "go"
+    go.mkdir()
+    inputs = {"STEPS": 24, "PAUSES": [6, 12, 18], "PAUSE_AT": -1}
+    reference = Uninterrupted(GATED_TRAINING, {**inputs, "PAUSES": [], "GO": ""}, 2, tmp_path)
+    # A hook's wait (the notice period's scale) long enough that only its completion
+    # can end it first; a standby's hold (the launch hook's wait, scaled alike) 345 s.
+    with AwsSimulator(tmp_path / "sim", notice_seconds=60.0) as sim:
+        job = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(go)}, provider="aws",
+                            nodes=2, instance_types=["g5.8xlarge"], outputs=["weights"],
+                            checkpoint_every="5 steps", standby_first_hour=True)
+        name = f"spotnb-{job.job_id}"
+        asg = _boto.client("autoscaling")
+        (group,) = asg.describe_auto_scaling_groups(
+            AutoScalingGroupNames=[name])["AutoScalingGroups"]
+        assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 3, 2)
+        hooks = {h["LifecycleHookName"] for h in asg.describe_lifecycle_hooks(
+            AutoScalingGroupName=name)["LifecycleHooks"]}
+        assert hooks == {LAUNCH_HOOK_NAME, LIFECYCLE_HOOK_NAME}
+        nodes = wait_until(lambda: len(sim.running(job.job_id)) == 2 and
+                           [n.id for n in sim.running(job.job_id)], 240, "two nodes")
+        # Paused at step 6, after a durable checkpoint (step 5's).
+        wait_until(lambda: job.store.exists(f"{layout.CHECKPOINTS}/LATEST") and
+                   6 in [s for s, _ in job.metrics().get("loss", [])], 240, "step 6")
+        for node in nodes:
+            sim.recommend_rebalance(node)
+        (go / "6").write_text("go")
+
+        def moved() -> list[tuple[float, str]]:
+            return [(t, i) for t, i, kind in sim.signals_sent if kind == "terminating"]
+
+        def desired() -> int:
+            (g,) = asg.describe_auto_scaling_groups(
+                AutoScalingGroupNames=[name])["AutoScalingGroups"]
+            return int(g["DesiredCapacity"])
+
+        # One standby at a time: the group never asked for more than the nodes and one.
+        most = 0
+
+        def moves(count: int) -> list[tuple[float, str]]:
+            nonlocal most
+            most = max(most, desired())
+            return moved() if len(moved()) >= count else []
+
+        def told(node: str) -> bool:
+            """The node's agent took the termination hook's wait for its notice (the gate
+            opens after it: the node's ranks save at the gate's step)."""
+            return any(e.instance == node and e.type == "status" and "the warm standby is "
+                       "ready: moving to it" in str(e.data.get("detail"))
+                       for e in job.events(follow=False))
+
+        first = wait_until(lambda: moves(1), 300, "the first node moved to its standby")
+        wait_until(lambda: told(first[0][1]), 120, "the first node's agent told")
+        (go / "12").write_text("go")
+        both = wait_until(lambda: moves(2), 300, "the second node moved to its standby")
+        wait_until(lambda: told(both[1][1]), 120, "the second node's agent told")
+        (go / "18").write_text("go")
+        result = job.wait(timeout=300)
+        events = list(job.events(follow=False))
+        logged = sorted(step for step, _ in job.metrics().get("loss", []))
+        claim_left = job.store.exists(layout.STANDBY_CLAIM)
+        completed = list(sim.hooks_completed)
+        booted = {i.id: i.booted for i in sim.instances.values()}
+        # What the nodes' teardown left is what AWS keeps while an instance is in it.
+        sim.wait_until_idle(60)
+        left = AwsProvider().cleanup()
+        assert all(re.fullmatch(r"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
+                                r"group spotnb-\S+) in us-east-1 \(its job has a result\)",
+                                line) for line in left), left
+        assert resources() == NOTHING
+    assert result.status == "completed", (result.status, result.reason)
+    assert most <= 3
+    assert {i for _, i in both} == set(nodes), "each node moved once"
+    assert not claim_left, "the last node let go of its claim"
+    # Its agent completed the hook (the last node's may see the job's result first: its
+    # teardown then deletes the group).
+    assert (first[0][1], LIFECYCLE_HOOK_NAME) in completed
+    state = fold(events, 2)
+    assert len(state.standbys) == 2
+    standbys = sorted(state.standbys.values(), key=lambda sb: booted[sb.instance_id])
+    assert {sb.standby_for for sb in standbys} == set(nodes)
+    assert all(sb.lease_at is not None and sb.attempt is not None for sb in standbys)
+    # The second standby was asked for only once the first node moved (its claim).
+    assert booted[standbys[1].instance_id] >= first[0][0]
+    assert set(state.instances) == set(nodes) | {sb.instance_id for sb in standbys}
+    for node in nodes:
+        (gone,) = [a for a in state.attempts.values() if a.instance_id == node]
+        assert state.end_reason(gone.number, final=True) == EndReason.MOVED.value
+        assert state.instances[node].end_reason == "rebalanced"
+    assert state.interruptions() == 0 and result.interruptions == 0
+    assert state.redone_steps() == 0
+    assert logged == list(range(24)), "every step once"
+    assert {e.data["world_size"] for e in events if e.type == "world"} == {2}
+    got, want = result.outputs["weights"], reference.weights()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -17,6 +17,8 @@ Job prefix (in the store, one per job)::
     sync/<name>/...             spot.sync_dir snapshots (same protocol as checkpoints)
     control/stop.json           a stop request (from the notebook or the CLI)
     standby/<instance>.json     a warm standby is ready (spotnb.kernel_remote.standby)
+    standby.json                multi-node jobs on AWS: the node the group's one warm
+                                standby is for (spotnb.providers.aws.standby)
     outputs.pkl                 cloudpickled {name: value} of the job's outputs
     result.json                 the final result, written once by the agent
     summary.json                the job's record (spotnb.records): attempts, cost,
@@ -49,6 +51,7 @@ STOP = "control/stop.json"
 OUTPUTS = "outputs.pkl"
 RESULT = "result.json"
 SUMMARY = "summary.json"
+STANDBY_CLAIM = "standby.json"
 
 
 def lease_key(slot: int = 0) -> str:

@@ -753,11 +753,12 @@ class AwsProvider(Provider):
         name = group_name(spec.job_id)
         nodes = spec.resources.max_nodes  # a multi-node job's group keeps MAX instances
         params: dict[str, Any] = dict(
-            # A standby group has room for the job's instance's warm standby, which
-            # that instance's agent asks for (SetDesiredCapacity) on a rebalance
-            # recommendation, timed in the instance's first hour (providers/aws/
-            # instance.py); not Auto Scaling's capacity rebalancing, which launches it
-            # at once and would forfeit that hour's refund (protocol/billing.py).
+            # A standby group has room for one warm standby (a multi-node job's: for
+            # one node at a time), which the agent of the instance recommended asks
+            # for (SetDesiredCapacity) on a rebalance recommendation, timed in the
+            # instance's first hour (providers/aws/standby.py); not Auto Scaling's
+            # capacity rebalancing, which launches it at once and would forfeit that
+            # hour's refund (protocol/billing.py).
             AutoScalingGroupName=name, MinSize=nodes,
             MaxSize=nodes + 1 if rebalancing(spec) else nodes, DesiredCapacity=nodes,
             VPCZoneIdentifier=",".join(s for s, _ in subnets),

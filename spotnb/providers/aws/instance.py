@@ -19,16 +19,12 @@ An instance's life, narrated::
             its termination hook (``autoscaling/target-lifecycle-state`` Terminated:
             the job moves to its warm standby; the job agent reads it as its notice)
             and, in a standby group (resources.rebalancing), for a rebalance
-            recommendation: the job's instance then asks its group for a warm
-            standby (SetDesiredCapacity 2; in its first hour timed to be ready as
-            that hour ends, "standby-deferred", unless policy.standby_first_hour),
-            moves the job to it once it is ready (ends itself through the
-            termination hook: TerminateInstanceInAutoScalingGroup), gives back one
-            not ready in time, and at a notice leaves the group (DetachInstances:
-            the standby is the replacement, EC2 ends this one); see _mind_standby.
-            In a standby group, complete the launch hook once the job agent holds
-            the lease or, a warm standby, is ready, and the termination hook once it
-            let go of the lease; every LIMITS_SECONDS look at the budget and deadline
+            recommendation: an instance that runs the job (a node) then asks its
+            group for a warm standby and moves the job to it once it is ready
+            (providers/aws/standby.py). In a standby group, complete the launch hook
+            once the job agent holds the lease (a node slot's) or, a warm standby,
+            is ready, and the termination hook once it let go of the lease; every
+            LIMITS_SECONDS look at the budget and deadline
             (over: control/stop.json, which the job agent obeys), every PRICE_SECONDS
             at the spot price ("price" event when it changed)
     Step 4  the job agent exited:
@@ -65,7 +61,7 @@ import threading
 import time
 from typing import Any
 
-from spotnb.protocol import billing, layout, lease, usage
+from spotnb.protocol import billing, layout, usage
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import JobState, fold
 from spotnb.protocol.events.live import request_stop
@@ -74,29 +70,20 @@ from spotnb.protocol.store import NotFound, Store, open_store
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import (
     LAUNCH_HOOK_NAME,
-    LAUNCH_HOOK_SECONDS,
     LIFECYCLE_HOOK_NAME,
-    STANDBY_BOOT_SECONDS,
     capacity_failures,
     group_name,
     rebalancing,
 )
-from spotnb.providers.imds import (
-    TERMINATION_HOOK_SECONDS,
-    ImdsClient,
-    termination_hook_seconds,
-)
+from spotnb.providers.aws.standby import HOOK_POLL_SECONDS, StandbyDriver, held_slot
+from spotnb.providers.imds import ImdsClient
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
 # While a lifecycle hook waits for this instance, the lease (and a standby's ready mark)
-# is read this often: a GET (and a HEAD), for a minute or so; and while the standby the
-# job's instance asked for boots, its ready mark is looked for (a LIST) as often.
-HOOK_POLL_SECONDS = 2.0
-# A standby that Auto Scaling will not end yet (its launch hook's wait) is asked again
-# this many times, HOOK_POLL_SECONDS apart.
-GIVE_BACK_TRIES = 60
+# is read every HOOK_POLL_SECONDS (providers/aws/standby.py): a GET per node slot (and a
+# HEAD), for a minute or so.
 # Budget and deadline are checked this often, from what this agent knows (the group's
 # history read once at boot, and its own price): no request.
 LIMITS_SECONDS = 5.0
@@ -143,20 +130,15 @@ class InstanceAgent:
         self.launch_hook_due = rebalancing(self.spec)
         self.end_hook_due = False
         #: Whether this instance's job agent was seen holding the lease (a standby
-        #: given back never did).
+        #: given back never did), and the node slot it holds (a multi-node job's).
         self.held_lease = False
+        self.slot: int | None = None
         #: EC2's launch time of this instance (its age: its first hour is refunded
         #: if EC2 interrupts it).
         self.launched_at = time.time()
-        #: Warm standbys (see _mind_standby): "none" (no recommendation yet),
-        #: "deciding", "deferred" (until standby_due), "asked" (the group launches it),
-        #: "giving-back" (not ready in time), "done".
-        self.standby_phase = "none"
-        self.standby_due: float | None = None
-        self.standby_asked: float | None = None
-        self.standby_id: str | None = None
-        self._give_back_tries = 0
-        self._standby_checked = -HOOK_POLL_SECONDS
+        #: Warm standbys in a standby group (providers/aws/standby.py), once this
+        #: instance knows who it is.
+        self.standbys: StandbyDriver | None = None
         self.stop_seen_at: float | None = None
         self.price: float | None = None
         self.tearing_down = threading.Event()
@@ -175,6 +157,9 @@ class InstanceAgent:
         os.environ.setdefault("AWS_DEFAULT_REGION", self.identity["region"])
         self.events = EventWriter(self.store, GROUP_STREAM, instance=iid,
                                   flush_seconds=GROUP_FLUSH_SECONDS)
+        self.standbys = StandbyDriver(self.store, self.spec, self.imds, self.identity,
+                                      self._emit_event, lambda: self.state.instances,
+                                      lambda: self.launch_hook_due)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if self.store.exists(layout.RESULT):
             log.info("job %s already has a result: tearing down", self.spec.job_id)
@@ -239,7 +224,9 @@ class InstanceAgent:
             time.sleep(POLL_SECONDS)
             now = time.monotonic()
             self._watch_notice()
-            self._mind_standby(now)
+            if self.standbys is not None:
+                self.standbys.poll(now, self.notice is not None, self.hook_ending,
+                                   self.launched_at)
             if (self.launch_hook_due or self.end_hook_due) and \
                     now - last_hooks >= HOOK_POLL_SECONDS:
                 last_hooks = now
@@ -412,235 +399,6 @@ class InstanceAgent:
                        notice_action=action.get("action"), price=self.price)
             log.info("interruption notice: %s", action)
 
-    def _mind_standby(self, now: float) -> None:
-        """Warm standbys in a standby group (resources.rebalancing), driven by the
-        job's instance (the one whose job agent holds the lease) through its group's
-        own API: no request until a recommendation, then only those it needs.
-
-        A rebalance recommendation (IMDS): unless ``policy.standby_first_hour``, an
-        instance in its first hour waits until its standby would be ready as that
-        hour ends (``standby-deferred``; protocol/billing.py: EC2 interrupting it
-        before then makes all of it free, and moving the job off it forfeits that);
-        then it asks for one (SetDesiredCapacity 2). A notice first: no standby (the
-        group replaces the instance once EC2 ended it). Once the standby says it is
-        ready (its mark in the store), the job moves to it: this instance ends itself
-        through the group's termination hook (TerminateInstanceInAutoScalingGroup),
-        whose wait its job agent reads as its notice (final save, lease released).
-        A standby not ready within LAUNCH_HOOK_SECONDS is given back; a notice while
-        it boots makes it the replacement (this instance leaves the group: EC2 ends
-        it, so its first hour's refund holds, and the group launches no third)."""
-        if not rebalancing(self.spec) or self.standby_phase == "done":
-            return
-        if self.standby_phase == "none":
-            try:
-                recommended = self.imds.rebalance()
-            except OSError:
-                return
-            if not recommended:
-                return
-            log.info("rebalance recommendation: %s", recommended)
-            self.standby_phase = "deciding"
-        wall = time.time()
-        if self.standby_phase == "deferred":
-            assert self.standby_due is not None
-            if self.notice is not None or self.hook_ending:
-                log.info("no standby: the instance ends before its standby was due")
-                self.standby_phase = "done"
-            elif wall >= self.standby_due:
-                self._ask_for_standby()
-            return
-        if now - self._standby_checked < HOOK_POLL_SECONDS:
-            return
-        self._standby_checked = now
-        if self.standby_phase == "deciding":
-            self._decide_standby(wall)
-        elif self.standby_phase == "asked":
-            self._watch_asked_standby(wall)
-        elif self.standby_phase == "giving-back":
-            if self.notice is not None:
-                self._leave_at_notice()  # the standby is the replacement after all
-            elif self._give_back(self.standby_id) or self.hook_ending:
-                self.standby_phase = "done"
-            else:
-                self._give_back_tries += 1
-                if self._give_back_tries >= GIVE_BACK_TRIES:
-                    log.warning("could not give back the standby; `spotnb aws cleanup` "
-                                "or the job's end removes it")
-                    self.standby_phase = "done"
-
-    def _decide_standby(self, wall: float) -> None:
-        """A recommendation came: whether this instance runs the job, and when its
-        standby launches."""
-        iid = self.identity["instance_id"]
-        if self.notice is not None or self.hook_ending:
-            log.info("no standby: the recommendation came with the notice (the group "
-                     "replaces the instance once EC2 ended it)")
-            self.standby_phase = "done"
-            return
-        try:
-            current = lease.read(self.store)
-        except Exception:
-            log.debug("reading the lease for a standby failed", exc_info=True)
-            return  # the next look
-        held = current is not None and current[0].holder == iid and not current[0].released
-        if not held:
-            if not self.launch_hook_due:
-                # A standby itself, or the job moved on: not this instance's to ask.
-                log.info("the recommendation is not for the job's instance: no standby")
-                self.standby_phase = "done"
-            return  # the job agent may take the lease yet
-        self.held_lease = True
-        scale = billing.time_scale()
-        wait = 0.0 if self.spec.policy.standby_first_hour else billing.standby_wait(
-            (wall - self.launched_at) * scale, STANDBY_BOOT_SECONDS)
-        if wait <= 0:
-            self._ask_for_standby()
-            return
-        self.standby_due = wall + wait / scale
-        self.standby_phase = "deferred"
-        log.info("standby waits %.0f market s: in its first hour an interruption by EC2 "
-                 "is free", wait)
-        ident = self.identity
-        self._emit("instance", action="standby-deferred", instance_id=iid,
-                   instance_type=ident["instance_type"], az=ident.get("az_id"),
-                   pool=f"{ident['instance_type']}@{ident.get('az_id')}",
-                   standby_due=self.standby_due)
-        if self.events is not None:
-            self.events.flush()
-
-    def _asg(self, call: str, what: str, **params: Any) -> bool:
-        """One Auto Scaling request about the job's group (retried on throttling);
-        whether it succeeded."""
-        client = _boto.client("autoscaling", self.identity["region"])
-        if call != "terminate_instance_in_auto_scaling_group":  # names only the instance
-            params["AutoScalingGroupName"] = group_name(self.spec.job_id)
-        try:
-            _boto.with_backoff(lambda: getattr(client, call)(**params), what=what)
-            return True
-        except Exception as err:
-            log.warning("%s failed: %s", what, err)
-            return False
-
-    def _ask_for_standby(self) -> None:
-        """The group launches the standby (its desired capacity 2)."""
-        self.standby_phase = "asked"
-        self.standby_asked = time.time()
-        self._standby_checked = time.monotonic()
-        if not self._asg("set_desired_capacity", "asking the group for a standby",
-                         DesiredCapacity=2, HonorCooldown=False):
-            self.standby_phase = "done"
-            return
-        log.info("asked the group for a warm standby")
-
-    def _hold_seconds(self) -> float:
-        """How long a standby may take to be ready (LAUNCH_HOOK_SECONDS), in this
-        instance's seconds (scaled as the termination hook's wait is)."""
-        return LAUNCH_HOOK_SECONDS * termination_hook_seconds() / TERMINATION_HOOK_SECONDS
-
-    def _watch_asked_standby(self, wall: float) -> None:
-        """The standby boots: a notice makes it the replacement; once it is ready the
-        job moves to it; not ready in time, it is given back."""
-        iid = self.identity["instance_id"]
-        if self.notice is not None:
-            self._leave_at_notice()
-            return
-        if self.hook_ending:
-            self.standby_phase = "done"
-            return
-        ready = self._ready_standby()
-        if ready is not None:
-            standby, said = ready
-            self.standby_phase = "done"
-            at = said.get("ready")
-            kernel = said.get("kernel_started")
-            self._emit_event(Event(
-                type="instance", time=float(at) if isinstance(at, (int, float)) else wall,
-                attempt=GROUP_STREAM, instance=standby, data={
-                    "action": "standby-ready", "instance_id": standby, "standby_for": iid,
-                    "reported_by": iid,
-                    "kernel_started": kernel if isinstance(kernel, (int, float)) else None}))
-            log.info("standby %s is ready: moving the job to it", standby)
-            if not self._asg("terminate_instance_in_auto_scaling_group",
-                             "ending this instance for its standby", InstanceId=iid,
-                             ShouldDecrementDesiredCapacity=True):
-                self.standby_id = standby
-                self._start_giving_back()
-            return
-        assert self.standby_asked is not None
-        if wall >= self.standby_asked + self._hold_seconds():
-            self._start_giving_back()
-
-    def _start_giving_back(self) -> None:
-        self.standby_phase = "giving-back"
-        self._give_back_tries = 0
-        if self._give_back(self.standby_id):
-            self.standby_phase = "done"
-
-    def _leave_at_notice(self) -> None:
-        """A notice while the standby boots: EC2 ends this instance (free in its
-        first hour); out of the group, it is not replaced by a third instance: the
-        standby is its replacement."""
-        self.standby_phase = "done"
-        if self._asg("detach_instances", "leaving the group at the notice",
-                     InstanceIds=[self.identity["instance_id"]],
-                     ShouldDecrementDesiredCapacity=True):
-            log.info("interruption notice: the standby booting is the replacement")
-
-    def _ready_standby(self) -> tuple[str, dict[str, Any]] | None:
-        """A standby launched for this instance that says it is ready (its mark in the
-        store: one LIST, a GET once there), with what it said."""
-        iid = self.identity["instance_id"]
-        try:
-            keys = self.store.list_keys("standby/")
-        except Exception:
-            log.debug("listing the standbys' marks failed", exc_info=True)
-            return None
-        for key in keys:
-            other = key.rsplit("/", 1)[-1].removesuffix(".json")
-            # Launched before this instance's boot: an earlier standby, not this one's.
-            if other == iid or other in self.state.instances:
-                continue
-            try:
-                said = json.loads(self.store.get(key))
-            except Exception:
-                said = {}
-            return other, said if isinstance(said, dict) else {}
-        return None
-
-    def _give_back(self, standby: str | None) -> bool:
-        """A standby not ready in time (or the move failed): ended, the group back to
-        one instance. Whether that is done (else it is tried again: Auto Scaling may
-        refuse while the standby's launch hook waits)."""
-        iid = self.identity["instance_id"]
-        if standby is None:
-            try:
-                groups = _boto.client("autoscaling", self.identity["region"]) \
-                    .describe_auto_scaling_groups(
-                        AutoScalingGroupNames=[group_name(self.spec.job_id)])
-                members = [i["InstanceId"] for g in groups["AutoScalingGroups"]
-                           for i in g.get("Instances", ())
-                           if i["InstanceId"] != iid and not str(
-                               i.get("LifecycleState", "")).startswith("Terminat")]
-            except Exception as err:
-                log.warning("cannot find the standby to give back: %s", err)
-                return False
-            standby = members[0] if members else None
-        if standby is None:
-            # It never launched (no capacity): the group back to one instance.
-            return self._asg("set_desired_capacity", "giving back the standby never "
-                             "launched", DesiredCapacity=1, HonorCooldown=False)
-        self.standby_id = standby
-        log.info("standby %s not ready in time: giving it back", standby)
-        if not self._asg("terminate_instance_in_auto_scaling_group",
-                         "giving back the standby", InstanceId=standby,
-                         ShouldDecrementDesiredCapacity=True):
-            return False
-        self._emit_event(Event(
-            type="instance", time=time.time(), attempt=GROUP_STREAM, instance=standby,
-            data={"action": "terminated", "instance_id": standby,
-                  "reason": "standby-given-back", "standby_for": iid, "reported_by": iid}))
-        return True
-
     def _watch_limits(self) -> None:
         policy = self.spec.policy
         now_m = time.monotonic()
@@ -709,9 +467,8 @@ class InstanceAgent:
         the instance the job left is not billed for the rest of it."""
         iid = self.identity["instance_id"]
         try:
-            current = lease.read(self.store)
-            held = current is not None and current[0].holder == iid \
-                and not current[0].released
+            self.slot = held_slot(self.store, self.spec.resources.max_nodes, iid, self.slot)
+            held = self.slot is not None
             self.held_lease = self.held_lease or held
             if self.launch_hook_due and (
                     held or self.store.exists(layout.standby_ready_key(iid))):
@@ -803,7 +560,9 @@ class InstanceAgent:
             ident = self.identity
             reason = "spot-interruption" if self.notice else \
                 "terminated" if not self.hook_ending else \
-                "rebalanced" if self.held_lease else "standby-given-back"
+                "rebalanced" if self.held_lease or (
+                    self.standbys is not None and self.standbys.held_lease) \
+                else "standby-given-back"
             self._emit("instance", action="terminated", reason=reason,
                        instance_id=ident.get("instance_id"),
                        instance_type=ident.get("instance_type"), az=ident.get("az_id"),

@@ -143,11 +143,11 @@ LAUNCH_HOOK_SECONDS = STANDBY_BOOT_SECONDS + 600
 
 
 def rebalancing(spec: JobSpec) -> bool:
-    """Whether the job's group has warm standbys (its ``policy.standby``; single-node
-    jobs): room for a second instance, the two lifecycle hooks, and an instance agent
-    that asks for a standby on a rebalance recommendation and moves the job to it
-    (providers/aws/instance.py)."""
-    return bool(spec.policy.standby) and spec.resources.max_nodes == 1
+    """Whether the job's group has warm standbys (its ``policy.standby``): room for one
+    instance more than its nodes, the two lifecycle hooks, and instance agents that ask
+    for a standby on a rebalance recommendation and move the job (a node) to it
+    (providers/aws/standby.py)."""
+    return bool(spec.policy.standby)
 
 
 def group_name(job_id: str) -> str:

@@ -1,0 +1,451 @@
+"""Warm standbys on AWS: the side of the instance that runs the job (its instance agent,
+:mod:`.instance`, drives this every poll).
+
+A standby group (:func:`.resources.rebalancing`: ``policy.standby``) has room for one
+instance more than the job's nodes and two lifecycle hooks. No Auto Scaling feature
+launches the standby: capacity rebalancing would launch it at the recommendation, and
+in an instance's first hour moving the job then forfeits that hour's refund
+(:mod:`spotnb.protocol.billing`). The instance that got the recommendation drives its
+group's own API instead, and makes no request before one::
+
+    Step 1  a rebalance recommendation (IMDS) on an instance whose job agent holds the
+            lease (a multi-node job's: a node slot's, :func:`held_slot`); one that
+            comes with the notice, or on a standby, starts none: the group replaces
+            the instance once EC2 ended it
+    Step 2  in the instance's first hour: wait until the standby would be ready as
+            that hour ends ("standby-deferred"), unless ``policy.standby_first_hour``
+    Step 3  a multi-node group has room for one standby at a time: the node claims it
+            in the store (:data:`CLAIM`, create-if-absent); a node whose claim another
+            holds waits its turn (looks again every :data:`TURN_SECONDS`), a claim past
+            its ``until`` (its node ended without letting go) is taken over
+    Step 4  SetDesiredCapacity(nodes + 1): the group launches the standby, whose job
+            agent warms up (:mod:`spotnb.kernel_remote.standby`) and says it is ready
+            (``standby/<instance>.json``, after Step 4); while it boots its mark is
+            looked for (a LIST every HOOK_POLL_SECONDS)
+    Step 5  ready: the job moves to it. This instance ends itself through the group's
+            termination hook (TerminateInstanceInAutoScalingGroup, the desired
+            capacity back to nodes), whose wait its job agent reads as its notice
+            (final save; a node: every rank saves, the node leaves the world), lets go
+            of the lease and the instance agent completes the hook; the standby takes
+            the lease (the node's slot: it joins the world in its place)
+
+    not ready within the launch hook's wait (LAUNCH_HOOK_SECONDS, scaled as the
+            notice period is) -> given back: TerminateInstanceInAutoScalingGroup on it,
+            never on an instance that holds a node slot; never launched (no capacity)
+            -> the desired capacity back to nodes
+    a notice while it boots -> this instance leaves the group (DetachInstances: EC2
+            ends it, its first hour's refund holds); the standby is its replacement,
+            and no other instance launches
+
+Instances of a group are interchangeable, and the protocol leans on that: whichever
+instance is ready takes whichever slot is freed first (a node lost meanwhile: the
+standby takes its slot and is its replacement). What must never happen is ending an
+instance that holds a slot for a standby's sake, or two nodes moving to one standby:
+the claim and :func:`held_slot` see to those.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from spotnb.protocol import billing, layout, lease
+from spotnb.protocol.events import GROUP_STREAM, Event
+from spotnb.protocol.spec import JobSpec
+from spotnb.protocol.store import NotFound, Store
+from spotnb.providers.aws import _boto
+from spotnb.providers.aws.resources import (
+    LAUNCH_HOOK_SECONDS,
+    STANDBY_BOOT_SECONDS,
+    group_name,
+    rebalancing,
+)
+from spotnb.providers.imds import TERMINATION_HOOK_SECONDS, ImdsClient, termination_hook_seconds
+
+__all__ = ["CLAIM", "StandbyDriver", "held_slot", "slot_holders"]
+
+log = logging.getLogger(__name__)
+
+#: A multi-node job's claim on its group's one standby (Step 3): ``{"for": instance,
+#: "slot": k, "asked": t, "until": t'}``, created if absent, deleted by its node when
+#: its standby's story ends.
+CLAIM = layout.STANDBY_CLAIM
+# While a standby boots, its ready mark is looked for this often (a LIST, a GET once
+# there: about 345 LISTs per standby, $0.002); a multi-node node whose claim another
+# holds looks at that claim as often as TURN_SECONDS (a GET: 360/h = $0.00014/h, only
+# while it waits its turn).
+HOOK_POLL_SECONDS = 2.0
+TURN_SECONDS = 10.0
+# A standby that Auto Scaling will not end yet (its launch hook's wait) is asked again
+# this many times, HOOK_POLL_SECONDS apart.
+GIVE_BACK_TRIES = 60
+# A standby's ready mark older than its request by more than this is another's (a
+# standby of an earlier move): instances' clocks agree within it (EC2's are NTP-synced).
+CLOCK_SKEW_SECONDS = 5.0
+
+
+def held_slot(store: Store, nodes: int, holder: str, first: int | None = None) -> int | None:
+    """The node slot whose lease ``holder`` holds (not released), if any: slot
+    ``first`` read first (an agent keeps its slot), then the others: one GET each."""
+    order = list(range(nodes))
+    if first is not None and first in order:
+        order.remove(first)
+        order.insert(0, first)
+    for slot in order:
+        current = lease.read(store, slot)
+        if current is not None and current[0].holder == holder and not current[0].released:
+            return slot
+    return None
+
+
+def slot_holders(store: Store, nodes: int) -> set[str]:
+    """Who holds a node slot's lease (not released): one GET per slot."""
+    found = set()
+    for slot in range(nodes):
+        current = lease.read(store, slot)
+        if current is not None and not current[0].released:
+            found.add(current[0].holder)
+    return found
+
+
+class StandbyDriver:
+    """One instance's side of warm standbys (the module docstring). The instance agent
+    calls :meth:`poll` every poll with what it knows; the driver makes the requests.
+
+    ``emit`` writes an event to the group's stream; ``known`` names the instances the
+    job knew when this one booted (their ready marks are not this one's standby's);
+    ``lease_due`` says whether this instance's job agent may yet take the lease (the
+    group's launch hook still waits for that)."""
+
+    def __init__(self, store: Store, spec: JobSpec, imds: ImdsClient,
+                 identity: dict[str, str], emit: Callable[[Event], None],
+                 known: Callable[[], Collection[str]],
+                 lease_due: Callable[[], bool]) -> None:
+        self.store = store
+        self.spec = spec
+        self.imds = imds
+        self.identity = identity
+        self.emit = emit
+        self.known = known
+        self.lease_due = lease_due
+        self.nodes = spec.resources.max_nodes
+        self.enabled = rebalancing(spec)
+        #: "none" (no recommendation yet), "deciding", "deferred" (until ``due``),
+        #: "turn" (a multi-node node waiting for the group's one standby), "asked"
+        #: (the group launches it), "giving-back" (not ready in time), "done".
+        self.phase = "none"
+        self.due: float | None = None
+        self.asked: float | None = None
+        self.standby_id: str | None = None
+        #: The node slot this instance's job agent holds, once seen.
+        self.slot: int | None = None
+        self.claimed = False
+        #: Whether this instance's job agent was seen holding the lease.
+        self.held_lease = False
+        self._give_back_tries = 0
+        self._checked = -HOOK_POLL_SECONDS
+        self._turn_said = False
+
+    @property
+    def iid(self) -> str:
+        return self.identity["instance_id"]
+
+    # ---------------------------------------------------------------- the steps
+
+    def poll(self, now: float, noticed: bool, ending: bool, launched_at: float) -> None:
+        """One look: ``now`` (monotonic), whether EC2's notice came (``noticed``) or
+        Auto Scaling ends this instance through its termination hook (``ending``),
+        and EC2's launch time of this instance (its first hour)."""
+        if not self.enabled or self.phase == "done":
+            return
+        if self.phase == "none":
+            try:
+                recommended = self.imds.rebalance()
+            except OSError:
+                return
+            if not recommended:
+                return
+            log.info("rebalance recommendation: %s", recommended)
+            self.phase = "deciding"
+        wall = time.time()
+        if self.phase == "deferred":
+            assert self.due is not None
+            if noticed or ending:
+                log.info("no standby: the instance ends before its standby was due")
+                self._done()
+            elif wall >= self.due:
+                self._ask()
+            return
+        if self.phase == "turn":
+            if noticed or ending:
+                log.info("no standby: the node ends before its turn came")
+                self._done()
+            elif now - self._checked >= TURN_SECONDS:
+                self._checked = now
+                self._ask()
+            return
+        if now - self._checked < HOOK_POLL_SECONDS:
+            return
+        self._checked = now
+        if self.phase == "deciding":
+            self._decide(wall, noticed, ending, launched_at)
+        elif self.phase == "asked":
+            self._watch(wall, noticed, ending)
+        elif self.phase == "giving-back":
+            if noticed:
+                self._leave_at_notice()  # the standby is the replacement after all
+            elif self._give_back(self.standby_id) or ending:
+                self._done()
+            else:
+                self._give_back_tries += 1
+                if self._give_back_tries >= GIVE_BACK_TRIES:
+                    log.warning("could not give back the standby; `spotnb aws cleanup` "
+                                "or the job's end removes it")
+                    self._done()
+
+    def _decide(self, wall: float, noticed: bool, ending: bool, launched_at: float) -> None:
+        """Steps 1 and 2: whether this instance runs the job, and when its standby
+        launches."""
+        if noticed or ending:
+            log.info("no standby: the recommendation came with the notice (the group "
+                     "replaces the instance once EC2 ended it)")
+            self._done()
+            return
+        try:
+            self.slot = held_slot(self.store, self.nodes, self.iid, self.slot)
+        except Exception:
+            log.debug("reading the lease for a standby failed", exc_info=True)
+            return  # the next look
+        if self.slot is None:
+            # A standby itself, or the job moved on; or its job agent has yet to take
+            # the lease (the instance agent knows: its launch hook is still due).
+            if not self.lease_due():
+                log.info("the recommendation is not for an instance that runs the job: "
+                         "no standby")
+                self._done()
+            return
+        self.held_lease = True
+        scale = billing.time_scale()
+        wait = 0.0 if self.spec.policy.standby_first_hour else billing.standby_wait(
+            (wall - launched_at) * scale, STANDBY_BOOT_SECONDS)
+        if wait <= 0:
+            self._ask()
+            return
+        self.due = wall + wait / scale
+        self.phase = "deferred"
+        log.info("standby waits %.0f market s: in its first hour an interruption by EC2 "
+                 "is free", wait)
+        ident = self.identity
+        self.emit(Event(type="instance", time=wall, attempt=GROUP_STREAM, instance=self.iid,
+                        data={"action": "standby-deferred", "instance_id": self.iid,
+                              "instance_type": ident["instance_type"],
+                              "az": ident.get("az_id"),
+                              "pool": f"{ident['instance_type']}@{ident.get('az_id')}",
+                              "standby_due": self.due}))
+
+    def _ask(self) -> None:
+        """Steps 3 and 4: the group launches the standby (desired capacity nodes + 1),
+        once this node has the claim."""
+        if not self._claim():
+            self.phase = "turn"
+            return
+        self.phase = "asked"
+        self.asked = time.time()
+        self._checked = time.monotonic()
+        if not self._asg("set_desired_capacity", "asking the group for a standby",
+                         DesiredCapacity=self.nodes + 1, HonorCooldown=False):
+            self._done()
+            return
+        log.info("asked the group for a warm standby")
+
+    def _hold_seconds(self) -> float:
+        """How long a standby may take to be ready (LAUNCH_HOOK_SECONDS), in this
+        instance's seconds (scaled as the termination hook's wait is)."""
+        return LAUNCH_HOOK_SECONDS * termination_hook_seconds() / TERMINATION_HOOK_SECONDS
+
+    def _watch(self, wall: float, noticed: bool, ending: bool) -> None:
+        """Step 5: the standby boots: a notice makes it the replacement; once it is
+        ready the job moves to it; not ready in time, it is given back."""
+        if noticed:
+            self._leave_at_notice()
+            return
+        if ending:
+            self._done()
+            return
+        ready = self._ready_standby()
+        if ready is not None:
+            standby, said = ready
+            at = said.get("ready")
+            kernel = said.get("kernel_started")
+            self.emit(Event(
+                type="instance", time=float(at) if isinstance(at, (int, float)) else wall,
+                attempt=GROUP_STREAM, instance=standby, data={
+                    "action": "standby-ready", "instance_id": standby,
+                    "standby_for": self.iid, "reported_by": self.iid,
+                    "kernel_started": kernel if isinstance(kernel, (int, float)) else None}))
+            log.info("standby %s is ready: moving the job to it", standby)
+            if not self._asg("terminate_instance_in_auto_scaling_group",
+                             "ending this instance for its standby", InstanceId=self.iid,
+                             ShouldDecrementDesiredCapacity=True):
+                self.standby_id = standby
+                self._start_giving_back()
+                return
+            self._done()
+            return
+        assert self.asked is not None
+        if wall >= self.asked + self._hold_seconds():
+            self._start_giving_back()
+
+    def _start_giving_back(self) -> None:
+        self.phase = "giving-back"
+        self._give_back_tries = 0
+        if self._give_back(self.standby_id):
+            self._done()
+
+    def _leave_at_notice(self) -> None:
+        """A notice while the standby boots: EC2 ends this instance (free in its first
+        hour); out of the group, it is not replaced by another: the standby is its
+        replacement."""
+        if self._asg("detach_instances", "leaving the group at the notice",
+                     InstanceIds=[self.iid], ShouldDecrementDesiredCapacity=True):
+            log.info("interruption notice: the standby booting is the replacement")
+        self._done()
+
+    def _ready_standby(self) -> tuple[str, dict[str, Any]] | None:
+        """A standby launched for this instance that says it is ready (its mark in the
+        store, written after the standby was asked for: one LIST, a GET once there),
+        with what it said."""
+        try:
+            keys = self.store.list_keys("standby/")
+        except Exception:
+            log.debug("listing the standbys' marks failed", exc_info=True)
+            return None
+        known = self.known()
+        for key in keys:
+            other = key.rsplit("/", 1)[-1].removesuffix(".json")
+            # Launched before this instance's boot: an earlier standby, not this one's.
+            if other == self.iid or other in known:
+                continue
+            try:
+                said = json.loads(self.store.get(key))
+            except Exception:
+                said = {}
+            said = said if isinstance(said, dict) else {}
+            ready = said.get("ready")
+            if isinstance(ready, (int, float)) and self.asked is not None and \
+                    ready < self.asked - CLOCK_SKEW_SECONDS:
+                continue  # ready before this one was asked for: an earlier move's
+            return other, said
+        return None
+
+    def _give_back(self, standby: str | None) -> bool:
+        """A standby not ready in time (or the move failed): ended, the group back to
+        the job's nodes. Whether that is done (else it is tried again: Auto Scaling may
+        refuse while the standby's launch hook waits). Never an instance that holds a
+        node slot: a standby does not before it is ready and moved to."""
+        if standby is None:
+            try:
+                groups = _boto.client("autoscaling", self.identity["region"]) \
+                    .describe_auto_scaling_groups(
+                        AutoScalingGroupNames=[group_name(self.spec.job_id)])
+                members = [i["InstanceId"] for g in groups["AutoScalingGroups"]
+                           for i in g.get("Instances", ())
+                           if i["InstanceId"] != self.iid and not str(
+                               i.get("LifecycleState", "")).startswith("Terminat")]
+                holding = slot_holders(self.store, self.nodes) if members else set()
+            except Exception as err:
+                log.warning("cannot find the standby to give back: %s", err)
+                return False
+            free = [m for m in members if m not in holding]
+            standby = free[0] if free else None
+        if standby is None:
+            # It never launched (no capacity): the group back to the job's nodes.
+            return self._asg("set_desired_capacity", "giving back the standby never "
+                             "launched", DesiredCapacity=self.nodes, HonorCooldown=False)
+        self.standby_id = standby
+        log.info("standby %s not ready in time: giving it back", standby)
+        if not self._asg("terminate_instance_in_auto_scaling_group",
+                         "giving back the standby", InstanceId=standby,
+                         ShouldDecrementDesiredCapacity=True):
+            return False
+        self.emit(Event(
+            type="instance", time=time.time(), attempt=GROUP_STREAM, instance=standby,
+            data={"action": "terminated", "instance_id": standby,
+                  "reason": "standby-given-back", "standby_for": self.iid,
+                  "reported_by": self.iid}))
+        return True
+
+    def _done(self) -> None:
+        """The standby's story is over for this instance: a multi-node node lets go of
+        its claim (the next node's turn)."""
+        self.phase = "done"
+        self._release_claim()
+
+    # --------------------------------------------------- the claim (multi-node)
+
+    def _claim(self) -> bool:
+        """Step 3: whether this instance may ask for the group's standby now (always,
+        for a single-node job)."""
+        if self.nodes <= 1 or self.claimed:
+            return True
+        wall = time.time()
+        until = wall + self._hold_seconds() + GIVE_BACK_TRIES * HOOK_POLL_SECONDS \
+            + TURN_SECONDS
+        body = json.dumps({"for": self.iid, "slot": self.slot, "asked": wall,
+                           "until": until}).encode()
+        try:
+            if self.store.put_if_absent(CLAIM, body) is not None:
+                self.claimed = True
+                return True
+            raw, etag = self.store.get_with_etag(CLAIM)
+            try:
+                other = json.loads(raw)
+            except ValueError:
+                other = {}
+            other = other if isinstance(other, dict) else {}
+            other_until = other.get("until")
+            if isinstance(other_until, (int, float)) and wall < other_until:
+                if not self._turn_said:
+                    self._turn_said = True
+                    log.info("a standby is on its way for %s (node slot %s): this node's "
+                             "waits its turn", other.get("for"), other.get("slot"))
+                return False
+            # Past its time: its node ended without letting go of it.
+            self.claimed = self.store.put_if_match(CLAIM, body, etag) is not None
+        except NotFound:
+            return False  # let go of meanwhile: the next look takes it
+        except Exception:
+            log.debug("claiming the group's standby failed", exc_info=True)
+            return False
+        return self.claimed
+
+    def _release_claim(self) -> None:
+        if not self.claimed:
+            return
+        self.claimed = False
+        try:
+            said = json.loads(self.store.get(CLAIM))
+            if isinstance(said, dict) and said.get("for") == self.iid:
+                self.store.delete(CLAIM)
+        except NotFound:
+            pass
+        except Exception:
+            log.debug("letting go of the standby claim failed; it expires", exc_info=True)
+
+    # ---------------------------------------------------------------- requests
+
+    def _asg(self, call: str, what: str, **params: Any) -> bool:
+        """One Auto Scaling request about the job's group (retried on throttling);
+        whether it succeeded."""
+        client = _boto.client("autoscaling", self.identity["region"])
+        if call != "terminate_instance_in_auto_scaling_group":  # names only the instance
+            params["AutoScalingGroupName"] = group_name(self.spec.job_id)
+        try:
+            _boto.with_backoff(lambda: getattr(client, call)(**params), what=what)
+            return True
+        except Exception as err:
+            log.warning("%s failed: %s", what, err)
+            return False
