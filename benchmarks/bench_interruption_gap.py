@@ -15,8 +15,12 @@ a boot). Two cases in the same run, one after the other:
   ready as that hour ends, and this interruption comes in the first); the job moves to
   it once it is ready (the old instance ends through its termination hook), so the
   announced interruption finds it gone;
-* ``no standby`` (``standby=False``): today's behaviour, a replacement launched once the
-  old instance is gone.
+* ``notice only``: the same job, but the interruption comes with no recommendation
+  ahead (EC2 sends 0.4 of notices so): the group launches the replacement at the notice
+  (AWS: the noticed instance leaves its group without lowering its desired capacity),
+  so it boots during the notice period and warms up while the old agent saves;
+* ``no standby`` (``standby=False``): a replacement launched once the old instance is
+  gone.
 
 ``--aws``: the same on the AWS simulator (:mod:`spotnb.testing`, with EC2's boot and
 notice scaled the same): the recommendation from ``AwsSimulator.interrupt(lead=...)``,
@@ -77,8 +81,9 @@ for step in range(ckpt.restore(), 10**9):
 """
 
 
-def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
-    """One interruption announced LEAD ahead, on the local cloud or (``sim``) on the AWS
+def _case(case: str, mb: int, sim: Any = None) -> dict[str, Any]:
+    """One interruption (``case``: "standby" or "no standby", announced LEAD ahead;
+    "notice only", unannounced, standbys on), on the local cloud or (``sim``) on the AWS
     simulator."""
     import spotnb
     from spotnb.protocol.events.fold import fold
@@ -89,6 +94,8 @@ def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
     # The interruption comes in the first instance's first hour, where the group times
     # a standby to be ready as the hour ends by default (an interruption before then is
     # free): standby_first_hour starts it at once, for the handover measured here.
+    standby = case != "no standby"
+    announced = case != "notice only"
     common: dict[str, Any] = dict(inputs={"ROWS": rows, "STEP": STEP_SECONDS},
                                   checkpoint_every="200 steps", standby=standby,
                                   standby_first_hour=True)
@@ -96,8 +103,8 @@ def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
         handle = spotnb.submit(
             CELL, simulate_interruptions=[notice_at],
             simulate_signals={"lead_median": LEAD_MARKET_SECONDS, "lead_sigma": 0,
-                              "together": 0, "no_recommendation": 0, "false_alarm": 0,
-                              "seed": "gap"}, **common)
+                              "together": 0, "no_recommendation": 0 if announced else 1,
+                              "false_alarm": 0, "seed": "gap"}, **common)
     else:
         handle = spotnb.submit(CELL, provider="aws", instance_types=["g4dn.xlarge"],
                                **common)
@@ -108,7 +115,9 @@ def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError("no checkpoint before the recommendation")
             time.sleep(1.0)
-        sim.interrupt(first.id, lead=LEAD_MARKET_SECONDS / TIME_SCALE)
+        if not announced:  # the moment the announced case's notice would come
+            time.sleep(LEAD_MARKET_SECONDS / TIME_SCALE)
+        sim.interrupt(first.id, lead=LEAD_MARKET_SECONDS / TIME_SCALE if announced else None)
     deadline = time.monotonic() + 240
     state = fold([])
     try:
@@ -131,15 +140,24 @@ def _case(standby: bool, mb: int, sim: Any = None) -> dict[str, Any]:
     ended = next(e.time for e in group if e.data.get("action") == "terminated"
                  and e.data.get("reason") in ("spot-interruption", "rebalanced"))
     parked = state.attempts[1].last_time
-    compressed = 0.0 if standby else max(0.0, ended - parked) + BOOT_MARKET_SECONDS / TIME_SCALE
-    sb = next(iter(state.standbys.values()), None)
-    end = events[-1].time
     launches = [e.time for e in group if e.data.get("action") == "launched"]
+    # The gap's compressed parts, added back at full length in the market figure: without
+    # a standby the notice window after the last row and the replacement's boot; at an
+    # unannounced notice the part of the replacement's boot after the last row.
+    if not standby:
+        compressed = max(0.0, ended - parked) + BOOT_MARKET_SECONDS / TIME_SCALE
+    elif not announced and len(launches) > 1:
+        compressed = max(0.0, min(launches[1] + BOOT_MARKET_SECONDS / TIME_SCALE, min(
+            _row_times(events, 2) or [parked])) - parked)
+    else:
+        compressed = 0.0
+    sb = next(iter(state.standbys.values()), None) if announced else None
+    end = events[-1].time
     # a cold replacement's start: EC2's boot, then its own start-up in real seconds
     cold = (BOOT_MARKET_SECONDS + max(0.0, min(rows2) - launches[1]
                                       - BOOT_MARKET_SECONDS / TIME_SCALE)
             if not standby and len(launches) > 1 else None)
-    return {"case": "standby" if standby else "no standby", "mb": mb,
+    return {"case": case, "mb": mb,
             "gap_real_s": gap, "gap_market_s": gap + compressed * (TIME_SCALE - 1),
             "handover_s": state.handover_seconds(sb) if sb else None,
             "read_mb": sb.read_bytes / 2**20 if sb else None,
@@ -188,21 +206,27 @@ def job_cost(policy: str, ready: float, cold: float, parked: float, rate_per_hou
     to it after ``ready``: the old instance ended by us, always billed) or
     ``"deferred"`` (spotnb's default: in the instance's first hour the standby is
     launched to be ready as the hour ends, so an interruption before then stays free).
-    A notice that finds the standby not yet ready makes it the replacement.
+    A notice that finds the standby not yet ready makes it the replacement; one that
+    finds none booting (with either standby policy) launches the replacement at once.
 
     Returns billed market seconds per useful second (``per_useful``) and the share of
     it that is the refund (``refunded``); ``standbys``: the standbys' time beside the
-    instance they stand by for, as a share of the billed time."""
+    instance they stand by for, as a share of the billed time; ``at_notice``: the same
+    of the replacements launched at a notice (the notice period, which each buys back
+    in training time)."""
     from spotnb.protocol.billing import FREE_HOUR_SECONDS, free_of_charge
     from spotnb.protocol.signals import SignalModel
     from spotnb.providers.local.group import STANDBY_WARMUP_SECONDS
 
+    # A cold start does what a warm-up does (the kernel, the cell's imports, the
+    # download) after the same boot: a cell whose warm-up is long starts cold as slowly.
+    cold = max(cold, ready)
     model = SignalModel()
     rng = random.Random(seed)
     rate = rate_per_hour / 3600.0
     fa_rate = model.false_alarms_per_interruption * rate
     target = useful_hours * 3600.0
-    useful = billed = refunded = overlap = 0.0
+    useful = billed = refunded = overlap = early = 0.0
     start = 0.0  # the instance's launch (billing)
     train_from = cold  # when it trains (a cold first start)
     while useful < target:
@@ -235,14 +259,22 @@ def job_cost(policy: str, ready: float, cold: float, parked: float, rate_per_hou
             refunded += end - start
         else:
             billed += end - start
+        # A replacement already there takes the lease once the old agent released it,
+        # after its final save (``parked`` before the end), as soon as it is ready.
         if launch is not None and launch <= interrupt:
             # The standby launched before the notice is the replacement.
             overlap += end - launch
-            start, train_from = launch, max(launch + ready, end)
+            start, train_from = launch, max(launch + ready, end - parked)
+        elif policy != "none":
+            # No standby booting (none asked for, or deferred past the notice): the
+            # replacement launches at the notice and warms up during the notice period
+            # (the local group; AWS: the noticed instance leaves its group).
+            early += end - interrupt
+            start, train_from = interrupt, max(interrupt + ready, end - parked)
         else:
             start, train_from = end, end + cold
     return {"per_useful": billed / useful, "refunded": refunded / (billed + refunded),
-            "standbys": overlap / billed}
+            "standbys": overlap / billed, "at_notice": early / billed}
 
 
 def _cost_table(warmup: float | None, parked: float | None, cold: float | None) -> None:
@@ -257,8 +289,8 @@ def _cost_table(warmup: float | None, parked: float | None, cold: float | None) 
     rates = (("advisor rate", ADVISOR_PER_MONTH / (MONTH_SECONDS / 3600)),
              (f"every {STRESS_HOURS:g} h", 1 / STRESS_HOURS))
     print(f"{'warm-up':>16} " + " ".join(
-        f"{name + ': at once':>22} {'deferred':>9} {'(standbys)':>10} {'refund':>7}"
-        for name, _ in rates))
+        f"{name + ': at once':>22} {'deferred':>9} {'(standbys)':>10} {'(notice)':>9} "
+        f"{'refund':>7}" for name, _ in rates))
     warmups = [(f"{warmup:.0f} s (this run)", warmup)] if warmup is not None else []
     warmups += [(f"{w:.0f} s", w) for w in (30.0, 60.0, 120.0)]
     for name, warm in warmups:
@@ -270,7 +302,8 @@ def _cost_table(warmup: float | None, parked: float | None, cold: float | None) 
             deferred = job_cost("deferred", ready, cold, parked, rate)
             cells.append(f"{at_once['per_useful'] / base['per_useful'] - 1:>22.2%} "
                          f"{deferred['per_useful'] / base['per_useful'] - 1:>9.2%} "
-                         f"{deferred['standbys']:>10.2%} {base['refunded']:>7.1%}")
+                         f"{deferred['standbys']:>10.2%} {deferred['at_notice']:>9.2%} "
+                         f"{base['refunded']:>7.1%}")
         print(f"{name:>16} " + " ".join(cells))
 
 
@@ -302,15 +335,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{os.cpu_count()} cores")
     results: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
-        for standby in (True, False):  # side by side, in the same run
+        for case in ("standby", "notice only", "no standby"):  # side by side, one run
             if args.aws:
                 from spotnb.testing import AwsSimulator
 
                 with AwsSimulator(notice_seconds=NOTICE_MARKET_SECONDS / TIME_SCALE,
                                   boot_seconds=BOOT_MARKET_SECONDS / TIME_SCALE) as sim:
-                    row = _case(standby, args.mb, sim)
+                    row = _case(case, args.mb, sim)
             else:
-                row = _case(standby, args.mb)
+                row = _case(case, args.mb)
             results.setdefault(row["case"], []).append(row)
     print(f"\n{'case':>11} {'lost (real s)':>14} {'lost (market s)':>16} {'handover s':>11} "
           f"{'read MB':>8} {'redone':>7} {'standby/job':>13}")

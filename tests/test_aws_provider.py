@@ -730,11 +730,13 @@ def test_a_recommendation_in_the_first_hour_times_the_standby_to_be_ready_as_it_
     assert state.refunded() == [], "the instance the job left is billed: it was moved"
 
 
-def test_an_interruption_before_the_deferred_standby_is_free_and_starts_none(
+def test_an_interruption_before_the_deferred_standby_is_free_and_replaced_during_the_notice(
         spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A notice while the standby waits for the first hour to end: no standby; EC2
-    ends the instance (``spot-interruption``), the group replaces it, and the
-    instance costs nothing (the fold's ``refunded()``)."""
+    """A notice while the standby waits for the first hour to end: the instance leaves
+    its group without lowering its desired capacity, so the replacement launches at the
+    notice and boots during the notice period (warming up while the old agent makes its
+    final save), not after EC2 ended the instance; EC2 ends it (``spot-interruption``)
+    and it costs nothing (the fold's ``refunded()``)."""
     from spotnb.protocol.events.fold import EndReason, fold
 
     monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
@@ -746,10 +748,11 @@ def test_an_interruption_before_the_deferred_standby_is_free_and_starts_none(
         old = _recommended_once_saved(sim, handle)
         wait_until(lambda: _deferred(handle), 60, "the standby deferred")
         sim.interrupt(old.id, lead=None)  # the notice the recommendation announced
-        wait_until(lambda: old.terminated, 120, "EC2 ended the instance")
         new = sim.wait_for_instance(handle.job_id, timeout=120, exclude=(old.id,))
-        assert old.terminate_at is not None and new.booted >= old.terminate_at, \
-            "the replacement came after the loss: no standby"
+        old_end = old.terminate_at
+        assert old_end is not None and new.booted < old_end, \
+            "the replacement launched at the notice, before the loss"
+        wait_until(lambda: old.terminated, 120, "EC2 ended the instance")
         wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == new.id,
                    120, "the replacement holding the lease")
         gate.touch()
@@ -759,8 +762,11 @@ def test_an_interruption_before_the_deferred_standby_is_free_and_starts_none(
     assert result.status == "completed", (result.reason, result.error)
     state = fold(events)
     assert state.attempts[1].reason is EndReason.INTERRUPTED
-    assert len(state.instances) == 2 and not state.standbys
+    assert set(state.instances) == {old.id, new.id}, "no instance but the replacement"
     assert state.instances[old.id].end_reason == "spot-interruption"
+    # It took the job over before EC2 took the old instance back: no boot in the gap.
+    assert state.attempts[2].instance_id == new.id
+    assert state.attempts[2].first_time < old_end
     assert [i.instance_id for i in state.refunded()] == [old.id]
     assert not sim.hooks_completed or all(
         hook != LIFECYCLE_HOOK_NAME for _, hook in sim.hooks_completed)

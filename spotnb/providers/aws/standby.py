@@ -36,6 +36,9 @@ group's own API instead, and makes no request before one::
     a notice while it boots -> this instance leaves the group (DetachInstances: EC2
             ends it, its first hour's refund holds); the standby is its replacement,
             and no other instance launches
+    a notice and no standby booting (a single-node job) -> this instance leaves the
+            group without lowering its desired capacity: the replacement launches now
+            and boots during the notice period (:meth:`StandbyDriver._replace_at_notice`)
 
 Instances of a group are interchangeable, and the protocol leans on that: whichever
 instance is ready takes whichever slot is freed first (a node lost meanwhile: the
@@ -160,6 +163,9 @@ class StandbyDriver:
         Auto Scaling ends this instance through its termination hook (``ending``),
         and EC2's launch time of this instance (its first hour)."""
         if not self.enabled or self.phase == "done":
+            return
+        if noticed and self.phase in ("none", "deciding", "deferred", "turn"):
+            self._replace_at_notice()  # no standby boots for this instance
             return
         if self.phase == "none":
             try:
@@ -313,6 +319,31 @@ class StandbyDriver:
                      InstanceIds=[self.iid], ShouldDecrementDesiredCapacity=True):
             log.info("interruption notice: the standby booting is the replacement")
         self._done()
+
+    def _replace_at_notice(self) -> None:
+        """EC2's notice, and no standby booting for this instance (none was asked for,
+        or it waited for the first hour's end or its turn): a single-node job's instance
+        leaves its group without lowering its desired capacity (DetachInstances), so
+        the group launches the replacement now, not after EC2 ended this one: it boots
+        during the notice period and, finding the lease held, warms up as a standby
+        (the local group starts one at such a notice the same way). EC2 still ends
+        this instance as an interruption (its first hour refunded). A multi-node node's
+        replacement launches after the loss, as on the local cloud; an instance that
+        does not run the job (a standby) asks for none."""
+        self._done()
+        if self.nodes > 1:
+            return
+        try:
+            slot = held_slot(self.store, self.nodes, self.iid, self.slot)
+        except Exception:
+            log.debug("reading the lease at the notice failed", exc_info=True)
+            return
+        if slot is None:
+            return
+        if self._asg("detach_instances", "leaving the group at the notice",
+                     InstanceIds=[self.iid], ShouldDecrementDesiredCapacity=False):
+            log.info("interruption notice: the group launches the replacement now, to "
+                     "boot during the notice period")
 
     def _ready_standby(self) -> tuple[str, dict[str, Any]] | None:
         """A standby launched for this instance that says it is ready (its mark in the
