@@ -25,8 +25,14 @@ allocated ahead, in the background (``snapshot.BufferPool.warm_async``): the fil
 thread runs meanwhile (Python's ``mmap.madvise`` holds the GIL for the whole call, a
 quarter of a second or more per 256 MB here). A large buffer is filled in pieces
 (:func:`populate`), so that the warming thread and a save that comes meanwhile fill
-one large tensor's buffer together, as they fill the buffers of many tensors. Pinned
-memory for copies from a GPU comes from torch.
+one large tensor's buffer together, as they fill the buffers of many tensors.
+
+Page-locked (pinned) buffers, for copies from a GPU, are anonymous mappings of
+exactly their size registered with CUDA (``cudaHostRegister``; :func:`_pinned_empty`),
+not torch's pinned allocator: that one rounds every block up to a power of two (a
+state of GPT-2-shaped tensors took 1.55x its bytes, past the budget) and keeps freed
+blocks cached, still held once the checkpoint lets them go (``benchmarks/RESULTS.md``,
+"GPU device check").
 
 The copies themselves (:class:`CopyBatch`): a save's host-to-host copies are made
 together, split into equal shares of bytes over up to :data:`MAX_COPY_THREADS`
@@ -42,7 +48,9 @@ between 128 and 256 MiB per call there).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import mmap
 import os
 import re
@@ -50,6 +58,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BUDGET_ENV",
@@ -176,18 +186,18 @@ def host_empty(torch: Any, shape: Any, dtype: Any, pin: bool = False,
                populate: bool = True) -> Any:
     """An uninitialised CPU tensor whose pages are all in memory already.
 
-    ``pin``: page-locked memory (for asynchronous copies from a GPU), from torch
-    (page-locked memory is resident by definition). ``populate=False``: a large one
-    is only mapped, and the caller fills its pages with :func:`populate` (in pieces,
-    by several threads), unless this kernel cannot do that (see :func:`can_populate`):
-    then it comes filled.
+    ``pin``: page-locked memory (for asynchronous copies from a GPU; resident by
+    definition), of exactly its size (:func:`_pinned_empty`). ``populate=False``: a
+    large one is only mapped, and the caller fills its pages with :func:`populate` (in
+    pieces, by several threads), unless this kernel cannot do that (see
+    :func:`can_populate`): then it comes filled.
     """
-    if pin:
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
     numel = 1
     for n in shape:
         numel *= int(n)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if pin:
+        return _pinned_empty(torch, shape, dtype, numel, nbytes)
     if nbytes < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
         return torch.zeros(shape, dtype=dtype, device="cpu")  # zeroing touches each page
     if not populate and can_populate():
@@ -198,6 +208,60 @@ def host_empty(torch: Any, shape: Any, dtype: Any, pin: bool = False,
         area = _populated(nbytes)
     # The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
     return torch.frombuffer(area, dtype=dtype, count=numel).view(shape)
+
+
+class _PinnedArea(mmap.mmap):
+    """An anonymous mapping, page-locked with ``cudaHostRegister`` while it lives.
+
+    ``__del__`` unregisters it before ``mmap`` unmaps it, once no tensor holds it."""
+
+    address = 0
+    cudart: Any = None
+
+    def __del__(self) -> None:
+        address, self.address = self.address, 0
+        if address:
+            with contextlib.suppress(Exception):  # at exit, CUDA may be gone already
+                self.cudart.cudaHostUnregister(address)
+
+
+def _pinned_empty(torch: Any, shape: Any, dtype: Any, numel: int, nbytes: int) -> Any:
+    """A page-locked CPU tensor of exactly ``nbytes``: an anonymous mapping registered
+    with CUDA, unregistered and unmapped when the tensor is freed.
+
+    Not torch's pinned allocator (``pin_memory=True``), which rounds each block up to
+    a power of two and keeps freed blocks cached: host memory the budget does not see
+    (see the module docstring). Copies from the GPU into either run at the same speed
+    (55 GB/s on an H100), and registering a state's buffers in the background blocked
+    the training thread's CUDA calls for less time than torch's ``cudaHostAlloc`` of
+    the rounded blocks did. The mapping is not inherited by a forked child
+    (``MADV_DONTFORK``, as for any memory a device writes into): a DataLoader worker
+    forked from the training process must neither copy the locked pages nor make the
+    parent's pages copy-on-write under the GPU's copies. torch's allocator remains
+    for buffers under a page, and where registering is not possible.
+    """
+    try:
+        cudart = torch.cuda.cudart()
+        register, _ = cudart.cudaHostRegister, cudart.cudaHostUnregister
+    except Exception:  # no CUDA runtime bindings: torch's allocator
+        register = None
+    if register is None or nbytes < mmap.PAGESIZE:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    area = _PinnedArea(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for advice in ("MADV_DONTFORK", "MADV_HUGEPAGE"):
+        if hasattr(mmap, advice):
+            area.madvise(getattr(mmap, advice))
+    t = torch.frombuffer(area, dtype=dtype, count=numel).view(shape)
+    try:
+        failed = int(register(t.data_ptr(), nbytes, 0))  # cudaHostRegisterDefault
+    except Exception as e:
+        failed = -1
+        log.debug("cudaHostRegister raised %s", e)
+    if failed:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    area.cudart, area.address = cudart, t.data_ptr()
+    # The tensor keeps the mapping alive; it is unregistered and unmapped when freed.
+    return t
 
 
 def populate(address: int, nbytes: int) -> None:
