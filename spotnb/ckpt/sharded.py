@@ -266,7 +266,7 @@ def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank
         captured = snapshot.capture(others, pool, step, budget - local if stage_it else 0,
                                     keep=keep)
         if in_flight:
-            torch.cuda.synchronize()
+            snapshot.synchronize(torch, (_local(t) for _, t in _tensors(dicts)))
         copied = stage_it and not captured.live
         tree = dict(captured.state)
         tree["objects"] = {**tree["objects"],

@@ -150,6 +150,15 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
+def synchronize(torch: Any, tensors: Iterable[Any]) -> None:
+    """Wait for the asynchronous copies out of ``tensors``: on every GPU one is on
+    (``torch.cuda.synchronize()`` alone waits for the current GPU's, and a model split
+    over several GPUs copies from each)."""
+    devices = {t.device for t in tensors if getattr(t, "is_cuda", False)}
+    for device in devices or (None,):
+        torch.cuda.synchronize(device)
+
+
 def _numpy() -> Any:
     """NumPy if it can be imported (its global RNG is part of the state)."""
     np = sys.modules.get("numpy")
@@ -628,7 +637,8 @@ def capture(objects: dict[str, Any], pool: BufferPool, step: int,
                 | set(keep))
     torch = _torch()
     if async_copies and torch is not None:
-        torch.cuda.synchronize()
+        synchronize(torch, (t for (_, _, t), copy_it in zip(found, chosen, strict=True)
+                            if copy_it))
     return Captured(state, tensors, frozenset(live),
                     sum(nbytes(t) for *_, t in found), copied)
 
