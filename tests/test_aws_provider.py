@@ -654,6 +654,8 @@ def test_a_recommendation_moves_the_job_to_its_standby_and_completes_the_hooks(
     assert state.interruptions() == 0 and result.interruptions == 0
     assert state.redone_steps() == 0
     (standby,) = state.standbys.values()
+    assert standby.standby_for == old.id and standby.launched is not None, \
+        "its launch said whom it stands by for (the dashboard's 'standby booting')"
     assert standby.lease_at is not None, "the standby took the lease"
     assert standby.ready is not None and standby.ready <= standby.lease_at, \
         "the job moved to a standby that was ready (its launch hook)"
@@ -1343,7 +1345,12 @@ def test_one_node_at_a_time_claims_the_groups_standby(tmp_path: Path) -> None:
     and a released slot is no node's."""
     from spotnb.protocol.spec import JobSpec
     from spotnb.protocol.store import LocalStore
-    from spotnb.providers.aws.standby import StandbyDriver, held_slot, slot_holders
+    from spotnb.providers.aws.standby import (
+        StandbyDriver,
+        claimed_for,
+        held_slot,
+        slot_holders,
+    )
 
     spec = JobSpec.from_json(json.dumps({
         "job_id": "j-1", "name": "n", "code": "pass", "provider": "aws",
@@ -1364,12 +1371,18 @@ def test_one_node_at_a_time_claims_the_groups_standby(tmp_path: Path) -> None:
     assert held_slot(store, 2, "i-c") is None
     assert slot_holders(store, 2) == {"i-a", "i-b"}
     assert a._claim() and a.claimed
+    asked = json.loads(store.get(layout.STANDBY_CLAIM))["asked"]
+    # The standby launched for it knows whom it stands by for; nothing else does.
+    assert claimed_for(store, "i-s", asked + 30) == "i-a"
+    assert claimed_for(store, "i-s", asked - 60) is None, "launched before the claim"
+    assert claimed_for(store, "i-a", asked + 30) is None
     assert not b._claim() and not b.claimed, "one standby at a time: b waits its turn"
     assert a._claim(), "a node's own claim stays its own"
     b._release_claim()  # not b's: a's claim stays
     assert json.loads(store.get(layout.STANDBY_CLAIM))["for"] == "i-a"
     a._done()
     assert not store.exists(layout.STANDBY_CLAIM) and a.phase == "done"
+    assert claimed_for(store, "i-s", asked + 30) is None, "no claim: a replacement"
     assert b._claim(), "b's turn once a let go"
     # b's node ended without letting go: past its time, the claim is a's to take.
     claim = json.loads(store.get(layout.STANDBY_CLAIM))
@@ -1483,6 +1496,7 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
     assert len(state.standbys) == 2
     standbys = sorted(state.standbys.values(), key=lambda sb: booted[sb.instance_id])
     assert {sb.standby_for for sb in standbys} == set(nodes)
+    assert all(sb.launched is not None for sb in standbys)
     assert all(sb.lease_at is not None and sb.attempt is not None for sb in standbys)
     # The second standby was asked for only once the first node moved (its claim).
     assert booted[standbys[1].instance_id] >= first[0][0]

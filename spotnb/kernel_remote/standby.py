@@ -192,7 +192,8 @@ class Standby:
         self.ready_at = time.time()
         body = {"instance_id": self.instance_id, "kernel_started": self.kernel_started,
                 "ready": self.ready_at, "cell_waiting": self.cell_msg is not None,
-                "step": getattr(self.prefetched, "step", None)}
+                "step": getattr(self.prefetched, "step", None),
+                "standby_for": os.environ.get(layout.STANDBY_FOR_ENV) or None}
         try:
             self.store.put(layout.standby_ready_key(self.instance_id),
                            json.dumps(body).encode())

@@ -66,6 +66,12 @@ def standby_ready_key(instance_id: str) -> str:
     return f"standby/{instance_id}.json"
 
 
+#: The instance a warm standby stands by for, where its instance knows it (AWS: from the
+#: claim, spotnb.providers.aws.standby): in the job agent's environment, and said in its
+#: ready mark (``standby_for``), so that no other instance moves to it.
+STANDBY_FOR_ENV = "SPOTNB_STANDBY_FOR"
+
+
 def node_slot(attempt: int, max_nodes: int) -> int:
     """The node slot whose agent writes attempt (epoch) ``attempt`` of a job of
     ``max_nodes`` nodes: slot k's epochs are k+1, k+1+MAX, k+1+2*MAX, ... (one stride of

@@ -75,7 +75,12 @@ from spotnb.providers.aws.resources import (
     group_name,
     rebalancing,
 )
-from spotnb.providers.aws.standby import HOOK_POLL_SECONDS, StandbyDriver, held_slot
+from spotnb.providers.aws.standby import (
+    HOOK_POLL_SECONDS,
+    StandbyDriver,
+    claimed_for,
+    held_slot,
+)
 from spotnb.providers.imds import ImdsClient
 
 log = logging.getLogger(__name__)
@@ -133,6 +138,9 @@ class InstanceAgent:
         #: given back never did), and the node slot it holds (a multi-node job's).
         self.held_lease = False
         self.slot: int | None = None
+        #: The instance this one stands by for, if it is a warm standby (its launch
+        #: came while that instance's claim stood).
+        self.standby_for: str | None = None
         #: EC2's launch time of this instance (its age: its first hour is refunded
         #: if EC2 interrupts it).
         self.launched_at = time.time()
@@ -214,10 +222,13 @@ class InstanceAgent:
         raise TypeError("unreachable; this is a spotnb bug")
 
     def _run_agent(self) -> int:
+        env = dict(os.environ)
+        if self.standby_for is not None:  # said in its ready mark
+            env[layout.STANDBY_FOR_ENV] = self.standby_for
         with open("agent.log", "ab") as out:
             self.agent = subprocess.Popen(
                 [sys.executable, "-m", AGENT_MODULE, "--job", self.job_uri],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
         last_limits = last_price = last_usage = time.monotonic()
         last_hooks = 0.0
         while self.agent.poll() is None:
@@ -353,7 +364,18 @@ class InstanceAgent:
         detail = (f"{iid} ({ident['instance_type']} in {ident.get('az_id')}, "
                   f"{'spot' if me.get('InstanceLifecycle') == 'spot' else lifecycle}) started "
                   f"by the Auto Scaling group")
-        if replacing:
+        # A warm standby: launched while an instance's claim on the group's standby
+        # stood (providers/aws/standby.py), for that instance.
+        standby_for = None
+        if rebalancing(self.spec):
+            try:
+                standby_for = claimed_for(self.store, iid, started)
+            except Exception:
+                log.debug("reading the standby claim failed", exc_info=True)
+        self.standby_for = standby_for
+        if standby_for is not None:
+            detail += f" (standby for {standby_for}: rebalance recommendation)"
+        elif replacing:
             detail += f" (replacement #{replacing})"
         if rank:
             detail += f"; choice {rank + 1} of {len(order)}: {', '.join(order[:rank])} had no " \
@@ -368,6 +390,7 @@ class InstanceAgent:
                 "az_name": ident.get("az"), "pool": pool, "region": region,
                 "price": self.price, "ondemand": price.ondemand, "lifecycle": lifecycle,
                 "price_source": price.source,
+                **({"standby_for": standby_for} if standby_for is not None else {}),
                 **({"time_scale": scale} if (scale := billing.time_scale()) != 1 else {})}))
         self._emit("price", pool=pool, instance_type=ident["instance_type"],
                    az=ident.get("az_id"), price=self.price, ondemand=price.ondemand,

@@ -14,14 +14,17 @@ group's own API instead, and makes no request before one::
             the instance once EC2 ended it
     Step 2  in the instance's first hour: wait until the standby would be ready as
             that hour ends ("standby-deferred"), unless ``policy.standby_first_hour``
-    Step 3  a multi-node group has room for one standby at a time: the node claims it
-            in the store (:data:`CLAIM`, create-if-absent); a node whose claim another
-            holds waits its turn (looks again every :data:`TURN_SECONDS`), a claim past
-            its ``until`` (its node ended without letting go) is taken over
+    Step 3  the instance claims the standby in the store (:data:`CLAIM`,
+            create-if-absent), which tells the standby whom it stands by for
+            (:func:`claimed_for`, its "launched" event's ``standby_for``); a multi-node
+            group has room for one standby at a time: a node whose claim another holds
+            waits its turn (looks again every :data:`TURN_SECONDS`), a claim past its
+            ``until`` (its node ended without letting go) is taken over
     Step 4  SetDesiredCapacity(nodes + 1): the group launches the standby, whose job
             agent warms up (:mod:`spotnb.kernel_remote.standby`) and says it is ready
-            (``standby/<instance>.json``, after Step 4); while it boots its mark is
-            looked for (a LIST every HOOK_POLL_SECONDS)
+            (``standby/<instance>.json``, with whom it stands by for); while it boots
+            its mark is looked for (a LIST every HOOK_POLL_SECONDS; not the marks that
+            were there when it was asked for)
     Step 5  ready: the job moves to it. This instance ends itself through the group's
             termination hook (TerminateInstanceInAutoScalingGroup, the desired
             capacity back to nodes), whose wait its job agent reads as its notice
@@ -68,13 +71,13 @@ from spotnb.providers.aws.resources import (
 )
 from spotnb.providers.imds import TERMINATION_HOOK_SECONDS, ImdsClient, termination_hook_seconds
 
-__all__ = ["CLAIM", "StandbyDriver", "held_slot", "slot_holders"]
+__all__ = ["CLAIM", "StandbyDriver", "claimed_for", "held_slot", "slot_holders"]
 
 log = logging.getLogger(__name__)
 
-#: A multi-node job's claim on its group's one standby (Step 3): ``{"for": instance,
-#: "slot": k, "asked": t, "until": t'}``, created if absent, deleted by its node when
-#: its standby's story ends.
+#: The claim on the group's one standby (Step 3): ``{"for": instance, "slot": k,
+#: "asked": t, "until": t'}``, created if absent, deleted by its instance when its
+#: standby's story ends.
 CLAIM = layout.STANDBY_CLAIM
 # While a standby boots, its ready mark is looked for this often (a LIST, a GET once
 # there: about 345 LISTs per standby, $0.002); a multi-node node whose claim another
@@ -85,8 +88,8 @@ TURN_SECONDS = 10.0
 # A standby that Auto Scaling will not end yet (its launch hook's wait) is asked again
 # this many times, HOOK_POLL_SECONDS apart.
 GIVE_BACK_TRIES = 60
-# A standby's ready mark older than its request by more than this is another's (a
-# standby of an earlier move): instances' clocks agree within it (EC2's are NTP-synced).
+# A standby launched earlier than its claim by more than this is not the claim's (a
+# node, a replacement): instances' clocks agree within it (EC2's are NTP-synced).
 CLOCK_SKEW_SECONDS = 5.0
 
 
@@ -112,6 +115,23 @@ def slot_holders(store: Store, nodes: int) -> set[str]:
         if current is not None and not current[0].released:
             found.add(current[0].holder)
     return found
+
+
+def claimed_for(store: Store, instance_id: str, launched: float) -> str | None:
+    """The instance that ``instance_id`` (launched by EC2 at ``launched``) stands by for:
+    the claim's (:data:`CLAIM`, one GET) if the claim was made before this launch and
+    is not past its time; None for any other instance (a node, a replacement)."""
+    try:
+        said = json.loads(store.get(CLAIM))
+    except (NotFound, ValueError):
+        return None
+    if not isinstance(said, dict):
+        return None
+    other, asked, until = said.get("for"), said.get("asked"), said.get("until")
+    if not isinstance(other, str) or other == instance_id or \
+            not isinstance(asked, (int, float)) or not isinstance(until, (int, float)):
+        return None
+    return other if asked - CLOCK_SKEW_SECONDS <= launched <= until else None
 
 
 class StandbyDriver:
@@ -146,6 +166,7 @@ class StandbyDriver:
         #: The node slot this instance's job agent holds, once seen.
         self.slot: int | None = None
         self.claimed = False
+        self._marks_before: set[str] = set()
         #: Whether this instance's job agent was seen holding the lease.
         self.held_lease = False
         self._give_back_tries = 0
@@ -261,6 +282,10 @@ class StandbyDriver:
         self.phase = "asked"
         self.asked = time.time()
         self._checked = time.monotonic()
+        try:  # the marks of standbys ready before this one was asked for: not this one's
+            self._marks_before = set(self.store.list_keys("standby/"))
+        except Exception:
+            log.debug("listing the standbys' marks failed", exc_info=True)
         if not self._asg("set_desired_capacity", "asking the group for a standby",
                          DesiredCapacity=self.nodes + 1, HonorCooldown=False):
             self._done()
@@ -347,8 +372,11 @@ class StandbyDriver:
 
     def _ready_standby(self) -> tuple[str, dict[str, Any]] | None:
         """A standby launched for this instance that says it is ready (its mark in the
-        store, written after the standby was asked for: one LIST, a GET once there),
-        with what it said."""
+        store: one LIST, a GET once there), with what it said. Not a mark that was
+        there when this one was asked for (an earlier move's standby, which may be
+        taking another node's slot), nor one that says it stands by for another
+        instance (``standby_for``: a standby given back late); a replacement's mark
+        (a standby for no one) will do."""
         try:
             keys = self.store.list_keys("standby/")
         except Exception:
@@ -358,17 +386,16 @@ class StandbyDriver:
         for key in keys:
             other = key.rsplit("/", 1)[-1].removesuffix(".json")
             # Launched before this instance's boot: an earlier standby, not this one's.
-            if other == self.iid or other in known:
+            if other == self.iid or other in known or key in self._marks_before:
                 continue
             try:
                 said = json.loads(self.store.get(key))
             except Exception:
                 said = {}
             said = said if isinstance(said, dict) else {}
-            ready = said.get("ready")
-            if isinstance(ready, (int, float)) and self.asked is not None and \
-                    ready < self.asked - CLOCK_SKEW_SECONDS:
-                continue  # ready before this one was asked for: an earlier move's
+            if said.get("standby_for") not in (None, self.iid):
+                self._marks_before.add(key)  # another's: not read again
+                continue
             return other, said
         return None
 
@@ -418,9 +445,10 @@ class StandbyDriver:
     # --------------------------------------------------- the claim (multi-node)
 
     def _claim(self) -> bool:
-        """Step 3: whether this instance may ask for the group's standby now (always,
-        for a single-node job)."""
-        if self.nodes <= 1 or self.claimed:
+        """Step 3: whether this instance may ask for the group's standby now (a
+        single-node job's one instance always may: its claim only says whom the
+        standby is for, :func:`claimed_for`)."""
+        if self.claimed:
             return True
         wall = time.time()
         until = wall + self._hold_seconds() + GIVE_BACK_TRIES * HOOK_POLL_SECONDS \
@@ -438,13 +466,15 @@ class StandbyDriver:
                 other = {}
             other = other if isinstance(other, dict) else {}
             other_until = other.get("until")
-            if isinstance(other_until, (int, float)) and wall < other_until:
+            if isinstance(other_until, (int, float)) and wall < other_until and \
+                    self.nodes > 1:
                 if not self._turn_said:
                     self._turn_said = True
                     log.info("a standby is on its way for %s (node slot %s): this node's "
                              "waits its turn", other.get("for"), other.get("slot"))
                 return False
-            # Past its time: its node ended without letting go of it.
+            # Past its time (its node ended without letting go of it), or a single-node
+            # job's, whose instance that claimed it is gone.
             self.claimed = self.store.put_if_match(CLAIM, body, etag) is not None
         except NotFound:
             return False  # let go of meanwhile: the next look takes it
