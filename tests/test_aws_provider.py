@@ -642,8 +642,11 @@ def test_a_recommendation_moves_the_job_to_its_standby_and_completes_the_hooks(
                    "the at-risk instance ended once its standby was in service")
         assert (old.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed, \
             "its agent completed the termination hook (not its timeout)"
-        wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder != old.id,
-                   120, "the standby holding the lease")
+        held = wait_until(lambda: (h := lease.read(handle.store)) and h[0].holder != old.id
+                          and h, 120, "the standby holding the lease")
+        # Now that it runs the job, it is protected from scale-in.
+        wait_until(lambda: protected(_boto.client("autoscaling")).get(held[0].holder),
+                   60, "the standby that took over protected from scale-in")
         gate.touch()
         result = handle.wait(timeout=120)
         events = list(handle.events(follow=False))
@@ -801,13 +804,15 @@ def test_a_standby_not_ready_in_time_is_given_back(
     sim.recommend_rebalance(old.id)
     standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
                                        if i.id != old.id), None), 60, "the standby")
+    asg = _boto.client("autoscaling")
+    assert protected(asg).get(standby.id) is not True, "a standby is not protected"
     wait_until(lambda: standby.terminated, 120, "the standby given back")
     assert (standby.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed, \
         "ended through the termination hook, which its agent completed at once"
-    asg = _boto.client("autoscaling")
     (group,) = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
     assert group["DesiredCapacity"] == 1
     assert [i["InstanceId"] for i in group["Instances"]] == [old.id]
+    assert protected(asg) == {old.id: True}
     gate.touch()
     result = handle.wait(timeout=120)
     assert result.status == "completed", (result.reason, result.error)
@@ -816,6 +821,13 @@ def test_a_standby_not_ready_in_time_is_given_back(
     (story,) = state.standbys.values()
     assert story.given_back is not None and story.lease_at is None
     assert state.instances[standby.id].end_reason == "standby-given-back"
+
+
+def protected(asg: Any) -> dict[str, bool]:
+    """The job's group's instances and whether each is protected from scale-in."""
+    return {i["InstanceId"]: bool(i.get("ProtectedFromScaleIn"))
+            for g in asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+            for i in g.get("Instances", ())}
 
 
 def test_a_standby_never_launched_is_given_back_too(sim: AwsSimulator, tmp_path: Path) -> None:
@@ -830,9 +842,13 @@ def test_a_standby_never_launched_is_given_back_too(sim: AwsSimulator, tmp_path:
     old = sim.wait_for_instance(handle.job_id)
     wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
                "a durable checkpoint before the recommendation")
+    asg = _boto.client("autoscaling")
+    # The instance that runs the job is protected from scale-in: were the standby to
+    # launch just as the group goes back to one instance, Auto Scaling would end the
+    # standby, not it.
+    wait_until(lambda: protected(asg) == {old.id: True}, 60, "the job's instance protected")
     sim.no_capacity("g4dn.xlarge")
     sim.recommend_rebalance(old.id)
-    asg = _boto.client("autoscaling")
 
     def desired() -> int:
         (group,) = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
@@ -840,6 +856,7 @@ def test_a_standby_never_launched_is_given_back_too(sim: AwsSimulator, tmp_path:
 
     wait_until(lambda: desired() == 2, 60, "the standby asked for")
     wait_until(lambda: desired() == 1, 60, "the standby given back")
+    assert protected(asg) == {old.id: True}
     sim.restore_capacity()
     gate.touch()
     result = handle.wait(timeout=120)

@@ -306,7 +306,7 @@ class AwsSimulator:
     # --------------------------------------------------- moto's gaps (see above)
 
     def _patch_moto(self) -> None:
-        from moto.autoscaling.models import FakeAutoScalingGroup
+        from moto.autoscaling.models import AutoScalingBackend, FakeAutoScalingGroup
         from moto.autoscaling.responses import AutoScalingResponse
         from moto.core.responses import ActionResult, EmptyResult
 
@@ -371,16 +371,29 @@ class AwsSimulator:
                              datetime.timezone.utc), "StatusCode": "InProgress",
                 "Progress": 0}})
 
+        original_delete = AutoScalingBackend.delete_auto_scaling_group
+
+        def delete_group(backend: Any, group_name: str) -> None:
+            # spotnb deletes its groups with ForceDelete, which ends every instance,
+            # protected from scale-in or not (moto's scales in, sparing protected ones).
+            group = backend.autoscaling_groups.get(group_name)
+            if group is not None:
+                for state in group.instance_states:
+                    state.protected_from_scale_in = False
+            original_delete(backend, group_name)
+
         original_activities = AutoScalingResponse.describe_scaling_activities
         FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
         AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
         AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
         AutoScalingResponse.terminate_instance_in_auto_scaling_group = terminate_in_group  # type: ignore[method-assign,assignment]
+        AutoScalingBackend.delete_auto_scaling_group = delete_group  # type: ignore[method-assign,assignment]
 
         def unpatch() -> None:
             FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
             AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
             AutoScalingResponse.terminate_instance_in_auto_scaling_group = original_terminate  # type: ignore[method-assign]
+            AutoScalingBackend.delete_auto_scaling_group = original_delete  # type: ignore[method-assign]
             del AutoScalingResponse.complete_lifecycle_action  # type: ignore[attr-defined]
 
         self._undo.append(unpatch)

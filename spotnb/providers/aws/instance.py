@@ -88,7 +88,12 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
 # While a lifecycle hook waits for this instance, the lease (and a standby's ready mark)
 # is read every HOOK_POLL_SECONDS (providers/aws/standby.py): a GET per node slot (and a
-# HEAD), for a minute or so.
+# HEAD), for a minute or so; a ready standby's, until it takes the job over (to protect
+# it from scale-in), every PROTECT_POLL_SECONDS (a GET per slot: 360/h, $0.00014/h per
+# slot, only while it waits).
+PROTECT_POLL_SECONDS = 10.0
+# Asking Auto Scaling to protect this instance from scale-in is tried this many times.
+PROTECT_TRIES = 30
 # Budget and deadline are checked this often, from what this agent knows (the group's
 # history read once at boot, and its own price): no request.
 LIMITS_SECONDS = 5.0
@@ -134,6 +139,11 @@ class InstanceAgent:
         #: group: see resources.LAUNCH_HOOK_NAME and LIFECYCLE_HOOK_NAME).
         self.launch_hook_due = rebalancing(self.spec)
         self.end_hook_due = False
+        #: In a standby group, an instance whose job agent holds the lease (a node
+        #: slot's) is protected from scale-in: lowering the group's desired capacity
+        #: (a standby that never launched, given back) may then end only a standby.
+        self.protect_due = rebalancing(self.spec)
+        self._protect_tries = 0
         #: Whether this instance's job agent was seen holding the lease (a standby
         #: given back never did), and the node slot it holds (a multi-node job's).
         self.held_lease = False
@@ -238,8 +248,9 @@ class InstanceAgent:
             if self.standbys is not None:
                 self.standbys.poll(now, self.notice is not None, self.hook_ending,
                                    self.launched_at)
-            if (self.launch_hook_due or self.end_hook_due) and \
-                    now - last_hooks >= HOOK_POLL_SECONDS:
+            hooks_due = self.launch_hook_due or self.end_hook_due
+            if (hooks_due or self.protect_due) and now - last_hooks >= (
+                    HOOK_POLL_SECONDS if hooks_due else PROTECT_POLL_SECONDS):
                 last_hooks = now
                 self._watch_hooks()
             if now - last_usage >= USAGE_SECONDS:
@@ -487,7 +498,8 @@ class InstanceAgent:
         ready (the group may then end the at-risk instance); the termination hook once
         it holds the lease no more (its final save is durable, the standby has the job),
         so that Auto Scaling terminates it now, not at the end of the hook's wait, and
-        the instance the job left is not billed for the rest of it."""
+        the instance the job left is not billed for the rest of it. Once it holds the
+        lease, protect it from scale-in (``protect_due``)."""
         iid = self.identity["instance_id"]
         try:
             self.slot = held_slot(self.store, self.spec.resources.max_nodes, iid, self.slot)
@@ -500,6 +512,11 @@ class InstanceAgent:
             if self.end_hook_due and not held:
                 self.end_hook_due = False
                 self._complete(LIFECYCLE_HOOK_NAME)
+            if self.protect_due and held and self.standbys is not None and \
+                    self.notice is None and not self.hook_ending:
+                self._protect_tries += 1
+                if self.standbys.protect(True) or self._protect_tries >= PROTECT_TRIES:
+                    self.protect_due = False
         except Exception:
             log.debug("reading the lease for the lifecycle hooks failed", exc_info=True)
 

@@ -251,11 +251,13 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
             # group for a second instance on a rebalance recommendation, moves the job
             # to it (ends itself through the termination hook, whose wait it ends once
             # its final save is durable), gives back one not ready in time, or leaves
-            # the group at a notice (EC2 ends it; the standby is its replacement).
+            # the group at a notice (EC2 ends it; the standby is its replacement); an
+            # instance that runs the job protects itself from scale-in.
             "Sid": "OwnGroupStandby",
             "Effect": "Allow",
             "Action": ["autoscaling:CompleteLifecycleAction",
                        "autoscaling:SetDesiredCapacity",
+                       "autoscaling:SetInstanceProtection",
                        "autoscaling:TerminateInstanceInAutoScalingGroup",
                        "autoscaling:DetachInstances"],
             "Resource": (f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:"

@@ -35,7 +35,9 @@ group's own API instead, and makes no request before one::
     not ready within the launch hook's wait (LAUNCH_HOOK_SECONDS, scaled as the
             notice period is) -> given back: TerminateInstanceInAutoScalingGroup on it,
             never on an instance that holds a node slot; never launched (no capacity)
-            -> the desired capacity back to nodes
+            -> the desired capacity back to nodes (a late launch meanwhile is what Auto
+            Scaling scales in: an instance that holds the lease is protected from
+            scale-in by its instance agent, SetInstanceProtection)
     a notice while it boots -> this instance leaves the group (DetachInstances: EC2
             ends it, its first hour's refund holds); the standby is its replacement,
             and no other instance launches
@@ -172,6 +174,7 @@ class StandbyDriver:
         self._give_back_tries = 0
         self._checked = -HOOK_POLL_SECONDS
         self._turn_said = False
+        self._decide_at = 0.0
 
     @property
     def iid(self) -> str:
@@ -218,7 +221,8 @@ class StandbyDriver:
             return
         self._checked = now
         if self.phase == "deciding":
-            self._decide(wall, noticed, ending, launched_at)
+            if now >= self._decide_at:
+                self._decide(wall, noticed, ending, launched_at)
         elif self.phase == "asked":
             self._watch(wall, noticed, ending)
         elif self.phase == "giving-back":
@@ -247,12 +251,11 @@ class StandbyDriver:
             log.debug("reading the lease for a standby failed", exc_info=True)
             return  # the next look
         if self.slot is None:
-            # A standby itself, or the job moved on; or its job agent has yet to take
-            # the lease (the instance agent knows: its launch hook is still due).
+            # Its job agent has yet to take the lease (the instance agent knows: its
+            # launch hook is still due), or this is a standby, recommended itself: once
+            # it takes the job over it asks for its own; looked at again meanwhile.
             if not self.lease_due():
-                log.info("the recommendation is not for an instance that runs the job: "
-                         "no standby")
-                self._done()
+                self._decide_at = time.monotonic() + TURN_SECONDS
             return
         self.held_lease = True
         scale = billing.time_scale()
@@ -318,9 +321,11 @@ class StandbyDriver:
                     "standby_for": self.iid, "reported_by": self.iid,
                     "kernel_started": kernel if isinstance(kernel, (int, float)) else None}))
             log.info("standby %s is ready: moving the job to it", standby)
+            self.protect(False)  # ended on purpose, whatever AWS makes of protection
             if not self._asg("terminate_instance_in_auto_scaling_group",
                              "ending this instance for its standby", InstanceId=self.iid,
                              ShouldDecrementDesiredCapacity=True):
+                self.protect(True)
                 self.standby_id = standby
                 self._start_giving_back()
                 return
@@ -497,6 +502,14 @@ class StandbyDriver:
             log.debug("letting go of the standby claim failed; it expires", exc_info=True)
 
     # ---------------------------------------------------------------- requests
+
+    def protect(self, protected: bool) -> bool:
+        """Protect this instance from the group's scale-in (it runs the job: lowering
+        the desired capacity, as a give-back does, must end a standby, never it), or
+        take the protection off; whether Auto Scaling took it."""
+        return self._asg("set_instance_protection", "protecting this instance from "
+                         "scale-in" if protected else "lifting its scale-in protection",
+                         InstanceIds=[self.iid], ProtectedFromScaleIn=protected)
 
     def _asg(self, call: str, what: str, **params: Any) -> bool:
         """One Auto Scaling request about the job's group (retried on throttling);
