@@ -199,6 +199,28 @@ def test_stopping_an_ended_job_says_it_has_ended(
     assert spotnb.attach(job_id).status == "completed"
 
 
+def test_kill_says_the_kill_is_requested_not_done(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`spotnb kill` only asks: the job's local group ends the instance at its next
+    tick. The message says so, not "killed"."""
+    from spotnb.client import cli
+
+    asked: list[int | None] = []
+
+    class Handle:
+        job_id = "20250101-000000-eeeeee"
+
+        def kill(self, node: int | None = None) -> None:
+            asked.append(node)
+
+    monkeypatch.setattr(cli, "_job", lambda args: Handle())
+    assert main(["kill", "eeeeee", "--node", "1"]) == 0
+    out = capsys.readouterr().out
+    assert asked == [1]
+    assert out.startswith("kill requested for node 1 of job 20250101-000000-eeeeee")
+    assert "next tick" in out and "killed" not in out
+
+
 # -- help, pipes, the catalog -----------------------------------------------------------
 
 def test_help_is_written_for_users(capsys: pytest.CaptureFixture[str]) -> None:

@@ -97,8 +97,10 @@ def cmd_kill(args: argparse.Namespace) -> int:
     handle = _job(args)
     handle.kill(node=args.node)
     which = f"node {args.node} of job" if args.node is not None else "job"
-    print(f"killed {which} {handle.job_id} without notice (a lost machine); it goes on "
-          f"from its last checkpoint. Follow it with `spotnb logs {handle.job_id} -f`")
+    # A request: the job's local group ends the instance at its next tick (0.1 s).
+    print(f"kill requested for {which} {handle.job_id}: its group ends the instance at its "
+          f"next tick, without notice (a lost machine); the job goes on from its last "
+          f"checkpoint. Follow it with `spotnb logs {handle.job_id} -f`")
     return 0
 
 

@@ -753,8 +753,9 @@ class SpotMagics(Magics):
         with _as_usage_errors():
             handle.kill(node=args.node)
         which = f"node {args.node} of job" if args.node is not None else "job"
-        print(f"killed {which} {handle.job_id} without notice: it goes on from its last "
-              f"checkpoint on a replacement; watch it with `%spot_attach {handle.job_id}`.")
+        print(f"kill requested for {which} {handle.job_id}: its group ends the instance at "
+              f"its next tick, without notice; the job goes on from its last checkpoint on "
+              f"a replacement; watch it with `%spot_attach {handle.job_id}`.")
 
     @magic_arguments()
     @argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
