@@ -408,6 +408,27 @@ def _standby_job() -> list[Event]:
                   standby_for="i-2")]
 
 
+def test_a_standby_that_found_the_lease_free_is_billed_as_one_until_its_attempt() -> None:
+    """A standby launched at a notice whose agent found the lease already released (it
+    took the job over cold, with no ``took-over`` event) stood by until its attempt's
+    first event, not for the rest of its life."""
+    t0 = 1_800_000_000.0
+    events = [Event("instance", t0, 0, "i-1", {"instance_id": "i-1", "pool": "g4dn@a",
+                                               "action": "launched", "price": 0.2,
+                                               "ondemand": 0.5}),
+              Event("status", t0 + 5, 1, "i-1", {"state": "booting"}),
+              Event("notice", t0 + 100, 1, "i-1", {"kind": "instance-action"}),
+              Event("instance", t0 + 100, 0, "i-2", {"instance_id": "i-2", "pool": "g4dn@a",
+                                                     "action": "launched", "price": 0.2,
+                                                     "ondemand": 0.5, "standby_for": "i-1"}),
+              Event("status", t0 + 190, 2, "i-2", {"state": "booting"}),
+              Event("instance", t0 + 220, 0, "i-1", {"instance_id": "i-1",
+                                                     "action": "terminated"}),
+              Event("status", t0 + 3700, 2, "i-2", {"state": "running"})]
+    state = fold(events)
+    assert state.standbys_cost(t0 + 3700) == pytest.approx(0.2 * 90 / 3600)
+
+
 def test_a_standby_s_story_is_the_fold_s_in_the_log_and_the_notifications(
         hook: Hook) -> None:
     from spotnb.client.display import JobView, milestone

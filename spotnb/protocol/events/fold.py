@@ -573,13 +573,18 @@ class JobState:
 
     def standbys_cost(self, end: float) -> float:
         """What the job's standbys billed while on hold: all of a standby given back,
-        and of one that took over, its time before the lease was its."""
+        and of one that took over, its time before the lease was its (a standby that
+        found the lease free at its start, never warming up, until its attempt's
+        first event)."""
         total = 0.0
         for sb in self.standbys.values():
             inst = self.instances.get(sb.instance_id)
             if inst is None:
                 continue
-            stop = sb.lease_at if sb.lease_at is not None else (inst.end or end)
+            ran = [a.first_time for a in self.attempts.values()
+                   if a.instance_id == sb.instance_id]
+            stop = sb.lease_at if sb.lease_at is not None else \
+                min(ran) if ran else (inst.end or end)
             total += self.billed(inst, inst.start, stop)
         return total
 

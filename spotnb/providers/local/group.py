@@ -890,6 +890,12 @@ class Supervisor:
         """Interrupt like EC2: the notice now, the termination after the notice period."""
         if reason not in FORESEEN:  # nobody knew it ahead: the recommendation comes with it
             self._recommend(inst, now, reason, at_notice=True)
+        elif self.target == 1:
+            # No recommendation now (none was drawn, or its standby waits for the first
+            # hour's end): the replacement still launches at the notice, to boot during
+            # the notice period, as on AWS (the noticed instance leaves its group); none
+            # if a standby already boots for it (_start_standby).
+            self._start_standby(inst, now, defer=False)
         inst.notice(now, self.settings.notice_seconds, reason)
         assert inst.terminate_at is not None
         log.info("interruption notice for %s (%s); terminating at %s", inst.id, reason,
