@@ -6,6 +6,7 @@ rendezvous store.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -534,7 +535,18 @@ class Uninterrupted:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={world}", str(script)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+                stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+
+    def __del__(self) -> None:
+        # A test that failed before weights(): its workers are ended, not left running
+        # into the next test (whose set-up then reported the running subprocess).
+        if self.proc.poll() is None:
+            import os
+            import signal
+
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and its workers
+            self.proc.wait()
 
     def weights(self, timeout: float = 300) -> list[object]:
         import torch

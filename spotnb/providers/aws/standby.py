@@ -364,11 +364,13 @@ class StandbyDriver:
         if self.nodes > 1:
             return
         try:
-            slot = held_slot(self.store, self.nodes, self.iid, self.slot)
+            # This instance's job agent holds the lease, or has just let go of it (a
+            # small state's final save can be durable before this look).
+            current = lease.read(self.store)
         except Exception:
             log.debug("reading the lease at the notice failed", exc_info=True)
             return
-        if slot is None:
+        if current is None or current[0].holder != self.iid:
             return
         if self._asg("detach_instances", "leaving the group at the notice",
                      InstanceIds=[self.iid], ShouldDecrementDesiredCapacity=False):
