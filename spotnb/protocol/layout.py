@@ -17,7 +17,7 @@ Job prefix (in the store, one per job)::
     sync/<name>/...             spot.sync_dir snapshots (same protocol as checkpoints)
     control/stop.json           a stop request (from the notebook or the CLI)
     standby/<instance>.json     a warm standby is ready (spotnb.kernel_remote.standby)
-    standby.json                multi-node jobs on AWS: the node the group's one warm
+    standby.json                jobs on AWS: the instance (node) the group's one warm
                                 standby is for (spotnb.providers.aws.standby)
     outputs.pkl                 cloudpickled {name: value} of the job's outputs
     result.json                 the final result, written once by the agent

@@ -75,12 +75,7 @@ from spotnb.providers.aws.resources import (
     group_name,
     rebalancing,
 )
-from spotnb.providers.aws.standby import (
-    HOOK_POLL_SECONDS,
-    StandbyDriver,
-    claimed_for,
-    held_slot,
-)
+from spotnb.providers.aws.standby import HOOK_POLL_SECONDS, StandbyDriver, claimed_for
 from spotnb.providers.imds import ImdsClient
 
 log = logging.getLogger(__name__)
@@ -144,10 +139,6 @@ class InstanceAgent:
         #: (a standby that never launched, given back) may then end only a standby.
         self.protect_due = rebalancing(self.spec)
         self._protect_tries = 0
-        #: Whether this instance's job agent was seen holding the lease (a standby
-        #: given back never did), and the node slot it holds (a multi-node job's).
-        self.held_lease = False
-        self.slot: int | None = None
         #: The instance this one stands by for, if it is a warm standby (its launch
         #: came while that instance's claim stood).
         self.standby_for: str | None = None
@@ -501,10 +492,9 @@ class InstanceAgent:
         the instance the job left is not billed for the rest of it. Once it holds the
         lease, protect it from scale-in (``protect_due``)."""
         iid = self.identity["instance_id"]
+        assert self.standbys is not None  # made once this instance knew who it is
         try:
-            self.slot = held_slot(self.store, self.spec.resources.max_nodes, iid, self.slot)
-            held = self.slot is not None
-            self.held_lease = self.held_lease or held
+            held = self.standbys.holds_lease()
             if self.launch_hook_due and (
                     held or self.store.exists(layout.standby_ready_key(iid))):
                 self.launch_hook_due = False
@@ -512,8 +502,7 @@ class InstanceAgent:
             if self.end_hook_due and not held:
                 self.end_hook_due = False
                 self._complete(LIFECYCLE_HOOK_NAME)
-            if self.protect_due and held and self.standbys is not None and \
-                    self.notice is None and not self.hook_ending:
+            if self.protect_due and held and self.notice is None and not self.hook_ending:
                 self._protect_tries += 1
                 if self.standbys.protect(True) or self._protect_tries >= PROTECT_TRIES:
                     self.protect_due = False
@@ -600,8 +589,7 @@ class InstanceAgent:
             ident = self.identity
             reason = "spot-interruption" if self.notice else \
                 "terminated" if not self.hook_ending else \
-                "rebalanced" if self.held_lease or (
-                    self.standbys is not None and self.standbys.held_lease) \
+                "rebalanced" if self.standbys is not None and self.standbys.held_lease \
                 else "standby-given-back"
             self._emit("instance", action="terminated", reason=reason,
                        instance_id=ident.get("instance_id"),

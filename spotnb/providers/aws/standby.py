@@ -165,12 +165,13 @@ class StandbyDriver:
         self.due: float | None = None
         self.asked: float | None = None
         self.standby_id: str | None = None
-        #: The node slot this instance's job agent holds, once seen.
+        #: The node slot this instance's job agent holds, once seen, and whether it was
+        #: ever seen holding the lease (a standby given back never was): what
+        #: :meth:`holds_lease` found, for the instance agent too.
         self.slot: int | None = None
+        self.held_lease = False
         self.claimed = False
         self._marks_before: set[str] = set()
-        #: Whether this instance's job agent was seen holding the lease.
-        self.held_lease = False
         self._give_back_tries = 0
         self._checked = -HOOK_POLL_SECONDS
         self._turn_said = False
@@ -179,6 +180,13 @@ class StandbyDriver:
     @property
     def iid(self) -> str:
         return self.identity["instance_id"]
+
+    def holds_lease(self) -> bool:
+        """Whether this instance's job agent holds the lease (a node slot's) now: a GET
+        per slot, the slot it held first (:attr:`slot`, :attr:`held_lease`)."""
+        self.slot = held_slot(self.store, self.nodes, self.iid, self.slot)
+        self.held_lease = self.held_lease or self.slot is not None
+        return self.slot is not None
 
     # ---------------------------------------------------------------- the steps
 
@@ -246,18 +254,17 @@ class StandbyDriver:
             self._done()
             return
         try:
-            self.slot = held_slot(self.store, self.nodes, self.iid, self.slot)
+            held = self.holds_lease()
         except Exception:
             log.debug("reading the lease for a standby failed", exc_info=True)
             return  # the next look
-        if self.slot is None:
+        if not held:
             # Its job agent has yet to take the lease (the instance agent knows: its
             # launch hook is still due), or this is a standby, recommended itself: once
             # it takes the job over it asks for its own; looked at again meanwhile.
             if not self.lease_due():
                 self._decide_at = time.monotonic() + TURN_SECONDS
             return
-        self.held_lease = True
         scale = billing.time_scale()
         wait = 0.0 if self.spec.policy.standby_first_hour else billing.standby_wait(
             (wall - launched_at) * scale, STANDBY_BOOT_SECONDS)
