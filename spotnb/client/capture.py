@@ -2,11 +2,17 @@
 
 Contract: :func:`capture` analyses the cell's code (never runs it) and returns a
 :class:`Capture`: the notebook variables the cell reads before it assigns them
-(pickled with cloudpickle on the instance), the modules it uses through such a
-variable (re-imported on the instance), and the files of the modules that live in the
+(pickled with cloudpickle, unpickled on the instance), the modules it uses through such
+a variable (re-imported on the instance), and the files of the modules that live in the
 notebook's working directory (shipped next to the cell, so ``import helper`` works
 there too). Anything that cannot travel raises :class:`CaptureError` before a job
 exists, naming the variable, its size and the way out.
+
+Functions defined in the notebook (lambdas, and the methods of its classes too) travel
+linked to the instance's namespace (:mod:`spotnb.protocol.inputs`): called in the cell,
+they read the cell's live variables. What they read from the notebook that the cell
+does not assign travels as inputs of their own (:func:`notebook_reads`), named on the
+shipping line (:meth:`Capture.shipping_line`).
 
 The names are found by :mod:`spotnb.client.freevars`; ``.gitignore`` files are respected
 (:class:`GitIgnore`, on pathspec's gitignore rules).
@@ -27,10 +33,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import pathspec
 
-from spotnb.client.freevars import free_names_in
+from spotnb.client.freevars import bound_names_in, free_names_in
+from spotnb.protocol import inputs as shipped
 from spotnb.protocol.spec import INJECTED_NAMES, IPYTHON_CACHE_NAME, SpecError
 
 __all__ = [
@@ -40,6 +46,7 @@ __all__ = [
     "capture",
     "human_size",
     "local_module_files",
+    "notebook_reads",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,7 +70,9 @@ class Capture:
     ``inputs`` are defined in the remote namespace before the cell runs; ``imports``
     are statements for the notebook's module variables (``import numpy as np``);
     ``files`` maps paths relative to the remote working directory to local files;
-    ``notes`` are things the user should know (a module left out by ``.gitignore``).
+    ``notes`` are things the user should know (a module left out by ``.gitignore``);
+    ``reads``: for each input that holds functions of the notebook, the variables
+    they read on the instance (shipped ones, or the cell's own).
     """
 
     inputs: dict[str, Any]
@@ -71,6 +80,21 @@ class Capture:
     files: dict[str, Path] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
     input_bytes: int = 0
+    reads: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def shipping_line(self) -> str:
+        """``[spotnb] shipping ...``: every input by name (with what a notebook
+        function among them reads), the imports and the files."""
+        parts = []
+        if self.inputs:
+            names = [f"{name} (reads {', '.join(self.reads[name])})" if self.reads.get(name)
+                     else name for name in sorted(self.inputs)]
+            parts.append(f"inputs {', '.join(names)} ({human_size(self.input_bytes)})")
+        if self.imports:
+            parts.append("imports " + ", ".join(s.split()[-1] for s in self.imports))
+        if self.files:
+            parts.append("files " + ", ".join(sorted(self.files)))
+        return "[spotnb] shipping " + ("; ".join(parts) if parts else "the cell alone")
 
     def first_line(self, magic_line: str) -> str:
         """The remote cell's line 1, standing for the ``%%spot_train`` line.
@@ -287,6 +311,7 @@ def capture(
 
     workdir = Path(workdir).resolve()
     tree = ast.parse(TransformerManager().transform_cell(code))
+    skip = set(dir(builtins)) | PROVIDED_ON_INSTANCE | set(hidden)
     if names is not None:
         missing = [n for n in names if n not in namespace]
         if missing:
@@ -296,25 +321,29 @@ def capture(
         wanted = list(names)
     elif variables:
         free = free_names_in(tree)
-        skip = set(dir(builtins)) | PROVIDED_ON_INSTANCE | set(hidden)
         wanted = [n for n in sorted(free)
                   if n in namespace and n not in skip and not _IPYTHON_CACHE.match(n)]
     else:
         wanted = []
 
+    bound = bound_names_in(tree)
     inputs: dict[str, Any] = {}
+    reads: dict[str, tuple[str, ...]] = {}
     imports: list[str] = []
     modules = _imported_modules(tree)
     total = 0
-    for name in wanted:
-        value = namespace[name]
+    # The variables the cell reads, then those its notebook functions read, in turn.
+    todo: list[tuple[str, Any]] = [(name, namespace[name]) for name in wanted]
+    seen = set(wanted)
+    while todo:
+        name, value = todo.pop(0)
         if isinstance(value, types.ModuleType):
             imports.append(_import_statement(name, value))
             local = _local_top_module(value.__name__, workdir)
             if local:
                 modules.add(local)
             continue
-        size = _check_picklable(name, value, limit_bytes)
+        size, linked = _check_picklable(name, value, limit_bytes)
         total += size
         inputs[name] = value
         # An object of a class (or a function) from a local module is pickled by
@@ -323,10 +352,43 @@ def capture(
         local = _local_top_module(getattr(owner, "__module__", None), workdir)
         if local:
             modules.add(local)
+        found = notebook_reads(linked, bound, skip)
+        reads[name] = tuple(sorted(n for n, v in found.items()
+                                   if n != name and not isinstance(v, types.ModuleType)))
+        for more, more_value in sorted(found.items()):
+            if more not in seen and more not in bound:
+                seen.add(more)
+                todo.append((more, more_value))
     files, notes = local_module_files(modules, workdir, files_limit_bytes)
     log.debug("capture: inputs %s, imports %s, files %s", sorted(inputs), imports, sorted(files))
     return Capture(inputs=inputs, imports=tuple(imports), files=files, notes=tuple(notes),
-                   input_bytes=total)
+                   input_bytes=total, reads={k: v for k, v in reads.items() if v})
+
+
+_ABSENT = object()
+
+
+def notebook_reads(functions: Iterable[types.FunctionType], bound: Iterable[str],
+                   skip: Iterable[str] = ()) -> dict[str, Any]:
+    """What notebook ``functions`` read as globals: ``{name: value}``, the value from
+    the function's own globals (the notebook's namespace), or ``_ABSENT`` for a name
+    only the cell defines (``bound``: it reads the cell's variable on the instance).
+
+    Builtins, ``skip`` and IPython's output cache are left out, as are names neither
+    the notebook nor the cell defines (the call fails there as it would here).
+    """
+    bound = set(bound)
+    skip = set(skip) | set(dir(builtins)) | PROVIDED_ON_INSTANCE
+    found: dict[str, Any] = {}
+    for func in functions:
+        for name in shipped.globals_read(func):
+            if name in skip or _IPYTHON_CACHE.match(name) or name.startswith("__"):
+                continue
+            if name in bound:
+                found.setdefault(name, _ABSENT)
+            elif name in func.__globals__:
+                found[name] = func.__globals__[name]
+    return found
 
 
 def _import_statement(name: str, module: types.ModuleType) -> str:
@@ -340,11 +402,14 @@ def _way_out(name: str) -> str:
             "Nothing was started.")
 
 
-def _check_picklable(name: str, value: Any, limit_bytes: int) -> int:
-    """The pickled size of ``value``; raises :class:`CaptureError` naming the way out."""
+def _check_picklable(name: str, value: Any, limit_bytes: int
+                     ) -> tuple[int, list[types.FunctionType]]:
+    """The pickled size of ``value`` and the notebook functions in it; raises
+    :class:`CaptureError` naming the way out."""
     kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
     try:
-        size = len(cloudpickle.dumps(value))
+        blob, linked = shipped.dumps(value)
+        size = len(blob)
     except Exception as err:
         held = sys.getsizeof(value)
         raise CaptureError(
@@ -356,7 +421,7 @@ def _check_picklable(name: str, value: Any, limit_bytes: int) -> int:
             f"input {name!r} ({kind}) is {human_size(size)} pickled, over the "
             f"{human_size(limit_bytes)} limit (%config SpotMagics.capture_limit_mb): ship it "
             "through a file or a bucket and load it inside the cell. " + _way_out(name))
-    return size
+    return size, linked
 
 
 def human_size(size: int) -> str:

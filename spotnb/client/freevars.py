@@ -20,7 +20,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 
-__all__ = ["free_names", "free_names_in"]
+__all__ = ["bound_names_in", "free_names", "free_names_in"]
 
 
 def free_names(code: str) -> list[str]:
@@ -39,6 +39,17 @@ def free_names_in(tree: ast.Module) -> set[str]:
     analysis = _FreeNames()
     analysis.run(tree)
     return analysis.free
+
+
+def bound_names_in(tree: ast.Module) -> set[str]:
+    """The names a parsed cell binds at its top level, anywhere in it (an assignment,
+    an import, a ``def``, a loop's target; ``global`` ones in its functions too): the
+    variables a function of the notebook reads from the cell once the cell runs."""
+    analysis = _FreeNames()
+    analysis.run(tree)
+    declared = {name for node in ast.walk(tree) if isinstance(node, ast.Global)
+                for name in node.names}
+    return analysis.module_any | declared
 
 
 @dataclasses.dataclass

@@ -89,6 +89,7 @@ from spotnb.protocol import layout
 from spotnb.protocol.store import NotFound, retrying
 from spotnb.train import integrations as callbacks
 from spotnb.train import process
+from spotnb.train.cellvars import CellVariables
 from spotnb.train.process import current as _rt
 from spotnb.train.process import (
     history,
@@ -536,6 +537,8 @@ class Checkpoint:
                             "spot.Checkpoint(model=model, optimizer=optimizer)")
         self._budget = MemoryBudget(host_memory)
         self._objects: dict[str, Any] = dict(state)
+        # The entries that follow a variable of the cell (spotnb.train.cellvars).
+        self._cell = CellVariables.of_caller(state, Checkpoint)
         if "torch" in sys.modules:
             _import_writer_in_background()
         rt = _rt()
@@ -567,10 +570,12 @@ class Checkpoint:
         return _rt()
 
     def __getitem__(self, name: str) -> Any:
+        self._cell.refresh(self._objects)
         return self._objects[name]
 
     def __setitem__(self, name: str, value: Any) -> None:
         self._objects[name] = value
+        self._cell.assign(name, value)
 
     def __contains__(self, name: object) -> bool:
         return name in self._objects
@@ -615,6 +620,7 @@ class Checkpoint:
         started = time.monotonic()
         world = _world()
         damaged: list[str] = []
+        self._cell.refresh(self._objects)  # read into what the cell's variables hold now
         while True:
             found = self._fetch_newest_intact(damaged)
             if world is not None:
@@ -656,6 +662,8 @@ class Checkpoint:
                 continue
             kind, payload = saved[name]
             self._objects[name] = snapshot.restore(name, obj, kind, payload)
+            if self._objects[name] is not obj:
+                self._cell.assign(name, self._objects[name])  # best_val_loss = saved
         for name in saved.keys() - self._objects.keys():
             _logger.warning("checkpoint %s also holds %r, which is not registered now; "
                             "ignored", manifest.id, name)
@@ -1025,6 +1033,7 @@ class Checkpoint:
         carry = rt.carry() if rank == 0 else Carry()
         copy_budget, parts = self._plan_memory()
         self._retry = False
+        self._cell.refresh(self._objects)  # the followed variables' values now
         future, copied = sharded.save(self._objects, pending, step=step, rank=rank,
                                       fence=fence, pool=self._pool, copy_budget=copy_budget,
                                       parts_in_flight=parts)  # step 2
@@ -1177,6 +1186,7 @@ class _SaveRun:
         forced = self.forced or rt.force_save
         fmt = "dcp" if "torch" in sys.modules else "pickle"
         try:
+            ckpt._cell.refresh(ckpt._objects)  # the followed variables' values now
             captured = snapshot.capture(ckpt._objects, ckpt._pool, step, self.copy_budget)
         except BaseException:
             ckpt._upload = ckpt._upload or self.previous
@@ -1293,10 +1303,11 @@ def _bootstrap(user_ns: dict[str, Any] | None = None,
     Adds ``env`` to the environment (the attempt's own settings: the agent spawns the
     kernel before it knows which attempt it runs; subprocesses of the cell inherit
     them too), connects to the agent (``SPOTNB_AGENT_SOCKET``), loads the cell's
-    captured inputs (``inputs.pkl`` in the job store, cloudpickled
-    ``{name: value}``) into the namespace, and binds ``spot`` to this module there.
+    captured inputs (``inputs.pkl`` in the job store: :mod:`spotnb.protocol.inputs`;
+    the notebook's functions among them linked to the namespace) into the namespace,
+    and binds ``spot`` to this module there.
     """
-    import cloudpickle
+    from spotnb.protocol import inputs
 
     os.environ.update(env or {})
     # The agent unpacks the job's files while the kernel boots: forget any directory
@@ -1312,15 +1323,14 @@ def _bootstrap(user_ns: dict[str, Any] | None = None,
     if data is not None:
         # Each input is pickled on its own, so one that cannot be read here (its
         # class lives in a module the instance lacks) is named.
-        for name, blob in cloudpickle.loads(data).items():
-            try:
-                ns[name] = cloudpickle.loads(blob)
-            except Exception as err:
-                raise InputError(
-                    f"input {name!r} could not be unpickled on the instance: "
-                    f"{type(err).__name__}: {err}. Make the module that defines it "
-                    "importable on the instance, or create it inside the cell."
-                ) from err
+        try:
+            inputs.load(data, ns)
+        except inputs.InputUnreadable as err:
+            raise InputError(
+                f"input {err.name!r} could not be unpickled on the instance: "
+                f"{type(err.error).__name__}: {err.error}. Make the module that defines it "
+                "importable on the instance, or create it inside the cell."
+            ) from err.error
         _logger.info("loaded the job's inputs")
     ns["spot"] = sys.modules[__name__]
 
