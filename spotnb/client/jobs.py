@@ -439,7 +439,8 @@ def submit(
                    secrets=secrets, standby=standby,
                    standby_first_hour=standby_first_hour)
     spec, job_store, prov = job.spec, job.store, job.provider
-    warnings = _notice_warnings(prov, spec, inputs if isinstance(inputs, Mapping) else {})
+    warnings = job.warnings + _notice_warnings(
+        prov, spec, inputs if isinstance(inputs, Mapping) else {})
     # Inputs first: an agent that can read spec.json can read everything it names.
     job_store.put(layout.INPUTS, job.inputs)
     if job.workdir is not None:

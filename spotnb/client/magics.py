@@ -399,9 +399,10 @@ class SpotMagics(Magics):
                                    **request.submit)
         self.last_job = handle.job_id
         _tell_runner(handle.job_id, followed=not request.detach)
-        print(_shipping_line(cap), *cap.notes, sep="\n")
+        # Warnings first: a cell that will not resume exactly is told on its first line.
         for warning in handle.warnings:
             print(f"[spotnb] warning: {warning}")
+        print(_shipping_line(cap), *cap.notes, sep="\n")
         if request.detach:
             print(f"[spotnb] submitted job {handle.job_id} ({handle.spec.name!r}); it runs "
                   f"on its own. Follow it with `%spot_attach {handle.job_id}`, stop it with "
@@ -431,7 +432,7 @@ class SpotMagics(Magics):
             "instance_types": _names(args.instance_types) or tuple(self.instance_types),
             "region": pick(args.region, self.region),
             "max_price": pick(args.max_price, self.max_price),
-            "name": args.name or self._default_name(),
+            "name": args.name if args.name is not None else self._default_name(),
             "outputs": outputs,
             "checkpoint_every": pick(args.checkpoint_every, self.checkpoint_every),
             "max_restarts_on_error": pick(args.max_restarts_on_error,
@@ -955,15 +956,7 @@ def _simulation_shortfall(spec: Any, result: spotnb.JobResult) -> str | None:
 
 
 def _shipping_line(cap: capture.Capture) -> str:
-    parts = []
-    if cap.inputs:
-        size = capture.human_size(cap.input_bytes)
-        parts.append(f"inputs {', '.join(sorted(cap.inputs))} ({size})")
-    if cap.imports:
-        parts.append("imports " + ", ".join(s.split()[-1] for s in cap.imports))
-    if cap.files:
-        parts.append("files " + ", ".join(sorted(cap.files)))
-    return "[spotnb] shipping " + ("; ".join(parts) if parts else "the cell alone")
+    return cap.shipping_line()
 
 
 def _table_bundle(header: Sequence[str], rows: Sequence[Sequence[str]]) -> dict[str, str]:

@@ -11,8 +11,10 @@ argument, so the magics and the CLI can name the option the user typed.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import io
+import itertools
 import numbers
 import os
 import secrets
@@ -23,9 +25,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
-
 from spotnb._version import __version__
+from spotnb.client.capture import notebook_reads
+from spotnb.client.carried import check_resume, resume_warning
+from spotnb.client.freevars import bound_names_in
+from spotnb.protocol import inputs as shipped
 from spotnb.protocol import layout
 from spotnb.protocol.secretstore import collect as collect_secrets
 from spotnb.protocol.spec import (
@@ -36,8 +40,8 @@ from spotnb.protocol.spec import (
     SpecError,
     amount,
     check_input_name,
+    check_output_name,
     check_user_env_name,
-    check_variable_name,
     parse_duration,
     parse_nodes,
     parse_peer_timeout,
@@ -66,6 +70,9 @@ class PreparedJob:
     # {name: value} of the job's secrets (spotnb.protocol.secretstore): for the provider's
     # secret store only, never shown.
     secret_values: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    # What the user should know before the job starts (spotnb.client.carried: why the
+    # cell would not resume exactly).
+    warnings: tuple[str, ...] = ()
 
 
 def prepare_job(
@@ -81,7 +88,8 @@ def prepare_job(
     """Check and normalise every argument of :func:`spotnb.submit` (see there); values
     of any type are handled: a wrong type is a SpecError too. Writes and starts nothing.
     """
-    _check_code(code)
+    python = _check_code(code)
+    tree = ast.parse(python)
     if not isinstance(provider, str):
         raise SpecError(f"{{option}} must be a provider name ('local' or 'aws'), not "
                         f"{provider!r}", field="provider")
@@ -97,6 +105,9 @@ def prepare_job(
     procs = whole_number(procs_per_node, "procs_per_node", minimum=1)
     if name is not None and not isinstance(name, str):
         raise SpecError(f"{{option}} must be text, not {name!r}", field="name")
+    if name is not None and not name.strip():
+        raise SpecError(f"{{option}} is empty ({name!r}): give the job a name (e.g. "
+                        "gpt-small), or leave it out for the default", field="name")
     if inputs is not None and not isinstance(inputs, Mapping):
         raise SpecError(f"{{option}} must map variable names to values, not {inputs!r}",
                         field="inputs")
@@ -127,7 +138,7 @@ def prepare_job(
     environment = _environment(env, provider)
     # The values stay in this process (and the provider's secret store), not the spec.
     secret_values = collect_secrets(secrets, notify_url=notify_url)
-    payload = _pickle_inputs(inputs or {})
+    payload, input_names = _pickle_inputs(inputs or {}, bound_names_in(tree))
     archive = _pack_files(files)
     if store is not None and not isinstance(store, (str, os.PathLike)):
         raise SpecError(f"{{option}} must be a path or URI, not {store!r}", field="store")
@@ -135,7 +146,7 @@ def prepare_job(
     job_store = jobs_root(prov, store, region).child(f"jobs/{job_id}")
     spec = JobSpec(
         job_id=job_id,
-        name=name or "job",
+        name="job" if name is None else name,
         code=code,
         provider=provider,
         resources=Resources(instance_types=types, region=region, max_price=max_price,
@@ -143,7 +154,7 @@ def prepare_job(
         policy=policy,
         store_uri=job_store.uri,
         created=time.time(),
-        inputs=tuple(sorted(inputs or ())),
+        inputs=input_names,
         outputs=out_names,
         simulate_interruptions=simulation,
         simulate_signals=signals,
@@ -152,7 +163,9 @@ def prepare_job(
         spotnb_version=__version__,
     )
     prov.validate(spec)
-    return PreparedJob(spec, job_store, prov, payload, archive, secret_values)
+    resume = resume_warning(check_resume(tree, inputs or {}))
+    return PreparedJob(spec, job_store, prov, payload, archive, secret_values,
+                       warnings=(resume,) if resume else ())
 
 
 def jobs_root(provider: Any, store: Any, region: str) -> Store:
@@ -166,7 +179,8 @@ def jobs_root(provider: Any, store: Any, region: str) -> Store:
         raise SpecError(f"{{option}}: {err}", field="store") from None
 
 
-def _check_code(code: Any) -> None:
+def _check_code(code: Any) -> str:
+    """The cell as Python (after IPython's transformations), if it compiles."""
     from IPython.core.inputtransformer2 import TransformerManager
 
     if not isinstance(code, str):
@@ -189,6 +203,7 @@ def _check_code(code: Any) -> None:
         ) from None
     except ValueError as err:  # compile() refuses null bytes
         raise SpecError(f"the cell does not compile: {err}") from None
+    return python
 
 
 def _split(value: Any, field: str, what: str) -> list[str]:
@@ -215,15 +230,21 @@ def _instance_types(value: Any) -> tuple[str, ...]:
 def _variable_names(value: Any, field: str) -> tuple[str, ...]:
     names = _split(value, field, "variable names, e.g. ['model', 'accuracy']") \
         if value is not None else []
-    return tuple(dict.fromkeys(check_variable_name(n, field) for n in names))
+    return tuple(dict.fromkeys(check_output_name(n, field) for n in names))
 
 
-def _pickle_inputs(inputs: Mapping[Any, Any]) -> bytes:
-    values = {}
-    for key, value in inputs.items():
+def _pickle_inputs(inputs: Mapping[Any, Any], bound: set[str]) -> tuple[bytes, tuple[str, ...]]:
+    """``inputs.pkl`` (:mod:`spotnb.protocol.inputs`) and the names of its inputs: those
+    given, and what the notebook functions among them read from the notebook that the
+    code does not assign (``bound``): those functions read the instance's namespace."""
+    values: dict[str, bytes] = {}
+    todo = list(inputs.items())
+    seen = set(inputs)
+    while todo:
+        key, value = todo.pop(0)
         check_input_name(key, "inputs")
         try:
-            blob = cloudpickle.dumps(value)
+            blob, linked = shipped.dumps(value)
         except Exception as err:
             raise SpecError(
                 f"input {key!r} ({type(value).__name__}) cannot be pickled: {err}. "
@@ -235,9 +256,12 @@ def _pickle_inputs(inputs: Mapping[Any, Any]) -> bytes:
                 f"{MAX_INPUT_BYTES / 2**20:,.0f} MiB limit: load it inside the cell "
                 "(from a file or a bucket) instead of shipping it."
             )
-        # {name: pickled value} (layout.INPUTS): pickled once, unpickled one by one.
         values[key] = blob
-    return cloudpickle.dumps(values)
+        for name, read in sorted(notebook_reads(linked, bound).items()):
+            if name not in seen and name not in bound:
+                seen.add(name)
+                todo.append((name, read))
+    return shipped.pack(values), tuple(sorted(values))
 
 
 def _pack_files(files: Any) -> bytes | None:
@@ -355,6 +379,19 @@ def _environment(value: Any, provider: str) -> dict[str, str | None]:
         if text is not None and (not isinstance(text, str) or "\0" in text):
             raise SpecError(f"{{option}}: the value of {key} must be text, not {text!r}",
                             field="env")
+        if text is not None and _secret_name(key):
+            raise SpecError(
+                f"{{option}}: {key} names a secret, and env values are written into the "
+                f"job's spec in plain text. Pass it as a secret: --secret {key} "
+                f"(secrets=['{key}'], or secrets={{'{key}': value}} in Python) keeps its "
+                "value in the cloud's secret store, and the cell sees it in its environment "
+                "as before", field="env")
+        if key == "PATH" and text is not None and not text.strip(": \t"):
+            raise SpecError(
+                f"{{option}}: PATH={text!r} would leave the kernel unable to find any "
+                "program (python, nvidia-smi, git); set it to directories "
+                "(PATH=/opt/tools/bin:/usr/bin:/bin), or leave PATH out to keep the "
+                "instance's own", field="env")
         if text is None and provider != "local":
             raise SpecError(
                 f"{{option}}: {key} has no value; passing a variable of this machine's "
@@ -370,6 +407,22 @@ def _environment(value: Any, provider: str) -> dict[str, str | None]:
                 field="env")
         env[key] = text
     return env
+
+
+# Parts of an environment variable's name that say its value is a secret: HF_TOKEN,
+# WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD (not TOKENIZERS_PARALLELISM).
+_SECRET_PARTS = frozenset({"SECRET", "TOKEN", "PASSWORD", "PASSWD", "PASSPHRASE",
+                           "CREDENTIAL", "CREDENTIALS", "APIKEY"})
+_SECRET_PAIRS = frozenset({("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"),
+                           ("SECRET", "KEY"), ("AUTH", "KEY")})
+
+
+def _secret_name(name: str) -> bool:
+    """Whether an environment variable's name says it holds a secret (``HF_TOKEN``,
+    ``OPENAI_API_KEY``, ``AWS_SECRET_ACCESS_KEY``, ``KAGGLE_KEY``)."""
+    parts = name.upper().split("_")
+    return bool(_SECRET_PARTS & set(parts)) or parts[-1] == "KEY" or any(
+        pair in _SECRET_PAIRS for pair in itertools.pairwise(parts))
 
 
 def _new_job_id() -> str:

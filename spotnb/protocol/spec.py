@@ -26,6 +26,7 @@ from spotnb.protocol.errors import SpecError
 __all__ = [
     "PEER_TIMEOUT_MAX_SECONDS",
     "PEER_TIMEOUT_MIN_SECONDS",
+    "READABLE_SCHEMAS",
     "SPEC_SCHEMA",
     "CheckpointEvery",
     "JobSpec",
@@ -35,6 +36,7 @@ __all__ = [
     "amount",
     "check_env_name",
     "check_input_name",
+    "check_output_name",
     "check_user_env_name",
     "check_variable_name",
     "parse_duration",
@@ -44,6 +46,8 @@ __all__ = [
 ]
 
 SPEC_SCHEMA = 1
+#: The spec schemas this version reads: ``schema`` of a ``spec.json``.
+READABLE_SCHEMAS = frozenset({1})
 
 # A job's name is shown in one row of `spotnb jobs`; longer is a mistake, not a name.
 MAX_NAME_CHARS = 200
@@ -210,14 +214,32 @@ RESERVED_ENV_PREFIX = "SPOTNB_"
 def check_input_name(name: Any, field: str = "inputs") -> str:
     """``name`` if it can be an input variable of the cell; SpecError otherwise."""
     check_variable_name(name, field)
-    if name in INJECTED_NAMES or IPYTHON_CACHE_NAME.match(name):
+    if name in INJECTED_NAMES or IPYTHON_CACHE_NAME.match(name) or _dunder(name):
+        owner = ("the spotnb runtime" if name == "spot" else
+                 "Python" if _dunder(name) else "IPython")
         raise SpecError(
             f"{{option}}: {name!r} is a name the instance's kernel defines itself "
-            f"({'the spotnb runtime' if name == 'spot' else 'IPython'}), so an input of "
-            "that name would shadow it; rename the variable (e.g. "
-            f"{name.strip('_') or 'value'}_value) and use that name in the cell",
+            f"({owner}), so an input of that name would shadow it; rename the variable "
+            f"(e.g. {name.strip('_') or 'value'}_value) and use that name in the cell",
             field=field)
     return name
+
+
+def check_output_name(name: Any, field: str = "outputs") -> str:
+    """``name`` if it can be an output variable of the cell: not the runtime ``spot``,
+    IPython's own names or Python's (``__builtins__``); SpecError otherwise."""
+    check_variable_name(name, field)
+    if name in INJECTED_NAMES or IPYTHON_CACHE_NAME.match(name) or _dunder(name):
+        owner = ("the spotnb runtime module, not a result" if name == "spot" else
+                 "Python's own" if _dunder(name) else "IPython's own")
+        raise SpecError(
+            f"{{option}}: {name!r} is {owner}; bring back a variable the cell assigns "
+            "(e.g. model, accuracy)", field=field)
+    return name
+
+
+def _dunder(name: str) -> bool:
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
 
 
 def check_user_env_name(name: Any, field: str = "env") -> str:
@@ -421,6 +443,12 @@ class JobSpec:
                 len(self.name) > MAX_NAME_CHARS or not self.name.isprintable():
             raise _bad("name", f"a printable name of 1 to {MAX_NAME_CHARS} characters on "
                        "one line", self.name)
+        if self.name.strip() in (".", "..") or "/" in self.name or "\\" in self.name:
+            raise _bad("name", "a name without '/' or '\\' that is not '.' or '..' (a "
+                       "job's name is typed in commands such as `spotnb logs NAME`, where "
+                       "these read as paths)", self.name, "e.g. gpt-small-lr3e-4")
+        if isinstance(self.schema, bool) or self.schema not in READABLE_SCHEMAS:
+            raise SpecError(_unreadable_schema(self.schema))
         if not isinstance(self.resources, Resources) or not isinstance(self.policy, Policy):
             raise SpecError("a JobSpec needs Resources and a Policy; this is a spotnb bug, "
                             "please report it")
@@ -429,7 +457,7 @@ class JobSpec:
             if not isinstance(names, tuple):
                 raise _bad(field, "a tuple of variable names", names)
             for name in names:
-                (check_input_name if field == "inputs" else check_variable_name)(name, field)
+                (check_input_name if field == "inputs" else check_output_name)(name, field)
             if len(set(names)) != len(names):
                 raise _bad(field, "names without repeats", names)
         _check_simulation(self.simulate_interruptions)
@@ -462,11 +490,8 @@ class JobSpec:
         if isinstance(schema, bool) or not isinstance(schema, int):
             raise SpecError(f"spec.json: schema must be a whole number, not {schema!r}; "
                             + _RESUBMIT)
-        if schema > SPEC_SCHEMA:
-            raise SpecError(
-                f"this job was written by a newer spotnb (spec schema {schema}); "
-                "upgrade spotnb: pip install -U spotnb"
-            )
+        if schema not in READABLE_SCHEMAS:
+            raise SpecError(_unreadable_schema(schema))
         res = _object(raw.pop("resources", None), "resources")
         pol = _object(raw.pop("policy", None), "policy")
         every = _object(pol.pop("checkpoint_every", None), "checkpoint_every")
@@ -509,6 +534,15 @@ class JobSpec:
             # A value of a type no check expected (a number where text belongs): the
             # same answer as for any other damage.
             raise SpecError(f"spec.json is damaged ({err}); {_RESUBMIT}") from None
+
+
+def _unreadable_schema(schema: Any) -> str:
+    readable = ", ".join(map(str, sorted(READABLE_SCHEMAS)))
+    if isinstance(schema, int) and not isinstance(schema, bool) and schema > SPEC_SCHEMA:
+        return (f"this job was written by a newer spotnb (spec schema {schema}; this "
+                f"spotnb reads {readable}); upgrade spotnb: pip install -U spotnb")
+    return (f"spec.json: schema {schema!r} is not one this spotnb reads ({readable}); "
+            + _RESUBMIT)
 
 
 # What to do about a spec.json that cannot be read: it is written once, by spotnb.
