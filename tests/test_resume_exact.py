@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import linecache
 import re
+import shutil
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import nbformat
 import pytest
 import torch
 from IPython.core.getipython import get_ipython
@@ -33,6 +35,7 @@ from IPython.utils.capture import capture_output
 import spotnb
 from spotnb.client.capture import capture
 from spotnb.client.carried import check_resume, resume_warning
+from spotnb.client.notebook import run_notebook
 from spotnb.client.validation import prepare_job
 from spotnb.kernel_remote import channel
 from spotnb.protocol import inputs as shipped
@@ -469,3 +472,63 @@ def test_the_warning_is_the_cells_first_output_line(
         for job in spotnb.jobs():
             spotnb.attach(job.job_id).stop()
             spotnb.attach(job.job_id).wait(timeout=120)
+
+
+# -- the example notebook ---------------------------------------------------------------
+
+def _outputs(cell: Any) -> str:
+    return "".join(o.get("text", "") if o["output_type"] == "stream"
+                   else o.get("data", {}).get("text/plain", "") + "\n"
+                   for o in cell.get("outputs", []))
+
+
+def _figures(nb: Any) -> dict[str, str]:
+    """The last cell's ``best val loss``, ``final val loss`` and ``weights`` lines."""
+    return dict(re.findall(r"^(best val loss|final val loss|weights) (\S+)$",
+                           _outputs(nb.cells[-1]), re.MULTILINE))
+
+
+@pytest.mark.slow
+# A kernel, three attempts and the uninterrupted run in a second kernel: about 80 s on
+# a quiet 2-core machine.
+@pytest.mark.timeout(900)
+def test_the_gpt_example_resumes_twice_and_ends_as_the_uninterrupted_run(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the interruptions the notebook asks for: the Spot Advisor hazard is off.
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    for name in ("gpt.ipynb", "model.py"):
+        shutil.copy(REPO / "notebooks" / name, tmp_path / name)
+    run = run_notebook(tmp_path / "gpt.ipynb", tmp_path / "executed.ipynb")
+    assert run.ok, run.failure
+    nb = nbformat.read(run.output, as_version=4)
+    train = next(c for c in nb.cells if c.source.startswith("%%spot_train"))
+    text = _outputs(train)
+    # Nothing to warn about: the first line says what was shipped, the helpers by name
+    # with what they read (the model is the cell's, read on the instance).
+    first = text.splitlines()[0]
+    assert first.startswith("[spotnb] shipping inputs "), text
+    assert "estimate_loss (reads eval_iters, get_batch, model)" in first, first
+    assert "get_batch (reads batch_size, block_size, train_data, val_data)" in first, first
+    assert "files model.py" in first
+
+    (job,) = spotnb.jobs()
+    assert (job.status, job.interruptions, job.attempts) == ("completed", 2, 3)
+    starts = [int(s) for s in re.findall(r"attempt \d: starting at step (\d+)", text)]
+    assert len(starts) == 3 and starts[0] == 0 < starts[1] < starts[2], text
+    # estimate_loss() measured the model being trained: the val loss fell.
+    val = [float(v) for v in re.findall(r"val loss (\d+\.\d+)", text)]
+    assert len(val) >= 5 and val[-1] < val[0] - 1.0, text
+
+    # The same notebook with the training cell run in its own kernel, uninterrupted
+    # and without spotnb's instance: the same figures, the same weights bit for bit.
+    reference = nbformat.read(tmp_path / "gpt.ipynb", as_version=4)
+    cell = next(c for c in reference.cells if c.source.startswith("%%spot_train"))
+    cell.source = "from spotnb import runtime as spot\n" + cell.source.split("\n", 1)[1]
+    (tmp_path / "local").mkdir()
+    shutil.copy(tmp_path / "model.py", tmp_path / "local" / "model.py")
+    nbformat.write(reference, tmp_path / "local" / "gpt.ipynb")
+    uninterrupted = run_notebook(tmp_path / "local" / "gpt.ipynb")
+    assert uninterrupted.ok, uninterrupted.failure
+    expected = _figures(nbformat.read(uninterrupted.output, as_version=4))
+    assert set(expected) == {"best val loss", "final val loss", "weights"}, expected
+    assert _figures(nb) == expected

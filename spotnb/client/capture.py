@@ -385,7 +385,8 @@ def notebook_reads(functions: Iterable[types.FunctionType], bound: Iterable[str]
             if name in skip or _IPYTHON_CACHE.match(name) or name.startswith("__"):
                 continue
             if name in bound:
-                found.setdefault(name, _ABSENT)
+                if not isinstance(func.__globals__.get(name), types.ModuleType):
+                    found.setdefault(name, _ABSENT)  # the cell's own (not a module it imports)
             elif name in func.__globals__:
                 found[name] = func.__globals__[name]
     return found
