@@ -369,6 +369,12 @@ def test_what_does_not_draw_from_the_global_rng_after_the_save_passes(after: str
     ("ckpt = spot.Checkpoint(model=model, optimizer=opt)\n"
      "for step in range(ckpt.restore(), 9):\n    opt.step()\n    sched.step()\n"
      "    ckpt.maybe_save(step)", "(sched: line 4 steps it in every iteration)"),
+    # A GradScaler stepped in the loop but not registered
+    ("ckpt = spot.Checkpoint(model=model, optimizer=opt)\n"
+     "for step in range(ckpt.restore(), 9):\n    scaler.scale(f()).backward()\n"
+     "    scaler.step(opt)\n    scaler.update()\n    ckpt.maybe_save(step)",
+     "scaler is carried from one iteration of the loop at line 2 to the next (scaler: "
+     "line 4 steps it in every iteration)"),
     # A value checked every few steps: read before it is assigned on most steps
     ("ckpt = spot.Checkpoint(model=model)\nfor step in range(ckpt.restore(), 9):\n"
      "    if step % 3 == 0:\n        val = evaluate()\n    spot.log(step, val=val)\n"

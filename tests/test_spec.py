@@ -251,6 +251,12 @@ def test_good_values_are_normalised() -> None:
     assert JobSpec.from_json(spec.to_json()) == spec
 
 
+def test_env_names_that_only_look_like_secrets_pass() -> None:
+    env = {"TOKENIZERS_PARALLELISM": "false", "MAX_TOKENS": "512", "KEYBOARD": "us",
+           "PATH": "/opt/tools/bin:/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    assert prepare(CODE, env=env).env == env
+
+
 def test_a_spec_read_back_is_checked_too() -> None:
     spec = prepare(CODE)
     raw = spec.to_json().replace('"keep_checkpoints": 3', '"keep_checkpoints": 2.5')
