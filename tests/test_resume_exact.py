@@ -26,6 +26,7 @@ from typing import Any
 
 import cloudpickle
 import nbformat
+import numpy as np
 import pytest
 import torch
 from IPython.core.getipython import get_ipython
@@ -221,6 +222,27 @@ def test_registered_values_are_saved_as_they_are_and_restored_into_the_cell(
     assert ckpt["best_val_loss"] == 7.0
     ckpt["best_val_loss"] = 0.5  # ckpt[name] = value sets the variable it follows
     assert again["best_val_loss"] == 0.5
+
+
+def test_a_batch_sliced_from_the_data_is_restored_without_writing_into_the_data(
+        standalone: Path) -> None:
+    cell = """
+        import numpy as np
+        import torch
+        data = torch.arange(100.0)
+        table = np.arange(100.0)
+        X, row = data[0:4], table[0:4]  # views into the data sets
+        ckpt = spot.Checkpoint(X=X, row=row)
+        start = ckpt.restore()
+        for step in range(start, 3):
+            X, row = data[10 * step + 10:10 * step + 14], table[50:54]
+            ckpt.save(step)
+    """
+    _run_cell(cell, {})
+    again = _run_cell(cell.replace("for step", "resumed = X.tolist()\n        for step"), {})
+    assert again["resumed"] == [30.0, 31.0, 32.0, 33.0]  # the batch saved last
+    assert torch.equal(again["data"], torch.arange(100.0)), "the data set is untouched"
+    assert (again["table"] == np.arange(100.0)).all()
 
 
 def test_a_wrapped_module_keeps_the_registered_one_in_the_checkpoint(standalone: Path) -> None:

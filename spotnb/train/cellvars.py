@@ -76,8 +76,11 @@ class CellVariables:
             raise TypeError(_frozen(name, holders[0], obj, where, module_level))
         return cls(frame.f_globals if module_level else None, tuple(names))
 
-    def refresh(self, objects: dict[str, Any]) -> None:
-        """Put each followed variable's current value into ``objects`` (before a save)."""
+    def refresh(self, objects: dict[str, Any], restoring: bool = False) -> None:
+        """Put each followed variable's current value into ``objects`` (before a save,
+        and before a restore: ``restoring``, where a view into another array, a batch
+        sliced from the data set, is replaced by a copy to restore into, so that the
+        restore assigns the variable instead of writing into the data set)."""
         if self._namespace is None:
             return
         for name in self.names:
@@ -88,15 +91,23 @@ class CellVariables:
             if current is not registered and any(
                     getattr(current, attr, None) is registered for attr in _WRAPPED):
                 continue  # model = torch.compile(model): the module itself is saved
+            if restoring and _is_view(current):
+                current = current.clone() if hasattr(current, "clone") else current.copy()
             objects[name] = current
 
     def follows(self, name: str) -> bool:
         return self._namespace is not None and name in self.names
 
     def assign(self, name: str, value: Any) -> None:
-        """Assign a followed variable (a restored value that replaced the old one)."""
-        if self._namespace is not None and name in self.names:
-            self._namespace[name] = value
+        """Assign a followed variable (``ckpt[name] = value``, or a restored value), unless
+        it holds ``value`` already or a wrapper of it (``torch.compile(model)``)."""
+        if self._namespace is None or name not in self.names:
+            return
+        current = self._namespace.get(name, _MISSING)
+        if current is value or any(getattr(current, attr, None) is value
+                                   for attr in _WRAPPED):
+            return
+        self._namespace[name] = value
 
 
 _MISSING = object()
@@ -110,6 +121,14 @@ def _caller(api: type) -> types.FrameType | None:
                 and isinstance(frame.f_locals.get("self"), api))):
         frame = frame.f_back  # type: ignore[assignment]
     return frame
+
+
+def _is_view(obj: Any) -> bool:
+    """Whether ``obj`` is a tensor or an array that shares another one's memory."""
+    kind = kind_of(obj)
+    if kind == "tensor":
+        return getattr(obj, "_base", None) is not None
+    return kind == "ndarray" and getattr(obj, "base", None) is not None
 
 
 def _distinct(obj: Any) -> bool:

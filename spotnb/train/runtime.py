@@ -620,7 +620,7 @@ class Checkpoint:
         started = time.monotonic()
         world = _world()
         damaged: list[str] = []
-        self._cell.refresh(self._objects)  # read into what the cell's variables hold now
+        self._cell.refresh(self._objects, restoring=True)  # into what the variables hold
         while True:
             found = self._fetch_newest_intact(damaged)
             if world is not None:
@@ -662,8 +662,7 @@ class Checkpoint:
                 continue
             kind, payload = saved[name]
             self._objects[name] = snapshot.restore(name, obj, kind, payload)
-            if self._objects[name] is not obj:
-                self._cell.assign(name, self._objects[name])  # best_val_loss = saved
+            self._cell.assign(name, self._objects[name])  # best_val_loss = the saved one
         for name in saved.keys() - self._objects.keys():
             _logger.warning("checkpoint %s also holds %r, which is not registered now; "
                             "ignored", manifest.id, name)
