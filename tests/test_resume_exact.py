@@ -418,6 +418,11 @@ def test_what_does_not_draw_from_the_global_rng_after_the_save_passes(after: str
     ("best = 1e9\nckpt = spot.Checkpoint(best_loss=best)\n"
      "for step in range(ckpt.restore(), 9):\n    best = min(best, f())\n"
      "    ckpt.maybe_save(step)", "spot.Checkpoint(best_loss=best) holds the object given"),
+    # A counter the cell's function keeps as a global
+    ("n_seen = 0\ndef train_step():\n    global n_seen\n    n_seen += 1\n"
+     "ckpt = spot.Checkpoint(model=model)\nfor step in range(ckpt.restore(), 9):\n"
+     "    train_step()\n    ckpt.maybe_save(step)",
+     "(n_seen: line 7 changes it through train_step() in every iteration)"),
     # A checkpoint registered in a function cannot follow its variables
     ("def train():\n    best = 1e9\n    ckpt = spot.Checkpoint(model=model, best=best)\n"
      "    for step in range(ckpt.restore(), 9):\n        best = min(best, f())\n"

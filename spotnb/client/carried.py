@@ -38,7 +38,7 @@ import inspect
 import itertools
 import textwrap
 import types
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 __all__ = ["Finding", "check_resume", "resume_warning"]
@@ -259,7 +259,7 @@ class _Check:
     def _carried(self, loops: list[ast.For | ast.AsyncFor | ast.While]) -> Iterator[Finding]:
         reported: set[str] = set()
         for loop in loops:
-            flow = _Flow(self.aliases)
+            flow = _Flow(self.aliases, self._globals_assigned)
             start: set[str] = set()
             if isinstance(loop, (ast.For, ast.AsyncFor)):
                 start = set(_target_names(loop.target))
@@ -302,7 +302,9 @@ class _Check:
                 how = (f"line {flow.exposed[example]} reads it before the iteration assigns "
                        f"it at line {flow.written[example]}")
             else:
-                how = f"line {flow.written[example]} {flow.verbs[example]} it in every iteration"
+                through = f" through {flow.via[example]}" if example in flow.via else ""
+                how = (f"line {flow.written[example]} {flow.verbs[example]} it{through} in "
+                       "every iteration")
             them = "them" if len(carried) > 1 else "it"
             fix = (f"register {them} in the Checkpoint (spot.Checkpoint(..., "
                    + ", ".join(f"{n}={n}" for n in carried) + "))")
@@ -313,6 +315,16 @@ class _Check:
                 f"{_names(carried)} {'are' if len(carried) > 1 else 'is'} carried from one "
                 f"iteration of the loop at line {loop.lineno} to the next ({example}: {how}) "
                 f"and the checkpoint does not hold {them}: {fix}"))
+
+    def _globals_assigned(self, name: str) -> set[str]:
+        """The global variables the cell's or the notebook's function ``name`` assigns
+        (``global n``, then ``n = ...``/``n += ...``), as far as its source shows."""
+        body, _ = self._function_body(name)
+        declared = {n for stmt in body for node in _walk_scope(stmt)
+                    if isinstance(node, ast.Global) for n in node.names}
+        return {node.id for stmt in body for node in _walk_scope(stmt)
+                if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del))
+                and node.id in declared}
 
     def _progress_bars(self) -> set[str]:
         return {t.id for n in ast.walk(self.tree) if isinstance(n, ast.Assign)
@@ -421,11 +433,15 @@ class _Flow:
     it assigns or changes (``written``), with line numbers; Python's evaluation order,
     branches merged (a name assigned in one branch only is not assigned after it)."""
 
-    def __init__(self, aliases: Mapping[str, str]) -> None:
+    def __init__(self, aliases: Mapping[str, str],
+                 globals_of: Callable[[str], set[str]] = lambda name: set()) -> None:
         self.aliases = aliases
+        # The global variables a function of the cell or the notebook assigns, by name.
+        self.globals_of = globals_of
         self.exposed: dict[str, int] = {}
         self.written: dict[str, int] = {}
         self.verbs: dict[str, str] = {}
+        self.via: dict[str, str] = {}  # name -> the function that changes it
         self.assigned: set[str] = set()  # rebound, not only changed in place
         self.sources: dict[str, list[ast.AST]] = {}  # name -> the values assigned
 
@@ -620,6 +636,12 @@ class _Flow:
                 isinstance(node.args[0], ast.Name):
             changed = node.args[0].id
             verb = "advances"
+        elif isinstance(func, ast.Name) and func.id not in local:
+            # train_step() that says `global step_count; step_count += 1`
+            for name in sorted(self.globals_of(func.id)):
+                self._read(name, node.lineno, defined)
+                self._write(name, node.lineno, None, verb="changes")
+                self.via.setdefault(name, f"{func.id}()")
         if changed is not None and changed not in local:
             self._read(changed, node.lineno, defined)
             self._write(changed, node.lineno, None, verb=verb)
@@ -707,6 +729,17 @@ def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
     for case in getattr(node, "cases", ()):
         blocks.append(case.body)
     return blocks
+
+
+def _walk_scope(node: ast.AST) -> Iterator[ast.AST]:
+    """``node`` and what is below it, not inside the functions and classes defined in it."""
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        yield current
+        if current is node or not isinstance(
+                current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(current))
 
 
 def _calls(node: ast.AST) -> Iterator[ast.Call]:
