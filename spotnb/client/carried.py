@@ -180,6 +180,7 @@ class _Check:
             isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef))
             for call in self.registrations for a in self._ancestors(call))
         self._draws: dict[str, str | None] = {}
+        self._bodies: dict[str, tuple[list[ast.stmt], Mapping[str, str]]] = {}
 
     def run(self) -> list[Finding]:
         saves = [n for n in ast.walk(self.tree) if isinstance(n, ast.Call)
@@ -390,6 +391,11 @@ class _Check:
     def _function_body(self, name: str) -> tuple[list[ast.stmt], Mapping[str, str]]:
         """The body of the cell's or the notebook's function ``name`` and the names of
         modules it sees; nothing for any other name."""
+        if name not in self._bodies:
+            self._bodies[name] = self._read_function(name)
+        return self._bodies[name]
+
+    def _read_function(self, name: str) -> tuple[list[ast.stmt], Mapping[str, str]]:
         if name in self.functions:
             return self.functions[name].body, self.aliases
         value = self.namespace.get(name)
