@@ -37,15 +37,14 @@ from spotnb.protocol.events import Event
 from spotnb.protocol.spec import SpecError
 from spotnb.providers import catalog, get_provider
 from spotnb.providers.aws import AwsProvider, _boto
+from spotnb.providers.aws.bootstrap import bundle, user_data
 from spotnb.providers.aws.resources import (
     LAUNCH_HOOK_NAME,
     LIFECYCLE_HOOK_NAME,
     READ_ONLY_ACTIONS,
     TAG_JOB,
-    bundle,
     capacity_failures,
     instance_policy,
-    user_data,
 )
 from spotnb.providers.imds import ImdsClient
 from spotnb.testing import FAKE_CREDENTIALS, AwsSimulator
@@ -198,7 +197,7 @@ def test_user_data_only_bootstraps() -> None:
     assert script.startswith("#!/bin/bash\n")
     assert f"WHEEL_SHA256={wheel.sha256}" in script, "the wheel is checked before install"
     assert "sha256sum --check" in script
-    assert 'exec "$PY" -m spotnb.providers.aws.instance --job "$JOB_URI"' in script
+    assert '"$PY" -m spotnb.providers.aws.instance --job "$JOB_URI"' in script
     assert not re.search(r"AKIA|ASIA|aws_secret|SECRET_ACCESS|SESSION_TOKEN|password", script)
 
 
