@@ -291,9 +291,9 @@ class _OperatingSystem:
     def _ec2_shutdown(self) -> None:
         """EC2, after the instance's operating system powered off: terminate or stop it
         as its InstanceInitiatedShutdownBehavior says."""
-        import boto3
+        from spotnb.providers.aws import _boto
 
-        ec2 = boto3.client("ec2", region_name=self.region)
+        ec2 = _boto.client("ec2", self.region, origin="simulator")
         behaviour = _shutdown_behaviour(ec2, self.instance_id)
         if behaviour == "terminate":
             ec2.terminate_instances(InstanceIds=[self.instance_id])
@@ -426,13 +426,14 @@ def plain_image(ensurepip: bool = True) -> PlainImage:
 
 
 def _system_python(root: Path, ensurepip: bool) -> None:
-    """``root/python``: this interpreter's binary under a prefix of its own, whose
-    standard library links this one's, with pip (from ``ensurepip``'s wheel) and a PEP
-    668 marker; ``root/bin/python3`` names it."""
+    """A Python whose prefix is ``root``, as ``/usr`` is a system Python's: this
+    interpreter's binary (``root/bin/python3``), a standard library that links this
+    one's, pip (from ``ensurepip``'s wheel) and a PEP 668 marker. (A prefix of its own
+    also for the virtual environments made on it: their ``home`` is ``root/bin``.)"""
     import zipfile
 
     version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    prefix = root / "python"
+    prefix = root
     (prefix / "bin").mkdir(parents=True)
     binary = Path(os.path.realpath(Path(sys.base_prefix) / "bin" / version))
     if not binary.exists():
@@ -461,8 +462,7 @@ def _system_python(root: Path, ensurepip: bool) -> None:
     (own / "EXTERNALLY-MANAGED").write_text(
         "[externally-managed]\nError=This is the image's Python (spotnb.testing.boot): "
         "install into a virtual environment.\n")
-    (root / "bin").mkdir()
-    (root / "bin" / "python3").symlink_to(prefix / "bin" / version)
+    (root / "bin" / "python3").symlink_to(version)
 
 
 def _normalise(name: str) -> str:

@@ -1,0 +1,246 @@
+"""How an EC2 instance boots spotnb: the real user data, as EC2 runs it.
+
+The simulator boots each instance on a simulated operating system
+(:mod:`spotnb.testing.boot`: cloud-init runs the user data once, systemd runs the units
+it enables at every boot, a power-off becomes EC2's termination). On the plain image
+(``install=True``) the "system" Python has no spotnb and refuses pip (PEP 668), the
+internet is a local wheel index, and nothing of the test's environment comes through:
+the boot script must make its own environment, install, start the agent as a service,
+and, when a step fails, end the instance and tell the job why.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import gzip
+import io
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+
+import spotnb
+from spotnb.client.cli import main as cli_main
+from spotnb.client.display import milestone
+from spotnb.protocol import layout
+from spotnb.protocol.events import (
+    EVENTS_PREFIX,
+    GROUP_STREAM,
+    SCHEMA_VERSION,
+    Event,
+    codec,
+    stream_name,
+)
+from spotnb.providers.aws import AwsProvider, _boto, bootreport
+from spotnb.providers.aws.bootstrap import (
+    AGENT_UNIT,
+    BOOT_FAILURE_LIMIT,
+    USER_DATA_LIMIT,
+    bundle,
+    user_data,
+)
+from spotnb.testing import AwsSimulator, boot
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux",
+                                reason="simulated instances are Linux processes")
+
+
+def expanded(script: str) -> str:
+    """The boot script with its packed failure report unpacked (what it holds)."""
+    packed = re.search(r"<<'SPOTNB_BOOTREPORT'[^\n]*\n(.*?)\nSPOTNB_BOOTREPORT", script, re.S)
+    assert packed is not None
+    report = gzip.decompress(base64.b64decode(packed.group(1))).decode()
+    return script.replace(packed.group(1), report)
+
+
+def test_the_boot_script_is_bash_within_ec2s_limit_and_holds_no_secret() -> None:
+    script = user_data(job_id="j1", store_uri="s3://b/jobs/j1", wheel=bundle())
+    assert len(script.encode()) <= USER_DATA_LIMIT
+    checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True,
+                             check=False)
+    assert checked.returncode == 0, checked.stderr
+    full = expanded(script)
+    compile(full[full.index("from __future__"):full.index("\nSPOTNB_BOOTREPORT")],
+            "bootreport.py", "exec")
+    assert not re.search(r"AKIA|ASIA|aws_secret|SECRET_ACCESS|SESSION_TOKEN|password", full)
+    # Never pip into the image's Python: only into the environment the script makes.
+    assert not re.search(r"python3? -m pip install", full)
+    assert "--system-site-packages" not in full or "_spotnb_base.pth" in full
+
+
+def test_the_failure_report_writes_the_jobs_own_keys() -> None:
+    """bootreport.py runs without spotnb: its names of the job's keys are the layout's."""
+    assert bootreport.BOOT == layout.BOOT
+    assert bootreport.RESULT == layout.RESULT
+    assert f"{EVENTS_PREFIX}{stream_name(GROUP_STREAM)}/" == bootreport.GROUP_STREAM
+    assert bootreport.SCHEMA_VERSION == SCHEMA_VERSION
+    assert codec.Instance(action=bootreport.BOOT_FAILED).boot_failed
+    assert layout.boot_log_key("i-1") == f"{bootreport.BOOT}i-1.log"
+    assert layout.boot_ok_key("i-1").endswith(".ok")
+
+
+def test_only_boots_failed_since_an_instance_came_up_count_towards_the_limit() -> None:
+    keys = [("p/boot/i-1.log", 10.0), ("p/boot/i-2.log", 20.0), ("p/boot/i-3.ok", 30.0),
+            ("p/boot/i-4.log", 40.0)]
+    assert bootreport.failures_in_a_row(keys, "p/boot/i-5.log") == 2
+    assert bootreport.failures_in_a_row(keys[:2], "p/boot/i-5.log") == 3
+    assert bootreport.failures_in_a_row([], "p/boot/i-1.log") == 1
+    # A rebooted instance that failed after it had come up counts once.
+    assert bootreport.failures_in_a_row([("p/boot/i-3.ok", 30.0), ("p/boot/i-3.log", 50.0)],
+                                        "p/boot/i-3.log") == 1
+
+
+@pytest.fixture
+def sim_home(spotnb_home: Path, tmp_path: Path,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    yield tmp_path
+
+
+def nothing_billed_left(timeout: float = 60.0) -> None:
+    """No group, template or instance of any job (what bills, or would launch)."""
+    asg, ec2 = _boto.client("autoscaling"), _boto.client("ec2")
+
+    def clear() -> bool:
+        running = [i for r in ec2.describe_instances(Filters=[{
+            "Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
+            for i in r["Instances"]]
+        return not (running or asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+                    or ec2.describe_launch_templates()["LaunchTemplates"])
+
+    wait_until(clear, timeout, "the job's group, template and instances to be gone")
+
+
+def nothing_left(simulator: AwsSimulator, timeout: float = 60.0) -> None:
+    wait_until(lambda: not AwsProvider().cleanup(dry_run=True), timeout,
+               "`spotnb aws cleanup --dry-run` to find nothing")
+    simulator.wait_until_idle(timeout)
+
+
+def site_packages(python: Path) -> Path:
+    return Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
+                                "get_path('purelib'))"], capture_output=True, text=True,
+                               check=True, env={"PATH": "/usr/bin:/bin"}).stdout.strip())
+
+
+@pytest.mark.slow  # over 30 s: spotnb and its dependencies installed on the instance
+@pytest.mark.timeout(600)
+def test_a_plain_image_boots_into_an_environment_of_its_own_and_a_reboot_brings_the_agent_back(
+        sim_home: Path) -> None:
+    image = boot.plain_image()
+    # The image's Python is a system Python as Ubuntu 23.04+ has it: pip refuses it.
+    refused = subprocess.run([str(image.python), "-m", "pip", "install", "--no-index",
+                              "pathspec"], capture_output=True, text=True, check=False,
+                             env=image.environment({}, sim_home / "probe"))
+    assert refused.returncode != 0 and "externally-managed-environment" in refused.stderr
+    system_site = sorted(p.name for p in site_packages(image.python).iterdir())
+    flag = sim_home / "go"
+    code = (f"import pathlib, sys, time\nwhile not pathlib.Path({str(flag)!r}).exists():\n"
+            "    time.sleep(0.2)\nwhere = sys.prefix")
+    with AwsSimulator(sim_home / "sim", install=True) as sim:
+        handle = spotnb.submit(code, provider="aws", instance_types=["g4dn.xlarge"],
+                               outputs=["where"])
+        wait_until(lambda: handle.status == "running", 300, "the job to run")
+        (inst,) = sim.running(handle.job_id)
+        venv = inst.dir / "venv"
+        boot_log = (inst.dir / "bootstrap.log").read_text()
+        assert f"from {site_packages(venv / 'bin' / 'python')}/spotnb/" in boot_log, boot_log
+        # Nothing went into the image's Python.
+        assert sorted(p.name for p in site_packages(image.python).iterdir()) == system_site
+        assert (inst.dir / boot.UNITS / boot.WANTS / AGENT_UNIT).exists(), \
+            "the agent is an enabled systemd unit"
+        # A reboot: every process ends, the user data does not run again, the unit does.
+        boot.reboot(inst)
+        wait_until(lambda: any(e.attempt == 2 and isinstance(e.body, codec.Status)
+                               and e.body.state == "running"
+                               for e in handle.events(follow=False)),
+                   300, "the job's second attempt to run after the reboot")
+        assert not inst.terminated, "a reboot does not end the instance"
+        assert (inst.dir / "bootstrap.log").read_text().count("first-boot of job") == 1
+        flag.write_text("go")
+        result = handle.wait(timeout=180)
+        assert result.status == "completed", result
+        assert result.outputs["where"] == str(venv), "the cell ran in the boot's environment"
+        assert [a.instance_id for a in result.attempts] == [inst.id, inst.id]
+        launches = [e for e in handle.events(follow=False)
+                    if isinstance(e.body, codec.Status) and e.body.state == "launching"
+                    and e.instance == inst.id]
+        assert "started again" in launches[-1].body.detail
+        nothing_left(sim)
+
+
+@pytest.mark.slow  # over 30 s: three boots that fail
+@pytest.mark.timeout(600)
+def test_a_failing_boot_ends_its_instance_says_why_and_the_third_in_a_row_fails_the_job(
+        sim_home: Path) -> None:
+    # An image whose Python has no ensurepip (Ubuntu without python3-venv) and whose
+    # "PyPI" lacks one of spotnb's dependencies (a mirror without it, or no route out):
+    # the environment is made without pip of its own, and pip install fails.
+    image = boot.plain_image(ensurepip=False).without("pathspec")
+    with AwsSimulator(sim_home / "sim", install=image) as sim:
+        handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+        result = handle.wait(timeout=480)
+        assert result.status == "failed"
+        assert f"failed {BOOT_FAILURE_LIMIT} times in a row" in result.reason
+        assert "installing spotnb and its dependencies with pip" in result.reason
+        assert "No matching distribution found for pathspec" in result.reason
+        events = list(handle.events(follow=False))
+        failed = [e for e in events if isinstance(e.body, codec.Instance)
+                  and e.body.boot_failed]
+        assert [e.body.failures for e in failed] == list(range(1, BOOT_FAILURE_LIMIT + 1))
+        assert all(any("No matching distribution found for pathspec" in line
+                       for line in e.body.log) for e in failed)
+        instances = {e.body.instance_id for e in failed}
+        assert len(instances) == BOOT_FAILURE_LIMIT, "each failed boot was a new instance"
+        # Each instance ended itself: it powered off and EC2 terminated it.
+        for iid in instances:
+            wait_until(lambda iid=iid: sim.instances[iid].terminated, 60,
+                       f"{iid} to be terminated")
+        powered_off = [iid for iid in instances
+                       if "powered off: EC2 terminated" in sim.instances[iid].log()]
+        assert len(powered_off) >= BOOT_FAILURE_LIMIT - 1  # the last: its group's deletion
+        # The environment was made on the image's Python without pip of its own.
+        venv = sim.instances[failed[0].body.instance_id or ""].dir / "venv"
+        assert (venv / "bin" / "python").exists() and not list(venv.glob("lib/*/site-packages/pip"))
+        # What the user sees: the log's end in `spotnb logs`, a line in the display.
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["logs", handle.job_id]) == 0
+        assert "boot-failed" in out.getvalue()
+        assert "| ERROR: No matching distribution found for pathspec" in out.getvalue()
+        lines = [milestone(e) for e in failed]
+        assert all(line and "failed to boot" in line for line in lines), lines
+        assert "Auto Scaling launches another instance" in str(lines[0])
+        assert "the job fails" in str(lines[-1])
+        # Each failed boot's whole log is in the store, beside the job.
+        logs = [k for k in handle.store.list_keys(layout.BOOT) if k.endswith(".log")]
+        assert len(logs) == BOOT_FAILURE_LIMIT
+        assert json.loads(handle.store.get(layout.RESULT))["by"] == "aws-bootstrap"
+        # Nothing bills or launches any more; `spotnb aws cleanup` removes the rest.
+        nothing_billed_left()
+        AwsProvider().cleanup()
+        nothing_left(sim)
+
+
+def test_a_boot_failure_reads_in_the_log_and_the_display() -> None:
+    event = Event(type="instance", time=1_700_000_000.0, attempt=0, instance="i-1", data={
+        "action": "boot-failed", "instance_id": "i-1", "instance_type": "g5.xlarge",
+        "az": "use1-az1", "reason": "checking the SHA-256 of spotnb.whl (exit 1)",
+        "step": "checking the SHA-256 of spotnb.whl", "exit_code": 1,
+        "log": ["spotnb-boot: first-boot", "sha256sum: WARNING: 1 computed checksum did NOT "
+                "match", "spotnb-boot: step failed (exit 1)"], "failures": 1, "limit": 3})
+    from spotnb.client.listing import format_event
+
+    text = format_event(event)
+    assert text is not None and "boot-failed" in text and "(1 of 3 failed boots in a row)" in text
+    assert "\n    | sha256sum: WARNING: 1 computed checksum did NOT match" in text
+    line = milestone(event)
+    assert line is not None
+    assert line.startswith("i-1 failed to boot (1 of 3 in a row): checking the SHA-256")
+    assert "did NOT match" in line and "Auto Scaling launches another instance" in line
