@@ -21,13 +21,15 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import wait_until
 
 import spotnb
 from spotnb.client.cli import main as cli_main
-from spotnb.client.display import milestone
+from spotnb.client.display import Finished, JobView, follow, milestone
+from spotnb.client.jobs import JobResult
 from spotnb.protocol import layout
 from spotnb.protocol.events import (
     EVENTS_PREFIX,
@@ -37,7 +39,7 @@ from spotnb.protocol.events import (
     codec,
     stream_name,
 )
-from spotnb.providers.aws import AwsProvider, _boto, bootreport
+from spotnb.providers.aws import AwsProvider, _boto, bootreport, bootstrap
 from spotnb.providers.aws.bootstrap import (
     AGENT_UNIT,
     BOOT_FAILURE_LIMIT,
@@ -94,6 +96,34 @@ def test_only_boots_failed_since_an_instance_came_up_count_towards_the_limit() -
     # A rebooted instance that failed after it had come up counts once.
     assert bootreport.failures_in_a_row([("p/boot/i-3.ok", 30.0), ("p/boot/i-3.log", 50.0)],
                                         "p/boot/i-3.log") == 1
+
+
+class Recorder:
+    """A display (``spotnb.client.display.Renderer``) that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[str, str]] = []
+        self.milestones: list[str] = []
+        self.final: tuple[str, str] | None = None
+
+    def update(self, view: JobView) -> None:
+        self.headers.append((view.state, view.detail))
+
+    def stream(self, name: str, text: str) -> None:
+        pass
+
+    def rich(self, kind: str, data: dict[str, Any], metadata: dict[str, Any],
+             display_id: str | None) -> None:
+        pass
+
+    def milestone(self, view: JobView, event: Event, text: str) -> None:
+        self.milestones.append(text)
+
+    def finished(self, view: JobView, result: JobResult) -> None:
+        self.final = (view.state, view.reason)
+
+    def detached(self, view: JobView) -> None:
+        pass
 
 
 @pytest.fixture
@@ -185,8 +215,16 @@ def test_a_failing_boot_ends_its_instance_says_why_and_the_third_in_a_row_fails_
     image = boot.plain_image(ensurepip=False).without("pathspec")
     with AwsSimulator(sim_home / "sim", install=image) as sim:
         handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
-        result = handle.wait(timeout=480)
+        # The notebook's display, followed to the end: what it shows on the way.
+        display = Recorder()
+        finished = follow(handle, display)
+        assert isinstance(finished, Finished)
+        result = finished.result
         assert result.status == "failed"
+        assert any(state == "launching" and "failed to boot (1 of 3 in a row)" in detail
+                   for state, detail in display.headers), "the header says it, not booting"
+        assert [m for m in display.milestones if "failed to boot" in m], display.milestones
+        assert display.final == ("failed", result.reason)
         assert f"failed {BOOT_FAILURE_LIMIT} times in a row" in result.reason
         assert "installing spotnb and its dependencies with pip" in result.reason
         assert "No matching distribution found for pathspec" in result.reason
@@ -223,6 +261,33 @@ def test_a_failing_boot_ends_its_instance_says_why_and_the_third_in_a_row_fails_
         assert len(logs) == BOOT_FAILURE_LIMIT
         assert json.loads(handle.store.get(layout.RESULT))["by"] == "aws-bootstrap"
         # Nothing bills or launches any more; `spotnb aws cleanup` removes the rest.
+        nothing_billed_left()
+        AwsProvider().cleanup()
+        nothing_left(sim)
+
+
+@pytest.mark.slow  # over 30 s: the AWS CLI installed on the image
+@pytest.mark.timeout(600)
+def test_without_a_route_to_pypi_the_aws_cli_reports_the_failure_and_ends_the_job(
+        sim_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A private subnet without a NAT gateway: S3 answers, PyPI does not. An image with
+    # the AWS CLI and no boto3 downloads the wheel and reports with the CLI. One
+    # failed boot is the limit here (the count itself is held by the test above).
+    monkeypatch.setattr(bootstrap, "BOOT_FAILURE_LIMIT", 1)
+    image = boot.plain_image(aws_cli=True).offline()
+    with AwsSimulator(sim_home / "sim", install=image) as sim:
+        handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+        result = handle.wait(timeout=300)
+        assert result.status == "failed"
+        assert "installing spotnb and its dependencies with pip" in result.reason
+        assert "No matching distribution found" in result.reason
+        (inst,) = sim.instances.values()
+        log = (inst.dir / "bootstrap.log").read_text()
+        assert "reporting the failure to the job with AWS CLI" in log, log
+        failed = [e for e in handle.events(follow=False)
+                  if isinstance(e.body, codec.Instance) and e.body.boot_failed]
+        assert len(failed) == 1 and failed[0].body.instance_id == inst.id
+        assert handle.store.exists(layout.boot_log_key(inst.id))
         nothing_billed_left()
         AwsProvider().cleanup()
         nothing_left(sim)

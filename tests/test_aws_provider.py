@@ -439,7 +439,7 @@ def test_a_failed_launch_releases_what_it_created(sim: AwsSimulator) -> None:
 @pytest.mark.slow  # over 30 s
 def test_a_user_error_fails_the_job_and_deletes_its_group(tmp_path: Path,
                                                            spotnb_home: Path) -> None:
-    # This simulator installs the uploaded wheel on each instance, as on a plain DLAMI.
+    # This simulator installs the uploaded wheel on each instance, on a plain image.
     with AwsSimulator(tmp_path / "sim", install=True) as simulator:
         handle = spotnb.submit("def f():\n    return 1 / 0\nf()", provider="aws",
                                instance_types=["g4dn.xlarge"])
@@ -452,7 +452,7 @@ def test_a_user_error_fails_the_job_and_deletes_its_group(tmp_path: Path,
         inst = simulator.instances[result.attempts[0].instance_id]
         simulator.wait_until_idle(30)
         boot = (inst.dir / "bootstrap.log").read_text()
-        assert f"from {inst.dir / 'site' / 'spotnb'}" in boot, boot
+        assert f"from {inst.dir / 'venv'}/lib/" in boot, boot
         assert_nothing_left(simulator)
 
 

@@ -22,7 +22,7 @@ runs it, not in the test's own environment:
   spotnb nor anything else installed (a copy of this interpreter under a prefix of its
   own, its standard library linked), with pip and a PEP 668 ``EXTERNALLY-MANAGED``
   marker, as on Ubuntu 23.04+; optionally without ``ensurepip`` (Debian and Ubuntu
-  without ``python3-venv``); no AWS CLI, no boto3; and, in place of the internet, a
+  without ``python3-venv``); no boto3, and optionally the AWS CLI; in place of the internet, a
   local wheel index of spotnb's dependencies (:func:`wheel_index`: ``pip download``
   once per session, kept in the temporary directory for the next one) that pip on the
   instance is configured to use (``PIP_NO_INDEX``, ``PIP_FIND_LINKS``; no pip
@@ -393,9 +393,15 @@ class PlainImage:
             "HOME": str(home / "root"), "LANG": "C.UTF-8",
             "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
             "PIP_FIND_LINKS": str(self.index), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            "PIP_NO_CACHE_DIR": "1",
+            "PIP_NO_CACHE_DIR": "1", "PIP_NO_COMPILE": "1",
         })
         return env
+
+    def offline(self) -> PlainImage:
+        """The same image with no route to PyPI (a private subnet without a NAT
+        gateway): its index is empty."""
+        return dataclasses.replace(self, index=Path(tempfile.mkdtemp(prefix="spotnb-index-",
+                                                                     dir=self.root)))
 
     def without(self, *projects: str) -> PlainImage:
         """The same image whose index lacks ``projects`` (a mirror without them, or no
@@ -408,21 +414,39 @@ class PlainImage:
         return dataclasses.replace(self, index=index)
 
 
-_IMAGES: dict[bool, PlainImage] = {}
+_IMAGES: dict[tuple[bool, bool], PlainImage] = {}
 _IMAGES_LOCK = threading.Lock()
 
 
-def plain_image(ensurepip: bool = True) -> PlainImage:
+def plain_image(ensurepip: bool = True, aws_cli: bool = False) -> PlainImage:
     """The plain image (built once per process, in the temporary directory; see the
     module docstring). ``ensurepip=False``: its Python cannot make a virtual
-    environment with pip in it (Debian's and Ubuntu's without ``python3-venv``)."""
+    environment with pip in it (Debian's and Ubuntu's without ``python3-venv``).
+    ``aws_cli``: it has the AWS CLI (version 1, from PyPI, its packages apart from the
+    system Python's as a system package's are), and still no boto3 for its Python."""
     with _IMAGES_LOCK:
-        image = _IMAGES.get(ensurepip)
+        image = _IMAGES.get((ensurepip, aws_cli))
         if image is None:
             root = Path(tempfile.mkdtemp(prefix="spotnb-image-"))
             _system_python(root, ensurepip)
-            image = _IMAGES[ensurepip] = PlainImage(root, wheel_index())
+            if aws_cli:
+                _aws_cli(root)
+            image = _IMAGES[(ensurepip, aws_cli)] = PlainImage(root, wheel_index())
         return image
+
+
+def _aws_cli(root: Path) -> None:
+    """``root/bin/aws``: the AWS CLI, installed apart in ``root/opt/aws-cli``."""
+    target = root / "opt" / "aws-cli"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
+                           "--disable-pip-version-check", "--only-binary=:all:", "--target",
+                           str(target), "awscli"], capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"installing the AWS CLI failed: {done.stderr.strip()[-2000:]}")
+    aws = root / "bin" / "aws"
+    aws.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(target))} exec "
+                   f"{shlex.quote(str(root / 'bin' / 'python3'))} -m awscli \"$@\"\n")
+    aws.chmod(0o755)
 
 
 def _system_python(root: Path, ensurepip: bool) -> None:

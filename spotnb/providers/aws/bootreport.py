@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{OWN} neither boto3 nor the AWS CLI is on this image: the failure cannot "
               "reach the job", file=sys.stderr)
         return 3
+    print(f"{OWN} reporting the failure to the job with {store.name}")
     bucket, _, prefix = args.job_uri[len("s3://"):].partition("/")
     prefix = prefix.rstrip("/") + "/" if prefix else ""
     iid = args.instance
