@@ -163,16 +163,20 @@ def site_packages(python: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_a_plain_image_boots_into_an_environment_of_its_own_and_a_reboot_brings_the_agent_back(
         sim_home: Path) -> None:
+    # A plain Deep Learning AMI: its PyTorch environment (a virtual environment, with
+    # torch) on a system Python as Ubuntu 23.04+ has it, which pip refuses.
     image = boot.plain_image()
-    # The image's Python is a system Python as Ubuntu 23.04+ has it: pip refuses it.
+    assert image.pytorch is not None
     refused = subprocess.run([str(image.python), "-m", "pip", "install", "--no-index",
                               "pathspec"], capture_output=True, text=True, check=False,
                              env=image.environment({}, sim_home / "probe"))
     assert refused.returncode != 0 and "externally-managed-environment" in refused.stderr
-    system_site = sorted(p.name for p in site_packages(image.python).iterdir())
+    pytorch = image.pytorch / "bin" / "python"
+    before = {p: sorted(q.name for q in site_packages(p).iterdir())
+              for p in (image.python, pytorch)}
     flag = sim_home / "go"
     code = (f"import pathlib, sys, time\nwhile not pathlib.Path({str(flag)!r}).exists():\n"
-            "    time.sleep(0.2)\nwhere = sys.prefix")
+            "    time.sleep(0.2)\nimport image_torch\nwhere = (sys.prefix, image_torch.__file__)")
     with AwsSimulator(sim_home / "sim", install=True) as sim:
         handle = spotnb.submit(code, provider="aws", instance_types=["g4dn.xlarge"],
                                outputs=["where"])
@@ -181,8 +185,9 @@ def test_a_plain_image_boots_into_an_environment_of_its_own_and_a_reboot_brings_
         venv = inst.dir / "venv"
         boot_log = (inst.dir / "bootstrap.log").read_text()
         assert f"from {site_packages(venv / 'bin' / 'python')}/spotnb/" in boot_log, boot_log
-        # Nothing went into the image's Python.
-        assert sorted(p.name for p in site_packages(image.python).iterdir()) == system_site
+        # Nothing went into the image's Pythons.
+        assert {p: sorted(q.name for q in site_packages(p).iterdir())
+                for p in (image.python, pytorch)} == before
         assert (inst.dir / boot.UNITS / boot.WANTS / AGENT_UNIT).exists(), \
             "the agent is an enabled systemd unit"
         # A reboot: every process ends, the user data does not run again, the unit does.
@@ -196,7 +201,9 @@ def test_a_plain_image_boots_into_an_environment_of_its_own_and_a_reboot_brings_
         flag.write_text("go")
         result = handle.wait(timeout=180)
         assert result.status == "completed", result
-        assert result.outputs["where"] == str(venv), "the cell ran in the boot's environment"
+        # The cell ran in the boot's environment, and saw the image's torch.
+        assert result.outputs["where"] == (
+            str(venv), f"{site_packages(pytorch)}/image_torch/__init__.py")
         assert [a.instance_id for a in result.attempts] == [inst.id, inst.id]
         launches = [e for e in handle.events(follow=False)
                     if isinstance(e.body, codec.Status) and e.body.state == "launching"
@@ -209,10 +216,10 @@ def test_a_plain_image_boots_into_an_environment_of_its_own_and_a_reboot_brings_
 @pytest.mark.timeout(600)
 def test_a_failing_boot_ends_its_instance_says_why_and_the_third_in_a_row_fails_the_job(
         sim_home: Path) -> None:
-    # An image whose Python has no ensurepip (Ubuntu without python3-venv) and whose
-    # "PyPI" lacks one of spotnb's dependencies (a mirror without it, or no route out):
-    # the environment is made without pip of its own, and pip install fails.
-    image = boot.plain_image(ensurepip=False).without("pathspec")
+    # A custom image whose only Python, the system's, has no ensurepip (Ubuntu without
+    # python3-venv), and whose "PyPI" lacks one of spotnb's dependencies (a mirror
+    # without it): the environment is made without pip of its own, pip install fails.
+    image = boot.plain_image(dlami=False, ensurepip=False).without("pathspec")
     with AwsSimulator(sim_home / "sim", install=image) as sim:
         handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
         # The notebook's display, followed to the end: what it shows on the way.
@@ -274,7 +281,7 @@ def test_without_a_route_to_pypi_the_aws_cli_reports_the_failure_and_ends_the_jo
     # the AWS CLI and no boto3 downloads the wheel and reports with the CLI. One
     # failed boot is the limit here (the count itself is held by the test above).
     monkeypatch.setattr(bootstrap, "BOOT_FAILURE_LIMIT", 1)
-    image = boot.plain_image(aws_cli=True).offline()
+    image = boot.plain_image(dlami=False, aws_cli=True).offline()
     with AwsSimulator(sim_home / "sim", install=image) as sim:
         handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
         result = handle.wait(timeout=300)
@@ -288,6 +295,29 @@ def test_without_a_route_to_pypi_the_aws_cli_reports_the_failure_and_ends_the_jo
                   if isinstance(e.body, codec.Instance) and e.body.boot_failed]
         assert len(failed) == 1 and failed[0].body.instance_id == inst.id
         assert handle.store.exists(layout.boot_log_key(inst.id))
+        nothing_billed_left()
+        AwsProvider().cleanup()
+        nothing_left(sim)
+
+
+def test_an_instance_agent_that_keeps_crashing_is_retried_then_ends_its_instance(
+        sim_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An instance agent that cannot start (here: a log level it refuses) is started
+    # again in place, AGENT_TRIES times, then the boot counts as failed.
+    monkeypatch.setattr(bootstrap, "AGENT_RETRY_SECONDS", 0)
+    monkeypatch.setattr(bootstrap, "BOOT_FAILURE_LIMIT", 1)
+    monkeypatch.setenv("SPOTNB_LOG_LEVEL", "NOT-A-LEVEL")
+    with AwsSimulator(sim_home / "sim") as sim:
+        handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+        result = handle.wait(timeout=120)
+        assert result.status == "failed"
+        assert (f"running the instance agent: it exited with 1, {bootstrap.AGENT_TRIES} "
+                "times in a row") in result.reason, result.reason
+        (inst,) = sim.instances.values()
+        log = (inst.dir / "bootstrap.log").read_text()
+        assert log.count("the instance agent exited with 1") == bootstrap.AGENT_TRIES
+        assert "ValueError" in log, "the agent's own error is in the log"
+        wait_until(lambda: inst.terminated, 60, "the instance to end")
         nothing_billed_left()
         AwsProvider().cleanup()
         nothing_left(sim)

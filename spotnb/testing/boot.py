@@ -21,14 +21,15 @@ runs it, not in the test's own environment:
 * :class:`PlainImage` is what a plain image has: a "system" Python that has neither
   spotnb nor anything else installed (a copy of this interpreter under a prefix of its
   own, its standard library linked), with pip and a PEP 668 ``EXTERNALLY-MANAGED``
-  marker, as on Ubuntu 23.04+; optionally without ``ensurepip`` (Debian and Ubuntu
-  without ``python3-venv``); no boto3, and optionally the AWS CLI; in place of the internet, a
-  local wheel index of spotnb's dependencies (:func:`wheel_index`: ``pip download``
-  once per session, kept in the temporary directory for the next one) that pip on the
-  instance is configured to use (``PIP_NO_INDEX``, ``PIP_FIND_LINKS``; no pip
-  configuration file of this machine). The instance's environment has no
-  ``PYTHONPATH`` and no virtual environment: only the simulator's variables
-  (``SPOTNB_*``, ``AWS_*``) come through.
+  marker, as on Ubuntu 23.04+; by default the Deep Learning AMI's PyTorch environment
+  on it (a virtual environment, as ``/opt/pytorch`` is, with a stand-in for torch);
+  optionally without ``ensurepip`` (Debian and Ubuntu without ``python3-venv``); no
+  boto3, and optionally the AWS CLI; in place of the internet, a local wheel index of
+  spotnb's dependencies (:func:`wheel_index`: ``pip download`` once per session, kept
+  in the temporary directory for the next one) that pip on the instance is configured
+  to use (``PIP_NO_INDEX``, ``PIP_FIND_LINKS``; no pip configuration file of this
+  machine). The instance's environment has no ``PYTHONPATH`` and no virtual
+  environment: only the simulator's variables (``SPOTNB_*``, ``AWS_*``) come through.
 
 What it does not model: the instance's own root file system (the boot script's files
 go to ``SPOTNB_INSTANCE_DIR``, the instance's directory, and its systemd units to
@@ -369,11 +370,14 @@ def _become_subreaper() -> None:
 @dataclasses.dataclass(frozen=True)
 class PlainImage:
     """A machine image without spotnb (module docstring). ``root`` holds its "system"
-    Python (``root/bin/python3``) and ``index`` is its internet: the wheels pip may
-    install."""
+    Python (``root/bin/python3``); ``index`` is its internet: the wheels pip may
+    install; ``pytorch`` is its Deep Learning AMI's PyTorch environment, if it has one
+    (``root/opt/pytorch``: a virtual environment on the system Python, with a stand-in
+    for torch, the package ``image_torch``)."""
 
     root: Path
     index: Path
+    pytorch: Path | None = None
 
     @property
     def python(self) -> Path:
@@ -382,7 +386,10 @@ class PlainImage:
     def environment(self, harness: Mapping[str, str], home: Path) -> dict[str, str]:
         """An instance's environment on this image: the simulator's variables from
         ``harness`` (``SPOTNB_*`` but the interpreter overrides, ``AWS_*``), a ``PATH``
-        of the image's Python and the system's tools, pip pointed at the index."""
+        of the image's Python and the system's tools, pip pointed at the index (and
+        not compiling bytecode: a boot in half the time). The PyTorch environment is
+        named in ``SPOTNB_BASE_PYTHON``: the boot script looks for the DLAMI's at
+        ``/opt/pytorch``, which a test cannot make."""
         env = {k: v for k, v in harness.items()
                if k.startswith("AWS_") or (k.startswith("SPOTNB_") and k not in (
                    "SPOTNB_PYTHON", "SPOTNB_BASE_PYTHON"))}
@@ -395,6 +402,8 @@ class PlainImage:
             "PIP_FIND_LINKS": str(self.index), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
             "PIP_NO_CACHE_DIR": "1", "PIP_NO_COMPILE": "1",
         })
+        if self.pytorch is not None:
+            env["SPOTNB_BASE_PYTHON"] = str(self.pytorch / "bin" / "python")
         return env
 
     def offline(self) -> PlainImage:
@@ -414,25 +423,46 @@ class PlainImage:
         return dataclasses.replace(self, index=index)
 
 
-_IMAGES: dict[tuple[bool, bool], PlainImage] = {}
+_IMAGES: dict[tuple[bool, bool, bool], PlainImage] = {}
 _IMAGES_LOCK = threading.Lock()
 
 
-def plain_image(ensurepip: bool = True, aws_cli: bool = False) -> PlainImage:
+def plain_image(*, dlami: bool = True, ensurepip: bool = True,
+                aws_cli: bool = False) -> PlainImage:
     """The plain image (built once per process, in the temporary directory; see the
-    module docstring). ``ensurepip=False``: its Python cannot make a virtual
-    environment with pip in it (Debian's and Ubuntu's without ``python3-venv``).
-    ``aws_cli``: it has the AWS CLI (version 1, from PyPI, its packages apart from the
-    system Python's as a system package's are), and still no boto3 for its Python."""
+    module docstring). ``dlami``: it has the Deep Learning AMI's PyTorch environment
+    (:attr:`PlainImage.pytorch`), else only the system Python (a custom image).
+    ``ensurepip=False``: its Python cannot make a virtual environment with pip in it
+    (Debian's and Ubuntu's without ``python3-venv``). ``aws_cli``: it has the AWS CLI
+    (version 1, from PyPI, its packages apart from the system Python's, as a system
+    package's are), and still no boto3 for its Python."""
+    key = (dlami, ensurepip, aws_cli)
     with _IMAGES_LOCK:
-        image = _IMAGES.get((ensurepip, aws_cli))
+        image = _IMAGES.get(key)
         if image is None:
             root = Path(tempfile.mkdtemp(prefix="spotnb-image-"))
             _system_python(root, ensurepip)
             if aws_cli:
                 _aws_cli(root)
-            image = _IMAGES[(ensurepip, aws_cli)] = PlainImage(root, wheel_index())
+            pytorch = _pytorch_environment(root) if dlami else None
+            image = _IMAGES[key] = PlainImage(root, wheel_index(), pytorch)
         return image
+
+
+def _pytorch_environment(root: Path) -> Path:
+    """``root/opt/pytorch``, as the DLAMI's: a virtual environment on the system Python,
+    holding ``image_torch`` (no pip of its own: nothing is to install into it)."""
+    env = root / "opt" / "pytorch"
+    subprocess.run([str(root / "bin" / "python3"), "-m", "venv", "--without-pip", str(env)],
+                   check=True, capture_output=True, env={"PATH": "/usr/bin:/bin"})
+    where = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(subprocess.run([str(env / "bin" / "python"), "-c", where], check=True,
+                               capture_output=True, text=True,
+                               env={"PATH": "/usr/bin:/bin"}).stdout.strip())
+    (site / "image_torch").mkdir()
+    (site / "image_torch" / "__init__.py").write_text(
+        '"""A stand-in for the image\'s torch (spotnb.testing.boot)."""\n__version__ = "2.99"\n')
+    return env
 
 
 def _aws_cli(root: Path) -> None:

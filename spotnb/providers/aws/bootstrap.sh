@@ -28,11 +28,6 @@ exec >>"$LOG" 2>&1
 say() { echo "spotnb-boot: $*"; }
 say "$MODE of job $JOB_ID at $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 
-# The failure report (bootreport.py, gzipped), run by whichever Python can.
-base64 -d <<'SPOTNB_BOOTREPORT' | gzip -dc >"$WORK/bootreport.py"
-@BOOTREPORT@
-SPOTNB_BOOTREPORT
-
 failed() {  # the ERR trap: say what failed, report it to the job, end the instance
   local code=$1 py candidate
   # A failure inside $(...) or a pipeline's subshell: its caller fails in turn.
@@ -46,13 +41,13 @@ failed() {  # the ERR trap: say what failed, report it to the job, end the insta
     [ -n "$py" ] || py="$candidate"  # any Python: the AWS CLI, if boto3 is nowhere
     if "$candidate" -c 'import boto3' >/dev/null 2>&1; then py="$candidate"; break; fi
   done
-  if [ -n "$py" ]; then
+  if [ -n "$py" ] && [ -s "$WORK/bootreport.py" ]; then
     "$py" "$WORK/bootreport.py" --job-uri "$JOB_URI" --job-id "$JOB_ID" \
       --instance "${IID:-unknown-$(hostname)}" --instance-type "$ITYPE" --az "$AZ_ID" \
       --region "$REGION" --step "$STEP" --code "$code" --limit "$BOOT_FAILURE_LIMIT" \
       --log "$LOG" --group "$GROUP" --template "$TEMPLATE"
   else
-    say "no Python on this image: the failure cannot reach the job"
+    say "no Python (or no base64 and gzip) here: the failure cannot reach the job"
   fi
   say "powering off: EC2 terminates this instance"
   sync
@@ -60,6 +55,11 @@ failed() {  # the ERR trap: say what failed, report it to the job, end the insta
   exit "$code"
 }
 trap 'failed $?' ERR
+
+STEP="unpacking the failure report"  # bootreport.py, gzipped: run by whichever Python can
+base64 -d <<'SPOTNB_BOOTREPORT' | gzip -dc >"$WORK/bootreport.py"
+@BOOTREPORT@
+SPOTNB_BOOTREPORT
 
 imds() {  # imds PATH: one metadata value, with an IMDSv2 session token
   local token
@@ -153,9 +153,9 @@ DOWNLOAD
   STEP="installing spotnb and its dependencies with pip into $VENV"
   pip_install --quiet "$WORK/$WHEEL[aws]"
   PY="$VENV/bin/python"
+  STEP="checking that $PY runs this spotnb"
+  "$PY" -c 'import spotnb.providers.aws.instance, spotnb.kernel_remote'
 fi
-STEP="checking that $PY runs this spotnb"
-"$PY" -c 'import spotnb.providers.aws.instance, spotnb.kernel_remote'
 echo "$PY" >"$WORK/agent-python"
 
 UNITS="${SPOTNB_SYSTEMD_UNIT_DIR:-/etc/systemd/system}"
