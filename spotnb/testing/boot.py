@@ -26,10 +26,11 @@ runs it, not in the test's own environment:
   optionally without ``ensurepip`` (Debian and Ubuntu without ``python3-venv``); no
   boto3, and optionally the AWS CLI; in place of the internet, a local wheel index of
   spotnb's dependencies (:func:`wheel_index`: ``pip download`` once per session, kept
-  in the temporary directory for the next one) that pip on the instance is configured
-  to use (``PIP_NO_INDEX``, ``PIP_FIND_LINKS``; no pip configuration file of this
-  machine). The instance's environment has no ``PYTHONPATH`` and no virtual
-  environment: only the simulator's variables (``SPOTNB_*``, ``AWS_*``) come through.
+  in the temporary directory for the next one; the image is deleted at exit) that pip
+  on the instance is configured to use (``PIP_NO_INDEX``, ``PIP_FIND_LINKS``; no pip
+  configuration file of this machine). The instance's environment has no
+  ``PYTHONPATH`` and no virtual environment: only the simulator's variables
+  (``SPOTNB_*``, ``AWS_*``) come through.
 
 What it does not model: the instance's own root file system (the boot script's files
 go to ``SPOTNB_INSTANCE_DIR``, the instance's directory, and its systemd units to
@@ -41,6 +42,7 @@ index; IMDS and AWS are the simulator's endpoints); GPUs.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -441,6 +443,7 @@ def plain_image(*, dlami: bool = True, ensurepip: bool = True,
         image = _IMAGES.get(key)
         if image is None:
             root = Path(tempfile.mkdtemp(prefix="spotnb-image-"))
+            atexit.register(shutil.rmtree, root, True)  # the wheel index stays
             _system_python(root, ensurepip)
             if aws_cli:
                 _aws_cli(root)
