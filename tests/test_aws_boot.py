@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def expanded(script: str) -> str:
 
 
 def test_the_boot_script_is_bash_within_ec2s_limit_and_holds_no_secret() -> None:
-    script = user_data(job_id="j1", store_uri="s3://b/jobs/j1", wheel=bundle())
+    script = user_data(job_id="j1", store_uri="s3://bkt-jobs/jobs/j1", wheel=bundle())
     assert len(script.encode()) <= USER_DATA_LIMIT
     checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True,
                              check=False)
@@ -298,6 +299,73 @@ def test_without_a_route_to_pypi_the_aws_cli_reports_the_failure_and_ends_the_jo
         nothing_billed_left()
         AwsProvider().cleanup()
         nothing_left(sim)
+
+
+def test_a_failed_boot_fails_the_job_only_once_no_instance_runs_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failure report against moto, in this process: a standby's failed boots do not
+    end the job its other instance runs (a live lease), up to WHILE_RUNNING times the
+    limit; once no agent holds a lease, the limit fails the job and deletes its group."""
+    import boto3
+    from moto import mock_aws
+
+    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    log = tmp_path / "bootstrap.log"
+    log.write_text("spotnb-boot: first-boot of job j1\nERROR: No matching distribution found "
+                   "for pathspec>=1.0\nspotnb-boot: step failed (exit 1): installing\n")
+    with mock_aws():
+        s3, ec2 = boto3.client("s3"), boto3.client("ec2")
+        asg = boto3.client("autoscaling")
+        s3.create_bucket(Bucket="bkt-jobs")
+        image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        template = ec2.create_launch_template(LaunchTemplateName="spotnb-j1", LaunchTemplateData={
+            "ImageId": image, "InstanceType": "g4dn.xlarge"})["LaunchTemplate"]
+        asg.create_auto_scaling_group(
+            AutoScalingGroupName="spotnb-j1", MinSize=0, MaxSize=1, DesiredCapacity=0,
+            LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"]},
+            AvailabilityZones=["us-east-1a"])
+        for earlier in ("i-1", "i-2"):
+            s3.put_object(Bucket="bkt-jobs", Key=f"jobs/j1/boot/{earlier}.log", Body=b"...")
+        lease = {"epoch": 1, "holder": "i-0", "heartbeat": time.time(), "ttl": 180.0,
+                 "released": False}
+        s3.put_object(Bucket="bkt-jobs", Key="jobs/j1/lease.json", Body=json.dumps(lease).encode())
+
+        def report(instance: str) -> list[dict[str, Any]]:
+            assert bootreport.main([
+                "--job-uri", "s3://bkt-jobs/jobs/j1", "--job-id", "j1", "--instance", instance,
+                "--instance-type", "g4dn.xlarge", "--region", "us-east-1",
+                "--step", "installing spotnb", "--code", "1", "--limit", "3",
+                "--log", str(log), "--group", "spotnb-j1", "--template", "spotnb-j1"]) == 0
+            chunks = sorted(o["Key"] for o in s3.list_objects_v2(
+                Bucket="bkt-jobs", Prefix="jobs/j1/events/000000/")["Contents"])
+            body = s3.get_object(Bucket="bkt-jobs", Key=chunks[-1])["Body"].read().decode()
+            return [json.loads(line) for line in body.splitlines()]
+
+        def kept() -> bool:
+            return bool(asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+                        and ec2.describe_launch_templates()["LaunchTemplates"])
+
+        events = report("i-3")  # the third in a row, while i-0 runs the job
+        assert [e["type"] for e in events] == ["instance"], "no status: the job runs"
+        assert events[0]["data"]["failures"] == 3
+        assert events[0]["data"]["limit"] == 3 * bootreport.WHILE_RUNNING
+        assert "Contents" not in s3.list_objects_v2(Bucket="bkt-jobs", Prefix="jobs/j1/result.json")
+        assert kept()
+        # The job's instance let the lease go (an interruption): the next failure ends it.
+        lease["released"] = True
+        s3.put_object(Bucket="bkt-jobs", Key="jobs/j1/lease.json", Body=json.dumps(lease).encode())
+        events = report("i-4")
+        assert [e["type"] for e in events] == ["instance", "status", "result"]
+        written = s3.get_object(Bucket="bkt-jobs", Key="jobs/j1/result.json")["Body"].read()
+        result = json.loads(written)
+        assert result["status"] == "failed" and "failed 4 times in a row" in result["reason"]
+        assert "No matching distribution found for pathspec" in result["reason"]
+        assert not asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+        assert not ec2.describe_launch_templates()["LaunchTemplates"]
 
 
 def test_an_instance_agent_that_keeps_crashing_is_retried_then_ends_its_instance(

@@ -9,12 +9,17 @@ one way to reach AWS with the instance role: boto3, or else the AWS CLI. It
 2. counts the failed boots in a row: the ``boot/*.log`` newer than the newest
    ``boot/*.ok`` (the mark an instance agent that came up writes);
 3. at ``--limit`` failed boots in a row, fails the job: ``result.json``, create-only,
-   with the failing step and the log's last line as the reason;
+   with the failing step and the log's last line as the reason. While an agent holds
+   one of the job's leases (not released, its heartbeat younger than its TTL: the job
+   runs on another instance, and this was its warm standby or a node's replacement),
+   only at WHILE_RUNNING times the limit: the running job is not ended for a standby
+   that will not boot, but a group that keeps launching instances that fail is;
 4. appends to the group's stream of the event log (``events/000000/``) one chunk,
    create-only under the next free number as every writer of that stream does
    (:class:`spotnb.protocol.events.EventWriter`): an ``instance`` event
-   ``boot-failed`` (the step, its exit code, the log's last lines), a ``status``
-   event that says what happens next and, when the job failed, its ``result``;
+   ``boot-failed`` (the step, its exit code, the log's last lines) and, unless the
+   job runs on another instance (whose agents say its status), a ``status`` event that
+   says what happens next and, when the job failed, its ``result``;
 5. having failed the job, deletes its launch template and its Auto Scaling group
    (which would only launch another instance that fails the same way, forever).
 
@@ -45,6 +50,9 @@ RESULT = "result.json"
 GROUP_STREAM = "events/000000/"
 SCHEMA_VERSION = 1
 BOOT_FAILED = "boot-failed"
+_LEASE = re.compile(r"^lease(\.\d+)?\.json$")
+#: While the job runs on another instance, the limit is this many times larger.
+WHILE_RUNNING = 3
 #: The boot log's part kept in the store, and the lines of its end in the event.
 LOG_BYTES = 1 << 20
 TAIL_LINES = 40
@@ -88,6 +96,9 @@ class _Boto3:
                 return False
             raise
         return True
+
+    def get(self, bucket: str, key: str) -> bytes:
+        return bytes(self.s3.get_object(Bucket=bucket, Key=key)["Body"].read())
 
     def keys(self, bucket: str, prefix: str) -> list[tuple[str, float]]:
         """Every key under ``prefix``, with the time it was last written."""
@@ -141,6 +152,14 @@ class _Cli:
             raise Unsupported(done.stderr.strip()[-300:])
         self._check(done)
         return True
+
+    def get(self, bucket: str, key: str) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="spotnb-report-") as where:
+            out = os.path.join(where, "object")
+            self._check(self._run("s3api", "get-object", "--bucket", bucket, "--key", key,
+                                  out))
+            with open(out, "rb") as f:
+                return f.read()
 
     def keys(self, bucket: str, prefix: str) -> list[tuple[str, float]]:
         listed = self._check(self._run("s3api", "list-objects-v2", "--bucket", bucket,
@@ -214,6 +233,23 @@ def failures_in_a_row(keys: list[tuple[str, float]], own: str) -> int:
     return len(logs)
 
 
+def job_running(store: Any, bucket: str, prefix: str, now: float) -> bool:
+    """Whether an agent holds one of the job's leases (``lease.json``,
+    ``lease.<k>.json``): not released, and its heartbeat younger than its TTL."""
+    for key, _t in store.keys(bucket, prefix + "lease"):
+        if not _LEASE.match(key[len(prefix):]):
+            continue
+        try:
+            lease = json.loads(store.get(bucket, key))
+            if not lease.get("released") and \
+                    now - float(lease["heartbeat"]) < float(lease.get("ttl", 180.0)):
+                return True
+        except Exception as err:  # unreadable: not a holder this report can count on
+            print(f"{OWN} reading {key} failed: {type(err).__name__}: {err}",
+                  file=sys.stderr)
+    return False
+
+
 def _append(store: Any, bucket: str, prefix: str, events: list[dict[str, Any]]) -> str:
     """``events`` as one new chunk of the group's stream; its key."""
     body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events).encode()
@@ -279,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     # Step 2: how many boots failed in a row.
     count = _attempt("counting the failed boots", lambda: failures_in_a_row(
         store.keys(bucket, prefix + BOOT), own_log)) or 1
-    give_up = count >= args.limit
+    now = time.time()
+    running = bool(_attempt("reading the job's leases",
+                            lambda: job_running(store, bucket, prefix, now)))
+    limit = args.limit * WHILE_RUNNING if running else args.limit
+    give_up = count >= limit
     what = f"{args.step} (exit {args.code})"
     last = cause(lines)
     said = f"{what}: {last}" if last else what
@@ -289,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{where}, {said}. `spotnb logs {args.job_id}` shows the log's end; "
                   f"each failed boot's whole log is in {args.job_uri.rstrip('/')}/{BOOT}")
     else:
-        detail = (f"{where} failed to boot ({count} of {args.limit} in a row): {said}; "
-                  "Auto Scaling launches another instance")
-    now = time.time()
+        elsewhere = " (the job runs on another instance)" if running else ""
+        detail = (f"{where} failed to boot ({count} of {limit} in a row{elsewhere}): "
+                  f"{said}; Auto Scaling launches another instance")
     # Step 3: the job fails, with that reason.
     if give_up:
         result = {"status": "failed", "reason": detail, "time": now, "by": "aws-bootstrap",
@@ -307,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             "action": BOOT_FAILED, "instance_id": iid,
             "instance_type": args.instance_type or None, "az": args.az or None,
             "reason": what, "step": args.step, "exit_code": args.code, "log": lines,
-            "failures": count, "limit": args.limit}},
-        {**event, "type": "status", "data": {"state": "failed" if give_up else "launching",
-                                             "detail": detail}}]
+            "failures": count, "limit": limit}}]
+    if give_up or not running:  # a running job's status is its agents' to say
+        events.append({**event, "type": "status", "data": {
+            "state": "failed" if give_up else "launching", "detail": detail}})
     if give_up:
         events.append({**event, "type": "result", "data": {"status": "failed",
                                                            "reason": detail}})

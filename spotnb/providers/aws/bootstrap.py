@@ -23,8 +23,9 @@ the instance runs, narrated::
     any step fails -> its log to the job (bootreport.py): boot/<instance>.log, an
       ``instance`` event ``boot-failed`` with the step and the log's end; the
       BOOT_FAILURE_LIMIT-th failed boot in a row (no instance agent came up in between,
-      ``boot/<instance>.ok``) fails the job and deletes its group and template;
-      then the instance powers off and EC2 terminates it
+      ``boot/<instance>.ok``) fails the job and deletes its group and template (while
+      the job runs on another instance, a standby's or a node's failed boots fail it
+      only at three times that); then the instance powers off and EC2 terminates it
       (InstanceInitiatedShutdownBehavior); Auto Scaling launches the next one
 
 The script holds names and a checksum, never a secret: the instance reads the job's
