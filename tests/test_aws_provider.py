@@ -37,15 +37,14 @@ from spotnb.protocol.events import Event
 from spotnb.protocol.spec import SpecError
 from spotnb.providers import catalog, get_provider
 from spotnb.providers.aws import AwsProvider, _boto
+from spotnb.providers.aws.bootstrap import bundle, user_data
 from spotnb.providers.aws.resources import (
     LAUNCH_HOOK_NAME,
     LIFECYCLE_HOOK_NAME,
     READ_ONLY_ACTIONS,
     TAG_JOB,
-    bundle,
     capacity_failures,
     instance_policy,
-    user_data,
 )
 from spotnb.providers.imds import ImdsClient
 from spotnb.testing import FAKE_CREDENTIALS, AwsSimulator
@@ -198,7 +197,7 @@ def test_user_data_only_bootstraps() -> None:
     assert script.startswith("#!/bin/bash\n")
     assert f"WHEEL_SHA256={wheel.sha256}" in script, "the wheel is checked before install"
     assert "sha256sum --check" in script
-    assert 'exec "$PY" -m spotnb.providers.aws.instance --job "$JOB_URI"' in script
+    assert '"$PY" -m spotnb.providers.aws.instance --job "$JOB_URI"' in script
     assert not re.search(r"AKIA|ASIA|aws_secret|SECRET_ACCESS|SESSION_TOKEN|password", script)
 
 
@@ -440,7 +439,7 @@ def test_a_failed_launch_releases_what_it_created(sim: AwsSimulator) -> None:
 @pytest.mark.slow  # over 30 s
 def test_a_user_error_fails_the_job_and_deletes_its_group(tmp_path: Path,
                                                            spotnb_home: Path) -> None:
-    # This simulator installs the uploaded wheel on each instance, as on a plain DLAMI.
+    # This simulator installs the uploaded wheel on each instance, on a plain image.
     with AwsSimulator(tmp_path / "sim", install=True) as simulator:
         handle = spotnb.submit("def f():\n    return 1 / 0\nf()", provider="aws",
                                instance_types=["g4dn.xlarge"])
@@ -453,7 +452,7 @@ def test_a_user_error_fails_the_job_and_deletes_its_group(tmp_path: Path,
         inst = simulator.instances[result.attempts[0].instance_id]
         simulator.wait_until_idle(30)
         boot = (inst.dir / "bootstrap.log").read_text()
-        assert f"from {inst.dir / 'site' / 'spotnb'}" in boot, boot
+        assert f"from {inst.dir / 'venv'}/lib/" in boot, boot
         assert_nothing_left(simulator)
 
 

@@ -271,6 +271,14 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         return (f"rebalance recommendation for {event.instance} in its first hour: its "
                 f"standby starts at {due.strftime('%H:%M:%S')}, to be ready as the hour "
                 "ends (EC2 interrupting it before then makes it free)")
+    if isinstance(body, codec.Instance) and body.boot_failed:
+        last = next((line for line in reversed(body.log)
+                     if not line.startswith("spotnb-boot:")), "")
+        then = ("the job fails" if body.failures and body.limit and
+                body.failures >= body.limit else "Auto Scaling launches another instance")
+        count = f" ({body.failures} of {body.limit} in a row)" if body.failures else ""
+        return (f"{body.instance_id or event.instance} failed to boot{count}: {body.reason}"
+                f"{': ' + last if last else ''}; {then}. `%spot_logs` shows its log's end")
     if isinstance(body, codec.Instance) and body.capacity_error:
         return (f"no spot capacity for {body.instance_type} in {body.az}: "
                 "trying the next pool")

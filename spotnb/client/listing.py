@@ -48,7 +48,12 @@ def format_event(event: Event) -> str | None:
     if isinstance(b, codec.Instance):
         detail = " ".join(str(d[k]) for k in ("instance_id", "instance_type", "az", "reason")
                           if d.get(k))
-        return f"{where} instance {d.get('action')}: {detail}"
+        line = f"{where} instance {d.get('action')}: {detail}"
+        if b.boot_failed:  # the step that failed, then the end of the instance's boot log
+            if b.failures and b.limit:
+                line += f" ({b.failures} of {b.limit} failed boots in a row)"
+            line += "".join(f"\n    | {text}" for text in b.log)
+        return line
     if isinstance(b, codec.CheckpointEvent) and b.durable:
         return f"{where} checkpoint at step {d.get('step')} durable ({d.get('bytes', 0):,} bytes)"
     if isinstance(b, codec.Warning):

@@ -19,6 +19,10 @@ Job prefix (in the store, one per job)::
     standby/<instance>.json     a warm standby is ready (spotnb.kernel_remote.standby)
     standby.json                jobs on AWS: the instance (node) the group's one warm
                                 standby is for (spotnb.providers.aws.standby)
+    boot/<instance>.log         jobs on AWS: the whole boot log of an instance whose
+                                bootstrap failed (spotnb.providers.aws.bootstrap)
+    boot/<instance>.ok          jobs on AWS: an instance whose agent came up; the boot
+                                failures after the newest of these are "in a row"
     outputs.pkl                 cloudpickled {name: value} of the job's outputs
     result.json                 the final result, written once by the agent
     summary.json                the job's record (spotnb.records): attempts, cost,
@@ -52,6 +56,7 @@ OUTPUTS = "outputs.pkl"
 RESULT = "result.json"
 SUMMARY = "summary.json"
 STANDBY_CLAIM = "standby.json"
+BOOT = "boot/"
 
 
 def lease_key(slot: int = 0) -> str:
@@ -64,6 +69,18 @@ def standby_ready_key(instance_id: str) -> str:
     """Where a warm standby's agent says it is ready (one PUT per standby; see
     :mod:`spotnb.kernel_remote.standby`): its group reads it."""
     return f"standby/{instance_id}.json"
+
+
+def boot_log_key(instance_id: str) -> str:
+    """The boot log of an instance whose bootstrap failed (AWS: written by its user
+    data's failure handler, :mod:`spotnb.providers.aws.bootreport`)."""
+    return f"{BOOT}{instance_id}.log"
+
+
+def boot_ok_key(instance_id: str) -> str:
+    """The mark of an instance whose agent came up: boot failures older than the newest
+    mark do not count towards the job's limit (:mod:`spotnb.providers.aws.bootstrap`)."""
+    return f"{BOOT}{instance_id}.ok"
 
 
 #: The instance a warm standby stands by for, where its instance knows it (AWS: from the

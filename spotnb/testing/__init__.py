@@ -24,7 +24,9 @@ What it does:
   failed scaling activity, exactly as ``describe_scaling_activities`` shows it on AWS.
   Replacements after a termination come from the same loop;
 * **boots** every running instance that moto reports (replacements included): it runs
-  the instance's real user data with ``bash``, with the instance's own IMDSv2 endpoint
+  the instance's real user data with ``bash`` on a simulated operating system
+  (:mod:`spotnb.testing.boot`: cloud-init, systemd units, reboots, a power-off that
+  EC2 turns into the instance's termination), with the instance's own IMDSv2 endpoint
   (:class:`spotnb.providers.local.imds.ImdsServer`) in ``SPOTNB_IMDS_ENDPOINT``;
 * delivers **spot interruptions**: the notice appears in the instance's metadata, and
   after the notice period the instance is terminated in moto (SIGTERM to its processes,
@@ -83,10 +85,13 @@ that reach into moto's in-process state; each is restored on exit):
   are not in moto and fall back the same way.
 
 By default an instance runs its user data with ``SPOTNB_PYTHON`` set to this Python,
-like an image with spotnb preinstalled (fast); ``install=True`` makes every boot
-download the wheel that the provider uploaded to the job's prefix (``aws s3 cp``),
-check its SHA-256 and install it with pip into the instance's directory, as on a plain
-Deep Learning AMI.
+like an image with spotnb preinstalled (fast); ``install=True`` boots it on a plain
+image (:class:`spotnb.testing.boot.PlainImage`: a system Python without spotnb that
+refuses pip, PEP 668; a local wheel index for PyPI; nothing of the test's environment
+but the simulator's variables), where the boot downloads the wheel that the provider
+uploaded to the job's prefix, checks its SHA-256 and installs it with its dependencies
+into a virtual environment of its own, as on real EC2; ``install=`` a ``PlainImage``
+boots on that one (``plain_image().without("pathspec")``: an index that lacks one).
 """
 
 from spotnb.testing.server import (

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from spotnb.protocol.signals import SignalModel
+from spotnb.testing.boot import PlainImage, plain_image, power_on
 from spotnb.testing.server import DEFAULT_ACCOUNT, DEFAULT_REGION, MotoServer, aws_environment
 
 __all__ = ["AwsSimulator", "SimInstance"]
@@ -103,7 +104,7 @@ class AwsSimulator:
     def __init__(self, workdir: str | os.PathLike[str] | None = None, *,
                  region: str = DEFAULT_REGION, notice_seconds: float = DEFAULT_NOTICE_SECONDS,
                  boot_seconds: float = 0.0, kill_grace: float = KILL_GRACE_SECONDS,
-                 install: bool = False, signals: SignalModel | None = None,
+                 install: bool | PlainImage = False, signals: SignalModel | None = None,
                  time_scale: float | None = None) -> None:
         self.region = region
         #: Market seconds a real second, as the instances count their age (their first
@@ -864,17 +865,13 @@ class AwsSimulator:
                # Its age in market time (spotnb.protocol.billing).
                "SPOTNB_TIME_SCALE": str(self.time_scale),
                "SPOTNB_INSTANCE_DIR": str(home), "SPOTNB_SIM_INSTANCE_ID": instance_id}
-        if self.install:
-            site = home / "site"
-            env.update(SPOTNB_BASE_PYTHON=sys.executable,
-                       SPOTNB_PIP_OPTIONS=f"--no-deps --no-index --target {site}",
-                       PYTHONPATH=str(site))
+        if self.install:  # a plain image: the boot installs spotnb (spotnb.testing.boot)
+            image = self.install if isinstance(self.install, PlainImage) else plain_image()
+            env = image.environment(env, home)
         else:
             env["SPOTNB_PYTHON"] = sys.executable  # an image with spotnb preinstalled
-        with open(home / "console.log", "ab") as console:
-            record.proc = subprocess.Popen(
-                ["bash", str(script)], cwd=home, env=env, stdin=subprocess.DEVNULL,
-                stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        record.proc = power_on(home, script, env, instance_id=instance_id,
+                               region=self.region)
         log.info("booted %s (%s in %s) as pid %d", instance_id, inst["InstanceType"], az_id,
                  record.proc.pid)
 

@@ -58,7 +58,10 @@ vocabulary every reader may rely on):
                 cloud's frozen and rebalance), ``instance_id``, ``instance_type``,
                 ``az``, ``reason`` (a terminated one: spot-interruption, killed,
                 job-finished, ...; a rebalance: the interruption it stands for, or
-                false-alarm)
+                false-alarm); AWS's ``boot-failed`` (the instance's bootstrap
+                failed, and it powered off: ``reason`` the step and its exit code,
+                ``step``, ``exit_code``, ``log`` the boot log's last lines,
+                ``failures`` in a row of the job's ``limit``)
 ``joined``      a distributed job's world re-formed with nodes that joined, from
                 global rank 0's node: ``nodes`` (their slots), ``node_count``,
                 ``world_size``, ``saved_step`` (the save before the join), ``step``

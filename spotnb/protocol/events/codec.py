@@ -232,6 +232,12 @@ class Instance:
     # instance's first hour, which an interruption refunds, is that long in market time).
     time_scale: float = 1.0
     standby_due: float | None = None  # a deferred standby's launch time
+    # A failed boot's (spotnb.providers.aws.bootreport): the step that failed, the last
+    # lines of the boot log, and the failed boots in a row of the job's limit.
+    step: str | None = None
+    log: tuple[str, ...] = ()
+    failures: int | None = None
+    limit: int | None = None
 
     @property
     def launched(self) -> bool:
@@ -265,6 +271,11 @@ class Instance:
     @property
     def capacity_error(self) -> bool:
         return self.action == "capacity_error"
+
+    @property
+    def boot_failed(self) -> bool:
+        """The instance's bootstrap failed (AWS): it reported why and powered off."""
+        return self.action == "boot-failed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +388,12 @@ def _instance(e: Event, d: dict[str, Any]) -> Instance:
                     standby_for=_opt_str(d.get("standby_for")),
                     kernel_started=_opt_float(d.get("kernel_started")),
                     time_scale=_opt_float(d.get("time_scale")) or 1.0,
-                    standby_due=_opt_float(d.get("standby_due")))
+                    standby_due=_opt_float(d.get("standby_due")),
+                    step=_opt_str(d.get("step")),
+                    log=tuple(str(line) for line in d.get("log") or ()
+                              if isinstance(d.get("log"), list)),
+                    failures=None if d.get("failures") is None else _int(d.get("failures")),
+                    limit=None if d.get("limit") is None else _int(d.get("limit")))
 
 
 def _standby(e: Event, d: dict[str, Any]) -> Standby:

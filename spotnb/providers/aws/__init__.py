@@ -78,6 +78,7 @@ from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import StoreError, open_store
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
 from spotnb.providers.aws import _boto, cluster, parameters
+from spotnb.providers.aws.bootstrap import bundle, user_data
 from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
 from spotnb.providers.aws.resources import (
     BOOTSTRAP_PREFIX,
@@ -91,7 +92,6 @@ from spotnb.providers.aws.resources import (
     TAG_MANAGED,
     TAG_STORE,
     AwsSettings,
-    bundle,
     fis_policy,
     group_name,
     instance_policy,
@@ -103,7 +103,6 @@ from spotnb.providers.aws.resources import (
     tags,
     template_name,
     trust_policy,
-    user_data,
 )
 from spotnb.providers.imds import TERMINATION_HOOK_SECONDS
 

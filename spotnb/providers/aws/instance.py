@@ -177,6 +177,7 @@ class InstanceAgent:
         # Step 2
         self._report_the_gap()
         self._announce()
+        self._came_up()
         # Step 3 and 4
         crashes = 0
         while True:
@@ -360,8 +361,11 @@ class InstanceAgent:
         pool = f"{ident['instance_type']}@{ident.get('az_id') or ident.get('az')}"
         order = list(self.spec.resources.instance_types)
         rank = order.index(ident["instance_type"]) if ident["instance_type"] in order else 0
+        # This instance announced itself before: its agent started again (the boot
+        # script's systemd unit, after a reboot; or in place, after a crash).
+        again = iid in self.state.instances
         # The group's first MAX launches are its nodes; each launch after them replaces one.
-        launched = len(self.state.instances)
+        launched = len([i for i in self.state.instances if i != iid])
         replacing = max(0, launched - self.spec.resources.max_nodes + 1)
         detail = (f"{iid} ({ident['instance_type']} in {ident.get('az_id')}, "
                   f"{'spot' if me.get('InstanceLifecycle') == 'spot' else lifecycle}) started "
@@ -375,7 +379,9 @@ class InstanceAgent:
             except Exception:
                 log.debug("reading the standby claim failed", exc_info=True)
         self.standby_for = standby_for
-        if standby_for is not None:
+        if again:
+            detail += " (its instance agent started again: a reboot, or a crash)"
+        elif standby_for is not None:
             detail += f" (standby for {standby_for}: rebalance recommendation)"
         elif replacing:
             detail += f" (replacement #{replacing})"
@@ -398,6 +404,16 @@ class InstanceAgent:
                    az=ident.get("az_id"), price=self.price, ondemand=price.ondemand,
                    source=price.source)
         self.events.flush()
+
+    def _came_up(self) -> None:
+        """Mark this instance as one whose agent came up (``boot/<instance>.ok``): the
+        job's failed boots before it no longer count as in a row
+        (:mod:`.bootstrap`). One PUT per instance start."""
+        try:
+            self.store.put(layout.boot_ok_key(self.identity["instance_id"]), b"")
+        except Exception:
+            log.warning("could not mark this instance as up; earlier failed boots still "
+                        "count towards the job's limit", exc_info=True)
 
     # ------------------------------------------------------------- watching
 

@@ -33,17 +33,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
-import importlib.metadata
-import io
 import os
 import re
-import shlex
-import zipfile
-from pathlib import Path
 from typing import Any
 
-import spotnb
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.providers.aws import parameters
 
@@ -367,116 +360,6 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
                     "tag:GetResources"],
          "Resource": "*"},
     ]}
-
-
-# ------------------------------------------------------------------ the bootstrap
-
-@dataclasses.dataclass(frozen=True)
-class Bundle:
-    """The installed spotnb as a wheel: what every instance of a job installs."""
-
-    filename: str
-    data: bytes
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
-
-
-_BUNDLE: Bundle | None = None
-# A fixed time for every zip entry, so the same code always makes the same wheel.
-_ZIP_TIME = (2020, 1, 1, 0, 0, 0)
-
-
-def bundle() -> Bundle:
-    """A ``py3-none-any`` wheel of the spotnb this process runs (built once, ~100 ms).
-
-    Built from the package's files as they are installed (an editable checkout
-    included), so an instance runs exactly the notebook's code. Dependencies come from
-    the installed metadata.
-    """
-    global _BUNDLE
-    if _BUNDLE is not None:
-        return _BUNDLE
-    version = spotnb.__version__
-    root = Path(spotnb.__file__).resolve().parent
-    dist = f"spotnb-{version}.dist-info"
-    files: dict[str, bytes] = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
-            files["spotnb/" + path.relative_to(root).as_posix()] = path.read_bytes()
-    try:
-        requires = importlib.metadata.requires("spotnb") or []
-    except importlib.metadata.PackageNotFoundError:
-        requires = []
-    metadata = ["Metadata-Version: 2.1", "Name: spotnb", f"Version: {version}",
-                "Requires-Python: >=3.10"]
-    extras = sorted({r.split("extra ==")[1].strip().strip("'\"") for r in requires
-                     if "extra ==" in r})
-    metadata += [f"Provides-Extra: {e}" for e in extras]
-    metadata += [f"Requires-Dist: {r}" for r in requires]
-    files[f"{dist}/METADATA"] = ("\n".join(metadata) + "\n").encode()
-    files[f"{dist}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: spotnb\n"
-                              b"Root-Is-Purelib: true\nTag: py3-none-any\n")
-    files[f"{dist}/entry_points.txt"] = b"[console_scripts]\nspotnb = spotnb.client.cli:main\n"
-    record = []
-    for name, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
-        record.append(f"{name},sha256={digest.decode()},{len(data)}")
-    record.append(f"{dist}/RECORD,,")
-    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as wheel:
-        for name, data in files.items():
-            info = zipfile.ZipInfo(name, _ZIP_TIME)
-            info.external_attr = 0o644 << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            wheel.writestr(info, data)
-    _BUNDLE = Bundle(f"spotnb-{version}-py3-none-any.whl", buf.getvalue())
-    return _BUNDLE
-
-
-def user_data(*, job_id: str, store_uri: str, wheel: Bundle) -> str:
-    """The instance's boot script: install spotnb, then start the instance agent.
-
-    It holds names and a checksum, never a secret: the instance reads the job's prefix
-    with its role's credentials, fetched from IMDS by the AWS CLI and boto3.
-    Variables a test harness (or a custom image) may set: ``SPOTNB_PYTHON`` (an
-    interpreter that already has this spotnb: skip the install), ``SPOTNB_BASE_PYTHON``
-    (where to install, default the DLAMI's PyTorch environment), ``SPOTNB_PIP_OPTIONS``
-    and ``SPOTNB_INSTANCE_DIR`` (default ``/opt/spotnb``).
-    """
-    job_uri = shlex.quote(store_uri)
-    return f"""#!/bin/bash
-# spotnb {spotnb.__version__} bootstrap for job {job_id}: install spotnb from the job's
-# prefix, then run the instance agent. No credentials here: the instance role has them.
-set -euo pipefail
-JOB_URI={job_uri}
-WHEEL={shlex.quote(wheel.filename)}
-WHEEL_SHA256={wheel.sha256}
-WORK="${{SPOTNB_INSTANCE_DIR:-/opt/spotnb}}"
-mkdir -p "$WORK"
-cd "$WORK"
-exec >>"$WORK/bootstrap.log" 2>&1
-PY="${{SPOTNB_PYTHON:-}}"
-if [ -z "$PY" ]; then
-  PY="${{SPOTNB_BASE_PYTHON:-{DLAMI_PYTHON}}}"
-  [ -x "$PY" ] || PY="$(command -v python3)"
-  if command -v aws >/dev/null; then
-    aws s3 cp --only-show-errors "$JOB_URI/{BOOTSTRAP_PREFIX}/$WHEEL" "$WORK/$WHEEL"
-  else  # no AWS CLI on this image: boto3 of the target environment
-    "$PY" - "$JOB_URI/{BOOTSTRAP_PREFIX}/$WHEEL" "$WORK/$WHEEL" <<'DOWNLOAD'
-import sys, boto3
-bucket, _, key = sys.argv[1][len("s3://"):].partition("/")
-boto3.client("s3").download_file(bucket, key, sys.argv[2])
-DOWNLOAD
-  fi
-  echo "$WHEEL_SHA256  $WORK/$WHEEL" | sha256sum --check --quiet
-  "$PY" -m pip install --quiet --disable-pip-version-check ${{SPOTNB_PIP_OPTIONS:-}} \\
-    "$WORK/$WHEEL[aws]"
-fi
-exec "$PY" -m spotnb.providers.aws.instance --job "$JOB_URI"
-"""
 
 
 # -------------------------------------------------------------- launch template
