@@ -88,7 +88,7 @@ from spotnb.kernel_remote import channel
 from spotnb.protocol import layout
 from spotnb.protocol.store import NotFound, retrying
 from spotnb.train import integrations as callbacks
-from spotnb.train import process
+from spotnb.train import loaders, process
 from spotnb.train.process import current as _rt
 from spotnb.train.process import (
     history,
@@ -510,8 +510,10 @@ class Checkpoint:
     Register everything the loop needs to continue exactly: objects with
     ``state_dict()``/``load_state_dict()`` (modules, optimizers, LR schedulers,
     GradScaler), ``random.Random``/``torch.Generator``/``numpy.random.Generator``,
-    tensors, arrays, dicts and lists are restored in place; any other picklable value
-    is read back as ``ckpt["name"]`` (and updated with ``ckpt["name"] = value``).
+    tensors, arrays, dicts and lists are restored in place; a plain ``DataLoader``
+    resumes its epoch at the batch it was at (:mod:`spotnb.train.loaders`); any other
+    picklable value is read back as ``ckpt["name"]`` (and updated with
+    ``ckpt["name"] = value``).
     The global RNG states (``random``, NumPy, torch CPU and CUDA) are always included,
     so seeded code continues bitwise-identically after an interruption.
 
@@ -535,7 +537,9 @@ class Checkpoint:
             raise TypeError("Checkpoint() needs the state to save, e.g. "
                             "spot.Checkpoint(model=model, optimizer=optimizer)")
         self._budget = MemoryBudget(host_memory)
-        self._objects: dict[str, Any] = dict(state)
+        # A plain DataLoader becomes resumable in place (its position is saved).
+        self._objects: dict[str, Any] = {name: loaders.resumable(obj)
+                                         for name, obj in state.items()}
         if "torch" in sys.modules:
             _import_writer_in_background()
         rt = _rt()
@@ -659,11 +663,14 @@ class Checkpoint:
         for name in saved.keys() - self._objects.keys():
             _logger.warning("checkpoint %s also holds %r, which is not registered now; "
                             "ignored", manifest.id, name)
-        snapshot.restore_rng(state["rng"])
-        del state, saved  # the loaded copy is in the objects now
+        del saved  # the loaded copy is in the objects now
         # The state exists in full now (optimizer state too): allocate the host buffers
         # for the first save in the background, so that save is a memory copy.
         self._warm()
+        # The global RNGs last: the warm-up reads every state_dict(), and some draw (a
+        # StatefulDataLoader's makes its iterator, which draws its worker seed).
+        snapshot.restore_rng(state.pop("rng"))
+        del state
         self._last_step = manifest.step
         self._last_time = time.monotonic()
         seconds = time.monotonic() - started
