@@ -111,6 +111,8 @@ class JobView:
     world_size: int = 0
     worlds: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)
     world_changed: Event | None = None
+    # Attempts whose last output a later attempt recovered from their checkpoint.
+    recovered: set[int] = dataclasses.field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.progress.max_nodes = self.max_nodes
@@ -472,6 +474,13 @@ def follow(handle: JobHandle, renderer: Renderer,
                 batch += follower.poll(wait=0)  # the group's last events
                 if first:
                     history = batch
+            if not first and _older_news_possible(batch, view):
+                # News that the log may hold older news for: the capacity group's
+                # events (a standby booting) come only through the log, and a restore
+                # has just written there what the lost attempt's checkpoint carried
+                # (its last output). Read them now and show everything in time order.
+                batch += follower.read_log()
+                batch.sort(key=lambda e: e.time)
             first = False
             if on_events is not None:
                 on_events(batch)
@@ -505,6 +514,29 @@ def follow(handle: JobHandle, renderer: Renderer,
     return Finished(result, view.execute_result, outputs_error)
 
 
+def _older_news_possible(batch: list[Event], view: JobView) -> bool:
+    """Whether ``batch`` (live) holds an attempt's milestone-bearing news (a boot, a
+    notice, an interruption, a restore, a standby's handover, an error, the result):
+    the log is then read at once, so that the group's events before it (written only
+    there) and the output a restore recovered come first. A save's two statuses
+    (checkpointing, then running again) are not news: they cost no extra read."""
+    state = view.state
+    for event in batch:
+        if event.attempt == GROUP_STREAM or not codec.is_control(event):
+            continue
+        body = codec.peek(event)
+        if isinstance(body, codec.Status):
+            saving = body.state == "checkpointing" or (
+                body.state == "running" and state == "checkpointing")
+            state = body.state
+            if saving:
+                continue
+        if event.type in ("usage", "price"):
+            continue
+        return True
+    return False
+
+
 def _apply(batch: list[Event], view: JobView, control: list[Event],
            renderer: Renderer) -> bool:
     """Feed ``batch`` to the view and the renderer; whether a milestone was seen."""
@@ -514,6 +546,15 @@ def _apply(batch: list[Event], view: JobView, control: list[Event],
         body = codec.peek(event)
         if codec.is_control(event):
             control.append(event)
+        if isinstance(body, codec.Stream) and event.data.get("replayed_by") and \
+                event.attempt not in view.recovered:
+            # Output the attempt's instance did not live to log, which its checkpoint
+            # carried and a later attempt recorded: said once, before those lines.
+            view.recovered.add(event.attempt)
+            renderer.milestone(view, event, f"attempt {event.attempt}: its last output, "
+                                            "recovered from its checkpoint (its instance "
+                                            "was lost before it logged it):")
+            changed = True
         if isinstance(body, codec.Stream):
             renderer.stream(body.name, body.text)
         elif isinstance(body, codec.Display) and not body.execute_result:
