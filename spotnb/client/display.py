@@ -243,7 +243,10 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         state, detail = body.state, body.detail
         if state == "booting" and not body.retrying:
             where = " ".join(str(p) for p in (body.instance_type, body.az) if p)
-            verb = "starting" if event.attempt == 1 else "resuming on a replacement instance"
+            verb = "starting" if event.attempt == 1 else (
+                "resuming on a replacement instance" if _has_checkpoint(view) else
+                "starting again from the beginning on a replacement instance (no "
+                "checkpoint was saved)")
             return f"attempt {event.attempt}: {verb}, {where} ({event.instance})"
         if state == "interrupted" and not detail.startswith(
                 ("spot interruption notice", "final checkpoint")):
@@ -260,9 +263,12 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
                     "checkpoint, then the standby trains on from it")
         if body.interruption:
             when = _clock_of(body.notice_time)
+            then = ("saving a checkpoint, then resuming on a replacement"
+                    if _has_checkpoint(view) else
+                    "no checkpoint yet: unless the cell saves one before the instance "
+                    "goes, the next attempt starts from the beginning")
             return (f"attempt {event.attempt}: spot interruption notice for {event.instance} "
-                    f"({body.action} at {when}); saving a checkpoint, then resuming on a "
-                    "replacement")
+                    f"({body.action} at {when}); {then}")
         if view is not None and any(i.attempt == event.attempt and i.noticed
                                     for i in view.progress.interruptions):
             return None
@@ -282,6 +288,11 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         return (f"attempt {event.attempt} failed with {body.ename}: {body.evalue}; "
                 "retrying (max_restarts_on_error)")
     return None
+
+
+def _has_checkpoint(view: JobView | None) -> bool:
+    """Whether the job has a durable checkpoint (the fold's); without a view, assumed."""
+    return view is None or bool(view.folded.checkpoints)
 
 
 def _standby_milestone(event: Event, body: codec.Body | None, state: JobState

@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from spotnb._version import __version__
-from spotnb.ckpt import MAX_FILES, PIECE_BYTES, snapshot
+from spotnb.ckpt import MAX_FILES, PIECE_BYTES, compile_cache, snapshot
 from spotnb.ckpt.checkpoints import (
     CHECKPOINT_FORMATS,
     CheckpointError,
@@ -253,6 +253,7 @@ class _Upload:
         try:
             self._write_and_commit()
             self._durable.set()
+            _compile_caches(self.rt)  # what torch.compile built, for the next attempt
             assert self.manifest is not None
             # Old checkpoints go once this one is durable (and the save has returned).
             self.cs.prune_quietly(self.manifest)
@@ -424,6 +425,22 @@ class _ShardedUpload:
 
 
 _destroy_wrapped = False
+
+
+_compile_uploader: compile_cache.Uploader | None = None
+
+
+def _compile_caches(rt: Session) -> None:
+    """After a durable save on an instance: upload the compiler's caches if they
+    changed (:mod:`spotnb.ckpt.compile_cache`; the agent set where they are)."""
+    global _compile_uploader
+    if channel.ENV_SCRATCH not in os.environ:
+        return  # standalone: the user's own caches stay theirs
+    if _compile_uploader is None or _compile_uploader.store is not rt.store:
+        _compile_uploader = compile_cache.Uploader(
+            rt.store, compile_cache.cache_dirs(Path(os.environ[channel.ENV_SCRATCH]),
+                                               os.environ))
+    _compile_uploader.maybe_upload()
 
 
 def _wait_before_destroy() -> None:
