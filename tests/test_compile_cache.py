@@ -239,3 +239,79 @@ def test_a_notice_before_any_checkpoint_says_the_next_attempt_starts_over() -> N
     # What the interruption cost counts the first attempt's whole run (its compile
     # was lost), up to the second attempt's first step.
     assert view.progress.lost_seconds(t0 + 800) == pytest.approx(700.0 - 0.0)
+
+
+# -- a warm standby: its compile after the takeover loads the first attempt's ------------
+
+GATED_COMPILED = textwrap.dedent("""
+    import json, os, time
+    import torch
+    from torch._dynamo.utils import counters
+
+    found = sum(len(files) for _, _, files in os.walk(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model)
+    ckpt = spot.Checkpoint(model=compiled, opt=opt)
+    start = ckpt.restore()
+    for step in range(start, STEPS):
+        loss = compiled(torch.randn(4, 16)).square().mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        if step == start:
+            print("attempt", spot.attempt, json.dumps({
+                "files_before": found,
+                "hits": counters["inductor"]["fxgraph_cache_hit"],
+                "misses": counters["inductor"]["fxgraph_cache_miss"]}), flush=True)
+        ckpt.maybe_save(step)
+        while step == GATE_STEP and not os.path.exists(GATE):
+            time.sleep(0.05)
+""")
+
+
+@pytest.mark.slow  # a compile on CPU, a standby
+@pytest.mark.timeout(900)
+def test_a_warm_standby_compiles_from_the_jobs_cache_after_its_takeover(
+        spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers import wait_until
+
+    from spotnb.protocol.events.fold import fold
+    from spotnb.providers.local import LocalProvider
+
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "30")
+    # Market time at the wall clock's pace: the standby's warm-up (torch's imports on
+    # a loaded 2-core machine) gets its whole hold (STANDBY_HOLD_SECONDS) to be ready.
+    monkeypatch.setenv("SPOTNB_LOCAL_TIME_SCALE", "1")
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(GATED_COMPILED, checkpoint_every="1 steps",
+                           standby_first_hour=True,
+                           inputs={"STEPS": 8, "GATE": str(gate), "GATE_STEP": 3})
+    try:
+        # Attempt 1 compiled, saved, uploaded its cache, and waits at its gate.
+        wait_until(lambda: handle.store.exists(compile_cache.KEY), 600, "the compile cache")
+        LocalProvider().recommend(handle.job_id)
+
+        def standby_ready() -> bool:
+            return any(e.attempt == 0 and e.type == "instance"
+                       and e.data.get("action") == "standby-ready"
+                       for e in handle.events(follow=False))
+
+        wait_until(standby_ready, 300, "the standby ready")
+        gate.touch()  # the old cell goes on: its final save, then the takeover
+        result = handle.wait(timeout=600)
+    finally:
+        gate.touch()
+        handle.stop()
+    assert result.status == "completed", (result.reason, result.error)
+    events = list(handle.events(follow=False))
+    (sb,) = fold(events).standbys.values()
+    lines = [e.data["text"] for e in events if e.type == "stream"]
+    said = {int(line.split()[1]): json.loads(line.split(" ", 2)[2])
+            for text in lines for line in text.splitlines() if line.startswith("attempt ")}
+    assert said[1]["misses"] > 0  # the first attempt compiled cold
+    # The standby unpacked the cache while it warmed up, before the takeover; its
+    # compile after the restore loaded every graph.
+    assert sb.attempt is not None
+    standby = said[sb.attempt]
+    assert standby["files_before"] > 0 and standby["hits"] > 0 and standby["misses"] == 0
