@@ -165,3 +165,65 @@ def test_a_follower_attached_after_a_kill_sees_the_lost_attempts_output_in_order
     assert len(recovered) == 1
     # The line says where the recovered lines came from, right before them.
     assert renderer.shown[recovered[0] + 1] == "step 0"
+
+
+def test_the_groups_news_before_an_attempts_live_news_is_shown_before_it(
+        spotnb_home: Path) -> None:
+    # The capacity group's events reach a follower only through the log; an attempt's
+    # come live, at once. A group event older than an attempt's live boot (here: a pool
+    # without capacity, skipped before the replacement started) is shown before it.
+    import json
+    import time
+
+    from spotnb.client.jobs import JobHandle
+    from spotnb.protocol import layout
+    from spotnb.protocol.events import EventWriter
+    from spotnb.protocol.events.live import WATCHERS_PREFIX
+    from spotnb.protocol.events.queues import open_queue, pack
+    from spotnb.protocol.spec import JobSpec, Policy, Resources
+    from spotnb.protocol.store import open_store
+
+    store = open_store(spotnb_home / "store").child("jobs/20260101-000000-cccccc")
+    spec = JobSpec(job_id="20260101-000000-cccccc", name="order", code="x", provider="local",
+                   resources=Resources(instance_types=("g4dn.xlarge",)), policy=Policy(),
+                   store_uri=store.uri, created=time.time() - 5)
+    store.put(layout.SPEC, spec.to_json().encode())
+    group = EventWriter(store, 0)
+    group.emit("instance", action="launched", instance_id="i-1", instance_type="g4dn.xlarge",
+               az="use1-az1", pool="g4dn.xlarge@use1-az1", price=0.2, ondemand=0.526)
+    group.close()
+    first = EventWriter(store, 1, "i-1")
+    first.emit("status", state="booting", detail="attempt 1", instance_type="g4dn.xlarge",
+               az="use1-az1")
+    first.emit("checkpoint", phase="durable", step=0, id="c0", bytes=10)
+    first.emit("status", state="interrupted", detail="the instance was terminated")
+    first.close()
+
+    def replacement() -> None:
+        # Runs after the follower's first read of the log, as the job goes on: the
+        # group writes its news to the log, then the replacement boots and sends its
+        # own live (and writes its log, with the result, as the job ends).
+        group = EventWriter(store, 0)
+        group.emit("instance", action="capacity_error", reason="InsufficientInstanceCapacity",
+                   detail="none", instance_id=None, instance_type="g4dn.xlarge",
+                   az="use1-az2", pool="g4dn.xlarge@use1-az2")
+        group.close()
+        second = EventWriter(store, 2, "i-2", flush_seconds=3600)
+        second.emit("status", state="booting", detail="attempt 2",
+                    instance_type="g4dn.xlarge", az="use1-az1")
+        (registration,) = store.list_keys(WATCHERS_PREFIX)
+        queue = open_queue(json.loads(store.get(registration))["queue"])
+        lines, _ = second.unwritten(frozenset({"status"}))
+        queue.send(pack({"op": "events", "stream": "000002", "lines": lines}))
+        second.emit("result", status="completed", reason="the cell finished")
+        second.close()
+        store.put(layout.RESULT, json.dumps({"status": "completed", "attempt": 2,
+                                             "reason": "the cell finished"}).encode())
+
+    renderer = Recording(on_first_events=replacement)
+    outcome = display.follow(JobHandle(store, spec), renderer)
+    assert isinstance(outcome, display.Finished)
+    capacity = next(i for i, line in enumerate(renderer.shown) if "no spot capacity" in line)
+    resumed = next(i for i, line in enumerate(renderer.shown) if line.startswith(
+        "[spotnb] attempt 2:"))
+    assert capacity < resumed, renderer.shown
