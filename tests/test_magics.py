@@ -474,6 +474,7 @@ def _fake_job(home: Path, job_id: str, *, status: str | None, outputs: dict[str,
                az="use1-az1")
     first.emit("stream", name="stdout", text="step 0\n")
     first.emit("metric", step=0, t=time.time(), values={"loss": 2.0})
+    first.emit("checkpoint", phase="durable", step=0, id="c0", bytes=10)
     first.emit("notice", kind="instance-action", action="terminate", notice_time="now")
     first.close()
     group = EventWriter(store, 0)

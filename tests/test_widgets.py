@@ -785,6 +785,8 @@ def test_one_log_line_per_interruption_and_per_resume() -> None:
         Event("notice", T0 + 10, 1, "i-1", {"kind": "rebalance"}),
         Event("status", T0 + 10, 1, "i-1", {"state": "interrupted",
                                             "detail": "spot interruption notice: x"}),
+        Event("checkpoint", T0 + 11, 1, "i-1", {"phase": "durable", "step": 5, "id": "c5",
+                                                "bytes": 10, "forced": True}),
         Event("status", T0 + 11, 1, "i-1", {"state": "interrupted",
                                             "detail": "final checkpoint at step 5 is "
                                                       "durable; waiting"}),

@@ -542,7 +542,7 @@ class _Walker:
         for name, obj in objects.items():
             kind = kind_of(obj)
             if kind == "state_dict":
-                payload = self.tree(obj.state_dict(), (name,), name)
+                payload = self.tree(state_dict(obj), (name,), name)
             elif kind == "pystate":
                 payload = obj.getstate()
             elif kind == "torch_gen":
@@ -553,6 +553,52 @@ class _Walker:
                 payload = self.tree(obj, (name,), name)
             out[name] = (kind, payload)
         return out
+
+
+# torch.compile wraps a module in an OptimizedModule whose state_dict() names every
+# entry under "_orig_mod." (at any depth, for a compiled submodule).
+_COMPILED = "_orig_mod"
+
+
+def _plain(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part != _COMPILED)
+
+
+def state_dict(obj: Any) -> Any:
+    """``obj.state_dict()``; of a module, named as if it had not been compiled (the
+    ``_orig_mod.`` parts left out), so a checkpoint loads into the model compiled or
+    not, and the README's recipe (DCP's ``get_model_state_dict``, which names them
+    so too) reads it into either."""
+    sd = obj.state_dict()
+    torch = _torch()
+    if torch is None or not isinstance(obj, torch.nn.Module) or \
+            not any(_COMPILED in k.split(".") for k in sd):
+        return sd
+    out: Any = type(sd)((_plain(k), v) for k, v in sd.items())
+    metadata = getattr(sd, "_metadata", None)
+    if metadata is not None:
+        out._metadata = type(metadata)((_plain(k), v) for k, v in metadata.items())
+    return out
+
+
+def _own_keys(obj: Any, sd: Any) -> Any:
+    """A saved module state named as ``obj`` names it (compiled or not: see
+    :func:`state_dict`); anything else as it is."""
+    torch = _torch()
+    if torch is None or not isinstance(obj, torch.nn.Module) or not isinstance(sd, dict):
+        return sd
+    own_sd = obj.state_dict()
+    own = {_plain(k): k for k in own_sd}
+    if all(k in own_sd for k in sd):
+        return sd
+    out: Any = type(sd)((own.get(_plain(k), k), v) for k, v in sd.items())
+    metadata = getattr(sd, "_metadata", None)
+    own_meta = getattr(own_sd, "_metadata", None)
+    if metadata is not None and own_meta is not None:
+        prefixes = {_plain(k): k for k in own_meta}
+        out._metadata = type(metadata)((prefixes.get(_plain(k), k), v)
+                                       for k, v in metadata.items())
+    return out
 
 
 def _from_numpy(torch: Any, np: Any, x: Any) -> Any:
@@ -716,7 +762,7 @@ def restore(name: str, obj: Any, kind: str, payload: Any) -> Any:
                     name, kind, current, name)
         return value
     if kind == "state_dict":
-        obj.load_state_dict(value)
+        obj.load_state_dict(_own_keys(obj, value))
     elif kind == "pystate":
         obj.setstate(value)
     elif kind == "torch_gen":

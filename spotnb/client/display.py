@@ -111,6 +111,8 @@ class JobView:
     world_size: int = 0
     worlds: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)
     world_changed: Event | None = None
+    # Attempts whose last output a later attempt recovered from their checkpoint.
+    recovered: set[int] = dataclasses.field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.progress.max_nodes = self.max_nodes
@@ -241,7 +243,10 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         state, detail = body.state, body.detail
         if state == "booting" and not body.retrying:
             where = " ".join(str(p) for p in (body.instance_type, body.az) if p)
-            verb = "starting" if event.attempt == 1 else "resuming on a replacement instance"
+            verb = "starting" if event.attempt == 1 else (
+                "resuming on a replacement instance" if _has_checkpoint(view) else
+                "starting again from the beginning on a replacement instance (no "
+                "checkpoint was saved)")
             return f"attempt {event.attempt}: {verb}, {where} ({event.instance})"
         if state == "interrupted" and not detail.startswith(
                 ("spot interruption notice", "final checkpoint")):
@@ -258,9 +263,12 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
                     "checkpoint, then the standby trains on from it")
         if body.interruption:
             when = _clock_of(body.notice_time)
+            then = ("saving a checkpoint, then resuming on a replacement"
+                    if _has_checkpoint(view) else
+                    "no checkpoint yet: unless the cell saves one before the instance "
+                    "goes, the next attempt starts from the beginning")
             return (f"attempt {event.attempt}: spot interruption notice for {event.instance} "
-                    f"({body.action} at {when}); saving a checkpoint, then resuming on a "
-                    "replacement")
+                    f"({body.action} at {when}); {then}")
         if view is not None and any(i.attempt == event.attempt and i.noticed
                                     for i in view.progress.interruptions):
             return None
@@ -288,6 +296,11 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         return (f"attempt {event.attempt} failed with {body.ename}: {body.evalue}; "
                 "retrying (max_restarts_on_error)")
     return None
+
+
+def _has_checkpoint(view: JobView | None) -> bool:
+    """Whether the job has a durable checkpoint (the fold's); without a view, assumed."""
+    return view is None or bool(view.folded.checkpoints)
 
 
 def _standby_milestone(event: Event, body: codec.Body | None, state: JobState
@@ -480,6 +493,13 @@ def follow(handle: JobHandle, renderer: Renderer,
                 batch += follower.poll(wait=0)  # the group's last events
                 if first:
                     history = batch
+            if not first and _older_news_possible(batch, view):
+                # News that the log may hold older news for: the capacity group's
+                # events (a standby booting) come only through the log, and a restore
+                # has just written there what the lost attempt's checkpoint carried
+                # (its last output). Read them now and show everything in time order.
+                batch += follower.read_log()
+                batch.sort(key=lambda e: e.time)
             first = False
             if on_events is not None:
                 on_events(batch)
@@ -513,6 +533,29 @@ def follow(handle: JobHandle, renderer: Renderer,
     return Finished(result, view.execute_result, outputs_error)
 
 
+def _older_news_possible(batch: list[Event], view: JobView) -> bool:
+    """Whether ``batch`` (live) holds an attempt's milestone-bearing news (a boot, a
+    notice, an interruption, a restore, a standby's handover, an error, the result):
+    the log is then read at once, so that the group's events before it (written only
+    there) and the output a restore recovered come first. A save's two statuses
+    (checkpointing, then running again) are not news: they cost no extra read."""
+    state = view.state
+    for event in batch:
+        if event.attempt == GROUP_STREAM or not codec.is_control(event):
+            continue
+        body = codec.peek(event)
+        if isinstance(body, codec.Status):
+            saving = body.state == "checkpointing" or (
+                body.state == "running" and state == "checkpointing")
+            state = body.state
+            if saving:
+                continue
+        if event.type in ("usage", "price"):
+            continue
+        return True
+    return False
+
+
 def _apply(batch: list[Event], view: JobView, control: list[Event],
            renderer: Renderer) -> bool:
     """Feed ``batch`` to the view and the renderer; whether a milestone was seen."""
@@ -522,6 +565,15 @@ def _apply(batch: list[Event], view: JobView, control: list[Event],
         body = codec.peek(event)
         if codec.is_control(event):
             control.append(event)
+        if isinstance(body, codec.Stream) and event.data.get("replayed_by") and \
+                event.attempt not in view.recovered:
+            # Output the attempt's instance did not live to log, which its checkpoint
+            # carried and a later attempt recorded: said once, before those lines.
+            view.recovered.add(event.attempt)
+            renderer.milestone(view, event, f"attempt {event.attempt}: its last output, "
+                                            "recovered from its checkpoint (its instance "
+                                            "was lost before it logged it):")
+            changed = True
         if isinstance(body, codec.Stream):
             renderer.stream(body.name, body.text)
         elif isinstance(body, codec.Display) and not body.execute_result:

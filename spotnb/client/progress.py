@@ -8,8 +8,9 @@ metric rows in bulk), so a replay after a kernel restart shows the same numbers:
   ``spot.progress(total=...)``, or the ``range`` of the loop that calls ``spot.log``),
   the rate in steps per second and the time left;
 * for each interruption, the time it took (from the interrupted attempt's last logged
-  step until a later attempt logs a step beyond it: the notice, the wait, the boot,
-  the restore and the redone steps) and what the instances billed meanwhile;
+  step, or its start if it logged none, until a later attempt logs a step beyond it:
+  the notice, the wait, the boot, the restore and the redone steps) and what the
+  instances billed meanwhile;
 * the steps redone (logged by an attempt after its last checkpoint, then logged again);
 * the attempt being launched while a replacement boots.
 
@@ -261,6 +262,9 @@ class Progress:
         last = self._last.get(gone.attempt)
         if last is not None:
             gone.last_step, gone.last_progress = last
+        elif (run := self.state.attempts.get(gone.attempt)) is not None:
+            # It logged no step (set-up, a compile): its whole run is what was lost.
+            gone.last_progress = min(run.start, gone.time)
         self._ended[gone.attempt] = gone
         self.redo.end(gone.attempt)
         self.interruptions.append(gone)

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from spotnb.ckpt import compile_cache
 from spotnb.kernel_remote import channel
 from spotnb.kernel_remote.kernel import KernelProcess
 from spotnb.protocol import layout
@@ -110,6 +111,9 @@ class KernelSupervisor:
             "PYTHONUNBUFFERED": "1",
             "SPOTNB_ORIGIN": "runtime",
         })
+        # torch.compile's caches in directories the agent fills from the job's store
+        # before the cell runs, and the runtime uploads after a save (compile_cache).
+        env.update(compile_cache.cache_env(self.scratch, env))
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(self.workdir), env.get("PYTHONPATH", "")) if p)
         self._started += 1

@@ -1,4 +1,6 @@
-"""The latest checkpoint, downloaded while the kernel starts and the cell's imports run.
+"""The latest checkpoint, downloaded while the kernel starts and the cell's imports run,
+and the job's compile cache (:mod:`spotnb.ckpt.compile_cache`) unpacked where the kernel
+compiles (``dest``'s parent is the agent's scratch, the kernel's too).
 
 The runtime's ``restore()`` waits for :data:`channel.PREFETCH_DONE` in the directory
 (created however the download ends) and verifies what it finds; what is missing it
@@ -8,9 +10,11 @@ downloads itself.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from spotnb.ckpt import compile_cache
 from spotnb.kernel_remote import channel
 from spotnb.protocol import layout
 from spotnb.protocol.events import EventWriter
@@ -32,6 +36,9 @@ def prefetch(store: Store, spec: JobSpec, events: EventWriter | None, dest: Path
     read (:func:`spotnb.ckpt.node_share`). The ranks' readers fetch the rest
     (ranges of the replicated items other ranks wrote; another world size's shards).
     """
+    # The compiler's caches first: small, and what the cell needs right after restore().
+    compile_cache.fetch(store, compile_cache.cache_dirs(dest.parent, {
+        **os.environ, **{k: v for k, v in spec.env.items() if v is not None}}))
     try:
         from spotnb.ckpt import node_share
         from spotnb.ckpt.checkpoints import CHECKPOINT_FORMATS, CheckpointStore

@@ -52,6 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spotnb.ckpt import compile_cache
 from spotnb.kernel_remote import channel, leasing
 from spotnb.kernel_remote.cells import reply_error
 from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
@@ -122,6 +123,7 @@ class Standby:
         self.spec = spec
         self.kernels = kernels
         self.instance_id = instance_id
+        self.scratch = scratch
         self.restore_dir = scratch / "restore-standby"
         self.restore_dir.mkdir(parents=True, exist_ok=True)
         self.kc: Any = None
@@ -156,6 +158,10 @@ class Standby:
             log.warning("the standby's kernel did not start (%s)", err)
             return
         self.kernel_started = time.time()
+        # The compiler's caches too: the cell compiles right after its restore, which
+        # is after the takeover (compile_cache).
+        compile_cache.fetch(self.store, compile_cache.cache_dirs(self.scratch, {
+            **os.environ, **{k: v for k, v in self.spec.env.items() if v is not None}}))
         try:
             self.prefetched = self._download(None)
         except Exception:  # a full disk, a damaged checkpoint: the takeover downloads it

@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from spotnb._version import __version__
-from spotnb.ckpt import MAX_FILES, PIECE_BYTES, snapshot
+from spotnb.ckpt import MAX_FILES, PIECE_BYTES, compile_cache, snapshot
 from spotnb.ckpt.checkpoints import (
     CHECKPOINT_FORMATS,
     CheckpointError,
@@ -88,7 +88,7 @@ from spotnb.kernel_remote import channel
 from spotnb.protocol import layout
 from spotnb.protocol.store import NotFound, retrying
 from spotnb.train import integrations as callbacks
-from spotnb.train import process
+from spotnb.train import loaders, process
 from spotnb.train.cellvars import CellVariables
 from spotnb.train.process import current as _rt
 from spotnb.train.process import (
@@ -254,6 +254,7 @@ class _Upload:
         try:
             self._write_and_commit()
             self._durable.set()
+            _compile_caches(self.rt)  # what torch.compile built, for the next attempt
             assert self.manifest is not None
             # Old checkpoints go once this one is durable (and the save has returned).
             self.cs.prune_quietly(self.manifest)
@@ -427,6 +428,22 @@ class _ShardedUpload:
 _destroy_wrapped = False
 
 
+_compile_uploader: compile_cache.Uploader | None = None
+
+
+def _compile_caches(rt: Session) -> None:
+    """After a durable save on an instance: upload the compiler's caches if they
+    changed (:mod:`spotnb.ckpt.compile_cache`; the agent set where they are)."""
+    global _compile_uploader
+    if channel.ENV_SCRATCH not in os.environ:
+        return  # standalone: the user's own caches stay theirs
+    if _compile_uploader is None or _compile_uploader.store is not rt.store:
+        _compile_uploader = compile_cache.Uploader(
+            rt.store, compile_cache.cache_dirs(Path(os.environ[channel.ENV_SCRATCH]),
+                                               os.environ))
+    _compile_uploader.maybe_upload()
+
+
 def _wait_before_destroy() -> None:
     """Make ``torch.distributed.destroy_process_group`` wait for this process's sharded
     save in flight first (installed at the first one).
@@ -511,8 +528,10 @@ class Checkpoint:
     Register everything the loop needs to continue exactly: objects with
     ``state_dict()``/``load_state_dict()`` (modules, optimizers, LR schedulers,
     GradScaler), ``random.Random``/``torch.Generator``/``numpy.random.Generator``,
-    tensors, arrays, dicts and lists are restored in place; any other picklable value
-    is read back as ``ckpt["name"]`` (and updated with ``ckpt["name"] = value``).
+    tensors, arrays, dicts and lists are restored in place; a plain ``DataLoader``
+    resumes its epoch at the batch it was at (:mod:`spotnb.train.loaders`); any other
+    picklable value is read back as ``ckpt["name"]`` (and updated with
+    ``ckpt["name"] = value``).
     The global RNG states (``random``, NumPy, torch CPU and CUDA) are always included,
     so seeded code continues bitwise-identically after an interruption.
 
@@ -536,9 +555,12 @@ class Checkpoint:
             raise TypeError("Checkpoint() needs the state to save, e.g. "
                             "spot.Checkpoint(model=model, optimizer=optimizer)")
         self._budget = MemoryBudget(host_memory)
-        self._objects: dict[str, Any] = dict(state)
+        # A plain DataLoader becomes resumable in place (its position is saved): the
+        # same object, which then restores in place, so it may live in any variable.
+        self._objects: dict[str, Any] = {name: loaders.resumable(obj)
+                                         for name, obj in state.items()}
         # The entries that follow a variable of the cell (spotnb.train.cellvars).
-        self._cell = CellVariables.of_caller(state, Checkpoint)
+        self._cell = CellVariables.of_caller(self._objects, Checkpoint)
         if "torch" in sys.modules:
             _import_writer_in_background()
         rt = _rt()
@@ -666,11 +688,14 @@ class Checkpoint:
         for name in saved.keys() - self._objects.keys():
             _logger.warning("checkpoint %s also holds %r, which is not registered now; "
                             "ignored", manifest.id, name)
-        snapshot.restore_rng(state["rng"])
-        del state, saved  # the loaded copy is in the objects now
+        del saved  # the loaded copy is in the objects now
         # The state exists in full now (optimizer state too): allocate the host buffers
         # for the first save in the background, so that save is a memory copy.
         self._warm()
+        # The global RNGs last: the warm-up reads every state_dict(), and some draw (a
+        # StatefulDataLoader's makes its iterator, which draws its worker seed).
+        snapshot.restore_rng(state.pop("rng"))
+        del state
         self._last_step = manifest.step
         self._last_time = time.monotonic()
         seconds = time.monotonic() - started

@@ -11,7 +11,7 @@ Layout, top to bottom:
 * the figure (:mod:`spotnb.widgets.plots`): a panel per metric with its own y axis,
   GPU or CPU use, interruptions and resumes marked; it fills the cell's width and
   keeps the user's zoom across updates;
-* the output panel (:class:`~spotnb.widgets.elements.LogPanel`): the last lines of
+* the output panel (:class:`~spotnb.widgets.elements.LogPanel`): the first and last lines of
   remote output, following the newest, with a filter;
 * the last checkpoint and the buttons: Detach, Interrupt now (local cloud),
   TensorBoard, and apart from them Stop, which asks for a second click to confirm.
@@ -21,7 +21,10 @@ Cost is bounded however long the run (measured in ``benchmarks/bench_dashboard.p
 events only update :class:`~spotnb.widgets.series.DashboardData` (numpy, O(1) per
 point); the widgets are redrawn at most every :data:`FLUSH_SECONDS`, the figure in one
 ``batch_update`` of at most ``2 * DEFAULT_BUCKETS`` points per trace (binary buffers),
-the panel as its last :data:`~spotnb.widgets.series.LOG_LINES` lines.
+the panel as its first :data:`~spotnb.widgets.series.HEAD_LINES` and last
+:data:`~spotnb.widgets.series.LOG_LINES` lines, with a line in place of those it
+leaves out that says how many and how to print them all (``%spot_logs JOB``): the
+saved notebook and its record keep the same.
 
 The figure's data and layout are its widget's state, so a notebook saved with its
 widgets shows the final figure again. When the job ends a PNG of it is displayed below,
@@ -46,7 +49,7 @@ from spotnb.widgets import static
 from spotnb.widgets.elements import LogPanel, plotly_loader
 from spotnb.widgets.header import header_html
 from spotnb.widgets.plots import GROUPINGS, X_AXES, Plots
-from spotnb.widgets.series import DEFAULT_BUCKETS, LOG_LINES, DashboardData
+from spotnb.widgets.series import DEFAULT_BUCKETS, DashboardData
 
 if TYPE_CHECKING:
     from spotnb.client.jobs import JobHandle, JobResult
@@ -189,15 +192,13 @@ class Dashboard:
         data = dict(self.widget._repr_mimebundle_())
         lines = display.status_lines(self.view) if self.view is not None else ["spotnb"]
         with self._lock:
-            panel = self.data.log_lines()
+            panel = self.data.log_lines(self._gap_text())
             header = header_html(self.view, self.data)
         log_lines = [text for _kind, text in panel]
         data["text/plain"] = "\n".join([*lines, *(["", *log_lines] if log_lines else [])])
-        caption = (f"the last {len(panel)} lines; `%spot_logs` prints them all"
-                   if len(panel) >= LOG_LINES else "")
         data["text/html"] = (f"<div class='spotnb-static-dashboard'>"
                              f"{header}"
-                             f"{static.log_html(panel, caption)}</div>")
+                             f"{static.log_html(panel, self._caption())}</div>")
         return data
 
     # -- the follow loop's calls -------------------------------------------------
@@ -358,10 +359,24 @@ class Dashboard:
         self.log_bar.layout.display = None if titles else "none"
 
     def _draw_panel(self) -> None:
-        lines = self.data.log_lines()
+        lines = self.data.log_lines(self._gap_text())
         self.panel.lines = [[kind, text] for kind, text in lines]
-        self.panel.caption = (f"the last {len(lines)} lines; `%spot_logs` prints them all"
-                              if len(lines) >= LOG_LINES else "")
+        self.panel.caption = self._caption()
+
+    def _gap_text(self) -> str:
+        """The line that stands where the panel left lines out (``{n}``: how many)."""
+        job = self.view.job_id if self.view is not None else "JOB"
+        return (f"[spotnb] ... {{n}} lines left out here; `%spot_logs {job}` (or "
+                f"`spotnb logs {job}`) prints them all")
+
+    def _caption(self) -> str:
+        left_out = self.data.left_out
+        if not left_out:
+            return ""
+        job = self.view.job_id if self.view is not None else "JOB"
+        return (f"{self.data.line_count:,} lines: the first {len(self.data.head)} and "
+                f"the last {len(self.data.lines)} shown, {left_out:,} left out between "
+                f"them; `%spot_logs {job}` prints them all")
 
     def _draw_header(self) -> None:
         self.header.value = header_html(self.view, self.data)

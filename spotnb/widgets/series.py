@@ -42,8 +42,11 @@ __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "M
 #: Points per displayed trace are at most twice this (a min and a max per bucket):
 #: enough for a curve's shape on any screen, few enough for a fast update message.
 DEFAULT_BUCKETS = 1000
-#: Lines of remote output the panel keeps (the full log stays in the store).
+#: Lines of remote output the panel keeps: the first HEAD_LINES (the set-up, the first
+#: evaluation) and the last LOG_LINES; between them it says how many it left out (the
+#: full log stays in the store: ``%spot_logs``).
 LOG_LINES = 200
+HEAD_LINES = 50
 _LINE_CHARS = 400
 
 
@@ -486,7 +489,10 @@ class DashboardData:
         self.markers: list[Marker] = []
         self.checkpoint: Checkpoint | None = None
         self.tensorboard_synced = False
+        self.head: list[str] = []  # the first HEAD_LINES lines (fewer with a small log_lines)
         self.lines: collections.deque[str] = collections.deque(maxlen=log_lines)
+        self._head_lines = min(HEAD_LINES, log_lines)
+        self.line_count = 0  # every line written, kept or not
         self._partial = ""
         self.version = 0
         self.log_version = 0
@@ -716,7 +722,7 @@ class DashboardData:
         parts = (self._partial + text).split("\n")
         self._partial = parts.pop()
         for line in parts:
-            self.lines.append(("\x00" if stderr else "") + _clip(line.split("\r")[-1]))
+            self._keep(("\x00" if stderr else "") + _clip(line.split("\r")[-1]))
         self.log_version += 1
 
     def milestone(self, when: float, text: str) -> None:
@@ -724,8 +730,20 @@ class DashboardData:
         import datetime
 
         clock = datetime.datetime.fromtimestamp(when).strftime("%H:%M:%S")
-        self.lines.append(f"\x01[spotnb {clock}] {text}")
+        self._keep(f"\x01[spotnb {clock}] {text}")
         self.log_version += 1
+
+    def _keep(self, line: str) -> None:
+        self.line_count += 1
+        if len(self.head) < self._head_lines:
+            self.head.append(line)
+        else:
+            self.lines.append(line)
+
+    @property
+    def left_out(self) -> int:
+        """Lines written between the first and the last ones kept (none: 0)."""
+        return self.line_count - len(self.head) - len(self.lines)
 
     # -- output --------------------------------------------------------------------
 
@@ -821,10 +839,17 @@ class DashboardData:
         nodes = [w[1] for w in self.worlds] + [self.worlds[-1][1]]
         return np.asarray(t, float), np.asarray(size, float), np.asarray(nodes, float)
 
-    def log_lines(self) -> list[tuple[str, str]]:
-        """The panel's lines as (kind, text): kind is stdout, stderr or spotnb."""
+    def log_lines(self, gap: str | None = None) -> list[tuple[str, str]]:
+        """The panel's lines as (kind, text): kind is stdout, stderr or spotnb.
+
+        ``gap``: where lines were left out between the first and the last ones kept,
+        a line of kind ``spotnb`` with this text (``{n}``: how many) is put there.
+        """
         out = []
-        for line in [*self.lines, *([self._partial] if self._partial else [])]:
+        between = [] if gap is None or not self.left_out else \
+            ["\x01" + gap.format(n=f"{self.left_out:,}")]
+        for line in [*self.head, *between, *self.lines,
+                     *([self._partial] if self._partial else [])]:
             if line.startswith("\x00"):
                 out.append(("stderr", line[1:]))
             elif line.startswith("\x01"):
