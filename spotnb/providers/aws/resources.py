@@ -320,29 +320,52 @@ def fis_policy(region: str, account: str) -> dict[str, Any]:
     ]}
 
 
+#: The service-linked roles AWS creates in an account on a service's first use, by the
+#: caller's request: Auto Scaling's at the first group (Auto Scaling User Guide,
+#: "Service-linked roles for Amazon EC2 Auto Scaling"), FIS's at the first experiment
+#: template (FIS User Guide, "Use service-linked roles for AWS FIS"). Without
+#: ``iam:CreateServiceLinkedRole`` for them a fresh account's first launch (or first
+#: ``%spot_interrupt``) fails.
+SERVICE_LINKED_ROLES = {
+    "autoscaling.amazonaws.com": "AWSServiceRoleForAutoScaling",
+    "fis.amazonaws.com": "AWSServiceRoleForFIS",
+}
+
+
 def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
-    """What the notebook user's identity needs (printed by ``spotnb aws setup``)."""
+    """What the notebook user's identity needs (printed by ``spotnb aws setup``).
+
+    Every action is checked against AWS's Service Authorization Reference in the tests
+    (``tests/aws_reference/iam.py``): list calls that AWS cannot scope to a resource
+    (``iam:ListRoles``, ``ec2:Describe*`` ...) are granted on ``*``, the rest on
+    spotnb's own resources or in the job's region."""
     return {"Version": "2012-10-17", "Statement": [
         {"Sid": "Store", "Effect": "Allow",
          "Action": ["s3:CreateBucket", "s3:ListBucket", "s3:GetObject", "s3:PutObject",
                     "s3:DeleteObject", "s3:PutBucketPublicAccessBlock",
                     "s3:PutEncryptionConfiguration", "s3:PutBucketPolicy",
                     "s3:PutLifecycleConfiguration", "s3:PutBucketTagging",
-                    "s3:GetBucketLocation"],
+                    "s3:GetBucketLocation", "s3:AbortMultipartUpload",
+                    "s3:ListMultipartUploadParts"],
          "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]},
         {"Sid": "JobRoles", "Effect": "Allow",
          "Action": ["iam:CreateRole", "iam:PutRolePolicy", "iam:TagRole", "iam:GetRole",
                     "iam:DeleteRolePolicy", "iam:DeleteRole", "iam:CreateInstanceProfile",
                     "iam:TagInstanceProfile", "iam:AddRoleToInstanceProfile",
                     "iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile",
-                    "iam:GetInstanceProfile", "iam:ListRoles", "iam:ListInstanceProfiles",
-                    "iam:ListRoleTags", "iam:PassRole"],
+                    "iam:GetInstanceProfile", "iam:ListRoleTags", "iam:PassRole"],
          "Resource": [f"arn:aws:iam::{account}:role{IAM_PATH}*",
                       f"arn:aws:iam::{account}:instance-profile{IAM_PATH}*"]},
+        {"Sid": "ServiceLinkedRoles", "Effect": "Allow",
+         "Action": "iam:CreateServiceLinkedRole",
+         "Resource": [f"arn:aws:iam::{account}:role/aws-service-role/{service}/{role}"
+                      for service, role in SERVICE_LINKED_ROLES.items()],
+         "Condition": {"StringEquals": {"iam:AWSServiceName": list(SERVICE_LINKED_ROLES)}}},
         {"Sid": "Capacity", "Effect": "Allow",
          "Action": ["ec2:CreateLaunchTemplate", "ec2:DeleteLaunchTemplate",
                     "ec2:CreateSecurityGroup", "ec2:CreateTags", "ec2:RunInstances",
-                    "ec2:AuthorizeSecurityGroupIngress", "ec2:DeleteSecurityGroup",
+                    "ec2:AuthorizeSecurityGroupIngress", "ec2:AuthorizeSecurityGroupEgress",
+                    "ec2:DeleteSecurityGroup",
                     "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup",
                     "ec2:TerminateInstances", "autoscaling:CreateAutoScalingGroup",
                     "autoscaling:UpdateAutoScalingGroup", "autoscaling:PutLifecycleHook",
@@ -359,12 +382,16 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
          "Action": ["ssm:PutParameter", "ssm:AddTagsToResource", "ssm:ListTagsForResource",
                     "ssm:DeleteParameter", "ssm:DeleteParameters"],
          "Resource": f"arn:aws:ssm:{region}:{account}:parameter{parameters.ROOT}/*"},
+        # `spotnb aws doctor` asks IAM whether this identity has the rest of this policy.
+        {"Sid": "SelfCheck", "Effect": "Allow",
+         "Action": "iam:SimulatePrincipalPolicy",
+         "Resource": [f"arn:aws:iam::{account}:user/*", f"arn:aws:iam::{account}:role/*"]},
         {"Sid": "ReadOnly", "Effect": "Allow",
          "Action": ["ec2:Describe*", "autoscaling:Describe*", "ssm:GetParameter",
                     "ssm:DescribeParameters", "sqs:ListQueues",
                     "pricing:GetProducts", "ec2:GetSpotPlacementScores",
                     "servicequotas:GetServiceQuota", "sts:GetCallerIdentity",
-                    "tag:GetResources"],
+                    "tag:GetResources", "iam:ListRoles", "iam:ListInstanceProfiles"],
          "Resource": "*"},
     ]}
 

