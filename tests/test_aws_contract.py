@@ -18,9 +18,10 @@ import pytest
 from aws_reference import floor, iam
 
 from spotnb.protocol.spec import SpecError
-from spotnb.providers.aws import _boto, admin
+from spotnb.providers.aws import AwsProvider, _boto, admin
 from spotnb.providers.aws.resources import (
     IAM_PATH,
+    TAG_JOB,
     fis_policy,
     instance_policy,
     trust_policy,
@@ -211,3 +212,86 @@ def test_a_fresh_account_may_create_the_service_linked_roles_of_auto_scaling_and
     assert not iam.allows(policy, "iam:CreateServiceLinkedRole",
                           f"arn:aws:iam::{ACCOUNT}:role/aws-service-role/rds.amazonaws.com/X",
                           {"iam:AWSServiceName": "rds.amazonaws.com"})
+
+
+# ------------------------------------------------------------------- FIS (finding 4)
+
+
+def _started_experiments() -> tuple[list[dict[str, Any]], Any]:
+    """Answer FIS's StartExperiment (moto cannot run one); what was asked, and the
+    function that removes the answer."""
+    from botocore.awsrequest import AWSResponse
+
+    asked: list[dict[str, Any]] = []
+
+    def start(params: dict[str, Any], **kwargs: Any) -> Any:
+        asked.append(json.loads(params.get("body") or b"{}"))
+        return AWSResponse("", 200, {}, None), {"experiment": {"id": "EXP1"}}
+
+    return asked, _boto.add_hook("before-call.fis.StartExperiment", start)
+
+
+def _job_instances(job_id: str, count: int) -> list[str]:
+    ec2 = _boto.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    reply = ec2.run_instances(ImageId=image, MinCount=count, MaxCount=count,
+                              InstanceType="g5.xlarge", TagSpecifications=[{
+                                  "ResourceType": "instance",
+                                  "Tags": [{"Key": TAG_JOB, "Value": job_id}]}])
+    return sorted(i["InstanceId"] for i in reply["Instances"])
+
+
+def _selected(target: dict[str, Any]) -> list[str]:
+    """The instances an FIS target selects, resolved as FIS does (DescribeInstances
+    with its tags and its State.Name filter)."""
+    if target.get("resourceArns"):
+        return sorted(arn.rsplit("/", 1)[1] for arn in target["resourceArns"])
+    filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in target["resourceTags"].items()]
+    filters += [{"Name": "instance-state-name", "Values": f["values"]}
+                for f in target.get("filters", ()) if f["path"] == "State.Name"]
+    found = _boto.client("ec2").describe_instances(Filters=filters)["Reservations"]
+    return sorted(i["InstanceId"] for r in found for i in r["Instances"])
+
+
+def test_interrupting_a_job_of_six_instances_is_one_fis_template_that_aws_accepts(
+        recorded: list[tuple[str, str, dict[str, Any]]]) -> None:
+    # FIS takes at most five resourceArns a target (botocore's model: max 5); a job of
+    # 1:6 nodes interrupted whole is six instances.
+    ids = _job_instances("job-of-six", 6)
+    asked, remove = _started_experiments()
+    try:
+        AwsProvider(region=DEFAULT_REGION).interrupt("job-of-six")
+        AwsProvider(region=DEFAULT_REGION).interrupt("job-of-six", instance=ids[3])
+    finally:
+        remove()
+    templates = [params for _, op, params in recorded if op == "CreateExperimentTemplate"]
+    assert len(templates) == 2 and len(asked) == 2
+    for params in templates:
+        assert floor.validate("fis", "CreateExperimentTemplate", params) == []
+    whole, one = (t["targets"]["SpotInstances"] for t in templates)
+    assert _selected(whole) == ids, "every running instance of the job"
+    assert _selected(one) == [ids[3]]
+
+
+def test_a_fis_validation_error_is_not_taken_for_iam_propagation() -> None:
+    # With the FIS role already there, a ValidationException is a real refusal: said
+    # at once, not retried for half a minute as if the role were still propagating.
+    provider = AwsProvider(region=DEFAULT_REGION)
+    provider._fis_role(DEFAULT_REGION, DEFAULT_ACCOUNT)
+    _job_instances("job-refused", 1)
+    from botocore.awsrequest import AWSResponse
+
+    calls = []
+
+    def refuse(**kwargs: Any) -> Any:
+        calls.append(1)
+        return AWSResponse("", 400, {}, None), {"Error": {
+            "Code": "ValidationException", "Message": "Target resource type not valid"}}
+
+    remove = _boto.add_hook("before-call.fis.CreateExperimentTemplate", refuse)
+    try:
+        with pytest.raises(_boto.AwsError, match="Target resource type not valid"):
+            provider.interrupt("job-refused")
+    finally:
+        remove()
+    assert len(calls) == 1

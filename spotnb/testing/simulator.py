@@ -542,14 +542,28 @@ class AwsSimulator:
             scaled = self.notice_seconds * notice / 120.0
             for target_name in action.get("targets", {}).values():
                 target = template.get("targets", {}).get(target_name, {})
-                for arn in target.get("resourceArns", ()):
-                    instance_id = arn.rsplit("/", 1)[1]
+                for instance_id in self._fis_targets(target):
                     if instance_id in self.instances:
                         self.interrupt(instance_id, scaled)
         experiment = {"id": "EXP" + secrets.token_hex(8),
                       "experimentTemplateId": template["id"],
                       "state": {"status": "running", "reason": "simulated by spotnb.testing"}}
         return AWSResponse("", 200, {}, None), {"experiment": experiment}
+
+    def _fis_targets(self, target: dict[str, Any]) -> list[str]:
+        """The instance ids an FIS target names: its ``resourceArns``, or the instances
+        its ``resourceTags`` and ``State.Name`` filter select (as FIS resolves them at
+        the experiment's start, with DescribeInstances)."""
+        if target.get("resourceArns"):
+            return [arn.rsplit("/", 1)[1] for arn in target["resourceArns"]]
+        filters = [{"Name": f"tag:{key}", "Values": [value]}
+                   for key, value in (target.get("resourceTags") or {}).items()]
+        if not filters:
+            return []
+        filters += [{"Name": "instance-state-name", "Values": list(f.get("values", ()))}
+                    for f in target.get("filters") or () if f.get("path") == "State.Name"]
+        found = self._client("ec2").describe_instances(Filters=filters)
+        return [i["InstanceId"] for r in found["Reservations"] for i in r["Instances"]]
 
     # ------------------------------------------------------- the world's clock
 

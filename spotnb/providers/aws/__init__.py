@@ -93,6 +93,7 @@ from spotnb.providers.aws.resources import (
     AwsSettings,
     bundle,
     fis_policy,
+    fis_target,
     group_name,
     instance_policy,
     launch_template_data,
@@ -351,24 +352,31 @@ class AwsProvider(Provider):
             which = f"instance {instance}" if instance else "instance"
             raise ProviderError(f"job {job_id} has no running {which} to interrupt in "
                                 f"{region} (it may be waiting for capacity)")
-        arns = [f"arn:aws:ec2:{region}:{account}:instance/{i['InstanceId']}" for i in running]
+        arn = (f"arn:aws:ec2:{region}:{account}:instance/{instance}"
+               if instance is not None else None)
         fis = self.client("fis", region)
-        role_arn = self._fis_role(region, account)
+        role_arn, created = self._fis_role(region, account)
+
+        def role_not_ready(err: BaseException) -> bool:
+            # A role made just now is not assumable by FIS until IAM has propagated it
+            # (FIS answers ValidationException naming the role); any other validation
+            # error (a bad target, say) is raised at once.
+            return created and _code(err) == "ValidationException" and \
+                "role" in _boto.error_message(err).lower()
+
         template = _boto.with_backoff(lambda: fis.create_experiment_template(
             clientToken=str(uuid.uuid4()),
             description=f"spotnb: interrupt job {job_id}",
             roleArn=role_arn,
             stopConditions=[{"source": "none"}],
-            targets={"SpotInstances": {"resourceType": "aws:ec2:spot-instance",
-                                       "resourceArns": arns, "selectionMode": "ALL"}},
+            targets={"SpotInstances": fis_target(job_id, arn)},
             actions={"interrupt": {
                 "actionId": "aws:ec2:send-spot-instance-interruptions",
                 "parameters": {"durationBeforeInterruption": FIS_NOTICE},
                 "targets": {"SpotInstances": "SpotInstances"}}},
             tags={TAG_JOB: job_id, TAG_MANAGED: "true"},
-        ), what="creating the FIS experiment template",
-            # A new FIS role is not assumable until IAM has propagated it.
-            retry_codes=frozenset({"ValidationException"}), attempts=6)["experimentTemplate"]
+        ), what="creating the FIS experiment template", retry_if=role_not_ready,
+            attempts=6)["experimentTemplate"]
         try:
             _boto.with_backoff(lambda: fis.start_experiment(
                 clientToken=str(uuid.uuid4()), experimentTemplateId=template["id"],
@@ -376,7 +384,8 @@ class AwsProvider(Provider):
         finally:
             # A started experiment keeps its own copy of the template.
             _ignore_missing(lambda: fis.delete_experiment_template(id=template["id"]))
-        log.info("FIS sends an interruption notice to %s", [i["InstanceId"] for i in running])
+        log.info("FIS sends an interruption notice to %s", instance or
+                 [i["InstanceId"] for i in running])
 
     def terminate(self, job_id: str) -> None:
         region = self.region(job_id)
@@ -824,10 +833,11 @@ class AwsProvider(Provider):
             found += reservation["Instances"]
         return found
 
-    def _fis_role(self, region: str, account: str) -> str:
+    def _fis_role(self, region: str, account: str) -> tuple[str, bool]:
+        """The shared FIS role's ARN, and whether it was created just now."""
         iam = self.client("iam", region)
         try:
-            return str(iam.get_role(RoleName=FIS_ROLE)["Role"]["Arn"])
+            return str(iam.get_role(RoleName=FIS_ROLE)["Role"]["Arn"]), False
         except Exception as err:
             if _code(err) != "NoSuchEntity":
                 _boto.raise_for(err, "looking up the FIS role")
@@ -838,7 +848,7 @@ class AwsProvider(Provider):
             Tags=[{"Key": TAG_MANAGED, "Value": "true"}])["Role"]
         iam.put_role_policy(RoleName=FIS_ROLE, PolicyName="spotnb-fis",
                             PolicyDocument=json.dumps(fis_policy(region, account)))
-        return str(role["Arn"])
+        return str(role["Arn"]), True
 
 
 def _delete_role_named(iam: Any, name: str) -> None:

@@ -427,8 +427,10 @@ T = TypeVar("T")
 
 
 def with_backoff(fn: Callable[[], T], *, what: str, attempts: int = 6, base: float = 0.5,
-                 cap: float = 8.0, retry_codes: frozenset[str] = frozenset()) -> T:
-    """Call ``fn``; retry transient errors (and ``retry_codes``) with jittered backoff.
+                 cap: float = 8.0, retry_codes: frozenset[str] = frozenset(),
+                 retry_if: Callable[[BaseException], bool] | None = None) -> T:
+    """Call ``fn``; retry transient errors (and ``retry_codes``, and errors ``retry_if``
+    says are worth another try) with jittered backoff.
 
     For the few cases botocore's own retries do not cover: IAM's eventual consistency
     (a new instance profile is "invalid" for some seconds) and an Auto Scaling group
@@ -441,7 +443,8 @@ def with_backoff(fn: Callable[[], T], *, what: str, attempts: int = 6, base: flo
             return fn()
         except Exception as err:
             retryable = classify(err) == "transient" or error_code(err) in retry_codes or (
-                any(code in str(err) for code in retry_codes))
+                any(code in str(err) for code in retry_codes)) or (
+                retry_if is not None and retry_if(err))
             if not retryable or attempt == attempts - 1:
                 raise_for(err, what)
             delay = delays.next()

@@ -305,6 +305,21 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
     ]}
 
 
+def fis_target(job_id: str, instance_arn: str | None = None) -> dict[str, Any]:
+    """The FIS experiment target of ``%spot_interrupt``: one instance by its ARN, or
+    every running spot instance of the job by its tag.
+
+    Not a list of the job's ARNs: FIS takes at most five ``resourceArns`` a target (the
+    FIS API Reference; ``max: 5`` in botocore's model), and a job may have up to 65
+    instances. Tags and a ``State.Name`` filter select any number, resolved by FIS when
+    the experiment starts (through the role's ``ec2:DescribeInstances``)."""
+    target: dict[str, Any] = {"resourceType": "aws:ec2:spot-instance", "selectionMode": "ALL"}
+    if instance_arn is not None:
+        return {**target, "resourceArns": [instance_arn]}
+    return {**target, "resourceTags": {TAG_JOB: job_id},
+            "filters": [{"path": "State.Name", "values": ["running"]}]}
+
+
 def fis_policy(region: str, account: str) -> dict[str, Any]:
     """The FIS role: send interruption notices to spotnb's spot instances only."""
     return {"Version": "2012-10-17", "Statement": [
