@@ -295,3 +295,57 @@ def test_a_fis_validation_error_is_not_taken_for_iam_propagation() -> None:
     finally:
         remove()
     assert len(calls) == 1
+
+
+# ------------------------------------------------------ EFA's security group (finding 6)
+
+
+@pytest.mark.parametrize("efa", [True, False])
+def test_a_multi_node_security_group_lets_efa_traffic_out_to_the_job_only(
+        recorded: list[tuple[str, str, dict[str, Any]]], efa: bool) -> None:
+    from types import SimpleNamespace
+
+    from spotnb.providers.aws import cluster
+
+    ec2 = _boto.client("ec2")
+    vpc = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"][0]
+    subnet = ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc["VpcId"]]}])[
+        "Subnets"][0]
+    spec: Any = SimpleNamespace(job_id=f"efa-{efa}".lower())  # all create_network reads
+    zone = cluster.Zone(az=subnet["AvailabilityZone"], az_id=subnet["AvailabilityZoneId"],
+                        subnet=subnet["SubnetId"], vpc=vpc["VpcId"], efa=efa, why="test")
+    undo: list[Any] = []
+    # moto has no placement groups (the simulator plays them): answered here.
+    from botocore.awsrequest import AWSResponse
+
+    removes = [_boto.add_hook(f"before-call.ec2.{op}PlacementGroup",
+                              lambda **kw: (AWSResponse("", 200, {}, None), {}))
+               for op in ("Create", "Delete")]
+    try:
+        network = cluster.create_network(ec2, spec, zone,
+                                         [{"Key": TAG_JOB, "Value": spec.job_id}], undo)
+    finally:
+        for remove in removes:
+            remove()
+    (group,) = ec2.describe_security_groups(GroupIds=[network.security_group])[
+        "SecurityGroups"]
+    to_itself = [rule for rule in group["IpPermissionsEgress"]
+                 if [p["GroupId"] for p in rule.get("UserIdGroupPairs", ())]
+                 == [network.security_group]]
+    if efa:
+        # EFA's traffic is not IP: the default rule to 0.0.0.0/0 does not carry it.
+        assert [r["IpProtocol"] for r in to_itself] == ["-1"]
+    else:
+        assert to_itself == []
+    inbound = [p["GroupId"] for rule in group["IpPermissions"]
+               for p in rule.get("UserIdGroupPairs", ())]
+    assert inbound == [network.security_group], "in from the job's own nodes only"
+    for _, op, params in recorded:
+        assert floor.validate("ec2", op, params) == [], op
+    policy = user_policy(DEFAULT_REGION, DEFAULT_ACCOUNT, BUCKET)
+    for _, op, params in recorded:
+        for action, resource in iam.needed("ec2", op, params, region=DEFAULT_REGION,
+                                           account=DEFAULT_ACCOUNT):
+            assert iam.allows(policy, action, resource,
+                              {"aws:RequestedRegion": DEFAULT_REGION}), action
+    ec2.delete_security_group(GroupId=network.security_group)

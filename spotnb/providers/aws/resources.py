@@ -189,6 +189,22 @@ def training_ingress(group_id: str, efa: bool) -> list[dict[str, Any]]:
     return [{"IpProtocol": "tcp", "FromPort": 0, "ToPort": 65535, "UserIdGroupPairs": [pair]}]
 
 
+def training_egress(group_id: str, efa: bool) -> list[dict[str, Any]]:
+    """The egress rules a multi-node job's security group needs besides the default
+    one (all traffic to 0.0.0.0/0): with EFA, all traffic to the group itself.
+
+    EFA's OS-bypass traffic is not IP, so an address range never matches it: AWS's EFA
+    set-ups give the group a self-referencing outbound rule as well as the inbound one
+    (AWS PCS User Guide, "Create a security group to support EFA communications":
+    ``authorize-security-group-egress --protocol -1 --source-group`` the group itself;
+    EC2 User Guide, "Get started with EFA": outbound, all traffic, to the group).
+    Without EFA, TCP leaves through the default rule."""
+    if not efa:
+        return []
+    return [{"IpProtocol": "-1", "UserIdGroupPairs": [
+        {"GroupId": group_id, "Description": "the job's own nodes (EFA traffic)"}]}]
+
+
 def tags(job_id: str, store_uri: str, name: str | None = None) -> list[dict[str, str]]:
     """The tags every resource of the job carries (EC2/IAM ``Key``/``Value`` form)."""
     found = [{"Key": TAG_JOB, "Value": job_id}, {"Key": TAG_STORE, "Value": store_uri},
