@@ -382,7 +382,33 @@ class AwsSimulator:
                     state.protected_from_scale_in = False
             original_delete(backend, group_name)
 
+        original_create = AutoScalingResponse.create_auto_scaling_group
+
+        def create_group(response: Any) -> Any:
+            # moto replaces a group of the same name where AWS answers AlreadyExists;
+            # and it ignores the lifecycle hooks made with a group
+            # (LifecycleHookSpecificationList): they are added as PutLifecycleHook would.
+            from moto.autoscaling.exceptions import AutoscalingClientError
+
+            name = response._get_param("AutoScalingGroupName")
+            if name in response.autoscaling_backend.autoscaling_groups:
+                error = AutoscalingClientError(
+                    f"AutoScalingGroup by this name already exists - A group with the "
+                    f"name {name} already exists")
+                error.code = "AlreadyExists"
+                raise error
+            result = original_create(response)
+            for hook in response._get_params().get("LifecycleHookSpecificationList") or ():
+                response.autoscaling_backend.create_lifecycle_hook(
+                    name=hook["LifecycleHookName"],
+                    as_name=response._get_param("AutoScalingGroupName"),
+                    transition=hook["LifecycleTransition"],
+                    timeout=int(hook.get("HeartbeatTimeout") or 3600),
+                    result=hook.get("DefaultResult") or "ABANDON")
+            return result
+
         original_activities = AutoScalingResponse.describe_scaling_activities
+        AutoScalingResponse.create_auto_scaling_group = create_group  # type: ignore[method-assign]
         FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
         AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
         AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
@@ -390,6 +416,7 @@ class AwsSimulator:
         AutoScalingBackend.delete_auto_scaling_group = delete_group  # type: ignore[method-assign,assignment]
 
         def unpatch() -> None:
+            AutoScalingResponse.create_auto_scaling_group = original_create  # type: ignore[method-assign]
             FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
             AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
             AutoScalingResponse.terminate_instance_in_auto_scaling_group = original_terminate  # type: ignore[method-assign]

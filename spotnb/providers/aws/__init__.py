@@ -29,7 +29,8 @@ Launching, narrated (anything created before a failing step is deleted again)::
             Store (SecureString, /spotnb/<job-id>/<NAME>: :mod:`.parameters`)
     Step 3  IAM role (prefix-scoped policy) and instance profile
     Step 4  launch template
-    Step 5  Auto Scaling group (retried while IAM propagates the new profile)
+    Step 5  Auto Scaling group, with its lifecycle hooks (a standby group); retried
+            while IAM propagates the new profile
     Step 6  tell the dashboard; watch the group's activities for capacity errors
 
 Where the rest lives, since AWS has no spotnb supervisor process:
@@ -123,6 +124,23 @@ FIS_NOTICE = "PT2M"
 # instance the job moves off: EC2's notice period, for the agent's final save (the
 # instance agent completes the hook once the job agent is done, which ends the wait).
 LIFECYCLE_HOOK_SECONDS = int(TERMINATION_HOOK_SECONDS)
+
+
+def lifecycle_hooks() -> list[dict[str, Any]]:
+    """A standby group's two lifecycle hooks (made with the group).
+
+    The job moves to a ready standby (whose agent completes the launch hook then) by
+    ending the at-risk instance through the termination hook, whose wait (IMDS
+    ``target-lifecycle-state`` ``Terminated``) is its agent's notice, as long as EC2's,
+    for its final save."""
+    return [
+        {"LifecycleHookName": LAUNCH_HOOK_NAME,
+         "LifecycleTransition": "autoscaling:EC2_INSTANCE_LAUNCHING",
+         "HeartbeatTimeout": LAUNCH_HOOK_SECONDS, "DefaultResult": "CONTINUE"},
+        {"LifecycleHookName": LIFECYCLE_HOOK_NAME,
+         "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING",
+         "HeartbeatTimeout": LIFECYCLE_HOOK_SECONDS, "DefaultResult": "CONTINUE"},
+    ]
 
 
 def _code(err: BaseException) -> str:
@@ -299,10 +317,12 @@ class AwsProvider(Provider):
             ), what="creating the launch template")["LaunchTemplate"]
             undo.append(("launch template", lambda: self._delete_template(job_id, region)))
             # Step 5: the group (Auto Scaling may not see the new profile for a while).
+            # In the undo list before the call: a call whose answer is lost may have
+            # made the group, which launches at once (a missing group is no error).
+            undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
             self._create_group(spec, template["LaunchTemplateId"], subnets, tag_list,
                                ondemand=self.settings.ondemand_after == 0,
                                placement_group=network.placement_group if network else None)
-            undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
         except BaseException:
             for label, release in reversed(undo):
                 try:
@@ -781,24 +801,32 @@ class AwsProvider(Provider):
         )
         if placement_group is not None:
             params["PlacementGroup"] = placement_group
-        _boto.with_backoff(lambda: asg.create_auto_scaling_group(**params),
-                           what="creating the Auto Scaling group",
-                           attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
         if rebalancing(spec):
-            # The job moves to a ready standby (its agent completes this launch hook
-            # then) by ending the at-risk instance through the termination hook, whose
-            # wait (IMDS target-lifecycle-state "Terminated") is its agent's notice, as
-            # long as EC2's, for its final save.
-            _boto.with_backoff(lambda: asg.put_lifecycle_hook(
-                AutoScalingGroupName=name, LifecycleHookName=LAUNCH_HOOK_NAME,
-                LifecycleTransition="autoscaling:EC2_INSTANCE_LAUNCHING",
-                HeartbeatTimeout=LAUNCH_HOOK_SECONDS, DefaultResult="CONTINUE"),
-                what="adding the group's launch hook")
-            _boto.with_backoff(lambda: asg.put_lifecycle_hook(
-                AutoScalingGroupName=name, LifecycleHookName=LIFECYCLE_HOOK_NAME,
-                LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
-                HeartbeatTimeout=LIFECYCLE_HOOK_SECONDS, DefaultResult="CONTINUE"),
-                what="adding the group's termination hook")
+            # Made with the group, not after it: a hook added to a group that exists
+            # applies to the instances launched after it, and the group launches its
+            # first at once (CreateAutoScalingGroup's LifecycleHookSpecificationList:
+            # "lifecycle hooks to add to the Auto Scaling group before instances are
+            # launched"). One call also leaves no group without its hooks to roll back.
+            params["LifecycleHookSpecificationList"] = lifecycle_hooks()
+
+        def create() -> None:
+            try:
+                asg.create_auto_scaling_group(**params)
+            except Exception as err:
+                # A retry after an answer that was lost: the first try made the group.
+                if _code(err) != "AlreadyExists" or not self._group_is_jobs(asg, spec):
+                    raise
+
+        _boto.with_backoff(create, what="creating the Auto Scaling group",
+                           attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
+
+    @staticmethod
+    def _group_is_jobs(asg: Any, spec: JobSpec) -> bool:
+        """Whether the job's group exists and carries its job's tag."""
+        found = asg.describe_auto_scaling_groups(
+            AutoScalingGroupNames=[group_name(spec.job_id)]).get("AutoScalingGroups", ())
+        return any(t.get("Key") == TAG_JOB and t.get("Value") == spec.job_id
+                   for g in found for t in g.get("Tags", ()))
 
     # -- deleting
 

@@ -1,0 +1,112 @@
+"""The AWS provider's launch, rollback and teardown held to AWS's contracts, on the
+simulator (moto in server mode plus real agents).
+
+Every test here ends with ``spotnb aws cleanup --dry-run`` finding nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aws_reference import floor
+
+import spotnb
+from spotnb.client.cli import main as cli_main
+from spotnb.providers.aws import AwsProvider, _boto
+from spotnb.providers.aws.resources import LAUNCH_HOOK_NAME, LIFECYCLE_HOOK_NAME
+from spotnb.testing import AwsSimulator
+
+Requests = list[tuple[str, str, dict[str, Any]]]
+
+
+@pytest.fixture
+def sim(spotnb_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> Iterator[AwsSimulator]:
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    with AwsSimulator(tmp_path / "sim") as simulator:
+        yield simulator
+        deadline = time.monotonic() + 30
+        while AwsProvider().cleanup(dry_run=True) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["aws", "cleanup", "--dry-run"]) == 0
+        assert out.getvalue().strip() == "nothing left over", out.getvalue()
+        simulator.wait_until_idle(30)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Requests]:
+    """Every request spotnb's clients make meanwhile: (service, operation, params)."""
+    found: Requests = []
+
+    def record(params: Any = None, model: Any = None, **kwargs: Any) -> None:
+        if model is not None and isinstance(params, dict):
+            found.append((model.service_model.service_name, model.name, dict(params)))
+
+    remove = _boto.add_hook("before-parameter-build.*", record)
+    try:
+        yield found
+    finally:
+        remove()
+
+
+def groups() -> list[str]:
+    return [g["AutoScalingGroupName"] for g in _boto.client("autoscaling")
+            .describe_auto_scaling_groups()["AutoScalingGroups"]]
+
+
+def test_a_group_made_although_its_answer_failed_is_deleted_by_the_rollback(
+        sim: AwsSimulator) -> None:
+    # The group exists (and launches) as soon as CreateAutoScalingGroup is done, whatever
+    # becomes of its answer: it is in the rollback before the call.
+    def lost(**kwargs: Any) -> None:
+        raise RuntimeError("the answer was lost")
+
+    remove = _boto.add_hook("after-call.auto-scaling.CreateAutoScalingGroup", lost)
+    try:
+        with pytest.raises(Exception, match="the answer was lost"):
+            spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+    finally:
+        remove()
+    assert groups() == [], "no group survives the failed launch"
+
+
+def test_a_standby_group_is_made_with_its_hooks_and_a_lost_answer_is_no_failure(
+        sim: AwsSimulator) -> None:
+    # A lost answer (the connection closed after AWS made the group): the retry's
+    # AlreadyExists is the same group, the job's, and the launch goes on.
+    from botocore.exceptions import ConnectionClosedError
+
+    answers = []
+
+    def lose_the_first(**kwargs: Any) -> None:
+        answers.append(1)
+        if len(answers) == 1:
+            raise ConnectionClosedError(endpoint_url="https://autoscaling")
+
+    remove = _boto.add_hook("after-call.auto-scaling.CreateAutoScalingGroup",
+                            lose_the_first)
+    try:
+        with recording() as sent:
+            handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+    finally:
+        remove()
+    assert groups() == [f"spotnb-{handle.job_id}"]
+    ops = [op for _, op, _ in sent]
+    assert "PutLifecycleHook" not in ops, "no moment without the hooks"
+    create = [p for _, op, p in sent if op == "CreateAutoScalingGroup"]
+    assert len(create) == 2, "the retry after the lost answer"
+    hooks = {h["LifecycleHookName"]: h["LifecycleTransition"]
+             for h in create[0]["LifecycleHookSpecificationList"]}
+    assert hooks == {LAUNCH_HOOK_NAME: "autoscaling:EC2_INSTANCE_LAUNCHING",
+                     LIFECYCLE_HOOK_NAME: "autoscaling:EC2_INSTANCE_TERMINATING"}
+    assert floor.validate("autoscaling", "CreateAutoScalingGroup", create[0]) == []
+    result = handle.wait(timeout=240)
+    assert result.status == "completed", (result.status, result.reason)
