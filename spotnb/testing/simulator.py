@@ -408,7 +408,7 @@ class AwsSimulator:
             return result
 
         original_activities = AutoScalingResponse.describe_scaling_activities
-        AutoScalingResponse.create_auto_scaling_group = create_group  # type: ignore[method-assign]
+        AutoScalingResponse.create_auto_scaling_group = create_group  # type: ignore[method-assign,assignment]
         FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
         AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
         AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
