@@ -22,8 +22,11 @@ from spotnb.providers.aws import AwsProvider, _boto, admin
 from spotnb.providers.aws.resources import (
     IAM_PATH,
     TAG_JOB,
+    AwsSettings,
+    choice_detail,
     fis_policy,
     instance_policy,
+    mixed_instances_policy,
     trust_policy,
     user_policy,
 )
@@ -349,3 +352,35 @@ def test_a_multi_node_security_group_lets_efa_traffic_out_to_the_job_only(
             assert iam.allows(policy, action, resource,
                               {"aws:RequestedRegion": DEFAULT_REGION}), action
     ec2.delete_security_group(GroupId=network.security_group)
+
+
+# --------------------------------------------- the order of the types (finding 11)
+
+
+def test_the_launch_says_what_auto_scaling_did_not_what_the_order_of_the_types_suggests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under price-capacity-optimized Auto Scaling does not follow the order of the types
+    # (Auto Scaling User Guide, "Allocation strategies for multiple instance types"):
+    # a second type launched is not a sign that the first had no capacity.
+    types = ("g5.xlarge", "g4dn.xlarge")
+    said = choice_detail("g4dn.xlarge", types, "price-capacity-optimized", set())
+    assert "no spot capacity" not in said and "no preference" in said
+    # What the group's scaling activities say is said.
+    assert choice_detail("g4dn.xlarge", types, "price-capacity-optimized", {"g5.xlarge"}) \
+        == "; g5.xlarge had no spot capacity (the group's scaling activities)"
+    # The strategy that takes the order as a preference, for jobs whose order matters.
+    monkeypatch.setenv("SPOTNB_AWS_SPOT_STRATEGY", "capacity-optimized-prioritized")
+    settings = AwsSettings.from_env()
+    assert "type 2 of 2 in the job's order" in choice_detail(
+        "g4dn.xlarge", types, settings.spot_strategy, set())
+    policy = mixed_instances_policy(template_id="lt-0123456789abcdef0", instance_types=types,
+                                    max_price=None, ondemand=False,
+                                    strategy=settings.spot_strategy)
+    assert policy["InstancesDistribution"]["SpotAllocationStrategy"] == \
+        "capacity-optimized-prioritized"
+    assert floor.validate("autoscaling", "CreateAutoScalingGroup", {
+        "AutoScalingGroupName": "g", "MinSize": 1, "MaxSize": 1,
+        "MixedInstancesPolicy": policy}) == []
+    monkeypatch.setenv("SPOTNB_AWS_SPOT_STRATEGY", "cheapest")
+    with pytest.raises(SpecError, match="SPOTNB_AWS_SPOT_STRATEGY must be one of"):
+        AwsSettings.from_env()

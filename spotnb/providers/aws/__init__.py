@@ -10,9 +10,10 @@ documents in :mod:`.resources`, boto3 only through :mod:`._boto`):
   the notebook runs (a wheel uploaded to ``<job prefix>/bootstrap/``) and starts
   :mod:`.instance`, the instance agent, which runs the job agent;
 * an **Auto Scaling group** with min = max = desired = 1 and a ``MixedInstancesPolicy``
-  over the ranked instance types and the region's subnets, ``price-capacity-optimized``,
-  0% on-demand. The group, not spotnb, replaces an interrupted instance: recovery does
-  not need the notebook.
+  over the job's instance types and the region's subnets, ``price-capacity-optimized``
+  (which does not follow the order of the types; ``SPOTNB_AWS_SPOT_STRATEGY=
+  capacity-optimized-prioritized`` takes it as a preference), 0% on-demand. The group,
+  not spotnb, replaces an interrupted instance: recovery does not need the notebook.
 * a **multi-node job** (``--nodes MIN:MAX``): the group keeps MAX instances, all in one
   AZ (chosen at validation, refused there when no AZ has capacity for MAX), in the
   job's cluster placement group, with EFA where every type has it, and in the job's
@@ -336,7 +337,7 @@ class AwsProvider(Provider):
         azs = sorted({az for _, az in subnets})
         types = ", ".join(spec.resources.instance_types)
         detail = (f"Auto Scaling group {group_name(job_id)}: spot {types} in {', '.join(azs)} "
-                  "(price-capacity-optimized)")
+                  f"({self.settings.spot_strategy})")
         if zone is not None:
             detail = (f"Auto Scaling group {group_name(job_id)}: {spec.resources.max_nodes} "
                       f"spot nodes of {types} in {zone.az} ({zone.why}), in a cluster "
@@ -793,7 +794,8 @@ class AwsProvider(Provider):
             VPCZoneIdentifier=",".join(s for s, _ in subnets),
             MixedInstancesPolicy=mixed_instances_policy(
                 template_id=template_id, instance_types=spec.resources.instance_types,
-                max_price=spec.resources.max_price, ondemand=ondemand),
+                max_price=spec.resources.max_price, ondemand=ondemand,
+                strategy=self.settings.spot_strategy),
             CapacityRebalance=False,
             HealthCheckType="EC2",
             Tags=[{**t, "PropagateAtLaunch": False, "ResourceId": name,

@@ -132,7 +132,9 @@ class CapacityWatch(threading.Thread):
             AutoScalingGroupName=group_name(self.spec.job_id),
             MixedInstancesPolicy=mixed_instances_policy(
                 template_id=template, instance_types=self.spec.resources.instance_types,
-                max_price=self.spec.resources.max_price, ondemand=True))
+                max_price=self.spec.resources.max_price, ondemand=True,
+                strategy=group[0]["MixedInstancesPolicy"]["InstancesDistribution"].get(
+                    "SpotAllocationStrategy") or self.provider.settings.spot_strategy))
         if writer is not None:
             writer.emit("status", state="waiting_for_capacity", detail=(
                 f"no spot capacity for {waited:.0f} s: falling back to on-demand "

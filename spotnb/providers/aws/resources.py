@@ -88,6 +88,9 @@ class AwsSettings:
                                    may launch on-demand (default: never, spot only)
     ``SPOTNB_AWS_CAPACITY_POLL``   seconds between looks at the group's scaling
                                    activities while waiting for capacity (default 5)
+    ``SPOTNB_AWS_SPOT_STRATEGY``   how Auto Scaling picks among the job's types
+                                   (:data:`SPOT_STRATEGIES`; default
+                                   ``price-capacity-optimized``, which ignores their order)
     """
 
     ami: str | None = None
@@ -95,6 +98,7 @@ class AwsSettings:
     subnets: tuple[str, ...] = ()
     ondemand_after: float | None = None
     capacity_poll: float = 5.0
+    spot_strategy: str = "price-capacity-optimized"
 
     @classmethod
     def from_env(cls) -> AwsSettings:
@@ -107,7 +111,30 @@ class AwsSettings:
             subnets=subnets,
             ondemand_after=_seconds(env, "SPOTNB_AWS_ONDEMAND_AFTER"),
             capacity_poll=_seconds(env, "SPOTNB_AWS_CAPACITY_POLL") or 5.0,
+            spot_strategy=_strategy(env.get("SPOTNB_AWS_SPOT_STRATEGY") or
+                                    "price-capacity-optimized"),
         )
+
+
+#: The spot allocation strategies a job's group may use, and what each does with the
+#: order of the job's instance types (Auto Scaling User Guide, "Allocation strategies
+#: for multiple instance types"):
+SPOT_STRATEGIES = {
+    # The pools least likely to be interrupted soon, then the lowest price among them:
+    # the order of the types is no preference. spotnb's default (AWS recommends it).
+    "price-capacity-optimized": "the order of the types is no preference",
+    # The pools with the most capacity, taking the order as a preference "on a
+    # best-effort basis": for a job whose first type matters (a faster GPU, say).
+    "capacity-optimized-prioritized": "the order of the types is a preference, "
+                                      "capacity first",
+}
+
+
+def _strategy(name: str) -> str:
+    if name not in SPOT_STRATEGIES:
+        raise SpecError(f"SPOTNB_AWS_SPOT_STRATEGY must be one of "
+                        f"{', '.join(SPOT_STRATEGIES)}, not {name!r}")
+    return name
 
 
 def _seconds(env: Any, name: str) -> float | None:
@@ -568,14 +595,16 @@ def launch_template_data(*, ami: str, profile_arn: str, security_group: str,
 
 
 def mixed_instances_policy(*, template_id: str, instance_types: tuple[str, ...],
-                           max_price: float | None, ondemand: bool) -> dict[str, Any]:
-    """Spot over the ranked types (0% on-demand unless ``ondemand``), price-capacity-
-    optimized across the group's subnets."""
+                           max_price: float | None, ondemand: bool,
+                           strategy: str = "price-capacity-optimized") -> dict[str, Any]:
+    """Spot over the job's types (0% on-demand unless ``ondemand``) across the group's
+    subnets, allocated by ``strategy`` (:data:`SPOT_STRATEGIES`: by default the order
+    of the types is no preference); on-demand, if allowed, in the types' order."""
     distribution: dict[str, Any] = {
         "OnDemandBaseCapacity": 0,
         "OnDemandPercentageAboveBaseCapacity": 100 if ondemand else 0,
         "OnDemandAllocationStrategy": "prioritized",
-        "SpotAllocationStrategy": "price-capacity-optimized",
+        "SpotAllocationStrategy": _strategy(strategy),
     }
     if max_price is not None:
         distribution["SpotMaxPrice"] = f"{max_price:.5f}"
@@ -587,6 +616,26 @@ def mixed_instances_policy(*, template_id: str, instance_types: tuple[str, ...],
         },
         "InstancesDistribution": distribution,
     }
+
+
+def choice_detail(instance_type: str, instance_types: tuple[str, ...], strategy: str,
+                  no_capacity: set[str]) -> str:
+    """What to say of the type Auto Scaling launched, among the job's types: only what
+    is known. The types that had no spot capacity are those its scaling activities say
+    so of (``no_capacity``); otherwise it was the strategy's choice, which under
+    ``price-capacity-optimized`` does not follow the order of the types at all."""
+    if len(instance_types) <= 1 or instance_type not in instance_types:
+        return ""
+    others = [t for t in instance_types if t in no_capacity and t != instance_type]
+    if others:
+        return f"; {', '.join(others)} had no spot capacity (the group's scaling activities)"
+    rank = instance_types.index(instance_type)
+    if strategy == "capacity-optimized-prioritized":
+        return "" if rank == 0 else (
+            f"; type {rank + 1} of {len(instance_types)} in the job's order ({strategy}: "
+            f"{SPOT_STRATEGIES[strategy]})")
+    return (f"; Auto Scaling's choice among the job's {len(instance_types)} types "
+            f"({strategy}: {SPOT_STRATEGIES.get(strategy, '')})")
 
 
 # ------------------------------------------------------------ scaling activities
