@@ -384,3 +384,23 @@ def test_the_launch_says_what_auto_scaling_did_not_what_the_order_of_the_types_s
     monkeypatch.setenv("SPOTNB_AWS_SPOT_STRATEGY", "cheapest")
     with pytest.raises(SpecError, match="SPOTNB_AWS_SPOT_STRATEGY must be one of"):
         AwsSettings.from_env()
+
+
+# ------------------------------------------------------- the default image (finding 12)
+
+
+def test_types_the_default_image_does_not_support_are_refused_before_anything_starts(
+        moto_endpoint: str, spotnb_home: Any) -> None:
+    # The PyTorch DLAMI supports G4dn, G5, G6, Gr6, G6e, P4d, P4de, P5, P5e, P5en and
+    # P6-B200 (its release notes): an Arm g5g or an AMD g4ad would never boot it.
+    import spotnb
+
+    for kind in ("g5g.xlarge", "g4ad.xlarge", "p3.2xlarge"):
+        with pytest.raises(SpecError, match=rf"{kind} cannot run spotnb's default image.*"
+                                            r"SPOTNB_AWS_AMI"):
+            spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarge", kind])
+    assert _boto.client("autoscaling").describe_auto_scaling_groups()[
+        "AutoScalingGroups"] == []
+    from spotnb.providers.aws.resources import image_problem
+
+    assert image_problem(AwsSettings(ami="ami-0123456789abcdef0"), ("g5g.xlarge",)) is None

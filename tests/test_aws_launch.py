@@ -110,3 +110,21 @@ def test_a_standby_group_is_made_with_its_hooks_and_a_lost_answer_is_no_failure(
     assert floor.validate("autoscaling", "CreateAutoScalingGroup", create[0]) == []
     result = handle.wait(timeout=240)
     assert result.status == "completed", (result.status, result.reason)
+
+
+# ------------------------------------------------------- the default image (finding 12)
+
+
+def test_doctor_checks_the_image_is_the_pytorch_deep_learning_ami(
+        sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotnb.providers.aws import admin
+    from spotnb.providers.aws.resources import DLAMI_NAME, DLAMI_PARAMETER
+
+    # The supported PyTorch line (2.7's lost its patch support in April 2026).
+    assert "pytorch-2.11-ubuntu-24.04" in DLAMI_PARAMETER
+    (image,) = [c for c in admin.doctor() if c.name == "image"]
+    assert image.ok is True and DLAMI_NAME in image.detail, image
+    assert "/opt/pytorch/bin/python" in image.detail and "g6e" in image.detail
+    monkeypatch.setenv("SPOTNB_AWS_AMI", "ami-0000000000000dead")
+    (image,) = [c for c in admin.doctor() if c.name == "image"]
+    assert image.ok is False and "does not exist in us-east-1" in image.detail, image

@@ -508,10 +508,13 @@ class AwsSimulator:
         """Put the Deep Learning AMI's public parameter into moto (AWS publishes it)."""
         from moto.ssm.models import Parameter, ssm_backends
 
-        from spotnb.providers.aws.resources import DLAMI_PARAMETER
+        from spotnb.providers.aws.resources import DLAMI_NAME, DLAMI_PARAMETER
 
         ec2 = self._client("ec2")
-        image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
+        # An image named as AWS names the Deep Learning AMI (moto's own are not).
+        image = ec2.register_image(
+            Name=f"{DLAMI_NAME} 20260815", Architecture="x86_64",
+            RootDeviceName="/dev/sda1", Description=DLAMI_IMAGE_NAME)["ImageId"]
         backend = ssm_backends[DEFAULT_ACCOUNT][self.region]
         backend._parameters[DLAMI_PARAMETER].append(Parameter(  # type: ignore[abstract]
             account_id=DEFAULT_ACCOUNT, name=DLAMI_PARAMETER, value=image,

@@ -97,6 +97,7 @@ from spotnb.providers.aws.resources import (
     fis_policy,
     fis_target,
     group_name,
+    image_problem,
     instance_policy,
     launch_template_data,
     mixed_instances_policy,
@@ -243,6 +244,9 @@ class AwsProvider(Provider):
             raise SpecError("no instance type given: name at least one, e.g. 'g5.xlarge'")
         for instance_type in res.instance_types:
             catalog.check_instance_type(instance_type, region)
+        problem = image_problem(self.settings, res.instance_types)
+        if problem is not None:
+            raise SpecError(problem + ". Nothing was started.")
         if spec.simulate_interruptions:
             raise SpecError("simulate_interruptions works on the local cloud only; on AWS "
                             "use handle.interrupt() (Fault Injection Service)")

@@ -8,7 +8,8 @@ by ``spotnb interrupt``. Per-job resources (role, template, group) are made by e
 launch. It also returns the IAM policies spotnb uses, so they can be reviewed.
 
 ``doctor(region)`` checks, in order, what a launch needs: credentials, region, the
-bucket, the network, the AMI, spot vCPU quotas, the FIS role, where secrets go (SSM
+bucket, the network, the image (it exists, is available, and is the PyTorch Deep
+Learning AMI by default), spot vCPU quotas, the FIS role, where secrets go (SSM
 Parameter Store) and the caller's permissions (``iam:SimulatePrincipalPolicy`` where
 the caller may use it).
 """
@@ -22,6 +23,10 @@ from typing import Any
 from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import (
+    DLAMI_FAMILIES,
+    DLAMI_NAME,
+    DLAMI_PARAMETER,
+    DLAMI_PYTHON,
     FIS_ROLE,
     SECURITY_GROUP,
     AwsSettings,
@@ -167,12 +172,7 @@ def doctor(region: str | None = None) -> list[Check]:
                                              f"({', '.join(az for _, az in subnets)})"))
     except Exception as err:
         checks.append(Check("network", False, str(err)))
-    try:
-        ami = provider._ami(region)
-        checks.append(Check("image", True, f"{ami} from "
-                                           f"{settings.ami or settings.ami_parameter}"))
-    except Exception as err:
-        checks.append(Check("image", False, str(err)))
+    checks.append(_image(provider, region, settings))
     quotas = _boto.client("service-quotas", region, attempts=1)
     for code, label in SPOT_QUOTAS.items():
         try:
@@ -195,6 +195,44 @@ def doctor(region: str | None = None) -> list[Check]:
     checks.append(_secrets(provider.client("ssm", region)))
     checks.append(_permissions(iam, str(me["Arn"])))
     return checks
+
+
+def _image(provider: Any, region: str, settings: AwsSettings) -> Check:
+    """The image instances boot: it exists and is available in the region, runs on
+    x86_64 (the GPU types spotnb's catalog offers), and, the default one, is the PyTorch
+    Deep Learning AMI (its name), whose PyTorch environment the boot uses."""
+    source = settings.ami or settings.ami_parameter
+    try:
+        ami = provider._ami(region)
+    except Exception as err:
+        return Check("image", False, str(err))
+    try:
+        images = provider.client("ec2", region).describe_images(ImageIds=[ami])["Images"]
+    except Exception as err:
+        if "InvalidAMIID" not in _boto.error_code(err):
+            return Check("image", None, f"{ami} from {source}; could not describe it "
+                                        f"({_boto.error_code(err) or err})")
+        images = []
+    if not images:
+        return Check("image", False, f"{ami} (from {source}) does not exist in {region}: "
+                                     "set SPOTNB_AWS_AMI to an image of this region")
+    image = images[0]
+    name = str(image.get("Name") or "")
+    if image.get("State", "available") != "available":
+        return Check("image", False, f"{ami} ({name}) is {image['State']}, not available")
+    if image.get("Architecture", "x86_64") != "x86_64":
+        return Check("image", False, f"{ami} ({name}) is for {image['Architecture']}; "
+                                     "spotnb's GPU types need an x86_64 image")
+    if settings.ami or settings.ami_parameter != DLAMI_PARAMETER:
+        return Check("image", True, f"{ami} ({name}) from {source}, your own image: the "
+                                    "boot needs python3 on it")
+    if not name.startswith(DLAMI_NAME):
+        return Check("image", False, (
+            f"{ami} from {source} is {name!r}, not the {DLAMI_NAME}: spotnb's boot looks "
+            f"for its PyTorch environment ({DLAMI_PYTHON}); set SPOTNB_AWS_AMI to an "
+            "image of yours, or update spotnb"))
+    return Check("image", True, (
+        f"{ami}: {name}, PyTorch in {DLAMI_PYTHON}; for {', '.join(DLAMI_FAMILIES)}"))
 
 
 def _secrets(ssm: Any) -> Check:

@@ -55,12 +55,23 @@ SECURITY_GROUP = "spotnb-no-inbound"
 FIS_ROLE = "spotnb-fis"
 BOOTSTRAP_PREFIX = "bootstrap"
 
-#: The public SSM parameter of the AWS Deep Learning AMI (PyTorch, NVIDIA driver, Ubuntu
-#: 22.04; Python at /opt/pytorch/bin/python). Override with SPOTNB_AWS_AMI_PARAMETER or
-#: SPOTNB_AWS_AMI.
+#: The default image: AWS's Deep Learning AMI for PyTorch, the newest framework line AWS
+#: supports ("Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.11 (Ubuntu 24.04)",
+#: first released 2026-08-15; DLAMI release notes), from its public SSM parameter
+#: (DLAMI Developer Guide, "Finding the ID of a DLAMI": the AMI's name without "deep",
+#: "learning" and "ami"), whose ``latest`` follows the line's patch releases. Python
+#: with PyTorch at /opt/pytorch/bin/python. When AWS ends the line's support, move to
+#: the next one here. Override with SPOTNB_AWS_AMI_PARAMETER or SPOTNB_AWS_AMI.
+DLAMI_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.11 (Ubuntu 24.04)"
 DLAMI_PARAMETER = ("/aws/service/deeplearning/ami/x86_64/"
-                   "oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id")
+                   "oss-nvidia-driver-gpu-pytorch-2.11-ubuntu-24.04/latest/ami-id")
 DLAMI_PYTHON = "/opt/pytorch/bin/python"
+#: The instance families that image supports (its release notes' supported_ec2_instances:
+#: G4dn, G5, G6, Gr6, G6e, P4 (p4d), P4de, P5, P5e, P5en, P6-B200). Others are refused
+#: with it: AMD (g4ad), Arm (g5g), Inferentia/Trainium and V100 (p3) instances need
+#: another image (SPOTNB_AWS_AMI).
+DLAMI_FAMILIES = ("g4dn", "g5", "g6", "gr6", "g6e", "p4d", "p4de", "p5", "p5e", "p5en",
+                  "p6-b200")
 
 # Actions AWS cannot restrict to a resource; all are read-only. The instance agent
 # (:mod:`.instance`) needs each of them; nothing else on the instance calls AWS.
@@ -128,6 +139,20 @@ SPOT_STRATEGIES = {
     "capacity-optimized-prioritized": "the order of the types is a preference, "
                                       "capacity first",
 }
+
+
+def image_problem(settings: AwsSettings, instance_types: tuple[str, ...]) -> str | None:
+    """Why the job's types cannot run the image it would get, or None: the default image
+    (:data:`DLAMI_PARAMETER`) supports the families :data:`DLAMI_FAMILIES` only. An image
+    of the user's own (SPOTNB_AWS_AMI or SPOTNB_AWS_AMI_PARAMETER) is the user's call."""
+    if settings.ami or settings.ami_parameter != DLAMI_PARAMETER:
+        return None
+    others = [t for t in instance_types if t.split(".")[0] not in DLAMI_FAMILIES]
+    if not others:
+        return None
+    return (f"{', '.join(others)} cannot run spotnb's default image, the {DLAMI_NAME} "
+            f"(it supports {', '.join(DLAMI_FAMILIES)}): choose one of those types, or "
+            "set SPOTNB_AWS_AMI to an image of yours for them")
 
 
 def _strategy(name: str) -> str:
