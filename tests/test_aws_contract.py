@@ -404,3 +404,98 @@ def test_types_the_default_image_does_not_support_are_refused_before_anything_st
     from spotnb.providers.aws.resources import image_problem
 
     assert image_problem(AwsSettings(ami="ami-0123456789abcdef0"), ("g5g.xlarge",)) is None
+
+
+# ------------------------------------------------- doctor: quotas, permissions (finding 14)
+
+#: EC2's spot vCPU quotas as the EC2 User Guide lists them ("Spot Instance quotas"), and
+#: the older single P quota that P5's own replaced.
+SPOT_QUOTA_NAMES = [
+    "All DL Spot Instance Requests", "All F Spot Instance Requests",
+    "All G and VT Spot Instance Requests", "All Inf Spot Instance Requests",
+    "All P4, P3 and P2 Spot Instance Requests", "All P5 Spot Instance Requests",
+    "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests",
+    "All Trn Spot Instance Requests", "All X Spot Instance Requests",
+    "Running On-Demand G and VT instances"]
+
+
+def test_doctor_reads_each_familys_spot_quota_by_the_name_aws_gives_it(
+        moto_endpoint: str) -> None:
+    from botocore.stub import Stubber
+
+    from spotnb.providers.aws.admin import _quotas, spot_quota_for
+
+    found = {family: spot_quota_for(family, SPOT_QUOTA_NAMES) for family in (
+        "g4dn", "g6e", "gr6", "p4d", "p4de", "p5", "p5en", "p6-b200", "inf2", "trn1",
+        "dl1", "m5")}
+    assert found == {
+        "g4dn": "All G and VT Spot Instance Requests", "g6e": "All G and VT Spot Instance "
+        "Requests", "gr6": "All G and VT Spot Instance Requests",
+        "p4d": "All P4, P3 and P2 Spot Instance Requests",
+        "p4de": "All P4, P3 and P2 Spot Instance Requests",
+        "p5": "All P5 Spot Instance Requests", "p5en": "All P5 Spot Instance Requests",
+        "p6-b200": None, "inf2": "All Inf Spot Instance Requests",
+        "trn1": "All Trn Spot Instance Requests", "dl1": "All DL Spot Instance Requests",
+        "m5": "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests"}
+    # An account that still has the single P quota: P4 is counted there.
+    assert spot_quota_for("p4d", ["All P Spot Instance Requests",
+                                  "All P5 Spot Instance Requests"]) == \
+        "All P Spot Instance Requests"
+    # doctor's lines, from Service Quotas' answer (the request checked against the model).
+    quotas = _boto.client("service-quotas")
+    with Stubber(quotas) as stub:
+        stub.add_response("list_service_quotas", {"Quotas": [
+            {"QuotaCode": f"L-{i:08X}", "QuotaName": name, "Value": 0.0 if "P5" in name
+             else 64.0} for i, name in enumerate(SPOT_QUOTA_NAMES)]},
+            {"ServiceCode": "ec2"})
+        lines = {c.detail.split(":")[0]: c for c in _quotas(quotas, ("g5", "p4d", "p5",
+                                                                     "p6-b200"))}
+    assert lines["All G and VT Spot Instance Requests"].ok is True
+    assert lines["All P5 Spot Instance Requests"].ok is False
+    assert "request an increase" in lines["All P5 Spot Instance Requests"].detail
+    assert lines["no spot quota of EC2 names p6-b200 (see the Service Quotas console)"].ok \
+        is None
+
+
+def test_doctor_asks_iam_what_the_printed_policy_grants_as_a_launch_uses_it() -> None:
+    from spotnb.providers.aws.admin import simulation
+
+    policy = user_policy(REGION, ACCOUNT, BUCKET)
+    caller = f"arn:aws:iam::{ACCOUNT}:user/researcher"
+    # Without the region in the request's context the region-bound statement never
+    # applies: a simulation of bare action names says "denied" to a correct identity.
+    assert not iam.allows(policy, "ec2:CreateLaunchTemplate", "*", {})
+    asked = 0
+    for statement in policy["Statement"]:
+        request = simulation(statement, REGION)
+        if request is None:
+            continue
+        params = {"PolicySourceArn": caller, **request}
+        assert floor.validate("iam", "SimulatePrincipalPolicy", params) == []
+        context = {e["ContextKeyName"]: e["ContextKeyValues"][0]
+                   for e in request.get("ContextEntries", ())}
+        for action in request["ActionNames"]:
+            resource = request.get("ResourceArns", ["*"])[0]
+            assert iam.allows(policy, action, resource, context), (action, resource)
+            asked += 1
+    assert asked >= 60
+    # ... and the printed policy lets doctor ask (SimulatePrincipalPolicy on itself).
+    for arn in (caller, f"arn:aws:iam::{ACCOUNT}:role/aws-reserved/sso.amazonaws.com/X"):
+        assert iam.allows(policy, "iam:SimulatePrincipalPolicy", arn)
+
+
+def test_doctor_simulates_an_assumed_roles_own_role(moto_endpoint: str) -> None:
+    # SSO and assumed roles: the caller's ARN is STS's; IAM simulates the role's.
+    from spotnb.providers.aws.admin import _principal_arn
+
+    iam_client = _boto.client("iam")
+    iam_client.create_role(RoleName="AWSReservedSSO_Admin_0123",
+                           Path="/aws-reserved/sso.amazonaws.com/",
+                           AssumeRolePolicyDocument=json.dumps(trust_policy(
+                               "ec2.amazonaws.com")))
+    assert _principal_arn(iam_client, f"arn:aws:sts::{DEFAULT_ACCOUNT}:assumed-role/"
+                                      "AWSReservedSSO_Admin_0123/me@example.com") == \
+        f"arn:aws:iam::{DEFAULT_ACCOUNT}:role/aws-reserved/sso.amazonaws.com/" \
+        "AWSReservedSSO_Admin_0123"
+    user = f"arn:aws:iam::{DEFAULT_ACCOUNT}:user/researcher"
+    assert _principal_arn(iam_client, user) == user

@@ -473,7 +473,7 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
          "Action": ["ec2:Describe*", "autoscaling:Describe*", "ssm:GetParameter",
                     "ssm:DescribeParameters", "sqs:ListQueues",
                     "pricing:GetProducts", "ec2:GetSpotPlacementScores",
-                    "servicequotas:GetServiceQuota", "sts:GetCallerIdentity",
+                    "servicequotas:ListServiceQuotas", "sts:GetCallerIdentity",
                     "tag:GetResources", "iam:ListRoles", "iam:ListInstanceProfiles"],
          "Resource": "*"},
     ]}
