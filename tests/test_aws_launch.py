@@ -128,3 +128,34 @@ def test_doctor_checks_the_image_is_the_pytorch_deep_learning_ami(
     monkeypatch.setenv("SPOTNB_AWS_AMI", "ami-0000000000000dead")
     (image,) = [c for c in admin.doctor() if c.name == "image"]
     assert image.ok is False and "does not exist in us-east-1" in image.detail, image
+
+
+# ------------------------------------------------------ a role that cannot delete itself
+
+
+def test_the_next_launch_deletes_a_role_that_iam_would_not_let_delete_itself(
+        sim: AwsSimulator) -> None:
+    # An instance deletes its role's policy, then the role: the permission for the
+    # second was in the first, so IAM may refuse it (eventual consistency is no
+    # promise). The role left behind, policy-less, is the next launch's to delete.
+    import json
+
+    from spotnb.protocol import layout
+    from spotnb.protocol.store import open_store
+    from spotnb.providers.aws.resources import IAM_PATH, TAG_JOB, TAG_STORE, trust_policy
+    from spotnb.providers.aws.store import ensure_bucket
+
+    ended = "20260101-000000-e0e0e0"
+    uri = f"s3://spotnb-123456789012-us-east-1/jobs/{ended}"
+    ensure_bucket(_boto.client("s3"), "spotnb-123456789012-us-east-1", "us-east-1",
+                  "123456789012")
+    open_store(uri).put(layout.RESULT, json.dumps({"status": "completed"}).encode())
+    iam = _boto.client("iam")
+    iam.create_role(RoleName=f"spotnb-job-{ended}", Path=IAM_PATH,
+                    AssumeRolePolicyDocument=json.dumps(trust_policy("ec2.amazonaws.com")),
+                    Tags=[{"Key": TAG_JOB, "Value": ended}, {"Key": TAG_STORE, "Value": uri}])
+    second = spotnb.submit("x = 2", provider="aws", instance_types=["g4dn.xlarge"])
+    roles = [r["RoleName"] for r in iam.list_roles(PathPrefix=IAM_PATH)["Roles"]]
+    assert f"spotnb-job-{ended}" not in roles
+    assert f"spotnb-job-{second.job_id}" in roles, "a running job's role is kept"
+    assert second.wait(timeout=240).status == "completed"

@@ -38,7 +38,9 @@ Where the rest lives, since AWS has no spotnb supervisor process:
 
 * **The end of a job** (completed, failed, stopped, budget, deadline; invariant 6): the
   instance agent deletes its own group, template and role once ``result.json`` exists;
-  its role may delete exactly those (by ARN and tag). :meth:`AwsProvider.terminate`
+  its role may delete exactly those (by ARN and tag). The role's last step, DeleteRole
+  after its own policy is gone, IAM may refuse: the empty role is deleted by the next
+  launch in the region or by :meth:`cleanup`. :meth:`AwsProvider.terminate`
   does the same from the notebook (``JobHandle.stop``), and :meth:`cleanup` finds
   whatever survived (a group whose job has a result, an orphan role; a multi-node
   job's security and placement groups, which AWS lets go only once its instances are
@@ -280,7 +282,9 @@ class AwsProvider(Provider):
         tag_list = tags(job_id, spec.store_uri, spec.name)
         undo: list[tuple[str, Callable[[], Any]]] = []
         try:
-            # Step 1: image and network.
+            # Step 1: image and network; first the roles of ended jobs that IAM would
+            # not let their instances delete (a role cannot delete itself reliably).
+            self._sweep_roles(region)
             ami = self._ami(region)
             zone = self._zones.get(job_id)
             network: cluster.Network | None = None
@@ -569,20 +573,7 @@ class AwsProvider(Provider):
         iam = self.client("iam", self.region())
 
         def roles() -> None:
-            for role in _paginate(iam, "list_roles", "Roles", PathPrefix=IAM_PATH):
-                name = role["RoleName"]
-                if not name.startswith("spotnb-job-"):
-                    continue
-                try:
-                    found = {t["Key"]: t["Value"] for t in
-                             iam.list_role_tags(RoleName=name).get("Tags", ())}
-                except Exception as err:
-                    if _code(err) == "NoSuchEntity":
-                        continue  # deleted meanwhile (its instance agent's teardown)
-                    raise
-                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                if not ended:
-                    continue
+            for name, why in _ended_roles(iam, over):
                 if dry_run or guarded(f"delete IAM role {name}",
                                       partial(_delete_role_named, iam, name)):
                     done.append(f"{verb} IAM role and instance profile {name} ({why})")
@@ -762,6 +753,26 @@ class AwsProvider(Provider):
             raise
         return str(profile["Arn"])
 
+    def _sweep_roles(self, region: str) -> None:
+        """Delete the roles of ended jobs (a ListRoles, and a ListRoleTags and the job's
+        result looked for per job role left): an instance's teardown deletes its role's
+        policy, but IAM may refuse the DeleteRole after it (the permission was in that
+        policy), so a role with nothing in it can be left (:meth:`_delete_role`)."""
+        verdicts: dict[str, tuple[bool, str]] = {}
+
+        def over(job_id: str, store_uri: str | None) -> tuple[bool, str]:
+            if job_id not in verdicts:
+                verdicts[job_id] = _job_over(store_uri)
+            return verdicts[job_id]
+
+        iam = self.client("iam", region)
+        try:
+            for name, _ in _ended_roles(iam, over):
+                _delete_role_named(iam, name)
+                log.info("deleted the role %s of an ended job", name)
+        except Exception as err:
+            log.info("could not look for ended jobs' roles: %s", err)
+
     def _sweep_networks(self, region: str) -> None:
         """Delete ended jobs' security and placement groups that AWS refused to delete
         while their instances were still in them (cluster.py)."""
@@ -853,8 +864,28 @@ class AwsProvider(Provider):
         template_id = found["LaunchTemplates"][0]["LaunchTemplateId"]
         return _ignore_missing(lambda: ec2.delete_launch_template(LaunchTemplateId=template_id))
 
-    def _delete_role(self, job_id: str, region: str) -> None:
-        _delete_role_named(self.client("iam", region), role_name(job_id))
+    def _delete_role(self, job_id: str, region: str, own: bool = False) -> None:
+        """Delete the job's role and instance profile. ``own``: with the role's own
+        credentials (the instance's teardown). Its permission to delete the role is in
+        the inline policy that DeleteRole requires deleted first, so IAM may refuse the
+        DeleteRole once that deletion has propagated (IAM is eventually consistent; AWS
+        promises no lag to rely on): the role is then left with no policy, granting
+        nothing, and the next launch in the region (:meth:`_sweep_roles`) or
+        ``spotnb aws cleanup`` deletes it with the user's credentials."""
+        iam = self.client("iam", region)
+        name = role_name(job_id)
+        if not own:
+            _delete_role_named(iam, name)
+            return
+        try:
+            _delete_role_named(iam, name)
+        except Exception as err:
+            if _boto.classify(err) != "fatal" and _code(err) not in (
+                    "AccessDenied", "UnauthorizedOperation"):
+                raise
+            log.info("IAM refused to let role %s delete itself once its policy was gone "
+                     "(%s): the next launch or `spotnb aws cleanup` deletes it", name,
+                     _code(err) or err)
 
     def _instances(self, region: str, job_id: str | None,
                    states: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -892,6 +923,28 @@ def _delete_role_named(iam: Any, name: str) -> None:
     _ignore_missing(lambda: iam.delete_instance_profile(InstanceProfileName=name))
     _ignore_missing(lambda: iam.delete_role_policy(RoleName=name, PolicyName="spotnb-job"))
     _ignore_missing(lambda: iam.delete_role(RoleName=name))
+
+
+def _ended_roles(iam: Any, over: Callable[[str, str | None], tuple[bool, str]]
+                 ) -> list[tuple[str, str]]:
+    """The job roles (``spotnb-job-*`` under :data:`IAM_PATH`) whose jobs are over, with
+    why (``over(job_id, store_uri)``, from the role's tags)."""
+    found = []
+    for role in _paginate(iam, "list_roles", "Roles", PathPrefix=IAM_PATH):
+        name = role["RoleName"]
+        if not name.startswith("spotnb-job-"):
+            continue
+        try:
+            tags = {t["Key"]: t["Value"] for t in
+                    iam.list_role_tags(RoleName=name).get("Tags", ())}
+        except Exception as err:
+            if _code(err) == "NoSuchEntity":
+                continue  # deleted meanwhile (its instance agent's teardown)
+            raise
+        ended, why = over(tags.get(TAG_JOB, ""), tags.get(TAG_STORE))
+        if ended:
+            found.append((name, why))
+    return found
 
 
 def _paginate(client: Any, method: str, key: str, **params: Any) -> list[Any]:

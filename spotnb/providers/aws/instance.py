@@ -30,7 +30,9 @@ An instance's life, narrated::
     Step 4  the job agent exited:
             result.json exists -> "terminated" (job-finished), then delete the job's
                 secrets (SSM parameters), the launch template, the Auto Scaling group
-                (which terminates this instance) and the job's IAM role: no instance
+                (which terminates this instance) and the job's IAM role (IAM may
+                refuse its last step, DeleteRole, once the role's policy is gone: the
+                next launch or `spotnb aws cleanup` deletes the empty role): no instance
                 outlives its job (invariant 6); a multi-node job's security and
                 placement groups too where AWS allows it yet (every node that sees
                 the result does the same)
@@ -568,7 +570,7 @@ class InstanceAgent:
                             ("launch template", provider._delete_template),
                             ("Auto Scaling group", provider._delete_group),
                             ("network", self._delete_network),
-                            ("IAM role", lambda j, r: provider._delete_role(j, r))):
+                            ("IAM role", lambda j, r: provider._delete_role(j, r, own=True))):
             try:
                 step(job_id, ident["region"])
             except Exception:
