@@ -159,3 +159,35 @@ def test_the_next_launch_deletes_a_role_that_iam_would_not_let_delete_itself(
     assert f"spotnb-job-{ended}" not in roles
     assert f"spotnb-job-{second.job_id}" in roles, "a running job's role is kept"
     assert second.wait(timeout=240).status == "completed"
+
+
+# ----------------------------------------------- a launch that cannot work (finding 15)
+
+
+def test_a_launch_that_cannot_work_is_said_and_fails_the_job_with_awss_reason(
+        sim: AwsSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An instance profile that never becomes valid (deleted meanwhile, a policy that
+    # denies iam:PassRole...): Auto Scaling's activities fail, not for capacity.
+    from botocore.awsrequest import AWSResponse
+
+    monkeypatch.setenv("SPOTNB_AWS_LAUNCH_FAILURE", "3")
+    reason = ("Value (spotnb-job-x) for parameter iamInstanceProfile.name is invalid. "
+              "Invalid IAM Instance Profile name")
+
+    def refuse(**kwargs: Any) -> Any:
+        return AWSResponse("", 400, {}, None), {"Error": {
+            "Code": "InvalidParameterValue", "Message": reason}}
+
+    remove = _boto.add_hook("before-call.ec2.RunInstances", refuse)
+    try:
+        handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+        result = handle.wait(timeout=120)
+    finally:
+        remove()
+    assert result.status == "failed"
+    assert reason in str(result.reason) and "spotnb aws doctor" in str(result.reason)
+    said = [e.data.get("detail") for e in handle.events(follow=False)
+            if e.type == "status" and e.data.get("state") == "launching"]
+    assert any("Auto Scaling could not launch an instance: " in str(d) and reason in str(d)
+               for d in said), said
+    assert groups() == [], "the group of a job that failed is deleted"

@@ -703,7 +703,16 @@ class AwsSimulator:
                     launched = self._ec2.run_instances(**params)["Instances"][0]
                 except Exception as err:
                     if _boto.classify(err) != "capacity":
-                        raise
+                        if not _boto.error_code(err):
+                            raise
+                        # Any other refusal fails the activity (and is not the pool's:
+                        # the group tries again later), as Auto Scaling records it.
+                        self._activity(name, "Failed", (
+                            f"Launching a new EC2 instance. Status Reason: "
+                            f"{_boto.error_message(err)}. Launching EC2 instance failed."),
+                            instance_type)
+                        self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
+                        return None
                     self._activity(name, "Failed", (
                         f"Could not launch {'Spot' if spot else 'On-Demand'} Instances. "
                         f"{_boto.error_code(err)} - {_boto.error_message(err)} "

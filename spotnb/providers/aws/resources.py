@@ -99,6 +99,10 @@ class AwsSettings:
                                    may launch on-demand (default: never, spot only)
     ``SPOTNB_AWS_CAPACITY_POLL``   seconds between looks at the group's scaling
                                    activities while waiting for capacity (default 5)
+    ``SPOTNB_AWS_LAUNCH_FAILURE``  seconds of failed launches that are not about
+                                   capacity (and no instance) after which the job fails
+                                   with AWS's reason (default 300: IAM propagation of a
+                                   new instance profile heals within it)
     ``SPOTNB_AWS_SPOT_STRATEGY``   how Auto Scaling picks among the job's types
                                    (:data:`SPOT_STRATEGIES`; default
                                    ``price-capacity-optimized``, which ignores their order)
@@ -109,6 +113,7 @@ class AwsSettings:
     subnets: tuple[str, ...] = ()
     ondemand_after: float | None = None
     capacity_poll: float = 5.0
+    launch_failure: float = 300.0
     spot_strategy: str = "price-capacity-optimized"
 
     @classmethod
@@ -122,6 +127,7 @@ class AwsSettings:
             subnets=subnets,
             ondemand_after=_seconds(env, "SPOTNB_AWS_ONDEMAND_AFTER"),
             capacity_poll=_seconds(env, "SPOTNB_AWS_CAPACITY_POLL") or 5.0,
+            launch_failure=_seconds(env, "SPOTNB_AWS_LAUNCH_FAILURE") or 300.0,
             spot_strategy=_strategy(env.get("SPOTNB_AWS_SPOT_STRATEGY") or
                                     "price-capacity-optimized"),
         )
@@ -667,6 +673,25 @@ def choice_detail(instance_type: str, instance_types: tuple[str, ...], strategy:
 
 _TYPE = re.compile(r"\b([a-z][a-z0-9-]*\d[a-z0-9-]*\.\d*[a-z]+)\b")
 _AZ = re.compile(r"\b([a-z]{2}(?:-gov)?-[a-z]+-\d[a-z])\b")
+
+
+def launch_failures(activities: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Failed Auto Scaling activities that were not about spot capacity (an instance
+    profile IAM has not propagated yet or that is gone, an image that does not exist,
+    a type the image cannot run, a missing permission...), oldest first: ``activity_id``
+    and AWS's ``reason`` (the activity's status message)."""
+    from spotnb.providers.aws._boto import capacity_code_in
+
+    found = []
+    for act in activities:
+        if act.get("StatusCode") not in ("Failed", "Cancelled"):
+            continue
+        message = str(act.get("StatusMessage") or act.get("Description") or "").strip()
+        if capacity_code_in(message) is None:
+            found.append({"activity_id": act.get("ActivityId"), "reason": message,
+                          "start": str(act.get("StartTime"))})
+    found.sort(key=lambda f: str(f["start"]))
+    return found
 
 
 def capacity_failures(activities: list[dict[str, Any]]) -> list[dict[str, Any]]:
