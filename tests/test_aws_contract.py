@@ -499,3 +499,68 @@ def test_doctor_simulates_an_assumed_roles_own_role(moto_endpoint: str) -> None:
         "AWSReservedSSO_Admin_0123"
     user = f"arn:aws:iam::{DEFAULT_ACCOUNT}:user/researcher"
     assert _principal_arn(iam_client, user) == user
+
+
+# --------------------------------------- giving back a standby still in Pending:Wait
+
+
+@pytest.mark.parametrize("state", ["Pending:Wait", "InService", "Pending"])
+def test_a_standby_is_given_back_whatever_its_launch_state(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, state: str) -> None:
+    # A standby launched late (capacity came late) waits in Pending:Wait for its launch
+    # hook for up to LAUNCH_HOOK_SECONDS: it is given back by ABANDONing that hook
+    # (Auto Scaling then terminates it), not by waiting until it is in service. The
+    # requests are checked against botocore's model (Stubber).
+    from datetime import datetime, timezone
+
+    from botocore.stub import Stubber
+
+    from spotnb.protocol import lease
+    from spotnb.protocol.spec import JobSpec
+    from spotnb.protocol.store import LocalStore
+    from spotnb.providers.aws.resources import LAUNCH_HOOK_NAME
+    from spotnb.providers.aws.standby import StandbyDriver
+    from spotnb.providers.imds import ImdsClient
+
+    spec = JobSpec.from_json(json.dumps({
+        "job_id": "j-1", "name": "n", "code": "pass", "provider": "aws",
+        "store_uri": str(tmp_path), "created": 0.0,
+        "resources": {"instance_types": ["g5.xlarge"]},
+        "policy": {"checkpoint_every": {"seconds": 60.0, "steps": None}}}))
+    store = LocalStore(tmp_path / "store")
+    assert lease.acquire(store, "i-node") is not None
+    emitted: list[Any] = []
+    driver = StandbyDriver(store, spec, ImdsClient("http://127.0.0.1:9"),
+                           {"instance_id": "i-node", "region": "us-east-1"},
+                           emitted.append, lambda: (), lambda: False)
+    asg = _boto.client("autoscaling", "us-east-1")
+    monkeypatch.setattr(_boto, "client", lambda *a, **k: asg)
+    group = "spotnb-j-1"
+
+    def member(iid: str, lifecycle: str) -> dict[str, Any]:
+        return {"InstanceId": iid, "AvailabilityZone": "us-east-1a",
+                "LifecycleState": lifecycle, "HealthStatus": "Healthy",
+                "ProtectedFromScaleIn": iid == "i-node"}
+
+    with Stubber(asg) as stub:
+        stub.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": [{
+            "AutoScalingGroupName": group, "MinSize": 1, "MaxSize": 2,
+            "DesiredCapacity": 2, "DefaultCooldown": 300, "AvailabilityZones": ["us-east-1a"],
+            "HealthCheckType": "EC2", "CreatedTime": datetime.now(timezone.utc),
+            "Instances": [member("i-node", "InService"), member("i-s", state)]}]},
+            {"AutoScalingGroupNames": [group]})
+        if state == "Pending:Wait":
+            stub.add_response("complete_lifecycle_action", {}, {
+                "LifecycleHookName": LAUNCH_HOOK_NAME, "AutoScalingGroupName": group,
+                "InstanceId": "i-s", "LifecycleActionResult": "ABANDON"})
+            stub.add_response("set_desired_capacity", {}, {
+                "AutoScalingGroupName": group, "DesiredCapacity": 1, "HonorCooldown": False})
+        elif state == "InService":
+            stub.add_response("terminate_instance_in_auto_scaling_group", {}, {
+                "InstanceId": "i-s", "ShouldDecrementDesiredCapacity": True})
+        done = driver._give_back(None)
+        stub.assert_no_pending_responses()
+    assert done is (state != "Pending"), "a moment of Pending is waited out"
+    if done:
+        (event,) = emitted
+        assert event.data["reason"] == "standby-given-back" and event.instance == "i-s"
