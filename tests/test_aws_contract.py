@@ -564,3 +564,24 @@ def test_a_standby_is_given_back_whatever_its_launch_state(
     if done:
         (event,) = emitted
         assert event.data["reason"] == "standby-given-back" and event.instance == "i-s"
+
+
+# --------------------------------------------------- a container in the cell reaches IMDS
+
+
+def test_the_instances_metadata_reaches_a_container_the_cell_starts() -> None:
+    # IMDSv2's token PUT is answered with an IP TTL of the hop limit: docker's bridge
+    # network is one hop more than the host, so a container needs 2 ("if HTTP tokens
+    # are required, container image builds need a minimum of two hops": AWS's
+    # InstanceMetadataOptions). IMDSv2 stays required, tags stay off.
+    from spotnb.providers.aws.resources import launch_template_data
+
+    data = launch_template_data(ami="ami-0123456789abcdef0",
+                                profile_arn=f"arn:aws:iam::{ACCOUNT}:instance-profile/x",
+                                security_group="sg-0123456789abcdef0", script="#!/bin/bash\n",
+                                tag_list=[{"Key": TAG_JOB, "Value": "j"}])
+    assert data["MetadataOptions"] == {"HttpTokens": "required", "HttpEndpoint": "enabled",
+                                       "HttpPutResponseHopLimit": 2,
+                                       "InstanceMetadataTags": "disabled"}
+    assert floor.validate("ec2", "CreateLaunchTemplate", {
+        "LaunchTemplateName": "spotnb-j", "LaunchTemplateData": data}) == []

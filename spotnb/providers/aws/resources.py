@@ -597,6 +597,11 @@ exec "$PY" -m spotnb.providers.aws.instance --job "$JOB_URI"
 
 # -------------------------------------------------------------- launch template
 
+#: How many network hops an IMDSv2 token may travel: 2 reaches a container on the
+#: instance (see :func:`launch_template_data`).
+METADATA_HOP_LIMIT = 2
+
+
 def launch_template_data(*, ami: str, profile_arn: str, security_group: str,
                          script: str, tag_list: list[dict[str, str]],
                          efa: bool = False) -> dict[str, Any]:
@@ -617,8 +622,14 @@ def launch_template_data(*, ami: str, profile_arn: str, security_group: str,
         "IamInstanceProfile": {"Arn": profile_arn},
         **network,
         "UserData": base64.b64encode(script.encode()).decode(),
+        # Hop limit 2: a container the cell starts (docker's bridge network is a hop)
+        # reaches IMDSv2 as the cell does, for the job's role and the spot notices;
+        # with 1 its token PUT never comes back ("if HTTP tokens are required,
+        # container ... need a minimum of two hops": AWS's InstanceMetadataOptions).
+        # The role is the job's, least privilege, as the cell has it anyway.
         "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled",
-                            "HttpPutResponseHopLimit": 1, "InstanceMetadataTags": "disabled"},
+                            "HttpPutResponseHopLimit": METADATA_HOP_LIMIT,
+                            "InstanceMetadataTags": "disabled"},
         "InstanceInitiatedShutdownBehavior": "terminate",
         "TagSpecifications": [{"ResourceType": "instance", "Tags": tag_list},
                               {"ResourceType": "volume", "Tags": tag_list}],
