@@ -567,14 +567,16 @@ class AwsSimulator:
         for action in template.get("actions", {}).values():
             if action.get("actionId") != "aws:ec2:send-spot-instance-interruptions":
                 continue
-            notice = _iso_duration(action.get("parameters", {}).get(
+            duration = _iso_duration(action.get("parameters", {}).get(
                 "durationBeforeInterruption", "PT2M"))
-            scaled = self.notice_seconds * notice / 120.0
+            # FIS: the rebalance recommendation at the start, the notice two minutes
+            # before the end of durationBeforeInterruption (scaled as the notice is).
+            lead = self.notice_seconds * max(0.0, duration - 120.0) / 120.0
             for target_name in action.get("targets", {}).values():
                 target = template.get("targets", {}).get(target_name, {})
                 for instance_id in self._fis_targets(target):
                     if instance_id in self.instances:
-                        self.interrupt(instance_id, scaled)
+                        self.interrupt(instance_id, self.notice_seconds, lead=lead)
         experiment = {"id": "EXP" + secrets.token_hex(8),
                       "experimentTemplateId": template["id"],
                       "state": {"status": "running", "reason": "simulated by spotnb.testing"}}

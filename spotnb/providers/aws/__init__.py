@@ -122,8 +122,11 @@ log = logging.getLogger(__name__)
 IAM_PROPAGATION_ATTEMPTS = 9
 _IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Profile",
                           "iamInstanceProfile"})
-# FIS's shortest notice, as on a real interruption.
+# FIS's shortest notice, as on a real interruption; FIS interrupts at most 15 minutes
+# after its experiment starts (durationBeforeInterruption PT2M to PT15M).
 FIS_NOTICE = "PT2M"
+FIS_NOTICE_SECONDS = 120.0
+FIS_MAX_LEAD_SECONDS = 780.0
 # A standby group's termination hook waits this long before Auto Scaling ends the
 # instance the job moves off: EC2's notice period, for the agent's final save (the
 # instance agent completes the hook once the job agent is done, which ends the wait).
@@ -369,9 +372,19 @@ class AwsProvider(Provider):
         return parameters.read(self.client("ssm", spec.resources.region), spec.job_id,
                                spec.secrets)
 
-    def interrupt(self, job_id: str, instance: str | None = None) -> None:
+    def interrupt(self, job_id: str, instance: str | None = None,
+                  rebalance_lead: float = 0.0) -> None:
         """Send an interruption notice (FIS) to the job's running instances, or only to
-        ``instance`` (one node of a multi-node job)."""
+        ``instance`` (one node of a multi-node job). ``rebalance_lead``: seconds (up to
+        780) by which EC2's rebalance recommendation comes before the notice: FIS sends
+        it when the experiment starts and the notice two minutes before the end of
+        ``durationBeforeInterruption`` (FIS actions reference,
+        ``aws:ec2:send-spot-instance-interruptions``); 0, both at once."""
+        if not 0 <= rebalance_lead <= FIS_MAX_LEAD_SECONDS:
+            raise SpecError(f"rebalance_lead must be 0 to {FIS_MAX_LEAD_SECONDS:g} s "
+                            "(FIS interrupts at most 15 minutes after it starts)")
+        duration = FIS_NOTICE if not rebalance_lead else \
+            f"PT{int(FIS_NOTICE_SECONDS + rebalance_lead)}S"
         region = self.region(job_id)
         account = _boto.account_id(region=region)
         running = self._instances(region, job_id, ("running",))
@@ -401,7 +414,7 @@ class AwsProvider(Provider):
             targets={"SpotInstances": fis_target(job_id, arn)},
             actions={"interrupt": {
                 "actionId": "aws:ec2:send-spot-instance-interruptions",
-                "parameters": {"durationBeforeInterruption": FIS_NOTICE},
+                "parameters": {"durationBeforeInterruption": duration},
                 "targets": {"SpotInstances": "SpotInstances"}}},
             tags={TAG_JOB: job_id, TAG_MANAGED: "true"},
         ), what="creating the FIS experiment template", retry_if=role_not_ready,
