@@ -377,11 +377,11 @@ class _Run:
         handle.interrupt(node=1)  # FIS, to one node
         result = handle.wait(timeout=sizes.step_timeout)
         wrong = self._check_result(result, steps)
-        sizes = [nodes for _, nodes, _ in result.worlds]
-        if 1 not in sizes or sizes[-1] != 2:
-            wrong.append(f"the world went {sizes}, not 2 -> 1 -> 2")
+        worlds = [nodes for _, nodes, _ in result.worlds]
+        if 1 not in worlds or worlds[-1] != 2:
+            wrong.append(f"the world went {worlds}, not 2 -> 1 -> 2")
         return Outcome(step.name, not wrong, "; ".join(wrong) or (
-            f"the world went {' -> '.join(map(str, sizes))} across one node's FIS "
+            f"the world went {' -> '.join(map(str, worlds))} across one node's FIS "
             f"interruption, the uninterrupted result; ${result.cost_usd:.4f}"),
             result.cost_usd)
 
