@@ -58,7 +58,7 @@ Where the rest lives, since AWS has no spotnb supervisor process:
   an instance boots.
 * **Interruptions on request** (``%spot_interrupt``, ``spotnb interrupt``) use the Fault
   Injection Service's ``aws:ec2:send-spot-instance-interruptions`` action against the
-  job's instances, with a shared ``spotnb-fis`` role.
+  job's instances, with a shared ``spotnb-fis`` role (:mod:`.fis`).
 
 Region: each call works in the job's region when this provider launched the job,
 else in the session's region (``AWS_DEFAULT_REGION`` or the profile's).
@@ -69,7 +69,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import uuid
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -79,7 +78,7 @@ from spotnb.protocol.secretstore import values_for
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import StoreError, open_store
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
-from spotnb.providers.aws import _boto, cluster, parameters
+from spotnb.providers.aws import _boto, cluster, fis, parameters
 from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
 from spotnb.providers.aws.leftovers import (
     CleanupIncomplete,
@@ -91,7 +90,6 @@ from spotnb.providers.aws.leftovers import (
 )
 from spotnb.providers.aws.resources import (
     BOOTSTRAP_PREFIX,
-    FIS_ROLE,
     IAM_PATH,
     LAUNCH_HOOK_NAME,
     LAUNCH_HOOK_SECONDS,
@@ -101,8 +99,6 @@ from spotnb.providers.aws.resources import (
     TAG_MANAGED,
     AwsSettings,
     bundle,
-    fis_policy,
-    fis_target,
     group_name,
     image_problem,
     instance_policy,
@@ -129,11 +125,6 @@ _cleanup_failure = cleanup_failure
 IAM_PROPAGATION_ATTEMPTS = 9
 _IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Profile",
                           "iamInstanceProfile"})
-# FIS's shortest notice, as on a real interruption; FIS interrupts at most 15 minutes
-# after its experiment starts (durationBeforeInterruption PT2M to PT15M).
-FIS_NOTICE = "PT2M"
-FIS_NOTICE_SECONDS = 120.0
-FIS_MAX_LEAD_SECONDS = 780.0
 # A standby group's termination hook waits this long before Auto Scaling ends the
 # instance the job moves off: EC2's notice period, for the agent's final save (the
 # instance agent completes the hook once the job agent is done, which ends the wait).
@@ -344,17 +335,11 @@ class AwsProvider(Leftovers, Provider):
 
     def interrupt(self, job_id: str, instance: str | None = None,
                   rebalance_lead: float = 0.0) -> None:
-        """Send an interruption notice (FIS) to the job's running instances, or only to
-        ``instance`` (one node of a multi-node job). ``rebalance_lead``: seconds (up to
-        780) by which EC2's rebalance recommendation comes before the notice: FIS sends
-        it when the experiment starts and the notice two minutes before the end of
-        ``durationBeforeInterruption`` (FIS actions reference,
-        ``aws:ec2:send-spot-instance-interruptions``); 0, both at once."""
-        if not 0 <= rebalance_lead <= FIS_MAX_LEAD_SECONDS:
-            raise SpecError(f"rebalance_lead must be 0 to {FIS_MAX_LEAD_SECONDS:g} s "
-                            "(FIS interrupts at most 15 minutes after it starts)")
-        duration = FIS_NOTICE if not rebalance_lead else \
-            f"PT{int(FIS_NOTICE_SECONDS + rebalance_lead)}S"
+        """Send an interruption notice (FIS, :mod:`.fis`) to the job's running
+        instances, or only to ``instance`` (one node of a multi-node job).
+        ``rebalance_lead``: seconds (up to 780) by which EC2's rebalance recommendation
+        comes before the notice; 0, both at once."""
+        fis.duration(rebalance_lead)  # a bad lead is refused before any request
         region = self.region(job_id)
         account = _boto.account_id(region=region)
         running = self._instances(region, job_id, ("running",))
@@ -366,36 +351,8 @@ class AwsProvider(Leftovers, Provider):
                                 f"{region} (it may be waiting for capacity)")
         arn = (f"arn:aws:ec2:{region}:{account}:instance/{instance}"
                if instance is not None else None)
-        fis = self.client("fis", region)
         role_arn, created = self._fis_role(region, account)
-
-        def role_not_ready(err: BaseException) -> bool:
-            # A role made just now is not assumable by FIS until IAM has propagated it
-            # (FIS answers ValidationException naming the role); any other validation
-            # error (a bad target, say) is raised at once.
-            return created and _boto.error_code(err) == "ValidationException" and \
-                "role" in _boto.error_message(err).lower()
-
-        template = _boto.with_backoff(lambda: fis.create_experiment_template(
-            clientToken=str(uuid.uuid4()),
-            description=f"spotnb: interrupt job {job_id}",
-            roleArn=role_arn,
-            stopConditions=[{"source": "none"}],
-            targets={"SpotInstances": fis_target(job_id, arn)},
-            actions={"interrupt": {
-                "actionId": "aws:ec2:send-spot-instance-interruptions",
-                "parameters": {"durationBeforeInterruption": duration},
-                "targets": {"SpotInstances": "SpotInstances"}}},
-            tags={TAG_JOB: job_id, TAG_MANAGED: "true"},
-        ), what="creating the FIS experiment template", retry_if=role_not_ready,
-            attempts=6)["experimentTemplate"]
-        try:
-            _boto.with_backoff(lambda: fis.start_experiment(
-                clientToken=str(uuid.uuid4()), experimentTemplateId=template["id"],
-                tags={TAG_JOB: job_id}), what="starting the FIS experiment")
-        finally:
-            # A started experiment keeps its own copy of the template.
-            ignore_missing(lambda: fis.delete_experiment_template(id=template["id"]))
+        fis.send(self.client("fis", region), role_arn, created, job_id, arn, rebalance_lead)
         log.info("FIS sends an interruption notice to %s", instance or
                  [i["InstanceId"] for i in running])
 
@@ -679,17 +636,4 @@ class AwsProvider(Leftovers, Provider):
 
     def _fis_role(self, region: str, account: str) -> tuple[str, bool]:
         """The shared FIS role's ARN, and whether it was created just now."""
-        iam = self.client("iam", region)
-        try:
-            return str(iam.get_role(RoleName=FIS_ROLE)["Role"]["Arn"]), False
-        except Exception as err:
-            if _boto.error_code(err) != "NoSuchEntity":
-                _boto.raise_for(err, "looking up the FIS role")
-        role = iam.create_role(
-            RoleName=FIS_ROLE, Path=IAM_PATH,
-            AssumeRolePolicyDocument=json.dumps(trust_policy("fis.amazonaws.com")),
-            Description="spotnb: send spot interruption notices to spotnb instances",
-            Tags=[{"Key": TAG_MANAGED, "Value": "true"}])["Role"]
-        iam.put_role_policy(RoleName=FIS_ROLE, PolicyName="spotnb-fis",
-                            PolicyDocument=json.dumps(fis_policy(region, account)))
-        return str(role["Arn"]), True
+        return fis.role(self.client("iam", region), region, account)
