@@ -866,7 +866,8 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 4  # 4: a multi-node row's nodes and instances are its world's
+_LISTING_VERSION = 5  # 5: a sweep's pruned trial reads pruned (4: a multi-node row's
+#                        nodes and instances are its world's)
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -957,6 +958,7 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
         status, reason = str(result["status"]), str(result.get("reason", ""))
     else:
         status, reason = state.status_now()
+    status, reason = state.outcome(status, reason)  # a sweep's trial: pruned
     start = state.first_time if state.first_time is not None else spec.created
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,

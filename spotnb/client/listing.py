@@ -15,8 +15,10 @@ from spotnb.protocol.events import Event, codec
 
 if TYPE_CHECKING:
     from spotnb.client.jobs import JobInfo
+    from spotnb.sweep.state import SweepInfo
 
-__all__ = ["JOB_COLUMNS", "format_age", "format_event", "format_events", "jobs_table"]
+__all__ = ["JOB_COLUMNS", "SWEEP_COLUMNS", "format_age", "format_event", "format_events",
+           "jobs_table", "sweeps_table"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -92,3 +94,19 @@ def format_events(events: Sequence[Event]) -> str:
     return "\n".join(line for e in events if (line := format_event(e)) is not None)
 
 
+#: The columns of ``spotnb sweeps``.
+SWEEP_COLUMNS = ("sweep", "name", "status", "trials", "best objective", "cost $",
+                 "refunded $", "age")
+
+
+def sweeps_table(rows: Sequence[SweepInfo], now: float) -> list[tuple[str, ...]]:
+    """The sweeps newest first, one tuple of texts per sweep (:data:`SWEEP_COLUMNS`)."""
+    table: list[tuple[str, ...]] = []
+    for r in sorted(rows, key=lambda r: r.created, reverse=True):
+        counts = ", ".join(f"{n} {state}" for state, n in r.counts.items() if n)
+        best = (f"t{r.best_trial} {r.metric} {r.best_value:.4g}"
+                if r.best_value is not None else "-")
+        table.append((r.sweep_id, r.name, r.status, counts or "none", best,
+                      f"{r.cost_usd:.4f}", f"{r.refunded_usd:.4f}" if r.refunded_usd else "-",
+                      format_age(r.created, now)))
+    return table

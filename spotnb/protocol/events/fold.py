@@ -233,6 +233,8 @@ class JobState:
         self.first_launch: float | None = None
         #: The job's warm standbys, by instance id, in launch order.
         self.standbys: dict[str, StandbyState] = {}
+        #: A sweep's pruner stopped the job (one of its trials) early: where, and why.
+        self.pruned: codec.Pruned | None = None
 
     # -- input ---------------------------------------------------------------------
 
@@ -280,6 +282,8 @@ class JobState:
             self.params.update(body.params)
             if body.source:
                 self.param_sources[body.source] = None
+        elif isinstance(body, codec.Pruned):
+            self.pruned = body
 
     def apply_all(self, events: Iterable[Event]) -> JobState:
         for e in events:
@@ -535,6 +539,21 @@ class JobState:
     def refunded(self) -> list[InstanceState]:
         """Instances EC2 interrupted in their first hour, which AWS does not charge."""
         return [i for i in self.instances.values() if i.free]
+
+    def refunded_usd(self) -> float:
+        """What the :meth:`refunded` instances ran, at their pools' spot prices: billed
+        while they ran (:meth:`cost` counted it then), refunded once EC2 took them back.
+        ``cost`` plus this never decreases as the job goes on."""
+        return sum(integrate(self.prices.get(i.pool, []), i.start, i.end or i.start,
+                             i.price or 0.0) for i in self.refunded())
+
+    def outcome(self, status: str, reason: str) -> tuple[str, str]:
+        """The job's status and reason as every view says them, given those of its
+        result (or of its events): a job stopped after a sweep's pruner said so is
+        ``pruned``, with the step and the metric's value (its ``pruned`` event)."""
+        if status == JobStatus.STOPPED.value and self.pruned is not None:
+            return "pruned", self.pruned.text
+        return status, reason
 
     def cost_between(self, start: float, stop: float) -> float:
         """What the instances billed between ``start`` and ``stop``, at the spot price
