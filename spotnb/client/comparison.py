@@ -99,7 +99,9 @@ class Facts:
     final: dict[str, float] = dataclasses.field(default_factory=dict)
     best: dict[str, float] = dataclasses.field(default_factory=dict)
     duration_s: float | None = None
-    #: What AWS bills (a :class:`~spotnb.client.jobs.JobResult`'s ``cost_usd``).
+    #: What AWS bills (a :class:`~spotnb.client.jobs.JobResult`'s ``cost_usd``; of a
+    #: running job, its instances until the newest event heard from each:
+    #: :meth:`~spotnb.protocol.events.fold.JobState.cost_heard`, which never decreases).
     cost_usd: float | None = None
     ondemand_cost_usd: float | None = None
     savings_pct: float | None = None
@@ -322,10 +324,13 @@ class JobRun(Run):
                     if isinstance(v, (int, float)) and k not in final}, **final}
         final_state = self._result is not None or result.status in FINAL_STATES
         pruned = self.state.pruned
+        # The money as heard from the instances: it only grows while the job runs.
+        billed, ondemand = self.state.cost_heard()
+        billed += self.state.requests_usd()
         facts = Facts(
             status=result.status, params=dict(self.state.params), final=final, best=best,
-            duration_s=result.duration, cost_usd=result.cost_usd,
-            ondemand_cost_usd=result.ondemand_cost_usd, savings_pct=result.savings_pct,
+            duration_s=result.duration, cost_usd=billed, ondemand_cost_usd=ondemand,
+            savings_pct=100.0 * (1.0 - billed / ondemand) if ondemand > 0 else None,
             interruptions=result.interruptions,
             redone_steps=sum(b.redone or 0 for b in self.state.breaks(final=final_state)),
             refunded_usd=self.state.refunded_usd(),

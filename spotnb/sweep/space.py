@@ -21,6 +21,7 @@ import dataclasses
 import importlib.util
 import itertools
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -124,9 +125,12 @@ def make_sampler(sampler: Any, syntax: str = "python") -> Any:
                         field="sampler")
     if name == "qmc" and importlib.util.find_spec("scipy") is None:
         raise SpecError(f"{option} qmc needs SciPy: pip install scipy", field="sampler")
-    return {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,
-            "cmaes": optuna.samplers.CmaEsSampler,
-            "qmc": optuna.samplers.QMCSampler}[name]()
+    made = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,
+            "cmaes": optuna.samplers.CmaEsSampler, "qmc": optuna.samplers.QMCSampler}[name]
+    with warnings.catch_warnings():
+        # Asked for by name: Optuna's "experimental" note (QMC) is no news to the user.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return made()
 
 
 def _numeric_only(sampler: Any) -> bool:

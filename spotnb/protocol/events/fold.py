@@ -235,6 +235,8 @@ class JobState:
         self.standbys: dict[str, StandbyState] = {}
         #: A sweep's pruner stopped the job (one of its trials) early: where, and why.
         self.pruned: codec.Pruned | None = None
+        #: instance id -> the time of the newest event that came from it
+        self.heard: dict[str, float] = {}
 
     # -- input ---------------------------------------------------------------------
 
@@ -245,6 +247,8 @@ class JobState:
             self.first_time = t
         if self.last_time is None or t > self.last_time:
             self.last_time = t
+        if e.instance is not None and t > self.heard.get(e.instance, 0.0):
+            self.heard[e.instance] = t
         if codec.is_row(e):  # most of a log: no body built for each
             if e.attempt != GROUP_STREAM:
                 a = self._attempt_of(e)
@@ -527,6 +531,20 @@ class JobState:
             start, stop = inst.start, inst.end or end
             cost += self.billed(inst, start, stop)
             ondemand += (inst.ondemand or 0.0) * max(0.0, stop - start) / 3600.0
+        return cost, ondemand
+
+    def cost_heard(self) -> tuple[float, float]:
+        """:meth:`cost` with each running instance billed until the newest event heard
+        from it, not until now: a figure that only grows as a job's events come in
+        (``cost(now)`` bills a running instance to now, then gives back the time past
+        its end once that end, read later, says it was earlier). Equal to ``cost`` once
+        every instance has ended."""
+        cost = ondemand = 0.0
+        for inst in self.instances.values():
+            stop = inst.end if inst.end is not None else \
+                max(inst.start, self.heard.get(inst.instance_id, inst.start))
+            cost += self.billed(inst, inst.start, stop)
+            ondemand += (inst.ondemand or 0.0) * max(0.0, stop - inst.start) / 3600.0
         return cost, ondemand
 
     def billed(self, inst: InstanceState, start: float, stop: float) -> float:
