@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,8 +168,12 @@ def test_the_view_draws_the_analysis_and_a_row_opens_the_trial_s_dashboard(
     kinds = [t["type"] for t in view.analysis.plot_data]
     assert kinds.count("parcoords") == 1 and "bar" in kinds  # 4 completed: importance
     parcoords = next(t for t in view.analysis.plot_data if t["type"] == "parcoords")
-    assert [d["label"] for d in parcoords["dimensions"]][-1] == "loss (objective)"
-    assert parcoords["line"]["color"] == [r.objective for r in trial_rows(made)]
+    # The losses span 500x: the objective's axis is logarithmic, and so its colours.
+    objective = parcoords["dimensions"][-1]
+    assert objective["label"] == "loss (objective) (log)"
+    assert parcoords["line"]["color"] == pytest.approx(
+        [math.log10(r.objective or 0) for r in trial_rows(made)])
+    assert objective["values"] == parcoords["line"]["color"]
     scatters = [t for t in view.analysis.plot_data if t["type"] == "scatter"
                 and t["xaxis"] == "x"]
     symbols = [s for t in scatters for s in t["marker"]["symbol"]]

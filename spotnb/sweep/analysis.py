@@ -131,6 +131,7 @@ class Axis:
 
 # A positive numeric parameter spanning more than this ratio is drawn on a log axis.
 _LOG_SPAN = 50.0
+_MAX_TICKS = 6
 _STATE_ORDER = ("completed", "running", "pruned", "stopped", "failed")
 
 
@@ -140,8 +141,10 @@ def _param_axis(name: str, values: Sequence[Any]) -> Axis:
     if numeric and values:
         nums = [float(v) for v in values]
         lo, hi = min(nums), max(nums)
-        if lo > 0 and hi / lo > _LOG_SPAN:
-            decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+        if wide_range(nums):
+            first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+            every = max(1, math.ceil((last - first) / _MAX_TICKS))  # a few ticks, not 40
+            decades = range(first, last + 1, every)
             ticks = tuple((float(d), round_value(10.0 ** d, 2)) for d in decades)
             return Axis(name, tuple(math.log10(v) for v in nums), ticks, log=True)
         return Axis(name, tuple(nums))
@@ -167,9 +170,17 @@ def axes(rows: Sequence[TrialRow], metric: str) -> tuple[list[Axis], list[TrialR
     out.append(Axis("interruptions", tuple(float(r.interruptions) for r in drawn),
                     tuple((float(n), str(n)) for n in
                           range(max(r.interruptions for r in drawn) + 1))))
-    out.append(Axis(f"{metric} (objective)",
-                    tuple(float(r.objective or 0.0) for r in drawn)))
+    # The objective as a parameter is drawn: a wide positive range (a diverged trial's
+    # loss beside the others') on a log axis, which the colours follow.
+    out.append(_param_axis(f"{metric} (objective)", [float(r.objective or 0.0)
+                                                     for r in drawn]))
     return out, drawn
+
+
+def wide_range(values: Sequence[float]) -> bool:
+    """Whether positive ``values`` span enough to be read on a log scale."""
+    finite = [v for v in values if math.isfinite(v)]
+    return bool(finite) and min(finite) > 0 and max(finite) / min(finite) > _LOG_SPAN
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,21 +154,29 @@ def _style(ax: Axes) -> None:
     ax.tick_params(labelsize=7)
 
 
-def _curves(fig: Any, grid: Any, row: int, runs: Sequence[Run], names: Sequence[str],
+def _curves(fig: Any, area: Any, runs: Sequence[Run], names: Sequence[str],
             cols: int) -> None:
-    """One panel per metric, every run a colour, its interruptions dashed in it."""
+    """One panel per metric in ``area`` (a part of a figure's grid), every run a
+    colour, its interruptions dashed in it; a wide positive range on a log scale (a
+    diverged run beside the others)."""
     from spotnb.records.figures import RUN_COLOURS
+    from spotnb.sweep.analysis import wide_range
 
+    grid = area.subgridspec(-(-len(names) // cols), cols)
     for n, name in enumerate(names):
-        ax = fig.add_subplot(grid[row + n // cols, n % cols])
+        ax = fig.add_subplot(grid[n // cols, n % cols])
+        seen: list[float] = []
         for k, run in enumerate(runs):
             colour = RUN_COLOURS[k % len(RUN_COLOURS)]
             x, y = run.points(name)
             if len(x):
                 ax.plot(x, y, color=colour, lw=1.3, label=run.label)
+                seen += [float(v) for v in y]
             for mark in run.marks:
                 if mark.step is not None and len(x):
                     ax.axvline(mark.step, color=colour, ls=(0, (4, 3)), lw=1.1)
+        if wide_range(seen):
+            ax.set_yscale("log")
         ax.set_title(name, fontsize=9, loc="left", fontweight="bold")
         ax.set_xlabel("step", fontsize=8)
         _style(ax)
@@ -191,8 +199,8 @@ def runs_png(runs: Sequence[Run], title: str = "") -> bytes:
     fig = Figure(figsize=(_WIDTH_INCHES, 0.6 + 2.8 * rows), layout="constrained")
     if title:
         fig.suptitle(title.replace("$", r"\$"), fontsize=9, x=0.01, ha="left")
-    grid = fig.add_gridspec(rows, cols)
-    _curves(fig, grid, 0, runs, names, cols)
+    grid = fig.add_gridspec(1, 1)
+    _curves(fig, grid[0, 0], runs, names, cols)
     return _png(fig)
 
 
@@ -210,7 +218,7 @@ def _parallel(ax: Axes, rows: Sequence[TrialRow], metric: str, direction: str) -
         ax.set_axis_off()
         return
     cmap = colormaps["viridis_r" if direction == "minimize" else "viridis"]
-    objective = np.array([float(r.objective or 0.0) for r in drawn])
+    objective = np.array(dims[-1].values)  # as placed on its axis (log, if wide)
     lo, hi = float(objective.min()), float(objective.max())
     scaled = []
     for d in dims:
@@ -251,7 +259,7 @@ def sweep_png(made: Sweep, rows: Sequence[TrialRow], found: Importance,
     from matplotlib.lines import Line2D
 
     from spotnb.records.figures import _png
-    from spotnb.sweep.analysis import STATE_COLOURS, axes
+    from spotnb.sweep.analysis import STATE_COLOURS, axes, wide_range
     from spotnb.sweep.view import header_lines
 
     metric = made.metric
@@ -296,12 +304,14 @@ def sweep_png(made: Sweep, rows: Sequence[TrialRow], found: Importance,
             ax.scatter([x], [float(r.objective or 0.0)],
                        color=STATE_COLOURS.get(r.state, "#57606a"),
                        marker="D" if r.interrupted else "o", s=28, zorder=3)
-        if numeric and min(numbers) > 0 and max(numbers) / min(numbers) > 50:
+        if numeric and wide_range(numbers):
             ax.set_xscale("log")
+        if wide_range([float(r.objective or 0.0) for r in drawn]):
+            ax.set_yscale("log")
         ax.set_xlabel(name, fontsize=8)
         ax.set_ylabel(f"{metric} (objective)", fontsize=8)
         ax.set_title(f"{metric} against {name}", fontsize=9, loc="left", fontweight="bold")
-    _curves(fig, grid, 1 + scatter_rows, runs, curve_names, curve_cols)
+    _curves(fig, grid[1 + scatter_rows:, :], runs, curve_names, curve_cols)
     states = list(dict.fromkeys(r.state for r in drawn))
     handles = [Line2D([], [], ls="none", marker="o", color=STATE_COLOURS.get(s, "#57606a"),
                       label=s) for s in states]

@@ -45,6 +45,7 @@ from spotnb.sweep.analysis import (
     table_columns,
     table_rows,
     trial_rows,
+    wide_range,
 )
 from spotnb.sweep.state import round_value
 from spotnb.sweep.view import Sweep, header_lines
@@ -153,9 +154,9 @@ class SweepView:
     def _draw_header(self) -> None:
         made = self.sweep
         lines = header_lines(made)
-        title = (f"<b>sweep {html.escape(made.name)}</b> ({html.escape(made.sweep_id)}): "
-                 f"{html.escape(lines[0].split(': ', 1)[-1])}; at most {made.parallel} "
-                 "at once")
+        status = lines[0].removeprefix(f"spotnb sweep {made.name} ")
+        title = (f"<b>sweep {html.escape(made.name)}</b> ({html.escape(made.sweep_id)}) "
+                 f"{html.escape(status)}; at most {made.parallel} at once")
         rest = "<br>".join(html.escape(line) for line in lines[1:])
         self.header.value = f"<div class='spotnb-sweep-header'>{title}<br>{rest}</div>"
 
@@ -306,14 +307,16 @@ def analysis_figure(metric: str, direction: str, rows: list[TrialRow],
                                          "x": 0.0},
                               "annotations": []}
     if dims:
-        objective = [float(r.objective or 0.0) for r in drawn]
+        objective = dims[-1]  # coloured as placed: a log axis's colours are too
+        ticks = ({"tickvals": [t for t, _ in objective.ticks],
+                  "ticktext": [s for _, s in objective.ticks]} if objective.ticks else {})
         data.append({
             "type": "parcoords", "name": "trials", "domain": {"x": [0.0, 0.94],
                                                               "y": [split + 0.06, top]},
-            "line": {"color": objective, "colorscale": "Viridis", "reversescale": reverse,
-                     "showscale": True,
+            "line": {"color": list(objective.values), "colorscale": "Viridis",
+                     "reversescale": reverse, "showscale": True,
                      "colorbar": {"title": {"text": metric}, "len": (top - split) * 0.9,
-                                  "y": (top + split) / 2, "thickness": 12}},
+                                  "y": (top + split) / 2, "thickness": 12, **ticks}},
             "dimensions": [{"label": d.name + (" (log)" if d.log else ""),
                             "values": list(d.values),
                             **({"tickvals": [t for t, _ in d.ticks],
@@ -336,6 +339,8 @@ def analysis_figure(metric: str, direction: str, rows: list[TrialRow],
                                           "importance (Optuna)"}}
         layout[f"yaxis{ax}"] = {"domain": [max(0.0, y_lo), y_hi], "anchor": f"x{ax}",
                                 "title": {"text": metric if name != "importance" else ""}}
+        if name != "importance" and wide_range([float(r.objective or 0.0) for r in drawn]):
+            layout[f"yaxis{ax}"]["type"] = "log"
         if name == "importance":
             if found.values:
                 names = list(found.values)[::-1]
@@ -356,7 +361,7 @@ def analysis_figure(metric: str, direction: str, rows: list[TrialRow],
         numbers = [float(v) for v in values if isinstance(v, (int, float))
                    and not isinstance(v, bool)]
         numeric = len(numbers) == len(values)
-        if numeric and numbers and min(numbers) > 0 and max(numbers) / min(numbers) > 50:
+        if numeric and wide_range(numbers):
             layout[f"xaxis{ax}"]["type"] = "log"
         for state in dict.fromkeys(r.state for r in drawn):
             mine = [r for r in drawn if r.state == state]
