@@ -21,7 +21,8 @@ either.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
+from typing import Any
 
 __all__ = ["Budget", "SweepCost"]
 
@@ -37,6 +38,14 @@ class SweepCost:
     refunded_usd: float
     ondemand_usd: float
     refunded_instances: int = 0
+
+    @classmethod
+    def of(cls, facts: Sequence[Any]) -> SweepCost:
+        """The sum of the trials' :class:`~spotnb.client.comparison.Facts` (each from
+        its job's fold)."""
+        return cls(sum(f.cost_usd or 0.0 for f in facts), sum(f.refunded_usd for f in facts),
+                   sum(f.ondemand_cost_usd or 0.0 for f in facts),
+                   sum(f.refunded_instances for f in facts))
 
     @property
     def cost_usd(self) -> float:

@@ -24,11 +24,12 @@ import ast
 import dataclasses
 import difflib
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CellMetrics", "cell_metrics", "missing_metric", "not_logged_text"]
+__all__ = ["CellMetrics", "cell_metrics", "missing_metric", "not_logged_text",
+           "trials_without"]
 
 #: The name a cell's runtime goes by (``spot.log``); others come from imports of it.
 RUNTIME_NAME = "spot"
@@ -176,3 +177,21 @@ def missing_metric(metric: str, found: CellMetrics) -> str | None:
 def _guess(metric: str, names: Iterable[str]) -> str:
     close = difflib.get_close_matches(metric, list(names), n=1)
     return f" (did you mean {close[0]}?)" if close else ""
+
+
+def trials_without(metric: str, logged: Sequence[tuple[int, list[str], bool]]
+                   ) -> tuple[str, str]:
+    """What the trials' rows say of ``metric`` (module docstring): ``(stop, warning)``,
+    either empty. ``logged``: each started trial's number, the metrics it has logged,
+    and whether it is over (ended by itself)."""
+    warning = ""
+    for number, names, over in logged:
+        if not names or metric in names:
+            continue
+        shown = list(dict.fromkeys(names))
+        if over:
+            return (f"trial {number} ended without logging the sweep's metric: "
+                    f"{not_logged_text(metric, shown)}. Run the sweep again with --metric "
+                    "set to one it logs"), ""
+        warning = warning or f"trial {number} has logged {', '.join(shown)} and no {metric} yet"
+    return "", warning

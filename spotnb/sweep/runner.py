@@ -49,7 +49,7 @@ from typing import Any
 
 from spotnb.protocol.store import Store
 from spotnb.sweep.budget import Budget, SweepCost
-from spotnb.sweep.metric import not_logged_text
+from spotnb.sweep.metric import trials_without
 from spotnb.sweep.space import Space
 from spotnb.sweep.state import (
     HEARTBEAT_SECONDS,
@@ -150,15 +150,7 @@ class Sweep:
     def cost(self) -> SweepCost:
         """What the trials have cost so far, each from its job's fold: billed, refunded
         and the same instance time on-demand."""
-        billed = refunded = ondemand = 0.0
-        refunds = 0
-        for run in list(self.runs.values()):
-            facts = run.facts
-            billed += facts.cost_usd or 0.0
-            refunded += facts.refunded_usd
-            refunds += facts.refunded_instances
-            ondemand += facts.ondemand_cost_usd or 0.0
-        return SweepCost(billed, refunded, ondemand, refunds)
+        return SweepCost.of([run.facts for run in list(self.runs.values())])
 
     def best(self) -> Trial | None:
         """The completed trial with the best objective (None: none yet)."""
@@ -474,23 +466,15 @@ class Sweep:
         logged rows without it yet is a warning (:mod:`spotnb.sweep.metric`)."""
         if self._stop.is_set():
             return False
-        warning = ""
-        for trial in self.trials:
-            run = self.runs.get(trial.number)
-            if run is None:
-                continue
-            names = run.metric_names()
-            if not names or self.metric in names or self.metric in run.facts.final:
-                continue
-            said = not_logged_text(self.metric, names)
-            if trial.number in self._over_at and trial.state in ("completed", "failed"):
-                self.reason = (f"trial {trial.number} ended without logging the sweep's "
-                               f"metric: {said}. Run the sweep again with --metric set to "
-                               "one it logs")
-                self._stop.set()
-                return True
-            warning = warning or (f"trial {trial.number} has logged "
-                                  f"{', '.join(names)} and no {self.metric} yet")
+        logged = [(t.number, self.runs[t.number].metric_names()
+                   + list(self.runs[t.number].facts.final),
+                   t.number in self._over_at and t.state in ("completed", "failed"))
+                  for t in self.trials if t.number in self.runs]
+        stop, warning = trials_without(self.metric, logged)
+        if stop:
+            self.reason = stop
+            self._stop.set()
+            return True
         changed = warning != self.warning
         self.warning = warning
         return changed
