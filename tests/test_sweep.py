@@ -122,7 +122,10 @@ def test_a_sweep_runs_k_at_once_prunes_at_once_and_sends_one_summary(
     assert job_record(pruned)["status"] == "pruned"
     assert {r.name: r.status for r in spotnb.jobs()}["swept-t3"] == "pruned"
     cli.main(["jobs"])
-    assert re.search(r"swept-t3\s+pruned", capsys.readouterr().out)
+    assert re.search(rf"swept-t3\s+pruned at step {step}\s", capsys.readouterr().out)
+    cli.main(["logs", pruned.job_id])
+    assert re.search(rf"pruned at step {step} \(loss [\d.]+\) by sweep sweep-\S+, trial 3",
+                     capsys.readouterr().out)
     # One message for the sweep, none from its trials (they carry no webhook).
     assert len(hook.bodies) == 1, hook.bodies
     text = bodies[0]["text"]

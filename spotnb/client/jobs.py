@@ -314,6 +314,8 @@ class JobInfo:
     #: two worker processes per node; a multi-node job whose world formed says how
     #: many nodes it has now (or had at the end) first: ``"3 nodes (3:4)"``.
     nodes: str = "1"
+    #: Why it ended (a sweep's pruned trial: ``pruned at step 140 (val_loss 0.4452)``).
+    reason: str = ""
 
     @property
     def savings_pct(self) -> float | None:
@@ -901,7 +903,7 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
                   cost_usd=s.cost_usd, created=spec.created,
                   instance_type=instances_label(s, spec.resources.max_nodes > 1),
                   duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
-                  nodes=nodes_label(spec.resources, s))
+                  nodes=nodes_label(spec.resources, s), reason=s.reason)
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

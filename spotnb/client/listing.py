@@ -55,6 +55,9 @@ def format_event(event: Event) -> str | None:
         return f"{where} checkpoint at step {d.get('step')} durable ({d.get('bytes', 0):,} bytes)"
     if isinstance(b, codec.Warning):
         return f"{where} warning: {d.get('text', '')}"
+    if isinstance(b, codec.Pruned):
+        trial = f", trial {b.trial}" if b.trial is not None else ""
+        return f"{where} {b.text} by sweep {b.sweep or '?'}{trial}: the job is stopped"
     if isinstance(b, codec.Display):
         text = (d.get("data") or {}).get("text/plain")
         return str(text) if text else None
@@ -76,7 +79,10 @@ def jobs_table(rows: Sequence[JobInfo], now: float
         saving = f"{r.savings_pct:.0f}%" if r.savings_pct is not None else ""
         minutes, seconds = divmod(int(r.duration), 60)
         hours, minutes = divmod(minutes, 60)
-        table.append((r.job_id, r.name, r.status.replace("_", " "), r.instance_type or "",
+        status = r.status.replace("_", " ")
+        if r.status == "pruned" and r.reason.startswith("pruned at step"):
+            status = r.reason.split(" (", 1)[0]  # "pruned at step 140"; logs say why
+        table.append((r.job_id, r.name, status, r.instance_type or "",
                       f"{hours}:{minutes:02d}:{seconds:02d}", f"{r.cost_usd:.4f}", saving,
                       metric, str(r.attempts), str(r.interruptions), r.nodes,
                       format_age(r.created, now)))
