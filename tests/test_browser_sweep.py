@@ -35,6 +35,7 @@ from conftest import ARTIFACTS
 pytestmark = pytest.mark.slow
 
 from test_browser import (  # noqa: E402  (its module-level skips apply here too)
+    _COMPARE_DRAWN,
     _jupyter_lab,
     _shot,
     page,  # noqa: F401  (the fixture)
@@ -149,6 +150,26 @@ def test_a_sweep_is_analysed_live_and_survives_saving_and_sharing(
     # Nothing left loopback but what nbconvert's page template asks of a CDN (its
     # MathJax); the figures need none of it.
     assert not [u for u in refused if "cdnjs" not in u and "unpkg" not in u], refused[:5]
+    # Never more than two trials at once, judged from the jobs' own events: a trial from
+    # its first instance's launch to its last one's end (its replacement included).
+    from test_sweep import most_at_once
+
+    import spotnb
+    from spotnb.client.jobs import attach
+    from spotnb.protocol.events import EventReader
+    from spotnb.protocol.events.fold import fold
+    from spotnb.sweep import sweeps
+
+    (info,) = sweeps()
+    jobs = {r.name: r.job_id for r in spotnb.jobs()}
+    spans = []
+    for n in range(5):
+        job = jobs[f"swept-t{n}"]
+        instances = fold(EventReader(attach(job).store, batches=True).poll()).instances
+        assert all(i.end is not None for i in instances.values()), job
+        spans.append((min(i.start for i in instances.values()),
+                      max(i.end or 0.0 for i in instances.values())))
+    assert info.status == "completed" and most_at_once(spans) == 2
 
 
 def _check_live(p: Any) -> None:
@@ -184,6 +205,11 @@ def _check_live(p: Any) -> None:
     # A line per trial, drawn (WebGL) across an axis per dimension.
     assert found["lines"] == 5 and found["axes"] == 5 and found["canvas"] >= 1, found
     assert found["types"].count("scatter") >= 2, found
+    # The trials' curves in the loss panel, a colour each.
+    p.wait_for_function(f"() => Object.keys(({_COMPARE_DRAWN})() || {{}}).length == 5",
+                        timeout=30_000)
+    drawn = p.evaluate(_COMPARE_DRAWN)
+    assert len({run["line"]["stroke"] for run in drawn.values()}) == 5, drawn
     _shot(view, "sweep-view.png")
     # A trial's row opens its own dashboard, replayed: its figure and its header.
     view.locator(".spotnb-sweep-table tr[data-type='t1']").click()
