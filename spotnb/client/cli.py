@@ -261,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweeps)
     p = sub.add_parser("stop", help="stop a job and delete its instance; or a sweep for "
                                     "good: every running trial, and no trial starts")
-    p.add_argument("job", nargs="?", metavar="JOB|SWEEP",
-                   help=JOB_HELP + "; or a sweep's id or name, as `spotnb sweeps` lists them")
+    p.add_argument("job", nargs="?", metavar="JOB",
+                   help=JOB_HELP + "; or a sweep, its id or name as `spotnb sweeps` lists "
+                                   "them: every running trial stopped, no trial started")
     p.set_defaults(func=cmd_stop)
     p = sub.add_parser("interrupt", help="deliver a spot interruption notice to a job now")
     p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)
