@@ -20,12 +20,15 @@ from spotnb.providers.aws.cli import add_aws_commands
 from spotnb.records.cli import add_record_commands
 
 DESCRIPTION = ("spotnb: train in Jupyter on spot GPU instances. Follow, interrupt and "
-               "stop the jobs that %%spot_train cells started, browse the instance "
-               "catalog, and run or record notebooks head-less.")
+               "stop the jobs that %%spot_train cells started and the sweeps of "
+               "%%spot_sweep, browse the instance catalog, and run or record notebooks "
+               "head-less.")
 EPILOG = """\
 JOB is a job's id, its name, or the end of its id, as `spotnb jobs` lists them;
 without it, the latest job. Examples:
   spotnb jobs
+  spotnb sweeps
+  spotnb stop digits-sweep         (a sweep: every trial, and no more start)
   spotnb logs quickstart -f
   spotnb interrupt 9d7ca1
   spotnb kill 9d7ca1 --node 1      (local cloud: a machine lost without notice)
@@ -70,8 +73,55 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweeps(args: argparse.Namespace) -> int:
+    import time
+
+    from spotnb.client.listing import SWEEP_COLUMNS, sweeps_table
+    from spotnb.sweep import sweeps
+
+    rows = sweeps(store=args.store)
+    if not rows:
+        print("no sweeps yet; start one with %%spot_sweep in a notebook or spotnb.sweep()")
+        return 0
+    table = sweeps_table(rows, time.time())
+    header = tuple(c.upper() for c in SWEEP_COLUMNS)
+    widths = [min(40, max(len(str(c)) for c in col))
+              for col in zip(header, *table, strict=True)]
+    for row in (header, *table):
+        print("  ".join(str(c)[:w].ljust(w) for c, w in zip(row, widths, strict=True))
+              .rstrip())
+    if any(r.status == "abandoned" for r in rows):
+        print("note: an abandoned sweep's driver is gone (its kernel closed); its trials "
+              "not started wait: `%spot_attach SWEEP --resume` in a notebook drives it on, "
+              "`spotnb stop SWEEP` ends it")
+    return 0
+
+
+def _stop_sweep(args: argparse.Namespace) -> int | None:
+    """``spotnb stop SWEEP``: None when ``args.job`` names no sweep."""
+    from spotnb.client.magics import _sweep_stopped_text
+    from spotnb.sweep import find_sweep, stop_sweep
+
+    if not args.job or find_sweep(args.job, store=args.store) is None:
+        return None
+    print(f"stopping sweep {args.job}: its driver and every running trial...", flush=True)
+    done = stop_sweep(args.job, store=args.store, reason="spotnb stop")
+    print(_sweep_stopped_text(done, "%spot_attach"))
+    return 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
-    handle = _job(args)
+    if args.job and args.job.startswith("sweep-"):
+        code = _stop_sweep(args)
+        if code is not None:
+            return code
+    try:
+        handle = _job(args)
+    except spotnb.JobNotFound:
+        code = _stop_sweep(args)
+        if code is not None:
+            return code
+        raise
     ended = handle.result_record()
     if ended is not None:
         print(f"job {handle.job_id} already ended ({ended.get('status')}); it has no "
@@ -206,8 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)
     p.add_argument("-f", "--follow", action="store_true", help="keep following until it ends")
     p.set_defaults(func=cmd_logs)
-    p = sub.add_parser("stop", help="stop a job and delete its instance")
-    p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)
+    p = sub.add_parser("sweeps", help="list sweeps: status (abandoned: the driver gone), "
+                                      "trials, best objective, cost")
+    p.set_defaults(func=cmd_sweeps)
+    p = sub.add_parser("stop", help="stop a job and delete its instance; or a sweep for "
+                                    "good: every running trial, and no trial starts")
+    p.add_argument("job", nargs="?", metavar="JOB",
+                   help=JOB_HELP + "; or a sweep, its id or name as `spotnb sweeps` lists "
+                                   "them: every running trial stopped, no trial started")
     p.set_defaults(func=cmd_stop)
     p = sub.add_parser("interrupt", help="deliver a spot interruption notice to a job now")
     p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)

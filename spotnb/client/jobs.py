@@ -314,6 +314,8 @@ class JobInfo:
     #: two worker processes per node; a multi-node job whose world formed says how
     #: many nodes it has now (or had at the end) first: ``"3 nodes (3:4)"``.
     nodes: str = "1"
+    #: Why it ended (a sweep's pruned trial: ``pruned at step 140 (val_loss 0.4452)``).
+    reason: str = ""
 
     @property
     def savings_pct(self) -> float | None:
@@ -867,7 +869,8 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 4  # 4: a multi-node row's nodes and instances are its world's
+_LISTING_VERSION = 5  # 5: a sweep's pruned trial reads pruned (4: a multi-node row's
+#                        nodes and instances are its world's)
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -901,7 +904,7 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
                   cost_usd=s.cost_usd, created=spec.created,
                   instance_type=instances_label(s, spec.resources.max_nodes > 1),
                   duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
-                  nodes=nodes_label(spec.resources, s))
+                  nodes=nodes_label(spec.resources, s), reason=s.reason)
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -958,6 +961,7 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
         status, reason = str(result["status"]), str(result.get("reason", ""))
     else:
         status, reason = state.status_now()
+    status, reason = state.outcome(status, reason)  # a sweep's trial: pruned
     start = state.first_time if state.first_time is not None else spec.created
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,
