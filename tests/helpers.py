@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
+
+import psutil
+import pytest
 
 from spotnb.protocol.events import parse_chunk
 from spotnb.protocol.events.writer import StreamObject, read_object
@@ -37,3 +43,44 @@ def replayed(store: LocalStore, key: str, attempt: int) -> bool:
     events = parse_chunk(read_object(store, StreamObject.parse(key)))  # type: ignore[arg-type]
     return bool(events) and all(int(e.data.get("replayed_by") or 0) > attempt
                                 for e in events)
+
+
+class StartupHold:
+    """Holds the next local-cloud instance a job starts at the first instruction of its
+    first process (the reaper), for as long as a test needs: a process descheduled right
+    after its launch, made exact (``tests/faults/startup_hold/sitecustomize.py``).
+
+    Made before the jobs are launched (their processes inherit the search path and the
+    gate); :meth:`arm` names the job, :meth:`held` waits until its next instance's
+    reaper has stopped itself, :meth:`release` resumes it.
+    """
+
+    HOOK_DIR = Path(__file__).resolve().parent / "faults" / "startup_hold"
+
+    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate = tmp / "startup-hold"
+        path = os.environ.get("PYTHONPATH")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+            [str(self.HOOK_DIR), *([path] if path else [])]))
+        monkeypatch.setenv("SPOTNB_TEST_HOLD", str(self.gate))
+        self.proc: psutil.Process | None = None
+
+    def arm(self, job_id: str) -> None:
+        """Hold the next instance that ``job_id`` starts."""
+        Path(f"{self.gate}.armed").write_text(job_id)
+
+    def held(self, timeout: float = 120.0) -> psutil.Process:
+        """The held reaper, once it has stopped itself."""
+        pid_file = Path(f"{self.gate}.pid")
+        pid = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), timeout,
+                             "an instance's first process to start and hold"))
+        proc = psutil.Process(pid)
+        wait_until(lambda: proc.status() == psutil.STATUS_STOPPED, timeout,
+                   "the held process to stop")
+        self.proc = proc
+        return proc
+
+    def release(self) -> None:
+        """Let the held process go on."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
