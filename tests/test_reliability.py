@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import StartupHold, replayed, wait_until
+from helpers import StartupHold, replayed, run_uninterrupted, wait_until
 from test_engine import live_processes, steps_by_attempt, wait_no_processes
 
 import spotnb
@@ -158,8 +158,8 @@ def test_a_sigkilled_agent_loses_no_metric_step(
         assert len(logged) == len(set(logged)), f"attempt {attempt} has a step twice"
     replayed = [e for e in events if e.type == "metric" and e.data.get("replayed_by")]
     assert replayed and all(e.attempt == 1 for e in replayed)
-    baseline = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"]).wait(timeout=120)
-    assert result.outputs["total"] == baseline.outputs["total"]
+    baseline = run_uninterrupted(COUNTING, {**inputs, "STEP_SECONDS": 0}, ["total"], tmp_path)
+    assert result.outputs["total"] == baseline["total"]
     wait_no_processes(cloud)
 
 
@@ -326,6 +326,38 @@ def test_jobs_resume_after_their_supervisor_dies(
                 if e.type == "instance" and e.data.get("action") == "launched"]
     assert results[1].attempts[1].instance_id == launched[1], "the replacement ran " \
         "without its metadata service"
+
+
+def test_an_instance_no_supervisor_can_adopt_is_ended_not_left_running(cloud: Path) -> None:
+    # The supervisor dies between starting an instance's first process and recording it
+    # (pid.json): staged by removing the record, then killing the supervisor. The next
+    # look at the job starts one that cannot adopt the instance: it ends it, as its log
+    # says, rather than leaving it to run the job with no metadata service and no
+    # supervisor, and the job resumes on a replacement.
+    from spotnb.providers.local import LocalProvider
+    from spotnb.providers.local.state import instance_dir
+
+    handle = spotnb.submit(COUNTING, inputs={"STEPS": 150, "STEP_SECONDS": 0.02, "CKPT": 20},
+                           outputs=["total"])
+    wait_event(handle, is_durable, "a first checkpoint")
+    boot = booted(handle, 1)
+    assert boot is not None
+    agent = psutil.Process(boot.data["pid"])
+    provider = LocalProvider()
+    (instance_dir(str(boot.instance)) / "pid.json").unlink()
+    os.kill(provider.group(handle.job_id)["supervisor"]["pid"], signal.SIGKILL)
+    wait_until(lambda: not provider.group(handle.job_id)["alive"], 120, "the supervisor to die")
+    assert provider.ensure_supervised(handle.job_id) is not None  # the next look
+    # The new supervisor took over (or ended) the instances on record before it said
+    # it was up: this one is ended by now.
+    assert not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE
+    result = handle.wait(timeout=240)
+    assert result.status == "completed", (result.reason, result.error)
+    assert [a.end_reason for a in result.attempts] == ["lost", "completed"]
+    ended = [e for e in events_of(handle) if e.type == "instance"
+             and e.data.get("action") == "terminated" and e.instance == boot.instance]
+    assert [e.data["reason"] for e in ended] == ["lost-while-unsupervised"]
+    wait_no_processes(cloud)
 
 
 def test_processes_a_cell_starts_end_with_its_job(cloud: Path) -> None:
