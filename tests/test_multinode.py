@@ -566,14 +566,16 @@ class Uninterrupted:
         # A test that failed before weights(): its workers are ended, not left running
         # into the next test (whose set-up then reported the running subprocess), and
         # the tests waiting for them are told.
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             import signal
 
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and its workers
             self.proc.wait()
-            if not self.out.exists():
-                self.failed.touch()
+        if not self.out.exists():
+            self.failed.touch()
 
     def weights(self, timeout: float = 300) -> list[object]:
         import torch
