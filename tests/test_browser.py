@@ -19,6 +19,7 @@ refused. Skipped, saying why, where Chromium, Playwright or JupyterLab is missin
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -47,7 +48,10 @@ if not Path(CHROMIUM).is_file():
                 "scripts/setup.sh does it when run as root)", allow_module_level=True)
 playwright_sync = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'")
-pytest.importorskip("jupyterlab", reason="jupyterlab is not installed: pip install -e '.[dev]'")
+# JupyterLab runs as a server process: looked up, not imported (its import alone takes
+# seconds, paid by every pytest-xdist worker that collects this module).
+if importlib.util.find_spec("jupyterlab") is None:
+    pytest.skip("jupyterlab is not installed: pip install -e '.[dev]'", allow_module_level=True)
 
 
 def _free_port() -> int:
