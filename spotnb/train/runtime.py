@@ -30,7 +30,7 @@ before EC2 terminates the instance)::
 
     agent: notice -> runtime (receiver thread): force the next save, wake sync dirs
     cell:  ckpt.maybe_save(step) -> save(step) -> wait until durable
-           -> {"op": "parked"} -> hold the cell (sleep) until the instance is gone
+           -> "parked" -> hold the cell (sleep) until the instance is gone
     next attempt: cell re-runs from the top -> ckpt.restore() == step + 1
 
 If an earlier save is still uploading when the notice comes, the forced save does not
@@ -199,12 +199,13 @@ class _Moment(threading.Event):
         super().set()
 
 
-def _why(rt: Session, forced: bool) -> dict[str, bool]:
-    """A checkpoint event's reason: ``forced`` by a notice, or ``join``: saved before
-    a node joins a distributed job (forced too, but no interruption)."""
+def _why(rt: Session, forced: bool) -> tuple[bool, bool | None]:
+    """A checkpoint event's reason, ``(forced, join)``: ``forced`` by a notice, or
+    ``join``: saved before a node joins a distributed job (forced too, but no
+    interruption; None otherwise)."""
     if forced and rt.join_requested and not rt.interrupt_pending:
-        return {"forced": False, "join": True}
-    return {"forced": forced}
+        return False, True
+    return forced, None
 
 
 class _Upload:
@@ -246,8 +247,9 @@ class _Upload:
         self._thread.start()
 
     def _report(self, phase: str, **extra: Any) -> None:
-        self.rt.send({"op": "checkpoint", "phase": phase, "id": self.cid, "step": self.step,
-                      **_why(self.rt, self.forced), **extra})
+        forced, join = _why(self.rt, self.forced)
+        self.rt.send(channel.CheckpointPhase(phase=phase, id=self.cid, step=self.step,
+                                             forced=forced, join=join, **extra))
 
     def _run(self) -> None:
         self._report("begin", bytes=0, seconds=0.0)
@@ -361,8 +363,9 @@ class _ShardedUpload:
 
     def _report(self, phase: str, **extra: Any) -> None:
         if self.rank == 0:
-            self.rt.send({"op": "checkpoint", "phase": phase, "id": self.cid,
-                          "step": self.step, **_why(self.rt, self.forced), **extra})
+            forced, join = _why(self.rt, self.forced)
+            self.rt.send(channel.CheckpointPhase(phase=phase, id=self.cid, step=self.step,
+                                                 forced=forced, join=join, **extra))
 
     def _run(self) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
@@ -671,9 +674,9 @@ class Checkpoint:
             # In a distributed job global rank 0's agent alone, as spot.log records
             # rank 0's rows: agents of several nodes appending the same rows would
             # repeat them.
-            carry.replay(self._rt, manifest.attempt,
-                         {"phase": "durable", "id": manifest.id, "step": manifest.step,
-                          "bytes": manifest.total_bytes}, manifest.created)
+            durable = channel.CheckpointPhase(phase="durable", id=manifest.id,
+                                              step=manifest.step, bytes=manifest.total_bytes)
+            carry.replay(self._rt, manifest.attempt, durable.event_data(), manifest.created)
         saved = state["objects"]
         for name, obj in list(self._objects.items()):
             if name in saved and saved[name][0] == "dcp":
@@ -699,8 +702,8 @@ class Checkpoint:
         self._last_step = manifest.step
         self._last_time = time.monotonic()
         seconds = time.monotonic() - started
-        self._rt.send({"op": "restored", "id": manifest.id, "step": manifest.step,
-                       "seconds": round(seconds, 3)})
+        self._rt.send(channel.Restored(id=manifest.id, step=manifest.step,
+                                       seconds=round(seconds, 3)))
         _logger.info("restored checkpoint %s in %.1f s: continuing at step %d", manifest.id,
                      seconds, manifest.step + 1)
         return manifest.step + 1
@@ -1052,8 +1055,8 @@ class Checkpoint:
             return answers[-1]
 
         if rank == 0:  # one report per checkpoint, as a single-node job's
-            rt.send({"op": "checkpoint", "phase": "begin", "id": cid, "step": step,
-                     "forced": forced, "bytes": 0, "seconds": 0.0})
+            rt.send(channel.CheckpointPhase(phase="begin", id=cid, step=step, forced=forced,
+                                            bytes=0, seconds=0.0))
         carry = rt.carry() if rank == 0 else Carry()
         copy_budget, parts = self._plan_memory()
         self._retry = False

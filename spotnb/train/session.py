@@ -15,9 +15,9 @@ standalone mode without it). It owns:
   held in a sleep loop until the instance is terminated;
 * what a checkpoint carries so that a resume can record what died with an agent
   (DESIGN invariant 8), :class:`Carry`: the rows sent but not yet durable in the event
-  log (the agent says up to which time they are, ``{"op": "durable"}``), and the
-  events the agent holds unwritten (the cell's output lines among them), asked for at
-  the save (``{"op": "unlogged"}``);
+  log (the agent says up to which time they are, :class:`~spotnb.kernel_remote.channel.
+  Durable`), and the events the agent holds unwritten (the cell's output lines among
+  them), asked for at the save (:class:`~spotnb.kernel_remote.channel.Unlogged`);
 * the fencing question: before a checkpoint becomes ``LATEST`` or the outputs are
   written, the agent is asked whether it still holds the job's lease;
 * the watchdog: the agent pings every second or so, with the time until which its
@@ -164,8 +164,8 @@ class Carry:
         the ``checkpoint`` event ``durable`` of the restored save (saved at time
         ``saved``) if that log lacks it (its agent died before writing it)."""
         if attempt != rt.attempt:
-            rt.send({"op": "replay", "attempt": attempt, "rows": self.rows,
-                     "events": self.events, "checkpoint": durable, "saved": saved})
+            rt.send(channel.Replay(attempt=attempt, rows=self.rows, events=self.events,
+                                   checkpoint=durable, saved=saved))
 
 
 def _mark_output(token: str) -> bool:
@@ -243,7 +243,7 @@ class AgentChannel:
         """Whether the connection is gone (nothing more can be sent)."""
         return self._broken
 
-    def send(self, message: dict[str, Any]) -> bool:
+    def send(self, message: channel.Message) -> bool:
         """Send one message; False if the agent is gone (then nothing more is sent)."""
         data = channel.encode(message)
         with self._send_lock:
@@ -374,7 +374,7 @@ class Session:
                 _logger.warning("cannot connect to the spotnb agent at %s (%s); metrics and "
                                 "notices are not available in this kernel", socket_path, e)
             else:
-                self.send({"op": "hello", "pid": os.getpid()})
+                self.send(channel.Hello(pid=os.getpid()))
         self._drainer = threading.Thread(target=self._drain_loop, name="spotnb-metrics",
                                          daemon=True)
         self._drainer.start()
@@ -452,7 +452,7 @@ class Session:
                 answer: tuple[threading.Event, list[bool | None]] = (threading.Event(), [])
                 self._fence_replies[ask] = answer
             try:
-                if not chan.send({"op": "fence", "id": ask}):
+                if not chan.send(channel.Fence(id=ask)):
                     return lease_mod.still_holds(self.store, self.attempt,
                                                  self.instance_id, slot=self.slot)
                 if not answer[0].wait(FENCE_REPLY_SECONDS):
@@ -468,7 +468,8 @@ class Session:
             # lost. Wait until it knows; it pauses this kernel meanwhile anyway.
             time.sleep(FENCE_RETRY_SECONDS)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: channel.Message) -> None:
+        """Send ``message`` to the agent (standalone: nowhere)."""
         if self.channel is not None:
             self.channel.send(message)
 
@@ -481,7 +482,7 @@ class Session:
     def report_total(self, total: int, source: str) -> None:
         """The run's total number of steps (``spot.progress``, or the loop's range)."""
         self.total = total
-        self.send({"op": "progress", "total": total, "source": source})
+        self.send(channel.Progress(total=total, source=source))
 
     # -- notices ---------------------------------------------------------------------
 
@@ -500,7 +501,7 @@ class Session:
             return
         text = fit.advice()
         _logger.warning("%s", text)
-        self.send({"op": "warning", "kind": "notice-fit", "text": text})
+        self.send(channel.Caution(kind="notice-fit", text=text))
 
     def _on_message(self, message: dict[str, Any]) -> None:
         """A message from the agent, handled through :meth:`handlers` (by its op); an op
@@ -521,21 +522,20 @@ class Session:
                 channel.Notice.op: self._on_notice}
 
     def _on_ping(self, message: channel.Ping) -> None:
-        until = message.until
-        self._until = float(until) if isinstance(until, (int, float)) else None
+        self._until = message.until
         self._pinged = True
 
     def _on_durable(self, message: channel.Durable) -> None:
         self._forget_durable(message.t)
 
     def _on_unlogged(self, message: channel.UnloggedReply) -> None:
-        asked = self._unlogged_replies.get(int(message.id))
+        asked = self._unlogged_replies.get(message.id)
         if asked is not None:
             asked[1].append(message)
             asked[0].set()
 
     def _on_fence(self, message: channel.FenceReply) -> None:
-        answer = self._fence_replies.get(int(message.id))
+        answer = self._fence_replies.get(message.id)
         if answer is not None:
             answer[1].append(None if message.unknown else message.ok)
             answer[0].set()
@@ -550,7 +550,7 @@ class Session:
             # A node waits to join this distributed job: every rank saves at the same
             # step, then the world re-forms with it (spotnb.kernel_remote.multinode.node).
             if not self.has_checkpoint:  # nothing to save: re-form now
-                self.send({"op": "reform", "step": None, "join": True})
+                self.send(channel.Reform(step=None, join=True))
                 return
             _logger.log(self._say_level, "a node waits to join: saving at the next "
                         "maybe_save, then the world re-forms")
@@ -579,7 +579,7 @@ class Session:
         for sd in list(self.sync_dirs.values()):
             sd.sync_quietly()
             sd.stop()  # the agent gives the lease up on "parked": no upload after it
-        self.send({"op": "parked", "step": step})
+        self.send(channel.Parked(step=step))
         _logger.log(self._say_level, "interruption: the checkpoint of step %d is durable; "
                     "holding the cell until the instance is terminated (the job resumes on "
                     "a new instance)", step)
@@ -592,11 +592,11 @@ class Session:
         (torchelastic restarts this worker; spotnb.kernel_remote.multinode)."""
         self.drain()
         if self.join_requested and not self.interrupt_pending:
-            self.send({"op": "reform", "step": step, "join": True})
+            self.send(channel.Reform(step=step, join=True))
             _logger.log(self._say_level, "the checkpoint of step %d is durable; holding "
                         "the cell while the world re-forms with the node that joins", step)
         else:
-            self.send({"op": "reform", "step": step})
+            self.send(channel.Reform(step=step))
             _logger.warning("a node leaves after the checkpoint of step %d; holding the "
                             "cell while the world re-forms without it", step)
         while True:
@@ -690,7 +690,7 @@ class Session:
                                                                          [])
             self._unlogged_replies[ask] = asked
         try:
-            if not chan.send({"op": "unlogged", "id": ask, "mark": token if marked else None}):
+            if not chan.send(channel.Unlogged(id=ask, mark=token if marked else None)):
                 return []
             if not asked[0].wait(UNLOGGED_REPLY_SECONDS):
                 _logger.warning("the spotnb agent did not say within %g s which events its "
@@ -700,12 +700,12 @@ class Session:
             events = asked[1][0].events
         finally:
             self._unlogged_replies.pop(ask, None)
-        return [str(line) for line in events] if isinstance(events, list) else []
+        return events
 
     def sync(self, token: str) -> None:
         """Send every row logged so far, then a marker the agent waits for."""
         self.drain()
-        self.send({"op": "mark", "token": token})
+        self.send(channel.Mark(token=token))
 
     def _drain_loop(self) -> None:
         reported = time.monotonic()
@@ -723,7 +723,7 @@ class Session:
         cost a job shows includes them (spotnb.protocol.usage)."""
         counts = usage.snapshot()
         if counts:
-            self.send({"op": "usage", "requests": counts})
+            self.send(channel.Usage(requests=counts))
 
     def drain(self) -> None:
         """Convert the rows logged so far and send them (or keep them, standalone)."""
@@ -744,7 +744,7 @@ class Session:
                 self.history.extend((r[0], r[1], r[2]) for r in rows)
                 return
             for i in range(0, len(rows), _ROWS_PER_MESSAGE):
-                self.send({"op": "metrics", "rows": rows[i:i + _ROWS_PER_MESSAGE]})
+                self.send(channel.Metrics(rows=rows[i:i + _ROWS_PER_MESSAGE]))
             if self.remote:
                 with self._unacked_lock:
                     self.unacked.extend(rows)
