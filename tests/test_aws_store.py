@@ -59,8 +59,6 @@ def test_listing_pages_past_a_thousand_keys(store: S3Store) -> None:
         backend.put_object(store.bucket, f"{store.prefix}/many/{i:05d}", b"")
     keys = store.list_keys("many/")
     assert len(keys) == 1100 and keys == sorted(keys)
-    assert store.list_keys("many/", start_after="many/01000") == [
-        f"many/{i:05d}" for i in range(1001, 1100)]
     store.delete_prefix("many/")
     assert store.list_keys("many/") == []
 

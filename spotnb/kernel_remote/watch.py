@@ -50,11 +50,6 @@ class Agent(Protocol):
 log = logging.getLogger(__name__)
 
 
-def iso_now() -> str:
-    """Now, as IMDS writes times (``2026-11-26T15:00:00Z``)."""
-    return iso_utc(time.time())
-
-
 def iso_utc(when: float) -> str:
     """``when`` (epoch seconds), as IMDS writes times."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
