@@ -461,7 +461,7 @@ def test_a_frozen_agents_kernel_stops_before_anyone_may_take_the_lease(
     # over TTL seconds after the renewal; the kernel's watchdog must have stopped it
     # before then, whatever the TTL (it was fixed at 15 s: 60-74 steps trained after
     # the takeover with a TTL of 6 s).
-    from spotnb.train.session import watchdog_verdict
+    from spotnb.train.agentchannel import watchdog_verdict
 
     before = lease.clock()
     held = lease.acquire(store, "i-a", ttl=ttl)

@@ -24,10 +24,11 @@ from spotnb.ckpt.memory import MemoryBudget
 from spotnb.kernel_remote import channel
 from spotnb.protocol import layout
 from spotnb.train import distributed, loaders, process
+from spotnb.train.carry import EVENTS_FILE, METRICS_FILE, Carry
 from spotnb.train.cellvars import CellVariables
 from spotnb.train.process import current as _rt
 from spotnb.train.saving import Saves
-from spotnb.train.session import EVENTS_FILE, METRICS_FILE, Carry, Session
+from spotnb.train.session import Session
 from spotnb.train.upload import import_writer_in_background
 
 _logger = logging.getLogger(__name__)

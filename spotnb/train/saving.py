@@ -30,8 +30,9 @@ from spotnb.ckpt.memory import MemoryBudget
 from spotnb.kernel_remote import channel
 from spotnb.protocol import layout
 from spotnb.train import process
+from spotnb.train.carry import Carry
 from spotnb.train.distributed import holds_sharded, initialised, world
-from spotnb.train.session import Carry, Session
+from spotnb.train.session import Session
 from spotnb.train.upload import (
     CheckpointUpload,
     FileWriters,

@@ -28,7 +28,7 @@ so each upload, and the last one before termination above all, carries one
 checkpoint, not every one the framework keeps.
 
 Each snapshot also carries what the job's event log had not confirmed when it was
-taken (:class:`spotnb.train.session.Carry`: metric rows, output lines), beside its files;
+taken (:class:`spotnb.train.carry.Carry`: metric rows, output lines), beside its files;
 restoring it has the agent record what the saving attempt's log lacks (DESIGN
 invariant 8), as a restored ``spot.Checkpoint`` does.
 """
@@ -57,7 +57,7 @@ from spotnb.ckpt.checkpoints import (
 from spotnb.kernel_remote import channel
 from spotnb.protocol import layout
 from spotnb.protocol.store import _check_key, retrying
-from spotnb.train.session import Carry
+from spotnb.train.carry import Carry
 
 if TYPE_CHECKING:
     from spotnb.train.session import Session

@@ -28,7 +28,8 @@ from spotnb.ckpt.checkpoints import CheckpointStore, FencedOff, Manifest, Pendin
 from spotnb.kernel_remote import channel
 from spotnb.protocol.store import retrying
 from spotnb.train import process
-from spotnb.train.session import Carry, Session
+from spotnb.train.carry import Carry
+from spotnb.train.session import Session
 
 _logger = logging.getLogger(__name__)
 
@@ -358,7 +359,7 @@ def join_writer_import() -> None:
 
 def carry_writer(carry: Carry, step: int) -> Callable[[PendingCheckpoint], None]:
     """The part that carries the metric rows and events the event log has not
-    confirmed (:class:`spotnb.train.session.Carry`)."""
+    confirmed (:class:`spotnb.train.carry.Carry`)."""
     files = carry.files()
 
     def write_carry(pending: PendingCheckpoint) -> None:
