@@ -238,8 +238,8 @@ def test_real_s3_keeps_the_store_contract(tmp_path: Path) -> None:
         assert store.get("a/b.json") == b"three"
         for i in range(3):
             store.put(f"events/000001/{i:08d}.jsonl", b"{}")
-        assert store.list_keys("events/000001/", start_after="events/000001/00000000.jsonl") \
-            == ["events/000001/00000001.jsonl", "events/000001/00000002.jsonl"]
+        assert store.list_keys("events/000001/") == [
+            f"events/000001/{i:08d}.jsonl" for i in range(3)]
         assert store.list_children() == ["a", "events"]
         big = tmp_path / "big"
         big.write_bytes(os.urandom(40 * 2**20))

@@ -254,9 +254,7 @@ def traces(board: Dashboard) -> list[dict[str, Any]]:
 
 
 def trace(board: Dashboard, name: str, axis: str | None = None) -> dict[str, Any]:
-    """The first trace called ``name`` (on ``axis``, if given)."""
-    return next(t for t in board.figure.plot_data if t.get("name") == name
-                and (axis is None or t.get("yaxis") == axis))
+    return board.figure.trace(name, axis)
 
 
 def xs(t: dict[str, Any]) -> np.ndarray:

@@ -314,6 +314,11 @@ class LiveFigure(anywidget.AnyWidget):
     def __repr__(self) -> str:
         return f"<spotnb LiveFigure: {len(self.plot_data)} traces>"
 
+    def trace(self, name: str, yaxis: str | None = None) -> dict[str, Any]:
+        """The first trace called ``name`` (on ``yaxis``, if given)."""
+        return next(t for t in self.plot_data if t.get("name") == name
+                    and (yaxis is None or t.get("yaxis") == yaxis))
+
 
 class Table(anywidget.AnyWidget):
     """A table sorted by header clicks, rows chosen by clicks (module docstring).
