@@ -514,10 +514,6 @@ class InstancePicker:
             self.on_choose(types)
         self._show_line()
 
-    def choose(self, *types: str) -> None:
-        """Choose instance types in order of preference (as typing them would)."""
-        self.chosen.value = list(types)
-
     def _show_line(self) -> None:
         types = list(self.chosen.value)
         shown = {r.instance_type for r in self.shown}
