@@ -204,9 +204,9 @@ def test_a_cheaper_region_far_from_home_loses_to_home_with_a_large_state() -> No
     assert away.transfer_usd == pytest.approx(600 * 20.0 * 0.02)
     assert home.total_usd < away.total_usd
     assert min([away, home], key=ExpectedCost.rank_key) is home
-    # The store's requests are the same wherever the job runs: 20 GB is 1,280 parts.
-    parts = math.ceil(20 * 2**30 / regions.S3_PART_BYTES)
-    assert parts == 1280
+    # The store's requests are the same wherever the job runs: 20 GB is 1,193 parts.
+    parts = math.ceil(20 * regions.GB / regions.S3_PART_BYTES)
+    assert parts == 1193
     assert home.requests_usd == pytest.approx(away.requests_usd) == pytest.approx(
         600 * (regions.SAVE_WRITES + parts) * usage.PRICES["s3-write"])
 

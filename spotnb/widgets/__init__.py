@@ -9,7 +9,7 @@ The modules: ``dashboard`` (the renderer and its wiring), ``header`` (what the j
 doing, at a glance), ``plots`` (the figure's panels and marks), ``series`` (what is
 plotted, from events, bounded), ``elements`` (the widgets with front-end code of their
 own: figure, log panel, table), ``static`` (the finished figure as a picture),
-``picker``, ``compare`` (runs overlaid: ``%spot_compare``) and ``kernel`` (button
+``picker`` (with ``ranking``: its rows, plain Python), ``compare`` (runs overlaid: ``%spot_compare``) and ``kernel`` (button
 clicks while the cell is busy).
 """
 
