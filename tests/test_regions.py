@@ -407,19 +407,22 @@ def test_the_picker_ranks_types_by_region_and_filters_regions() -> None:
 def test_choosing_rows_sets_the_types_and_regions_of_the_next_job() -> None:
     magics = FakeMagics()
     picker = _picker(magics, state_gb=5.0)
+    before = [r.key for r in picker.shown]
     picker.choose("g5.xlarge@us-west-2", "g4dn.xlarge@us-east-1")
     assert magics.instance_types == ["g5.xlarge", "g4dn.xlarge"]
-    assert magics.region == "us-west-2,us-east-1"  # the first chosen row's region is home
-    assert "--region us-west-2,us-east-1" in picker.line.value
-    assert picker.home_region() == "us-west-2"
-    g4dn = next(r for r in picker.shown if r.key == "g4dn.xlarge@us-east-1")
-    assert picker._estimate(g4dn).transfer_usd > 0  # type: ignore[union-attr]
-    # The store's region, chosen: home first, then the rows' regions.
-    picker.home.value = "us-east-1"
-    assert picker.job_regions() == ["us-east-1", "us-west-2"]
-    assert magics.region == "us-west-2,us-east-1"  # set again on the next choice
+    # The home stays the next job's (us-east-1): the store's region comes first.
+    assert magics.region == "us-east-1,us-west-2"
+    assert "-t g5.xlarge,g4dn.xlarge --region us-east-1,us-west-2" in picker.line.value
+    assert [r.key for r in picker.shown] == before  # a choice does not reorder the rows
     picker.choose("g5.xlarge@us-west-2")
     assert magics.region == "us-east-1,us-west-2"
+    # The store elsewhere: chosen, and the costs follow it.
+    picker.home.value = "us-west-2"
+    assert picker.job_regions() == ["us-west-2"]
+    g4dn = next(r for r in picker.shown if r.key == "g4dn.xlarge@us-east-1")
+    assert picker._estimate(g4dn).transfer_usd > 0  # type: ignore[union-attr]
+    picker.choose("g5.xlarge@us-west-2", "g4dn.xlarge@us-east-1")
+    assert magics.region == "us-west-2,us-east-1"
     # Filtering to one region renames the chosen rows it shows; the others go.
     picker.regions.value = ["us-west-2"]
     assert list(picker.chosen.value) == ["g5.xlarge"]
@@ -480,7 +483,8 @@ def test_the_picker_asks_ec2_for_the_chosen_types_scores_once(
     assert cells["g5.xlarge@us-east-1"]["placement"] == "1"
     assert cells["g5.xlarge@us-west-2"]["placement"] == "8"
     assert cells["g6.xlarge@us-west-2"]["placement"] == "-"  # not among the scored types
-    assert "EC2's, for g5.xlarge, g5.2xlarge, g4dn.xlarge x 2, just now" in picker.note.value
+    assert ("EC2's, for g5.xlarge, g5.2xlarge, g4dn.xlarge, for 2 instances, just now"
+            in picker.note.value)
     order = [r.key for r in picker.shown]
     assert order.index("g5.xlarge@us-east-1") > order.index("g5.xlarge@us-west-2")
     # No permission: said above the table, and the ranking goes on without scores.
@@ -496,8 +500,7 @@ def test_the_picker_reads_without_widgets_with_its_regions() -> None:
     picker.choose("g5.xlarge@us-east-1")
     page = picker.static_html()
     assert ">region</th>" in page and "us-west-2" in page
-    assert "--region us-east-1,us-west-2" not in page  # one row chosen: its region only
-    assert "%%spot_train -t g5.xlarge</code>" in page
+    assert "%%spot_train -t g5.xlarge</code>" in page  # home's row: no --region
     assert "region" in picker.text().splitlines()[0]
 
 

@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "interruption rates")
     p.add_argument("--gpu", metavar="MODEL",
                    help="only types with this GPU model (a part of it: a10g, t4, h100)")
-    p.add_argument("--region", default="us-east-1", metavar="REGIONS",
+    p.add_argument("--region", default="us-east-1", metavar="REGION",
                    help="the region (default us-east-1), several (us-east-1,eu-west-1), "
                         "or any: the regions $SPOTNB_ALLOWED_REGIONS allows")
     p.add_argument("--min-gpus", type=int, default=0, metavar="N",

@@ -67,7 +67,7 @@ def _resource_args(func: F) -> F:
                  help="where instances come from: local (the embedded local cloud, the "
                       "default) or aws (EC2 spot through your AWS account; see `spotnb "
                       "aws setup`)"),
-        argument("--region", metavar="REGIONS",
+        argument("--region", metavar="REGION",
                  help="where the job may run: a region (--region us-east-1), several "
                       "(--region us-east-1,us-west-2: the first is home, where the job's "
                       "store is), or any: the regions of SpotMagics.allowed_regions"),
@@ -937,7 +937,7 @@ class SpotMagics(Magics):
         show(bundle, raw=True)
 
     @magic_arguments()
-    @argument("--region", metavar="REGIONS",
+    @argument("--region", metavar="REGION",
               help="the regions shown first: one, several (us-east-1,eu-west-1) or any "
                    "(SpotMagics.allowed_regions); default: SpotMagics.region")
     @argument("--gpu-hours", type=float, default=100.0, metavar="N",

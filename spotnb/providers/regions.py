@@ -128,8 +128,7 @@ def allowed_regions(configured: Any = None) -> tuple[str, ...]:
     magics' ``SpotMagics.allowed_regions``) when it names any, else
     ``$SPOTNB_ALLOWED_REGIONS``; empty when neither does (no restriction: a job runs
     where it names, and ``--region any`` is refused). SpecError for an unknown name."""
-    if configured is not None and not (isinstance(configured, (list, tuple))
-                                       and not configured):
+    if configured:
         names = _names(configured, "{option}", "allowed_regions")
         for name in names:
             catalog.check_region(name, field="allowed_regions")

@@ -116,7 +116,7 @@ class InstancePicker:
         self.regions = w.TagsInput(value=start or options[:1], allowed_tags=options,
                                    allow_duplicates=False,
                                    placeholder=f"{everywhere}: type a region")
-        self.home = w.Dropdown(options=[("its first chosen region", ""),
+        self.home = w.Dropdown(options=[("the next job's home", ""),
                                         *((r, r) for r in options)],
                                value="", description="store in",
                                tooltip="the job's home region: its store stays there")
@@ -284,13 +284,11 @@ class InstancePicker:
         return len(self.shown_regions()) > 1
 
     def home_region(self) -> str:
-        """Where the job's store would be: the region chosen for it, else the first
-        chosen row's, else the next job's home if shown, else the first region shown."""
+        """Where the job's store would be: the region chosen for it (**store in**),
+        else the next job's home when it is shown, else the first region shown. It does
+        not follow the rows chosen: the costs shown stay those the choice was made on."""
         if self.home.value:
             return str(self.home.value)
-        pairs = self.chosen_pairs()
-        if pairs:
-            return pairs[0][1]
         shown = self.shown_regions()
         first = self._magics_regions[:1]
         return first[0] if first and first[0] in shown else shown[0]
@@ -418,8 +416,7 @@ class InstancePicker:
             self.magics.region = ",".join(self.job_regions())
         if types and self.on_choose is not None:
             self.on_choose(types)
-        # The home follows the first chosen row: the costs shown follow it.
-        self._refresh()
+        self._show_line()
 
     def job_regions(self) -> list[str]:
         """The chosen rows' regions, the home region first: the job's ``--region``."""
@@ -462,6 +459,8 @@ class InstancePicker:
         keys = set(COLUMNS) if self.all_columns.value else set(DEFAULT_COLUMNS)
         if self._several():
             keys.add("region")
+            if not self.all_columns.value:  # room for it: the bucket says as much
+                keys -= {"est_interruptions", "savings_pct"}
         if len({score_of(r, self.scores) for r in self.shown}) > 1:
             keys.add("placement")
         if self.state_gb.value and any(r.region != self.home_region() for r in self.shown):
@@ -538,8 +537,10 @@ class InstancePicker:
                   f"{scored[0]} to {scored[-1]}/10" if scored else "none for these rows")
         low = "" if first.decisive else (
             "; scores of one or two types are always low (AWS), so they demote none")
-        return (f" Spot placement scores ({what} x {first.target_capacity}, "
-                f"{first.age_text()}): {values}; a row scored 1 ranks last{low}.")
+        count = first.target_capacity
+        return (f" Spot placement scores ({what}, for {count} instance"
+                f"{'' if count == 1 else 's'}, {first.age_text()}): {values}; a row scored 1 "
+                f"ranks last{low}.")
 
     def _note(self) -> str:
         stale = bool(self._rows) and self._rows[0].stale()

@@ -60,9 +60,11 @@ STALE_DAYS = 7
 #: The reference GPU when the default instance type's GPU has no speed figure.
 FALLBACK_REFERENCE = "A10G"
 #: The columns shown until "all columns" is ticked: the table then fits a notebook
-#: cell (848 px in JupyterLab at 1280 px) without sideways scrolling. ``region`` joins
-#: them when the rows are of several regions, ``placement`` when the rows' scores
-#: differ (a value every row shares is said once, above the table).
+#: cell (848 px in JupyterLab at 1280 px) without sideways scrolling. ``region`` takes
+#: the place of the expected interruptions and the saving when the rows are of several
+#: regions (the Spot Advisor bucket stays), ``est_transfer_usd`` joins them when a row
+#: is away from home, ``placement`` when the rows' scores differ (a value every row
+#: shares is said once, above the table).
 DEFAULT_COLUMNS = ("instance_type", "gpu", "est_spot_usd", "est_hours", "est_interruptions",
                    "spot", "savings_pct", "interruption", "speed")
 # The bundled catalog's prices: the snapshot's last month (catalog.DATA_DATE).
