@@ -55,10 +55,14 @@ from spotnb.widgets.ranking import (
     default_reference,
     estimate,
     filter_rows,
+    gpus_text,
     hidden_reason,
+    num_text,
     picker_rows,
+    row_cells,
     score_of,
     sort_rows,
+    speed_text,
     train_line,
 )
 
@@ -243,11 +247,11 @@ class InstancePicker:
         for r in self.shown[:limit]:
             est = self._estimate(r)
             speed = r.speed(ref, self.all_gpus.value)
-            rows.append((r.instance_type, *((r.region,) if several else ()), _gpus(r),
-                         _num(est.total_usd if est else None, "{:.2f}"),
-                         _num(est.billed_hours if est else None, "{:.1f}"),
-                         f"{r.spot:.4f}", _num(r.ondemand, "{:.3f}"), r.interruption or "?",
-                         _speed_text(r, speed)))
+            rows.append((r.instance_type, *((r.region,) if several else ()), gpus_text(r),
+                         num_text(est.total_usd if est else None, "{:.2f}"),
+                         num_text(est.billed_hours if est else None, "{:.1f}"),
+                         f"{r.spot:.4f}", num_text(r.ondemand, "{:.3f}"), r.interruption or "?",
+                         speed_text(r, speed)))
         widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                  for row in (header, *rows)]
@@ -472,47 +476,10 @@ class InstancePicker:
                 for key, (label, title) in COLUMNS.items() if key in keys]
 
     def _cells(self, row: PickerRow) -> dict[str, Any]:
-        ref = self.reference.value
-        est = self._estimate(row)
-        speed = row.speed(ref, self.all_gpus.value)
-        score = score_of(row, self.scores)
-        no_speed = f"no training throughput figure for {row.gpu_model}"
-        cells = {
-            "instance_type": row.instance_type,
-            "region": row.region,
-            "gpu": _gpus(row),
-            "est_spot_usd": _num(est.total_usd if est else None, "{:,.2f}"),
-            "est_hours": _num(est.billed_hours if est else None, "{:,.1f}"),
-            "est_interruptions": _num(est.interruptions if est else None, "{:.2f}"),
-            "est_transfer_usd": _num(est.transfer_usd if est else None, "{:,.2f}"),
-            "placement": str(score) if score is not None else "-",
-            "est_ondemand_usd": _num(est.ondemand_usd if est else None, "{:,.2f}"),
-            "spot": f"{row.spot:.4f}",
-            "ondemand": _num(row.ondemand, "{:.3f}"),
-            "savings_pct": _num(row.savings_pct, "{:.0f}%"),
-            "interruption": row.interruption or "?",
-            "speed": _speed_text(row, speed),
-            "work_price": _num(row.spot / speed if speed else None, "{:.4f}"),
-            "vcpus": str(row.vcpus),
-            "memory_gib": f"{row.memory_gib:g}",
-        }
-        titles = {}
-        if est is None:
-            titles = {k: no_speed for k in ("est_spot_usd", "est_hours", "speed")}
-        else:
-            if not row.gpu_speed_measured:
-                titles["speed"] = (f"no published training benchmark of the "
-                                   f"{row.gpu_model}: derived from its datasheet TFLOPS "
-                                   "and memory bandwidth (spotnb/data/SOURCES.md)")
-            titles["est_spot_usd"] = _cost_title(est)
-            if not est.likely:
-                titles["placement"] = (f"EC2: a spot request for {self.count.value} here is "
-                                       "not likely to succeed: ranked after the others")
-        if score is None and self.scores:
-            titles["placement"] = "not among the scored types: choose it to score it"
-        if not row.cuda:
-            titles["instance_type"] = hidden_reason(row)
-        return {"id": self._row_id(row), "cells": cells, "titles": titles}
+        return row_cells(row, self._row_id(row), self._estimate(row),
+                         row.speed(self.reference.value, self.all_gpus.value),
+                         score_of(row, self.scores), scored=bool(self.scores),
+                         count=self.count.value)
 
     def _staleness(self) -> str:
         rows = self._rows or picker_rows(self.shown_regions())
@@ -599,31 +566,9 @@ def _pair(name: str, single: str) -> tuple[str, str]:
     return (kind, region) if at else (kind, single)
 
 
-def _cost_title(est: Estimate) -> str:
-    text = (f"spot ${est.spot_usd:,.2f} + checkpoint transfer ${est.transfer_usd:,.2f} "
-            f"+ store requests ${est.requests_usd:,.2f}")
-    if est.region != est.home:
-        text += f" (store in {est.home}: {est.transfer_gb:,.0f} GB cross regions)"
-    return text
-
-
 def _short(err: BaseException, limit: int = 160) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def _gpus(row: PickerRow) -> str:
-    memory = f" {row.gpu_memory_gib:.0f} GiB" if row.gpu_memory_gib else ""
-    return f"{row.gpu_count} x {row.gpu_model}{memory}"
-
-
-def _speed_text(row: PickerRow, speed: float | None) -> str:
-    """The speed, with ``*`` where the row's GPU figure is derived, not measured."""
-    return _num(speed, "{:.2f}") + ("" if speed is None or row.gpu_speed_measured else "*")
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return fmt.format(value) if value is not None else "?"
 
 
 def _every_text(every: str | float) -> str:

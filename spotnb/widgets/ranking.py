@@ -323,3 +323,73 @@ def default_reference(types: Sequence[str]) -> str:
         if spec is not None and spec.gpu_model in speeds:
             return spec.gpu_model
     return FALLBACK_REFERENCE
+
+
+def row_cells(row: PickerRow, row_id: str, est: Estimate | None, speed: float | None,
+              score: int | None, *, scored: bool = False, count: int = 1) -> dict[str, Any]:
+    """A table row (``{"id", "cells", "titles"}``, :class:`~spotnb.widgets.elements.Table`'s
+    shape): every column's text, and tooltips that say where a figure comes from.
+    ``scored``: placement scores are known for some rows; ``count``: the instances they
+    are for."""
+    no_speed = f"no training throughput figure for {row.gpu_model}"
+    cells = {
+        "instance_type": row.instance_type,
+        "region": row.region,
+        "gpu": gpus_text(row),
+        "est_spot_usd": num_text(est.total_usd if est else None, "{:,.2f}"),
+        "est_hours": num_text(est.billed_hours if est else None, "{:,.1f}"),
+        "est_interruptions": num_text(est.interruptions if est else None, "{:.2f}"),
+        "est_transfer_usd": num_text(est.transfer_usd if est else None, "{:,.2f}"),
+        "placement": str(score) if score is not None else "-",
+        "est_ondemand_usd": num_text(est.ondemand_usd if est else None, "{:,.2f}"),
+        "spot": f"{row.spot:.4f}",
+        "ondemand": num_text(row.ondemand, "{:.3f}"),
+        "savings_pct": num_text(row.savings_pct, "{:.0f}%"),
+        "interruption": row.interruption or "?",
+        "speed": speed_text(row, speed),
+        "work_price": num_text(row.spot / speed if speed else None, "{:.4f}"),
+        "vcpus": str(row.vcpus),
+        "memory_gib": f"{row.memory_gib:g}",
+    }
+    titles = {}
+    if est is None:
+        titles = {k: no_speed for k in ("est_spot_usd", "est_hours", "speed")}
+    else:
+        if not row.gpu_speed_measured:
+            titles["speed"] = (f"no published training benchmark of the {row.gpu_model}: "
+                               "derived from its datasheet TFLOPS and memory bandwidth "
+                               "(spotnb/data/SOURCES.md)")
+        titles["est_spot_usd"] = _cost_title(est)
+        if not est.likely:
+            titles["placement"] = (f"EC2: a spot request for {count} here is not likely to "
+                                   "succeed: ranked after the others")
+    if score is None and scored:
+        titles["placement"] = "not among the scored types: choose it to score it"
+    if not row.cuda:
+        titles["instance_type"] = hidden_reason(row)
+    return {"id": row_id, "cells": cells, "titles": titles}
+
+
+def _cost_title(est: Estimate) -> str:
+    text = (f"spot ${est.spot_usd:,.2f} + checkpoint transfer ${est.transfer_usd:,.2f} "
+            f"+ store requests ${est.requests_usd:,.2f}")
+    if est.region != est.home:
+        text += f" (store in {est.home}: {est.transfer_gb:,.0f} GB cross regions)"
+    return text
+
+
+def gpus_text(row: PickerRow) -> str:
+    """``"4 x A10G 22 GiB"``: count, model and memory per GPU."""
+    memory = f" {row.gpu_memory_gib:.0f} GiB" if row.gpu_memory_gib else ""
+    return f"{row.gpu_count} x {row.gpu_model}{memory}"
+
+
+def speed_text(row: PickerRow, speed: float | None) -> str:
+    """The speed, with ``*`` where the row's GPU figure is derived, not measured."""
+    return num_text(speed, "{:.2f}") + ("" if speed is None or row.gpu_speed_measured
+                                        else "*")
+
+
+def num_text(value: float | None, fmt: str) -> str:
+    """``value`` formatted, or ``?`` when unknown."""
+    return fmt.format(value) if value is not None else "?"
