@@ -122,8 +122,11 @@ def test_any_is_the_allowed_regions_that_offer_the_types(
     assert spec.resources.regions == ("us-east-2", "us-east-1")
     assert spec.resources.region == "us-east-2"
     with pytest.raises(SpecError, match=r"none of p5\.48xlarge has a spot pool in "
-                                        r"af-south-1.*regions that have it: .*us-east-1"):
+                                        r"af-south-1.*regions that have it: .*us-east-1.*"
+                                        r"Drop af-south-1"):
         spotnb.prepare(CODE, instance_types=["p5.48xlarge"], region="us-east-1,af-south-1")
+    with pytest.raises(SpecError, match="Choose one of them as the region"):
+        spotnb.prepare(CODE, instance_types=["p5.48xlarge"], region="af-south-1")
     with pytest.raises(SpecError, match=r"none of p5\.48xlarge has a spot pool in the "
                                         "regions you allow"):
         spotnb.prepare(CODE, instance_types=["p5.48xlarge"], region="any",

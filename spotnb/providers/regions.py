@@ -205,11 +205,13 @@ def job_regions(value: Any, instance_types: Sequence[str],
         return found
     for name in names:
         if not _offered(types, name):
+            fix = (f"Drop {name}, or add a type offered there" if len(names) > 1 else
+                   "Choose one of them as the region, or a type offered in " + name)
             raise SpecError(
                 f"{{option}}: none of {', '.join(types)} has a spot pool in {name} in "
                 f"spotnb's catalog ({catalog.DATA_DATE['catalog']}); "
-                f"{_where_offered(types)}. Drop {name}, or add a type offered there "
-                f"(`spotnb catalog --region {name}`)", field="region")
+                f"{_where_offered(types)}. {fix} (`spotnb catalog --region {name}`, "
+                "%spot_picker)", field="region")
     return names
 
 
