@@ -966,7 +966,7 @@ def test_picker_sorts_by_header_and_chooses_by_row_click() -> None:
     assert "%%spot_train -t g5.2xlarge,g5.xlarge" in picker.line.value
     picker.gpu_model.value = "A10G"
     assert picker.shown and {r.gpu_model for r in picker.shown} == {"A10G"}
-    picker.region.value = "eu-west-1"
+    picker.regions.value = ["eu-west-1"]
     picker.chosen.value = ["g5.xlarge"]
     assert magics.region == "eu-west-1" and picker.table.chosen == ["g5.xlarge"]
     assert "--region eu-west-1" in picker.line.value

@@ -372,7 +372,7 @@ def submit(
     *,
     provider: str = "local",
     instance_types: Sequence[str] | str = DEFAULT_INSTANCE_TYPES,
-    region: str = "us-east-1",
+    region: str | Sequence[str] = "us-east-1",
     max_price: float | None = None,
     name: str | None = None,
     inputs: Mapping[str, Any] | None = None,
@@ -394,6 +394,7 @@ def submit(
     secrets: Mapping[str, str | None] | Sequence[str] | None = None,
     standby: bool = True,
     standby_first_hour: bool = False,
+    allowed_regions: Sequence[str] | str | None = None,
 ) -> JobHandle:
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
 
@@ -428,6 +429,10 @@ def submit(
     standbys"); False replaces an instance only once it is gone. In an instance's first
     hour a standby is timed to be ready as the hour ends (EC2 interrupting the instance
     before then makes it free); ``standby_first_hour=True`` starts it at once.
+    ``region``: a region, several (``["us-east-1", "us-west-2"]`` or
+    ``"us-east-1,us-west-2"``; the first is home, where the job's store is), or
+    ``"any"`` for the ``allowed_regions`` (default ``$SPOTNB_ALLOWED_REGIONS``), which a
+    named region must be among when they are set (:mod:`spotnb.providers.regions`).
     """
     job = prepare_job(code, provider=provider, instance_types=instance_types, region=region,
                    max_price=max_price, name=name, inputs=inputs, outputs=outputs,
@@ -439,7 +444,7 @@ def submit(
                    store=store, notify_url=notify_url, nodes=nodes,
                    procs_per_node=procs_per_node, peer_timeout=peer_timeout,
                    secrets=secrets, standby=standby,
-                   standby_first_hour=standby_first_hour)
+                   standby_first_hour=standby_first_hour, allowed_regions=allowed_regions)
     spec, job_store, prov = job.spec, job.store, job.provider
     warnings = job.warnings + _notice_warnings(
         prov, spec, inputs if isinstance(inputs, Mapping) else {})

@@ -67,7 +67,10 @@ def _resource_args(func: F) -> F:
                  help="where instances come from: local (the embedded local cloud, the "
                       "default) or aws (EC2 spot through your AWS account; see `spotnb "
                       "aws setup`)"),
-        argument("--region", help="the cloud region, e.g. --region us-east-1"),
+        argument("--region", metavar="REGION",
+                 help="where the job may run: a region (--region us-east-1), several "
+                      "(--region us-east-1,us-west-2: the first is home, where the job's "
+                      "store is), or any: the regions of SpotMagics.allowed_regions"),
     )):
         func = deco(func)
     return func
@@ -177,6 +180,7 @@ _OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
     "provider": ("--provider", "provider", "provider"),
     "instance_types": ("--instance-type", "instance_types", "instance_types"),
     "region": ("--region", "region", "region"),
+    "allowed_regions": ("SpotMagics.allowed_regions", None, "allowed_regions"),
     "max_price": ("--max-price", "max_price", "max_price"),
     "name": ("--name", "name", None),
     "outputs": ("--out", "outputs", None),
@@ -281,7 +285,16 @@ class SpotMagics(Magics):
         Unicode(), default_value=["g4dn.xlarge"],
         help="Instance types in order of preference (a list, or one comma-separated "
              "string).").tag(config=True)
-    region = Unicode("us-east-1", help="The cloud region.").tag(config=True)
+    region = Unicode("us-east-1", help="Where jobs may run: a region, several "
+                                       "('us-east-1,us-west-2': the first is home, where a "
+                                       "job's store is), or 'any' (allowed_regions)."
+                     ).tag(config=True)
+    allowed_regions = _NameList(
+        Unicode(), default_value=[],
+        help="The regions jobs may run in (data residency), e.g. ['eu-west-1', "
+             "'eu-central-1']: --region any means these, and a region outside them is "
+             "refused. Empty: $SPOTNB_ALLOWED_REGIONS, else no restriction (and no "
+             "'any').").tag(config=True)
     gpu_reference = Unicode(
         "", help="The instance picker's reference GPU: a job is sized in hours on one "
                  "of it, e.g. 'A10G'. Empty: the GPU of the default instance type when "
@@ -346,6 +359,15 @@ class SpotMagics(Magics):
         if value is not None and not value > 0:
             raise TraitError(f"{proposal['trait'].name} must be above 0, not {value!r}")
         return value
+
+    @validate("allowed_regions")
+    def _valid_regions(self, proposal: Any) -> Any:
+        from spotnb.providers.regions import allowed_regions
+
+        try:
+            return list(allowed_regions(proposal["value"]) if proposal["value"] else ())
+        except SpecError as err:
+            raise TraitError(err.message({"allowed_regions": "allowed_regions"})) from None
 
     @validate("checkpoint_every")
     def _valid_every(self, proposal: Any) -> Any:
@@ -433,6 +455,7 @@ class SpotMagics(Magics):
             "provider": pick(args.provider, self.provider),
             "instance_types": _names(args.instance_types) or tuple(self.instance_types),
             "region": pick(args.region, self.region),
+            "allowed_regions": list(self.allowed_regions) or None,
             "max_price": pick(args.max_price, self.max_price),
             "name": args.name if args.name is not None else self._default_name(),
             "outputs": outputs,
@@ -914,43 +937,57 @@ class SpotMagics(Magics):
         show(bundle, raw=True)
 
     @magic_arguments()
-    @argument("--region", help="the region whose prices to show first (default: "
-                               "SpotMagics.region)")
+    @argument("--region", metavar="REGION",
+              help="the regions shown first: one, several (us-east-1,eu-west-1) or any "
+                   "(SpotMagics.allowed_regions); default: SpotMagics.region")
     @argument("--gpu-hours", type=float, default=100.0, metavar="N",
               help="size of the job to estimate: hours on one reference GPU (default 100)")
     @argument("--gpu", metavar="MODEL",
               help="the reference GPU of --gpu-hours, e.g. --gpu A10G, kept for the next "
                    "pickers (default: SpotMagics.gpu_reference, else the GPU of the first "
                    "default instance type)")
+    @argument("--state-gb", type=float, default=None, metavar="GB",
+              help="the job's checkpoint size in GB, which a job away from its home "
+                   "region moves at each save and restore (default 1)")
+    @argument("--count", type=int, default=1, metavar="N",
+              help="instances the job needs at once (nodes), for the placement scores "
+                   "(default 1)")
     @line_magic
     def spot_picker(self, line: str) -> Any:
-        """Choose instance types, ranked by what your job would cost on them: GPU,
-        speed, on-demand and spot prices, savings, interruption frequency, and the
+        """Choose instance types and regions, ranked by what your job would cost there:
+        GPU, speed, on-demand and spot prices, savings, interruption frequency, the
+        checkpoint's transfer to the home region, the Spot placement score, and the
         expected hours, interruptions and cost of a job of N hours on one GPU.
 
-        The types you choose, in order of preference, become the defaults of the next
-        ``%%spot_train`` (``SpotMagics.instance_types``), and the equivalent
-        ``%%spot_train -t ...`` line is shown. Example: ``%spot_picker --gpu-hours 500``.
+        The rows you choose, in order of preference, become the defaults of the next
+        ``%%spot_train`` (``SpotMagics.instance_types`` and ``region``), and the
+        equivalent ``%%spot_train -t ... --region ...`` line is shown. Example:
+        ``%spot_picker --gpu-hours 500 --region any``.
         """
         args = parse_argstring(self.spot_picker, line)
         from spotnb import widgets
+        from spotnb.providers import catalog, regions
 
         if not widgets.available():
             raise UsageError(f"%spot_picker needs widgets: {widgets.INSTALL_HINT}")
-        if args.region is not None:
-            from spotnb.providers import catalog
+        with _as_usage_errors({"region": "--region", "allowed_regions":
+                               "SpotMagics.allowed_regions"}):
+            if args.region is not None:
+                regions.region_names(args.region, regions.allowed_regions(
+                    list(self.allowed_regions) or None))
+        if args.gpu is not None and args.gpu not in catalog.gpu_speeds():
+            raise UsageError(f"no speed figure for GPU {args.gpu!r}; choose one of "
+                             f"{', '.join(sorted(catalog.gpu_speeds()))}")
+        if args.state_gb is not None and not (args.state_gb >= 0 and args.state_gb < 1e6):
+            raise UsageError(f"--state-gb must be a size in GB of 0 or more, not "
+                             f"{args.state_gb:g}")
+        from spotnb.protocol.spec import MAX_NODES
 
-            if args.region not in catalog.all_regions():
-                raise UsageError(f"no prices for region {args.region!r}; regions: "
-                                 f"{', '.join(catalog.all_regions())}")
-        if args.gpu is not None:
-            from spotnb.providers import catalog
-
-            if args.gpu not in catalog.gpu_speeds():
-                raise UsageError(f"no speed figure for GPU {args.gpu!r}; choose one of "
-                                 f"{', '.join(sorted(catalog.gpu_speeds()))}")
+        if not 1 <= args.count <= MAX_NODES:
+            raise UsageError(f"--count must be 1 to {MAX_NODES} instances, not {args.count}")
+        sizes = {"state_gb": args.state_gb} if args.state_gb is not None else {}
         return widgets.InstancePicker(args.region, magics=self, work_hours=args.gpu_hours,
-                                      reference=args.gpu)
+                                      reference=args.gpu, count=args.count, **sizes)
 
     @magic_arguments()
     @argument("runs", nargs="+", metavar="JOB_OR_RECORD",
