@@ -22,10 +22,17 @@ are refused with :class:`~spotnb.protocol.spec.SpecError` before anything starts
 ``SPOTNB_LOCAL_BOOT_SECONDS`` [boot_seconds]
     Simulated boot time before the agent starts. Default 0.
 ``SPOTNB_LOCAL_NO_CAPACITY`` [no_capacity]
-    Comma-separated instance types (``g5.xlarge``) or pools (``g5.xlarge@use1-az4``)
-    that have no spot capacity: launches there fail with
-    ``InsufficientInstanceCapacity``. Read again at every launch, so the config file can
-    switch a shortage on and off while a job runs.
+    Comma-separated instance types (``g5.xlarge``), pools (``g5.xlarge@use1-az4``),
+    regions (``us-east-1``) or types in a region (``g5.xlarge@us-east-1``) that have no
+    spot capacity: launches there fail with ``InsufficientInstanceCapacity``, and the
+    simulated Spot placement scores there are 1. Instances already running there go on
+    (EC2 takes capacity back by interrupting them: ``interrupt``, the hazard). Read
+    again at every launch, so the config file can switch a shortage on and off while a
+    job runs. A name the catalog does not know is refused.
+``SPOTNB_LOCAL_NO_CAPACITY_SECONDS`` [no_capacity_seconds]
+    How long the shortage of ``no_capacity`` lasts: this many real seconds from the
+    start of each job's capacity group, then the capacity is back. Unset: for as long
+    as ``no_capacity`` names it.
 ``SPOTNB_LOCAL_HAZARD`` [hazard]
     1 (default) or 0: interrupt instances at the Spot Advisor rate of their pool (the
     bucket's upper bound, read as interruptions per month, time-compressed).
