@@ -102,6 +102,7 @@ class InstanceState:
     end: float | None = None
     end_reason: str | None = None
     time_scale: float = 1.0  # market seconds a real second (the local cloud's)
+    region: str | None = None
 
     @property
     def free(self) -> bool:
@@ -124,6 +125,7 @@ class AttemptState:
     instance_id: str | None = None
     instance_type: str | None = None
     az: str | None = None
+    region: str | None = None  # its instance's, as its boot said
     # How its events said it ended, in their order (the job's end decides the rest:
     # JobState.end_reason).
     reason: EndReason = EndReason.RUNNING
@@ -237,6 +239,11 @@ class JobState:
         self.pruned: codec.Pruned | None = None
         #: instance id -> the time of the newest event that came from it
         self.heard: dict[str, float] = {}
+        #: The group's region choices in time order: where it launched from then on,
+        #: and why (the start's choice, each move to another region).
+        self.regions: list[tuple[float, codec.Region]] = []
+        #: Checkpoint bytes that crossed regions, by key (each counted once).
+        self.transfers: dict[str, codec.Transfer] = {}
 
     # -- input ---------------------------------------------------------------------
 
@@ -311,7 +318,7 @@ class JobState:
                     instance_id=body.instance_id, start=e.time, pool=body.pool,
                     price=body.price, ondemand=body.ondemand,
                     instance_type=body.instance_type, az=body.az,
-                    time_scale=body.time_scale)
+                    time_scale=body.time_scale, region=body.region)
                 if self.first_launch is None or e.time < self.first_launch:
                     self.first_launch = e.time
                 if body.price is not None:
@@ -330,6 +337,10 @@ class JobState:
                                               body.reason or ""))
         elif isinstance(body, codec.Price) and body.price is not None:
             self._price(body.pool, e.time, body.price)
+        elif isinstance(body, codec.Region) and body.region:
+            bisect.insort(self.regions, (e.time, body), key=lambda item: item[0])
+        elif isinstance(body, codec.Transfer) and body.key:
+            self.transfers[body.key] = body
         elif isinstance(body, codec.Status) and body.state in (
                 "launching", "waiting_for_capacity") and self._room_for_launch(e.time):
             self.launching = Launching(e.time, body.state != "launching",
@@ -377,6 +388,8 @@ class JobState:
                 a.instance_id = e.instance
                 a.instance_type = body.instance_type
                 a.az = body.az
+                inst = self.instances.get(e.instance or "")
+                a.region = body.region or (inst.region if inst is not None else None)
                 self.launching = None
         elif isinstance(body, codec.Notice):
             if body.moved:  # not an interruption: the job left an at-risk instance
@@ -523,6 +536,25 @@ class JobState:
         """spotnb's own requests at list price (the newest total of each process)."""
         return sum(usage.cost(counts) for counts in self.usage.values())
 
+    def transfer_usd(self) -> float:
+        """What the checkpoint's crossings between regions cost (AWS's inter-region
+        transfer: each save sent home from another region, each restore there)."""
+        return sum(t.usd for t in self.transfers.values())
+
+    def region_choice(self, number: int) -> codec.Region | None:
+        """Why attempt ``number`` runs in its region: the group's newest region choice
+        (the start's, or a move) after the attempt it follows (its node slot's
+        previous one) booted and before it booted itself; None when there was none
+        (it runs where that one ran)."""
+        a = self.attempts.get(number)
+        if a is None or a.boot_time is None:
+            return None
+        booted = [m.boot_time for m in self.attempts.values() if m.number < number
+                  and m.node == a.node and m.boot_time is not None]
+        after = max(booted, default=float("-inf"))
+        found = [body for t, body in self.regions if after < t <= a.boot_time]
+        return found[-1] if found else None
+
     def cost(self, end: float) -> tuple[float, float]:
         """What the instances billed until ``end`` (those still running): at the spot
         price of their pool as it changed, and at the on-demand price."""
@@ -583,9 +615,10 @@ class JobState:
         return total
 
     def cost_usd(self, end: float) -> float:
-        """What the job has cost until ``end``: its instances at the spot price, and
-        spotnb's own requests (a :class:`~spotnb.client.jobs.JobResult`'s ``cost_usd``)."""
-        return self.cost(end)[0] + self.requests_usd()
+        """What the job has cost until ``end``: its instances at the spot price,
+        spotnb's own requests and the checkpoint's transfer between regions (a
+        :class:`~spotnb.client.jobs.JobResult`'s ``cost_usd``)."""
+        return self.cost(end)[0] + self.requests_usd() + self.transfer_usd()
 
     def instance_cost(self, instance_id: str, end: float | None = None) -> float:
         """What one instance billed (until ``end`` while it runs), at its pool's price."""
