@@ -326,7 +326,7 @@ class JobRun(Run):
         pruned = self.state.pruned
         # The money as heard from the instances: it only grows while the job runs.
         billed, ondemand = self.state.cost_heard()
-        billed += self.state.requests_usd()
+        billed += self.state.requests_usd() + self.state.transfer_usd()
         facts = Facts(
             status=result.status, params=dict(self.state.params), final=final, best=best,
             duration_s=result.duration, cost_usd=billed, ondemand_cost_usd=ondemand,

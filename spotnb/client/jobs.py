@@ -147,6 +147,12 @@ class Attempt:
     az: str | None = None
     #: The node slot it ran on (``layout.node_slot``; 0 for a single-node job).
     node: int = 0
+    #: The region its instance ran in, where known.
+    region: str | None = None
+    #: Why the job moved to that region before it (the move's reason: "no capacity in
+    #: us-east-1 for g5.xlarge after 3 tries"); None when it ran where the attempt
+    #: before it ran, or where the job started.
+    moved: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +166,7 @@ class JobResult:
     attempts: tuple[Attempt, ...]
     interruptions: int
     #: What the job cost: its instances, billed per second from launch (boot included)
-    #: at their pools' spot prices, plus :attr:`requests_usd`.
+    #: at their pools' spot prices, plus :attr:`requests_usd` and :attr:`transfer_usd`.
     cost_usd: float
     #: The same instance-seconds at the on-demand price.
     ondemand_cost_usd: float
@@ -171,6 +177,9 @@ class JobResult:
     #: spotnb's own AWS requests (S3, SQS) at list prices, as its agents, runtime and
     #: followers reported them; 0 on the local cloud, whose requests cost nothing.
     requests_usd: float = 0.0
+    #: The checkpoint's transfer between regions (saves sent home from another region,
+    #: restores there), at AWS's inter-region prices; 0 for a job that stayed home.
+    transfer_usd: float = 0.0
     #: A multi-node job's world as it changed: (time, nodes, processes), from its
     #: ``world`` events (every node of a round reports it; each change is kept once).
     worlds: tuple[tuple[float, int, int], ...] = ()
@@ -187,8 +196,12 @@ class JobResult:
     @property
     def cost_includes(self) -> str:
         """What :attr:`cost_usd` includes, for a person."""
-        return (f"instances billed from launch (boot included) and spotnb's own requests "
+        text = (f"instances billed from launch (boot included) and spotnb's own requests "
                 f"(${self.requests_usd:.4f})")
+        if self.transfer_usd:
+            text += (f", and the checkpoint's transfer between regions "
+                     f"(${self.transfer_usd:.4f})")
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the outputs (they are arbitrary objects)."""
@@ -942,6 +955,7 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
     final = result is not None
     end_of_job = (state.last_time if state.last_time is not None else now) if final else now
     requests_usd = state.requests_usd()
+    transfer_usd = state.transfer_usd()
     cost, ondemand = state.cost(end_of_job)
     job_status = (result or {}).get("status")
     attempts = []
@@ -961,6 +975,9 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
             spot_price=instance.price if instance else None,
             az=a.az or (instance.az if instance else None),
             node=a.node,
+            region=a.region or (instance.region if instance else None),
+            moved=move.reason if (move := state.region_choice(number)) is not None
+            and move.moved else None,
         ))
     if result is not None:
         status, reason = str(result["status"]), str(result.get("reason", ""))
@@ -971,8 +988,9 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,
         attempts=tuple(attempts), interruptions=state.interruptions(),
-        cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=state.metrics(),
+        cost_usd=cost + requests_usd + transfer_usd, ondemand_cost_usd=ondemand,
+        metrics=state.metrics(),
         duration=max(0.0, end_of_job - min(start, spec.created)),
         error=(result or {}).get("error") or (state.error() if status == "failed" else None),
-        requests_usd=requests_usd, worlds=tuple(state.worlds),
+        requests_usd=requests_usd, transfer_usd=transfer_usd, worlds=tuple(state.worlds),
     )

@@ -389,7 +389,7 @@ def job_summary(state: JobState, now: float) -> str:
     interruptions and steps redone."""
     start = state.first_launch or state.first_time or now
     spot, ondemand = state.cost(now)
-    cost = spot + state.requests_usd()
+    cost = spot + state.requests_usd() + state.transfer_usd()
     parts = [f"ran {_clock(now - start)}", f"cost ${cost:.4f}"]
     if ondemand > 0:
         parts[-1] += f" ({100 * (1 - cost / ondemand):.0f}% under on-demand ${ondemand:.4f})"
