@@ -144,9 +144,9 @@ class LocalProvider(Provider):
             raise SpecError("no instance type given: name at least one, e.g. 'g5.xlarge', "
                             "or pick one with %spot_picker")
         for instance_type in res.instance_types:
-            catalog.check_instance_type(instance_type, res.region)
+            _check_type(instance_type, res.regions)
         if res.max_price is not None:
-            _check_max_price(res.max_price, res.instance_types, res.region)
+            _check_max_price(res.max_price, res.instance_types, res.regions)
         _check_simulation(spec.simulate_interruptions)
         try:
             open_store(spec.store_uri)
@@ -622,18 +622,37 @@ def _tail(path: Path, lines: int = 3) -> str:
     return " | ".join(text[-lines:]) or "the log is empty"
 
 
-def _check_max_price(max_price: Any, instance_types: tuple[str, ...], region: str) -> None:
+def _check_type(instance_type: str, regions: tuple[str, ...]) -> None:
+    """An instance type the catalog offers in one of the job's regions at least (it runs
+    where it is offered); SpecError naming where it is offered otherwise."""
+    catalog.check_type_name(instance_type)
+    if any(catalog.pools(instance_type, region) for region in regions):
+        return
+    if len(regions) == 1:
+        catalog.check_instance_type(instance_type, regions[0])  # raises, naming the fix
+    where = catalog.regions(instance_type)
+    raise SpecError(
+        f"{instance_type} has no spot pool in any of the job's regions "
+        f"({', '.join(regions)}) in spotnb's catalog ({catalog.DATA_DATE['catalog']}); "
+        + (f"regions that have it: {', '.join(where)}. Add one of them to the job's "
+           "regions (--region), or choose another type with %spot_picker." if where else
+           "no region has a spot price for it: pick another type with %spot_picker."))
+
+
+def _check_max_price(max_price: Any, instance_types: tuple[str, ...],
+                     regions: tuple[str, ...]) -> None:
     if isinstance(max_price, bool) or not isinstance(max_price, (int, float)) or max_price <= 0:
         raise SpecError(f"max_price must be a positive price in USD per hour, not {max_price!r}")
     lowest = min(
         (min(p for _, p in catalog.price_trace(t, region, pool.az).points), pool.name)
-        for t in instance_types for pool in catalog.pools(t, region)
+        for region in regions for t in instance_types for pool in catalog.pools(t, region)
     )
     if max_price < lowest[0]:
         raise SpecError(
             f"max_price ${max_price:g}/h is below every spot price the local cloud has for "
-            f"{', '.join(instance_types)} in {region} (lowest ${lowest[0]:.4f}/h in "
-            f"{lowest[1]}): the job would never start. Raise max_price or leave it unset."
+            f"{', '.join(instance_types)} in {', '.join(regions)} (lowest "
+            f"${lowest[0]:.4f}/h in {lowest[1]}): the job would never start. Raise "
+            "max_price or leave it unset."
         )
 
 

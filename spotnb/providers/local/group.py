@@ -121,6 +121,7 @@ from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
 from spotnb.providers import catalog
 from spotnb.providers.catalog import Pool
+from spotnb.providers.local.failover import RegionPlan, TransferMeter
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.market import Market
@@ -183,6 +184,8 @@ STANDBY_HOLD_SECONDS = 600.0
 STANDBY_WARMUP_SECONDS = billing.STANDBY_WARMUP_SECONDS
 # The events that show a cell got past its imports: output, or metrics (one row or a batch).
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
+# The notice (and the end) of the nodes a move to another region leaves behind.
+REGION_MOVE = "region-move"
 
 
 @dataclasses.dataclass
@@ -259,6 +262,12 @@ class Supervisor:
         self.reader = (Follower(store, spec.job_id, batches=True,
                                 quiet_log_seconds=STORE_POLL_SECONDS)
                        if self.sim_count else None)
+        # Where the group launches, and the checkpoint's transfer between regions
+        # (spotnb.providers.local.failover); followed once the job leaves home.
+        self.launch_settings = settings
+        self.plan = RegionPlan(spec, self._has_capacity)
+        self.meter = TransferMeter(spec.resources.region)
+        self.metering = False
         seed = settings.seed
         self.rng = random.Random(f"{seed}:{spec.job_id}") if seed is not None else random.Random()
         self._init_signals()
@@ -315,6 +324,9 @@ class Supervisor:
                                         if self.first_launch + t <= now)
         if self.sim_done >= self.sim_count:
             self._stop_following()
+        self.meter.counted.update(history.transfers)
+        if history.regions:
+            self.plan.resume_in(history.regions[-1][1].region)
         if not self.store.exists(RESULT):  # else it only logs the instances' end
             self._emit("status", None, state="launching",
                        detail="the local cloud's supervisor of this job was restarted; "
@@ -325,8 +337,8 @@ class Supervisor:
             instance_id = meta.get("instance_id")
             if meta.get("state") == "terminated" or instance_id in ended:
                 continue
-            pool = next((p for p in catalog.pools(meta["instance_type"],
-                                                  self.spec.resources.region)
+            region = str(meta.get("region") or self.spec.resources.region)
+            pool = next((p for p in catalog.pools(meta["instance_type"], region)
                          if p.az == meta.get("az")), None)
             record = ProcessRecord.from_dict(read_json(Path(meta["dir"]) / "pid.json"))
             if pool is None or record is None or not record.alive():
@@ -345,6 +357,9 @@ class Supervisor:
             self._plan_signals(inst, now)
             self.instances.append(inst)
             self.running.append(inst)
+            self.plan.resume_in(pool.region)
+        if self.plan.region not in (None, self.plan.home):
+            self._follow()
 
     def _lose(self, meta: dict[str, Any], record: ProcessRecord | None) -> None:
         """End an instance on record that this supervisor cannot adopt (Step 2): its
@@ -457,12 +472,15 @@ class Supervisor:
             self._poll_store(now)
         if self.finish is None:
             self._check_limits(now)
+        # Nodes of a region the group left, still going at the tick's start: the new
+        # region's launches wait for the next tick (the log then says each in order).
+        leaving = self._leaving()
         for inst in list(self.running):
             self._step(inst, now)
         if self.finish is not None:
             return self._step_finishing(now)
         # One launch a tick at most: a capacity error waits CAPACITY_RETRY_SECONDS.
-        if len(self.running) < self.target and now >= self.next_launch_at:
+        if len(self.running) < self.target and now >= self.next_launch_at and not leaving:
             launched = self._launch(now)
             if launched is not None and launched.boot_until <= now:
                 # No boot delay: start the agent now rather than a tick later.
@@ -610,7 +628,7 @@ class Supervisor:
             self._forget(inst)
             return
         if inst.terminate_at is not None and now >= inst.terminate_at:
-            self._end(inst, now, "spot-interruption")
+            self._end(inst, now, _notice_end(inst))
             self._forget(inst)
             self.crashes = 0
             self.next_launch_at = now
@@ -887,7 +905,13 @@ class Supervisor:
         and any event after that (one read of the log for all of them)."""
         assert self.reader is not None
         by_id = {inst.id: inst for inst in instances}
+        regions = {inst.id: inst.pool.region for inst in self.instances}
         for event in self.reader.poll(wait=0):
+            if self.metering and event.attempt != GROUP_STREAM:
+                for crossing in self.meter.see(event, regions):
+                    self._emit("transfer", None, at=event.time, **dataclasses.asdict(crossing))
+            if self.sim_done >= self.sim_count:
+                continue
             inst = by_id.get(event.instance or "")
             if inst is None or event.attempt == GROUP_STREAM:
                 continue
@@ -902,8 +926,16 @@ class Supervisor:
                 inst.durable_at = event.time
             elif inst.durable_at is not None and event.time > inst.durable_at:
                 inst.progressed = True
-        if self.sim_done >= self.sim_count:
-            self._stop_following()  # nothing left to simulate: stop reading the log
+        if self.sim_done >= self.sim_count and not self.metering:
+            self._stop_following()  # nothing left to simulate or bill: stop reading the log
+
+    def _follow(self) -> None:
+        """Read the job's log from now on (from its start), as a notebook follows it:
+        the instances outside home bill the checkpoint's transfer."""
+        self.metering = True
+        if self.reader is None:
+            self.reader = Follower(self.store, self.spec.job_id, batches=True,
+                                   quiet_log_seconds=STORE_POLL_SECONDS)
 
     def _stop_following(self) -> None:
         reader, self.reader = self.reader, None
@@ -938,7 +970,7 @@ class Supervisor:
             return
         if inst.terminate_at is not None:  # gone a little before its termination time
             self._end(inst, now, "rebalanced" if inst.notice_reason == "rebalanced"
-                      else "spot-interruption", exit_code=code)
+                      else _notice_end(inst), exit_code=code)
             self.crashes = 0
             return
         if self.finish is not None:
@@ -982,13 +1014,65 @@ class Supervisor:
         return market
 
     def _candidates(self, now: float) -> list[Pool]:
-        """Pools in launch order: the spec's types in order, cheapest AZ first right now."""
-        ordered = []
-        region = self.spec.resources.region
-        for instance_type in self.spec.resources.instance_types:
-            type_pools = catalog.pools(instance_type, region)
-            ordered += sorted(type_pools, key=lambda p: (self._market(p).price_at(now), p.az))
-        return ordered
+        """Pools in launch order, in the group's region (chosen at the first launch):
+        the spec's types in order, cheapest AZ first right now; a multi-node job's in
+        the AZ of its nodes still running (all of them in one region and AZ)."""
+        if self.plan.region is None:
+            self._region(self.plan.start(self._checkpoint_bytes()), now)
+        az = None
+        if self.target > 1:
+            az = next((i.pool.az for i in self.running if i.pool.region == self.plan.region),
+                      None)
+        return self.plan.pools(lambda p: self._market(p).price_at(now), az)
+
+    def _has_capacity(self, instance_type: str, az: str) -> bool:
+        """The simulated capacity of a pool now (the settings of the newest launch, at
+        the group's age: a shortage may be over, ``no_capacity_seconds``)."""
+        return self.launch_settings.has_capacity(instance_type, az,
+                                                 since_start=time.time() - self.started)
+
+    def _checkpoint_bytes(self) -> int | None:
+        """The size of the job's newest checkpoint (None without one), which a move's
+        ranking counts the restore of."""
+        from spotnb.ckpt.checkpoints import CHECKPOINT_FORMATS, CheckpointStore
+
+        try:
+            newest = CheckpointStore(self.store, prefix=layout.CHECKPOINTS,
+                                     keep=self.spec.policy.keep_checkpoints,
+                                     formats=CHECKPOINT_FORMATS).latest()
+        except Exception as err:  # a damaged checkpoint: ranked as if of unknown size
+            log.warning("cannot read the newest checkpoint's size: %s", err)
+            return None
+        return None if newest is None else newest.total_bytes
+
+    def _region(self, choice: codec.Region, now: float) -> None:
+        """The group launches in ``choice.region`` from now on: say so and why; bill
+        the checkpoint's transfer once it is away from home."""
+        self._emit("region", None, at=now, **dataclasses.asdict(choice))
+        if choice.region != self.plan.home:
+            self._follow()
+
+    def _leaving(self) -> bool:
+        """Whether nodes of a region the group left are still going (their notice
+        runs): the launches in its new region wait, so that the job's nodes are never
+        in two regions at once."""
+        return any(i.pool.region != self.plan.region for i in self.running)
+
+    def _move(self, now: float) -> None:
+        """Repeated launch rounds found no capacity in the group's region: move to the
+        next (spotnb.providers.local.failover). The nodes still there (fewer than the
+        job's minimum: it does not train) get a notice: they save and go, and the
+        launches in the new region follow."""
+        self._region(self.plan.move(self._checkpoint_bytes()), now)
+        self.reported_pools.clear()
+        for inst in self.running:
+            if inst.terminate_at is None:
+                inst.notice(now, self.settings.notice_seconds, REGION_MOVE)
+                self._emit("instance", inst.id, action="notice", reason=REGION_MOVE,
+                           **inst.describe(), notice_time=iso_utc(now),
+                           termination_time=iso_utc(inst.terminate_at or now),
+                           price=inst.price)
+        self.next_launch_at = now
 
     def _forget(self, inst: LocalInstance) -> None:
         """The group no longer keeps ``inst`` (it ended): a replacement may launch."""
@@ -999,10 +1083,10 @@ class Supervisor:
         """Start an instance in the first pool that can take it; None if none can.
         ``standby_for``: a warm standby for that instance (logged as such)."""
         try:  # capacity shortages may be switched on and off while the job runs
-            settings = Settings.load()
+            settings = self.launch_settings = Settings.load()
         except SpecError as e:
             log.warning("keeping the previous local cloud settings: %s", e)
-            settings = self.settings
+            settings = self.launch_settings
         max_price = self.spec.resources.max_price
         for pool in self._candidates(now):
             price = self._market(pool).price_at(now)
@@ -1010,14 +1094,18 @@ class Supervisor:
                 self._capacity_error(pool, now, "SpotMaxPriceTooLow", (
                     f"Your Spot request price of {max_price} is lower than the minimum "
                     f"required Spot request fulfillment price of {price}."))
-            elif not settings.has_capacity(pool.instance_type, pool.az):
+            elif not self._has_capacity(pool.instance_type, pool.az):
                 self._capacity_error(pool, now, "InsufficientInstanceCapacity", (
                     f"We currently do not have sufficient {pool.instance_type} capacity in "
                     f"the Availability Zone you requested ({az_name(pool.region, pool.az)})."))
             else:
+                self.plan.launched()
                 return self._start_instance(pool, now, settings, standby_for)
         if standby_for is None:
             self.next_launch_at = now + CAPACITY_RETRY_SECONDS
+            # A job below its minimum of nodes moves; one that trains stays.
+            if self.plan.failed() and len(self.running) < self.spec.resources.min_nodes:
+                self._move(now)
         return None
 
     def _capacity_error(self, pool: Pool, now: float, code: str, message: str) -> None:
@@ -1030,7 +1118,7 @@ class Supervisor:
         log.info("cannot launch in %s: %s", pool.name, code)
         self._emit("instance", None, at=now, action="capacity_error", reason=code, detail=message,
                    instance_id=None, instance_type=pool.instance_type, az=pool.az,
-                   pool=pool.name)
+                   region=pool.region, pool=pool.name)
 
     def _start_instance(self, pool: Pool, now: float, settings: Settings,
                         standby_for: str | None = None) -> LocalInstance:
@@ -1194,6 +1282,13 @@ class Supervisor:
             "pending_result": self.pending_result,
             "store_unavailable_since": self.store_failing_since, **fields,
         })
+
+
+def _notice_end(inst: LocalInstance) -> str:
+    """How an instance under notice ends: EC2's interruption (free in its first hour),
+    or the group's own notice to the nodes left behind by a move to another region
+    (billed: the owner ends it)."""
+    return REGION_MOVE if inst.notice_reason == REGION_MOVE else billing.EC2_INTERRUPTION
 
 
 def _detach() -> None:

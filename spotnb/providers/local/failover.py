@@ -1,0 +1,196 @@
+"""Where the local cloud's capacity group launches a job's instances: the job's regions
+ranked by expected cost, the move to the next region when one has no capacity, and the
+checkpoint's transfer between regions, billed as AWS bills it.
+
+A job names its regions (``Resources.regions``); the first (``Resources.region``) is its
+*home*, where its store stays. The group launches in one region at a time, *its
+region*, and keeps every node of a multi-node job in one region and one AZ (the AZ of
+its nodes still running). The story (:class:`RegionPlan`)::
+
+    start   rank the job's regions (spotnb.providers.regions.rank_regions: the expected
+            cost of an hour of its work on the best of its types there, the checkpoint's
+            transfer to and from home counted at the size of its newest checkpoint, or
+            UNKNOWN_STATE_BYTES before it has one; the local cloud's simulated placement
+            scores put a region without capacity last) -> its region is the first ->
+            a ``region`` event (cause ``start``) says which and why
+    round   a launch tries every pool of the job's types in its region (the types in
+            the job's order, the cheapest AZ first; a multi-node job's: in its nodes'
+            AZ) -> none has capacity: a failed round; the next comes
+            CAPACITY_RETRY_SECONDS later (spotnb.providers.local.group)
+    move    MOVE_AFTER_FAILED_ROUNDS failed rounds in a row, another region to go to,
+            and fewer than min_nodes nodes running (a multi-node job that still trains
+            stays where it is) -> the region is left dry; the regions are ranked again
+            (the checkpoint's restore from home counted) and the best one not dry is
+            the group's region -> a ``region`` event (cause ``no-capacity``, "no
+            capacity in us-east-1 for g5.xlarge after 3 tries") -> the nodes left in the
+            old region get a notice (they save and go) -> once they are gone the group
+            launches in the new region, whose agent resumes from the checkpoint in the
+            home store
+    all dry every region was left dry -> all are open again, the best first: the group
+            retries forever, as in one region (until stop, budget or deadline)
+
+A job stays in its region while it finds capacity there: it does not go back home
+when home's capacity returns (that would cost another restore across regions).
+
+The transfer (:class:`TransferMeter`): the local cloud's instances all read and write
+the same store, but each crossing is billed as AWS would bill it: the sending region
+pays its inter-region price per GB (``spotnb.providers.regions.transfer_price``), each
+durable checkpoint saved by an instance outside home (sent home), and each attempt that
+boots outside home once the job has a checkpoint (it restores it from home). The group
+says each in a ``transfer`` event, which the job's fold sums into its cost. A synced
+directory's snapshots (``spot.sync_dir``) are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+
+from spotnb.protocol.events import Event, codec
+from spotnb.protocol.spec import JobSpec
+from spotnb.providers import catalog
+from spotnb.providers.catalog import Pool
+from spotnb.providers.placement import simulated_placement_scores
+from spotnb.providers.regions import GB, RegionChoice, rank_regions, transfer_price
+
+__all__ = ["MOVE_AFTER_FAILED_ROUNDS", "UNKNOWN_STATE_BYTES", "RegionPlan", "TransferMeter"]
+
+log = logging.getLogger(__name__)
+
+#: A job moves to its next region after this many launch rounds in a row found no
+#: capacity in its region (each round tries every pool of its types there,
+#: CAPACITY_RETRY_SECONDS apart: about 6 s on the local cloud). One would move on a
+#: pool's passing shortage and pay a restore across regions for it; EC2 answers a
+#: launch at once, so three rounds are seconds there too.
+MOVE_AFTER_FAILED_ROUNDS = 3
+#: Before a job has a checkpoint its size is unknown: the ranking takes it as the
+#: instance picker's default checkpoint (1 GB), so that a region far from home pays for
+#: the saves it would send there.
+UNKNOWN_STATE_BYTES = GB
+
+
+class RegionPlan:
+    """The group's region and its failed launch rounds there (module docstring).
+
+    ``has_capacity(type, az_id)``: the local cloud's capacity now (its settings, at the
+    group's age), which its simulated placement scores are made of."""
+
+    def __init__(self, spec: JobSpec, has_capacity: Callable[[str, str], bool]) -> None:
+        self.spec = spec
+        self.home = spec.resources.region
+        self.regions = spec.resources.regions
+        self.has_capacity = has_capacity
+        self.region: str | None = None  # None until the first launch chooses it
+        self.failed_rounds = 0
+        self.dry: set[str] = set()  # left after MOVE_AFTER_FAILED_ROUNDS, since all were
+
+    def rank(self, state_bytes: int | None, resume: bool) -> list[RegionChoice]:
+        """The job's regions, best first (:func:`~spotnb.providers.regions.rank_regions`
+        with the local cloud's placement scores for its node count)."""
+        res = self.spec.resources
+        scores = simulated_placement_scores(res.instance_types, res.regions, res.max_nodes,
+                                            has_capacity=self.has_capacity)
+        return rank_regions(self.spec, scores=scores, resume=resume,
+                            state_bytes=UNKNOWN_STATE_BYTES if state_bytes is None
+                            else state_bytes)
+
+    def start(self, state_bytes: int | None) -> codec.Region:
+        """Choose the group's first region (a job that resumes, ``state_bytes`` known,
+        restores its checkpoint there)."""
+        ranked = self.rank(state_bytes, resume=state_bytes is not None)
+        best = ranked[0]
+        self.region, self.failed_rounds = best.region, 0
+        skipped = [c for c in ranked if not c.cost.likely]
+        reason = ("the lowest expected cost among the job's regions"
+                  + (" with capacity" if skipped else ""))
+        if skipped:
+            reason += "; " + ", ".join(
+                f"{c.region} has none for {c.cost.instance_type} (placement score "
+                f"{c.cost.score})" for c in skipped)
+        log.info("starting in %s: %s", best.region, best.why)
+        return codec.Region(region=best.region, cause="start", reason=reason,
+                            home=self.home, estimate=best.why)
+
+    def pools(self, price_at: Callable[[Pool], float], az: str | None = None) -> list[Pool]:
+        """The pools of a launch round in the group's region, in launch order: the
+        job's types in order, the cheapest AZ first right now (``price_at``); with
+        ``az``, that AZ's only (a multi-node job's nodes)."""
+        assert self.region is not None, "the region is chosen before the first round"
+        ordered: list[Pool] = []
+        for instance_type in self.spec.resources.instance_types:
+            found = [p for p in catalog.pools(instance_type, self.region)
+                     if az is None or p.az == az]
+            ordered += sorted(found, key=lambda p: (price_at(p), p.az))
+        return ordered
+
+    def launched(self) -> None:
+        """A round found capacity."""
+        self.failed_rounds = 0
+
+    def failed(self) -> bool:
+        """A round found no capacity: whether the job should move now (the bound is
+        reached and there is another region to go to)."""
+        self.failed_rounds += 1
+        return self.failed_rounds >= MOVE_AFTER_FAILED_ROUNDS and len(self.regions) > 1
+
+    def move(self, state_bytes: int | None) -> codec.Region:
+        """Leave the group's region (dry now) for the best region not dry (all open
+        again when every one is), a checkpoint of ``state_bytes`` to restore there."""
+        previous, tries = self.region, self.failed_rounds
+        assert previous is not None
+        self.dry.add(previous)
+        if self.dry >= set(self.regions):
+            self.dry = {previous}  # every region tried: all open again, but not this one
+        ranked = [c for c in self.rank(state_bytes, resume=state_bytes is not None)
+                  if c.region not in self.dry]
+        best = ranked[0]
+        self.region, self.failed_rounds = best.region, 0
+        offered = [t for t in self.spec.resources.instance_types if catalog.pools(t, previous)]
+        reason = (f"no capacity in {previous} for {', '.join(offered)} after {tries} "
+                  f"{'try' if tries == 1 else 'tries'}")
+        log.info("moving from %s to %s: %s; %s", previous, best.region, reason, best.why)
+        return codec.Region(region=best.region, previous=previous, cause="no-capacity",
+                            reason=reason, home=self.home, tries=tries, estimate=best.why)
+
+    def resume_in(self, region: str) -> None:
+        """A restarted supervisor takes over in the region its predecessor chose."""
+        self.region, self.failed_rounds = region, 0
+
+
+@dataclasses.dataclass
+class TransferMeter:
+    """Bills the checkpoint's crossings between regions (module docstring): fed the
+    job's events in the order a follower reads them, it says which ``transfer`` events
+    to write. ``counted``: the keys already written (a restarted supervisor's
+    predecessor's, from the group's stream)."""
+
+    home: str
+    counted: set[str] = dataclasses.field(default_factory=set)
+    newest_bytes: int = 0  # the newest durable checkpoint's (what a restore reads)
+
+    def see(self, event: Event, region_of: Mapping[str, str]) -> list[codec.Transfer]:
+        """The crossings ``event`` makes (``region_of``: the region of each instance)."""
+        body = codec.peek(event)
+        region = region_of.get(event.instance or "")
+        if isinstance(body, codec.CheckpointEvent) and body.durable and not body.sync:
+            self.newest_bytes = body.bytes
+            if region is not None and region != self.home and body.bytes:
+                return self._bill("save", f"save:{event.attempt}:{body.id or body.step}",
+                                  body.bytes, region, self.home, body.step)
+        elif (isinstance(body, codec.Status) and body.state == "booting" and not body.retrying
+              and region is not None and region != self.home and self.newest_bytes):
+            return self._bill("restore", f"restore:{event.attempt}", self.newest_bytes,
+                              self.home, region, None)
+        return []
+
+    def _bill(self, kind: str, key: str, size: int, source: str, destination: str,
+              step: int | None) -> list[codec.Transfer]:
+        if key in self.counted:
+            return []
+        self.counted.add(key)
+        per_gb = transfer_price(source, destination)
+        return [codec.Transfer(kind=kind, bytes=size, source=source, destination=destination,
+                               usd=size / GB * per_gb, usd_per_gb=per_gb, key=key,
+                               step=step)]
+
