@@ -53,6 +53,19 @@ are refused with :class:`~spotnb.protocol.spec.SpecError` before anything starts
     Comma-separated names (or ``PREFIX*``) of this machine's environment variables that
     every local instance gets, like variables baked into an AMI. Default none.
 
+Regions: the market has every region of the bundled catalog, each pool (a type in an
+AZ) with a price trace of its own (:func:`spotnb.providers.catalog.price_trace`, whose
+``source`` every ``price`` event names): the real price history of that type in that
+region where the bundled history has it (p2 and p3 types in us-east-1, us-east-2,
+us-west-2, eu-west-1 and eu-central-1, p3 in eu-west-2 too, from 2019-12 to 2020-03;
+g5.12xlarge and g5.48xlarge in us-east-1, g4dn.2xlarge in us-west-1, g4ad.2xlarge in
+eu-central-1, p2.8xlarge in ap-northeast-1 on 2022-05-31: ``spotnb/data/SOURCES.md``),
+else the shape of a related type's longest real trace scaled to the pool's catalog spot
+price in that region. A job with several regions starts in the one with the lowest
+expected cost among those with capacity, and moves to the next after repeated launches
+without capacity (:mod:`.failover`); every region reads and writes the job's one store,
+and the checkpoint's crossings are billed as AWS would bill them.
+
 An instance's metadata service gives the rebalance recommendation as EC2's does: some
 minutes before its notice, with it, not at all, or with no notice after it, drawn by
 :mod:`.signals` (the job's ``simulate_signals``, else the model's defaults, figures
