@@ -57,6 +57,46 @@ def config(cloud: Cloud, **settings: Any) -> None:
     tmp.replace(path)
 
 
+def test_the_plan_ranks_moves_after_the_bound_and_cycles_through_dry_regions() -> None:
+    """RegionPlan, scripted: capacity by region as a test sets it, no process."""
+    from spotnb.providers import catalog
+    from spotnb.providers.local.failover import RegionPlan
+
+    short: set[str] = {HOME}
+    store = "file:///nowhere"
+    spec = JobSpec(job_id="j", name="t", code="pass", provider="local", store_uri=store,
+                   resources=Resources(("g4dn.xlarge",), HOME,
+                                       regions=(HOME, OTHER, "eu-west-1")),
+                   policy=Policy(), created=0.0)
+    plan = RegionPlan(spec, lambda t, az: catalog.region_of(az) not in short)
+    start = plan.start(None)
+    assert start.region == OTHER and start.cause == "start" and plan.region == OTHER
+    assert start.reason.endswith(f"{HOME} has none for g4dn.xlarge (placement score 1)")
+    assert [plan.failed() for _ in range(MOVE_AFTER_FAILED_ROUNDS)] == [
+        False] * (MOVE_AFTER_FAILED_ROUNDS - 1) + [True]
+    short.add(OTHER)
+    move = plan.move(10**8)
+    assert move is not None and (move.previous, move.region) == (OTHER, "eu-west-1")
+    assert move.tries == MOVE_AFTER_FAILED_ROUNDS and plan.failed_rounds == 0
+    # eu-west-1 runs dry too: home, the one region not left yet (its capacity is back).
+    short = {"eu-west-1"}
+    again = plan.move(10**8)
+    assert again is not None and again.region == HOME
+    # And home again: every region has been left, so all are open again, the best
+    # first (us-west-2, cheaper than eu-west-1), but not the one just left.
+    short = {HOME}
+    cycled = plan.move(10**8)
+    assert cycled is not None and cycled.region == OTHER and plan.dry == {HOME}
+    assert [p.region for p in plan.pools(lambda p: p.spot or 0.0)] == [OTHER] * len(
+        catalog.pools("g4dn.xlarge", OTHER))
+    # One region: never a move.
+    alone = RegionPlan(JobSpec(job_id="k", name="t", code="pass", provider="local",
+                               store_uri=store, resources=Resources(("g4dn.xlarge",), HOME),
+                               policy=Policy(), created=0.0), lambda t, az: False)
+    alone.start(None)
+    assert not any(alone.failed() for _ in range(3 * MOVE_AFTER_FAILED_ROUNDS))
+
+
 def test_a_job_whose_first_region_has_no_capacity_starts_in_the_second(
         cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
     # With capacity everywhere, home: the cheapest once an hour of saves sent home

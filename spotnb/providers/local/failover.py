@@ -52,7 +52,7 @@ from spotnb.protocol.spec import JobSpec
 from spotnb.providers import catalog
 from spotnb.providers.catalog import Pool
 from spotnb.providers.placement import simulated_placement_scores
-from spotnb.providers.regions import GB, RegionChoice, rank_regions, transfer_price
+from spotnb.providers.regions import GB, rank_regions, transfer_price
 
 __all__ = ["MOVE_AFTER_FAILED_ROUNDS", "UNKNOWN_STATE_BYTES", "RegionPlan", "TransferMeter"]
 
@@ -85,32 +85,44 @@ class RegionPlan:
         self.failed_rounds = 0
         self.dry: set[str] = set()  # left after MOVE_AFTER_FAILED_ROUNDS, since all were
 
-    def rank(self, state_bytes: int | None, resume: bool) -> list[RegionChoice]:
-        """The job's regions, best first (:func:`~spotnb.providers.regions.rank_regions`
-        with the local cloud's placement scores for its node count)."""
+    def rank(self, state_bytes: int | None, resume: bool) -> list[tuple[str, str, bool]]:
+        """The job's regions that offer one of its types, best first, each as (region,
+        why, likely to have capacity): as
+        :func:`~spotnb.providers.regions.rank_regions` ranks them with the local
+        cloud's placement scores for its node count; then, in the job's order, those it
+        has no estimate for (no speed figure for the types offered there)."""
         res = self.spec.resources
         scores = simulated_placement_scores(res.instance_types, res.regions, res.max_nodes,
                                             has_capacity=self.has_capacity)
-        return rank_regions(self.spec, scores=scores, resume=resume,
-                            state_bytes=UNKNOWN_STATE_BYTES if state_bytes is None
-                            else state_bytes)
+        ranked = [(c.region, c.why, c.cost.likely) for c in rank_regions(
+            self.spec, scores=scores, resume=resume,
+            state_bytes=UNKNOWN_STATE_BYTES if state_bytes is None else state_bytes)]
+        known = {region for region, _why, _likely in ranked}
+        ranked += [(region, "no estimate for its types (no speed figure)", True)
+                   for region in res.regions if region not in known
+                   and any(catalog.pools(t, region) for t in res.instance_types)]
+        return ranked
 
     def start(self, state_bytes: int | None) -> codec.Region:
         """Choose the group's first region (a job that resumes, ``state_bytes`` known,
         restores its checkpoint there)."""
-        ranked = self.rank(state_bytes, resume=state_bytes is not None)
-        best = ranked[0]
-        self.region, self.failed_rounds = best.region, 0
-        skipped = [c for c in ranked if not c.cost.likely]
+        ranked = self.rank(state_bytes, resume=state_bytes is not None) or [
+            (self.home, "none of its regions offers its types", True)]
+        region, why, _likely = ranked[0]
+        self.region, self.failed_rounds = region, 0
+        skipped = [r for r, _why, likely in ranked if not likely]
         reason = ("the lowest expected cost among the job's regions"
                   + (" with capacity" if skipped else ""))
         if skipped:
             reason += "; " + ", ".join(
-                f"{c.region} has none for {c.cost.instance_type} (placement score "
-                f"{c.cost.score})" for c in skipped)
-        log.info("starting in %s: %s", best.region, best.why)
-        return codec.Region(region=best.region, cause="start", reason=reason,
-                            home=self.home, estimate=best.why)
+                f"{r} has none for {', '.join(self._offered(r))} (placement score 1)"
+                for r in skipped)
+        log.info("starting in %s: %s", region, why)
+        return codec.Region(region=region, cause="start", reason=reason, home=self.home,
+                            estimate=why)
+
+    def _offered(self, region: str) -> list[str]:
+        return [t for t in self.spec.resources.instance_types if catalog.pools(t, region)]
 
     def pools(self, price_at: Callable[[Pool], float], az: str | None = None) -> list[Pool]:
         """The pools of a launch round in the group's region, in launch order: the
@@ -130,28 +142,31 @@ class RegionPlan:
 
     def failed(self) -> bool:
         """A round found no capacity: whether the job should move now (the bound is
-        reached and there is another region to go to)."""
+        reached, and the job has another region)."""
         self.failed_rounds += 1
         return self.failed_rounds >= MOVE_AFTER_FAILED_ROUNDS and len(self.regions) > 1
 
-    def move(self, state_bytes: int | None) -> codec.Region:
+    def move(self, state_bytes: int | None) -> codec.Region | None:
         """Leave the group's region (dry now) for the best region not dry (all open
-        again when every one is), a checkpoint of ``state_bytes`` to restore there."""
+        again when every one is), a checkpoint of ``state_bytes`` to restore there;
+        None when no other region offers the job's types (it stays, and retries)."""
         previous, tries = self.region, self.failed_rounds
         assert previous is not None
+        ranked = [item for item in self.rank(state_bytes, resume=state_bytes is not None)
+                  if item[0] != previous]
+        if not ranked:
+            self.failed_rounds = 0
+            return None
         self.dry.add(previous)
-        if self.dry >= set(self.regions):
-            self.dry = {previous}  # every region tried: all open again, but not this one
-        ranked = [c for c in self.rank(state_bytes, resume=state_bytes is not None)
-                  if c.region not in self.dry]
-        best = ranked[0]
-        self.region, self.failed_rounds = best.region, 0
-        offered = [t for t in self.spec.resources.instance_types if catalog.pools(t, previous)]
-        reason = (f"no capacity in {previous} for {', '.join(offered)} after {tries} "
-                  f"{'try' if tries == 1 else 'tries'}")
-        log.info("moving from %s to %s: %s; %s", previous, best.region, reason, best.why)
-        return codec.Region(region=best.region, previous=previous, cause="no-capacity",
-                            reason=reason, home=self.home, tries=tries, estimate=best.why)
+        if all(region in self.dry for region, _why, _likely in ranked):
+            self.dry = {previous}  # every region tried: all open again, but this one
+        region, why, _likely = next(item for item in ranked if item[0] not in self.dry)
+        self.region, self.failed_rounds = region, 0
+        reason = (f"no capacity in {previous} for {', '.join(self._offered(previous))} "
+                  f"after {tries} {'try' if tries == 1 else 'tries'}")
+        log.info("moving from %s to %s: %s; %s", previous, region, reason, why)
+        return codec.Region(region=region, previous=previous, cause="no-capacity",
+                            reason=reason, home=self.home, tries=tries, estimate=why)
 
     def resume_in(self, region: str) -> None:
         """A restarted supervisor takes over in the region its predecessor chose."""

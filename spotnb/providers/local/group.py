@@ -1063,7 +1063,10 @@ class Supervisor:
         next (spotnb.providers.local.failover). The nodes still there (fewer than the
         job's minimum: it does not train) get a notice: they save and go, and the
         launches in the new region follow."""
-        self._region(self.plan.move(self._checkpoint_bytes()), now)
+        choice = self.plan.move(self._checkpoint_bytes())
+        if choice is None:  # no other region offers the job's types: it retries here
+            return
+        self._region(choice, now)
         self.reported_pools.clear()
         for inst in self.running:
             if inst.terminate_at is None:
