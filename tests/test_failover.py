@@ -247,6 +247,9 @@ def test_a_job_whose_region_runs_dry_moves_and_ends_bitwise(
     # Every view: the attempts of the result and of its record, the log's lines.
     assert [(a.number, a.region) for a in result.attempts] == [(1, HOME), (2, OTHER)]
     assert result.attempts[1].moved == move.reason
+    assert result.transfer_usd == pytest.approx(state.transfer_usd())
+    (row,) = [r for r in spotnb.jobs() if r.job_id == handle.job_id]
+    assert row.instance_type == f"g4dn.xlarge in {OTHER}"  # spotnb jobs
     lines = [line for e in seen if (line := format_event(e))]
     assert any(f"region {OTHER} (from {HOME}): {move.reason}" in line for line in lines)
     view = display.JobView(handle.job_id, "failover", created=time.time())

@@ -359,14 +359,18 @@ def node_instances(result: JobResult) -> list[Attempt]:
     return [newest[k] for k in sorted(newest)]
 
 
-def instances_label(result: JobResult, multinode: bool) -> str | None:
+def instances_label(result: JobResult, multinode: bool, home: str | None = None) -> str | None:
     """The instance type(s) ``%spot_jobs`` shows: the last attempt's; for a multi-node
     job each node's newest, counted, with their zone where the instances said it
-    (``"g4dn.xlarge x2 us-east-1a, g5.xlarge us-east-1a"``)."""
+    (``"g4dn.xlarge x2 us-east-1a, g5.xlarge us-east-1a"``); the region after them when
+    it is not ``home`` (the job moved: ``"g4dn.xlarge in us-west-2"``)."""
     if not result.attempts:
         return None
+    region = result.attempts[-1].region
+    away = f" in {region}" if home is not None and region and region != home else ""
     if not multinode:
-        return result.attempts[-1].instance_type
+        label = result.attempts[-1].instance_type
+        return None if label is None else label + away
     counts: dict[str, int] = {}
     for a in node_instances(result):
         where = " ".join(p for p in (a.instance_type or "?", a.az) if p)
@@ -375,7 +379,7 @@ def instances_label(result: JobResult, multinode: bool) -> str | None:
     for where, n in counts.items():
         kind, _, zone = where.partition(" ")
         parts.append(" ".join(p for p in (kind, f"x{n}" if n > 1 else "", zone) if p))
-    return ", ".join(parts)
+    return ", ".join(parts) + away
 
 
 # -- submitting ----------------------------------------------------------------------
@@ -887,8 +891,9 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 5  # 5: a sweep's pruned trial reads pruned (4: a multi-node row's
-#                        nodes and instances are its world's)
+_LISTING_VERSION = 6  # 6: the region of a job that moved, and the transfer in its
+#                        cost (5: a sweep's pruned trial reads pruned; 4: a multi-node
+#                        row's nodes and instances are its world's)
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -920,7 +925,8 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
                   attempts=len(s.attempts), interruptions=s.interruptions,
                   cost_usd=s.cost_usd, created=spec.created,
-                  instance_type=instances_label(s, spec.resources.max_nodes > 1),
+                  instance_type=instances_label(s, spec.resources.max_nodes > 1,
+                                                spec.resources.region),
                   duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
                   nodes=nodes_label(spec.resources, s), reason=s.reason)
     if state is not None:

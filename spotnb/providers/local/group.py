@@ -43,10 +43,15 @@ comes back on the same port, notices included), ends those whose termination was
 and those it cannot adopt, writes a pending result, and carries on: the job resumes as
 after an interruption.
 
-Pools are tried in the spec's order of instance types, cheapest AZ first (at the
+Pools are tried in the group's region (:mod:`.failover`: the job's region with the
+lowest expected cost among those with capacity, chosen at the first launch and said in
+a ``region`` event), in the spec's order of instance types, cheapest AZ first (at the
 current market price). A pool without simulated capacity, or above ``max_price``, is
 skipped with a ``capacity_error`` event; when no pool can launch the group retries
-every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
+every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline), and
+after ``MOVE_AFTER_FAILED_ROUNDS`` such rounds in a row moves to the job's next region
+(a multi-node job only while it cannot train: its nodes left behind get a notice,
+``region-move``, and the new region's launches wait until they are gone).
 
 Multi-node jobs: the group keeps ``max_nodes`` instances, each with its own metadata
 service (its own notices), launched and replaced one by one exactly as the one instance
