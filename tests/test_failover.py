@@ -8,6 +8,8 @@ tests/local_cloud_agent.py, or the real agent and kernel); every wait is on an e
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -141,6 +143,34 @@ def test_a_type_offered_outside_home_only_runs_where_it_is_offered(cloud: Cloud)
     cloud.provider.launch(spec)
     first = launched(spec)[0]
     assert (first.data["instance_type"], first.data["region"]) == ("p3.2xlarge", OTHER)
+    cloud.provider.terminate(spec.job_id)
+
+
+def test_a_restarted_supervisor_stays_in_the_region_and_bills_each_save_once(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_CHECKPOINT_AT", "3")  # each attempt saves at its step 3
+    config(cloud, no_capacity=[HOME])
+    spec = regional_spec(cloud, "job-adopt")
+    cloud.provider.launch(spec)
+    assert launched(spec)[0].data["region"] == OTHER
+    (save,) = wait_until(lambda: group_events(spec, "transfer"), 30, "the save billed")
+    assert (save.data["kind"], save.data["source"], save.data["destination"]) == (
+        "save", OTHER, HOME)
+    group = cloud.provider.group(spec.job_id)
+    assert group is not None
+    os.kill(group["supervisor"]["pid"], signal.SIGKILL)  # the supervisor dies hard
+    wait_until(lambda: not (cloud.provider.group(spec.job_id) or {}).get("alive"), 10,
+               "the supervisor to die")
+    config(cloud)  # home's capacity is back meanwhile
+    assert cloud.provider.ensure_supervised(spec.job_id) is not None
+    cloud.provider.interrupt(spec.job_id)
+    # The new supervisor goes on where its predecessor launched, not back home, and
+    # reads the whole log again without billing a save twice.
+    assert launched(spec, 2)[1].data["region"] == OTHER
+    keys = wait_until(lambda: [e.data["key"] for e in group_events(spec, "transfer")]
+                      if len(group_events(spec, "transfer")) >= 2 else None,
+                      30, "the second attempt's save billed")
+    assert len(keys) == len(set(keys)) == 2
     cloud.provider.terminate(spec.job_id)
 
 
