@@ -268,7 +268,8 @@ def test_the_fold_tells_one_story_and_ignores_types_it_does_not_know(
     state = fold(events)
     assert [a.reason for a in state.attempts.values()] == [EndReason.INTERRUPTED,
                                                            EndReason.COMPLETED]
-    assert state.status is JobStatus.BOOTING and state.result is not None
+    # The result makes the status final: no later status changes it.
+    assert state.status is JobStatus.COMPLETED and state.final and state.result is not None
     assert state.interruptions() == 1
     spot, ondemand = state.cost(t0 + 40)
     assert spot == pytest.approx(0.36 * (20 + 28) / 3600)

@@ -652,7 +652,6 @@ def _view(events: list[Event], now: float, **account: Any) -> JobView:
         view.apply(event)
     view.cost_usd = account.get("cost", 0.01)
     view.ondemand_cost_usd = account.get("ondemand", 0.03)
-    view.interruptions = account.get("interruptions", 1)
     view.elapsed = now - T0
     view.now = now
     return view
@@ -728,6 +727,8 @@ def test_during_a_relaunch_the_header_names_the_attempt_being_launched() -> None
 
 
 def test_a_launch_read_after_the_boot_it_led_to_names_no_next_attempt() -> None:
+    from spotnb.client import progress
+
     # A follower gets the attempts' events live and the group's from the log, later:
     # the replacement's "launching" (T0 + 62) comes after attempt 2's boot (T0 + 70).
     # The header once said "attempt 2 ended; attempt 3: launching g5.xlarge", of a job
@@ -742,7 +743,7 @@ def test_a_launch_read_after_the_boot_it_led_to_names_no_next_attempt() -> None:
     attempt = display.header(view).attempt
     assert attempt.startswith("attempt 2"), attempt
     assert "attempt 3" not in attempt and "launching" not in attempt, attempt
-    assert view.progress.summary(T0 + 120)["launching"] is None
+    assert progress.launching(view.folded) is None
     assert not any("attempt 3" in line for line in display.status_lines(view))
     # In time order, the same events tell the same story.
     in_order = _view(sorted(events, key=lambda e: e.time), now=T0 + 120)

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from spotnb.protocol.events import FINAL_STATES, Event
+from spotnb.protocol.events import Event
 from spotnb.protocol.events.fold import JobState
 
 if TYPE_CHECKING:
     from spotnb.client.jobs import JobHandle, JobResult
+    from spotnb.protocol.events import EventReader
     from spotnb.protocol.events.live import Follower
     from spotnb.records.library import Record
     from spotnb.widgets.series import DashboardData
@@ -167,10 +168,14 @@ class JobRun(Run):
         super().__init__(key, label, handle.job_id, handle.spec.name)
         self.handle = handle
         nodes = handle.spec.resources.max_nodes
+        # One fold of every event, rows included: the job's facts, which the curves'
+        # series read too (their markers).
+        self.state = JobState(nodes)
         self.data: DashboardData = DashboardData(max_buckets=max_buckets or DEFAULT_BUCKETS,
-                                                 log_lines=1, max_nodes=nodes)
-        self.state = JobState(nodes)  # every event, rows included: the job's facts
+                                                 log_lines=1, max_nodes=nodes,
+                                                 state=self.state)
         self._follower: Follower | None = None
+        self._reader: EventReader | None = None  # the log, read on from where it was
         self._result: dict[str, Any] | None = None
         self._ended = False
         self._facts: tuple[int, Facts] | None = None
@@ -214,10 +219,25 @@ class JobRun(Run):
         self.state.apply_all(batch)
         self.version += 1
 
+    def read_log(self) -> bool:
+        """Read what the log has that this run has not taken yet (an ended job's
+        capacity group reports its instances' ends after its result); whether there
+        was anything. The log is read on from where the run's reads left it."""
+        reader = self._reader
+        if reader is None:
+            from spotnb.protocol.events import EventReader
+
+            reader = self._reader = EventReader(self.handle.store, batches=True)
+        batch = reader.poll()
+        with self.lock:
+            self.add(batch)
+        return bool(batch)
+
     def _finish(self, read_result: bool) -> None:
         self._ended = True
         follower, self._follower = self._follower, None
         if follower is not None:
+            self._reader = follower.reader  # where it left the log: read on from there
             follower.close()
         if read_result:
             self._result = self.handle.result_record()
@@ -250,7 +270,7 @@ class JobRun(Run):
     @property
     def marks(self) -> list[Mark]:
         with self.lock:
-            final = self._result is not None or self.state.status.final
+            final = self._result is not None or self.state.final
             return [Mark(b.attempt, b.reason.value, b.step, b.time, b.redone)
                     for b in self.state.breaks(final=final)]
 
@@ -273,13 +293,11 @@ class JobRun(Run):
         # Metrics only the fold saw (no step: not plotted) still have a final value.
         final = {**{k: float(v) for k, v in result.metrics.items()
                     if isinstance(v, (int, float)) and k not in final}, **final}
-        final_state = self._result is not None or result.status in FINAL_STATES
         facts = Facts(
             status=result.status, params=dict(self.state.params), final=final, best=best,
             duration_s=result.duration, cost_usd=result.cost_usd,
             ondemand_cost_usd=result.ondemand_cost_usd, savings_pct=result.savings_pct,
-            interruptions=result.interruptions,
-            redone_steps=sum(b.redone or 0 for b in self.state.breaks(final=final_state)))
+            interruptions=result.interruptions, redone_steps=self.state.redone_steps())
         self._facts = (self.version, facts)
         return facts
 

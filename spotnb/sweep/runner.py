@@ -565,17 +565,12 @@ class Sweep:
         return changed
 
     def _instance_gone(self, run: TrialRun) -> bool:
-        """Whether the trial's job has no instance left (read from its log now), or
-        its group had the grace to report one gone."""
-        from spotnb.protocol.events import EventReader
-        from spotnb.protocol.events.fold import fold
-
+        """Whether the trial's job has no instance left (its log read on from where
+        the run left it, into the run's one fold), or its group had the grace to
+        report one gone."""
         ended_at = self._ended_seen.setdefault(run.trial.number, time.monotonic())
-        state = fold(EventReader(run.handle.store, batches=True).poll(),
-                     run.handle.spec.resources.max_nodes)
-        if not state.running_instances():
-            run.state = state  # the facts include the group's last events
-            run.version += 1
+        run.read_log()
+        if not run.state.running_instances():
             return True
         return time.monotonic() - ended_at > INSTANCE_END_GRACE_SECONDS
 

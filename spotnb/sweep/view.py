@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from spotnb.protocol.events.fold import savings_pct
+
 __all__ = ["Sweep", "SweepView", "summary_text"]
 
 
@@ -84,8 +86,9 @@ def summary_text(made: Sweep, markdown: bool = False) -> str:
     else:
         lines.append(f"no trial completed with a value of {made.metric}")
     money = f"cost ${spent:.4f}"
-    if ondemand > 0:
-        money += f" ({100 * (1 - spent / ondemand):.0f}% under on-demand ${ondemand:.4f})"
+    saving = savings_pct(spent, ondemand)
+    if saving is not None:
+        money += f" ({saving:.0f}% under on-demand ${ondemand:.4f})"
     if made.budget_usd is not None:
         money += f" of a ${made.budget_usd:g} budget"
     created = float(made.definition.get("created") or time.time())
