@@ -201,13 +201,14 @@ def child(rows: int, mode: str, renderer_name: str, count: bool) -> dict[str, An
     readers[0] = 0
     new_api = "on_events" in inspect.signature(display.follow).parameters
     # The old tree has no Curves: its record reads the log again.
-    curves: Any = getattr(records.summary, "Curves", type(None))()
+    make_curves: Any = getattr(records.summary, "Curves", None)
+    curves = make_curves() if make_curves is not None else None
     if writer is not None:
         writer.start()
     cpu = time.thread_time()
     wall = time.monotonic()
     if new_api:
-        outcome = display.follow(handle, renderer, on_events=curves.add)
+        outcome = display.follow(handle, renderer, on_events=curves.add)  # type: ignore[union-attr]
     else:
         outcome = display.follow(handle, renderer)
     assert isinstance(outcome, display.Finished), outcome

@@ -235,7 +235,7 @@ def _apply(batch: list[Event], view: JobView, renderer: Renderer) -> bool:
     for event in batch:
         view.apply(event)
         body = codec.peek(event)
-        if isinstance(body, codec.Stream) and event.data.get("replayed_by") and \
+        if isinstance(body, codec.Stream) and body.replayed_by is not None and \
                 event.attempt not in view.recovered:
             # Output the attempt's instance did not live to log, which its checkpoint
             # carried and a later attempt recorded: said once, before those lines.

@@ -120,10 +120,12 @@ class ProgressTotal:
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
-    """``stream``: stdout/stderr text."""
+    """``stream``: stdout/stderr text (``replayed_by``: the attempt that recorded it
+    from the checkpoint that carried it, its own attempt's instance lost first)."""
 
     name: str
     text: str
+    replayed_by: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,7 +428,9 @@ _DECODERS: dict[str, Any] = {
     "metrics": lambda e, d: Metrics(),
     "progress": lambda e, d: ProgressTotal(total=_int(d.get("total")) or None,
                                            source=_str(d.get("source"))),
-    "stream": lambda e, d: Stream(name=_str(d.get("name"), "stdout"), text=_str(d.get("text"))),
+    "stream": lambda e, d: Stream(
+        name=_str(d.get("name"), "stdout"), text=_str(d.get("text")),
+        replayed_by=None if d.get("replayed_by") is None else _int(d.get("replayed_by"))),
     "display": lambda e, d: Display(kind=_str(d.get("kind"), "display_data"),
                                     data=_dict(d.get("data")), metadata=_dict(d.get("metadata")),
                                     display_id=d.get("display_id"),
