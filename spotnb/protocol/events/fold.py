@@ -415,6 +415,10 @@ class JobState(Money):
         where it had been (:class:`Break`)."""
         if seg is not None:
             return seg.furthest_time, None if after is None else after.passed
+        if self.max_nodes > 1:
+            # A node that never logged (only global rank 0 does): what losing it cost
+            # is where the training went back (the segment after, its own window).
+            return None, None
         segments = self.steps.segments
         if any(s.first_time <= a.last_time and s.last_time >= a.start for s in segments):
             return None, None  # others logged meanwhile (a peer node): no time of its own

@@ -164,8 +164,10 @@ class Break:
     (its last event), the last step it logged (None: none), the step the training went
     on from (``resumed_at``: the next segment's first, whichever attempt logged it), the
     steps redone (None while either is unknown), and the time it took: from
-    ``lost_from`` (the last row at its furthest step, or its start if it logged none)
-    until the job logged a step beyond it (``recovered``; None: not yet)."""
+    ``lost_from`` (the last row at its furthest step, or, a single node's attempt that
+    logged none, its start) until the job logged a step beyond it (``recovered``; None:
+    not yet). A multi-node job's node that logged nothing has no time of its own: the
+    training going back where it was lost is the segment's (its window)."""
 
     attempt: int
     reason: EndReason
