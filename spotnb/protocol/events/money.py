@@ -40,7 +40,8 @@ class Money:
     last_time: float | None
 
     def current_attempt(self) -> AttemptState | None:
-        raise NotImplementedError
+        """The newest attempt that booted (:meth:`JobState.current_attempt`)."""
+        raise NotImplementedError("JobState says it")
 
     def requests_usd(self) -> float:
         """spotnb's own requests at list price (the newest total of each process)."""
@@ -108,6 +109,7 @@ class Money:
         return total
 
     def running_instances(self) -> list[InstanceState]:
+        """The job's instances that have not ended."""
         return [i for i in self.instances.values() if i.end is None]
 
     def spot_price(self, inst: InstanceState) -> float:
