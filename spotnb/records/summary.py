@@ -298,6 +298,9 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
                    for b in breaks],
         "redone_steps": state.redone_steps(),
         "cost_usd": result.cost_usd,
+        # What EC2 interrupted in its first hour ran: not charged (not in cost_usd).
+        "refunded_usd": round(state.refunded_usd(), 6),
+        "refunded_instances": len(state.refunded()),
         "ondemand_cost_usd": result.ondemand_cost_usd,
         "savings_pct": (round(result.savings_pct, 2) if result.savings_pct is not None
                         else None),

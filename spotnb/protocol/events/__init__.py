@@ -72,6 +72,10 @@ vocabulary every reader may rely on):
                 ``text`` (what happens and what to do)
 ``error``       ``ename``, ``evalue``, ``traceback`` (list of str), ``retrying``
 ``result``      ``status`` (completed, failed, stopped), ``reason``
+``pruned``      a sweep's pruner stopped the job early (the sweep's driver writes it
+                in the group's stream before the stop): ``step``, ``metric``,
+                ``value``, ``sweep`` (its id), ``trial`` (its number); the job's
+                status then reads ``pruned`` (:meth:`~spotnb.protocol.events.fold.JobState.outcome`)
 """
 
 from __future__ import annotations
@@ -120,7 +124,8 @@ class JobStatus(str, enum.Enum):
     """A job's state: the one vocabulary of ``status`` events, ``result.json``, the fold
     (:attr:`~spotnb.protocol.events.fold.JobState.status`) and every view, in the order
     a healthy job moves through them (``paused``: the agent cannot confirm its lease,
-    the store being out of reach; training waits). Every caller asks a member
+    the store being out of reach; training waits; ``pruned``: stopped by a sweep's
+    pruner, as its ``pruned`` event says; no agent writes it). Every caller asks a member
     (:attr:`is_terminal`), none keeps its own list of states."""
 
     SUBMITTED = "submitted"
@@ -135,6 +140,7 @@ class JobStatus(str, enum.Enum):
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"
+    PRUNED = "pruned"
 
     def __str__(self) -> str:
         return self.value
@@ -159,7 +165,8 @@ class JobStatus(str, enum.Enum):
             return default
 
 
-_TERMINAL = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED})
+_TERMINAL = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED,
+                       JobStatus.PRUNED})
 
 #: The states' values, in :class:`JobStatus`' order, and those of an ended job (derived
 #: from it: for readers that hold plain strings).

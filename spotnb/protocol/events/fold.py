@@ -99,6 +99,10 @@ class JobState(Money):
         self.standbys: dict[str, StandbyState] = {}
         #: The metric rows' steps: segments, redone steps, current step, total, pace.
         self.steps = Steps(scan=self.max_nodes > 1)
+        #: A sweep's pruner stopped the job (one of its trials) early: where, and why.
+        self.pruned: codec.Pruned | None = None
+        #: instance id -> the time of the newest event that came from it
+        self.heard: dict[str, float] = {}
         #: Events applied so far: a view that caches what it computes from the fold
         #: keys its cache on this.
         self.changes = 0
@@ -121,6 +125,8 @@ class JobState(Money):
             self.first_time = t
         if self.last_time is None or t_last > self.last_time:
             self.last_time = t_last
+        if e.instance is not None and t_last > self.heard.get(e.instance, 0.0):
+            self.heard[e.instance] = t_last
         if row or codec.is_batch(e):  # most of a log: no body built for a row
             if e.attempt != GROUP_STREAM:
                 a = self._attempt_of(e)
@@ -148,6 +154,7 @@ class JobState(Money):
                 self.status = JobStatus.parse(body.status, JobStatus.FAILED) or \
                     JobStatus.FAILED
                 self.detail = body.reason
+                self._pruned()
         elif isinstance(body, codec.ProgressTotal):
             if body.total:
                 self.steps.total, self.steps.total_source = body.total, body.source
@@ -175,6 +182,9 @@ class JobState(Money):
             self.params.update(body.params)
             if body.source:
                 self.param_sources[body.source] = None
+        elif isinstance(body, codec.Pruned):
+            self.pruned = body
+            self._pruned()
 
     def apply_all(self, events: Iterable[Event]) -> JobState:
         for e in events:
@@ -199,6 +209,13 @@ class JobState(Money):
         else:
             self._status_attempt = e.attempt
         self.status, self.detail = state, body.detail
+        self._pruned()
+
+    def _pruned(self) -> None:
+        """A job stopped after a sweep's pruner said so (its ``pruned`` event, read
+        before or after the stop) is ``pruned``, with the step and the metric's value."""
+        if self.status is JobStatus.STOPPED and self.pruned is not None:
+            self.status, self.detail = JobStatus.PRUNED, self.pruned.text
 
     def _group(self, e: Event, body: codec.Body) -> None:
         if isinstance(body, codec.Instance):
@@ -342,12 +359,17 @@ class JobState(Money):
         """The job's status and reason as every view says them: ``result.json``'s
         (``result``: the job's own word, written first) where there is one, else the
         log's (a result the log holds, else the newest status). A status this version
-        does not name is said as it is."""
+        does not name is said as it is. A job stopped after a sweep's pruner said so
+        (its ``pruned`` event) is ``pruned``, with the step and the metric's value."""
         if result is not None and result.get("status"):
-            return str(result["status"]), str(result.get("reason", ""))
-        if self.result is not None and self.result.status:
-            return self.result.status, self.result.reason
-        return self.status.value, self.detail
+            status, reason = str(result["status"]), str(result.get("reason", ""))
+        elif self.result is not None and self.result.status:
+            status, reason = self.result.status, self.result.reason
+        else:
+            return self.status.value, self.detail
+        if status == JobStatus.STOPPED.value and self.pruned is not None:
+            return JobStatus.PRUNED.value, self.pruned.text
+        return status, reason
 
     def current_attempt(self) -> AttemptState | None:
         """The newest attempt that booted (the job runs, or last ran, on it)."""

@@ -12,6 +12,7 @@ it changed, nothing if EC2 interrupted it in its first hour
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from spotnb.protocol import usage
@@ -38,6 +39,7 @@ class Money:
     standbys: dict[str, StandbyState]
     attempts: dict[int, AttemptState]
     last_time: float | None
+    heard: dict[str, float]
 
     def current_attempt(self) -> AttemptState | None:
         """The newest attempt that booted (:meth:`JobState.current_attempt`)."""
@@ -50,11 +52,32 @@ class Money:
     def cost(self, end: float) -> tuple[float, float]:
         """What the instances billed until ``end`` (those still running): at the spot
         price of their pool as it changed, and at the on-demand price."""
+        return self._cost_until(lambda inst: end)
+
+    def cost_heard(self) -> tuple[float, float]:
+        """:meth:`cost` with each running instance billed until the newest event heard
+        from it, not until now: a figure that only grows as a job's events come in
+        (``cost(now)`` bills a running instance to now, then gives back the time past
+        its end once that end, read later, says it was earlier). Equal to ``cost`` once
+        every instance has ended."""
+        return self._cost_until(
+            lambda inst: max(inst.start, self.heard.get(inst.instance_id, inst.start)))
+
+    def cost_heard_usd(self) -> tuple[float, float]:
+        """What the job has cost as its events tell it so far (:meth:`cost_heard`, and
+        spotnb's own requests), and the same instance time on-demand: a sweep's trials'
+        and a comparison's running jobs' money, which never decreases."""
+        cost, ondemand = self.cost_heard()
+        return cost + self.requests_usd(), ondemand
+
+    def _cost_until(self, running_until: Callable[[InstanceState], float]
+                    ) -> tuple[float, float]:
+        """:meth:`cost`, a running instance billed until ``running_until(it)``."""
         cost = ondemand = 0.0
         for inst in self.instances.values():
-            start, stop = inst.start, inst.end or end
-            cost += self.billed(inst, start, stop)
-            ondemand += (inst.ondemand or 0.0) * max(0.0, stop - start) / 3600.0
+            stop = inst.end if inst.end is not None else running_until(inst)
+            cost += self.billed(inst, inst.start, stop)
+            ondemand += (inst.ondemand or 0.0) * max(0.0, stop - inst.start) / 3600.0
         return cost, ondemand
 
     def billed(self, inst: InstanceState, start: float, stop: float) -> float:
@@ -67,6 +90,13 @@ class Money:
     def refunded(self) -> list[InstanceState]:
         """Instances EC2 interrupted in their first hour, which AWS does not charge."""
         return [i for i in self.instances.values() if i.free]
+
+    def refunded_usd(self) -> float:
+        """What the :meth:`refunded` instances ran, at their pools' spot prices: billed
+        while they ran (:meth:`cost` counted it then), refunded once EC2 took them back.
+        ``cost`` plus this never decreases as the job goes on."""
+        return sum(integrate(self.prices.get(i.pool, []), i.start, i.end or i.start,
+                             i.price or 0.0) for i in self.refunded())
 
     def cost_between(self, start: float, stop: float) -> float:
         """What the instances billed between ``start`` and ``stop``, at the spot price
