@@ -232,6 +232,27 @@ def test_late_rows_of_an_ended_attempt_go_where_they_belong() -> None:
     assert (interrupted.step, interrupted.redone) == (59, 5)
 
 
+def test_an_attempt_retried_in_place_after_an_error_is_marked_so() -> None:
+    """The resume marker of an attempt that followed a user-code error retried in place
+    says so (the fold's word: the attempt before ended with the error retried), and
+    one after an interruption says where it runs."""
+    data = series.DashboardData()
+    data.add([Event("status", T0, 1, "i-1", {"state": "booting"}),
+              *metrics(0, 10),
+              Event("error", T0 + 20, 1, "i-1",
+                    {"ename": "ValueError", "evalue": "x", "retrying": True}),
+              Event("status", T0 + 21, 2, "i-1",
+                    {"state": "booting", "instance_type": "g5.xlarge"}),
+              Event("notice", T0 + 40, 2, "i-1", {"kind": "instance-action"}),
+              Event("status", T0 + 60, 3, "i-2",
+                    {"state": "booting", "instance_type": "g5.xlarge"})])
+    resumed = {m.attempt: m.detail for m in data.markers if m.kind == "resumed"}
+    assert resumed == {2: "retried in place on g5.xlarge (i-1)",
+                       3: "on g5.xlarge (i-2)"}
+    (retry,) = [m for m in data.markers if m.kind == "retry"]
+    assert retry.detail == "ValueError, retried in place"
+
+
 def test_smoothing_is_a_debiased_moving_average_that_keeps_gaps() -> None:
     flat = plots.ema(np.full(20, 3.0), 0.9)
     assert np.allclose(flat, 3.0)  # no start-up bias

@@ -35,7 +35,7 @@ import numpy as np
 
 from spotnb.protocol import layout
 from spotnb.protocol.events import GROUP_STREAM, Event, codec, expand, metric_columns, metric_names
-from spotnb.protocol.events.fold import EndReason, JobState, PoolState
+from spotnb.protocol.events.fold import EndReason, JobState, PoolState, replaced_attempt
 from spotnb.train.tb import TB_SYNC_NAME
 
 __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
@@ -785,12 +785,16 @@ def _markers(state: JobState) -> list[Marker]:
             detail = "the instance went away without a notice"
         out.append(Marker(kind, when, b.attempt, step=b.step, redone=b.redone,
                           detail=detail))
+    booted = [n for n, a in state.attempts.items() if a.boot_time is not None]
     for a in state.attempts.values():
         if a.boot_time is None or a.number <= (state.max_nodes if state.max_nodes > 1 else 1):
             continue
         where = " ".join(str(p) for p in (a.instance_type, a.az) if p)
         where += f" ({a.instance_id})" if a.instance_id else ""
-        how = a.boot_detail if a.boot_detail.startswith("retrying") else f"on {where.strip()}"
+        how = f"on {where.strip()}"
+        before = replaced_attempt(a.number, booted, state.max_nodes)
+        if before is not None and state.attempts[before].reason is EndReason.ERROR_RETRIED:
+            how = f"retried in place {how}"  # after the error its marker names
         if state.max_nodes > 1:
             how = f"node {layout.node_slot(a.number, state.max_nodes)} replaced, {how}"
         out.append(Marker("resumed", a.boot_time, a.number, step=a.first_step, detail=how))

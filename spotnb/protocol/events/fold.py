@@ -321,7 +321,6 @@ class JobState(Money):
                 a.instance_id = e.instance
                 a.instance_type = body.instance_type
                 a.az = body.az
-                a.boot_detail = body.detail
                 self.launching = None
         elif isinstance(body, codec.Notice) and body.interruption:
             # A move is not an interruption: the job left an at-risk instance.

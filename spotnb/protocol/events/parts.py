@@ -145,8 +145,6 @@ class AttemptState:
     # The first step it logged, and its newest (None before any metric).
     first_step: int | None = None
     last_step: int | None = None
-    #: Its boot's detail (``retrying after ...``: a retry in place after an error).
-    boot_detail: str = ""
 
     @property
     def start(self) -> float:
