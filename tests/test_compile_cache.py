@@ -238,7 +238,7 @@ def test_a_notice_before_any_checkpoint_says_the_next_attempt_starts_over() -> N
                                "replacement instance (no checkpoint was saved)")
     # What the interruption cost counts the first attempt's whole run (its compile
     # was lost), up to the second attempt's first step.
-    assert view.progress.lost_seconds(t0 + 800) == pytest.approx(700.0 - 0.0)
+    assert view.folded.lost_seconds(t0 + 800) == pytest.approx(700.0 - 0.0)
 
 
 # -- a warm standby: its compile after the takeover loads the first attempt's ------------

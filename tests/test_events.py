@@ -268,12 +268,47 @@ def test_the_fold_tells_one_story_and_ignores_types_it_does_not_know(
     state = fold(events)
     assert [a.reason for a in state.attempts.values()] == [EndReason.INTERRUPTED,
                                                            EndReason.COMPLETED]
-    assert state.status is JobStatus.BOOTING and state.result is not None
+    # The result makes the status final: no later status changes it.
+    assert state.status is JobStatus.COMPLETED and state.final and state.result is not None
     assert state.interruptions() == 1
     spot, ondemand = state.cost(t0 + 40)
     assert spot == pytest.approx(0.36 * (20 + 28) / 3600)
     assert ondemand == pytest.approx(1.0 * (20 + 28) / 3600)
     assert fold(e for e in events if e.type != "hologram").cost(t0 + 40) == (spot, ondemand)
+
+
+@pytest.mark.parametrize("pruned_read_last", [False, True])
+def test_a_job_stopped_after_its_pruned_event_is_pruned_whichever_is_read_first(
+        pruned_read_last: bool) -> None:
+    """A sweep writes ``pruned`` into the group's stream, then stops the job: a reader
+    may get the group's stream after the attempt's. Either way the fold's status, its
+    outcome with or without result.json, and the summary say pruned, with the step and
+    the metric's value; one stopped without a pruned event stays stopped."""
+    from spotnb.client.jobs import summarize_state
+    from spotnb.protocol.events.fold import JobStatus, fold
+    from spotnb.protocol.spec import JobSpec, Policy, Resources
+
+    t0 = 1_800_000_000.0
+    pruned = Event("pruned", t0 + 10, 0, None,
+                   {"step": 140, "metric": "val_loss", "value": 0.44521, "sweep": "s-1",
+                    "trial": 3})
+    attempt = [Event("status", t0 + 1, 1, "i-1", {"state": "booting"}),
+               Event("result", t0 + 20, 1, "i-1", {"status": "stopped",
+                                                  "reason": "stopped by the sweep"})]
+    events = [*attempt, pruned] if pruned_read_last else [pruned, *attempt]
+    state = fold(events)
+    assert state.status is JobStatus.PRUNED and state.final
+    assert state.detail == "pruned at step 140 (val_loss 0.4452)"
+    assert state.outcome() == ("pruned", "pruned at step 140 (val_loss 0.4452)")
+    result_json = {"status": "stopped", "reason": "stopped by the sweep"}
+    assert state.outcome(result_json)[0] == "pruned"
+    spec = JobSpec(job_id="j-t3", name="t3", code="x", provider="local",
+                   resources=Resources(instance_types=("g4dn.xlarge",)), policy=Policy(),
+                   store_uri="file:///nowhere", created=t0)
+    assert summarize_state(spec, state, result_json).status == "pruned"
+    alone = fold(attempt)
+    assert alone.status is JobStatus.STOPPED
+    assert alone.outcome(result_json) == ("stopped", "stopped by the sweep")
 
 
 @pytest.mark.parametrize(("reason", "minutes", "scale", "billed"), [

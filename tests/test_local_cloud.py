@@ -372,6 +372,9 @@ def test_stop_request_lets_the_agent_stop_itself(cloud: Cloud) -> None:
 @pytest.mark.parametrize("limit", ["budget", "deadline"])
 def test_budget_and_deadline_stop_an_agent_that_ignores_stop(
         cloud: Cloud, monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
+    """The budget stops the job at the cost the header shows: the fold's, of the log as
+    it stood at the check (before, the local cloud summed its own market's price over
+    each instance's time, and AWS and every view the fold's)."""
     monkeypatch.setenv("STANDIN_MODE", "ignore-stop")
     monkeypatch.setenv("SPOTNB_LOCAL_STOP_GRACE", "0.5")
     # g4dn.xlarge costs about $0.18/h, $0.00005/s: the budget lasts well under a second.
@@ -381,6 +384,12 @@ def test_budget_and_deadline_stop_an_agent_that_ignores_stop(
     wait_until(lambda: group_gone(cloud, spec), 10, "the group to exit")
     stop = json.loads(store_of(spec).get(STOP))
     assert stop["reason"] == limit and stop["detail"]
+    if limit == "budget":
+        logged = [e for e in EventReader(store_of(spec), batches=True).poll()
+                  if e.time <= stop["time"]]
+        shown = fold(logged).cost_usd(stop["time"])
+        assert stop["cost_usd"] == pytest.approx(shown, rel=1e-9, abs=1e-12)
+        assert stop["cost_usd"] > 0.00003 and f"${shown:.4f}" in stop["detail"]
     result = result_of(spec)
     assert result is not None and (result["status"], result["reason"]) == ("stopped", limit)
     assert group_events(spec, "result", status="stopped", reason=limit)

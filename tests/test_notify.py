@@ -175,12 +175,13 @@ def test_start_resume_and_end_say_what_the_job_costs_from_its_fold(hook: Hook) -
     assert start.startswith(":arrow_forward: spotnb job *run a* (`job-1`) started on "
                             "g4dn.xlarge use1-az4 i-1: spot $0.2000/h, 60% under "
                             "on-demand ($0.5000/h)"), start
-    # From attempt 1's last word (its notice, at 100 s) to attempt 2's first step (at
-    # 230 s): 130 s, in which i-1 billed 20 s (to its end at 120 s) and i-2 80 s (from
-    # its launch at 150 s), 100 s at $0.20/h; steps 31-40 run again.
+    # The break's window as the fold (and the header) says it, until this first step:
+    # from attempt 1's last row at its furthest step (step 40, at 90 s) to attempt 2's
+    # first step (at 230 s): 140 s, in which i-1 billed 30 s (to its end at 120 s) and
+    # i-2 80 s (from its launch at 150 s), 110 s at $0.20/h; steps 31-40 run again.
     assert "resumed on attempt 2, g4dn.xlarge use1-az6 i-2, from step 31: the " \
-           "interruption cost 0:02:10 of training and $0.0056, 10 steps redone" in resume, \
-        resume
+           "interruption has cost 0:02:20 of training and $0.0061 so far, 10 steps " \
+           "redone" in resume, resume
     assert "job running" in resume
     # At 300 s: i-1 billed 0-120 s, i-2 150-300 s, 270 s at $0.20/h spot, $0.50/h
     # on-demand.
@@ -287,7 +288,7 @@ def test_the_instance_notifies_an_interruption_and_the_end(spotnb_home: Path,
     assert "attempt 1 interrupted by a spot interruption notice" in interrupted["text"]
     assert "*notified*" in interrupted["text"] and "CPU" in interrupted["text"]
     assert "resumed on attempt 2" in resumed["text"], resumed
-    assert "the interruption cost" in resumed["text"] and "redone" in resumed["text"]
+    assert "the interruption has cost" in resumed["text"] and "redone" in resumed["text"]
     assert ended["text"].startswith(":white_check_mark: spotnb job *notified*")
     assert "1 interruption" in ended["text"] and "job running" in ended["text"]
     # The total comes from the loop's range, found by spot.log on the instance.

@@ -1,8 +1,9 @@
 """Re-attaching replays a job's history a batch at a time, with the figures that taking
 its rows one by one gives.
 
-A day of metrics is a million rows; the view (:class:`~spotnb.client.display.JobView`), the
-progress (:class:`~spotnb.client.progress.Progress`) and the dashboard's series
+A day of metrics is a million rows; the fold (:class:`~spotnb.protocol.events.fold.JobState`,
+its steps: :mod:`spotnb.protocol.events.steps`), the view
+(:class:`~spotnb.client.display.JobView`) and the dashboard's series
 (:class:`~spotnb.widgets.series.DashboardData`) take a ``metrics`` batch in bulk. These
 tests feed the same random runs (several attempts, redone steps, metrics only some rows
 have, NaNs and ties, late rows of an ended attempt, times out of order, batches split
@@ -22,8 +23,9 @@ import pytest
 
 from spotnb.client import display
 from spotnb.client.display import JobView
-from spotnb.client.progress import Progress
 from spotnb.protocol.events import Event, expand, merge_metrics, metrics_data
+from spotnb.protocol.events.fold import JobState, fold
+from spotnb.protocol.events.steps import Steps
 
 np = pytest.importorskip("numpy")
 series = pytest.importorskip("spotnb.widgets.series")
@@ -144,10 +146,7 @@ def test_the_random_runs_have_what_the_tests_are_about() -> None:
     times out of order, and batches of many rows: a test that cannot fail is no test."""
     kinds: set[str] = set()
     for _seed, rows, batched in runs():
-        p = Progress()
-        for e in rows:
-            p.apply(e)
-        if p.redone_steps():
+        if fold(rows).redone_steps():
             kinds.add("redone")
         metric_rows = [e for e in rows if e.type == "metric"]
         if any(a.attempt > b.attempt for a, b in itertools.pairwise(metric_rows)):
@@ -218,7 +217,6 @@ def _dashboard(data: Any) -> dict[str, Any]:
         "series": {name: (_points(s), s.gaps, s.starts, s.attempt, s.last_step)
                    for name, s in data.metrics.items()},
         "markers": [dataclasses.asdict(m) for m in data.markers],
-        "steps": (data.redo.first, data.redo.last, data._attempt),
         "times": (data.first_time, data.last_time),
         "version": data.version,
         "sys": data.util.full.x.tobytes(),
@@ -235,15 +233,20 @@ def test_dashboard_data_takes_batches_as_their_rows(seed: int, rows: list[Event]
     assert _dashboard(by_batches) == _dashboard(by_rows)
 
 
-def _progress(p: Progress, now: float) -> dict[str, Any]:
-    return {"figures": p.summary(now), "step": p.step, "furthest": p.furthest,
-            "attempt": p.attempt, "window": list(p._window), "last": p._last,
-            "first": p.redo.first,
-            "interruptions": [dataclasses.asdict(i) for i in p.interruptions]}
+def _steps(steps: Steps) -> dict[str, Any]:
+    return {"summary": steps.summary(), "rate": steps.rate(), "window": list(steps._window),
+            "segments": [(s.attempt, s.first_step, s.first_time, s.last_step, s.last_time,
+                          s.furthest, s.furthest_time, s.passed) for s in steps.segments]}
+
+
+def _fold(state: JobState, now: float) -> dict[str, Any]:
+    return {"steps": _steps(state.steps), "breaks": state.breaks(),
+            "lost": (state.lost_windows(now), state.lost_usd(now)),
+            "attempts": repr([dataclasses.asdict(a) for a in state.attempts.values()])}
 
 
 @pytest.mark.parametrize(("seed", "rows", "batched"), runs(), ids=[f"seed{s}" for s in SEEDS])
-def test_progress_and_view_take_batches_as_their_rows(seed: int, rows: list[Event],
+def test_fold_and_view_take_batches_as_their_rows(seed: int, rows: list[Event],
                                                       batched: list[Event]) -> None:
     views = []
     for events in (rows, batched):
@@ -253,7 +256,7 @@ def test_progress_and_view_take_batches_as_their_rows(seed: int, rows: list[Even
         views.append(view)
     by_rows, by_batches = views
     now = rows[-1].time + 10
-    assert _progress(by_batches.progress, now) == _progress(by_rows.progress, now)
+    assert _fold(by_batches.folded, now) == _fold(by_rows.folded, now)
     assert by_batches.step == by_rows.step
     assert repr(list(by_batches.metrics.items())) == repr(list(by_rows.metrics.items()))
     for view in views:
@@ -261,28 +264,31 @@ def test_progress_and_view_take_batches_as_their_rows(seed: int, rows: list[Even
     assert display.status_lines(by_batches) == display.status_lines(by_rows)
 
 
-def test_progress_takes_rows_in_bulk_at_any_split() -> None:
-    """``Progress._metrics`` for a run of rows leaves the state ``_metric`` for each
-    leaves, wherever the run is split: the rate window, the last step, the redone
-    steps of the attempt before, when the job caught up."""
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_steps_take_rows_in_bulk_at_any_split(scan: bool) -> None:
+    """A batch of rows leaves the fold's steps as its rows one by one do, wherever the
+    run is split: the segments (and, a multi-node job's, where steps go back within an
+    attempt), the pace's window, the redone steps, when the job caught up."""
     rng = random.Random(7)
     for _ in range(200):
-        p_rows, p_bulk = Progress(), Progress()
+        s_rows, s_bulk = Steps(scan), Steps(scan)
         for attempt in (1, 2, 3):
-            steps = [float(rng.randint(0, 50) + i) for i in range(rng.randint(0, 60))]
+            steps = [rng.randint(0, 50) + i for i in range(rng.randint(0, 60))]
             times = [T0 + rng.uniform(0, 300) for _ in steps]
             if rng.random() < 0.7:  # as logged; else out of order (clocks, hand-made logs)
                 times.sort()
-            for p in (p_rows, p_bulk):
-                p.apply(Event("status", T0, attempt, "i", {"state": "booting"}))
-            for s, t in zip(steps, times, strict=True):
-                p_rows._metric(attempt, s, t)
+            rows = [Event("metric", t, attempt, "i", {"step": st, "t": t, "values": {}})
+                    for st, t in zip(steps, times, strict=True)]
+            for row in rows:
+                s_rows.add(row)
             i = 0
-            while i < len(steps):
+            while i < len(rows):
                 k = rng.randint(1, 30)
-                p_bulk._metrics(attempt, steps[i:i + k], times[i:i + k])
+                part = rows[i:i + k]
+                s_bulk.add(Event("metrics", part[-1].time, attempt, "i", metrics_data(
+                    (r.data["step"], r.data["t"], {}) for r in part)))
                 i += k
-        assert _progress(p_bulk, T0 + 400) == _progress(p_rows, T0 + 400)
+        assert _steps(s_bulk) == _steps(s_rows)
 
 
 def _batch(attempt: int, n: int, rows: list[tuple[int, dict[str, float]]]) -> Event:
@@ -312,10 +318,10 @@ def test_a_batch_whose_columns_are_not_in_row_order_adds_metrics_in_row_order() 
     assert list(data_batch.metrics) == list(data_rows.metrics) == ["acc", "loss"]
 
 
-def test_redone_steps_count_what_the_first_row_moved() -> None:
-    """The replacement's first row tells how many steps were redone: the points it
-    moved off the curve (steps logged twice count twice), not those a later row of
-    the same batch moves from another metric."""
+def test_redone_steps_are_the_folds_from_the_first_row() -> None:
+    """The replacement's first row tells how many steps were redone (the fold's rule:
+    its step against the furthest before), whatever the points it moved off each
+    metric's curve, as rows and as batches."""
     first = _batch(1, 1, [(0, {"loss": 1.0, "acc": 1.0}), (1, {"acc": 1.0}),
                           (1, {"acc": 1.0}), (1, {"acc": 1.0}), (1, {"loss": 1.0})])
     notice = Event("notice", T0 + 20, 1, "i-1", {"kind": "instance-action",
@@ -337,10 +343,12 @@ def test_a_records_curves_are_those_of_the_rows(seed: int, rows: list[Event],
                                                 batched: list[Event]) -> None:
     """A record's curves (each metric against step as it finally stands, NaN as None)
     from batches are those from the rows."""
-    from spotnb.records.summary import _curves
+    from spotnb.records.summary import Curves
 
-    by_rows, by_batches = _curves(rows), _curves(batched)
-    assert repr(by_batches) == repr(by_rows)
+    by_rows, by_batches = Curves(), Curves()
+    by_rows.add(rows)
+    by_batches.add(batched)
+    assert repr(by_batches.thinned()) == repr(by_rows.thinned())
 
 
 def test_a_damaged_batch_reads_as_its_rows() -> None:
@@ -360,7 +368,11 @@ def test_a_damaged_batch_reads_as_its_rows() -> None:
     assert views[1].step == views[0].step == 1
     assert views[1].metrics == views[0].metrics == {"loss": 0.5}
     assert _dashboard(boards[1]) == _dashboard(boards[0])
-    from spotnb.records.summary import _curves
+    from spotnb.records.summary import Curves
 
-    assert _curves([batch]) == _curves(rows) == ({"loss": {"step": [0, 1],
-                                                          "value": [1.0, 0.5]}}, [])
+    curves = []
+    for events in ([batch], rows):
+        curves.append(Curves())
+        curves[-1].add(events)
+    assert curves[0].thinned() == curves[1].thinned() == (
+        {"loss": {"step": [0, 1], "value": [1.0, 0.5]}}, [])

@@ -401,7 +401,8 @@ def test_an_abandoned_sweep_is_listed_as_such_starts_nothing_and_is_stopped_for_
     said = capsys.readouterr().out
     assert f"sweep {sweep_id} ('orphan') stopped for good" in said, said
     job = attach(made.trials[0].job_id)
-    assert job.summary().status == "stopped"
+    summary = job.summary()
+    assert summary.status == "stopped", summary
     assert wait_until(lambda: not fold(EventReader(job.store, batches=True).poll())
                       .running_instances(), 60, "the trial's instance to end")
     again = attach_sweep(sweep_id, resume=True)

@@ -232,6 +232,27 @@ def test_late_rows_of_an_ended_attempt_go_where_they_belong() -> None:
     assert (interrupted.step, interrupted.redone) == (59, 5)
 
 
+def test_an_attempt_retried_in_place_after_an_error_is_marked_so() -> None:
+    """The resume marker of an attempt that followed a user-code error retried in place
+    says so (the fold's word: the attempt before ended with the error retried), and
+    one after an interruption says where it runs."""
+    data = series.DashboardData()
+    data.add([Event("status", T0, 1, "i-1", {"state": "booting"}),
+              *metrics(0, 10),
+              Event("error", T0 + 20, 1, "i-1",
+                    {"ename": "ValueError", "evalue": "x", "retrying": True}),
+              Event("status", T0 + 21, 2, "i-1",
+                    {"state": "booting", "instance_type": "g5.xlarge"}),
+              Event("notice", T0 + 40, 2, "i-1", {"kind": "instance-action"}),
+              Event("status", T0 + 60, 3, "i-2",
+                    {"state": "booting", "instance_type": "g5.xlarge"})])
+    resumed = {m.attempt: m.detail for m in data.markers if m.kind == "resumed"}
+    assert resumed == {2: "retried in place on g5.xlarge (i-1)",
+                       3: "on g5.xlarge (i-2)"}
+    (retry,) = [m for m in data.markers if m.kind == "retry"]
+    assert retry.detail == "ValueError, retried in place"
+
+
 def test_smoothing_is_a_debiased_moving_average_that_keeps_gaps() -> None:
     flat = plots.ema(np.full(20, 3.0), 0.9)
     assert np.allclose(flat, 3.0)  # no start-up bias
@@ -652,7 +673,6 @@ def _view(events: list[Event], now: float, **account: Any) -> JobView:
         view.apply(event)
     view.cost_usd = account.get("cost", 0.01)
     view.ondemand_cost_usd = account.get("ondemand", 0.03)
-    view.interruptions = account.get("interruptions", 1)
     view.elapsed = now - T0
     view.now = now
     return view
@@ -728,6 +748,8 @@ def test_during_a_relaunch_the_header_names_the_attempt_being_launched() -> None
 
 
 def test_a_launch_read_after_the_boot_it_led_to_names_no_next_attempt() -> None:
+    from spotnb.client import progress
+
     # A follower gets the attempts' events live and the group's from the log, later:
     # the replacement's "launching" (T0 + 62) comes after attempt 2's boot (T0 + 70).
     # The header once said "attempt 2 ended; attempt 3: launching g5.xlarge", of a job
@@ -742,7 +764,7 @@ def test_a_launch_read_after_the_boot_it_led_to_names_no_next_attempt() -> None:
     attempt = display.header(view).attempt
     assert attempt.startswith("attempt 2"), attempt
     assert "attempt 3" not in attempt and "launching" not in attempt, attempt
-    assert view.progress.summary(T0 + 120)["launching"] is None
+    assert progress.launching(view.folded) is None
     assert not any("attempt 3" in line for line in display.status_lines(view))
     # In time order, the same events tell the same story.
     in_order = _view(sorted(events, key=lambda e: e.time), now=T0 + 120)

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from spotnb.protocol.events import FINAL_STATES, Event, EventReader
-from spotnb.protocol.events.fold import JobState
+from spotnb.protocol.events import Event, EventReader
+from spotnb.protocol.events.fold import JobState, savings_pct
 
 if TYPE_CHECKING:
     from spotnb.client.jobs import JobHandle, JobResult
+    from spotnb.protocol.events import EventReader
     from spotnb.protocol.events.live import Follower
     from spotnb.records.library import Record
     from spotnb.widgets.series import DashboardData
@@ -187,11 +188,14 @@ class JobRun(Run):
         super().__init__(key, label, handle.job_id, handle.spec.name)
         self.handle = handle
         nodes = handle.spec.resources.max_nodes
+        # One fold of every event, rows included: the job's facts, which the curves'
+        # series read too (their markers).
+        self.state = JobState(nodes)
         self.data: DashboardData = DashboardData(max_buckets=max_buckets or DEFAULT_BUCKETS,
-                                                 log_lines=1, max_nodes=nodes)
-        self.state = JobState(nodes)  # every event, rows included: the job's facts
+                                                 log_lines=1, max_nodes=nodes,
+                                                 state=self.state)
         self._follower: Follower | None = None
-        self._reader: EventReader | None = None  # the follower's, kept past its end
+        self._reader: EventReader | None = None  # the log, read on from where it was
         self._log_read_at = -float("inf")
         self._result: dict[str, Any] | None = None
         self._ended = False
@@ -241,20 +245,6 @@ class JobRun(Run):
             return any(a.instance_id is not None and a.instance_id not in
                        self.state.instances for a in self.state.attempts.values())
 
-    def read_log(self) -> bool:
-        """Read the job's log now (the group's events: launches, ends, a sweep's own),
-        also after the job ended; whether anything came."""
-        follower = self._follower
-        if follower is not None:
-            batch = follower.read_log()
-        elif self._reader is not None:
-            batch = self._reader.poll()
-        else:
-            return False
-        with self.lock:
-            self.add(batch)
-        return bool(batch)
-
     def add(self, batch: list[Event]) -> None:
         """Events of the job, in the order a reader gives them."""
         if not batch:
@@ -262,6 +252,22 @@ class JobRun(Run):
         self.data.add(batch)
         self.state.apply_all(batch)
         self.version += 1
+
+    def read_log(self) -> bool:
+        """Read what the job's log has that this run has not taken yet (the group's
+        events: launches, ends, a sweep's own; an ended job's capacity group reports
+        its instances' ends after its result), also after the job ended; whether
+        anything came. The log is read on from where the run's reads left it."""
+        follower = self._follower
+        if follower is not None:
+            batch = follower.read_log()
+        else:
+            if self._reader is None:
+                self._reader = EventReader(self.handle.store, batches=True)
+            batch = self._reader.poll()
+        with self.lock:
+            self.add(batch)
+        return bool(batch)
 
     def _finish(self, read_result: bool) -> None:
         self._ended = True  # the reader stays: read_log reads on after the end
@@ -299,7 +305,7 @@ class JobRun(Run):
     @property
     def marks(self) -> list[Mark]:
         with self.lock:
-            final = self._result is not None or self.state.status.final
+            final = self._result is not None or self.state.final
             return [Mark(b.attempt, b.reason.value, b.step, b.time, b.redone)
                     for b in self.state.breaks(final=final)]
 
@@ -322,17 +328,15 @@ class JobRun(Run):
         # Metrics only the fold saw (no step: not plotted) still have a final value.
         final = {**{k: float(v) for k, v in result.metrics.items()
                     if isinstance(v, (int, float)) and k not in final}, **final}
-        final_state = self._result is not None or result.status in FINAL_STATES
+        final_state = self._result is not None or self.state.final
         pruned = self.state.pruned
         # The money as heard from the instances: it only grows while the job runs.
-        billed, ondemand = self.state.cost_heard()
-        billed += self.state.requests_usd() + self.state.transfer_usd()
+        billed, ondemand = self.state.cost_heard_usd()
         facts = Facts(
             status=result.status, params=dict(self.state.params), final=final, best=best,
             duration_s=result.duration, cost_usd=billed, ondemand_cost_usd=ondemand,
-            savings_pct=100.0 * (1.0 - billed / ondemand) if ondemand > 0 else None,
-            interruptions=result.interruptions,
-            redone_steps=sum(b.redone or 0 for b in self.state.breaks(final=final_state)),
+            savings_pct=savings_pct(billed, ondemand), interruptions=result.interruptions,
+            redone_steps=self.state.redone_steps(),
             refunded_usd=self.state.refunded_usd(),
             refunded_instances=len(self.state.refunded()),
             pruned_at=None if pruned is None else pruned.step,

@@ -34,7 +34,7 @@ from spotnb.protocol.events import (
     log_state,
     metric_rows,
 )
-from spotnb.protocol.events.fold import JobState, fold
+from spotnb.protocol.events.fold import JobState, fold, savings_pct
 from spotnb.protocol.events.live import CONTROL_QUEUE, Follower, request_stop
 from spotnb.protocol.events.queues import queue_for
 from spotnb.protocol.spec import JobSpec, Resources, SpecError
@@ -118,13 +118,16 @@ class JobRef:
     store_uri: str
 
     def status(self) -> str:
-        """``completed``, ``failed``, ``stopped`` or ``not ended`` (one read)."""
+        """How the job ended as its ``result.json`` says (``completed``, ``failed``,
+        ``stopped``; :meth:`JobState.outcome`'s first word), ``not ended`` or
+        ``unknown`` (one read)."""
         try:
-            return str(json.loads(open_store(self.store_uri).get(layout.RESULT))["status"])
+            record = dict(json.loads(open_store(self.store_uri).get(layout.RESULT)))
         except NotFound:
             return "not ended"
         except (StoreError, ValueError, KeyError, TypeError, OSError):
             return "unknown"
+        return JobState().outcome(record)[0]
 
 
 def _when(epoch: float) -> str:
@@ -189,9 +192,7 @@ class JobResult:
         """Savings versus on-demand in percent (None before any cost): what the job
         cost, boot time and spotnb's own requests included, against its instance time
         at the on-demand price."""
-        if self.ondemand_cost_usd <= 0:
-            return None
-        return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+        return savings_pct(self.cost_usd, self.ondemand_cost_usd)
 
     @property
     def cost_includes(self) -> str:
@@ -333,9 +334,7 @@ class JobInfo:
     @property
     def savings_pct(self) -> float | None:
         """Savings versus on-demand in percent (None before any cost)."""
-        if self.ondemand_cost_usd <= 0:
-            return None
-        return 100.0 * (1.0 - self.cost_usd / self.ondemand_cost_usd)
+        return savings_pct(self.cost_usd, self.ondemand_cost_usd)
 
 
 def nodes_label(resources: Resources, result: JobResult | None = None) -> str:
@@ -577,11 +576,13 @@ class JobHandle:
 
     @property
     def status(self) -> str:
-        """The job's state (see :data:`spotnb.protocol.events.STATES`)."""
+        """The job's state (:class:`~spotnb.protocol.events.JobStatus`' value, or a
+        newer spotnb's, said as it is): :meth:`JobState.outcome` of ``result.json``,
+        else of the log (read then)."""
         result = self.result_record()
-        if result is not None:
-            return str(result["status"])
-        return fold(EventReader(self.store, batches=True).poll()).status.value
+        state = JobState() if result is not None else fold(
+            EventReader(self.store, batches=True).poll(), self.spec.resources.max_nodes)
+        return state.outcome(result)[0]
 
     def events(self, follow: bool = True, timeout: float | None = None,
                batches: bool = False) -> Iterator[Event]:
@@ -692,14 +693,21 @@ class JobHandle:
             state.apply_all(new)
         return self.summary(with_outputs=True, events=sorted(events, key=lambda e: e.time))
 
-    def summary(self, with_outputs: bool = False,
-                events: list[Event] | None = None) -> JobResult:
-        """Where the job stands now, from its full event history (read now, unless
-        ``events`` is that history)."""
-        if events is None:
-            events = EventReader(self.store, batches=True).poll()
-        result = summarize(self.spec, events, self.result_record())
-        if with_outputs and result.status == "completed" and self.spec.outputs:
+    def summary(self, with_outputs: bool = False, events: list[Event] | None = None,
+                state: JobState | None = None) -> JobResult:
+        """Where the job stands now, from its full event history: ``state``, its events
+        folded, or ``events``, or the log read now."""
+        if state is None:
+            if events is None:
+                events = EventReader(self.store, batches=True).poll()
+            state = fold(events, self.spec.resources.max_nodes)
+        result = summarize_state(self.spec, state, self.result_record())
+        return self.with_outputs(result) if with_outputs else result
+
+    def with_outputs(self, result: JobResult) -> JobResult:
+        """``result`` with the job's ``--out`` values, once it completed (they are
+        unpickled here: a class this environment lacks raises)."""
+        if result.status == "completed" and self.spec.outputs:
             outputs = cloudpickle.loads(self.store.get(layout.OUTPUTS))
             result = dataclasses.replace(result, outputs=dict(outputs))
         return result
@@ -958,18 +966,16 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
                     now: float | None = None) -> JobResult:
     """:func:`summarize` of the job's events folded (:mod:`spotnb.protocol.events.fold`)."""
     now = time.time() if now is None else now
-    final = result is not None
+    final = result is not None or state.final
     end_of_job = (state.last_time if state.last_time is not None else now) if final else now
-    requests_usd = state.requests_usd()
-    transfer_usd = state.transfer_usd()
-    cost, ondemand = state.cost(end_of_job)
-    job_status = (result or {}).get("status")
+    ondemand = state.cost(end_of_job)[1]
+    status, reason = state.outcome(result)
     attempts = []
     for number in sorted(state.attempts):
         a = state.attempts[number]
         instance = state.instances.get((a.instance_id if a.boot_time is not None
                                         else a.first_instance) or "")
-        end_reason = state.end_reason(number, final, job_status)
+        end_reason = state.end_reason(number, final, status)
         attempts.append(Attempt(
             number=number,
             instance_id=a.instance_id if a.boot_time is not None else a.first_instance,
@@ -985,18 +991,14 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
             moved=move.reason if (move := state.region_choice(number)) is not None
             and move.moved else None,
         ))
-    if result is not None:
-        status, reason = str(result["status"]), str(result.get("reason", ""))
-    else:
-        status, reason = state.status_now()
-    status, reason = state.outcome(status, reason)  # a sweep's trial: pruned
     start = state.first_time if state.first_time is not None else spec.created
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,
-        attempts=tuple(attempts), interruptions=state.interruptions(),
-        cost_usd=cost + requests_usd + transfer_usd, ondemand_cost_usd=ondemand,
+        attempts=tuple(attempts), interruptions=state.interruptions(final),
+        cost_usd=state.cost_usd(end_of_job), ondemand_cost_usd=ondemand,
         metrics=state.metrics(),
         duration=max(0.0, end_of_job - min(start, spec.created)),
         error=(result or {}).get("error") or (state.error() if status == "failed" else None),
-        requests_usd=requests_usd, transfer_usd=transfer_usd, worlds=tuple(state.worlds),
+        requests_usd=state.requests_usd(), transfer_usd=state.transfer_usd(),
+        worlds=tuple(state.worlds),
     )

@@ -35,22 +35,22 @@ def format_age(created: float, now: float) -> str:
 def format_event(event: Event) -> str | None:
     """A human line (or block) for an event, or None for events not worth a line."""
     when = datetime.datetime.fromtimestamp(event.time).strftime("%H:%M:%S")
-    d = event.data
     where = f"[{when} a{event.attempt}]" if event.attempt else f"[{when} group]"
     b = codec.peek(event)
     if isinstance(b, codec.Stream):
-        return str(d.get("text", "")).rstrip("\n")
+        return b.text.rstrip("\n")
     if isinstance(b, codec.Status):
-        return f"{where} {d.get('state')}: {d.get('detail', '')}".rstrip(": ")
+        return f"{where} {b.state}: {b.detail}".rstrip(": ")
     if isinstance(b, codec.Error):
-        tb = "\n".join(_ANSI.sub("", line) for line in d.get("traceback", []))
-        return f"{where} error: {d.get('ename')}: {d.get('evalue')}\n{tb}".rstrip()
+        traceback = b.traceback if isinstance(b.traceback, list) else []
+        tb = "\n".join(_ANSI.sub("", str(line)) for line in traceback)
+        return f"{where} error: {b.ename}: {b.evalue}\n{tb}".rstrip()
     if isinstance(b, codec.Notice):
-        return f"{where} notice: {d.get('kind')} {d.get('action')} at {d.get('notice_time')}"
+        return f"{where} notice: {b.kind} {b.action} at {b.notice_time}"
     if isinstance(b, codec.Instance):
-        detail = " ".join(str(d[k]) for k in ("instance_id", "instance_type", "az", "reason")
-                          if d.get(k))
-        line = f"{where} instance {d.get('action')}: {detail}"
+        detail = " ".join(str(v) for v in (b.instance_id, b.instance_type, b.az, b.reason)
+                          if v)
+        line = f"{where} instance {b.action}: {detail}"
         if b.boot_failed:  # the step that failed, then the end of the instance's boot log
             if b.failures and b.limit:
                 line += f" ({b.failures} of {b.limit} failed boots in a row)"
@@ -63,14 +63,14 @@ def format_event(event: Event) -> str | None:
         return (f"{where} transfer: the checkpoint's {b.kind} of {b.bytes / 1e9:.3f} GB "
                 f"{b.source} -> {b.destination}, ${b.usd:.4f} (${b.usd_per_gb:g}/GB)")
     if isinstance(b, codec.CheckpointEvent) and b.durable:
-        return f"{where} checkpoint at step {d.get('step')} durable ({d.get('bytes', 0):,} bytes)"
+        return f"{where} checkpoint at step {b.step} durable ({b.bytes:,} bytes)"
     if isinstance(b, codec.Warning):
-        return f"{where} warning: {d.get('text', '')}"
+        return f"{where} warning: {b.text}"
     if isinstance(b, codec.Pruned):
         trial = f", trial {b.trial}" if b.trial is not None else ""
         return f"{where} {b.text} by sweep {b.sweep or '?'}{trial}: the job is stopped"
     if isinstance(b, codec.Display):
-        text = (d.get("data") or {}).get("text/plain")
+        text = b.data.get("text/plain")
         return str(text) if text else None
     return None
 

@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -31,8 +31,12 @@ import spotnb
 from spotnb.client import capture, display
 from spotnb.client.listing import JOB_COLUMNS, jobs_table
 from spotnb.client.notebook import ENV_RUN_JOBS
-from spotnb.protocol.events import FINAL_STATES
+from spotnb.protocol.events import is_terminal
 from spotnb.protocol.spec import SpecError, parse_duration, parse_nodes, parse_peer_timeout
+
+if TYPE_CHECKING:
+    from spotnb.protocol.events.fold import JobState
+    from spotnb.records.summary import Curves
 
 __all__ = ["SpotMagics", "TrainRequest"]
 
@@ -534,12 +538,15 @@ class SpotMagics(Magics):
         return cast(display.Renderer, cls())
 
     def _follow(self, handle: spotnb.JobHandle, cell_number: int | None = None) -> Any:
+        from spotnb.records.summary import Curves
+
         renderer = self._renderer()
-        outcome = display.follow(handle, renderer)
+        curves = Curves()  # the record's, gathered as the events come
+        outcome = display.follow(handle, renderer, on_events=curves.add)
         if isinstance(outcome, display.Detached):
             return None
         result = outcome.result
-        self._keep_record(handle, result)
+        self._keep_record(handle, result, outcome.state, curves)
         shortfall = _simulation_shortfall(handle.spec, result)
         if shortfall:
             print(shortfall)
@@ -556,15 +563,16 @@ class SpotMagics(Magics):
             return display.RemoteValue(outcome.execute_result)
         return None
 
-    def _keep_record(self, handle: spotnb.JobHandle, result: spotnb.JobResult) -> None:
-        """The job's record (spotnb.records): stored as summary.json in its store prefix
-        and shown as one line whose output metadata carries it, so a notebook saved by
-        hand is a record too."""
+    def _keep_record(self, handle: spotnb.JobHandle, result: spotnb.JobResult,
+                     state: JobState | None = None, curves: Curves | None = None) -> None:
+        """The job's record (spotnb.records), from what the follow loop holds: stored
+        as summary.json in its store prefix and shown as one line whose output metadata
+        carries it, so a notebook saved by hand is a record too."""
         from IPython.display import display as show
 
         from spotnb import records
 
-        record = records.job_ended(handle, result)
+        record = records.job_ended(handle, result, state, curves)
         if record is not None:
             show(records.record_bundle(record), metadata={"spotnb": {"job": record}}, raw=True)
 
@@ -711,6 +719,7 @@ class SpotMagics(Magics):
         final form stays as a picture for readers without widgets."""
         from IPython.display import display as show
 
+        from spotnb.records.summary import Curves
         from spotnb.sweep.view import summary_text
 
         view = None
@@ -735,8 +744,13 @@ class SpotMagics(Magics):
             view.finish()
         for number in sorted(made.runs):
             run = made.runs[number]
-            if run.result.status in FINAL_STATES:
-                self._keep_record(run.handle, run.result)
+            if not is_terminal(run.result.status):
+                continue
+            curves = Curves()  # the trial's curves as its series hold them: no log read
+            for name, series in run.data.metrics.items():
+                series.curve.full.sort_by_x()
+                curves.put(name, series.curve.full.x, series.curve.full.y)
+            self._keep_record(run.handle, run.result, run.state, curves)
         show({"text/plain": summary_text(made)},
              metadata={"spotnb": {"sweep": made.state_dict()}}, raw=True)
 

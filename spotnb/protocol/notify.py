@@ -47,6 +47,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from spotnb.protocol import layout
+from spotnb.protocol.events import Event
+from spotnb.protocol.events.fold import savings_pct
 
 if TYPE_CHECKING:
     from spotnb.protocol.events.fold import JobState
@@ -163,9 +165,9 @@ class Notifier:
             if inst is None or not inst.price:
                 return ""
             text = f": spot ${inst.price:.4f}/h"
-            if inst.ondemand:
-                text += (f", {100 * (1 - inst.price / inst.ondemand):.0f}% under "
-                         f"on-demand (${inst.ondemand:.4f}/h)")
+            saving = savings_pct(inst.price, inst.ondemand or 0.0)
+            if saving is not None:
+                text += f", {saving:.0f}% under on-demand (${inst.ondemand:.4f}/h)"
             return text
 
         def headline() -> str:
@@ -186,8 +188,8 @@ class Notifier:
             if figures is None:
                 return ""
             stopped, usd, redone = figures
-            return (f": the interruption cost {_clock(stopped)} of training and "
-                    f"${usd:.4f}, {redone} step{'s' if redone != 1 else ''} redone")
+            return (f": the interruption has cost {_clock(stopped)} of training and "
+                    f"${usd:.4f} so far, {redone} step{'s' if redone != 1 else ''} redone")
 
         def headline() -> str:
             return (f":arrows_counterclockwise: spotnb job *{self.name}* "
@@ -388,11 +390,11 @@ def job_summary(state: JobState, now: float) -> str:
     """The job as a whole, one line: how long it ran, what it cost and saved, its
     interruptions and steps redone."""
     start = state.first_launch or state.first_time or now
-    spot, ondemand = state.cost(now)
-    cost = spot + state.requests_usd() + state.transfer_usd()
+    cost, ondemand = state.cost_usd(now), state.cost(now)[1]
     parts = [f"ran {_clock(now - start)}", f"cost ${cost:.4f}"]
-    if ondemand > 0:
-        parts[-1] += f" ({100 * (1 - cost / ondemand):.0f}% under on-demand ${ondemand:.4f})"
+    saving = savings_pct(cost, ondemand)
+    if saving is not None:
+        parts[-1] += f" ({saving:.0f}% under on-demand ${ondemand:.4f})"
     n = state.interruptions()
     parts.append(f"{n} interruption{'s' if n != 1 else ''}")
     free = len(state.refunded())
@@ -406,28 +408,20 @@ def job_summary(state: JobState, now: float) -> str:
 
 def resume_cost(state: JobState, attempt: int, step: int, t: float
                 ) -> tuple[float, float, int] | None:
-    """What the interruption before ``attempt`` cost, once it logged its first row
-    (``step`` at ``t``): the seconds no step was logged (from the last event of the
-    attempt it replaced), the instances' cost over them, and the steps redone (the
-    fold's rule). None when the attempt it replaced is not in the log. A multi-node job's
-    figure counts every instance of the cluster over that time, the survivors' included
-    (they trained on at N-1 meanwhile: an upper bound); only global rank 0's node logs
-    rows, so a replacement node that does not host it sends no resume message."""
-    from spotnb.protocol.events.fold import RedoneSteps
-
-    slot = layout.node_slot(attempt, state.max_nodes)
-    earlier = [a for n, a in state.attempts.items()
-               if n < attempt and layout.node_slot(n, state.max_nodes) == slot]
-    # The newest that logged a step (one in between that died before its first step is
-    # passed over, as RedoneSteps does): the time lost runs from its last word.
-    logged = [a for a in earlier if a.first_step is not None]
-    if not logged:
+    """What the break before ``attempt`` cost when it logged its first row (``step`` at
+    ``t``), as the fold says it (:meth:`JobState.resumed`): the time it took so far
+    (from the last row at the furthest step before it until ``t``, or until a step
+    beyond it), the instances' cost over that time, and the steps redone. None when no
+    row was logged before it. The row is folded in first where the log does not hold
+    it yet (the agent has it in hand before its log does). A multi-node job's figure
+    counts every instance of the cluster over that time, the survivors' included (they
+    trained on at N-1 meanwhile: an upper bound); only global rank 0's node logs rows,
+    so a replacement node that does not host it sends no resume message."""
+    if not any(s.attempt == attempt for s in state.steps.segments):
+        state.apply(Event("metric", t, attempt, None, {"step": step, "t": t, "values": {}}))
+    seg = state.resumed(attempt)
+    window = None if seg is None else seg.window(t)
+    if seg is None:
         return None
-    previous = max(logged, key=lambda a: a.number)
-    redo = RedoneSteps()
-    if previous.first_step is not None and previous.last_step is not None:
-        redo.logged(previous.number, previous.first_step, previous.last_step)
-    redo.end(previous.number)
-    redo.logged(attempt, step, step)
-    stopped = max(0.0, t - previous.last_time)
-    return stopped, state.cost_between(previous.last_time, t), redo.of(previous.number) or 0
+    start, end = window if window is not None else (t, t)
+    return end - start, state.cost_between(start, end), seg.redone or 0

@@ -51,6 +51,7 @@ from spotnb.client.jobs import JobHandle, JobNotFound, attach
 from spotnb.client.notebook import DEFAULT_CELL_TIMEOUT, CellFailure, execute
 from spotnb.protocol import layout
 from spotnb.protocol.events import EventReader
+from spotnb.protocol.events.fold import savings_pct
 from spotnb.protocol.store import open_store
 from spotnb.providers import PROVIDERS
 from spotnb.records import document, figures
@@ -490,7 +491,8 @@ def totals(jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "jobs": len(jobs),
         "cost_usd": cost,
         "ondemand_cost_usd": ondemand,
-        "savings_pct": round(100.0 * (1.0 - cost / ondemand), 2) if ondemand > 0 else None,
+        "savings_pct": None if (saving := savings_pct(cost, ondemand)) is None
+        else round(saving, 2),
         "interruptions": sum(int(j.get("interruptions") or 0) for j in jobs),
         "attempts": sum(len(j.get("attempts") or []) for j in jobs),
     }

@@ -7,7 +7,9 @@ job ran: metric curves are thinned to :data:`MAX_CURVE_POINTS` points, traceback
 strings are clipped.
 
 :func:`job_ended` is what the notebook layer calls when a followed job ends: it builds
-the record (with the ``--out`` values, which only the notebook has loaded), stores it
+the record (with the ``--out`` values, which only the notebook has loaded) from what the
+follow loop holds (the :class:`~spotnb.client.jobs.JobResult`, the fold of the job's
+events and the :class:`Curves` gathered from them: the log is not read again), stores it
 as ``summary.json`` in the job's prefix, and returns it for the cell's output metadata.
 """
 
@@ -26,11 +28,11 @@ from spotnb.ckpt.checkpoints import CheckpointStore
 from spotnb.client.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize_state
 from spotnb.protocol import layout
 from spotnb.protocol.events import (
-    FINAL_STATES,
     Event,
     EventReader,
     codec,
     expand,
+    is_terminal,
     metric_columns,
     metric_names,
 )
@@ -41,6 +43,7 @@ from spotnb.records.scrub import scrub
 __all__ = [
     "MAX_CURVE_POINTS",
     "SCHEMA_VERSION",
+    "Curves",
     "describe_value",
     "job_ended",
     "job_record",
@@ -143,43 +146,62 @@ def _nodes(spec: Any, result: JobResult) -> dict[str, Any] | None:
     }
 
 
-def _curves(events: Iterable[Event]) -> tuple[dict[str, Any], list[str]]:
+class Curves:
     """Each metric against step as it finally stands (a step logged again by a later
-    attempt replaces the lost one), thinned to :data:`MAX_CURVE_POINTS`."""
-    by_metric: dict[str, dict[float, float | None]] = {}
-    for e in events:
-        if codec.is_batch(e):  # a batch, a column at a time (C loops)
-            steps, times, columns = metric_columns(e)
-            if len(steps) == len(times):  # else damaged: read as its rows, below
-                for name in metric_names(columns):
-                    rows, values = columns[name]
-                    if len(values) and len(steps):
-                        at = steps if rows is None else map(steps.__getitem__, rows)
-                        by_metric.setdefault(str(name), {}).update(
-                            zip(map(float, at), map(_number, values), strict=False))
+    attempt replaces the lost one), gathered as events come (:meth:`add`: a batch a
+    column at a time, in C loops), thinned to :data:`MAX_CURVE_POINTS` when asked
+    (:meth:`thinned`). The follow loop feeds one, so a followed job's record needs no
+    second read of its log."""
+
+    def __init__(self) -> None:
+        self._by_metric: dict[str, dict[float, float | None]] = {}
+
+    def add(self, events: Iterable[Event]) -> None:
+        by_metric = self._by_metric
+        for e in events:
+            if codec.is_batch(e):  # a batch, a column at a time (C loops)
+                steps, times, columns = metric_columns(e)
+                if len(steps) == len(times):  # else damaged: read as its rows, below
+                    for name in metric_names(columns):
+                        rows, values = columns[name]
+                        if len(values) and len(steps):
+                            at = steps if rows is None else map(steps.__getitem__, rows)
+                            by_metric.setdefault(str(name), {}).update(
+                                zip(map(float, at), map(_number, values), strict=False))
+                    continue
+            elif not codec.is_row(e):
                 continue
-        for row in expand(e):  # a metric event, or a damaged batch's rows
-            if not codec.is_row(row) or row.data.get("step") is None:
-                continue
-            step = _number(row.data["step"])
-            if step is None:
-                continue
-            for name, value in (row.data.get("values") or {}).items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    by_metric.setdefault(str(name), {})[step] = _number(value)
-    names = list(by_metric)
-    kept, omitted = names[:MAX_CURVES], names[MAX_CURVES:]
-    curves = {}
-    for name in kept:
-        points = sorted(by_metric[name].items())
-        if len(points) > MAX_CURVE_POINTS:
-            last = len(points) - 1
-            picks = sorted({round(i * last / (MAX_CURVE_POINTS - 1))
-                            for i in range(MAX_CURVE_POINTS)})
-            points = [points[i] for i in picks]
-        curves[name] = {"step": [int(s) if s.is_integer() else s for s, _ in points],
-                        "value": [v for _, v in points]}
-    return curves, omitted
+            for row in expand(e):  # a metric event, or a damaged batch's rows
+                if not codec.is_row(row) or row.data.get("step") is None:
+                    continue
+                step = _number(row.data["step"])
+                if step is None:
+                    continue
+                for name, value in (row.data.get("values") or {}).items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        by_metric.setdefault(str(name), {})[step] = _number(value)
+
+    def put(self, name: str, steps: Iterable[float], values: Iterable[float]) -> None:
+        """A metric's points as they stand (a dashboard's series' curve, say)."""
+        self._by_metric.setdefault(str(name), {}).update(
+            zip(map(float, steps), map(_number, values), strict=False))
+
+    def thinned(self) -> tuple[dict[str, Any], list[str]]:
+        """The curves of the first :data:`MAX_CURVES` metrics, each thinned, and the
+        names of the rest."""
+        names = list(self._by_metric)
+        kept, omitted = names[:MAX_CURVES], names[MAX_CURVES:]
+        curves = {}
+        for name in kept:
+            points = sorted(self._by_metric[name].items())
+            if len(points) > MAX_CURVE_POINTS:
+                last = len(points) - 1
+                picks = sorted({round(i * last / (MAX_CURVE_POINTS - 1))
+                                for i in range(MAX_CURVE_POINTS)})
+                points = [points[i] for i in picks]
+            curves[name] = {"step": [int(s) if s.is_integer() else s for s, _ in points],
+                            "value": [v for _, v in points]}
+        return curves, omitted
 
 
 def _checkpoints(handle: JobHandle, state: JobState) -> dict[str, Any]:
@@ -215,26 +237,31 @@ def _error(error: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
-               events: list[Event] | None = None,
-               result: JobResult | None = None) -> dict[str, Any]:
+               events: list[Event] | None = None, result: JobResult | None = None,
+               state: JobState | None = None, curves: Curves | None = None
+               ) -> dict[str, Any]:
     """The record of the job behind ``handle`` (see :mod:`spotnb.records`).
 
     ``outputs`` are the job's ``--out`` values where they are loaded (the notebook's
-    kernel), or their descriptions (:func:`describe_value`) from an earlier record;
-    ``events`` and ``result`` save reading the log again when the caller has them.
+    kernel), or their descriptions (:func:`describe_value`) from an earlier record.
+    What the caller has saves reading the log again: ``state`` (its events folded) and
+    ``curves`` (gathered from them) together, or ``events``; and ``result``.
     """
     spec = handle.spec
-    if events is None:
-        events = EventReader(handle.store).poll()
-    state = fold(events, spec.resources.max_nodes)
+    if state is None or curves is None:
+        if events is None:
+            events = EventReader(handle.store).poll()
+        state = fold(events, spec.resources.max_nodes)
+        curves = Curves()
+        curves.add(events)
     if result is None:
         result = summarize_state(spec, state, handle.result_record())
     described = {k: describe_value(v) for k, v in (outputs or {}).items()}
     metrics = {k: _number(v) for k, v in result.metrics.items()}
     final = dict(metrics)
     final.update({k: v for k, v in described.items() if _number(v) is not None})
-    curves, omitted = _curves(events)
-    ended = result.status in FINAL_STATES
+    thinned, omitted = curves.thinned()
+    ended = is_terminal(result.status)
     breaks = state.breaks(final=ended)
     last_time = state.last_time
     record: dict[str, Any] = {
@@ -271,7 +298,7 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
         "breaks": [{"attempt": b.attempt, "reason": b.reason.value, "time": iso(b.time),
                     "step": b.step, "resumed_at": b.resumed_at, "redone": b.redone}
                    for b in breaks],
-        "redone_steps": sum(b.redone or 0 for b in breaks),
+        "redone_steps": state.redone_steps(),
         "cost_usd": result.cost_usd,
         "transfer_usd": round(result.transfer_usd, 6),
         # What EC2 interrupted in its first hour ran: not charged (not in cost_usd).
@@ -284,7 +311,7 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
         "outputs": described,
         "final_metrics": final,
         "checkpoints": _checkpoints(handle, state),
-        "curves": curves,
+        "curves": thinned,
         "error": _error(result.error),
     }
     if omitted:
@@ -309,16 +336,20 @@ def store_summary(handle: JobHandle, record: Mapping[str, Any]) -> bool:
     return True
 
 
-def job_ended(handle: JobHandle, result: JobResult) -> dict[str, Any] | None:
-    """The notebook's hook for a followed job that ended: build its record (with the
-    ``--out`` values in ``result.outputs``), store it as ``summary.json`` in the job's
-    prefix, and return it, for the cell's output metadata (``{"spotnb": {"job": ...}}``).
+def job_ended(handle: JobHandle, result: JobResult, state: JobState | None = None,
+              curves: Curves | None = None) -> dict[str, Any] | None:
+    """The notebook's hook for a followed job that ended: build its record from the
+    ``result`` in hand (with the ``--out`` values in ``result.outputs``), the follow
+    loop's fold of its events (``state``) and the curves gathered from them (without
+    both, the log is read), store it as ``summary.json`` in the job's prefix, and return
+    it, for the cell's output metadata (``{"spotnb": {"job": ...}}``).
 
     Never raises: the record is a by-product, and the cell's outcome must not depend on
     it; None (and a logged warning) if it could not be built.
     """
     try:
-        record = job_record(handle, outputs=result.outputs)
+        record = job_record(handle, outputs=result.outputs, result=result, state=state,
+                            curves=curves)
     except Exception:
         log.warning("could not build the record of job %s", handle.job_id, exc_info=True)
         return None

@@ -24,6 +24,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
+from spotnb.protocol.events.money import savings_pct
+
 __all__ = ["Budget", "SweepCost"]
 
 # A trial's job is never given a budget of 0 (refused as bad input): this little.
@@ -55,9 +57,7 @@ class SweepCost:
     @property
     def savings_pct(self) -> float | None:
         """What is billed, against the same instance time on-demand (None before any)."""
-        if self.ondemand_usd <= 0:
-            return None
-        return 100.0 * (1.0 - self.billed_usd / self.ondemand_usd)
+        return savings_pct(self.billed_usd, self.ondemand_usd)
 
     def text(self) -> str:
         """``cost $0.0067; $0.0046 refunded: EC2 interrupted 3 instances in their first

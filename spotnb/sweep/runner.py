@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spotnb.protocol.events import codec
 from spotnb.protocol.store import Store
 from spotnb.sweep.budget import Budget, SweepCost
 from spotnb.sweep.metric import trials_without
@@ -418,8 +419,8 @@ class Sweep:
                 except Exception:
                     log.warning("could not write the pruning of job %s", run.job_id,
                                 exc_info=True)
-                self._stop_trial(trial, f"pruned at step {step} ({self.metric} "
-                                        f"{value:.4g})", pruned=True)
+                why = codec.Pruned(step, self.metric, value).text  # as the job says it
+                self._stop_trial(trial, why, pruned=True)
                 changed = True
         return changed
 
@@ -480,10 +481,11 @@ class Sweep:
         return changed
 
     def _instance_gone(self, run: TrialRun) -> bool:
-        """Whether the trial's job has no instance left (read from its log now), or
-        its group had the grace to report one gone."""
+        """Whether the trial's job has no instance left (its log read on from where
+        the run left it, into the run's one fold: the group's last events, its
+        instances' ends), or its group had the grace to report one gone."""
         ended_at = self._ended_seen.setdefault(run.trial.number, time.monotonic())
-        run.read_log()  # the group's last events: its instances' ends
+        run.read_log()
         if not run.state.running_instances():
             return True
         return time.monotonic() - ended_at > INSTANCE_END_GRACE_SECONDS

@@ -69,8 +69,9 @@ def stop_job(handle: Any, why: str) -> None:
 
 def jobs_cost(job_ids: list[str]) -> SweepCost:
     """What the trials' jobs cost, each from the fold of its whole log (a sweep ended
-    from outside its driver: the cost its driver last wrote is older)."""
-    from spotnb.client.jobs import attach, summarize_state
+    from outside its driver: the cost its driver last wrote is older), as the driver
+    counts it (:meth:`~spotnb.protocol.events.fold.JobState.cost_heard_usd`)."""
+    from spotnb.client.jobs import attach
     from spotnb.protocol.events import EventReader
     from spotnb.protocol.events.fold import fold
 
@@ -81,12 +82,12 @@ def jobs_cost(job_ids: list[str]) -> SweepCost:
             handle = attach(job_id)
             state = fold(EventReader(handle.store, batches=True).poll(),
                          handle.spec.resources.max_nodes)
-            result = summarize_state(handle.spec, state, handle.result_record())
         except Exception:  # a job out of reach: its cost is not counted
             log.warning("could not read the cost of job %s", job_id, exc_info=True)
             continue
-        billed += result.cost_usd
-        ondemand += result.ondemand_cost_usd
+        cost, cost_ondemand = state.cost_heard_usd()
+        billed += cost
+        ondemand += cost_ondemand
         refunded += state.refunded_usd()
         refunds += len(state.refunded())
     return SweepCost(billed, refunded, ondemand, refunds)

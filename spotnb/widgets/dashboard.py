@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from spotnb.client import display
-from spotnb.client.display import JobView
+from spotnb.client.view import JobView
 from spotnb.protocol.events import Event
 from spotnb.widgets import static
 from spotnb.widgets.elements import LogPanel, plotly_loader
@@ -53,6 +53,7 @@ from spotnb.widgets.series import DEFAULT_BUCKETS, DashboardData
 
 if TYPE_CHECKING:
     from spotnb.client.jobs import JobHandle, JobResult
+    from spotnb.protocol.events.fold import JobState
 
 __all__ = ["FLUSH_SECONDS", "MESSAGE_SECONDS", "STOP_CONFIRM_SECONDS", "Dashboard",
            "DetachRequested", "header_html"]
@@ -203,12 +204,15 @@ class Dashboard:
 
     # -- the follow loop's calls -------------------------------------------------
 
-    def start(self, handle: JobHandle) -> None:
-        """The job this dashboard follows (called once, before any event)."""
+    def start(self, handle: JobHandle, state: JobState | None = None) -> None:
+        """The job this dashboard follows, and the follow loop's fold of its events,
+        which the dashboard reads (called once, before any event)."""
         from spotnb.widgets import kernel
 
         self.handle = handle
         with self._lock:
+            if state is not None:
+                self.data.use(state)
             self.data.max_nodes = handle.spec.resources.max_nodes
         self.widget.add_class(static.live_class(handle.job_id))
         if handle.spec.provider == "local":

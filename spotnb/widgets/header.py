@@ -16,8 +16,10 @@ from __future__ import annotations
 import html
 
 from spotnb.client import display
-from spotnb.client.display import JobView
-from spotnb.widgets.series import DashboardData, PoolPrices
+from spotnb.client.view import JobView
+from spotnb.protocol.events import JobStatus
+from spotnb.protocol.events.fold import PoolState
+from spotnb.widgets.series import DashboardData
 
 __all__ = ["header_html", "sparkline"]
 
@@ -50,25 +52,26 @@ def _bar(fraction: float) -> str:
             "border-radius:4px'></span></span>")
 
 
-def sparkline(pool: PoolPrices, end: float) -> str:
+def sparkline(pool: PoolState, end: float) -> str:
     """The pool's spot price over the job as a small inline SVG step line, scaled from
     zero to the on-demand price (or the highest price), so its height says how far
     below on-demand it is."""
-    if not pool.prices:
+    times, prices = pool.times, pool.prices
+    if not prices:
         return ""
-    start = pool.times[0]
+    start = times[0]
     span = max(end - start, 1e-9)
-    top = max([*pool.prices, pool.ondemand or 0.0]) or 1.0
+    top = max([*prices, pool.ondemand or 0.0]) or 1.0
 
     def xy(t: float, price: float) -> str:
         x = (t - start) / span * _SPARK_W
         y = _SPARK_H - price / top * (_SPARK_H - 2) - 1
         return f"{x:.1f},{y:.1f}"
 
-    points = [xy(pool.times[0], pool.prices[0])]
-    for t, price, before in zip(pool.times[1:], pool.prices[1:], pool.prices, strict=False):
+    points = [xy(times[0], prices[0])]
+    for t, price, before in zip(times[1:], prices[1:], prices, strict=False):
         points += [xy(t, before), xy(t, price)]
-    points.append(xy(max(end, pool.times[-1]), pool.prices[-1]))
+    points.append(xy(max(end, times[-1]), prices[-1]))
     return (f"<svg class='spotnb-sparkline' width='{_SPARK_W}' height='{_SPARK_H}' "
             f"style='vertical-align:middle;margin:0 4px;background:#f6f8fa'>"
             f"<polyline fill='none' stroke='#6f42c1' stroke-width='1.5' "
@@ -78,16 +81,17 @@ def sparkline(pool: PoolPrices, end: float) -> str:
 def _prices(view: JobView, data: DashboardData) -> list[str]:
     items = []
     end = max(data.last_time, view.now or 0.0)
-    for name, pool in data.pools.items():
-        if not pool.prices:
+    for name, pool in view.folded.pools.items():
+        prices = pool.prices
+        if not prices:
             continue
-        lo, hi = min(pool.prices), max(pool.prices)
-        now = pool.prices[-1]
+        lo, hi = min(prices), max(prices)
+        now = prices[-1]
         span = f"${lo:.4f}-{hi:.4f}/h during the job" if lo != hi else "flat during the job"
         tip = f"spot price of {name}: {span}"
         if pool.ondemand:
             tip += f"; on-demand ${pool.ondemand:.4f}/h"
-        label = "spot" if len(data.pools) == 1 else f"spot {name}"
+        label = "spot" if len(view.folded.pools) == 1 else f"spot {name}"
         text = f"{label} ${now:.4f}/h{sparkline(pool, end)}"
         if pool.ondemand:
             text += f"<span style='color:{_GREY}'>on-demand ${pool.ondemand:.4f}/h</span>"
@@ -95,9 +99,9 @@ def _prices(view: JobView, data: DashboardData) -> list[str]:
     return items
 
 
-def _sources(data: DashboardData, end: float) -> str:
+def _sources(view: JobView, end: float) -> str:
     notes = []
-    for name, pool in data.pools.items():
+    for name, pool in view.folded.pools.items():
         dates = pool.history_dates(end)
         if dates:
             notes.append(f"{name}: real spot prices of {dates}, replayed by the local "
@@ -113,7 +117,9 @@ def header_html(view: JobView | None, data: DashboardData) -> str:
         return "<div class='spotnb-header'><b>spotnb</b>: starting…</div>"
     h = display.header(view)
     colour = STATE_COLOURS.get(view.state, "#0969da")
-    state = view.state.replace("_", " ") + (" (detached)" if view.detached else "")
+    status = JobStatus.parse(view.state)
+    state = (status.label if status is not None else view.state) + (
+        " (detached)" if view.detached else "")
     first = [
         _item(f"<b style='color:{colour}'>{html.escape(state)}</b>"),
         _item(f"{html.escape(view.name)} <code>{view.job_id}</code>"),
@@ -139,7 +145,7 @@ def header_html(view: JobView | None, data: DashboardData) -> str:
     if view.final and view.outputs:
         detail += f"; outputs set in the notebook: {', '.join(view.outputs)}"
     small = [_item(html.escape(detail))] if detail else []
-    sources = _sources(data, max(data.last_time, view.now or 0.0))
+    sources = _sources(view, max(data.last_time, view.now or 0.0))
     if sources:
         small.append(_item(html.escape(sources)))
     rows = "".join(_row(r) for r in (first, progress, money, fourth)) + _row(small, True)

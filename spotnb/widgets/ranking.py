@@ -27,6 +27,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from spotnb.protocol.events.money import savings_pct
 from spotnb.providers import catalog
 from spotnb.providers.regions import (
     MONTH_HOURS,
@@ -191,7 +192,7 @@ def picker_rows(regions: str | Iterable[str] = "us-east-1",
                 gpu_memory_gib=(spec.gpu_memory_mib / 1024 if spec.gpu_memory_mib else None),
                 vcpus=spec.vcpus, memory_gib=spec.memory_gib, ondemand=ondemand, spot=spot,
                 pools=len(pools),
-                savings_pct=(100.0 * (1 - spot / ondemand) if ondemand else None),
+                savings_pct=savings_pct(spot, ondemand or 0.0),
                 interruption=bucket.label if bucket else None,
                 interruption_max_pct=bucket.max_pct if bucket else None,
                 price_date=date, source=f"bundled catalog ({catalog.DATA_DATE['catalog']})",

@@ -3,8 +3,10 @@
 No widgets here: :class:`DashboardData` takes events (:meth:`DashboardData.add`) and
 keeps, per metric, the curve as it now stands and the points that were *redone* (logged
 by an attempt that was interrupted before its next checkpoint, then logged again by the
-replacement), GPU or CPU samples, the spot price of each pool the job ran in,
-interruptions and resumes, the last checkpoint and the last lines of output. A
+replacement), GPU or CPU samples, the last checkpoint and the last lines of output. The
+job's facts (the spot price of each pool it ran in, its interruptions and resumes, the
+steps redone, the world) are its fold's (:attr:`DashboardData.state`, shared with the
+follow loop's view: one fold per followed job), which the markers read. A
 multi-node job's utilisation is also kept per node slot (one line per node: a node's
 replacement continues its line after a gap), with its world size as it changed.
 
@@ -25,7 +27,6 @@ is never drawn across the time between two instances.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 from typing import Any
@@ -34,7 +35,7 @@ import numpy as np
 
 from spotnb.protocol import layout
 from spotnb.protocol.events import GROUP_STREAM, Event, codec, expand, metric_columns, metric_names
-from spotnb.protocol.events.fold import JobState, RedoneSteps, replaced_attempt
+from spotnb.protocol.events.fold import EndReason, JobState, PoolState, replaced_attempt
 from spotnb.train.tb import TB_SYNC_NAME
 
 __all__ = ["Checkpoint", "Column", "DashboardData", "Marker", "MetricSeries", "MinMaxBuckets"]
@@ -415,43 +416,6 @@ class Checkpoint:
     forced: bool
 
 
-@dataclasses.dataclass
-class PoolPrices:
-    """The spot price of one pool while the job ran there: a step function.
-
-    ``history`` is what the prices are (the local cloud: which stretch of real price
-    history it replays; AWS: the live price), from the group's events.
-    """
-
-    pool: str
-    times: list[float] = dataclasses.field(default_factory=list)
-    prices: list[float] = dataclasses.field(default_factory=list)
-    ondemand: float | None = None
-    history: str = ""
-    # The local cloud's replay: the real moment shown at wall time ``replay_wall``, and
-    # how many real seconds pass per wall second.
-    replay_wall: float | None = None
-    replay_from: float | None = None
-    replay_scale: float = 1.0
-
-    def history_dates(self, end: float) -> str:
-        """The span of real history replayed up to wall time ``end``, as
-        ``2020-01-12 14:00-16:10 UTC`` ("" when the prices are live)."""
-        if self.replay_from is None or self.replay_wall is None:
-            return ""
-        import datetime
-
-        def utc(t: float) -> str:
-            return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime(
-                "%Y-%m-%d %H:%M")
-
-        a = utc(self.replay_from)
-        b = utc(self.replay_from + max(0.0, end - self.replay_wall) * self.replay_scale)
-        if a[:10] == b[:10]:
-            return f"{a}-{b[11:]} UTC" if a != b else f"{a} UTC"
-        return f"{a} - {b} UTC"
-
-
 _NOTICE_REASONS = {
     "requested": "interruption asked for (Interrupt now, %spot_interrupt)",
     "price": "the spot price rose above the max price",
@@ -463,30 +427,28 @@ _NOTICE_REASONS = {
 class DashboardData:
     """Everything the dashboard plots, from events (see the module docstring).
 
-    ``version`` increases whenever something visible changed, so a display can tell
-    whether it has anything to send.
+    ``state``: the job's fold, which the caller applies every event to (the follow
+    loop's, a comparison's); without one, this keeps its own and folds what it is
+    given. ``version`` increases whenever something visible changed, so a display can
+    tell whether it has anything to send.
     """
 
     def __init__(self, max_buckets: int = DEFAULT_BUCKETS, log_lines: int = LOG_LINES,
-                 max_nodes: int = 1) -> None:
+                 max_nodes: int = 1, state: JobState | None = None) -> None:
         self.max_buckets = max_buckets
-        # A multi-node job's MAX nodes (its ``world`` events say it too): which node
-        # slot an attempt's samples belong to (``layout.node_slot``).
-        self.max_nodes = max_nodes
         self.node_util: dict[int, Reduced] = {}  # node slot -> utilisation, percent
         self.node_gaps: dict[int, list[float]] = {}  # where a replacement's samples start
         self._node_attempt: dict[int, int] = {}
-        # The job's story (spotnb.protocol.events.fold): the world, the group's notices.
-        self.state = JobState(max_nodes)
+        # The job's story (spotnb.protocol.events.fold): prices, breaks, the world.
+        self._folds = state is None
+        self.state = JobState(max_nodes) if state is None else state
+        self.state.max_nodes = max(self.state.max_nodes, max_nodes)
         self.metrics: dict[str, MetricSeries] = {}
         self.util = Reduced(max_buckets)  # percent
         self.mem = Reduced(max_buckets)  # percent of the total
         self.sys_kind: str | None = None  # "gpu" or "cpu"
         self.sys_gaps: list[float] = []  # where a new instance's samples start (time)
         self._sys_attempt = 0
-        self.pools: dict[str, PoolPrices] = {}  # in the order the job used them
-        self.pool: str | None = None  # the current one
-        self.markers: list[Marker] = []
         self.checkpoint: Checkpoint | None = None
         self.tensorboard_synced = False
         self.head: list[str] = []  # the first HEAD_LINES lines (fewer with a small log_lines)
@@ -498,11 +460,27 @@ class DashboardData:
         self.log_version = 0
         self.first_time: float | None = None  # the time axes start here
         self.last_time = 0.0
-        self._attempt = 0
-        self._ended: dict[int, Marker] = {}  # the marker that ended each attempt
-        self.redo = RedoneSteps()  # the steps redone after each ended attempt
-        self._booted: set[int] = set()
-        self._map: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._markers: tuple[int, list[Marker]] | None = None
+        self._map: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None \
+            = None
+
+    def use(self, state: JobState) -> None:
+        """Read ``state`` (the caller's fold of the same events) from now on, and fold
+        nothing more here."""
+        state.max_nodes = max(state.max_nodes, self.state.max_nodes)
+        self.state, self._folds = state, False
+        self._markers = self._map = None
+
+    @property
+    def max_nodes(self) -> int:
+        """A multi-node job's MAX nodes (its ``world`` events say it too): which node
+        slot an attempt's samples belong to (``layout.node_slot``)."""
+        return self.state.max_nodes
+
+    @max_nodes.setter
+    def max_nodes(self, value: int) -> None:
+        self.state.max_nodes = max(1, value)
+        self.state.steps.scan = self.state.steps.scan or value > 1
 
     # -- input ---------------------------------------------------------------------
 
@@ -510,6 +488,8 @@ class DashboardData:
         """Take a batch of events (in time order). Output (``stream``) events are
         left to :meth:`write`, which the display calls in order with milestones."""
         for event in events:
+            if self._folds:
+                self.state.apply(event)
             if codec.is_batch(event):  # a batch of rows (a reader with batches=True)
                 self._metrics(event)
                 continue
@@ -523,71 +503,50 @@ class DashboardData:
         """The world as it changed: (time, nodes, processes)."""
         return self.state.worlds
 
+    @property
+    def pools(self) -> dict[str, PoolState]:
+        """The spot price of each pool the job ran in (the fold's), in the order it
+        used them."""
+        return self.state.pools
+
+    @property
+    def redo(self) -> int:
+        """Steps redone over the job (the fold's)."""
+        return self.state.redone_steps()
+
     def _add(self, e: Event) -> None:
-        d = e.data
-        if codec.is_row(e):  # the series' own: not folded, no body built
+        if codec.is_row(e):  # the series' own: no body built
             self._metric(e)
-            if e.attempt != GROUP_STREAM:
-                self._attempt = max(self._attempt, e.attempt)
             self.version += 1
             return
         body = e.body
-        worlds = len(self.state.worlds)
-        self.state.apply(e)
         if isinstance(body, codec.Sys):
-            self.sys_kind = str(d.get("kind") or self.sys_kind or "cpu")
+            self.sys_kind = body.kind or self.sys_kind or "cpu"
             t = e.time
+            util = np.nan if body.util is None else body.util
             if e.attempt != self._sys_attempt and len(self.util) and not self.multinode:
                 # Another instance: no line across the gap. (A multi-node job's nodes
                 # take turns in this series: their lines are per node, node_util.)
                 self.sys_gaps.append(t)
             self._sys_attempt = e.attempt
-            self.util.add(t, float(d.get("util", np.nan)))
+            self.util.add(t, util)
             if self.max_nodes > 1:
-                self._node_sample(e.attempt, t, float(d.get("util", np.nan)))
-            total = d.get("mem_total") or 0
-            used = d.get("mem_used")
+                self._node_sample(e.attempt, t, util)
+            total, used = body.mem_total or 0, body.mem_used
             self.mem.add(t, 100.0 * used / total if total and used is not None else np.nan)
-        elif isinstance(body, codec.World):
-            self.max_nodes = max(self.max_nodes, body.max_nodes)
-            if len(self.state.worlds) == worlds:
-                return  # every node of a round says the same; an older round is old news
-        elif isinstance(body, codec.Instance) and body.launched:
-            self.pool = d.get("pool") or self.pool
-            self._price(e.time, d)
         elif isinstance(body, codec.Instance) and body.noticed:
             return
-        elif isinstance(body, codec.Price):
-            self._price(e.time, d)
-        elif isinstance(body, codec.Status) and e.attempt != GROUP_STREAM and \
-                body.state == "booting" and e.attempt not in self._booted:
-            # A node joins (none replaced) or replaces its slot's last; a single
-            # instance's boot is a resume only when it is the newest attempt seen.
-            if (e.attempt > self.max_nodes if self.multinode
-                    else e.attempt > max(self._attempt, 1, *self._booted)):
-                self._resume(e, replaced_attempt(e.attempt, self._booted, self.max_nodes))
-            self._booted.add(e.attempt)
-        elif isinstance(body, codec.Notice) and body.interruption and \
-                e.attempt not in self._ended:
-            reasons = dict(self.state.group_notices)  # instance id -> the group's reason
-            reason = _NOTICE_REASONS.get(reasons.get(str(e.instance), ""),
-                                         "spot interruption notice")
-            action = d.get("action")
-            detail = f"{reason} ({action})" if action else reason
-            self._end_attempt(Marker("interrupted", e.time, e.attempt, detail=detail))
-        elif isinstance(body, codec.Error) and body.retrying and e.attempt not in self._ended:
-            self._end_attempt(Marker("retry", e.time, e.attempt,
-                                     detail=f"{d.get('ename')}, retried in place"))
+        elif isinstance(body, (codec.World, codec.Instance, codec.Price, codec.Notice)):
+            pass  # the fold's: prices, the world, the markers
+        elif isinstance(body, (codec.Status, codec.Error)) and e.attempt != GROUP_STREAM:
+            pass  # the fold's: boots (resumes) and ends (markers)
         elif isinstance(body, codec.CheckpointEvent) and body.sync:
             if body.name == TB_SYNC_NAME and body.durable:
                 self.tensorboard_synced = True
         elif isinstance(body, codec.CheckpointEvent) and body.durable:
-            self.checkpoint = Checkpoint(int(d.get("step", 0)), int(d.get("bytes", 0)),
-                                         e.time, bool(d.get("forced")))
+            self.checkpoint = Checkpoint(body.step or 0, body.bytes, e.time, body.forced)
         else:
             return
-        if e.attempt != GROUP_STREAM:
-            self._attempt = max(self._attempt, e.attempt)
         self.version += 1
 
     def _node_sample(self, attempt: int, t: float, util: float) -> None:
@@ -607,15 +566,13 @@ class DashboardData:
             return
         step = float(step)
         t = float(e.data.get("t") or e.time)
-        moved = 0
         for name, value in (e.data.get("values") or {}).items():
             if not isinstance(value, (int, float)):
                 continue
             series = self.metrics.get(name)
             if series is None:
                 series = self.metrics[name] = MetricSeries(name, self.max_buckets)
-            moved = max(moved, series.add(e.attempt, step, float(value), t))
-        self._logged(e.attempt, step, step, moved)
+            series.add(e.attempt, step, float(value), t)
 
     def _metrics(self, e: Event) -> None:
         """A ``metrics`` batch in bulk, a column at a time: the same as its rows one by
@@ -623,7 +580,9 @@ class DashboardData:
         steps, times, columns = metric_columns(e)
         if len(steps) != len(times):  # a damaged batch: what its rows say, row by row
             for row in expand(e):
-                self.add([row])
+                self.first_time = row.time if self.first_time is None else self.first_time
+                self.last_time = max(self.last_time, row.time)
+                self._add(row)
             return
         if not len(steps):
             return
@@ -634,8 +593,6 @@ class DashboardData:
         known = t[~np.isnan(t)]
         if len(known):
             self.last_time = max(self.last_time, float(known.max()))
-        a = e.attempt
-        moved = 0
         for name in metric_names(columns):  # new series in the order the rows name them
             idx, vals = columns[name]
             n = min(len(vals), len(step) if idx is None else len(idx))
@@ -646,76 +603,19 @@ class DashboardData:
                 series = self.metrics[name] = MetricSeries(name, self.max_buckets)
             values = np.frombuffer(vals, dtype=float)[:n]
             rows = slice(0, n) if idx is None else np.frombuffer(idx, dtype=np.int32)[:n]
-            first_moved = series.add_many(a, step[rows], values, t[rows])
-            if idx is None or idx[0] == 0:  # a point of the first row
-                moved = max(moved, first_moved)
-        self._logged(a, float(step[0]), float(step.max()), moved)
-        if a != GROUP_STREAM:
-            self._attempt = max(self._attempt, a)
+            series.add_many(e.attempt, step[rows], values, t[rows])
         self.version += len(step)
 
-    def _logged(self, attempt: int, first: float, furthest: float, moved: int) -> None:
-        """Rows of ``attempt`` from step ``first`` (in log order) up to ``furthest``;
-        ``moved``: the points of its first row that showed earlier ones redone. An
-        attempt's first step: its resume marker learns it. The count of steps redone
-        is the fold's rule (RedoneSteps); the ended attempt's marker shows it."""
-        if attempt not in self.redo.first:
-            for marker in reversed(self.markers):
-                if marker.kind == "resumed" and marker.attempt == attempt:
-                    marker.step = first
-                    break
-        changed = self.redo.logged(attempt, first, furthest, moved)
-        if changed is not None and changed in self._ended:
-            self._ended[changed].redone = self.redo.of(changed)
-        ended = self._ended.get(attempt)
-        if ended is not None:  # a late row of an ended attempt
-            ended.step = self.redo.last[attempt]
+    # -- the markers: the fold's breaks and resumes ------------------------------------
 
-    def _end_attempt(self, marker: Marker) -> None:
-        marker.step = self.redo.last.get(marker.attempt)
-        self._ended[marker.attempt] = marker
-        self.redo.end(marker.attempt)
-        self.markers.append(marker)
-
-    def _resume(self, e: Event, previous: int | None) -> None:
-        """A replacement booted; ``previous``, the attempt it replaces, ended."""
-        if previous is not None and previous in self._booted and \
-                previous not in self._ended:
-            # The attempt before ended without a notice or an error: its instance died.
-            self._end_attempt(Marker("lost", e.time, previous,
-                                     detail="the instance went away without a notice"))
-        where = " ".join(str(p) for p in (e.data.get("instance_type"), e.data.get("az")) if p)
-        where += f" ({e.instance})" if e.instance else ""
-        detail = str(e.data.get("detail") or "")
-        how = detail if detail.startswith("retrying") else f"on {where.strip()}"
-        if self.multinode:
-            how = f"node {layout.node_slot(e.attempt, self.max_nodes)} replaced, {how}"
-        self.markers.append(Marker("resumed", e.time, e.attempt, detail=how))
-
-    def _price(self, when: float, d: dict[str, Any]) -> None:
-        name = str(d.get("pool") or self.pool or "")
-        if not name:
-            return
-        pool = self.pools.get(name)
-        if pool is None:
-            pool = self.pools[name] = PoolPrices(name)
-        if d.get("price") is not None:
-            pool.times.append(when)
-            pool.prices.append(float(d["price"]))
-        if d.get("ondemand"):
-            pool.ondemand = float(d["ondemand"])
-        source = d.get("price_source") or d.get("source")
-        if source:
-            pool.history = str(source)
-        if d.get("history_time") and pool.replay_from is None:
-            import datetime
-
-            try:
-                replayed = datetime.datetime.fromisoformat(str(d["history_time"]))
-            except ValueError:
-                return
-            pool.replay_wall, pool.replay_from = when, replayed.timestamp()
-            pool.replay_scale = float(d.get("history_scale") or 1.0)
+    @property
+    def markers(self) -> list[Marker]:
+        """Interruptions, lost instances, retries and resumes, in time order, as the
+        fold says them (its breaks: the last step, the steps redone; each resumed
+        attempt's first step)."""
+        if self._markers is None or self._markers[0] != self.state.changes:
+            self._markers = (self.state.changes, _markers(self.state))
+        return self._markers[1]
 
     def write(self, text: str, stderr: bool = False) -> None:
         """Remote output text (may hold partial lines)."""
@@ -746,20 +646,6 @@ class DashboardData:
         return self.line_count - len(self.head) - len(self.lines)
 
     # -- output --------------------------------------------------------------------
-
-    @property
-    def ondemand(self) -> float | None:
-        """The on-demand price of the current pool (USD/hour)."""
-        pool = self.pools.get(self.pool or "")
-        return pool.ondemand if pool is not None else None
-
-    def price_at(self, when: float) -> float | None:
-        """The current pool's spot price at ``when`` (the step function's value)."""
-        pool = self.pools.get(self.pool or "")
-        if pool is None or not pool.prices:
-            return None
-        i = bisect.bisect_right(pool.times, when) - 1
-        return pool.prices[max(i, 0)]
 
     def sys_points(self, which: Reduced, full: bool = False,
                    gaps: list[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -803,7 +689,8 @@ class DashboardData:
     def _step_map(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`time_to_step`'s rows ``(time, step)`` in time order, and whether each
         row is bridged to the next; computed once per :attr:`version`."""
-        if self._map is not None and self._map[0] == self.version:
+        key = (self.version, self.state.changes)
+        if self._map is not None and self._map[0] == key:
             return self._map[1]
         series = max(self.metrics.values(), default=None,
                      key=lambda s: len(s.curve) + len(s.redone))
@@ -820,7 +707,7 @@ class DashboardData:
                                     dtype=float))
         # Rows i and i + 1 are bridged unless a break falls in (t[i], t[i + 1]].
         bridged = np.diff(np.searchsorted(breaks, t, side="right")) == 0
-        self._map = (self.version, (t, x, bridged))
+        self._map = (key, (t, x, bridged))
         return t, x, bridged
 
     @property
@@ -871,9 +758,47 @@ class DashboardData:
             "sys": len(self.util),
             "nodes": {k: len(v) for k, v in self.node_util.items()},
             "worlds": len(self.worlds),
-            "price": sum(len(p.prices) for p in self.pools.values()),
+            "price": sum(len(p.series) for p in self.pools.values()),
             "markers": len(self.markers),
         }
+
+
+def _markers(state: JobState) -> list[Marker]:
+    """:attr:`DashboardData.markers` of ``state``."""
+    out = []
+    reasons = dict(state.group_notices)  # instance id -> the group's reason
+    for b in state.breaks():
+        a = state.attempts[b.attempt]
+        if b.reason is EndReason.INTERRUPTED:
+            reason = _NOTICE_REASONS.get(reasons.get(str(a.instance), ""),
+                                         "spot interruption notice")
+            detail = f"{reason} ({a.notice_action})" if a.notice_action else reason
+            kind, when = "interrupted", a.notice_time or b.time
+        elif b.reason is EndReason.MOVED:
+            kind, when = "interrupted", a.notice_time or b.time
+            detail = "its warm standby took over"
+        elif b.reason is EndReason.ERROR_RETRIED:
+            ename = (a.error or {}).get("ename")
+            kind, when, detail = "retry", b.time, f"{ename}, retried in place"
+        else:
+            kind, when = "lost", b.time
+            detail = "the instance went away without a notice"
+        out.append(Marker(kind, when, b.attempt, step=b.step, redone=b.redone,
+                          detail=detail))
+    booted = [n for n, a in state.attempts.items() if a.boot_time is not None]
+    for a in state.attempts.values():
+        if a.boot_time is None or a.number <= (state.max_nodes if state.max_nodes > 1 else 1):
+            continue
+        where = " ".join(str(p) for p in (a.instance_type, a.az) if p)
+        where += f" ({a.instance_id})" if a.instance_id else ""
+        how = f"on {where.strip()}"
+        before = replaced_attempt(a.number, booted, state.max_nodes)
+        if before is not None and state.attempts[before].reason is EndReason.ERROR_RETRIED:
+            how = f"retried in place {how}"  # after the error its marker names
+        if state.max_nodes > 1:
+            how = f"node {layout.node_slot(a.number, state.max_nodes)} replaced, {how}"
+        out.append(Marker("resumed", a.boot_time, a.number, step=a.first_step, detail=how))
+    return sorted(out, key=lambda m: m.time)
 
 
 def _clip(line: str) -> str:

@@ -390,18 +390,18 @@ class NodeRun:
 
     def on_restored(self, step: int) -> None:
         """A runtime restored the checkpoint of ``step``: after a join, global rank 0's
-        node says who joined and how many steps were redone (``joined`` event): every
-        rank held at the join's save, so the steps after the restored one up to it
-        (none, unless that save could not be read and an older one was)."""
+        node says who joined, the step saved before re-forming and the one restored
+        (``joined`` event; the steps redone are the fold's, from the rows that follow:
+        every rank held at the join's save, so none, unless that save could not be read
+        and an older one was)."""
         if self.after_join is None or not self.rank0_here or self.group is None:
             return
         before, self.after_join = self.after_join, None
-        redone = max(0, before - step)
         joined = sorted((self.round_slots or set()) - self._slots_before) \
             if self._slots_before is not None else []
         self.agent.emit("joined", nodes=joined, node_count=self.group.group_world_size,
                          world_size=self.group.workers[0].world_size, step=step,
-                         saved_step=before, redone=redone)
+                         saved_step=before)
         self.agent.flush_soon()
 
     def _held_slots(self) -> set[int] | None:

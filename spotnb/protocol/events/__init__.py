@@ -74,7 +74,7 @@ vocabulary every reader may rely on):
 ``joined``      a distributed job's world re-formed with nodes that joined, from
                 global rank 0's node: ``nodes`` (their slots), ``node_count``,
                 ``world_size``, ``saved_step`` (the save before the join), ``step``
-                (restored), ``redone`` (steps run again)
+                (restored); the steps redone are the fold's (``JobState.join_redone``)
 ``usage``       ``requests`` {"service:operation": count} made so far by the
                 ``process`` (job-agent, instance-agent, ...) that emits it
 ``warning``     ``kind`` (``notice-fit``: checkpoints take too long for the notice),
@@ -92,6 +92,7 @@ from __future__ import annotations
 import array
 import base64
 import dataclasses
+import enum
 import functools
 import json
 import sys
@@ -107,7 +108,9 @@ __all__ = [
     "Event",
     "EventReader",
     "EventWriter",
+    "JobStatus",
     "expand",
+    "is_terminal",
     "last_values",
     "log_state",
     "merge_metrics",
@@ -118,6 +121,7 @@ __all__ = [
     "parse_chunk",
     "rows_after",
     "step_span",
+    "step_times",
     "stream_name",
 ]
 
@@ -125,25 +129,65 @@ SCHEMA_VERSION = 1
 EVENTS_PREFIX = "events/"
 GROUP_STREAM = 0
 
-#: Job states, in the order a healthy job moves through them (``paused``: the agent
-#: cannot confirm its lease, the store being out of reach; training waits).
-STATES = (
-    "submitted",
-    "waiting_for_capacity",
-    "launching",
-    "booting",
-    "restoring",
-    "running",
-    "checkpointing",
-    "paused",
-    "interrupted",
-    "completed",
-    "failed",
-    "stopped",
-)
-#: The states of a job that ended (``pruned``: stopped by a sweep's pruner, as its
-#: ``pruned`` event says; no agent writes it).
-FINAL_STATES = frozenset({"completed", "failed", "stopped", "pruned"})
+class JobStatus(str, enum.Enum):
+    """A job's state: the one vocabulary of ``status`` events, ``result.json``, the fold
+    (:attr:`~spotnb.protocol.events.fold.JobState.status`) and every view, in the order
+    a healthy job moves through them (``paused``: the agent cannot confirm its lease,
+    the store being out of reach; training waits; ``pruned``: stopped by a sweep's
+    pruner, as its ``pruned`` event says; no agent writes it). Every caller asks a member
+    (:attr:`is_terminal`), none keeps its own list of states."""
+
+    SUBMITTED = "submitted"
+    WAITING_FOR_CAPACITY = "waiting_for_capacity"
+    LAUNCHING = "launching"
+    BOOTING = "booting"
+    RESTORING = "restoring"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    PAUSED = "paused"
+    INTERRUPTED = "interrupted"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    PRUNED = "pruned"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the job has ended (its result is written): nothing changes after."""
+        return self in _TERMINAL
+
+    @property
+    def label(self) -> str:
+        """The state in words (``waiting for capacity``)."""
+        return self.value.replace("_", " ")
+
+    @classmethod
+    def parse(cls, value: Any, default: JobStatus | None = None) -> JobStatus | None:
+        """``value`` as a member; ``default`` for anything else (a newer spotnb's
+        state, a missing one)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return default
+
+
+_TERMINAL = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED,
+                       JobStatus.PRUNED})
+
+#: The states' values, in :class:`JobStatus`' order, and those of an ended job (derived
+#: from it: for readers that hold plain strings).
+STATES = tuple(s.value for s in JobStatus)
+FINAL_STATES = frozenset(s.value for s in _TERMINAL)
+
+
+def is_terminal(status: Any) -> bool:
+    """Whether ``status`` (a :class:`JobStatus` or its value; any other string: a
+    newer spotnb's, said as it is) is that of an ended job."""
+    parsed = JobStatus.parse(status)
+    return parsed is not None and parsed.is_terminal
 
 
 def stream_name(attempt: int) -> str:
@@ -263,6 +307,18 @@ def step_span(event: Event) -> tuple[int, int] | None:
     return (int(head[0]), int(last)) if len(head) and last is not None else None
 
 
+def step_times(event: Event) -> tuple[array.array[Any], array.array[Any]]:
+    """The step and the time of each row of a ``metric`` or ``metrics`` event, as
+    arrays (the values are not read)."""
+    if codec.is_row(event):
+        t = event.data.get("t")
+        return (array.array("q", [int(event.data.get("step") or 0)]),
+                array.array("d", [event.time if t is None else float(t)]))
+    if not codec.is_batch(event):
+        return array.array("q"), array.array("d")
+    return _unpack("q", event.data.get("step") or []), _unpack("d", event.data.get("t") or [])
+
+
 def metrics_data(rows: Iterable[tuple[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
     """The ``data`` of a ``metrics`` event for rows ``(step, t, {name: value})``."""
     steps: list[int] = []
@@ -342,13 +398,30 @@ def last_values(event: Event) -> dict[str, float]:
         return dict(event.data.get("values") or {})
     if not codec.is_batch(event):
         return {}
-    out: dict[str, float] = {}
+    found: list[tuple[int, str, float]] = []
     for name, column in (event.data.get("values") or {}).items():
         values = column.get("v", []) if isinstance(column, dict) else column
         last = _unpack_last("d", values)
         if last is not None:
-            out[name] = last
-    return out
+            first = _first_row(column.get("i", [])) if isinstance(column, dict) else 0
+            found.append((first, name, last))
+    # In the order the rows name them (a batch may store its columns in any order).
+    found.sort(key=lambda item: item[0])
+    return {name: last for _first, name, last in found}
+
+
+def _first_row(indices: Any) -> int:
+    """The first row index of a sparse column (its head: a few bytes decoded)."""
+    if isinstance(indices, list):
+        return int(indices[0]) if indices else sys.maxsize
+    raw = base64.b64decode(indices[:8])[:4]
+    if len(raw) < 4:
+        return sys.maxsize
+    column = array.array("i")
+    column.frombytes(raw)
+    if sys.byteorder != "little":
+        column.byteswap()
+    return int(column[0])
 
 
 def merge_metrics(events: list[Event]) -> Event:

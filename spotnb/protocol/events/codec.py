@@ -124,10 +124,12 @@ class ProgressTotal:
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
-    """``stream``: stdout/stderr text."""
+    """``stream``: stdout/stderr text (``replayed_by``: the attempt that recorded it
+    from the checkpoint that carried it, its own attempt's instance lost first)."""
 
     name: str
     text: str
+    replayed_by: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +217,12 @@ class Price:
     instance_type: str | None = None
     az: str | None = None
     ondemand: float | None = None
+    #: Where the prices come from (AWS: live; the local cloud: the history it replays),
+    #: and for a replay, the real moment this price is from (ISO) and the real seconds
+    #: that pass per wall second.
+    source: str | None = None
+    history_time: str | None = None
+    history_scale: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,7 +405,6 @@ class Joined:
     world_size: int
     step: int
     saved_step: int | None
-    redone: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,7 +485,10 @@ def _standby(e: Event, d: dict[str, Any]) -> Standby:
 def _price(e: Event, d: dict[str, Any]) -> Price:
     return Price(pool=_str(d.get("pool")), price=_opt_float(d.get("price")),
                  instance_type=_opt_str(d.get("instance_type")), az=_opt_str(d.get("az")),
-                 ondemand=_opt_float(d.get("ondemand")))
+                 ondemand=_opt_float(d.get("ondemand")),
+                 source=_opt_str(d.get("price_source") or d.get("source")),
+                 history_time=_opt_str(d.get("history_time")),
+                 history_scale=_opt_float(d.get("history_scale")))
 
 
 def _region(e: Event, d: dict[str, Any]) -> Region:
@@ -503,7 +513,9 @@ _DECODERS: dict[str, Any] = {
     "metrics": lambda e, d: Metrics(),
     "progress": lambda e, d: ProgressTotal(total=_int(d.get("total")) or None,
                                            source=_str(d.get("source"))),
-    "stream": lambda e, d: Stream(name=_str(d.get("name"), "stdout"), text=_str(d.get("text"))),
+    "stream": lambda e, d: Stream(
+        name=_str(d.get("name"), "stdout"), text=_str(d.get("text")),
+        replayed_by=None if d.get("replayed_by") is None else _int(d.get("replayed_by"))),
     "display": lambda e, d: Display(kind=_str(d.get("kind"), "display_data"),
                                     data=_dict(d.get("data")), metadata=_dict(d.get("metadata")),
                                     display_id=d.get("display_id"),
@@ -537,8 +549,7 @@ _DECODERS: dict[str, Any] = {
     "joined": lambda e, d: Joined(
         nodes=tuple(_int(n) for n in d.get("nodes") or () if isinstance(n, int)),
         world_size=_int(d.get("world_size")), step=_int(d.get("step")),
-        saved_step=None if d.get("saved_step") is None else _int(d.get("saved_step")),
-        redone=_int(d.get("redone"))),
+        saved_step=None if d.get("saved_step") is None else _int(d.get("saved_step"))),
 }
 
 

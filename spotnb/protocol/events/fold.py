@@ -1,28 +1,46 @@
 """One fold of a job's events into a :class:`JobState`.
 
 Every reader of a job's story (its summary, the display's header and progress line, the
-dashboard, records, notifications, the job listing, the providers' budget and deadline
-checks) reads it from here, so they tell the same story: what the group launched and
-ended, at which prices; which attempts booted on which instance, and how each ended;
-the node slots and the world of a multi-node job; checkpoints, notices, the requests
-spotnb made, and the job's status with its reason.
+dashboard and its markers, records, comparisons, sweeps, notifications, the job listing,
+the providers' budget and deadline checks) reads it from here, so they tell the same
+story: what the group launched and ended, at which prices (the one price source) and in
+which region (the group's region choices: where it started, each move, and the
+checkpoint's transfers between regions, in the cost); which
+attempts booted on which instance, and how each ended (:class:`EndReason`); where the
+job broke off and what that cost (:class:`Break`: steps redone, time and money); the
+current step, the total and the pace (:mod:`spotnb.protocol.events.steps`); the node
+slots and the world of a multi-node job, and the nodes that joined it; checkpoints,
+notices, the requests spotnb made; and the job's status with its reason
+(:class:`~spotnb.protocol.events.JobStatus`), which is final once the job's result is.
+A view keeps no ledger of its own: it asks the fold.
 
 The fold is incremental: :meth:`JobState.apply` takes one event (in the order a reader
 gets them: time order within a stream; a stream read late may bring older events) and
 costs a few dict operations; a ``metrics`` batch costs the decoding of its columns'
-last values only.
+first and last values only (:mod:`~spotnb.protocol.events.steps` says when more).
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import enum
-from collections.abc import Iterable
+import datetime
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from spotnb.protocol import billing, layout, usage
-from spotnb.protocol.events import FINAL_STATES, GROUP_STREAM, Event, codec, last_values, step_span
+from spotnb.protocol import layout
+from spotnb.protocol.events import GROUP_STREAM, Event, JobStatus, codec, expand, last_values
+from spotnb.protocol.events.money import Money, integrate, savings_pct
+from spotnb.protocol.events.parts import (
+    AttemptState,
+    Break,
+    EndReason,
+    InstanceState,
+    Join,
+    Launching,
+    PoolState,
+    StandbyState,
+)
+from spotnb.protocol.events.steps import Segment, Steps
 
 __all__ = [
     "AttemptState",
@@ -31,185 +49,27 @@ __all__ = [
     "InstanceState",
     "JobState",
     "JobStatus",
+    "Join",
     "Launching",
-    "RedoneSteps",
+    "PoolState",
     "StandbyState",
     "fold",
+    "integrate",
     "replaced_attempt",
+    "savings_pct",
 ]
 
 
-class JobStatus(str, enum.Enum):
-    """A job's state (``spotnb.protocol.events.STATES``)."""
-
-    SUBMITTED = "submitted"
-    WAITING_FOR_CAPACITY = "waiting_for_capacity"
-    LAUNCHING = "launching"
-    BOOTING = "booting"
-    RESTORING = "restoring"
-    RUNNING = "running"
-    CHECKPOINTING = "checkpointing"
-    PAUSED = "paused"
-    INTERRUPTED = "interrupted"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def final(self) -> bool:
-        return self.value in FINAL_STATES
-
-    @classmethod
-    def parse(cls, value: Any, default: JobStatus) -> JobStatus:
-        try:
-            return cls(value)
-        except ValueError:
-            return default
-
-
-class EndReason(str, enum.Enum):
-    """How an attempt ended (``RUNNING`` while it runs)."""
-
-    RUNNING = "running"
-    INTERRUPTED = "interrupted"  # a spot interruption notice
-    MOVED = "moved to its standby"  # the group ended it: its warm standby took over
-    ERROR_RETRIED = "error (retried)"
-    ERROR = "error"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    STOPPED = "stopped"
-    ENDED_WITH_JOB = "ended with the job"  # a multi-node job's node when the job ended
-    LOST = "lost"  # the instance went away without a notice
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclasses.dataclass
-class InstanceState:
-    """An instance the group launched (its stream's ``instance`` events)."""
-
-    instance_id: str
-    start: float
-    pool: str = ""
-    price: float | None = None
-    ondemand: float | None = None
-    instance_type: str | None = None
-    az: str | None = None
-    end: float | None = None
-    end_reason: str | None = None
-    time_scale: float = 1.0  # market seconds a real second (the local cloud's)
-    region: str | None = None
-
-    @property
-    def free(self) -> bool:
-        """Ended, and costs nothing: EC2 interrupted it in its first hour
-        (:mod:`spotnb.protocol.billing`). A running instance is billed until then."""
-        return self.end is not None and billing.free_of_charge(
-            self.end_reason, (self.end - self.start) * self.time_scale)
-
-
-@dataclasses.dataclass
-class AttemptState:
-    """One attempt: its stream's events, folded."""
-
-    number: int
-    node: int
-    first_time: float
-    last_time: float
-    first_instance: str | None
-    boot_time: float | None = None
-    instance_id: str | None = None
-    instance_type: str | None = None
-    az: str | None = None
-    region: str | None = None  # its instance's, as its boot said
-    # How its events said it ended, in their order (the job's end decides the rest:
-    # JobState.end_reason).
-    reason: EndReason = EndReason.RUNNING
-    result_status: str | None = None
-    noticed: bool = False  # had a spot interruption notice
-    error: dict[str, Any] | None = None
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    # The first step it logged, and its newest (None before any metric).
-    first_step: int | None = None
-    last_step: int | None = None
-
-    @property
-    def start(self) -> float:
-        return self.boot_time if self.boot_time is not None else self.first_time
-
-
-@dataclasses.dataclass(frozen=True)
-class Break:
-    """An attempt that ended early and was followed by another: how (``reason``), when
-    (its last event), the last step it logged, the step the next attempt of its node
-    slot logged first, and the steps redone (None while either is unknown)."""
-
-    attempt: int
-    reason: EndReason
-    time: float
-    step: int | None
-    resumed_at: int | None
-    redone: int | None
-
-
-@dataclasses.dataclass
-class StandbyState:
-    """A warm standby (spotnb.kernel_remote.standby): launched on a rebalance
-    recommendation of ``standby_for``; ready once its kernel waited at the cell's
-    restore point; then either given back (not ready in time) or the job's next attempt
-    (``attempt``), whose training went on at ``restored``."""
-
-    instance_id: str
-    standby_for: str | None = None
-    launched: float | None = None
-    kernel_started: float | None = None
-    ready: float | None = None
-    given_back: float | None = None
-    attempt: int | None = None
-    lease_at: float | None = None
-    restored: float | None = None
-    read_bytes: int = 0
-
-    def story(self, state: JobState) -> list[tuple[float, str]]:
-        """What happened to it, in words, with the time of each (the dashboard's and
-        the notifications' lines)."""
-        out: list[tuple[float, str]] = []
-        if self.launched is not None:
-            out.append((self.launched, "rebalance recommendation: standby booting"))
-        if self.ready is not None:
-            out.append((self.ready, "standby ready"))
-        handover = state.handover_seconds(self)
-        if handover is not None and self.restored is not None:
-            out.append((self.restored, f"handed over in {handover:.1f} s"))
-        if self.given_back is not None:
-            out.append((self.given_back, "standby given back (not ready in time): "
-                        f"${state.instance_cost(self.instance_id):.3f}"))
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Launching:
-    """The group launching (or waiting for capacity for) an instance no attempt has
-    booted on yet."""
-
-    time: float
-    waiting: bool
-    instance_type: str | None
-    az: str | None
-
-
-class JobState:
+class JobState(Money):
     """A job's events folded (module docstring). ``max_nodes``: a multi-node job's
     MAX nodes (which node slot an attempt is: ``layout.node_slot``)."""
 
     def __init__(self, max_nodes: int = 1) -> None:
         self.max_nodes = max(1, max_nodes)
         self.instances: dict[str, InstanceState] = {}
-        # pool -> [(time, USD/hour)], in time order (launch prices and price events)
+        #: Each pool's spot price as it changed, with its on-demand price and where the
+        #: prices come from; ``prices[pool]`` is ``pools[pool].series``.
+        self.pools: dict[str, PoolState] = {}
         self.prices: dict[str, list[tuple[float, float]]] = {}
         self.noticed_instances: set[str] = set()  # the group's notices
         self.terminated: set[str] = set()  # instances the group reported ended
@@ -220,9 +80,13 @@ class JobState:
         self.attempts: dict[int, AttemptState] = {}
         self.usage: dict[tuple[Any, int, str | None], dict[str, Any]] = {}
         self.worlds: list[tuple[float, int, int]] = []
+        #: Nodes that joined a multi-node job's world, in order.
+        self.joins: list[Join] = []
+        #: The job's status and its reason: final (``is_terminal``) once its result is.
         self.status = JobStatus.SUBMITTED
         self.detail = ""
-        self.result: codec.Result | None = None
+        self._status_attempt = 0  # the newest attempt whose status the job's is
+        self.result: codec.Result | None = None  # the first result: the job's end
         self.checkpoints: list[codec.CheckpointEvent] = []  # durable ones, in order
         self.last_checkpoint: tuple[float, codec.CheckpointEvent] | None = None
         self.synced: dict[str, None] = {}  # synced directories' names, in order
@@ -235,6 +99,8 @@ class JobState:
         self.first_launch: float | None = None
         #: The job's warm standbys, by instance id, in launch order.
         self.standbys: dict[str, StandbyState] = {}
+        #: The metric rows' steps: segments, redone steps, current step, total, pace.
+        self.steps = Steps(scan=self.max_nodes > 1)
         #: A sweep's pruner stopped the job (one of its trials) early: where, and why.
         self.pruned: codec.Pruned | None = None
         #: instance id -> the time of the newest event that came from it
@@ -244,44 +110,74 @@ class JobState:
         self.regions: list[tuple[float, codec.Region]] = []
         #: Checkpoint bytes that crossed regions, by key (each counted once).
         self.transfers: dict[str, codec.Transfer] = {}
+        #: Events applied so far: a view that caches what it computes from the fold
+        #: keys its cache on this.
+        self.changes = 0
 
     # -- input ---------------------------------------------------------------------
 
     def apply(self, e: Event) -> None:
         """Fold one event in."""
-        t = e.time
+        self.changes += 1
+        t = t_last = e.time
+        row = codec.is_row(e)
+        if (row or codec.is_batch(e)) and e.attempt != GROUP_STREAM:
+            span = self.steps.add(e)  # the rows' own times (a batch's: its earliest, latest)
+            if span is None and not row:  # a damaged batch: what its rows say
+                for each in expand(e):
+                    self.apply(each)
+                return
+            t, t_last = span or (t, t)
         if self.first_time is None or t < self.first_time:
             self.first_time = t
-        if self.last_time is None or t > self.last_time:
-            self.last_time = t
-        if e.instance is not None and t > self.heard.get(e.instance, 0.0):
-            self.heard[e.instance] = t
-        if codec.is_row(e):  # most of a log: no body built for each
+        if self.last_time is None or t_last > self.last_time:
+            self.last_time = t_last
+        if e.instance is not None and t_last > self.heard.get(e.instance, 0.0):
+            self.heard[e.instance] = t_last
+        if row or codec.is_batch(e):  # most of a log: no body built for a row
             if e.attempt != GROUP_STREAM:
                 a = self._attempt_of(e)
-                a.last_time = t
-                values = e.data.get("values")
+                a.last_time = max(a.last_time, t_last)
+                values = e.data.get("values") if row else last_values(e)
                 if values:
                     a.metrics.update(values)
-                self._steps(a, e)
+                seg = self.steps.last_segment(e.attempt)
+                if seg is not None:
+                    if a.first_step is None:
+                        a.first_step = seg.first_step
+                    a.last_step = seg.furthest if a.last_step is None else \
+                        max(a.last_step, seg.furthest)
             return
         body = e.body
         if e.attempt == GROUP_STREAM:
             self._group(e, body)
         else:
             self._attempt(e, body)
-        if isinstance(body, codec.Status) and not JobStatus.parse(
-                body.state, JobStatus.SUBMITTED).final and body.state:
-            self.status = JobStatus.parse(body.state, self.status)
-            self.detail = body.detail
+        if isinstance(body, codec.Status):
+            self._status(e, body)
+        elif isinstance(body, codec.Result):
+            if self.result is None:  # the first result is the job's (result.json's)
+                self.result = body
+                self.status = JobStatus.parse(body.status, JobStatus.FAILED) or \
+                    JobStatus.FAILED
+                self.detail = body.reason
+                self._pruned()
+        elif isinstance(body, codec.ProgressTotal):
+            if body.total:
+                self.steps.total, self.steps.total_source = body.total, body.source
         elif isinstance(body, codec.Usage):
             self.usage[(body.process, e.attempt, e.instance)] = body.requests
         elif isinstance(body, codec.World):
             now = (body.nodes, body.world_size)
             self.max_nodes = max(self.max_nodes, body.max_nodes)
+            self.steps.scan = self.steps.scan or self.max_nodes > 1
             # Each node reports every round: keep the changes, in time order.
             if not self.worlds or (self.worlds[-1][1:] != now and t >= self.worlds[-1][0]):
                 self.worlds.append((t, *now))
+        elif isinstance(body, codec.Joined):
+            self.joins.append(Join(e, e.attempt, body.nodes, body.world_size,
+                                   body.saved_step, body.step, self.steps.started,
+                                   self.steps.taken))
         elif isinstance(body, codec.CheckpointEvent):
             if body.sync:
                 if body.name:
@@ -295,11 +191,38 @@ class JobState:
                 self.param_sources[body.source] = None
         elif isinstance(body, codec.Pruned):
             self.pruned = body
+            self._pruned()
 
     def apply_all(self, events: Iterable[Event]) -> JobState:
         for e in events:
             self.apply(e)
         return self
+
+    def _status(self, e: Event, body: codec.Status) -> None:
+        """The job's status: the newest attempt's say; the group's own (waiting for
+        capacity, launching a replacement) before any attempt's or after an
+        interruption; final from the result (or the ending attempt's closing status),
+        and then never again changed."""
+        state = JobStatus.parse(body.state)
+        if state is None or self.status.is_terminal:
+            return
+        if e.attempt == GROUP_STREAM:
+            if state.is_terminal:
+                return  # the group stopping the job: its result says the end
+            if self._status_attempt and self.status is not JobStatus.INTERRUPTED:
+                return
+        elif e.attempt < self._status_attempt:
+            return
+        else:
+            self._status_attempt = e.attempt
+        self.status, self.detail = state, body.detail
+        self._pruned()
+
+    def _pruned(self) -> None:
+        """A job stopped after a sweep's pruner said so (its ``pruned`` event, read
+        before or after the stop) is ``pruned``, with the step and the metric's value."""
+        if self.status is JobStatus.STOPPED and self.pruned is not None:
+            self.status, self.detail = JobStatus.PRUNED, self.pruned.text
 
     def _group(self, e: Event, body: codec.Body) -> None:
         if isinstance(body, codec.Instance):
@@ -321,8 +244,7 @@ class JobState:
                     time_scale=body.time_scale, region=body.region)
                 if self.first_launch is None or e.time < self.first_launch:
                     self.first_launch = e.time
-                if body.price is not None:
-                    self._price(body.pool, e.time, body.price)
+                self._price(body.pool, e.time, body.price, body.ondemand)
             elif body.terminated:
                 self.terminated.add(iid)
                 if iid in self.instances:
@@ -335,8 +257,10 @@ class JobState:
             elif body.rebalance:
                 self.group_rebalances.append((e.time, str(body.instance_id or e.instance),
                                               body.reason or ""))
-        elif isinstance(body, codec.Price) and body.price is not None:
-            self._price(body.pool, e.time, body.price)
+        elif isinstance(body, codec.Price):
+            pool = self._price(body.pool, e.time, body.price, body.ondemand)
+            if pool is not None:
+                self._price_source(pool, e.time, body)
         elif isinstance(body, codec.Region) and body.region:
             bisect.insort(self.regions, (e.time, body), key=lambda item: item[0])
         elif isinstance(body, codec.Transfer) and body.key:
@@ -352,12 +276,35 @@ class JobState:
             sb = self.standbys[instance_id] = StandbyState(instance_id)
         return sb
 
-    def _price(self, pool: str, t: float, price: float) -> None:
-        series = self.prices.setdefault(pool, [])
-        if not series or t >= series[-1][0]:
-            series.append((t, price))
-        else:
-            bisect.insort(series, (t, price))
+    def _price(self, name: str, t: float, price: float | None,
+               ondemand: float | None) -> PoolState | None:
+        if not name:
+            return None
+        pool = self.pools.get(name)
+        if pool is None:
+            pool = self.pools[name] = PoolState(name)
+            self.prices[name] = pool.series
+        if ondemand:
+            pool.ondemand = ondemand
+        if price is not None:
+            series = pool.series
+            if not series or t >= series[-1][0]:
+                series.append((t, price))
+            else:
+                bisect.insort(series, (t, price))
+        return pool
+
+    @staticmethod
+    def _price_source(pool: PoolState, t: float, body: codec.Price) -> None:
+        if body.source:
+            pool.history = body.source
+        if body.history_time and pool.replay_from is None:
+            try:
+                replayed = datetime.datetime.fromisoformat(body.history_time)
+            except ValueError:
+                return
+            pool.replay_wall, pool.replay_from = t, replayed.timestamp()
+            pool.replay_scale = body.history_scale or 1.0
 
     def _room_for_launch(self, t: float) -> bool:
         """Whether a launch the group reports at ``t`` is for an instance no attempt
@@ -378,11 +325,8 @@ class JobState:
 
     def _attempt(self, e: Event, body: codec.Body) -> None:
         a = self._attempt_of(e)
-        a.last_time = e.time
-        if isinstance(body, codec.Metrics):
-            a.metrics.update(last_values(e))
-            self._steps(a, e)
-        elif isinstance(body, codec.Status):
+        a.last_time = max(a.last_time, e.time)
+        if isinstance(body, codec.Status):
             if body.state == "booting" and a.boot_time is None:
                 a.boot_time = e.time
                 a.instance_id = e.instance
@@ -391,13 +335,12 @@ class JobState:
                 inst = self.instances.get(e.instance or "")
                 a.region = body.region or (inst.region if inst is not None else None)
                 self.launching = None
-        elif isinstance(body, codec.Notice):
-            if body.moved:  # not an interruption: the job left an at-risk instance
-                a.reason = EndReason.MOVED
-                a.noticed = True
-            elif body.interruption:
-                a.reason = EndReason.INTERRUPTED
-                a.noticed = True
+        elif isinstance(body, codec.Notice) and body.interruption:
+            # A move is not an interruption: the job left an at-risk instance.
+            a.reason = EndReason.MOVED if body.moved else EndReason.INTERRUPTED
+            if not a.noticed:
+                a.noticed, a.notice_time, a.notice_action = True, e.time, body.action
+            if not body.moved:
                 self.notices.append((e.time, e.attempt, e.instance))
         elif isinstance(body, codec.Standby):
             sb = self._standby(str(e.instance))
@@ -412,64 +355,192 @@ class JobState:
             a.error = {"ename": body.ename, "evalue": body.evalue,
                        "traceback": body.traceback}
             a.reason = EndReason.ERROR_RETRIED if body.retrying else EndReason.ERROR
-        elif isinstance(body, codec.Result):
-            self.result = body
-            if body.status is not None:
-                # A status this version does not name is said as it is (end_reason).
-                a.result_status = body.status
-                a.reason = EndReason.__members__.get(body.status.upper(), EndReason.FAILED)
+        elif isinstance(body, codec.Result) and body.status is not None:
+            # A status this version does not name is said as it is (end_reason).
+            a.result_status = body.status
+            a.reason = EndReason.__members__.get(body.status.upper(), EndReason.FAILED)
 
-    @staticmethod
-    def _steps(a: AttemptState, e: Event) -> None:
-        span = step_span(e)
-        if span is None:
-            return
-        if a.first_step is None:
-            a.first_step = span[0]
-        a.last_step = span[1] if a.last_step is None else max(a.last_step, span[1])
+    # -- the job's status ------------------------------------------------------------
 
-    # -- figures -------------------------------------------------------------------
+    @property
+    def final(self) -> bool:
+        """Whether the job has ended (its result is in the log)."""
+        return self.status.is_terminal
 
-    def breaks(self, final: bool = False) -> list[Break]:
-        """Each attempt that ended before the job did and was followed by another
-        (interrupted, lost, or a user-code error retried), in attempt order: where it
-        ended, where the next attempt that logged a step resumed, and the steps redone
-        (:class:`RedoneSteps`' rule, fed with each attempt's first and furthest step in
-        attempt order: both from the same pairing). ``final``: the job has ended (an
-        attempt with no word of its end is then lost)."""
+    def outcome(self, result: Mapping[str, Any] | None = None) -> tuple[str, str]:
+        """The job's status and reason as every view says them: ``result.json``'s
+        (``result``: the job's own word, written first) where there is one, else the
+        log's (a result the log holds, else the newest status). A status this version
+        does not name is said as it is. A job stopped after a sweep's pruner said so
+        (its ``pruned`` event) is ``pruned``, with the step and the metric's value."""
+        if result is not None and result.get("status"):
+            status, reason = str(result["status"]), str(result.get("reason", ""))
+        elif self.result is not None and self.result.status:
+            status, reason = self.result.status, self.result.reason
+        else:
+            return self.status.value, self.detail
+        if status == JobStatus.STOPPED.value and self.pruned is not None:
+            return JobStatus.PRUNED.value, self.pruned.text
+        return status, reason
+
+    def current_attempt(self) -> AttemptState | None:
+        """The newest attempt that booted (the job runs, or last ran, on it)."""
+        booted = [n for n, a in self.attempts.items() if a.boot_time is not None]
+        return self.attempts[max(booted)] if booted else None
+
+    # -- regions ---------------------------------------------------------------------
+
+    def region_choice(self, number: int) -> codec.Region | None:
+        """Why attempt ``number`` runs in its region: the group's newest region choice
+        (the start's, or a move) after the attempt it follows (its node slot's
+        previous one) booted and before it booted itself; None when there was none
+        (it runs where that one ran)."""
+        a = self.attempts.get(number)
+        if a is None or a.boot_time is None:
+            return None
+        booted = [m.boot_time for m in self.attempts.values() if m.number < number
+                  and m.node == a.node and m.boot_time is not None]
+        after = max(booted, default=float("-inf"))
+        found = [body for t, body in self.regions if after < t <= a.boot_time]
+        return found[-1] if found else None
+
+    # -- attempts and their ends -----------------------------------------------------
+
+    def end_reason(self, number: int, final: bool | None = None,
+                   job_status: str | None = None) -> str:
+        """How attempt ``number`` ended, in words: its own events' say, else, once the
+        job ended (``final``; default: the fold's status) or a later attempt took its
+        node slot, "lost" (or, a multi-node job's node still in the world at the end,
+        "ended with the job (STATUS)")."""
+        final = self.final if final is None else final
+        a = self.attempts[number]
+        if a.reason in (EndReason.COMPLETED, EndReason.FAILED, EndReason.STOPPED) and \
+                a.result_status is not None:
+            return a.result_status
+        if a.reason is not EndReason.RUNNING:
+            return a.reason.value
         stride = self.max_nodes
-        numbers = sorted(self.attempts)
-        redo = RedoneSteps()
-        ended: list[tuple[AttemptState, EndReason]] = []
-        for n in numbers:
-            a = self.attempts[n]
-            if a.first_step is not None and a.last_step is not None:
-                redo.logged(n, a.first_step, a.last_step)
-            slot = layout.node_slot(n, stride)
-            later = [self.attempts[m] for m in numbers
-                     if m > n and layout.node_slot(m, stride) == slot]
-            reason = self.end_reason(n, final)
-            if reason not in (EndReason.INTERRUPTED.value, EndReason.MOVED.value,
-                              EndReason.ERROR_RETRIED.value, EndReason.LOST.value) \
-                    or not later:
-                continue
-            redo.end(n)
-            ended.append((a, EndReason(reason)))
+        slot = layout.node_slot(number, stride)
+        replaced = any(n > number and layout.node_slot(n, stride) == slot
+                       for n in self.attempts)
+        if final and stride > 1 and not replaced:
+            status = job_status or self.outcome()[0]
+            return f"{EndReason.ENDED_WITH_JOB.value} ({status})"
+        if final or replaced:
+            return EndReason.LOST.value
+        return EndReason.RUNNING.value
+
+    def breaks(self, final: bool | None = None) -> list[Break]:
+        """Each attempt that ended before the job did and was followed by another of
+        its node slot (interrupted, lost, moved to its standby, or a user-code error
+        retried), in attempt order: how and when it ended, the last step it logged, the
+        step the training went on from and the steps redone (where the segment after
+        its last began: :mod:`~spotnb.protocol.events.steps`), and the time it took.
+        ``final``: the job has ended (default: the fold's status; an attempt with no
+        word of its end is then lost)."""
+        stride = self.max_nodes
         out = []
-        for a, reason in ended:
-            count = redo.of(a.number)
-            # Where the count was taken: in a multi-node job the next rows may come from
-            # another node's attempt (the one hosting rank 0), not this slot's.
-            resumed = redo.resumed_at(a.number)
-            out.append(Break(attempt=a.number, reason=reason, time=a.last_time,
-                             step=a.last_step,
-                             resumed_at=None if resumed is None else int(resumed),
-                             redone=None if count is None else int(count)))
+        for n in sorted(self.attempts):
+            said = self.end_reason(n, final)
+            reason = next((r for r in EndReason if r.value == said), None)
+            if reason is None or not reason.early:
+                continue
+            slot = layout.node_slot(n, stride)
+            if not any(m > n and layout.node_slot(m, stride) == slot for m in self.attempts):
+                continue
+            a = self.attempts[n]
+            seg = self.steps.last_segment(n)
+            after = self.steps.after(seg) if seg is not None else None
+            lost_from, recovered = self._lost(a, seg, after)
+            out.append(Break(attempt=n, reason=reason, time=a.last_time,
+                             step=None if seg is None else seg.furthest,
+                             resumed_at=None if after is None else after.first_step,
+                             redone=None if after is None else after.redone,
+                             lost_from=lost_from, recovered=recovered))
         return out
 
+    def _lost(self, a: AttemptState, seg: Segment | None, after: Segment | None
+              ) -> tuple[float | None, float | None]:
+        """When the training stopped making progress at ``a``'s end, and when it passed
+        where it had been (:class:`Break`)."""
+        if seg is not None:
+            return seg.furthest_time, None if after is None else after.passed
+        if self.max_nodes > 1:
+            # A node that never logged (only global rank 0 does): what losing it cost
+            # is where the training went back (the segment after, its own window).
+            return None, None
+        segments = self.steps.segments
+        if any(s.first_time <= a.last_time and s.last_time >= a.start for s in segments):
+            return None, None  # others logged meanwhile (a peer node): no time of its own
+        later = next((s for s in segments if s.first_time > a.start), None)
+        return a.start, None if later is None else later.first_time
+
     def redone_steps(self) -> int:
-        """Steps logged again after the attempts that ended early (:meth:`breaks`)."""
-        return sum(b.redone or 0 for b in self.breaks())
+        """Steps run again over the job: after every break, and wherever a multi-node
+        job's training went back within an attempt (a peer lost, a node joined)."""
+        return self.steps.redone()
+
+    def interruptions(self, final: bool | None = None) -> int:
+        """Instances the job was interrupted on: those that had an interruption notice
+        (the group's, or an agent's), and those lost under it without one (an attempt
+        that a later one of its node slot replaced with no word of its end)."""
+        noticed = set(self.noticed_instances)
+        noticed.update(str(a.instance) for a in self.attempts.values()
+                       if a.reason is EndReason.INTERRUPTED)
+        noticed.update(str(self.attempts[b.attempt].instance) for b in self.breaks(final)
+                       if b.reason is EndReason.LOST)
+        return len(noticed)
+
+    def lost_windows(self, now: float) -> list[tuple[float, float]]:
+        """The spans the job made no new progress in because of its breaks (each
+        :class:`Break`'s, and each time a multi-node job's training went back within an
+        attempt), merged where they overlap; one not caught up with runs until ``now``."""
+        spans = [w for b in self.breaks() if (w := b.window(now)) is not None]
+        spans += [w for s in self.steps.segments
+                  if s.went_back and (w := s.window(now)) is not None]
+        merged: list[tuple[float, float]] = []
+        for start, end in sorted(spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+            else:
+                merged.append((start, end))
+        return merged
+
+    def lost_seconds(self, now: float) -> float:
+        """Wall-clock seconds the breaks took (:meth:`lost_windows`)."""
+        return sum(end - start for start, end in self.lost_windows(now))
+
+    def lost_usd(self, now: float) -> tuple[float, float]:
+        """What the instances billed while the breaks took their time
+        (:meth:`lost_windows`): at the spot price, and at the on-demand price."""
+        spot = ondemand = 0.0
+        for start, end in self.lost_windows(now):
+            for inst in self.instances.values():
+                lo, hi = max(start, inst.start), min(end, inst.end or now)
+                if hi <= lo:
+                    continue
+                spot += self.billed(inst, lo, hi)
+                ondemand += (inst.ondemand or 0.0) * (hi - lo) / 3600.0
+        return spot, ondemand
+
+    def resumed(self, attempt: int) -> Segment | None:
+        """The first segment of rows ``attempt`` logged after a break (its window and
+        steps redone are the break's), or None: it logged nothing yet, or what it
+        logged follows no earlier rows."""
+        seg = next((s for s in self.steps.segments if s.attempt == attempt), None)
+        return seg if seg is not None and seg.previous is not None else None
+
+    def join_redone(self, join: Join) -> int | None:
+        """Steps redone where the world re-formed around nodes that joined: the steps
+        the training went back where it went on after the join (0 if it went on past
+        the save, or the job ended first); None until it went on."""
+        after = min((s for s in self.steps.segments if s.serial >= join.started),
+                    key=lambda s: s.serial, default=None)
+        if after is not None:
+            return after.redone or 0
+        if self.steps.taken > join.taken or self.final:
+            return 0
+        return None
 
     def running_attempts(self) -> list[AttemptState]:
         """Attempts booted and not ended by their own events, their instance's end,
@@ -490,26 +561,6 @@ class JobState:
             out.append(a)
         return out
 
-    def end_reason(self, number: int, final: bool, job_status: str | None = None) -> str:
-        """How attempt ``number`` ended, in words: its own events' say, else, once the
-        job ended or a later attempt took its node slot, "lost" (or, a multi-node job's
-        node still in the world at the end, "ended with the job (STATUS)")."""
-        a = self.attempts[number]
-        if a.reason in (EndReason.COMPLETED, EndReason.FAILED, EndReason.STOPPED) and \
-                a.result_status is not None:
-            return a.result_status
-        if a.reason is not EndReason.RUNNING:
-            return a.reason.value
-        stride = self.max_nodes
-        slot = layout.node_slot(number, stride)
-        replaced = any(n > number and layout.node_slot(n, stride) == slot
-                       for n in self.attempts)
-        if final and stride > 1 and not replaced:
-            return f"{EndReason.ENDED_WITH_JOB.value} ({job_status})"
-        if final or replaced:
-            return EndReason.LOST.value
-        return EndReason.RUNNING.value
-
     def metrics(self) -> dict[str, float]:
         """The newest value of each metric (a later attempt's over an earlier's)."""
         out: dict[str, float] = {}
@@ -525,113 +576,11 @@ class JobState:
                 out = self.attempts[n].error
         return out
 
-    def interruptions(self) -> int:
-        """Instances that had an interruption notice (the group's, or an agent's)."""
-        noticed = set(self.noticed_instances)
-        noticed.update(str(a.instance_id if a.boot_time is not None else a.first_instance)
-                       for a in self.attempts.values() if a.reason is EndReason.INTERRUPTED)
-        return len(noticed)
-
-    def requests_usd(self) -> float:
-        """spotnb's own requests at list price (the newest total of each process)."""
-        return sum(usage.cost(counts) for counts in self.usage.values())
-
-    def transfer_usd(self) -> float:
-        """What the checkpoint's crossings between regions cost (AWS's inter-region
-        transfer: each save sent home from another region, each restore there)."""
-        return sum(t.usd for t in self.transfers.values())
-
-    def region_choice(self, number: int) -> codec.Region | None:
-        """Why attempt ``number`` runs in its region: the group's newest region choice
-        (the start's, or a move) after the attempt it follows (its node slot's
-        previous one) booted and before it booted itself; None when there was none
-        (it runs where that one ran)."""
-        a = self.attempts.get(number)
-        if a is None or a.boot_time is None:
-            return None
-        booted = [m.boot_time for m in self.attempts.values() if m.number < number
-                  and m.node == a.node and m.boot_time is not None]
-        after = max(booted, default=float("-inf"))
-        found = [body for t, body in self.regions if after < t <= a.boot_time]
-        return found[-1] if found else None
-
-    def cost(self, end: float) -> tuple[float, float]:
-        """What the instances billed until ``end`` (those still running): at the spot
-        price of their pool as it changed, and at the on-demand price."""
-        cost = ondemand = 0.0
-        for inst in self.instances.values():
-            start, stop = inst.start, inst.end or end
-            cost += self.billed(inst, start, stop)
-            ondemand += (inst.ondemand or 0.0) * max(0.0, stop - start) / 3600.0
-        return cost, ondemand
-
-    def cost_heard(self) -> tuple[float, float]:
-        """:meth:`cost` with each running instance billed until the newest event heard
-        from it, not until now: a figure that only grows as a job's events come in
-        (``cost(now)`` bills a running instance to now, then gives back the time past
-        its end once that end, read later, says it was earlier). Equal to ``cost`` once
-        every instance has ended."""
-        cost = ondemand = 0.0
-        for inst in self.instances.values():
-            stop = inst.end if inst.end is not None else \
-                max(inst.start, self.heard.get(inst.instance_id, inst.start))
-            cost += self.billed(inst, inst.start, stop)
-            ondemand += (inst.ondemand or 0.0) * max(0.0, stop - inst.start) / 3600.0
-        return cost, ondemand
-
-    def billed(self, inst: InstanceState, start: float, stop: float) -> float:
-        """What ``inst`` billed between ``start`` and ``stop``: its pool's spot price as
-        it changed, nothing if EC2 interrupted it in its first hour."""
-        if inst.free:
-            return 0.0
-        return integrate(self.prices.get(inst.pool, []), start, stop, inst.price or 0.0)
-
-    def refunded(self) -> list[InstanceState]:
-        """Instances EC2 interrupted in their first hour, which AWS does not charge."""
-        return [i for i in self.instances.values() if i.free]
-
-    def refunded_usd(self) -> float:
-        """What the :meth:`refunded` instances ran, at their pools' spot prices: billed
-        while they ran (:meth:`cost` counted it then), refunded once EC2 took them back.
-        ``cost`` plus this never decreases as the job goes on."""
-        return sum(integrate(self.prices.get(i.pool, []), i.start, i.end or i.start,
-                             i.price or 0.0) for i in self.refunded())
-
-    def outcome(self, status: str, reason: str) -> tuple[str, str]:
-        """The job's status and reason as every view says them, given those of its
-        result (or of its events): a job stopped after a sweep's pruner said so is
-        ``pruned``, with the step and the metric's value (its ``pruned`` event)."""
-        if status == JobStatus.STOPPED.value and self.pruned is not None:
-            return "pruned", self.pruned.text
-        return status, reason
-
-    def cost_between(self, start: float, stop: float) -> float:
-        """What the instances billed between ``start`` and ``stop``, at the spot price
-        of their pool as it changed (the time an interruption cost, say)."""
-        total = 0.0
-        for inst in self.instances.values():
-            lo, hi = max(start, inst.start), min(stop, inst.end or stop)
-            total += self.billed(inst, lo, hi)
-        return total
-
-    def cost_usd(self, end: float) -> float:
-        """What the job has cost until ``end``: its instances at the spot price,
-        spotnb's own requests and the checkpoint's transfer between regions (a
-        :class:`~spotnb.client.jobs.JobResult`'s ``cost_usd``)."""
-        return self.cost(end)[0] + self.requests_usd() + self.transfer_usd()
-
-    def instance_cost(self, instance_id: str, end: float | None = None) -> float:
-        """What one instance billed (until ``end`` while it runs), at its pool's price."""
-        inst = self.instances.get(instance_id)
-        if inst is None:
-            return 0.0
-        stop = inst.end or end or self.last_time or inst.start
-        return self.billed(inst, inst.start, stop)
-
     def handover_seconds(self, sb: StandbyState) -> float | None:
-        """Training time a standby's takeover cost: from the last event of the attempt
-        it took over from (its final save durable, the lease released) to its own
-        restore done; None until both are known."""
+        """How long a standby's takeover took: from the last event of the attempt it
+        took over from (its final save durable, the lease released: that attempt's
+        :attr:`Break.time`) to its own restore done; None until both are known. (The
+        time the break cost the job's training is the break's own window.)"""
         if sb.attempt is None or sb.restored is None:
             return None
         slot = layout.node_slot(sb.attempt, self.max_nodes)
@@ -640,35 +589,6 @@ class JobState:
         if not earlier:
             return None
         return max(0.0, sb.restored - self.attempts[max(earlier)].last_time)
-
-    def standbys_cost(self, end: float) -> float:
-        """What the job's standbys billed while on hold: all of a standby given back,
-        and of one that took over, its time before the lease was its (a standby that
-        found the lease free at its start, never warming up, until its attempt's
-        first event)."""
-        total = 0.0
-        for sb in self.standbys.values():
-            inst = self.instances.get(sb.instance_id)
-            if inst is None:
-                continue
-            ran = [a.first_time for a in self.attempts.values()
-                   if a.instance_id == sb.instance_id]
-            stop = sb.lease_at if sb.lease_at is not None else \
-                min(ran) if ran else (inst.end or end)
-            total += self.billed(inst, inst.start, stop)
-        return total
-
-    def running_instances(self) -> list[InstanceState]:
-        return [i for i in self.instances.values() if i.end is None]
-
-    def spot_price(self, inst: InstanceState) -> float:
-        """The instance's spot price now (its pool's newest)."""
-        series = self.prices.get(inst.pool)
-        return series[-1][1] if series else (inst.price or 0.0)
-
-    def status_now(self) -> tuple[str, str]:
-        """The job's status and its reason as the events say (without result.json)."""
-        return self.status.value, self.detail
 
 
 def replaced_attempt(attempt: int, booted: Iterable[int], max_nodes: int) -> int | None:
@@ -682,85 +602,6 @@ def replaced_attempt(attempt: int, booted: Iterable[int], max_nodes: int) -> int
     return max((a for a in booted if a < attempt), default=None)
 
 
-class RedoneSteps:
-    """The steps redone after each attempt that ended (a notice, a lost instance, an
-    error retried in place): the rule, in one place, for every view that counts them.
-
-    An ended attempt had logged up to step L; the next attempt that logs a step resumes
-    at step F (the last checkpoint's): ``L - F + 1`` steps are redone, 0 when F > L.
-    Rows of the ended attempt read late (a follower gets an ended attempt's last rows
-    from the log after the next attempt's live ones) raise L, and the count with it.
-    An attempt in between that logged nothing is passed over. A view may know more
-    (``moved``: the points it moved aside as redone); the count is the larger.
-    The views feed it on their hot path, so each call is a few dict operations."""
-
-    def __init__(self) -> None:
-        self.first: dict[int, float] = {}  # attempt -> the first step it logged
-        self.last: dict[int, float] = {}  # attempt -> the furthest step it logged
-        self._redone: dict[int, int | None] = {}  # ended attempts -> steps, once known
-
-    def end(self, attempt: int) -> None:
-        """``attempt`` ended: its steps past the next attempt's first are redone."""
-        self._redone.setdefault(attempt, None)
-
-    def of(self, attempt: int) -> int | None:
-        """Steps redone after ``attempt`` (None until the next attempt logs)."""
-        return self._redone.get(attempt)
-
-    def total(self) -> int:
-        return sum(n or 0 for n in self._redone.values())
-
-    def resumed_at(self, attempt: int) -> float | None:
-        """The first step of the attempt that the count after ``attempt`` is taken
-        against: the next attempt that logged (None until one has)."""
-        later = [b for b in self.first if b > attempt]
-        return self.first[min(later)] if later else None
-
-    def logged(self, attempt: int, first: float, furthest: float,
-               moved: int = 0) -> int | None:
-        """``attempt`` logged rows: ``first``, the first of them in log order, and
-        ``furthest``, the largest step among them. Returns the ended attempt whose
-        count this set or changed, if any (at most one)."""
-        changed = None
-        if attempt not in self.first:
-            self.first[attempt] = first
-            for earlier in sorted((a for a in self._redone if a < attempt), reverse=True):
-                last = self.last.get(earlier)
-                if self._redone[earlier] is None and last is not None:
-                    self._redone[earlier] = max(moved, int(last - first + 1)
-                                                if last >= first else 0)
-                    changed = earlier
-                    break
-        last = self.last.get(attempt)
-        self.last[attempt] = furthest if last is None else max(last, furthest)
-        count = self._redone.get(attempt)
-        if count is not None:  # late rows of an ended attempt
-            later = [b for b in self.first if b > attempt]
-            if later:
-                self._redone[attempt] = max(
-                    count, int(self.last[attempt] - self.first[min(later)] + 1))
-                changed = attempt
-        return changed
-
-
 def fold(events: Iterable[Event], max_nodes: int = 1) -> JobState:
     """``events`` folded into a new :class:`JobState`."""
     return JobState(max_nodes).apply_all(events)
-
-
-def integrate(series: list[tuple[float, float]], start: float, stop: float,
-              initial: float) -> float:
-    """USD for [start, stop] under a step function of USD/hour changes (time order)."""
-    if stop <= start:
-        return 0.0
-    total, price, t = 0.0, initial, start
-    for when, value in series:
-        if when <= start:
-            price = value
-            continue
-        if when >= stop:
-            break
-        total += price * (when - t)
-        price, t = value, when
-    total += price * (stop - t)
-    return total / 3600.0

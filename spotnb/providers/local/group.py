@@ -118,7 +118,7 @@ import psutil
 from spotnb.protocol import billing, layout, lease, secretstore
 from spotnb.protocol.backoff import Backoff
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
-from spotnb.protocol.events.fold import fold
+from spotnb.protocol.events.fold import JobState, fold
 from spotnb.protocol.events.live import Follower, request_stop
 from spotnb.protocol.layout import RESULT, SPEC, STOP
 from spotnb.protocol.signals import SignalModel
@@ -242,6 +242,9 @@ class Supervisor:
         self.running: list[LocalInstance] = []
         self.target = spec.resources.max_nodes
         self.first_launch: float | None = None
+        # The group's own events folded: what the budget and deadline checks read (the
+        # fold's cost is the one every view shows; spotnb's requests cost nothing here).
+        self.state = JobState(spec.resources.max_nodes)
         self.next_launch_at = 0.0
         self.next_store_poll = 0.0
         self.reported_pools: set[str] = set()  # capacity errors already reported
@@ -315,8 +318,9 @@ class Supervisor:
                 adoptable -> end what is left of it ("lost-while-unsupervised",
                 :meth:`_lose`).
         """
-        history = fold(e for e in EventReader(self.store, batches=True).poll()
-                       if e.attempt == GROUP_STREAM)
+        history = fold((e for e in EventReader(self.store, batches=True).poll()
+                        if e.attempt == GROUP_STREAM), self.spec.resources.max_nodes)
+        self.state = history
         ended = history.terminated
         if history.first_launch is not None:
             self.first_launch = history.first_launch
@@ -1204,8 +1208,10 @@ class Supervisor:
     # ---------------------------------------------------------- stop, limits, end
 
     def cost(self, now: float) -> float:
-        """USD spent so far: each instance's market price over the time it existed."""
-        return sum(i.cost(now) for i in self.instances)
+        """USD spent so far: the job's cost as its fold says it (the group's events:
+        each instance at its pool's price as the group reported it), the one every
+        view shows."""
+        return self.state.cost_usd(now)
 
     def _check_limits(self, now: float) -> None:
         policy = self.spec.policy
@@ -1214,18 +1220,20 @@ class Supervisor:
             if cost > policy.budget_usd:
                 self._request_stop(now, "budget", (
                     f"the job has cost ${cost:.4f}, above its budget of "
-                    f"${policy.budget_usd:.4f}"))
+                    f"${policy.budget_usd:.4f}"), cost_usd=cost)
                 return
-        if policy.max_duration is not None and self.first_launch is not None:
-            elapsed = now - self.first_launch
+        first = self.state.first_launch
+        if policy.max_duration is not None and first is not None:
+            elapsed = now - first
             if elapsed > policy.max_duration:
                 self._request_stop(now, "deadline", (
                     f"the job has run {elapsed:.0f} s since its first instance, above its "
                     f"limit of {policy.max_duration:g} s"))
 
-    def _request_stop(self, now: float, reason: str, detail: str) -> None:
+    def _request_stop(self, now: float, reason: str, detail: str, **figures: Any) -> None:
         log.info("stopping the job: %s", detail)
-        body = {"reason": reason, "detail": detail, "time": now, "by": "local-cloud"}
+        body = {"reason": reason, "detail": detail, "time": now, "by": "local-cloud",
+                **figures}
         request_stop(self.store, self.spec.job_id, body)
         # Someone may have asked to stop first: their reason wins.
         self._begin_stop(now, self._read_stop() or body)
@@ -1269,8 +1277,10 @@ class Supervisor:
 
     def _emit(self, type: str, instance: str | None, at: float | None = None,
               **data: Any) -> None:
-        self.events.emit_event(Event(type=type, time=time.time() if at is None else at,
-                                     attempt=GROUP_STREAM, instance=instance, data=data))
+        event = Event(type=type, time=time.time() if at is None else at,
+                      attempt=GROUP_STREAM, instance=instance, data=data)
+        self.events.emit_event(event)
+        self.state.apply(event)
 
     def _emit_price(self, inst: LocalInstance) -> None:
         now = time.time()
