@@ -388,3 +388,5 @@ def test_the_fold_says_where_each_attempt_ran_why_it_moved_and_what_moving_cost(
     assert state.transfer_usd() == pytest.approx(0.04)
     end = t0 + 30
     assert state.cost_usd(end) == pytest.approx(state.cost(end)[0] + 0.04)
+    # The money as heard (a sweep's trials', a comparison's running jobs') counts it too.
+    assert state.cost_heard_usd()[0] == pytest.approx(state.cost_heard()[0] + 0.04)
