@@ -893,11 +893,19 @@ class Checkpoint:
 
         The policy (``checkpoint_every`` of the job; 5 minutes standalone) counts seconds
         and steps since the last save or restore. Cheap when there is nothing to do.
+        A save due while a registered data loader is in its epoch's last batch (a notice's
+        too) is taken at the next call, after the epoch's end: a run resumed from that
+        batch would start the next epoch and skip the code after the loop over the loader.
         """
         rt = self._rt
         world = _world()
         if world is not None:
             return self._maybe_save_in_world(int(step), *world)
+        if self._in_last_batch():
+            # The epoch's end (its evaluation, scheduler step, bookkeeping) is still
+            # to run, and a run resumed from here would start the next epoch without
+            # it: the save due (a notice's too) is taken at the next call.
+            return False
         if rt.force_save or rt.park_requested or rt.fenced:
             self._save(int(step), forced=True)
             if rt.join_requested and not (rt.park_requested or rt.fenced):
@@ -916,6 +924,13 @@ class Checkpoint:
             # exists by now, after a first step).
             self._warm()
         return False
+
+    def _in_last_batch(self) -> bool:
+        """Whether a registered data loader is in its epoch's last batch (see
+        :func:`spotnb.train.loaders.in_last_batch`), and this attempt may still save
+        (an agent that lost its lease holds the cell at once)."""
+        return not self._rt.fenced and any(loaders.in_last_batch(obj)
+                                           for obj in self._objects.values())
 
     def _warm(self) -> None:
         """Allocate the host buffers of the next save in the background (see
@@ -968,12 +983,15 @@ class Checkpoint:
         noticed = (rt.force_save and not rebalance) or rt.park_requested or rt.fenced
         flags = torch.tensor([float(noticed),
                               float(self._due(step) or self._retry or rebalance),
-                              float(rt.join_requested)])
+                              float(rt.join_requested),
+                              float(not self._in_last_batch())])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         notice_anywhere, due = bool(flags[0].item()), bool(flags[1].item())
         if flags[2].item():
             rt.join_requested = True  # a node waits to join: this save is before it
-        if not (notice_anywhere or due):
+        # Every rank in its loader's last batch: the save waits for the epoch's end,
+        # as in a single process (maybe_save).
+        if not (notice_anywhere or due) or not flags[3].item():
             if not self._warmed:
                 self._warm()  # as maybe_save's first call that does not save
             return False
