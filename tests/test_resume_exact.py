@@ -364,7 +364,8 @@ for step in range(ckpt.restore(), 10):
 def test_a_global_rng_draw_after_the_save_is_named(after: str, words: str) -> None:
     notebook = _notebook("import torch\ndef nb_batch():\n    return torch.randint(0, 5, (2,))\n")
     source = "import numpy as np\nimport torch\n" + SAMPLE + after + "\n"
-    (finding,) = _findings(source, notebook)
+    # (random.shuffle(data) also changes data in every step: a finding of its own.)
+    (finding,) = [f for f in _findings(source, notebook) if "global RNG" in f]
     assert words in finding and "after the checkpoint is saved (line 10)" in finding, finding
     assert "move the draw before the save" in finding
 

@@ -163,7 +163,7 @@ def prepare_job(
         spotnb_version=__version__,
     )
     prov.validate(spec)
-    resume = resume_warning(check_resume(tree, inputs or {}))
+    resume = resume_warning(check_resume(tree, inputs or {}, out_names))
     return PreparedJob(spec, job_store, prov, payload, archive, secret_values,
                        warnings=(resume,) if resume else ())
 
