@@ -26,12 +26,14 @@ without spotnb's instance.
 from __future__ import annotations
 
 import linecache
+import random
 import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import nbformat
+import numpy as np
 import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_notebook
@@ -39,6 +41,8 @@ from nbformat.v4 import new_code_cell, new_notebook
 import spotnb
 from spotnb.client.carried import check_resume
 from spotnb.client.notebook import run_notebook
+from spotnb.client.validation import prepare_job
+from spotnb.protocol import inputs as shipped
 
 
 def _notebook(source: str) -> dict[str, Any]:
@@ -356,6 +360,29 @@ def test_what_a_resumed_run_skips_or_redoes_is_named(cell: str, words: str) -> N
 ])
 def test_correct_recipes_raise_no_alarm(cell: str) -> None:
     assert _findings("import torch\n" + cell, LOADER) == []
+
+
+# -- the notebook's random states ------------------------------------------------------------
+
+def test_the_notebooks_random_states_reach_the_instance() -> None:
+    """``np.random.seed(0)`` in an earlier cell, then a cell that draws without seeding
+    (an augmentation in the main process): the instance's kernel draws what the notebook
+    would, so two jobs of the cell, and the cell run here, draw the same numbers."""
+    def seed(n: int) -> None:
+        random.seed(n)
+        np.random.seed(n)
+        torch.manual_seed(n)
+
+    seed(1)
+    expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    seed(1)
+    job = prepare_job("x = np.random.rand()", inputs={"scale": 2})
+    assert job.spec.inputs == ("scale",)  # not an input of the cell
+    seed(99)  # the instance's kernel: its own states
+    namespace: dict[str, Any] = {}
+    shipped.load(job.inputs, namespace)
+    assert set(namespace) == {"scale"}
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
 
 
 # -- end to end: two recipes fixed as told, interrupted, bitwise --------------------------
