@@ -362,6 +362,36 @@ def test_correct_recipes_raise_no_alarm(cell: str) -> None:
     assert _findings("import torch\n" + cell, LOADER) == []
 
 
+# -- a file written on the instance --------------------------------------------------------
+
+BEST_FILE = """
+    best_val = float("inf")
+    ckpt = spot.Checkpoint(model=model, opt=opt, best_val=best_val)
+    for step in range(ckpt.restore(), 50):
+        opt.step()
+        if step % 10 == 0:
+            val = validate(model)
+            if val < best_val:
+                best_val = val
+                torch.save(model.state_dict(), "best.pt")
+        ckpt.maybe_save(step)
+    model.load_state_dict(torch.load("best.pt"))
+"""
+
+
+def test_a_best_model_saved_to_the_instances_disk_is_named() -> None:
+    # With best_val registered, a resumed run that never beats it never writes best.pt
+    # on its instance: torch.load fails at the end of the job.
+    (finding,) = _findings("import torch\n" + textwrap.dedent(BEST_FILE).lstrip())
+    assert finding.startswith("'best.pt' is written at line 10 (torch.save()) and read at "
+                              "line 12 (torch.load()): the files a cell writes stay on the "
+                              "disk of its instance"), finding
+    assert "spot.sync_dir(...)" in finding
+    synced = BEST_FILE.replace('"best.pt"', '"out/best.pt"').replace(
+        "    best_val = ", '    spot.sync_dir("out")\n    best_val = ')
+    assert _findings("import torch\n" + synced) == []
+
+
 # -- the notebook's random states ------------------------------------------------------------
 
 def test_the_notebooks_random_states_reach_the_instance() -> None:

@@ -20,7 +20,9 @@ before launch:
   (``t0 = time.time()``) and progress bars. A local variable of a function is never held.
 * **a value the loop sets now and then and the code after it reads** (``best_state``
   saved when the accuracy improves, read after the loop or as an ``--out``): a run
-  resumed after the last time it was set has the value from before the loop.
+  resumed after the last time it was set has the value from before the loop; and **a
+  file the loop writes and the cell reads** (``torch.save(..., "best.pt")``), which a
+  replacement instance does not have (unless under a ``spot.sync_dir``).
 * **work between the save and the loop's next step**: a draw from the global RNG
   (``torch.randint``/``random.*``/``np.random.*`` without a generator, a call of a
   function of the cell or the notebook that makes one) and a change of state the
@@ -107,6 +109,7 @@ class _Check(CellFacts):
                 if loops:
                     for finding in [*self._carried(loops, scope),
                                     *self._set_now_and_then(loops, scope),
+                                    *self._files(loops[-1], scope),
                                     *self._between(save, loops, scope, inner),
                                     *self._starts_over(loops, scope),
                                     *self._enumerated(loops, scope)]:
@@ -317,6 +320,35 @@ class _Check(CellFacts):
                 f"{flow.written[name]}) and {where}: a run resumed after the last "
                 f"iteration that set it has the value from before the loop: {fix}"))
 
+    # Files on the instance's disk.
+
+    def _files(self, loop: Loop, scope: Scope) -> Iterator[Finding]:
+        """A file the loop writes (``torch.save(model.state_dict(), "best.pt")``) and the
+        cell reads (in the loop or after it): a replacement instance starts without the
+        files the interrupted one wrote, unless a synced directory holds them."""
+        synced = [ast.unparse(c.args[0]) for c in calls(self.tree)
+                  if last_name(c.func) == "sync_dir" and c.args]
+        written: dict[str, tuple[int, str]] = {}
+        for call in calls(loop):
+            path, how = _file_use(call, scope.aliases, writes=True)
+            if path is not None and not any(d.strip("'\"") and d.strip("'\"") in path
+                                            for d in synced):
+                written.setdefault(path, (call.lineno, how))
+        if not written:
+            return
+        after = [c for stmt in self.after(loop) for c in calls(stmt)]
+        for call in [*calls(loop), *after]:
+            path, how = _file_use(call, scope.aliases, writes=False)
+            if path in written:
+                line, wrote = written.pop(path)
+                yield Finding(line, (
+                    f"{path} is written at line {line} ({wrote}) and read at line "
+                    f"{call.lineno} ({how}): the files a cell writes stay on the disk of "
+                    f"its instance, and a replacement starts without them (a resumed run "
+                    f"that does not write it again reads nothing, or an older file): keep "
+                    f"its directory with spot.sync_dir(...), which every attempt gets back, "
+                    f"or keep the value in a variable registered in the Checkpoint"))
+
     # Between the save and the loop's next step.
 
     def _between(self, save: ast.AST, loops: list[Loop], scope: Scope,
@@ -473,6 +505,41 @@ class _Check(CellFacts):
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+# Functions that write a file at a path (the argument's position) and that read one.
+_WRITERS = {"torch.save": 1, "numpy.save": 0, "numpy.savez": 0, "numpy.savez_compressed": 0,
+            "joblib.dump": 1, "numpy.savetxt": 0}
+_READERS = {"torch.load": 0, "numpy.load": 0, "joblib.load": 0, "pandas.read_csv": 0,
+            "numpy.loadtxt": 0, "safetensors.torch.load_file": 0}
+_WRITE_METHODS = {"save_pretrained": 0, "to_csv": 0, "savefig": 0, "save_model": 0}
+_READ_METHODS = {"from_pretrained": 0, "load_model": 0}
+
+
+def _file_use(call: ast.Call, aliases: Mapping[str, str], writes: bool
+              ) -> tuple[str | None, str]:
+    """The path ``call`` writes (``writes``) or reads, as code (``'best.pt'``), and the
+    call's name; (None, "") for any other call."""
+    full = dotted(call.func, aliases)
+    name = last_name(call.func) or ""
+    if full is not None:
+        table = _WRITERS if writes else _READERS
+        index = table.get(full.replace("np.", "numpy.", 1))
+    elif name == "open" or (isinstance(call.func, ast.Name) and call.func.id == "open"):
+        mode = call.args[1] if len(call.args) > 1 else next(
+            (k.value for k in call.keywords if k.arg == "mode"), None)
+        text = mode.value if isinstance(mode, ast.Constant) and isinstance(
+            mode.value, str) else "r"
+        index = 0 if (any(c in text for c in "wax")) == writes else None
+    else:
+        index = (_WRITE_METHODS if writes else _READ_METHODS).get(name) \
+            if isinstance(call.func, ast.Attribute) else None
+    if index is None or len(call.args) <= index:
+        return None, ""
+    path = call.args[index]
+    if not isinstance(path, (ast.Constant, ast.JoinedStr, ast.Name, ast.BinOp, ast.Call)):
+        return None, ""
+    return ast.unparse(path), f"{ast.unparse(call.func)}()"
+
 
 def _names(names: Sequence[str]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
