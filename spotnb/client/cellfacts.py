@@ -292,9 +292,12 @@ class CellFacts:
                 and node.id in declared}
 
     def progress_bars(self) -> set[str]:
+        """The cell's progress bars (their state is the display's), and the notebook's."""
         return {t.id for n in ast.walk(self.tree) if isinstance(n, ast.Assign)
                 and isinstance(n.value, ast.Call) and last_name(n.value.func) in _PROGRESS
-                for t in n.targets if isinstance(t, ast.Name)}
+                for t in n.targets if isinstance(t, ast.Name)} | {
+            name for name, value in self.namespace.items()
+            if type(value).__module__.split(".")[0] == "tqdm"}
 
     def _ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
         parent = self.parents.get(node)
