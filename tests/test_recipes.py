@@ -303,9 +303,12 @@ def test_bookkeeping_after_an_inner_loop_that_saves_is_named_unless_it_is_a_load
 
 @pytest.mark.parametrize(("start", "words"), [
     # a sum registered and reset at the epoch's start: the resumed run resets it again
-    ("        running = 0.0\n", "line 5 assigns running at the start of each iteration"),
+    ("        running = 0.0\n", "line 6 assigns running at the start of each iteration"),
     # a scheduler stepped per epoch, at the start
-    ("        sched.step()\n", "line 5 steps sched at the start of each iteration"),
+    ("        sched.step()\n", "line 6 steps sched at the start of each iteration"),
+    # the RNG seeded per epoch: the resumed run's steps draw the epoch's first numbers
+    ("        torch.manual_seed(7 + epoch)\n",
+     "line 6 draws from the global RNG (torch.manual_seed) at the start of each iteration"),
 ])
 def test_a_change_of_registered_state_at_the_epochs_start_is_named(start: str,
                                                                    words: str) -> None:
@@ -319,8 +322,10 @@ def test_a_change_of_registered_state_at_the_epochs_start_is_named(start: str,
             ckpt.maybe_save(step)
             step += 1
 """
-    (finding,) = _findings(cell, LOADER)
-    assert finding.startswith(words) and "do it at the end of each iteration instead" in finding
+    (finding,) = _findings("import torch\n" + textwrap.dedent(cell).lstrip(), LOADER)
+    fix = "seed per step instead" if "seed" in start else \
+        "do it at the end of each iteration instead"
+    assert finding.startswith(words) and fix in finding, finding  # line 1: import torch
 
 
 @pytest.mark.parametrize(("cell", "words"), [

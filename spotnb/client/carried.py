@@ -392,11 +392,18 @@ class _Check(CellFacts):
         variable = _target(outer)
         for line, what, draw in self._effects(outer.body[:index], scope, flow,
                                               held_only=True):
-            fix = (f"derive the draw from the loop's variable (random.Random(seed + "
-                   f"{variable}), torch.Generator().manual_seed(seed + {variable})), or "
-                   f"iterate a data loader registered in the Checkpoint" if draw else
-                   f"do it at the end of each iteration instead (after line "
-                   f"{_last_line(holder)}), and once before {scope.loop(outer)}")
+            if draw and "seed" in what:
+                # Seeding per epoch: a resumed run seeds again, and its steps draw what
+                # the epoch's first steps drew, not what the saved state holds.
+                fix = ("seed per step instead, at the top of the loop that saves "
+                       "(torch.manual_seed(seed + step)), or once before the loops")
+            elif draw:
+                fix = (f"derive the draw from the loop's variable (random.Random(seed + "
+                       f"{variable}), torch.Generator().manual_seed(seed + {variable})), or "
+                       f"iterate a data loader registered in the Checkpoint")
+            else:
+                fix = (f"do it at the end of each iteration instead (after line "
+                       f"{_last_line(holder)}), and once before {scope.loop(outer)}")
             yield Finding(line, (
                 f"line {line} {what} at the start of each iteration of {scope.loop(outer)}, "
                 f"before {saving}, which saves: a run resumed in the middle of that loop "
