@@ -10,6 +10,7 @@ bitwise those of the uninterrupted run.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import random
@@ -360,13 +361,18 @@ def test_a_save_due_at_an_epochs_last_batch_waits_for_the_epochs_end(
 
 
 def test_a_save_after_the_loop_over_the_loader_is_not_delayed(standalone: Path) -> None:
-    """Once the loop over the loader is over (its iterator ended), the epoch's end is
-    behind: a save there (a cell that saves once per epoch) is taken at once."""
+    """Once the loop over the loader is over, the epoch's end is behind: a save there (a
+    cell that saves once per epoch) is taken at once, also after a loop that stopped at
+    the last batch without asking the loader for more (its iterator never ended)."""
     loader = _loader("shuffle")
     model, opt = _model()
     ckpt = spot.Checkpoint(model=model, opt=opt, loader=loader)
     spot._rt().every = CheckpointEvery(seconds=None, steps=1)
     for epoch in range(2):
         for _ in loader:
+            pass
+        assert ckpt.maybe_save(epoch + 1)
+    for epoch in range(2, 4):
+        for _ in itertools.islice(loader, len(loader)):
             pass
         assert ckpt.maybe_save(epoch + 1)

@@ -53,7 +53,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FORMAT", "in_last_batch", "resumable"]
+__all__ = ["FORMAT", "epoch_of", "in_last_batch", "resumable"]
 
 _logger = logging.getLogger(__name__)
 
@@ -102,6 +102,13 @@ def resumable(obj: Any) -> Any:
         _logger.warning("the data loader was iterated before it was registered in the "
                         "Checkpoint: its position is saved from its next iter() on")
     return obj
+
+
+def epoch_of(obj: Any) -> int | None:
+    """Which epoch of ``obj`` (a loader made resumable here) is in progress: a number
+    that changes at each of its ``iter()``; None for anything else."""
+    position = vars(obj).get("_spot_position") if hasattr(obj, "__dict__") else None
+    return position.epochs if isinstance(position, _Position) else None
 
 
 def in_last_batch(obj: Any) -> bool:

@@ -580,6 +580,8 @@ class Checkpoint:
             self._pool.warm_async(snapshot.tensor_specs(self._objects),
                                   self._plan_memory()[0])
         self._upload: _Upload | _ShardedUpload | None = None
+        # maybe_save's call sites (code, line) -> the registered loaders' epochs then.
+        self._save_sites: dict[tuple[Any, int], tuple[int | None, ...]] = {}
         self._last_step = -1
         self._last_time = time.monotonic()
 
@@ -899,9 +901,11 @@ class Checkpoint:
         """
         rt = self._rt
         world = _world()
+        caller = sys._getframe(1)
+        site = (caller.f_code, caller.f_lineno)
         if world is not None:
-            return self._maybe_save_in_world(int(step), *world)
-        if self._in_last_batch():
+            return self._maybe_save_in_world(int(step), *world, site=site)
+        if self._in_last_batch(site):
             # The epoch's end (its evaluation, scheduler step, bookkeeping) is still
             # to run, and a run resumed from here would start the next epoch without
             # it: the save due (a notice's too) is taken at the next call.
@@ -925,12 +929,22 @@ class Checkpoint:
             self._warm()
         return False
 
-    def _in_last_batch(self) -> bool:
-        """Whether a registered data loader is in its epoch's last batch (see
-        :func:`spotnb.train.loaders.in_last_batch`), and this attempt may still save
-        (an agent that lost its lease holds the cell at once)."""
-        return not self._rt.fenced and any(loaders.in_last_batch(obj)
-                                           for obj in self._objects.values())
+    def _in_last_batch(self, site: tuple[Any, int]) -> bool:
+        """Whether this call (from ``site``: the caller's code and line) is in the loop
+        over a registered data loader, at its epoch's last batch (see
+        :func:`spotnb.train.loaders.in_last_batch`), and this attempt may still save (an
+        agent that lost its lease holds the cell at once).
+
+        In the loop: the same line called ``maybe_save`` earlier in the same epoch. A
+        save once per epoch, after a loop that stopped at the last batch without asking
+        for more (``islice(loader, len(loader))``, ``zip(range(n), loader)``), is not
+        delayed: its line runs once per epoch.
+        """
+        epochs = tuple(loaders.epoch_of(obj) for obj in self._objects.values())
+        in_loop = self._save_sites.get(site) == epochs
+        self._save_sites[site] = epochs
+        return in_loop and not self._rt.fenced and any(
+            loaders.in_last_batch(obj) for obj in self._objects.values())
 
     def _warm(self) -> None:
         """Allocate the host buffers of the next save in the background (see
@@ -953,7 +967,8 @@ class Checkpoint:
         return (every.steps is not None and step - self._last_step >= every.steps) or (
             every.seconds is not None and time.monotonic() - self._last_time >= every.seconds)
 
-    def _maybe_save_in_world(self, step: int, rank: int, world_size: int) -> bool:
+    def _maybe_save_in_world(self, step: int, rank: int, world_size: int,
+                             site: tuple[Any, int]) -> bool:
         """``maybe_save`` in a distributed job (every rank calls it at the same steps).
 
         Step 1  one all-reduce (MAX) of [a notice on my node, a save due here]: every
@@ -984,7 +999,7 @@ class Checkpoint:
         flags = torch.tensor([float(noticed),
                               float(self._due(step) or self._retry or rebalance),
                               float(rt.join_requested),
-                              float(not self._in_last_batch())])
+                              float(not self._in_last_batch(site))])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         notice_anywhere, due = bool(flags[0].item()), bool(flags[1].item())
         if flags[2].item():
