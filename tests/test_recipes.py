@@ -367,6 +367,41 @@ def test_correct_recipes_raise_no_alarm(cell: str) -> None:
     assert _findings("import torch\n" + cell, LOADER) == []
 
 
+# -- an evaluation after the save -----------------------------------------------------------
+
+def test_an_evaluation_over_a_loader_after_the_save_is_a_draw() -> None:
+    """Iterating a DataLoader draws its epoch's seed from torch's global RNG (even
+    unshuffled, without workers): an evaluation after the save, every N steps, is a draw
+    the resumed run does not make, and every later dropout mask differs."""
+    before = torch.get_rng_state()
+    list(torch.utils.data.DataLoader(list(range(4))))
+    assert not torch.equal(before, torch.get_rng_state())
+    notebook = _notebook("""
+        def evaluate(model, loader):
+            return sum(float(model(x)) for x in loader)
+    """)
+    namespace = {"evaluate": notebook["evaluate"], **LOADER,
+                 "val_loader": torch.utils.data.DataLoader([1])}
+    cell = """
+        ckpt = spot.Checkpoint(model=model, opt=opt, loader=loader)
+        for step in range(ckpt.restore(), 100):
+            opt.step()
+            ckpt.maybe_save(step)
+            if step % 10 == 0:
+                print(evaluate(model, val_loader))
+    """
+    (finding,) = _findings(cell, namespace)
+    assert finding.startswith("line 6 draws from the global RNG (iterating val_loader in "
+                              "evaluate()) after the checkpoint is saved (line 4)"), finding
+    assert "give the loader a generator of its own" in finding
+    # Before the save, or over a loader with a generator of its own: nothing to say.
+    moved = cell.replace("            ckpt.maybe_save(step)\n", "") + \
+        "            ckpt.maybe_save(step)\n"
+    assert _findings(moved, namespace) == []
+    seeded = torch.utils.data.DataLoader([1], generator=torch.Generator().manual_seed(0))
+    assert _findings(cell, {**namespace, "val_loader": seeded}) == []
+
+
 # -- a file written on the instance --------------------------------------------------------
 
 BEST_FILE = """

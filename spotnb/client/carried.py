@@ -371,10 +371,12 @@ class _Check(CellFacts):
             when = (f"after the checkpoint is saved (line {_line(save)}) and before the "
                     f"loop's next step, so a resumed run starts that step without")
             for line, what, draw in self._effects(tail, scope, flow):
+                own = ("give the loader a generator of its own (DataLoader(..., "
+                       "generator=torch.Generator().manual_seed(0)))" if "iterating" in what
+                       else "draw from a torch.Generator that the Checkpoint holds")
                 yield Finding(line, (
                     f"line {line} {what} {when} the draw: move the draw before the save "
-                    f"(to the top of the loop's body), or draw from a torch.Generator "
-                    f"that the Checkpoint holds" if draw else
+                    f"(to the top of the loop's body), or {own}" if draw else
                     f"line {line} {what} {when} it: move it before the save"))
         for loop, outer in itertools.pairwise(loops):
             yield from self._around(loop, (loop, scope), outer, scope)
@@ -430,6 +432,12 @@ class _Check(CellFacts):
                 drawn = call.lineno
                 yield call.lineno, f"draws from the global RNG ({what})", True
                 break
+        else:
+            for stmt in stmts:
+                what = self.iterated_loader([stmt])
+                if what:
+                    yield stmt.lineno, f"draws from the global RNG ({what})", True
+                    break
         changes = LoopFlow(scope.aliases, self.globals_assigned, scope.views)
         changes.block(stmts, set())
         skipped = self._skipped(flow, scope) | self.checkpoints

@@ -90,6 +90,14 @@ class CellFacts:
             isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef))
             for call in self.registrations for a in self._ancestors(call))
         self.loaders = self._loaders()
+        # Loaders that draw their epoch's seeds from a generator of their own.
+        self.seeded = {name for name, value in self.namespace.items()
+                       if name in self.loaders and getattr(value, "generator", None)
+                       is not None} | {
+            t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Call)
+            and any(k.arg == "generator" for k in n.value.keywords)
+            for t in n.targets if isinstance(t, ast.Name)}
         self.cell = Scope(tree, self.aliases)
         self.cell.restored = self.from_restore(tree, set())
         self.cell.views = views_of(tree, self.aliases)
@@ -332,7 +340,41 @@ class CellFacts:
                 if found:
                     self._draws[name] = f"{found.split(' in ')[0]} in {name}()"
                     break
-        return self._draws[name]
+        return self._draws[name] or self._iterates_loader(name, call)
+
+    def iterated_loader(self, nodes: list[ast.stmt]) -> str | None:
+        """A data loader ``nodes`` iterate (``for x, y in val_loader``) that draws its
+        seeds from torch's global RNG as each epoch of it starts (every DataLoader
+        without a generator of its own: its workers' base seed, its shuffle), and that
+        the checkpoint does not hold (a registered loader puts the RNGs back itself)."""
+        for node in (n for stmt in nodes for n in walk_scope(stmt)):
+            source = _iterated(node)
+            if isinstance(source, ast.Name) and self._draws_when_iterated(source.id):
+                return f"iterating {source.id}"
+        return None
+
+    def _iterates_loader(self, name: str, call: ast.Call) -> str | None:
+        """:meth:`iterated_loader` in the body of the function ``call`` calls, its
+        parameters read as the call's arguments (``evaluate(model, val_loader)``)."""
+        definition = self.functions.get(name) or self._notebook_function(name)[0]
+        if definition is None:
+            return None
+        params = [a.arg for a in [*definition.args.posonlyargs, *definition.args.args,
+                                  *definition.args.kwonlyargs]]
+        bound: dict[str, ast.expr] = dict(zip(params, call.args, strict=False))
+        bound.update({k.arg: k.value for k in call.keywords if k.arg in params})
+        for node in walk_scope(definition):
+            source = _iterated(node)
+            if not isinstance(source, ast.Name):
+                continue
+            argument = bound.get(source.id, None if source.id in params else source)
+            if isinstance(argument, ast.Name) and self._draws_when_iterated(argument.id):
+                return f"iterating {argument.id} in {name}()"
+        return None
+
+    def _draws_when_iterated(self, name: str) -> bool:
+        return name in self.loaders and name not in self.seeded and \
+            not self.registered_object(name, self.cell)
 
     def _function_body(self, name: str) -> tuple[list[ast.stmt], Mapping[str, str]]:
         """The body of the cell's or the notebook's function ``name`` and the names of
@@ -389,6 +431,21 @@ def blocks(node: ast.AST) -> list[list[ast.stmt]]:
     for case in getattr(node, "cases", ()):
         blocks.append(case.body)
     return blocks
+
+
+def _iterated(node: ast.AST) -> ast.AST | None:
+    """What ``node`` iterates: a for loop's or a comprehension's iterable, the argument
+    of ``iter()``/``enumerate()``/``list()``/``tqdm()`` (itself, if one of these)."""
+    source: ast.AST | None = None
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+        source = node.iter
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+            node.func.id in ("iter", "list", "next") and node.args:
+        source = node.args[0]
+    while isinstance(source, ast.Call) and last_name(source.func) in (
+            "enumerate", "iter", "tqdm", "zip") and source.args:
+        source = source.args[0]
+    return source
 
 
 def walk_scope(node: ast.AST) -> Iterator[ast.AST]:
