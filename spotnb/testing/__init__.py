@@ -50,7 +50,8 @@ that reach into moto's in-process state; each is restored on exit):
 * Auto Scaling: moto's own instance launch for spotnb's groups is switched off (the
   simulator's fulfilment loop replaces it), and ``DescribeScalingActivities`` (always
   empty in moto) serves the activities the simulator records. Lifecycle hooks, which
-  moto only stores: ``CompleteLifecycleAction`` is recorded
+  moto only stores (and ignores when made with the group: the simulator adds those of
+  ``LifecycleHookSpecificationList``): ``CompleteLifecycleAction`` is recorded
   (:attr:`AwsSimulator.hooks_completed`), and ``TerminateInstanceInAutoScalingGroup``
   (which moto carries out at once) ends a member of a spotnb group with a termination
   hook through that hook, as Auto Scaling does: IMDS

@@ -383,7 +383,33 @@ class AwsSimulator:
                     state.protected_from_scale_in = False
             original_delete(backend, group_name)
 
+        original_create = AutoScalingResponse.create_auto_scaling_group
+
+        def create_group(response: Any) -> Any:
+            # moto replaces a group of the same name where AWS answers AlreadyExists;
+            # and it ignores the lifecycle hooks made with a group
+            # (LifecycleHookSpecificationList): they are added as PutLifecycleHook would.
+            from moto.autoscaling.exceptions import AutoscalingClientError
+
+            name = response._get_param("AutoScalingGroupName")
+            if name in response.autoscaling_backend.autoscaling_groups:
+                error = AutoscalingClientError(
+                    f"AutoScalingGroup by this name already exists - A group with the "
+                    f"name {name} already exists")
+                error.code = "AlreadyExists"
+                raise error
+            result = original_create(response)
+            for hook in response._get_params().get("LifecycleHookSpecificationList") or ():
+                response.autoscaling_backend.create_lifecycle_hook(
+                    name=hook["LifecycleHookName"],
+                    as_name=response._get_param("AutoScalingGroupName"),
+                    transition=hook["LifecycleTransition"],
+                    timeout=int(hook.get("HeartbeatTimeout") or 3600),
+                    result=hook.get("DefaultResult") or "ABANDON")
+            return result
+
         original_activities = AutoScalingResponse.describe_scaling_activities
+        AutoScalingResponse.create_auto_scaling_group = create_group  # type: ignore[method-assign,assignment]
         FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
         AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
         AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
@@ -391,6 +417,7 @@ class AwsSimulator:
         AutoScalingBackend.delete_auto_scaling_group = delete_group  # type: ignore[method-assign,assignment]
 
         def unpatch() -> None:
+            AutoScalingResponse.create_auto_scaling_group = original_create  # type: ignore[method-assign]
             FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
             AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
             AutoScalingResponse.terminate_instance_in_auto_scaling_group = original_terminate  # type: ignore[method-assign]
@@ -482,10 +509,13 @@ class AwsSimulator:
         """Put the Deep Learning AMI's public parameter into moto (AWS publishes it)."""
         from moto.ssm.models import Parameter, ssm_backends
 
-        from spotnb.providers.aws.resources import DLAMI_PARAMETER
+        from spotnb.providers.aws.resources import DLAMI_NAME, DLAMI_PARAMETER
 
         ec2 = self._client("ec2")
-        image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
+        # An image named as AWS names the Deep Learning AMI (moto's own are not).
+        image = ec2.register_image(
+            Name=f"{DLAMI_NAME} 20260815", Architecture="x86_64",
+            RootDeviceName="/dev/sda1", Description=DLAMI_IMAGE_NAME)["ImageId"]
         backend = ssm_backends[DEFAULT_ACCOUNT][self.region]
         backend._parameters[DLAMI_PARAMETER].append(Parameter(  # type: ignore[abstract]
             account_id=DEFAULT_ACCOUNT, name=DLAMI_PARAMETER, value=image,
@@ -538,19 +568,35 @@ class AwsSimulator:
         for action in template.get("actions", {}).values():
             if action.get("actionId") != "aws:ec2:send-spot-instance-interruptions":
                 continue
-            notice = _iso_duration(action.get("parameters", {}).get(
+            duration = _iso_duration(action.get("parameters", {}).get(
                 "durationBeforeInterruption", "PT2M"))
-            scaled = self.notice_seconds * notice / 120.0
+            # FIS: the rebalance recommendation at the start, the notice two minutes
+            # before the end of durationBeforeInterruption (scaled as the notice is).
+            lead = self.notice_seconds * max(0.0, duration - 120.0) / 120.0
             for target_name in action.get("targets", {}).values():
                 target = template.get("targets", {}).get(target_name, {})
-                for arn in target.get("resourceArns", ()):
-                    instance_id = arn.rsplit("/", 1)[1]
+                for instance_id in self._fis_targets(target):
                     if instance_id in self.instances:
-                        self.interrupt(instance_id, scaled)
+                        self.interrupt(instance_id, self.notice_seconds, lead=lead)
         experiment = {"id": "EXP" + secrets.token_hex(8),
                       "experimentTemplateId": template["id"],
                       "state": {"status": "running", "reason": "simulated by spotnb.testing"}}
         return AWSResponse("", 200, {}, None), {"experiment": experiment}
+
+    def _fis_targets(self, target: dict[str, Any]) -> list[str]:
+        """The instance ids an FIS target names: its ``resourceArns``, or the instances
+        its ``resourceTags`` and ``State.Name`` filter select (as FIS resolves them at
+        the experiment's start, with DescribeInstances)."""
+        if target.get("resourceArns"):
+            return [arn.rsplit("/", 1)[1] for arn in target["resourceArns"]]
+        filters = [{"Name": f"tag:{key}", "Values": [value]}
+                   for key, value in (target.get("resourceTags") or {}).items()]
+        if not filters:
+            return []
+        filters += [{"Name": "instance-state-name", "Values": list(f.get("values", ()))}
+                    for f in target.get("filters") or () if f.get("path") == "State.Name"]
+        found = self._client("ec2").describe_instances(Filters=filters)
+        return [i["InstanceId"] for r in found["Reservations"] for i in r["Instances"]]
 
     # ------------------------------------------------------- the world's clock
 
@@ -660,7 +706,16 @@ class AwsSimulator:
                     launched = self._ec2.run_instances(**params)["Instances"][0]
                 except Exception as err:
                     if _boto.classify(err) != "capacity":
-                        raise
+                        if not _boto.error_code(err):
+                            raise
+                        # Any other refusal fails the activity (and is not the pool's:
+                        # the group tries again later), as Auto Scaling records it.
+                        self._activity(name, "Failed", (
+                            f"Launching a new EC2 instance. Status Reason: "
+                            f"{_boto.error_message(err)}. Launching EC2 instance failed."),
+                            instance_type)
+                        self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
+                        return None
                     self._activity(name, "Failed", (
                         f"Could not launch {'Spot' if spot else 'On-Demand'} Instances. "
                         f"{_boto.error_code(err)} - {_boto.error_message(err)} "

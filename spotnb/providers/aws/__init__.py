@@ -10,9 +10,10 @@ documents in :mod:`.resources`, boto3 only through :mod:`._boto`):
   the notebook runs (a wheel uploaded to ``<job prefix>/bootstrap/``) and starts
   :mod:`.instance`, the instance agent, which runs the job agent;
 * an **Auto Scaling group** with min = max = desired = 1 and a ``MixedInstancesPolicy``
-  over the ranked instance types and the region's subnets, ``price-capacity-optimized``,
-  0% on-demand. The group, not spotnb, replaces an interrupted instance: recovery does
-  not need the notebook.
+  over the job's instance types and the region's subnets, ``price-capacity-optimized``
+  (which does not follow the order of the types; ``SPOTNB_AWS_SPOT_STRATEGY=
+  capacity-optimized-prioritized`` takes it as a preference), 0% on-demand. The group,
+  not spotnb, replaces an interrupted instance: recovery does not need the notebook.
 * a **multi-node job** (``--nodes MIN:MAX``): the group keeps MAX instances, all in one
   AZ (chosen at validation, refused there when no AZ has capacity for MAX), in the
   job's cluster placement group, with EFA where every type has it, and in the job's
@@ -29,14 +30,17 @@ Launching, narrated (anything created before a failing step is deleted again)::
             Store (SecureString, /spotnb/<job-id>/<NAME>: :mod:`.parameters`)
     Step 3  IAM role (prefix-scoped policy) and instance profile
     Step 4  launch template
-    Step 5  Auto Scaling group (retried while IAM propagates the new profile)
+    Step 5  Auto Scaling group, with its lifecycle hooks (a standby group); retried
+            while IAM propagates the new profile
     Step 6  tell the dashboard; watch the group's activities for capacity errors
 
 Where the rest lives, since AWS has no spotnb supervisor process:
 
 * **The end of a job** (completed, failed, stopped, budget, deadline; invariant 6): the
   instance agent deletes its own group, template and role once ``result.json`` exists;
-  its role may delete exactly those (by ARN and tag). :meth:`AwsProvider.terminate`
+  its role may delete exactly those (by ARN and tag). The role's last step, DeleteRole
+  after its own policy is gone, IAM may refuse: the empty role is deleted by the next
+  launch in the region or by :meth:`cleanup`. :meth:`AwsProvider.terminate`
   does the same from the notebook (``JobHandle.stop``), and :meth:`cleanup` finds
   whatever survived (a group whose job has a result, an orphan role; a multi-node
   job's security and placement groups, which AWS lets go only once its instances are
@@ -54,7 +58,7 @@ Where the rest lives, since AWS has no spotnb supervisor process:
   an instance boots.
 * **Interruptions on request** (``%spot_interrupt``, ``spotnb interrupt``) use the Fault
   Injection Service's ``aws:ec2:send-spot-instance-interruptions`` action against the
-  job's instances, with a shared ``spotnb-fis`` role.
+  job's instances, with a shared ``spotnb-fis`` role (:mod:`.fis`).
 
 Region: each call works in the job's region when this provider launched the job,
 else in the session's region (``AWS_DEFAULT_REGION`` or the profile's).
@@ -65,24 +69,28 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
-import uuid
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from spotnb.protocol import layout
 from spotnb.protocol.events import GROUP_STREAM, EventWriter
 from spotnb.protocol.secretstore import values_for
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import StoreError, open_store
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
-from spotnb.providers.aws import _boto, cluster, parameters
+from spotnb.providers.aws import _boto, cluster, fis, parameters
 from spotnb.providers.aws.bootstrap import bundle, user_data
 from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
+from spotnb.providers.aws.leftovers import (
+    CleanupIncomplete,
+    Leftovers,
+    cleanup_failure,
+    delete_role_named,
+    ignore_missing,
+    paginate,
+)
 from spotnb.providers.aws.resources import (
     BOOTSTRAP_PREFIX,
-    FIS_ROLE,
     IAM_PATH,
     LAUNCH_HOOK_NAME,
     LAUNCH_HOOK_SECONDS,
@@ -90,10 +98,9 @@ from spotnb.providers.aws.resources import (
     SECURITY_GROUP,
     TAG_JOB,
     TAG_MANAGED,
-    TAG_STORE,
     AwsSettings,
-    fis_policy,
     group_name,
+    image_problem,
     instance_policy,
     launch_template_data,
     mixed_instances_policy,
@@ -109,55 +116,35 @@ from spotnb.providers.imds import TERMINATION_HOOK_SECONDS
 __all__ = ["AwsProvider", "AwsSettings", "CleanupIncomplete", "stop_capacity_watches"]
 
 log = logging.getLogger(__name__)
+#: Its old name here (before cleanup moved to :mod:`.leftovers`).
+_cleanup_failure = cleanup_failure
 
 # A new instance profile is "invalid" to Auto Scaling until IAM has propagated it
 # (usually under 10 s): the group is created again with backoff for about a minute.
 IAM_PROPAGATION_ATTEMPTS = 9
 _IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Profile",
                           "iamInstanceProfile"})
-# FIS's shortest notice, as on a real interruption.
-FIS_NOTICE = "PT2M"
 # A standby group's termination hook waits this long before Auto Scaling ends the
 # instance the job moves off: EC2's notice period, for the agent's final save (the
 # instance agent completes the hook once the job agent is done, which ends the wait).
 LIFECYCLE_HOOK_SECONDS = int(TERMINATION_HOOK_SECONDS)
 
 
-def _code(err: BaseException) -> str:
-    return _boto.error_code(err)
+def lifecycle_hooks() -> list[dict[str, Any]]:
+    """A standby group's two lifecycle hooks (made with the group).
 
-
-def _ignore_missing(fn: Callable[[], Any], *codes: str) -> bool:
-    """Run a delete; False if the resource was already gone (``codes`` or "not found").
-
-    Two parties may delete the same resource at once (the instance's own teardown and
-    the notebook's stop): an answer that is not even an AWS error (an HTTP 500 without
-    a body botocore can parse) is tried again a few times.
-    """
-    for attempt in range(_DELETE_TRIES):
-        try:
-            return _delete_once(fn, codes)
-        except Exception as err:
-            if type(err).__name__ != "ResponseParserError" or attempt == _DELETE_TRIES - 1:
-                raise
-            time.sleep(0.2 * (attempt + 1))
-    return False
-
-
-_DELETE_TRIES = 3
-
-
-def _delete_once(fn: Callable[[], Any], codes: tuple[str, ...]) -> bool:
-    try:
-        fn()
-    except Exception as err:
-        code = _code(err)
-        if code in codes or "NotFound" in code or "not found" in str(err) or \
-                code in ("NoSuchEntity", "AWS.SimpleQueueService.NonExistentQueue",
-                         "QueueDoesNotExist"):
-            return False
-        raise
-    return True
+    The job moves to a ready standby (whose agent completes the launch hook then) by
+    ending the at-risk instance through the termination hook, whose wait (IMDS
+    ``target-lifecycle-state`` ``Terminated``) is its agent's notice, as long as EC2's,
+    for its final save."""
+    return [
+        {"LifecycleHookName": LAUNCH_HOOK_NAME,
+         "LifecycleTransition": "autoscaling:EC2_INSTANCE_LAUNCHING",
+         "HeartbeatTimeout": LAUNCH_HOOK_SECONDS, "DefaultResult": "CONTINUE"},
+        {"LifecycleHookName": LIFECYCLE_HOOK_NAME,
+         "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING",
+         "HeartbeatTimeout": LIFECYCLE_HOOK_SECONDS, "DefaultResult": "CONTINUE"},
+    ]
 
 
 #: What spotnb assumes an instance writes checkpoints to S3 at, before a job has
@@ -167,7 +154,7 @@ def _delete_once(fn: Callable[[], Any], codes: tuple[str, ...]) -> bool:
 ASSUMED_S3_UPLOAD_MBPS = 300.0
 
 
-class AwsProvider(Provider):
+class AwsProvider(Leftovers, Provider):
     """spot instances on EC2 through Auto Scaling. See the module docstring."""
 
     name = "aws"
@@ -222,6 +209,9 @@ class AwsProvider(Provider):
             raise SpecError("no instance type given: name at least one, e.g. 'g5.xlarge'")
         for instance_type in res.instance_types:
             catalog.check_instance_type(instance_type, region)
+        problem = image_problem(self.settings, res.instance_types)
+        if problem is not None:
+            raise SpecError(problem + ". Nothing was started.")
         if spec.simulate_interruptions:
             raise SpecError("simulate_interruptions works on the local cloud only; on AWS "
                             "use handle.interrupt() (Fault Injection Service)")
@@ -255,7 +245,9 @@ class AwsProvider(Provider):
         tag_list = tags(job_id, spec.store_uri, spec.name)
         undo: list[tuple[str, Callable[[], Any]]] = []
         try:
-            # Step 1: image and network.
+            # Step 1: image and network; first the roles of ended jobs that IAM would
+            # not let their instances delete (a role cannot delete itself reliably).
+            self._sweep_roles(region)
             ami = self._ami(region)
             zone = self._zones.get(job_id)
             network: cluster.Network | None = None
@@ -297,10 +289,12 @@ class AwsProvider(Provider):
             ), what="creating the launch template")["LaunchTemplate"]
             undo.append(("launch template", lambda: self._delete_template(job_id, region)))
             # Step 5: the group (Auto Scaling may not see the new profile for a while).
+            # In the undo list before the call: a call whose answer is lost may have
+            # made the group, which launches at once (a missing group is no error).
+            undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
             self._create_group(spec, template["LaunchTemplateId"], subnets, tag_list,
                                ondemand=self.settings.ondemand_after == 0,
                                placement_group=network.placement_group if network else None)
-            undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
         except BaseException:
             for label, release in reversed(undo):
                 try:
@@ -314,7 +308,7 @@ class AwsProvider(Provider):
         azs = sorted({az for _, az in subnets})
         types = ", ".join(spec.resources.instance_types)
         detail = (f"Auto Scaling group {group_name(job_id)}: spot {types} in {', '.join(azs)} "
-                  "(price-capacity-optimized)")
+                  f"({self.settings.spot_strategy})")
         if zone is not None:
             detail = (f"Auto Scaling group {group_name(job_id)}: {spec.resources.max_nodes} "
                       f"spot nodes of {types} in {zone.az} ({zone.why}), in a cluster "
@@ -338,9 +332,13 @@ class AwsProvider(Provider):
         return parameters.read(self.client("ssm", spec.resources.region), spec.job_id,
                                spec.secrets)
 
-    def interrupt(self, job_id: str, instance: str | None = None) -> None:
-        """Send an interruption notice (FIS) to the job's running instances, or only to
-        ``instance`` (one node of a multi-node job)."""
+    def interrupt(self, job_id: str, instance: str | None = None,
+                  rebalance_lead: float = 0.0) -> None:
+        """Send an interruption notice (FIS, :mod:`.fis`) to the job's running
+        instances, or only to ``instance`` (one node of a multi-node job).
+        ``rebalance_lead``: seconds (up to 780) by which EC2's rebalance recommendation
+        comes before the notice; 0, both at once."""
+        fis.duration(rebalance_lead)  # a bad lead is refused before any request
         region = self.region(job_id)
         account = _boto.account_id(region=region)
         running = self._instances(region, job_id, ("running",))
@@ -350,32 +348,12 @@ class AwsProvider(Provider):
             which = f"instance {instance}" if instance else "instance"
             raise ProviderError(f"job {job_id} has no running {which} to interrupt in "
                                 f"{region} (it may be waiting for capacity)")
-        arns = [f"arn:aws:ec2:{region}:{account}:instance/{i['InstanceId']}" for i in running]
-        fis = self.client("fis", region)
-        role_arn = self._fis_role(region, account)
-        template = _boto.with_backoff(lambda: fis.create_experiment_template(
-            clientToken=str(uuid.uuid4()),
-            description=f"spotnb: interrupt job {job_id}",
-            roleArn=role_arn,
-            stopConditions=[{"source": "none"}],
-            targets={"SpotInstances": {"resourceType": "aws:ec2:spot-instance",
-                                       "resourceArns": arns, "selectionMode": "ALL"}},
-            actions={"interrupt": {
-                "actionId": "aws:ec2:send-spot-instance-interruptions",
-                "parameters": {"durationBeforeInterruption": FIS_NOTICE},
-                "targets": {"SpotInstances": "SpotInstances"}}},
-            tags={TAG_JOB: job_id, TAG_MANAGED: "true"},
-        ), what="creating the FIS experiment template",
-            # A new FIS role is not assumable until IAM has propagated it.
-            retry_codes=frozenset({"ValidationException"}), attempts=6)["experimentTemplate"]
-        try:
-            _boto.with_backoff(lambda: fis.start_experiment(
-                clientToken=str(uuid.uuid4()), experimentTemplateId=template["id"],
-                tags={TAG_JOB: job_id}), what="starting the FIS experiment")
-        finally:
-            # A started experiment keeps its own copy of the template.
-            _ignore_missing(lambda: fis.delete_experiment_template(id=template["id"]))
-        log.info("FIS sends an interruption notice to %s", [i["InstanceId"] for i in running])
+        arn = (f"arn:aws:ec2:{region}:{account}:instance/{instance}"
+               if instance is not None else None)
+        role_arn, created = self._fis_role(region, account)
+        fis.send(self.client("fis", region), role_arn, created, job_id, arn, rebalance_lead)
+        log.info("FIS sends an interruption notice to %s", instance or
+                 [i["InstanceId"] for i in running])
 
     def terminate(self, job_id: str) -> None:
         region = self.region(job_id)
@@ -407,169 +385,6 @@ class AwsProvider(Provider):
                      " and ".join(left))
         log.info("deleted job %s's capacity group, template, role and queues", job_id)
 
-    def cleanup(self, dry_run: bool = False) -> list[str]:
-        """See the contract. Each kind of resource is looked for and deleted on its own:
-        a call that fails (a policy that denies it, an AWS without it) is named with the
-        permission it needed, the other kinds are cleaned up all the same, and then
-        :class:`CleanupIncomplete` says what could not be done."""
-        done: list[str] = []
-        failed: list[str] = []
-        verdicts: dict[str, tuple[bool, str]] = {}
-        regions = {self.region(), *self._job_regions.values()}
-        verb = "would delete" if dry_run else "deleted"
-
-        def over(job_id: str, store_uri: str | None) -> tuple[bool, str]:
-            if job_id not in verdicts:
-                verdicts[job_id] = _job_over(store_uri)
-            return verdicts[job_id]
-
-        def guarded(what: str, step: Callable[[], object]) -> bool:
-            """Run one step of the cleanup; a failure is recorded (False), not raised."""
-            try:
-                step()
-                return True
-            except Exception as err:
-                clients = [self.client(name, self.region()) for name in
-                           ("ec2", "autoscaling", "sqs", "iam", "ssm")]
-                failed.append(_cleanup_failure(what, err, clients))
-                log.warning("cleanup: %s", failed[-1])
-                return False
-
-        for region in sorted(regions):
-            asg = self.client("autoscaling", region)
-            ec2 = self.client("ec2", region)
-
-            def groups(region: str = region, asg: Any = asg) -> None:
-                for group in _paginate(asg, "describe_auto_scaling_groups",
-                                       "AutoScalingGroups"):
-                    found = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
-                    if TAG_JOB not in found:
-                        continue
-                    ended, why = over(found[TAG_JOB], found.get(TAG_STORE))
-                    if not ended:
-                        continue
-                    name = group["AutoScalingGroupName"]
-                    if dry_run or guarded(
-                            f"delete Auto Scaling group {name} in {region}",
-                            partial(self._delete_group, found[TAG_JOB], region)):
-                        done.append(f"{verb} Auto Scaling group {name} in {region} ({why})")
-
-            def templates(region: str = region, ec2: Any = ec2) -> None:
-                for template in ec2.describe_launch_templates(Filters=[
-                        {"Name": "tag-key", "Values": [TAG_JOB]}]).get("LaunchTemplates", ()):
-                    found = {t["Key"]: t["Value"] for t in template.get("Tags", ())}
-                    ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                    if not ended:
-                        continue
-                    name = template["LaunchTemplateName"]
-                    if dry_run or guarded(
-                            f"delete launch template {name} in {region}",
-                            partial(_ignore_missing, partial(
-                                ec2.delete_launch_template,
-                                LaunchTemplateId=template["LaunchTemplateId"]))):
-                        done.append(f"{verb} launch template {name} in {region} ({why})")
-
-            def network(kind: str, region: str = region, ec2: Any = ec2) -> None:
-                for kind_, ident, label, found in cluster.leftovers(ec2, kinds=(kind,)):
-                    ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                    if not ended:
-                        continue
-                    deleted: list[bool] = [True]  # False: in use by an instance still
-
-                    def delete(kind_: str = kind_, ident: str = ident,
-                               deleted: list[bool] = deleted) -> None:
-                        deleted[0] = cluster.delete_leftover(ec2, kind_, ident)
-
-                    if not dry_run and not guarded(f"delete {label} in {region}", delete):
-                        continue
-                    if deleted[0]:
-                        done.append(f"{verb} {label} in {region} ({why})")
-                    else:
-                        done.append(f"kept {label} in {region} ({why}, but an instance "
-                                    "still uses it: run cleanup again in a minute)")
-
-            def instances(region: str = region, ec2: Any = ec2) -> None:
-                for inst in self._instances(region, None, ("pending", "running", "stopping",
-                                                           "stopped")):
-                    found = {t["Key"]: t["Value"] for t in inst.get("Tags", ())}
-                    ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                    if not ended:
-                        continue
-                    ident = inst["InstanceId"]
-                    if dry_run or guarded(
-                            f"terminate instance {ident} in {region}",
-                            partial(ec2.terminate_instances, InstanceIds=[ident])):
-                        done.append(f"{verb} instance {ident} in {region} ({why})")
-
-            guarded(f"look for Auto Scaling groups in {region}", groups)
-            guarded(f"look for launch templates in {region}", templates)
-            guarded(f"look for security groups in {region}",
-                    partial(network, "security-group"))
-            guarded(f"look for placement groups in {region}",
-                    partial(network, "placement-group"))
-            guarded(f"look for instances in {region}", instances)
-
-        def queues(region: str) -> None:
-            sqs = self.client("sqs", region)
-            for url in sqs.list_queues(QueueNamePrefix="spotnb-").get("QueueUrls", []):
-                name = url.rsplit("/", 1)[-1]
-                try:
-                    found = sqs.list_queue_tags(QueueUrl=url).get("Tags", {})
-                except Exception as err:
-                    if "NonExistentQueue" in _code(err) or _code(err) == "QueueDoesNotExist":
-                        continue
-                    raise
-                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                if not ended:
-                    continue
-                if dry_run or guarded(
-                        f"delete queue {name} in {region}",
-                        partial(_ignore_missing, partial(sqs.delete_queue, QueueUrl=url))):
-                    done.append(f"{verb} queue {name} in {region} ({why})")
-
-        for region in sorted(regions):
-            guarded(f"look for queues in {region}", partial(queues, region))
-            guarded(f"look for jobs' secrets in {region}",
-                    partial(self._secrets_left, region, over, verb, dry_run, done))
-        iam = self.client("iam", self.region())
-
-        def roles() -> None:
-            for role in _paginate(iam, "list_roles", "Roles", PathPrefix=IAM_PATH):
-                name = role["RoleName"]
-                if not name.startswith("spotnb-job-"):
-                    continue
-                try:
-                    found = {t["Key"]: t["Value"] for t in
-                             iam.list_role_tags(RoleName=name).get("Tags", ())}
-                except Exception as err:
-                    if _code(err) == "NoSuchEntity":
-                        continue  # deleted meanwhile (its instance agent's teardown)
-                    raise
-                ended, why = over(found.get(TAG_JOB, ""), found.get(TAG_STORE))
-                if not ended:
-                    continue
-                if dry_run or guarded(f"delete IAM role {name}",
-                                      partial(_delete_role_named, iam, name)):
-                    done.append(f"{verb} IAM role and instance profile {name} ({why})")
-
-        def profiles() -> None:
-            for profile in _paginate(iam, "list_instance_profiles", "InstanceProfiles",
-                                     PathPrefix=IAM_PATH):
-                name = profile["InstanceProfileName"]
-                if not name.startswith("spotnb-job-") or profile.get("Roles"):
-                    continue
-                if dry_run or guarded(
-                        f"delete instance profile {name}",
-                        partial(_ignore_missing, partial(iam.delete_instance_profile,
-                                                         InstanceProfileName=name))):
-                    done.append(f"{verb} instance profile {name} (it has no role left)")
-
-        guarded("look for IAM roles", roles)
-        guarded("look for instance profiles", profiles)
-        if failed:
-            raise CleanupIncomplete(done, failed)
-        return done
-
     def _delete_secrets(self, job_id: str, region: str,
                         names: tuple[str, ...] | None = None) -> None:
         """Delete the job's SSM parameters: those named (the instance's teardown, whose
@@ -579,22 +394,6 @@ class AwsProvider(Provider):
             names = tuple(parameters.leftovers(ssm, job_id).get(job_id, ()))
         if names:
             parameters.delete(ssm, job_id, names)
-
-    def _secrets_left(self, region: str, over: Callable[[str, str | None], tuple[bool, str]],
-                      verb: str, dry_run: bool, done: list[str]) -> None:
-        """cleanup's part for secrets: the parameters of jobs that ended, added to
-        ``done``. A call that fails raises (cleanup names the call and its permission:
-        an identity set up before secrets existed may lack ssm:DescribeParameters)."""
-        ssm = self.client("ssm", region)
-        for job_id, names in sorted(parameters.leftovers(ssm).items()):
-            found = parameters.tags_of(ssm, job_id, names[0])
-            ended, why = over(found.get(TAG_JOB, job_id), found.get(TAG_STORE))
-            if ended:
-                if not dry_run:
-                    parameters.delete(ssm, job_id, names)
-                done.append(f"{verb} {len(names)} secret{'s' if len(names) > 1 else ''} of "
-                            f"job {job_id} in {region} (SSM {parameters.job_path(job_id)}/; "
-                            f"{why})")
 
     def _delete_queues(self, job_id: str, region: str,
                        names: list[str] | None = None) -> None:
@@ -609,11 +408,11 @@ class AwsProvider(Provider):
                 try:
                     urls.append(sqs.get_queue_url(QueueName=name)["QueueUrl"])
                 except Exception as err:
-                    if "NonExistentQueue" not in _code(err) and \
-                            _code(err) != "QueueDoesNotExist":
+                    if "NonExistentQueue" not in _boto.error_code(err) and \
+                            _boto.error_code(err) != "QueueDoesNotExist":
                         raise
         for url in urls:
-            _ignore_missing(partial(sqs.delete_queue, QueueUrl=url))
+            ignore_missing(partial(sqs.delete_queue, QueueUrl=url))
 
     def instance_gone(self, job_id: str, instance_id: str) -> bool:
         """See the contract: one DescribeInstances (free, rate-limited), only when a
@@ -645,7 +444,7 @@ class AwsProvider(Provider):
         try:
             return str(ssm.get_parameter(Name=self.settings.ami_parameter)["Parameter"]["Value"])
         except Exception as err:
-            if _code(err) == "ParameterNotFound":
+            if _boto.error_code(err) == "ParameterNotFound":
                 raise SpecError(
                     f"the AMI parameter {self.settings.ami_parameter} does not exist in "
                     f"{region}: set SPOTNB_AWS_AMI to an AMI id, or SPOTNB_AWS_AMI_PARAMETER "
@@ -722,28 +521,10 @@ class AwsProvider(Provider):
                                                   Tags=iam_tags)["InstanceProfile"]
             iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
         except Exception as err:
-            _delete_role_named(iam, name)
+            delete_role_named(iam, name)
             _boto.raise_for(err, "creating the job's IAM role")
             raise
         return str(profile["Arn"])
-
-    def _sweep_networks(self, region: str) -> None:
-        """Delete ended jobs' security and placement groups that AWS refused to delete
-        while their instances were still in them (cluster.py)."""
-        verdicts: dict[str, tuple[bool, str]] = {}
-
-        def over(job_id: str, store_uri: str | None) -> tuple[bool, str]:
-            if job_id not in verdicts:
-                verdicts[job_id] = _job_over(store_uri)
-            return verdicts[job_id]
-
-        try:
-            done = cluster.sweep(self.client("ec2", region), over)
-        except Exception as err:
-            log.info("could not look for ended jobs' network leftovers: %s", err)
-            return
-        if done:
-            log.info("deleted what ended jobs left: %s", ", ".join(done))
 
     def _create_group(self, spec: JobSpec, template_id: str,
                       subnets: list[tuple[str, str]], tag_list: list[dict[str, str]],
@@ -763,7 +544,8 @@ class AwsProvider(Provider):
             VPCZoneIdentifier=",".join(s for s, _ in subnets),
             MixedInstancesPolicy=mixed_instances_policy(
                 template_id=template_id, instance_types=spec.resources.instance_types,
-                max_price=spec.resources.max_price, ondemand=ondemand),
+                max_price=spec.resources.max_price, ondemand=ondemand,
+                strategy=self.settings.spot_strategy),
             CapacityRebalance=False,
             HealthCheckType="EC2",
             Tags=[{**t, "PropagateAtLaunch": False, "ResourceId": name,
@@ -771,30 +553,38 @@ class AwsProvider(Provider):
         )
         if placement_group is not None:
             params["PlacementGroup"] = placement_group
-        _boto.with_backoff(lambda: asg.create_auto_scaling_group(**params),
-                           what="creating the Auto Scaling group",
-                           attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
         if rebalancing(spec):
-            # The job moves to a ready standby (its agent completes this launch hook
-            # then) by ending the at-risk instance through the termination hook, whose
-            # wait (IMDS target-lifecycle-state "Terminated") is its agent's notice, as
-            # long as EC2's, for its final save.
-            _boto.with_backoff(lambda: asg.put_lifecycle_hook(
-                AutoScalingGroupName=name, LifecycleHookName=LAUNCH_HOOK_NAME,
-                LifecycleTransition="autoscaling:EC2_INSTANCE_LAUNCHING",
-                HeartbeatTimeout=LAUNCH_HOOK_SECONDS, DefaultResult="CONTINUE"),
-                what="adding the group's launch hook")
-            _boto.with_backoff(lambda: asg.put_lifecycle_hook(
-                AutoScalingGroupName=name, LifecycleHookName=LIFECYCLE_HOOK_NAME,
-                LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
-                HeartbeatTimeout=LIFECYCLE_HOOK_SECONDS, DefaultResult="CONTINUE"),
-                what="adding the group's termination hook")
+            # Made with the group, not after it: a hook added to a group that exists
+            # applies to the instances launched after it, and the group launches its
+            # first at once (CreateAutoScalingGroup's LifecycleHookSpecificationList:
+            # "lifecycle hooks to add to the Auto Scaling group before instances are
+            # launched"). One call also leaves no group without its hooks to roll back.
+            params["LifecycleHookSpecificationList"] = lifecycle_hooks()
+
+        def create() -> None:
+            try:
+                asg.create_auto_scaling_group(**params)
+            except Exception as err:
+                # A retry after an answer that was lost: the first try made the group.
+                if _boto.error_code(err) != "AlreadyExists" or not self._group_is_jobs(asg, spec):
+                    raise
+
+        _boto.with_backoff(create, what="creating the Auto Scaling group",
+                           attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
+
+    @staticmethod
+    def _group_is_jobs(asg: Any, spec: JobSpec) -> bool:
+        """Whether the job's group exists and carries its job's tag."""
+        found = asg.describe_auto_scaling_groups(
+            AutoScalingGroupNames=[group_name(spec.job_id)]).get("AutoScalingGroups", ())
+        return any(t.get("Key") == TAG_JOB and t.get("Value") == spec.job_id
+                   for g in found for t in g.get("Tags", ()))
 
     # -- deleting
 
     def _delete_group(self, job_id: str, region: str) -> bool:
         asg = self.client("autoscaling", region)
-        return _ignore_missing(lambda: _boto.with_backoff(
+        return ignore_missing(lambda: _boto.with_backoff(
             lambda: asg.delete_auto_scaling_group(AutoScalingGroupName=group_name(job_id),
                                                   ForceDelete=True),
             what="deleting the Auto Scaling group",
@@ -807,10 +597,30 @@ class AwsProvider(Provider):
         if not found.get("LaunchTemplates"):
             return False
         template_id = found["LaunchTemplates"][0]["LaunchTemplateId"]
-        return _ignore_missing(lambda: ec2.delete_launch_template(LaunchTemplateId=template_id))
+        return ignore_missing(lambda: ec2.delete_launch_template(LaunchTemplateId=template_id))
 
-    def _delete_role(self, job_id: str, region: str) -> None:
-        _delete_role_named(self.client("iam", region), role_name(job_id))
+    def _delete_role(self, job_id: str, region: str, own: bool = False) -> None:
+        """Delete the job's role and instance profile. ``own``: with the role's own
+        credentials (the instance's teardown). Its permission to delete the role is in
+        the inline policy that DeleteRole requires deleted first, so IAM may refuse the
+        DeleteRole once that deletion has propagated (IAM is eventually consistent; AWS
+        promises no lag to rely on): the role is then left with no policy, granting
+        nothing, and the next launch in the region (:meth:`_sweep_roles`) or
+        ``spotnb aws cleanup`` deletes it with the user's credentials."""
+        iam = self.client("iam", region)
+        name = role_name(job_id)
+        if not own:
+            delete_role_named(iam, name)
+            return
+        try:
+            delete_role_named(iam, name)
+        except Exception as err:
+            if _boto.classify(err) != "fatal" and _boto.error_code(err) not in (
+                    "AccessDenied", "UnauthorizedOperation"):
+                raise
+            log.info("IAM refused to let role %s delete itself once its policy was gone "
+                     "(%s): the next launch or `spotnb aws cleanup` deletes it", name,
+                     _boto.error_code(err) or err)
 
     def _instances(self, region: str, job_id: str | None,
                    states: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -818,84 +628,11 @@ class AwsProvider(Provider):
                       else {"Name": "tag-key", "Values": [TAG_JOB]})
         ec2 = self.client("ec2", region)
         found = []
-        for reservation in _paginate(ec2, "describe_instances", "Reservations", Filters=[
+        for reservation in paginate(ec2, "describe_instances", "Reservations", Filters=[
                 tag_filter, {"Name": "instance-state-name", "Values": list(states)}]):
             found += reservation["Instances"]
         return found
 
-    def _fis_role(self, region: str, account: str) -> str:
-        iam = self.client("iam", region)
-        try:
-            return str(iam.get_role(RoleName=FIS_ROLE)["Role"]["Arn"])
-        except Exception as err:
-            if _code(err) != "NoSuchEntity":
-                _boto.raise_for(err, "looking up the FIS role")
-        role = iam.create_role(
-            RoleName=FIS_ROLE, Path=IAM_PATH,
-            AssumeRolePolicyDocument=json.dumps(trust_policy("fis.amazonaws.com")),
-            Description="spotnb: send spot interruption notices to spotnb instances",
-            Tags=[{"Key": TAG_MANAGED, "Value": "true"}])["Role"]
-        iam.put_role_policy(RoleName=FIS_ROLE, PolicyName="spotnb-fis",
-                            PolicyDocument=json.dumps(fis_policy(region, account)))
-        return str(role["Arn"])
-
-
-def _delete_role_named(iam: Any, name: str) -> None:
-    """Delete a job role, its inline policy and its instance profile; missing is fine."""
-    _ignore_missing(lambda: iam.remove_role_from_instance_profile(
-        InstanceProfileName=name, RoleName=name))
-    _ignore_missing(lambda: iam.delete_instance_profile(InstanceProfileName=name))
-    _ignore_missing(lambda: iam.delete_role_policy(RoleName=name, PolicyName="spotnb-job"))
-    _ignore_missing(lambda: iam.delete_role(RoleName=name))
-
-
-def _paginate(client: Any, method: str, key: str, **params: Any) -> list[Any]:
-    items: list[Any] = []
-    for page in client.get_paginator(method).paginate(**params):
-        items += page.get(key, ())
-    return items
-
-
-class CleanupIncomplete(ProviderError):
-    """``spotnb aws cleanup`` could not do everything: ``done`` (what it did, as
-    :meth:`AwsProvider.cleanup` returns it) and ``failed`` (what it could not, each with
-    the call and the permission it needed)."""
-
-    def __init__(self, done: list[str], failed: list[str]) -> None:
-        self.done = done
-        self.failed = failed
-        super().__init__(
-            f"the cleanup could not {len(failed)} thing(s): " + "; ".join(failed))
-
-
-def _cleanup_failure(what: str, err: BaseException, clients: list[Any]) -> str:
-    """A line for a step of the cleanup that failed: what, the call, the permission
-    (its IAM action: the service of whichever client has the operation), the fix."""
-    operation = getattr(err, "operation_name", None)
-    service = next((c.meta.service_model.signing_name for c in clients
-                    if operation in c.meta.service_model.operation_names), None)
-    code = _code(err) or type(err).__name__
-    message = (getattr(err, "response", None) or {}).get("Error", {}).get("Message") \
-        or str(err)
-    if operation and service:
-        return (f"could not {what}: {operation} failed ({code}: {message}); it needs the "
-                f"permission {service}:{operation}: attach the notebook-user policy "
-                "printed by `spotnb aws setup --dry-run` (or check the account with "
-                "`spotnb aws doctor`), then run `spotnb aws cleanup` again")
-    return (f"could not {what}: {code}: {message}; check the account with `spotnb aws "
-            "doctor`, then run `spotnb aws cleanup` again")
-
-
-def _job_over(store_uri: str | None) -> tuple[bool, str]:
-    """Whether a job is over (its resources are leftovers), and why."""
-    if not store_uri:
-        return True, "it names no job store"
-    try:
-        store = open_store(store_uri)
-        if store.exists(layout.RESULT):
-            return True, "its job has a result"
-        if not store.exists(layout.SPEC):
-            return True, "its job does not exist in the store"
-    except (StoreError, SpecError) as err:
-        return False, f"kept: cannot read its store ({err})"
-    return False, "its job is running"
+    def _fis_role(self, region: str, account: str) -> tuple[str, bool]:
+        """The shared FIS role's ARN, and whether it was created just now."""
+        return fis.role(self.client("iam", region), region, account)

@@ -4,8 +4,9 @@ Everything else in spotnb asks this module for AWS clients and for the meaning o
 error; nothing else imports ``boto3`` or ``botocore``. The contract:
 
 * boto3 is imported lazily, on the first AWS call, so ``import spotnb`` works without
-  it; without it, :func:`boto3_module` raises :class:`~spotnb.protocol.spec.SpecError` naming
-  ``pip install 'spotnb[aws]'``.
+  it; without it, or with a botocore older than :data:`MIN_BOTOCORE` (an image's system
+  boto3, say), :func:`boto3_module` raises :class:`~spotnb.protocol.spec.SpecError`
+  naming ``pip install -U 'spotnb[aws]'``.
 * Credentials come from the standard chain (environment, ``AWS_PROFILE`` and shared
   config, SSO, instance profile). ``AWS_ENDPOINT_URL`` (and the per-service
   ``AWS_ENDPOINT_URL_<SERVICE>``) are honoured by botocore itself: that is how tests
@@ -80,6 +81,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'spotnb[aws]'"
+#: The oldest botocore spotnb works with (``pyproject.toml``: ``boto3>=1.35.69``, which
+#: requires it): the first whose S3 model has both ``IfNoneMatch`` (1.35.2) and
+#: ``IfMatch`` (1.35.69) on ``PutObject``. An older one refuses them before sending, so
+#: every lease, result, event chunk and ``LATEST`` pointer would fail. The models of this
+#: version are vendored for the tests (``tests/aws_reference/``).
+MIN_BOTOCORE = (1, 35, 69)
 
 Kind = Literal["transient", "capacity", "fatal", "other"]
 
@@ -195,15 +202,29 @@ def boto3_module() -> ModuleType:
     if _boto3 is None:
         try:
             import boto3
+            import botocore
         except ImportError:
             raise SpecError(
                 f"the AWS provider needs boto3, which is not installed: {INSTALL_HINT}"
             ) from None
+        found = _version_tuple(botocore.__version__)
+        if found < MIN_BOTOCORE:
+            floor = ".".join(map(str, MIN_BOTOCORE))
+            raise SpecError(
+                f"the AWS provider needs botocore {floor} or newer (S3's conditional "
+                f"writes, IfNoneMatch and IfMatch), but {botocore.__version__} is "
+                f"installed: pip install -U 'spotnb[aws]'")
         _boto3 = boto3
     return _boto3
 
 
 _SESSIONS: dict[tuple[str | None, ...], Any] = {}
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"1.35.69"`` -> ``(1, 35, 69)``; a pre-release suffix is ignored."""
+    return tuple(int("".join(c for c in piece if c.isdigit()) or 0)
+                 for piece in version.split(".")[:3])
 
 
 def session(region: str | None = None, profile: str | None = None) -> Any:
@@ -406,8 +427,10 @@ T = TypeVar("T")
 
 
 def with_backoff(fn: Callable[[], T], *, what: str, attempts: int = 6, base: float = 0.5,
-                 cap: float = 8.0, retry_codes: frozenset[str] = frozenset()) -> T:
-    """Call ``fn``; retry transient errors (and ``retry_codes``) with jittered backoff.
+                 cap: float = 8.0, retry_codes: frozenset[str] = frozenset(),
+                 retry_if: Callable[[BaseException], bool] | None = None) -> T:
+    """Call ``fn``; retry transient errors (and ``retry_codes``, and errors ``retry_if``
+    says are worth another try) with jittered backoff.
 
     For the few cases botocore's own retries do not cover: IAM's eventual consistency
     (a new instance profile is "invalid" for some seconds) and an Auto Scaling group
@@ -420,7 +443,8 @@ def with_backoff(fn: Callable[[], T], *, what: str, attempts: int = 6, base: flo
             return fn()
         except Exception as err:
             retryable = classify(err) == "transient" or error_code(err) in retry_codes or (
-                any(code in str(err) for code in retry_codes))
+                any(code in str(err) for code in retry_codes)) or (
+                retry_if is not None and retry_if(err))
             if not retryable or attempt == attempts - 1:
                 raise_for(err, what)
             delay = delays.next()
@@ -473,14 +497,14 @@ TRANSFER_CHUNK = 16 * 2**20
 TRANSFER_THREADS = 10
 
 
-def transfer_config(threshold: int = TRANSFER_THRESHOLD, chunk: int = TRANSFER_CHUNK,
-                    threads: int = TRANSFER_THREADS) -> Any:
+def transfer_config(threshold: int = TRANSFER_THRESHOLD, chunk: int = TRANSFER_CHUNK
+                    ) -> Any:
     """A ``boto3.s3.transfer.TransferConfig`` tuned for checkpoints (see the constants)."""
     boto3_module()
     from boto3.s3.transfer import TransferConfig
 
     return TransferConfig(multipart_threshold=threshold, multipart_chunksize=chunk,
-                          max_concurrency=threads, use_threads=True)
+                          max_concurrency=TRANSFER_THREADS, use_threads=True)
 
 
 def unwrap_transfer_error(err: BaseException) -> BaseException:

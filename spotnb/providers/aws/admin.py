@@ -8,20 +8,27 @@ by ``spotnb interrupt``. Per-job resources (role, template, group) are made by e
 launch. It also returns the IAM policies spotnb uses, so they can be reviewed.
 
 ``doctor(region)`` checks, in order, what a launch needs: credentials, region, the
-bucket, the network, the AMI, spot vCPU quotas, the FIS role, where secrets go (SSM
-Parameter Store) and the caller's permissions (``iam:SimulatePrincipalPolicy`` where
-the caller may use it).
+bucket, the network, the image (it exists, is available, and is the PyTorch Deep
+Learning AMI by default), the spot vCPU quotas that count the GPU families it runs
+(named and numbered as Service Quotas has them), the FIS role, where secrets go (SSM
+Parameter Store) and the caller's permissions: whether IAM lets it do what the printed
+notebook-user policy grants (``iam:SimulatePrincipalPolicy``, which that policy grants).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import (
+    DLAMI_FAMILIES,
+    DLAMI_NAME,
+    DLAMI_PARAMETER,
+    DLAMI_PYTHON,
     FIS_ROLE,
     SECURITY_GROUP,
     AwsSettings,
@@ -32,27 +39,16 @@ from spotnb.providers.aws.resources import (
 
 __all__ = ["Check", "SetupReport", "doctor", "setup"]
 
-# Spot vCPU quotas of the GPU families (Service Quotas codes, EC2).
-SPOT_QUOTAS = {
-    "L-3819A6DF": "All G and VT Spot Instance Requests",
-    "L-7212CCBC": "All P Spot Instance Requests",
-}
-# What a notebook user's identity must be allowed to do (checked by doctor).
-NEEDED_ACTIONS = (
-    "ec2:CreateLaunchTemplate", "ec2:DeleteLaunchTemplate", "ec2:RunInstances",
-    "autoscaling:CreateAutoScalingGroup", "autoscaling:DeleteAutoScalingGroup",
-    "autoscaling:PutLifecycleHook",
-    "iam:CreateRole", "iam:PutRolePolicy", "iam:CreateInstanceProfile",
-    "iam:AddRoleToInstanceProfile", "iam:PassRole", "iam:DeleteRole",
-    "s3:PutObject", "s3:GetObject", "s3:ListBucket", "ssm:GetParameter",
-    "fis:CreateExperimentTemplate", "fis:StartExperiment",
-    # secrets (providers/aws/parameters.py)
-    "ssm:PutParameter", "ssm:AddTagsToResource", "ssm:DeleteParameters",
-    "ssm:DescribeParameters", "ssm:ListTagsForResource",
-    # multi-node jobs (providers/aws/cluster.py)
-    "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup", "ec2:CreateSecurityGroup",
-    "ec2:AuthorizeSecurityGroupIngress", "ec2:DeleteSecurityGroup",
-)
+#: The suffix of EC2's spot vCPU quotas' names in Service Quotas ("All G and VT Spot
+#: Instance Requests", "All P4, P3 and P2 Spot Instance Requests", "All P5 Spot Instance
+#: Requests", ...: EC2 User Guide, "Spot Instance quotas"). doctor reads the quotas'
+#: names and codes from Service Quotas itself, which AWS renames and splits over time
+#: ("All P" became "All P4, P3 and P2" when P5 got a quota of its own).
+SPOT_QUOTA_SUFFIX = " Spot Instance Requests"
+#: The actions of the notebook-user policy that a pattern stands for, as doctor asks
+#: IAM about them (SimulatePrincipalPolicy takes action names, not patterns).
+_EXAMPLE_ACTIONS = {"ec2:Describe*": "ec2:DescribeInstances",
+                    "autoscaling:Describe*": "autoscaling:DescribeAutoScalingGroups"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,23 +163,8 @@ def doctor(region: str | None = None) -> list[Check]:
                                              f"({', '.join(az for _, az in subnets)})"))
     except Exception as err:
         checks.append(Check("network", False, str(err)))
-    try:
-        ami = provider._ami(region)
-        checks.append(Check("image", True, f"{ami} from "
-                                           f"{settings.ami or settings.ami_parameter}"))
-    except Exception as err:
-        checks.append(Check("image", False, str(err)))
-    quotas = _boto.client("service-quotas", region, attempts=1)
-    for code, label in SPOT_QUOTAS.items():
-        try:
-            value = quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
-            checks.append(Check(f"quota {code}", value > 0, (
-                f"{label}: {value:g} vCPUs" + ("" if value > 0 else
-                                               ": request an increase in the Service Quotas "
-                                               "console, or no spot GPU can start"))))
-        except Exception as err:
-            checks.append(Check(f"quota {code}", None, f"{label}: could not read it "
-                                                       f"({_boto.error_code(err) or err})"))
+    checks.append(_image(provider, region, settings))
+    checks += _quotas(_boto.client("service-quotas", region, attempts=1), DLAMI_FAMILIES)
     iam = provider.client("iam", region)
     try:
         iam.get_role(RoleName=FIS_ROLE)
@@ -193,8 +174,47 @@ def doctor(region: str | None = None) -> list[Check]:
             f"{FIS_ROLE} is missing ({_boto.error_code(err)}): `spotnb interrupt` creates "
             "it on first use, or run `spotnb aws setup`")))
     checks.append(_secrets(provider.client("ssm", region)))
-    checks.append(_permissions(iam, str(me["Arn"])))
+    checks.append(_permissions(iam, str(me["Arn"]), user_policy(region, account, bucket),
+                               region))
     return checks
+
+
+def _image(provider: Any, region: str, settings: AwsSettings) -> Check:
+    """The image instances boot: it exists and is available in the region, runs on
+    x86_64 (the GPU types spotnb's catalog offers), and, the default one, is the PyTorch
+    Deep Learning AMI (its name), whose PyTorch environment the boot uses."""
+    source = settings.ami or settings.ami_parameter
+    try:
+        ami = provider._ami(region)
+    except Exception as err:
+        return Check("image", False, str(err))
+    try:
+        images = provider.client("ec2", region).describe_images(ImageIds=[ami])["Images"]
+    except Exception as err:
+        if "InvalidAMIID" not in _boto.error_code(err):
+            return Check("image", None, f"{ami} from {source}; could not describe it "
+                                        f"({_boto.error_code(err) or err})")
+        images = []
+    if not images:
+        return Check("image", False, f"{ami} (from {source}) does not exist in {region}: "
+                                     "set SPOTNB_AWS_AMI to an image of this region")
+    image = images[0]
+    name = str(image.get("Name") or "")
+    if image.get("State", "available") != "available":
+        return Check("image", False, f"{ami} ({name}) is {image['State']}, not available")
+    if image.get("Architecture", "x86_64") != "x86_64":
+        return Check("image", False, f"{ami} ({name}) is for {image['Architecture']}; "
+                                     "spotnb's GPU types need an x86_64 image")
+    if settings.ami or settings.ami_parameter != DLAMI_PARAMETER:
+        return Check("image", True, f"{ami} ({name}) from {source}, your own image: the "
+                                    "boot needs python3 on it")
+    if not name.startswith(DLAMI_NAME):
+        return Check("image", False, (
+            f"{ami} from {source} is {name!r}, not the {DLAMI_NAME}: spotnb's boot looks "
+            f"for its PyTorch environment ({DLAMI_PYTHON}); set SPOTNB_AWS_AMI to an "
+            "image of yours, or update spotnb"))
+    return Check("image", True, (
+        f"{ami}: {name}, PyTorch in {DLAMI_PYTHON}; for {', '.join(DLAMI_FAMILIES)}"))
 
 
 def _secrets(ssm: Any) -> Check:
@@ -213,21 +233,134 @@ def _secrets(ssm: Any) -> Check:
     return Check("secrets", True, f"{where}; {len(jobs)} job(s) hold secrets now")
 
 
-def _permissions(iam: Any, arn: str) -> Check:
+def spot_quota_for(family: str, names: list[str]) -> str | None:
+    """Which of EC2's spot quotas (``names``, as Service Quotas names them) counts the
+    vCPUs of instance ``family`` (``p5en``): the one whose name lists the longest prefix
+    of it ("P5" before "P"; "Inf" before the Standard quota's "I")."""
+    best: tuple[int, str] | None = None
+    for name in names:
+        if not name.endswith(SPOT_QUOTA_SUFFIX) or not name.startswith("All "):
+            continue
+        listed = name[len("All "):-len(SPOT_QUOTA_SUFFIX)]
+        inside = re.search(r"\(([^)]*)\)", listed)
+        for token in re.split(r",\s*|\s+and\s+|\s+", inside.group(1) if inside else listed):
+            token = token.strip().upper()
+            if token and family.upper().startswith(token) and (
+                    best is None or len(token) > best[0]):
+                best = (len(token), name)
+    return best[1] if best else None
+
+
+def _quotas(quotas: Any, families: tuple[str, ...]) -> list[Check]:
+    """One line per spot vCPU quota that counts the GPU families spotnb runs on: its
+    value, and which families it counts (names and codes as Service Quotas has them)."""
     try:
-        reply = iam.simulate_principal_policy(PolicySourceArn=arn,
-                                              ActionNames=list(NEEDED_ACTIONS))
+        rows = [q for page in quotas.get_paginator("list_service_quotas").paginate(
+                    ServiceCode="ec2") for q in page.get("Quotas", ())]
+    except Exception as err:
+        return [Check("quotas", None, "could not read EC2's spot vCPU quotas "
+                                      f"({_boto.error_code(err) or err}); see the Service "
+                                      "Quotas console")]
+    by_name = {str(q.get("QuotaName")): q for q in rows}
+    covered: dict[str, list[str]] = {}
+    unknown = []
+    for family in families:
+        name = spot_quota_for(family, list(by_name))
+        if name is None:
+            unknown.append(family)
+        else:
+            covered.setdefault(name, []).append(family)
+    checks = []
+    for name, which in covered.items():
+        quota = by_name[name]
+        value = float(quota.get("Value") or 0)
+        checks.append(Check(f"quota {quota.get('QuotaCode')}", value > 0, (
+            f"{name}: {value:g} vCPUs, for {', '.join(which)}" + (
+                "" if value > 0 else ": request an increase in the Service Quotas console, "
+                                     "or none of these can start as spot"))))
+    if unknown:
+        checks.append(Check("quotas", None, f"no spot quota of EC2 names {', '.join(unknown)}"
+                                            " (see the Service Quotas console)"))
+    return checks
+
+
+def _principal_arn(iam: Any, arn: str) -> str | None:
+    """The IAM ARN that SimulatePrincipalPolicy takes for the caller ``arn``: a user's
+    is itself; an assumed role's (``arn:aws:sts::A:assumed-role/NAME/SESSION``, SSO
+    included) is its role's, with its path (found with ``iam:ListRoles``)."""
+    found = re.fullmatch(r"arn:[^:]+:sts::\d+:assumed-role/([^/]+)/.+", arn)
+    if not found:
+        return arn if ":iam::" in arn else None
+    for page in iam.get_paginator("list_roles").paginate():
+        for role in page.get("Roles", ()):
+            if role.get("RoleName") == found.group(1):
+                return str(role["Arn"])
+    return None
+
+
+def _permissions(iam: Any, arn: str, policy: dict[str, Any], region: str) -> Check:
+    """Whether the caller may do what the notebook-user policy (``policy``, as `spotnb
+    aws setup --dry-run` prints it) allows: one SimulatePrincipalPolicy per statement
+    (:func:`simulation`)."""
+    why = "not a user or a role"
+    try:
+        source = _principal_arn(iam, arn)
+    except Exception as err:
+        source, why = None, _boto.error_code(err) or str(err)
+    if source is None:
+        return Check("permissions", None, (
+            f"could not tell which IAM user or role {arn} is ({why}); compare its "
+            "policies with `spotnb aws setup --dry-run`"))
+    denied: list[str] = []
+    asked = 0
+    try:
+        for statement in policy["Statement"]:
+            request = simulation(statement, region)
+            if request is None:
+                continue
+            reply = iam.simulate_principal_policy(PolicySourceArn=source, **request)
+            asked += len(request["ActionNames"])
+            denied += [r["EvalActionName"] for r in reply.get("EvaluationResults", ())
+                       if r.get("EvalDecision") != "allowed"]
     except Exception as err:
         return Check("permissions", None, (
-            f"could not simulate the policy of {arn} ({_boto.error_code(err) or err}); "
+            f"could not simulate the policy of {source} ({_boto.error_code(err) or err}); "
             "compare it with `spotnb aws setup --dry-run`"))
-    denied = [r["EvalActionName"] for r in reply.get("EvaluationResults", ())
-              if r.get("EvalDecision") != "allowed"]
     if denied:
         return Check("permissions", False, (
-            f"{arn} may not call {', '.join(denied)}: attach the notebook-user policy "
+            f"{source} may not call {', '.join(denied)}: attach the notebook-user policy "
             "printed by `spotnb aws setup --dry-run`"))
-    return Check("permissions", True, f"{len(NEEDED_ACTIONS)} actions allowed")
+    return Check("permissions", True, f"{asked} actions allowed")
+
+
+def simulation(statement: dict[str, Any], region: str) -> dict[str, Any] | None:
+    """The SimulatePrincipalPolicy parameters (but the principal) that ask IAM whether
+    the caller has what ``statement`` grants, as a launch would use it: its actions (a
+    pattern as an example action), one of its resources (a ``*`` in it as a name), and
+    the context its conditions ask for (the job's region; the first value each other
+    key allows). None for a statement with nothing to ask about."""
+    actions = statement["Action"] if isinstance(statement["Action"], list) else \
+        [statement["Action"]]
+    names = [str(_EXAMPLE_ACTIONS.get(a, a)) for a in actions]
+    names = [a for a in names if "*" not in a]
+    if statement.get("Effect") != "Allow" or not names:
+        return None
+    request: dict[str, Any] = {"ActionNames": names}
+    resources = statement.get("Resource", "*")
+    first = resources[0] if isinstance(resources, list) else resources
+    if first != "*":
+        request["ResourceArns"] = [first.replace("*", "spotnb-doctor")]
+    context = []
+    for conditions in (statement.get("Condition") or {}).values():
+        for key, values in conditions.items():
+            value = values[0] if isinstance(values, list) else values
+            if key == "aws:RequestedRegion":
+                value = region
+            context.append({"ContextKeyName": key, "ContextKeyValues": [str(value)],
+                            "ContextKeyType": "string"})
+    if context:
+        request["ContextEntries"] = context
+    return request
 
 
 def policies_json(report: SetupReport) -> str:

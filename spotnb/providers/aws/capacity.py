@@ -1,5 +1,5 @@
-"""Waiting for capacity: the group's failed activities as events, and the on-demand
-fallback.
+"""Waiting for capacity: the group's failed activities as events, failed launches, and
+the on-demand fallback.
 
 EC2 Auto Scaling tries the group's other pools by itself when one has no spot capacity;
 it records each failure as a scaling activity (``InsufficientInstanceCapacity`` ...).
@@ -9,12 +9,22 @@ as ``capacity_error`` events with a ``waiting_for_capacity`` status, so the dash
 says why nothing runs yet. With ``SPOTNB_AWS_ONDEMAND_AFTER`` set, it also switches the
 group to on-demand after that many seconds without spot capacity.
 
+A failed activity that is not about capacity (an instance profile IAM has not
+propagated yet, an image that does not exist, a missing permission) is said as it
+happens (a ``launching`` status with AWS's reason): Auto Scaling retries those too, and
+the first (a new profile) usually heal. When they go on for ``SPOTNB_AWS_LAUNCH_FAILURE``
+seconds (default 300) and no instance has launched, the job fails with AWS's reason and
+its group is deleted: a job never sits at "launching" with a launch that cannot work.
+
 Not needed for recovery: the group keeps trying by itself, and the instance agent
-(:mod:`.instance`) reports the same failures when an instance boots.
+(:mod:`.instance`) reports the capacity failures when an instance boots. (A notebook
+that is closed meanwhile leaves a launch that cannot work to the group's retries;
+nothing is billed while no instance runs, and ``spotnb aws cleanup`` deletes the group.)
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -24,7 +34,12 @@ from spotnb.protocol import layout
 from spotnb.protocol.events import GROUP_STREAM, EventReader, EventWriter, codec
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import Store
-from spotnb.providers.aws.resources import capacity_failures, group_name, mixed_instances_policy
+from spotnb.providers.aws.resources import (
+    capacity_failures,
+    group_name,
+    launch_failures,
+    mixed_instances_policy,
+)
 
 if TYPE_CHECKING:
     from spotnb.providers.aws import AwsProvider
@@ -33,6 +48,9 @@ __all__ = ["CapacityWatch", "stop_capacity_watches"]
 
 log = logging.getLogger(__name__)
 
+#: Capacity errors that are the account's spot vCPU quota, not EC2's capacity.
+QUOTA_CODES = frozenset({"MaxSpotInstanceCountExceeded", "VcpuLimitExceeded",
+                         "InstanceLimitExceeded"})
 # The watcher gives up after this long without a first instance; the group keeps
 # trying, and the instance agent reports what happened when it boots.
 CAPACITY_WATCH_SECONDS = 3600.0
@@ -84,6 +102,9 @@ class CapacityWatch(threading.Thread):
         settings = self.provider.settings
         reader = EventReader(self.store)
         reported = set()
+        said: set[str] = set()
+        last_reason: str | None = None
+        failing_since: float | None = None
         started = time.monotonic()
         ondemand = settings.ondemand_after == 0
         asg = self.provider.client("autoscaling", self.spec.resources.region)
@@ -101,15 +122,36 @@ class CapacityWatch(threading.Thread):
                     AutoScalingGroupName=group_name(self.spec.job_id))["Activities"]
                 fresh = [f for f in capacity_failures(activities)
                          if f["activity_id"] not in reported]
-                if fresh and writer is None:
+                failed = [f for f in launch_failures(activities)
+                          if f["activity_id"] not in said]
+                if (fresh or failed) and writer is None:
                     writer = EventWriter(self.store, GROUP_STREAM)
+                for failure in failed:
+                    assert writer is not None
+                    said.add(failure["activity_id"])
+                    failing_since = failing_since or time.monotonic()
+                    if failure["reason"] != last_reason:  # each cause once, as it changes
+                        last_reason = failure["reason"]
+                        writer.emit("status", state="launching", detail=(
+                            f"Auto Scaling could not launch an instance: {last_reason} "
+                            "(it tries again)"))
+                if failing_since is not None and self._still_failing(activities) and \
+                        time.monotonic() - failing_since > settings.launch_failure:
+                    self._fail(writer, activities, time.monotonic() - failing_since)
+                    return
+                if failing_since is not None and not self._still_failing(activities):
+                    failing_since = None
                 for failure in fresh:
                     assert writer is not None
                     reported.add(failure["activity_id"])
+                    quota = failure["reason"] in QUOTA_CODES
                     writer.emit("status", state="waiting_for_capacity", detail=(
                         f"waiting for capacity: {failure['reason']}"
                         f"{' for ' + failure['instance_type'] if failure['instance_type'] else ''}"
-                        "; Auto Scaling tries the other pools"))
+                        + ("; the account's spot vCPU quota for it is used up (a new "
+                           "account's is 0): `spotnb aws doctor` shows it, the Service "
+                           "Quotas console raises it" if quota else "")
+                        + "; Auto Scaling tries the other pools"))
                     writer.emit("instance", **failure)
                 waited = time.monotonic() - started
                 if (not ondemand and settings.ondemand_after is not None and reported
@@ -119,6 +161,38 @@ class CapacityWatch(threading.Thread):
         finally:
             if writer is not None:
                 writer.close()
+
+    @staticmethod
+    def _still_failing(activities: list[dict[str, Any]]) -> bool:
+        """Whether the group's newest activity is a failed launch not about capacity."""
+        if not activities:
+            return False
+        newest = max(activities, key=lambda a: str(a.get("StartTime")))
+        return bool(launch_failures([newest]))
+
+    def _fail(self, writer: EventWriter | None, activities: list[dict[str, Any]],
+              waited: float) -> None:
+        """The launch cannot work: the job fails with AWS's reason, its group is deleted
+        (no instance ever ran: nothing was billed)."""
+        reason = launch_failures(activities)[-1]["reason"]
+        name = group_name(self.spec.job_id)
+        detail = (f"Auto Scaling could not launch an instance for {waited:.0f} s: {reason}. "
+                  "Next step: `spotnb aws doctor` (image, permissions, quotas); the "
+                  "group's scaling activities: `aws autoscaling describe-scaling-activities "
+                  f"--auto-scaling-group-name {name}`")
+        log.warning("job %s: %s", self.spec.job_id, detail)
+        body = {"status": "failed", "reason": detail, "time": time.time(),
+                "by": "aws-capacity-watch"}
+        if self.store.put_if_absent(layout.RESULT, json.dumps(body).encode()) is not None \
+                and writer is not None:
+            writer.emit("result", status="failed", reason=detail)
+            writer.emit("status", state="failed", detail=detail)
+            writer.flush()
+        try:
+            self.provider.terminate(self.spec.job_id)
+        except Exception:
+            log.warning("could not delete job %s's group; `spotnb aws cleanup` will",
+                        self.spec.job_id, exc_info=True)
 
     def _fall_back_to_ondemand(self, asg: Any, writer: EventWriter | None,
                                waited: float) -> None:
@@ -132,7 +206,9 @@ class CapacityWatch(threading.Thread):
             AutoScalingGroupName=group_name(self.spec.job_id),
             MixedInstancesPolicy=mixed_instances_policy(
                 template_id=template, instance_types=self.spec.resources.instance_types,
-                max_price=self.spec.resources.max_price, ondemand=True))
+                max_price=self.spec.resources.max_price, ondemand=True,
+                strategy=group[0]["MixedInstancesPolicy"]["InstancesDistribution"].get(
+                    "SpotAllocationStrategy") or self.provider.settings.spot_strategy))
         if writer is not None:
             writer.emit("status", state="waiting_for_capacity", detail=(
                 f"no spot capacity for {waited:.0f} s: falling back to on-demand "

@@ -1,4 +1,5 @@
-"""``spotnb aws setup|cleanup|doctor``: the AWS command group of the ``spotnb`` CLI.
+"""``spotnb aws setup|cleanup|doctor|selftest``: the AWS command group of the ``spotnb``
+CLI.
 
 A notebook-layer module (it prints); the work is in :mod:`.admin` and the provider.
 ``spotnb.client.cli.build_parser`` calls :func:`add_aws_commands`.
@@ -30,6 +31,19 @@ def add_aws_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_cleanup)
     p = commands.add_parser("doctor", help="check credentials, permissions, quotas, network")
     p.set_defaults(func=cmd_doctor)
+    p = commands.add_parser(
+        "selftest", help="run spotnb end to end on this account: setup, doctor, a job "
+                         "across an FIS interruption, a standby move, a 2-node job that "
+                         "loses a node, cleanup (billed: refuses without --budget)")
+    p.add_argument("--budget", type=float, default=None, metavar="USD",
+                   help="what the run may cost at most (required; about 1 is enough)")
+    p.add_argument("--types", default=None,
+                   help="comma-separated instance types (default g4dn.xlarge)")
+    p.add_argument("--steps", default=None,
+                   help="comma-separated steps to run (setup and cleanup always run)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="show the plan and its cost bound; start nothing")
+    p.set_defaults(func=cmd_selftest)
 
 
 def _reported(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -97,3 +111,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     problems = sum(1 for c in checks if c.ok is False)
     print(f"\n{problems} problem(s)" if problems else "\neverything spotnb needs is in place")
     return 1 if problems else 0
+
+
+@_reported
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from spotnb.client import aws_selftest
+    from spotnb.protocol.spec import SpecError
+
+    def listed(value: str | None) -> list[str] | None:
+        return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+    types = listed(args.types) or list(aws_selftest.DEFAULT_TYPES)
+    try:
+        outcomes = aws_selftest.run(args.budget, region=args.region, instance_types=types,
+                                    steps=listed(args.steps), dry_run=args.dry_run,
+                                    say=print)
+    except SpecError as err:
+        print(f"spotnb aws selftest: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print("(dry run: nothing was started)")
+        return 0
+    spent = sum(o.cost_usd for o in outcomes)
+    failed = [o.step for o in outcomes if o.ok is False]
+    print(f"\nspent ${spent:.4f}; " + (f"FAILED: {', '.join(failed)}" if failed
+                                       else "every step passed"))
+    return 1 if failed else 0

@@ -22,7 +22,9 @@ as a single-node job gets one of one; what differs is where they may run:
   the launch template's primary interface is an EFA (:func:`.resources.launch_template_data`).
 * **A security group** per job whose only ingress rule has the group itself as its
   source (:func:`.resources.training_ingress`): the nodes reach each other's
-  rendezvous store and worker ports, nobody else reaches anything.
+  rendezvous store and worker ports, nobody else reaches anything. With EFA, an
+  egress rule to the group itself too (:func:`.resources.training_egress`: EFA's
+  traffic is not IP, so the default egress rule to 0.0.0.0/0 does not carry it).
 
 Their end (:func:`delete_network`): when the job ends, after its Auto Scaling group.
 AWS refuses to delete a security group that a network interface still uses
@@ -37,7 +39,8 @@ and 500 placement groups per region).
 
 Requests: validation makes 5 Describe/Get calls once per job (4 once a process cached
 the types' EFA support); the launch 5 more (the sweep's two Describe calls, create
-the placement group, create the security group, authorize its rule); the end 3 per
+the placement group, create the security group, authorize its rule; with EFA a sixth,
+its egress rule); the end 3 per
 instance that tears down (describe and delete the security group, delete the
 placement group). None of them repeats while the job runs: what an instance calls
 per hour is what a single-node job's instance calls (``benchmarks/bench_requests.py
@@ -59,6 +62,7 @@ from spotnb.providers.aws.resources import (
     TAG_JOB,
     TAG_STORE,
     placement_group_name,
+    training_egress,
     training_group_name,
     training_ingress,
 )
@@ -207,6 +211,11 @@ def create_network(ec2: Any, spec: JobSpec, zone: Zone, tag_list: list[dict[str,
     _boto.with_backoff(lambda: ec2.authorize_security_group_ingress(
         GroupId=sg, IpPermissions=training_ingress(sg, zone.efa)),
         what="opening the training ports to the job's own nodes")
+    egress = training_egress(sg, zone.efa)
+    if egress:
+        _boto.with_backoff(lambda: ec2.authorize_security_group_egress(
+            GroupId=sg, IpPermissions=egress),
+            what="letting EFA traffic out to the job's own nodes")
     return Network(security_group=sg, placement_group=pg)
 
 

@@ -30,7 +30,9 @@ An instance's life, narrated::
     Step 4  the job agent exited:
             result.json exists -> "terminated" (job-finished), then delete the job's
                 secrets (SSM parameters), the launch template, the Auto Scaling group
-                (which terminates this instance) and the job's IAM role: no instance
+                (which terminates this instance) and the job's IAM role (IAM may
+                refuse its last step, DeleteRole, once the role's policy is gone: the
+                next launch or `spotnb aws cleanup` deletes the empty role): no instance
                 outlives its job (invariant 6); a multi-node job's security and
                 placement groups too where AWS allows it yet (every node that sees
                 the result does the same)
@@ -72,6 +74,7 @@ from spotnb.providers.aws.resources import (
     LAUNCH_HOOK_NAME,
     LIFECYCLE_HOOK_NAME,
     capacity_failures,
+    choice_detail,
     group_name,
     rebalancing,
 )
@@ -151,6 +154,10 @@ class InstanceAgent:
         self.stop_seen_at: float | None = None
         self.price: float | None = None
         self.tearing_down = threading.Event()
+        #: How the group chooses among the job's types, and the types its scaling
+        #: activities say had no spot capacity (read once, at boot: the announcement).
+        self.spot_strategy = "price-capacity-optimized"
+        self.no_capacity: set[str] = set()
 
     # ----------------------------------------------------------------- the life
 
@@ -311,14 +318,23 @@ class InstanceAgent:
         self.state = fold(self.history, self.spec.resources.max_nodes)
         group = [e for e in self.history if e.attempt == GROUP_STREAM]
         reported = {e.data.get("activity_id") for e in group}
+        asg = _boto.client("autoscaling", self.identity["region"])
         try:
-            asg = _boto.client("autoscaling", self.identity["region"])
             activities = asg.describe_scaling_activities(
                 AutoScalingGroupName=group_name(self.spec.job_id))["Activities"]
         except Exception as err:
             log.info("cannot read the group's scaling activities: %s", err)
             activities = []
-        fresh = [f for f in capacity_failures(activities) if f["activity_id"] not in reported]
+        try:  # how the group chooses among the job's types (its announcement says)
+            (group,) = asg.describe_auto_scaling_groups(
+                AutoScalingGroupNames=[group_name(self.spec.job_id)])["AutoScalingGroups"]
+            self.spot_strategy = str(group["MixedInstancesPolicy"]["InstancesDistribution"]
+                                     ["SpotAllocationStrategy"])
+        except Exception as err:
+            log.info("cannot read the group's allocation strategy: %s", err)
+        failures = capacity_failures(activities)
+        self.no_capacity = {f["instance_type"] for f in failures if f["instance_type"]}
+        fresh = [f for f in failures if f["activity_id"] not in reported]
         if fresh:
             kinds = sorted({f"{f['reason']} for {f['instance_type'] or 'a pool'}"
                             for f in fresh})
@@ -359,8 +375,6 @@ class InstanceAgent:
         price = pool_price(ident["instance_type"], region, ident.get("az_id"))
         self.price = price.ondemand if lifecycle == "on-demand" and me else price.spot
         pool = f"{ident['instance_type']}@{ident.get('az_id') or ident.get('az')}"
-        order = list(self.spec.resources.instance_types)
-        rank = order.index(ident["instance_type"]) if ident["instance_type"] in order else 0
         # This instance announced itself before: its agent started again (the boot
         # script's systemd unit, after a reboot; or in place, after a crash).
         again = iid in self.state.instances
@@ -385,9 +399,8 @@ class InstanceAgent:
             detail += f" (standby for {standby_for}: rebalance recommendation)"
         elif replacing:
             detail += f" (replacement #{replacing})"
-        if rank:
-            detail += f"; choice {rank + 1} of {len(order)}: {', '.join(order[:rank])} had no " \
-                      "spot capacity"
+        detail += choice_detail(ident["instance_type"], self.spec.resources.instance_types,
+                                self.spot_strategy, self.no_capacity)
         assert self.events is not None
         self._emit("status", state="launching", detail=detail,
                    instance_type=ident["instance_type"], az=ident.get("az_id"))
@@ -573,7 +586,7 @@ class InstanceAgent:
                             ("launch template", provider._delete_template),
                             ("Auto Scaling group", provider._delete_group),
                             ("network", self._delete_network),
-                            ("IAM role", lambda j, r: provider._delete_role(j, r))):
+                            ("IAM role", lambda j, r: provider._delete_role(j, r, own=True))):
             try:
                 step(job_id, ident["region"])
             except Exception:

@@ -48,12 +48,23 @@ SECURITY_GROUP = "spotnb-no-inbound"
 FIS_ROLE = "spotnb-fis"
 BOOTSTRAP_PREFIX = "bootstrap"
 
-#: The public SSM parameter of the AWS Deep Learning AMI (PyTorch, NVIDIA driver, Ubuntu
-#: 22.04; Python at /opt/pytorch/bin/python). Override with SPOTNB_AWS_AMI_PARAMETER or
-#: SPOTNB_AWS_AMI.
+#: The default image: AWS's Deep Learning AMI for PyTorch, the newest framework line AWS
+#: supports ("Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.11 (Ubuntu 24.04)",
+#: first released 2026-08-15; DLAMI release notes), from its public SSM parameter
+#: (DLAMI Developer Guide, "Finding the ID of a DLAMI": the AMI's name without "deep",
+#: "learning" and "ami"), whose ``latest`` follows the line's patch releases. Python
+#: with PyTorch at /opt/pytorch/bin/python. When AWS ends the line's support, move to
+#: the next one here. Override with SPOTNB_AWS_AMI_PARAMETER or SPOTNB_AWS_AMI.
+DLAMI_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.11 (Ubuntu 24.04)"
 DLAMI_PARAMETER = ("/aws/service/deeplearning/ami/x86_64/"
-                   "oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id")
+                   "oss-nvidia-driver-gpu-pytorch-2.11-ubuntu-24.04/latest/ami-id")
 DLAMI_PYTHON = "/opt/pytorch/bin/python"
+#: The instance families that image supports (its release notes' supported_ec2_instances:
+#: G4dn, G5, G6, Gr6, G6e, P4 (p4d), P4de, P5, P5e, P5en, P6-B200). Others are refused
+#: with it: AMD (g4ad), Arm (g5g), Inferentia/Trainium and V100 (p3) instances need
+#: another image (SPOTNB_AWS_AMI).
+DLAMI_FAMILIES = ("g4dn", "g5", "g6", "gr6", "g6e", "p4d", "p4de", "p5", "p5e", "p5en",
+                  "p6-b200")
 
 # Actions AWS cannot restrict to a resource; all are read-only. The instance agent
 # (:mod:`.instance`) needs each of them; nothing else on the instance calls AWS.
@@ -81,6 +92,13 @@ class AwsSettings:
                                    may launch on-demand (default: never, spot only)
     ``SPOTNB_AWS_CAPACITY_POLL``   seconds between looks at the group's scaling
                                    activities while waiting for capacity (default 5)
+    ``SPOTNB_AWS_LAUNCH_FAILURE``  seconds of failed launches that are not about
+                                   capacity (and no instance) after which the job fails
+                                   with AWS's reason (default 300: IAM propagation of a
+                                   new instance profile heals within it)
+    ``SPOTNB_AWS_SPOT_STRATEGY``   how Auto Scaling picks among the job's types
+                                   (:data:`SPOT_STRATEGIES`; default
+                                   ``price-capacity-optimized``, which ignores their order)
     """
 
     ami: str | None = None
@@ -88,6 +106,8 @@ class AwsSettings:
     subnets: tuple[str, ...] = ()
     ondemand_after: float | None = None
     capacity_poll: float = 5.0
+    launch_failure: float = 300.0
+    spot_strategy: str = "price-capacity-optimized"
 
     @classmethod
     def from_env(cls) -> AwsSettings:
@@ -100,7 +120,45 @@ class AwsSettings:
             subnets=subnets,
             ondemand_after=_seconds(env, "SPOTNB_AWS_ONDEMAND_AFTER"),
             capacity_poll=_seconds(env, "SPOTNB_AWS_CAPACITY_POLL") or 5.0,
+            launch_failure=_seconds(env, "SPOTNB_AWS_LAUNCH_FAILURE") or 300.0,
+            spot_strategy=_strategy(env.get("SPOTNB_AWS_SPOT_STRATEGY") or
+                                    "price-capacity-optimized"),
         )
+
+
+#: The spot allocation strategies a job's group may use, and what each does with the
+#: order of the job's instance types (Auto Scaling User Guide, "Allocation strategies
+#: for multiple instance types"):
+SPOT_STRATEGIES = {
+    # The pools least likely to be interrupted soon, then the lowest price among them:
+    # the order of the types is no preference. spotnb's default (AWS recommends it).
+    "price-capacity-optimized": "the order of the types is no preference",
+    # The pools with the most capacity, taking the order as a preference "on a
+    # best-effort basis": for a job whose first type matters (a faster GPU, say).
+    "capacity-optimized-prioritized": "the order of the types is a preference, "
+                                      "capacity first",
+}
+
+
+def image_problem(settings: AwsSettings, instance_types: tuple[str, ...]) -> str | None:
+    """Why the job's types cannot run the image it would get, or None: the default image
+    (:data:`DLAMI_PARAMETER`) supports the families :data:`DLAMI_FAMILIES` only. An image
+    of the user's own (SPOTNB_AWS_AMI or SPOTNB_AWS_AMI_PARAMETER) is the user's call."""
+    if settings.ami or settings.ami_parameter != DLAMI_PARAMETER:
+        return None
+    others = [t for t in instance_types if t.split(".")[0] not in DLAMI_FAMILIES]
+    if not others:
+        return None
+    return (f"{', '.join(others)} cannot run spotnb's default image, the {DLAMI_NAME} "
+            f"(it supports {', '.join(DLAMI_FAMILIES)}): choose one of those types, or "
+            "set SPOTNB_AWS_AMI to an image of yours for them")
+
+
+def _strategy(name: str) -> str:
+    if name not in SPOT_STRATEGIES:
+        raise SpecError(f"SPOTNB_AWS_SPOT_STRATEGY must be one of "
+                        f"{', '.join(SPOT_STRATEGIES)}, not {name!r}")
+    return name
 
 
 def _seconds(env: Any, name: str) -> float | None:
@@ -180,6 +238,22 @@ def training_ingress(group_id: str, efa: bool) -> list[dict[str, Any]]:
     if efa:
         return [{"IpProtocol": "-1", "UserIdGroupPairs": [pair]}]
     return [{"IpProtocol": "tcp", "FromPort": 0, "ToPort": 65535, "UserIdGroupPairs": [pair]}]
+
+
+def training_egress(group_id: str, efa: bool) -> list[dict[str, Any]]:
+    """The egress rules a multi-node job's security group needs besides the default
+    one (all traffic to 0.0.0.0/0): with EFA, all traffic to the group itself.
+
+    EFA's OS-bypass traffic is not IP, so an address range never matches it: AWS's EFA
+    set-ups give the group a self-referencing outbound rule as well as the inbound one
+    (AWS PCS User Guide, "Create a security group to support EFA communications":
+    ``authorize-security-group-egress --protocol -1 --source-group`` the group itself;
+    EC2 User Guide, "Get started with EFA": outbound, all traffic, to the group).
+    Without EFA, TCP leaves through the default rule."""
+    if not efa:
+        return []
+    return [{"IpProtocol": "-1", "UserIdGroupPairs": [
+        {"GroupId": group_id, "Description": "the job's own nodes (EFA traffic)"}]}]
 
 
 def tags(job_id: str, store_uri: str, name: str | None = None) -> list[dict[str, str]]:
@@ -298,6 +372,21 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
     ]}
 
 
+def fis_target(job_id: str, instance_arn: str | None = None) -> dict[str, Any]:
+    """The FIS experiment target of ``%spot_interrupt``: one instance by its ARN, or
+    every running spot instance of the job by its tag.
+
+    Not a list of the job's ARNs: FIS takes at most five ``resourceArns`` a target (the
+    FIS API Reference; ``max: 5`` in botocore's model), and a job may have up to 65
+    instances. Tags and a ``State.Name`` filter select any number, resolved by FIS when
+    the experiment starts (through the role's ``ec2:DescribeInstances``)."""
+    target: dict[str, Any] = {"resourceType": "aws:ec2:spot-instance", "selectionMode": "ALL"}
+    if instance_arn is not None:
+        return {**target, "resourceArns": [instance_arn]}
+    return {**target, "resourceTags": {TAG_JOB: job_id},
+            "filters": [{"path": "State.Name", "values": ["running"]}]}
+
+
 def fis_policy(region: str, account: str) -> dict[str, Any]:
     """The FIS role: send interruption notices to spotnb's spot instances only."""
     return {"Version": "2012-10-17", "Statement": [
@@ -313,29 +402,52 @@ def fis_policy(region: str, account: str) -> dict[str, Any]:
     ]}
 
 
+#: The service-linked roles AWS creates in an account on a service's first use, by the
+#: caller's request: Auto Scaling's at the first group (Auto Scaling User Guide,
+#: "Service-linked roles for Amazon EC2 Auto Scaling"), FIS's at the first experiment
+#: template (FIS User Guide, "Use service-linked roles for AWS FIS"). Without
+#: ``iam:CreateServiceLinkedRole`` for them a fresh account's first launch (or first
+#: ``%spot_interrupt``) fails.
+SERVICE_LINKED_ROLES = {
+    "autoscaling.amazonaws.com": "AWSServiceRoleForAutoScaling",
+    "fis.amazonaws.com": "AWSServiceRoleForFIS",
+}
+
+
 def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
-    """What the notebook user's identity needs (printed by ``spotnb aws setup``)."""
+    """What the notebook user's identity needs (printed by ``spotnb aws setup``).
+
+    Every action is checked against AWS's Service Authorization Reference in the tests
+    (``tests/aws_reference/iam.py``): list calls that AWS cannot scope to a resource
+    (``iam:ListRoles``, ``ec2:Describe*`` ...) are granted on ``*``, the rest on
+    spotnb's own resources or in the job's region."""
     return {"Version": "2012-10-17", "Statement": [
         {"Sid": "Store", "Effect": "Allow",
          "Action": ["s3:CreateBucket", "s3:ListBucket", "s3:GetObject", "s3:PutObject",
                     "s3:DeleteObject", "s3:PutBucketPublicAccessBlock",
                     "s3:PutEncryptionConfiguration", "s3:PutBucketPolicy",
                     "s3:PutLifecycleConfiguration", "s3:PutBucketTagging",
-                    "s3:GetBucketLocation"],
+                    "s3:GetBucketLocation", "s3:AbortMultipartUpload",
+                    "s3:ListMultipartUploadParts"],
          "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]},
         {"Sid": "JobRoles", "Effect": "Allow",
          "Action": ["iam:CreateRole", "iam:PutRolePolicy", "iam:TagRole", "iam:GetRole",
                     "iam:DeleteRolePolicy", "iam:DeleteRole", "iam:CreateInstanceProfile",
                     "iam:TagInstanceProfile", "iam:AddRoleToInstanceProfile",
                     "iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile",
-                    "iam:GetInstanceProfile", "iam:ListRoles", "iam:ListInstanceProfiles",
-                    "iam:ListRoleTags", "iam:PassRole"],
+                    "iam:GetInstanceProfile", "iam:ListRoleTags", "iam:PassRole"],
          "Resource": [f"arn:aws:iam::{account}:role{IAM_PATH}*",
                       f"arn:aws:iam::{account}:instance-profile{IAM_PATH}*"]},
+        {"Sid": "ServiceLinkedRoles", "Effect": "Allow",
+         "Action": "iam:CreateServiceLinkedRole",
+         "Resource": [f"arn:aws:iam::{account}:role/aws-service-role/{service}/{role}"
+                      for service, role in SERVICE_LINKED_ROLES.items()],
+         "Condition": {"StringEquals": {"iam:AWSServiceName": list(SERVICE_LINKED_ROLES)}}},
         {"Sid": "Capacity", "Effect": "Allow",
          "Action": ["ec2:CreateLaunchTemplate", "ec2:DeleteLaunchTemplate",
                     "ec2:CreateSecurityGroup", "ec2:CreateTags", "ec2:RunInstances",
-                    "ec2:AuthorizeSecurityGroupIngress", "ec2:DeleteSecurityGroup",
+                    "ec2:AuthorizeSecurityGroupIngress", "ec2:AuthorizeSecurityGroupEgress",
+                    "ec2:DeleteSecurityGroup",
                     "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup",
                     "ec2:TerminateInstances", "autoscaling:CreateAutoScalingGroup",
                     "autoscaling:UpdateAutoScalingGroup", "autoscaling:PutLifecycleHook",
@@ -352,17 +464,26 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
          "Action": ["ssm:PutParameter", "ssm:AddTagsToResource", "ssm:ListTagsForResource",
                     "ssm:DeleteParameter", "ssm:DeleteParameters"],
          "Resource": f"arn:aws:ssm:{region}:{account}:parameter{parameters.ROOT}/*"},
+        # `spotnb aws doctor` asks IAM whether this identity has the rest of this policy.
+        {"Sid": "SelfCheck", "Effect": "Allow",
+         "Action": "iam:SimulatePrincipalPolicy",
+         "Resource": [f"arn:aws:iam::{account}:user/*", f"arn:aws:iam::{account}:role/*"]},
         {"Sid": "ReadOnly", "Effect": "Allow",
          "Action": ["ec2:Describe*", "autoscaling:Describe*", "ssm:GetParameter",
                     "ssm:DescribeParameters", "sqs:ListQueues",
                     "pricing:GetProducts", "ec2:GetSpotPlacementScores",
-                    "servicequotas:GetServiceQuota", "sts:GetCallerIdentity",
-                    "tag:GetResources"],
+                    "servicequotas:ListServiceQuotas", "sts:GetCallerIdentity",
+                    "tag:GetResources", "iam:ListRoles", "iam:ListInstanceProfiles"],
          "Resource": "*"},
     ]}
 
 
 # -------------------------------------------------------------- launch template
+
+#: How many network hops an IMDSv2 token may travel: 2 reaches a container on the
+#: instance (see :func:`launch_template_data`).
+METADATA_HOP_LIMIT = 2
+
 
 def launch_template_data(*, ami: str, profile_arn: str, security_group: str,
                          script: str, tag_list: list[dict[str, str]],
@@ -384,8 +505,14 @@ def launch_template_data(*, ami: str, profile_arn: str, security_group: str,
         "IamInstanceProfile": {"Arn": profile_arn},
         **network,
         "UserData": base64.b64encode(script.encode()).decode(),
+        # Hop limit 2: a container the cell starts (docker's bridge network is a hop)
+        # reaches IMDSv2 as the cell does, for the job's role and the spot notices;
+        # with 1 its token PUT never comes back ("if HTTP tokens are required,
+        # container ... need a minimum of two hops": AWS's InstanceMetadataOptions).
+        # The role is the job's, least privilege, as the cell has it anyway.
         "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled",
-                            "HttpPutResponseHopLimit": 1, "InstanceMetadataTags": "disabled"},
+                            "HttpPutResponseHopLimit": METADATA_HOP_LIMIT,
+                            "InstanceMetadataTags": "disabled"},
         "InstanceInitiatedShutdownBehavior": "terminate",
         "TagSpecifications": [{"ResourceType": "instance", "Tags": tag_list},
                               {"ResourceType": "volume", "Tags": tag_list}],
@@ -393,14 +520,16 @@ def launch_template_data(*, ami: str, profile_arn: str, security_group: str,
 
 
 def mixed_instances_policy(*, template_id: str, instance_types: tuple[str, ...],
-                           max_price: float | None, ondemand: bool) -> dict[str, Any]:
-    """Spot over the ranked types (0% on-demand unless ``ondemand``), price-capacity-
-    optimized across the group's subnets."""
+                           max_price: float | None, ondemand: bool,
+                           strategy: str = "price-capacity-optimized") -> dict[str, Any]:
+    """Spot over the job's types (0% on-demand unless ``ondemand``) across the group's
+    subnets, allocated by ``strategy`` (:data:`SPOT_STRATEGIES`: by default the order
+    of the types is no preference); on-demand, if allowed, in the types' order."""
     distribution: dict[str, Any] = {
         "OnDemandBaseCapacity": 0,
         "OnDemandPercentageAboveBaseCapacity": 100 if ondemand else 0,
         "OnDemandAllocationStrategy": "prioritized",
-        "SpotAllocationStrategy": "price-capacity-optimized",
+        "SpotAllocationStrategy": _strategy(strategy),
     }
     if max_price is not None:
         distribution["SpotMaxPrice"] = f"{max_price:.5f}"
@@ -414,10 +543,49 @@ def mixed_instances_policy(*, template_id: str, instance_types: tuple[str, ...],
     }
 
 
+def choice_detail(instance_type: str, instance_types: tuple[str, ...], strategy: str,
+                  no_capacity: set[str]) -> str:
+    """What to say of the type Auto Scaling launched, among the job's types: only what
+    is known. The types that had no spot capacity are those its scaling activities say
+    so of (``no_capacity``); otherwise it was the strategy's choice, which under
+    ``price-capacity-optimized`` does not follow the order of the types at all."""
+    if len(instance_types) <= 1 or instance_type not in instance_types:
+        return ""
+    others = [t for t in instance_types if t in no_capacity and t != instance_type]
+    if others:
+        return f"; {', '.join(others)} had no spot capacity (the group's scaling activities)"
+    rank = instance_types.index(instance_type)
+    if strategy == "capacity-optimized-prioritized":
+        return "" if rank == 0 else (
+            f"; type {rank + 1} of {len(instance_types)} in the job's order ({strategy}: "
+            f"{SPOT_STRATEGIES[strategy]})")
+    return (f"; Auto Scaling's choice among the job's {len(instance_types)} types "
+            f"({strategy}: {SPOT_STRATEGIES.get(strategy, '')})")
+
+
 # ------------------------------------------------------------ scaling activities
 
 _TYPE = re.compile(r"\b([a-z][a-z0-9-]*\d[a-z0-9-]*\.\d*[a-z]+)\b")
 _AZ = re.compile(r"\b([a-z]{2}(?:-gov)?-[a-z]+-\d[a-z])\b")
+
+
+def launch_failures(activities: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Failed Auto Scaling activities that were not about spot capacity (an instance
+    profile IAM has not propagated yet or that is gone, an image that does not exist,
+    a type the image cannot run, a missing permission...), oldest first: ``activity_id``
+    and AWS's ``reason`` (the activity's status message)."""
+    from spotnb.providers.aws._boto import capacity_code_in
+
+    found = []
+    for act in activities:
+        if act.get("StatusCode") not in ("Failed", "Cancelled"):
+            continue
+        message = str(act.get("StatusMessage") or act.get("Description") or "").strip()
+        if capacity_code_in(message) is None:
+            found.append({"activity_id": act.get("ActivityId"), "reason": message,
+                          "start": str(act.get("StartTime"))})
+    found.sort(key=lambda f: str(f["start"]))
+    return found
 
 
 def capacity_failures(activities: list[dict[str, Any]]) -> list[dict[str, Any]]:

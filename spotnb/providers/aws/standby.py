@@ -33,11 +33,13 @@ group's own API instead, and makes no request before one::
             the lease (the node's slot: it joins the world in its place)
 
     not ready within the launch hook's wait (LAUNCH_HOOK_SECONDS, scaled as the
-            notice period is) -> given back: TerminateInstanceInAutoScalingGroup on it,
-            never on an instance that holds a node slot; never launched (no capacity)
-            -> the desired capacity back to nodes (a late launch meanwhile is what Auto
-            Scaling scales in: an instance that holds the lease is protected from
-            scale-in by its instance agent, SetInstanceProtection)
+            notice period is) -> given back: its launch hook ABANDONed while it waits
+            there (Pending:Wait), else TerminateInstanceInAutoScalingGroup on it
+            (:meth:`StandbyDriver._give_back`), never an instance that holds a node
+            slot; never launched (no capacity) -> the desired capacity back to nodes
+            (a late launch meanwhile is what Auto Scaling scales in: an instance that
+            holds the lease is protected from scale-in by its instance agent,
+            SetInstanceProtection)
     a notice while it boots -> this instance leaves the group (DetachInstances: EC2
             ends it, its first hour's refund holds); the standby is its replacement,
             and no other instance launches
@@ -66,6 +68,7 @@ from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import NotFound, Store
 from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import (
+    LAUNCH_HOOK_NAME,
     LAUNCH_HOOK_SECONDS,
     STANDBY_BOOT_SECONDS,
     group_name,
@@ -415,33 +418,58 @@ class StandbyDriver:
 
     def _give_back(self, standby: str | None) -> bool:
         """A standby not ready in time (or the move failed): ended, the group back to
-        the job's nodes. Whether that is done (else it is tried again: Auto Scaling may
-        refuse while the standby's launch hook waits). Never an instance that holds a
-        node slot: a standby does not before it is ready and moved to."""
+        the job's nodes. Whether that is done (else it is tried again). Never an
+        instance that holds a node slot: a standby does not before it is ready and
+        moved to.
+
+        How depends on where the standby is in its launch (its ``LifecycleState``):
+
+        * ``Pending:Wait`` (the launch hook still waits for it, up to
+          LAUNCH_HOOK_SECONDS after it launched, which may be long after it was asked
+          for): the hook is completed with ``ABANDON``, which Auto Scaling answers by
+          terminating it, then the desired capacity goes back to the nodes. Not
+          ``TerminateInstanceInAutoScalingGroup``, which Auto Scaling may refuse before
+          the instance is in service: its wait could outlast any retries, leaving a
+          billed standby until the job's end.
+        * ``Pending``/``Pending:Proceed`` (moments): tried again at the next look.
+        * ``InService``: ``TerminateInstanceInAutoScalingGroup``, lowering the desired
+          capacity with it.
+        * not launched at all (no capacity): the desired capacity back to the nodes.
+        """
+        try:
+            groups = _boto.client("autoscaling", self.identity["region"]) \
+                .describe_auto_scaling_groups(
+                    AutoScalingGroupNames=[group_name(self.spec.job_id)])
+            members = {i["InstanceId"]: str(i.get("LifecycleState", ""))
+                       for g in groups["AutoScalingGroups"] for i in g.get("Instances", ())
+                       if i["InstanceId"] != self.iid}
+            holding = slot_holders(self.store, self.nodes) if members else set()
+        except Exception as err:
+            log.warning("cannot find the standby to give back: %s", err)
+            return False
         if standby is None:
-            try:
-                groups = _boto.client("autoscaling", self.identity["region"]) \
-                    .describe_auto_scaling_groups(
-                        AutoScalingGroupNames=[group_name(self.spec.job_id)])
-                members = [i["InstanceId"] for g in groups["AutoScalingGroups"]
-                           for i in g.get("Instances", ())
-                           if i["InstanceId"] != self.iid and not str(
-                               i.get("LifecycleState", "")).startswith("Terminat")]
-                holding = slot_holders(self.store, self.nodes) if members else set()
-            except Exception as err:
-                log.warning("cannot find the standby to give back: %s", err)
-                return False
-            free = [m for m in members if m not in holding]
+            free = [m for m, state in members.items()
+                    if m not in holding and not state.startswith("Terminat")]
             standby = free[0] if free else None
-        if standby is None:
-            # It never launched (no capacity): the group back to the job's nodes.
+        if standby is None or members.get(standby, "").startswith("Terminat"):
+            # It never launched (no capacity), or it is on its way out already.
             return self._asg("set_desired_capacity", "giving back the standby never "
                              "launched", DesiredCapacity=self.nodes, HonorCooldown=False)
         self.standby_id = standby
-        log.info("standby %s not ready in time: giving it back", standby)
-        if not self._asg("terminate_instance_in_auto_scaling_group",
-                         "giving back the standby", InstanceId=standby,
-                         ShouldDecrementDesiredCapacity=True):
+        state = members.get(standby, "")
+        if state in ("Pending", "Pending:Proceed"):
+            return False  # in a moment: Pending:Wait or InService
+        log.info("standby %s (%s) not ready in time: giving it back", standby, state)
+        if state == "Pending:Wait":
+            if not self._asg("complete_lifecycle_action", "abandoning the standby's launch",
+                             LifecycleHookName=LAUNCH_HOOK_NAME, InstanceId=standby,
+                             LifecycleActionResult="ABANDON"):
+                return False
+            self._asg("set_desired_capacity", "the group back to its nodes",
+                      DesiredCapacity=self.nodes, HonorCooldown=False)
+        elif not self._asg("terminate_instance_in_auto_scaling_group",
+                           "giving back the standby", InstanceId=standby,
+                           ShouldDecrementDesiredCapacity=True):
             return False
         self.emit(Event(
             type="instance", time=time.time(), attempt=GROUP_STREAM, instance=standby,

@@ -9,7 +9,9 @@ URI: ``s3://bucket/prefix`` (:func:`spotnb.protocol.store.open_store` returns an
   ``PutObject`` with ``IfMatch=<etag>``: S3's conditional writes (August/November
   2024), atomic on S3's side. ``412 PreconditionFailed`` means "lost"; ``409
   ConditionalRequestConflict`` (a concurrent conditional write) is retried, then
-  reported as lost;
+  reported as lost; unless botocore retried the request after its answer was lost
+  and the object holds exactly the bytes written: then the first try committed and
+  the write is ours (:meth:`S3Store._conditional_put`);
 * ETags are S3's (quoted MD5 for single-part objects), passed back unchanged;
 * ``list_keys`` is ``ListObjectsV2`` with ``StartAfter``; ``list_children`` uses
   ``Delimiter="/"``;
@@ -30,8 +32,11 @@ given): S3 refuses it with ``403`` if someone else owns the bucket, so a typo in
 name can never send checkpoints to a stranger. Keys are checked like the local store's.
 
 :func:`ensure_bucket` creates the default bucket ``spotnb-<account>-<region>`` with
-public access blocked, default encryption (SSE-S3), TLS-only access, bucket-owner-
-enforced object ownership and the lifecycle rules in :data:`LIFECYCLE_RULES`.
+public access blocked, default encryption (SSE-S3), TLS-only access and the lifecycle
+rules in :data:`LIFECYCLE_RULES`. Object ownership is S3's default for a new bucket,
+bucket-owner-enforced (ACLs off): asking for it in ``CreateBucket``
+(``ObjectOwnership``) would need ``s3:PutBucketOwnershipControls`` too (S3 API
+Reference, CreateBucket, "Permissions"), for nothing.
 """
 
 from __future__ import annotations
@@ -93,6 +98,15 @@ LIFECYCLE_RULES = [
         "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
     },
 ]
+
+
+def _retry_attempts(err: BaseException) -> int:
+    """How often botocore retried the request that raised ``err`` (its response's
+    ``RetryAttempts``)."""
+    response = getattr(err, "response", None)
+    if isinstance(response, dict):
+        return int(response.get("ResponseMetadata", {}).get("RetryAttempts") or 0)
+    return 0
 
 
 def _parse(uri: str) -> tuple[str, str]:
@@ -247,7 +261,17 @@ class S3Store(Store):
         return True
 
     def _conditional_put(self, key: str, data: bytes, **condition: str) -> str | None:
+        """One conditional PutObject (``condition``: IfNoneMatch or IfMatch); its ETag,
+        or None when the condition did not hold.
+
+        botocore retries a request whose answer was lost (a connection closed or timed
+        out after S3 had the request, a 5xx: ``botocore.retries.standard``'s transient
+        errors), and the retry of a conditional write that had committed gets 412: the
+        object is then ours already. So a 412 (or a last 409) after such a retry is
+        checked against the object: if it holds exactly these bytes, the write is ours
+        (one GET, only then)."""
         full = self._key(key)
+        retried = False
         for attempt in range(_CONFLICT_RETRIES):
             try:
                 reply = self.client.put_object(Bucket=self.bucket, Key=full,
@@ -256,16 +280,31 @@ class S3Store(Store):
                 return str(reply["ETag"])
             except Exception as err:
                 code = _boto.error_code(err)
-                if code in ("PreconditionFailed", "412", "NoSuchKey", "404"):
+                retried = retried or _retry_attempts(err) > 0
+                if code in ("NoSuchKey", "404"):
                     return None
+                if code in ("PreconditionFailed", "412"):
+                    return self._ours(key, data) if retried else None
                 if code in ("ConditionalRequestConflict", "409") and \
                         attempt < _CONFLICT_RETRIES - 1:
                     time.sleep(0.05 * 2 ** attempt)
                     continue
                 if code in ("ConditionalRequestConflict", "409"):
-                    return None
+                    return self._ours(key, data) if retried else None
                 raise self._fail(err, f"writing {key} conditionally") from None
         return None
+
+    def _ours(self, key: str, data: bytes) -> str | None:
+        """The ETag of ``key`` if it holds exactly ``data`` (a write of ours whose answer
+        was lost), else None."""
+        try:
+            found, etag = self.get_with_etag(key)
+        except NotFound:
+            return None
+        if found != data:
+            return None
+        log.info("a conditional write of %s was retried after S3 had it: it is ours", key)
+        return etag
 
     def put_if_absent(self, key: str, data: bytes) -> str | None:
         return self._conditional_put(key, data, IfNoneMatch="*")
@@ -273,14 +312,12 @@ class S3Store(Store):
     def put_if_match(self, key: str, data: bytes, etag: str) -> str | None:
         return self._conditional_put(key, data, IfMatch=etag)
 
-    def list_keys(self, prefix: str = "", start_after: str | None = None) -> list[str]:
-        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._under(prefix),
-                                  "ExpectedBucketOwner": self.owner}
-        if start_after is not None:
-            params["StartAfter"] = self._under(start_after)
+    def list_keys(self, prefix: str = "") -> list[str]:
         keys: list[str] = []
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(**params):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=self._under(prefix),
+                    ExpectedBucketOwner=self.owner):
                 keys += [self._strip(o["Key"]) for o in page.get("Contents", ())]
         except Exception as err:
             raise self._fail(err, f"listing {prefix or '/'}") from None
@@ -543,7 +580,8 @@ def ensure_bucket(s3: Any, bucket: str, region: str, owner: str,
     if problem == "missing":
         done.append(f"{verb} create bucket s3://{bucket} in {region}")
         if not dry_run:
-            params: dict[str, Any] = {"Bucket": bucket, "ObjectOwnership": "BucketOwnerEnforced"}
+            # No ObjectOwnership: BucketOwnerEnforced is S3's default (module docstring).
+            params: dict[str, Any] = {"Bucket": bucket}
             if region != "us-east-1":
                 params["CreateBucketConfiguration"] = {"LocationConstraint": region}
             try:
