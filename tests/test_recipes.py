@@ -15,12 +15,17 @@ cloud and comparing with the same cell run uninterrupted):
 * ``iter(loader)`` + ``next()`` over a registered loader (it resumes: no alarm), an
   ``itertools.cycle`` (it does not);
 * a hand-written epoch: ``random.shuffle(indices)`` at its start, a loop over
-  ``range(steps_per_epoch)``, bookkeeping after it.
+  ``range(steps_per_epoch)``, bookkeeping after it;
+* a hand-written loop over ``next()`` with NumPy noise drawn without seeding in the
+  cell (``np.random.seed`` in an earlier cell: the notebook's random states travel with
+  the job), a step counted in a ``global`` by a notebook helper, a smoothed loss that
+  starts as ``None``, an evaluation after the save over a loader (a draw from torch's
+  global RNG unless the loader has a generator of its own).
 
 The fast tests read cells with :func:`spotnb.client.carried.check_resume`; the slow ones
-run two of the recipes, fixed as the warnings say, on the local cloud with a notice at an
-epoch's last batch and a kill, and compare them bit for bit with the same notebook run
-without spotnb's instance.
+run three of the recipes, fixed as the warnings say, on the local cloud with a notice at
+an epoch's last batch and a kill, and compare them bit for bit with the same notebook
+run without spotnb's instance.
 """
 
 from __future__ import annotations
@@ -455,7 +460,7 @@ def test_the_notebooks_random_states_reach_the_instance() -> None:
     assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
 
 
-# -- end to end: two recipes fixed as told, interrupted, bitwise --------------------------
+# -- end to end: three recipes fixed as told, interrupted, bitwise --------------------------
 
 # The harness: a notice (or a kill) at a chosen (attempt, step), from inside the cell.
 CHAOS = '''
@@ -589,6 +594,59 @@ weights = digest(model.state_dict())
 '''
 
 
+# A hand-written loop over an iterator (the fix the warning gives for an
+# itertools.cycle): next() over the registered loader, made again at each epoch's end,
+# gradient accumulation over two micro-batches, a noise augmentation drawn from NumPy's
+# global RNG without seeding in the cell (np.random.seed is in an earlier cell), the
+# step counted in a global by a notebook helper that reads the cell's model and
+# optimizer, a smoothed loss, an evaluation printed after the save every 5 steps over a
+# validation loader with a generator of its own.
+ITERATOR_NOTEBOOK = '''
+import numpy as np
+np.random.seed(0)
+global_step = 0
+
+def optimizer_step():
+    global global_step
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    global_step += 1
+'''
+
+ITERATOR_TRAIN = '''
+torch.manual_seed(2)
+model = nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Dropout(0.1), nn.Linear(48, 10))
+optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+val_loader = DataLoader(TensorDataset(X[1400:], y[1400:]), batch_size=200,
+                        generator=torch.Generator().manual_seed(0))
+ACCUM, MAX_STEPS = 2, 30
+smooth_loss = None
+ckpt = spot.Checkpoint(model=model, optimizer=optimizer, loader=train_loader,
+                       global_step=global_step, smooth_loss=smooth_loss)
+ckpt.restore()
+batches = iter(train_loader)
+while global_step < MAX_STEPS:
+    for micro in range(ACCUM):
+        try:
+            xb, yb = next(batches)
+        except StopIteration:
+            batches = iter(train_loader)
+            xb, yb = next(batches)
+        xb = xb + torch.from_numpy(np.random.normal(0, 0.05, xb.shape).astype(np.float32))
+        loss = F.cross_entropy(model(xb), yb) / ACCUM
+        loss.backward()
+    optimizer_step()
+    smooth_loss = loss.item() if smooth_loss is None else 0.9 * smooth_loss + 0.1 * loss.item()
+    spot.log(global_step, loss=smooth_loss)
+    chaos(global_step)
+    ckpt.maybe_save(global_step)
+    if global_step % 5 == 0:
+        print("val", global_step, evaluate(model, val_loader))
+weights = digest(model.state_dict())
+'''
+
+
 def _run_both(tmp_path: Path, cells: list[str], train: str, plan: str, outputs: str) -> str:
     """The notebook with ``train`` under %%spot_train, interrupted as ``plan`` says, then
     in a plain kernel without spotnb's instance: the ``outputs`` it hands back are the
@@ -645,3 +703,16 @@ def test_a_notebook_helper_that_saves_resumes_bitwise(recipe_env: Path) -> None:
     result = _run_both(recipe_env, [HELPER_NOTEBOOK], HELPER_TRAIN,
                        "{(1, 27): 'notice', (2, 36): 'kill'}", "history, weights")
     assert result.count("(") >= 4  # every epoch's entry
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_hand_written_loop_over_an_iterator_resumes_bitwise(recipe_env: Path) -> None:
+    # 7 optimizer steps an epoch: the notice comes in the first epoch's last batch
+    # (the save waits for the next step, after the iterator is made again), the kill in
+    # the third epoch. Without the notebook's random states on the instance, the noise
+    # of the first attempt differs from the notebook's.
+    result = _run_both(recipe_env, [ITERATOR_NOTEBOOK], ITERATOR_TRAIN,
+                       "{(1, 7): 'notice', (2, 18): 'kill'}",
+                       "global_step, smooth_loss, weights")
+    assert result.startswith("30 ")  # every step done
