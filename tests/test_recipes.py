@@ -291,6 +291,12 @@ def test_a_shuffle_at_the_epochs_start_is_named_with_the_right_fix() -> None:
                               "line 7, which saves"), shuffle
     assert "random.Random(seed + epoch)" in shuffle
     assert "start it at the step saved (range(start % n, n) there" in starts_over
+    # Fixed as told: the epoch's order from the epoch, the inner loop from the step.
+    fixed = MANUAL.replace("    indices = list(range(N))\n", "").replace(
+        "        random.shuffle(indices)\n", "        indices = list(range(N))\n"
+        "        random.Random(seed + epoch).shuffle(indices)\n").replace(
+        "range(steps_per_epoch)", "range(step % steps_per_epoch, steps_per_epoch)")
+    assert _findings(fixed) == []
 
 
 def test_bookkeeping_after_an_inner_loop_that_saves_is_named_unless_it_is_a_loader() -> None:
