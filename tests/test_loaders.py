@@ -10,6 +10,7 @@ bitwise those of the uninterrupted run.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import random
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from test_runtime import ENV_KEYS
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from spotnb.protocol.spec import CheckpointEvery
 from spotnb.train import loaders
 from spotnb.train import runtime as spot
 
@@ -305,3 +307,72 @@ def test_a_stateful_loaders_resumed_iter_draws_nothing_from_the_global_rngs(
     batch = next(iter(again))
     assert torch.equal(torch.get_rng_state(), before)
     assert batch[0][:, 0].tolist() == next(it)[0][:, 0].tolist()
+
+
+def _epochs_with_an_end(stop_after_save_at: int) -> tuple[list[Any], str]:
+    """One attempt of a cell whose epochs end with work after the loop over the loader
+    (an evaluation over another DataLoader, which draws from the global torch RNG; a
+    scheduler stepped per epoch; a history): ``maybe_save`` every step. It stops (as a
+    kill would) right after the first save made at or after step
+    ``stop_after_save_at``; -1: runs to the end."""
+    _seed()
+    loader = _loader("shuffle", drop_last=True)  # 9 batches an epoch
+    val = DataLoader(Numbers(), batch_size=16)
+    model, opt = _model()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    history: list[Any] = []
+    ckpt = spot.Checkpoint(model=model, opt=opt, sched=sched, loader=loader,
+                           history=history)
+    spot._rt().every = CheckpointEvery(seconds=None, steps=1)
+    step = ckpt.restore()
+    for epoch in range(step // len(loader), 3):
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            saved = ckpt.maybe_save(step)
+            if saved and 0 <= stop_after_save_at <= step:
+                ckpt.wait()
+                spot._finish()
+                return history, _digest(model)
+            step += 1
+        with torch.no_grad():
+            val_loss = sum(F.cross_entropy(model(x), y).item() for x, y in val)
+        sched.step()
+        history.append((epoch, round(val_loss, 6)))
+    spot._finish()
+    return history, _digest(model)
+
+
+def test_a_save_due_at_an_epochs_last_batch_waits_for_the_epochs_end(
+        standalone: Path) -> None:
+    """Saved at the epoch's last batch, a resumed run would start the next epoch and never
+    run this epoch's end: its evaluation, its scheduler step, its history entry (and the
+    evaluation's draw from the global RNG would be missing from the next epoch's
+    shuffle). The save due there is taken at the next step instead."""
+    reference = _epochs_with_an_end(-1)
+    assert len(reference[0]) == 3
+    shutil.rmtree(standalone / spot.LOCAL_DIR, ignore_errors=True)
+    _epochs_with_an_end(8)  # step 8 is the first epoch's last batch
+    torch.manual_seed(12345)  # the new attempt's process: the RNGs are anywhere
+    resumed = _epochs_with_an_end(-1)
+    assert resumed == reference
+
+
+def test_a_save_after_the_loop_over_the_loader_is_not_delayed(standalone: Path) -> None:
+    """Once the loop over the loader is over, the epoch's end is behind: a save there (a
+    cell that saves once per epoch) is taken at once, also after a loop that stopped at
+    the last batch without asking the loader for more (its iterator never ended)."""
+    loader = _loader("shuffle")
+    model, opt = _model()
+    ckpt = spot.Checkpoint(model=model, opt=opt, loader=loader)
+    spot._rt().every = CheckpointEvery(seconds=None, steps=1)
+    for epoch in range(2):
+        for _ in loader:
+            pass
+        assert ckpt.maybe_save(epoch + 1)
+    for epoch in range(2, 4):
+        for _ in itertools.islice(loader, len(loader)):
+            pass
+        assert ckpt.maybe_save(epoch + 1)

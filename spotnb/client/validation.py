@@ -164,7 +164,7 @@ def prepare_job(
         spotnb_version=__version__,
     )
     prov.validate(spec)
-    resume = resume_warning(check_resume(tree, inputs or {}))
+    resume = resume_warning(check_resume(tree, inputs or {}, out_names))
     return PreparedJob(spec, job_store, prov, payload, archive, secret_values,
                        warnings=(resume,) if resume else ())
 
@@ -237,7 +237,8 @@ def _variable_names(value: Any, field: str) -> tuple[str, ...]:
 def _pickle_inputs(inputs: Mapping[Any, Any], bound: set[str]) -> tuple[bytes, tuple[str, ...]]:
     """``inputs.pkl`` (:mod:`spotnb.protocol.inputs`) and the names of its inputs: those
     given, and what the notebook functions among them read from the notebook that the
-    code does not assign (``bound``): those functions read the instance's namespace."""
+    code does not assign (``bound``): those functions read the instance's namespace.
+    It holds this process's global random states too."""
     values: dict[str, bytes] = {}
     todo = list(inputs.items())
     seen = set(inputs)
@@ -262,7 +263,10 @@ def _pickle_inputs(inputs: Mapping[Any, Any], bound: set[str]) -> tuple[bytes, t
             if name not in seen and name not in bound:
                 seen.add(name)
                 todo.append((name, read))
-    return shipped.pack(values), tuple(sorted(values))
+    names = tuple(sorted(values))
+    # The notebook's random states, as the cell would find them here (not an input).
+    values[shipped.RANDOM_STATES] = shipped.random_states()
+    return shipped.pack(values), names
 
 
 def _pack_files(files: Any) -> bytes | None:

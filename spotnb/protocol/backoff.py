@@ -10,9 +10,16 @@ its own first and longest delay, named where the loop is.
 
 from __future__ import annotations
 
+import logging
 import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["Backoff"]
+__all__ = ["Backoff", "patiently"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Backoff:
@@ -46,3 +53,25 @@ class Backoff:
     def reset(self) -> None:
         """After a success: the next failure waits ``first`` again."""
         self._delay = self.first
+
+
+def patiently(what: str, fn: Callable[[], T], patience: float, *,
+              give_up_on: tuple[type[BaseException], ...] = ()) -> T:
+    """``fn()``, tried again whatever it raises (a store outage, throttling) with
+    backoff from 1 s to 30 s, for ``patience`` seconds; an exception of ``give_up_on``
+    (a missing object, say) is raised at once. For what a process cannot go on
+    without."""
+    delays = Backoff(1.0, 30.0, jitter=0.5)
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return fn()
+        except give_up_on:
+            raise
+        except Exception as err:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            delay = min(delays.next(), left)
+            log.warning("%s failed (%s); trying again in %.0f s", what, err, delay)
+            time.sleep(delay)

@@ -17,12 +17,22 @@ the notebook that the cell does not define travels as inputs of their own: the n
 side finds those names with :func:`globals_read` on the functions :func:`dumps` reports
 (:func:`spotnb.client.capture.capture`, :func:`spotnb.client.validation.prepare_job`).
 
+The notebook's global random states travel too (:func:`random_states`, under
+:data:`RANDOM_STATES`, not an input of the cell): Python's ``random``, NumPy's legacy
+global state and torch's CPU generator, as they are when the cell is submitted, set on
+the instance before the cell runs. A cell that draws without seeding, after
+``np.random.seed(0)`` in an earlier cell, then draws what it would draw in the notebook,
+and two runs of it (one interrupted before its first checkpoint and run again, or a job
+and the same cell run locally) the same numbers. ``restore()`` sets the saved states
+over them.
+
 Both sides use this module: the notebook side writes with :func:`dumps`, the instance's
 runtime reads with :func:`load` (``spotnb.train.runtime._bootstrap``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import io
 import sys
@@ -32,8 +42,11 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["InputUnreadable", "Pickler", "dumps", "globals_read", "is_notebook_function",
-           "load", "pack"]
+__all__ = ["RANDOM_STATES", "InputUnreadable", "Pickler", "dumps", "globals_read",
+           "is_notebook_function", "load", "pack", "random_states"]
+
+#: The entry of ``inputs.pkl`` that holds the notebook's global random states.
+RANDOM_STATES = "__spotnb_random_states__"
 
 # The instance's namespace that functions unpickled by load() are linked to.
 _target: dict[str, Any] | None = None
@@ -98,15 +111,53 @@ def pack(blobs: Mapping[str, bytes]) -> bytes:
     return cloudpickle.dumps(dict(blobs))
 
 
+def random_states() -> bytes:
+    """This process's global random states, pickled: Python's, and NumPy's and torch's
+    (CPU) when they are imported here."""
+    import random
+
+    states: dict[str, Any] = {"python": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_rng_state"):
+        states["torch"] = torch.get_rng_state().numpy().tobytes()
+    return cloudpickle.dumps(states)
+
+
+def _set_random_states(blob: bytes) -> None:
+    """Set the random states :func:`random_states` took, for the libraries that are
+    installed here (imported for it: the cell that draws from them imports them)."""
+    import importlib
+    import random
+
+    states = cloudpickle.loads(blob)
+    random.setstate(states["python"])
+    if "numpy" in states:
+        with contextlib.suppress(ImportError):
+            importlib.import_module("numpy").random.set_state(states["numpy"])
+    if "torch" in states:
+        try:
+            torch = importlib.import_module("torch")
+        except ImportError:
+            return
+        torch.set_rng_state(torch.frombuffer(bytearray(states["torch"]), dtype=torch.uint8))
+
+
 def load(data: bytes, namespace: dict[str, Any]) -> None:
     """Define each input of ``inputs.pkl`` in ``namespace``, the notebook's functions
-    linked to it. Raises :class:`InputUnreadable` naming the first input that cannot
-    be unpickled here (those before it are defined)."""
+    linked to it, and set the notebook's random states. Raises :class:`InputUnreadable`
+    naming the first input that cannot be unpickled here (those before it are
+    defined)."""
     global _target
     blobs: dict[str, bytes] = cloudpickle.loads(data)
     _target = namespace
     try:
         for name, blob in blobs.items():
+            if name == RANDOM_STATES:
+                _set_random_states(blob)
+                continue
             try:
                 namespace[name] = cloudpickle.loads(blob)
             except Exception as err:

@@ -88,8 +88,7 @@ class CellVariables:
             if current is _MISSING:
                 continue  # deleted: the checkpoint keeps what it last saw
             registered = objects[name]
-            if current is not registered and any(
-                    getattr(current, attr, None) is registered for attr in _WRAPPED):
+            if current is not registered and _wraps(current, registered):
                 continue  # model = torch.compile(model): the module itself is saved
             if restoring and _is_view(current):
                 current = current.clone() if hasattr(current, "clone") else current.copy()
@@ -104,13 +103,19 @@ class CellVariables:
         if self._namespace is None or name not in self.names:
             return
         current = self._namespace.get(name, _MISSING)
-        if current is value or any(getattr(current, attr, None) is value
-                                   for attr in _WRAPPED):
+        if current is value or _wraps(current, value):
             return
         self._namespace[name] = value
 
 
 _MISSING = object()
+
+
+def _wraps(wrapper: Any, obj: Any) -> bool:
+    """Whether ``wrapper`` holds ``obj`` as the module it wraps (``torch.compile``'s,
+    DDP's). Not a value without such an attribute: registered as None (``smooth_loss =
+    None`` before the loop), the variable's later float is no wrapper of it."""
+    return any(getattr(wrapper, attr, _MISSING) is obj for attr in _WRAPPED)
 
 
 def _caller(api: type) -> types.FrameType | None:

@@ -383,8 +383,12 @@ class Checkpoint:
 
         The policy (``checkpoint_every`` of the job; 5 minutes standalone) counts seconds
         and steps since the last save or restore. Cheap when there is nothing to do.
+        A save due while a registered data loader is in its epoch's last batch (a notice's
+        too) is taken at the next call, after the epoch's end: a run resumed from that
+        batch would start the next epoch and skip the code after the loop over the loader.
         """
-        return self._saves.maybe_save(step)
+        caller = sys._getframe(1)
+        return self._saves.maybe_save(step, (caller.f_code, caller.f_lineno))
 
     def wait(self) -> Manifest | None:
         """Wait for the save in progress; its manifest, or None (none, it failed, or

@@ -53,7 +53,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FORMAT", "resumable"]
+__all__ = ["FORMAT", "epoch_of", "in_last_batch", "resumable"]
 
 _logger = logging.getLogger(__name__)
 
@@ -102,6 +102,24 @@ def resumable(obj: Any) -> Any:
         _logger.warning("the data loader was iterated before it was registered in the "
                         "Checkpoint: its position is saved from its next iter() on")
     return obj
+
+
+def epoch_of(obj: Any) -> int | None:
+    """Which epoch of ``obj`` (a loader made resumable here) is in progress: a number
+    that changes at each of its ``iter()``; None for anything else."""
+    position = vars(obj).get("_spot_position") if hasattr(obj, "__dict__") else None
+    return position.epochs if isinstance(position, _Position) else None
+
+
+def in_last_batch(obj: Any) -> bool:
+    """Whether ``obj``, a loader made resumable here, has handed out the last batch of its
+    epoch and not been asked for the next one: the loop over it is in its last iteration,
+    and the code after that loop (the epoch's evaluation, its scheduler step, its
+    bookkeeping) has not run yet. A save there would be restored into a run that starts
+    the next epoch and never runs that code: :meth:`Checkpoint.maybe_save
+    <spotnb.train.runtime.Checkpoint.maybe_save>` takes it at its next call instead."""
+    position = vars(obj).get("_spot_position") if hasattr(obj, "__dict__") else None
+    return isinstance(position, _Position) and position.in_last_batch()
 
 
 def _resumable_class(cls: type) -> type:
@@ -164,6 +182,41 @@ def _rng_keeping_class(cls: type) -> type:
     KeepsRng.__module__ = cls.__module__
     KeepsRng.__doc__ = cls.__doc__
     return KeepsRng
+
+
+_iterator_classes: dict[type, type] = {}
+
+
+def _tracking_end(it: Any) -> Any:
+    """``it`` (the epoch's iterator torch made) with its class swapped for a subclass of
+    its own that notes when it ends (``StopIteration``): the loop over it is then over."""
+    cls = type(it)
+    if not hasattr(it, "__dict__"):
+        return it
+    # Persistent workers: the same iterator again, for a new epoch.
+    vars(it).pop("_spot_ended", None)
+    if "_spot_tracks_end" in cls.__dict__:
+        return it
+    sub = _iterator_classes.get(cls)
+    if sub is None:
+
+        class TracksEnd(cls):  # type: ignore[valid-type,misc]
+            __slots__ = ()
+            _spot_tracks_end = True
+
+            def __next__(self) -> Any:
+                try:
+                    return super().__next__()
+                except StopIteration:
+                    self.__dict__["_spot_ended"] = True
+                    raise
+
+        TracksEnd.__name__ = cls.__name__
+        TracksEnd.__qualname__ = cls.__qualname__
+        TracksEnd.__module__ = cls.__module__
+        sub = _iterator_classes[cls] = TracksEnd
+    it.__class__ = sub
+    return it
 
 
 # -- random states ----------------------------------------------------------------------
@@ -422,7 +475,7 @@ class _Position:
         self.sampler_epoch = getattr(loader.sampler, "epoch", None)
         if pending is None:
             self.start, self.fresh, self.offset = _states(loader), not reuses, 0
-            it = make()
+            it = _tracking_end(make())
             self.iterator = it
             return it
         # A resume: the epoch's start states, the same iterator, the consumed skipped.
@@ -446,7 +499,7 @@ class _Position:
             self.resume = None
             _set_global(now)  # what the checkpoint restored: the loop's draws go on
             _set_generators(loader, pending["generators"])
-        self.iterator = it
+        self.iterator = _tracking_end(it)
         _logger.info("data loader: resumed its epoch at batch %d", skip)
         return it
 
@@ -462,6 +515,12 @@ class _Position:
                 next(it)
             except StopIteration:
                 return
+
+    def in_last_batch(self) -> bool:
+        """The epoch's last batch is out, and its iterator was not asked for more."""
+        it = self.iterator
+        return it is not None and self.batches is not None and \
+            self._consumed() >= self.batches and not vars(it).get("_spot_ended", False)
 
     def _consumed(self) -> int:
         yielded = getattr(self.iterator, "_num_yielded", 0) if self.iterator is not None \

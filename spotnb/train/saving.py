@@ -29,7 +29,7 @@ from spotnb.ckpt.checkpoints import CHECKPOINT_FORMATS, CheckpointStore, Manifes
 from spotnb.ckpt.memory import MemoryBudget
 from spotnb.kernel_remote import channel
 from spotnb.protocol import layout
-from spotnb.train import process
+from spotnb.train import loaders, process
 from spotnb.train.carry import Carry
 from spotnb.train.distributed import holds_sharded, initialised, world
 from spotnb.train.session import Session
@@ -79,6 +79,8 @@ class Saves:
             self.pool.warm_async(snapshot.tensor_specs(self.objects), self.plan_memory()[0])
         #: The upload still running, if any: the next save waits for it.
         self.in_flight: CheckpointUpload | ShardedUpload | None = None
+        # maybe_save's call sites (code, line) -> the registered loaders' epochs then.
+        self._save_sites: dict[tuple[Any, int], tuple[int | None, ...]] = {}
         self._last_step = -1
         self._last_time = time.monotonic()
 
@@ -154,12 +156,18 @@ class Saves:
             return
         self.save_one(step, forced=False)
 
-    def maybe_save(self, step: int) -> bool:
-        """:meth:`Checkpoint.maybe_save <spotnb.train.checkpoint.Checkpoint.maybe_save>`."""
+    def maybe_save(self, step: int, site: tuple[Any, int]) -> bool:
+        """:meth:`Checkpoint.maybe_save <spotnb.train.checkpoint.Checkpoint.maybe_save>`,
+        called from ``site`` (the cell's code object and line)."""
         rt = self.rt
         where = world()
         if where is not None:
-            return self._maybe_save_in_world(int(step), *where)
+            return self._maybe_save_in_world(int(step), *where, site=site)
+        if self._in_last_batch(site):
+            # The epoch's end (its evaluation, scheduler step, bookkeeping) is still
+            # to run, and a run resumed from here would start the next epoch without
+            # it: the save due (a notice's too) is taken at the next call.
+            return False
         if rt.force_save or rt.park_requested or rt.fenced:
             self.save_one(int(step), forced=True)
             if rt.join_requested and not (rt.park_requested or rt.fenced):
@@ -179,7 +187,25 @@ class Saves:
             self.warm()
         return False
 
-    def _maybe_save_in_world(self, step: int, rank: int, world_size: int) -> bool:
+    def _in_last_batch(self, site: tuple[Any, int]) -> bool:
+        """Whether this call (from ``site``: the caller's code and line) is in the loop
+        over a registered data loader, at its epoch's last batch (see
+        :func:`spotnb.train.loaders.in_last_batch`), and this attempt may still save (an
+        agent that lost its lease holds the cell at once).
+
+        In the loop: the same line called ``maybe_save`` earlier in the same epoch. A
+        save once per epoch, after a loop that stopped at the last batch without asking
+        for more (``islice(loader, len(loader))``, ``zip(range(n), loader)``), is not
+        delayed: its line runs once per epoch.
+        """
+        epochs = tuple(loaders.epoch_of(obj) for obj in self.objects.values())
+        in_loop = self._save_sites.get(site) == epochs
+        self._save_sites[site] = epochs
+        return in_loop and not self.rt.fenced and any(
+            loaders.in_last_batch(obj) for obj in self.objects.values())
+
+    def _maybe_save_in_world(self, step: int, rank: int, world_size: int,
+                             site: tuple[Any, int]) -> bool:
         """``maybe_save`` in a distributed job (every rank calls it at the same steps).
 
         Step 1  one all-reduce (MAX) of [a notice on my node, a save due here]: every
@@ -209,12 +235,15 @@ class Saves:
         noticed = (rt.force_save and not rebalance) or rt.park_requested or rt.fenced
         flags = torch.tensor([float(noticed),
                               float(self.due(step) or self.retry or rebalance),
-                              float(rt.join_requested)])
+                              float(rt.join_requested),
+                              float(not self._in_last_batch(site))])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         notice_anywhere, due = bool(flags[0].item()), bool(flags[1].item())
         if flags[2].item():
             rt.join_requested = True  # a node waits to join: this save is before it
-        if not (notice_anywhere or due):
+        # Every rank in its loader's last batch: the save waits for the epoch's end,
+        # as in a single process (maybe_save).
+        if not (notice_anywhere or due) or not flags[3].item():
             if not self.warmed:
                 self.warm()  # as maybe_save's first call that does not save
             return False

@@ -47,29 +47,42 @@ An instance's life, narrated::
                 exits in a row -> "failed" result, then as for a result
     SIGTERM (EC2 shuts the instance down) -> "terminated", flush, exit; during the
             teardown of Step 4 the signal waits for the teardown to finish.
+
+A failing store or API never ends this agent while its job agent runs (an instance
+whose agent died is billed with nobody to end it: invariant 6). A watch that fails is
+tried again at its next turn; what the agent cannot go on without (the spec, whether
+the job has a result) is retried for STORE_PATIENCE_SECONDS. Should the agent still
+die, the boot script starts it again (AGENT_TRIES times, then powers the instance
+off), and the new agent adopts the job agent that still runs (its pid in
+AGENT_PID_FILE) rather than start a second one. If the job's Auto Scaling group cannot
+be deleted at the end, or EC2 does not end the instance within NOTICE_WAIT_LIMIT_SECONDS
+of its notice, the instance powers itself off (its launch template makes a power-off a
+termination).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from spotnb.protocol import billing, layout, usage
+from spotnb.protocol import backoff, billing, layout, usage
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import JobState, fold
 from spotnb.protocol.events.live import request_stop
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import NotFound, Store, open_store
 from spotnb.providers.aws import _boto
+from spotnb.providers.aws.jobprocess import AgentProcess, power_off, start_job_agent
 from spotnb.providers.aws.resources import (
     LAUNCH_HOOK_NAME,
     LIFECYCLE_HOOK_NAME,
@@ -79,6 +92,7 @@ from spotnb.providers.aws.resources import (
     rebalancing,
 )
 from spotnb.providers.aws.standby import HOOK_POLL_SECONDS, StandbyDriver, claimed_for
+from spotnb.providers.aws.teardown import delete_job_resources
 from spotnb.providers.imds import ImdsClient
 
 log = logging.getLogger(__name__)
@@ -110,7 +124,21 @@ CRASH_LOOP_SECONDS = 30.0
 # Between SIGTERM and power-off EC2 leaves a little time: flush within it.
 TERMINATION_GRACE_SECONDS = 0.8
 IDENTITY_ATTEMPTS = 20  # IMDS can be slow for the first seconds after boot
-AGENT_MODULE = "spotnb.kernel_remote"
+# What this agent cannot go on without (the spec; whether the job has a result once the
+# job agent exited; the deletion of the group at the end) is retried this long through a
+# store or API outage. The boot script's restarts (bootstrap.AGENT_TRIES) bound the whole.
+STORE_PATIENCE_SECONDS = 300.0
+# After an interruption notice EC2 ends a spot instance within two minutes; Auto Scaling
+# ends one in its termination hook at the hook's timeout (imds.TERMINATION_HOOK_SECONDS)
+# at most. Still alive this long after either: the instance powers itself off.
+NOTICE_WAIT_LIMIT_SECONDS = 900.0
+T = TypeVar("T")
+
+
+def patiently(what: str, fn: Callable[[], T]) -> T:
+    """``fn()`` through a store or API outage of STORE_PATIENCE_SECONDS (a missing
+    object is no outage)."""
+    return backoff.patiently(what, fn, STORE_PATIENCE_SECONDS, give_up_on=(NotFound,))
 
 
 class InstanceAgent:
@@ -119,7 +147,8 @@ class InstanceAgent:
     def __init__(self, job_uri: str, imds: ImdsClient | None = None) -> None:
         self.job_uri = job_uri
         self.store: Store = open_store(job_uri)
-        self.spec = JobSpec.from_json(self.store.get(layout.SPEC))
+        self.spec = JobSpec.from_json(patiently("reading the job's spec",
+                                                lambda: self.store.get(layout.SPEC)))
         self.imds = imds or ImdsClient()
         self.identity: dict[str, str] = {}
         self.events: EventWriter | None = None
@@ -129,7 +158,9 @@ class InstanceAgent:
         # The history folded (spotnb.protocol.events.fold): what the budget and deadline checks,
         # and the gap report, read.
         self.state = JobState(self.spec.resources.max_nodes)
-        self.agent: subprocess.Popen[bytes] | None = None
+        self.agent: AgentProcess | None = None
+        #: The watches failing now (each said once, when it starts and stops failing).
+        self._failing: set[str] = set()
         self.notice: dict[str, Any] | None = None
         #: Auto Scaling ends this instance through the group's termination hook.
         self.hook_ending = False
@@ -177,7 +208,7 @@ class InstanceAgent:
                                       self._emit_event, lambda: self.state.instances,
                                       lambda: self.launch_hook_due)
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        if self.store.exists(layout.RESULT):
+        if self._has_result():
             log.info("job %s already has a result: tearing down", self.spec.job_id)
             self._teardown("job-finished")
             return 0
@@ -190,7 +221,7 @@ class InstanceAgent:
         while True:
             started = time.monotonic()
             code = self._run_agent()
-            if self.store.exists(layout.RESULT):
+            if self._has_result():
                 reason = "job-finished"
                 break
             if self.end_hook_due:
@@ -201,9 +232,13 @@ class InstanceAgent:
             if self.notice is not None or self.hook_ending:
                 log.info("the job agent exited after the interruption notice; waiting for "
                          "EC2 to terminate this instance")
-                while True:
+                time.sleep(NOTICE_WAIT_LIMIT_SECONDS)
+                power_off(f"still running {NOTICE_WAIT_LIMIT_SECONDS:g} s after the job "
+                          "agent exited for the interruption notice")
+                while True:  # the job is elsewhere: nothing more to run here
                     time.sleep(60)
-            if self.stop_seen_at is not None or self.store.exists(layout.STOP):
+            if self.stop_seen_at is not None or self._watched(
+                    "looking for a stop request", lambda: self.store.exists(layout.STOP)):
                 # A stop before the job agent took the lease: it exits without a word.
                 self._write_result("stopped", self._stop_reason())
                 reason = "stopped"
@@ -217,8 +252,7 @@ class InstanceAgent:
                     f"{CRASH_LOOP_SECONDS:g} s) on {iid}; see {os.getcwd()}/agent.log"))
                 reason = "agent-crashed"
                 break
-        self._teardown(reason)
-        return 0
+        return 0 if self._teardown(reason) else 1
 
     def _whoami(self) -> dict[str, str]:
         for attempt in range(IDENTITY_ATTEMPTS):
@@ -230,43 +264,61 @@ class InstanceAgent:
                 time.sleep(0.5)
         raise TypeError("unreachable; this is a spotnb bug")
 
+    def _has_result(self) -> bool:
+        return patiently("reading whether the job has a result",
+                         lambda: self.store.exists(layout.RESULT))
+
+    def _watched(self, what: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``; if it fails, None (said when it starts and when it stops failing):
+        a watch is tried again at its next turn, and the job agent goes on."""
+        try:
+            value = fn()
+        except Exception as err:
+            if what not in self._failing:
+                self._failing.add(what)
+                log.warning("%s failed (%s); trying again at its next turn", what, err,
+                            exc_info=True)
+            return None
+        if what in self._failing:
+            self._failing.discard(what)
+            log.info("%s works again", what)
+        return value
+
     def _run_agent(self) -> int:
         env = dict(os.environ)
         if self.standby_for is not None:  # said in its ready mark
             env[layout.STANDBY_FOR_ENV] = self.standby_for
-        with open("agent.log", "ab") as out:
-            self.agent = subprocess.Popen(
-                [sys.executable, "-m", AGENT_MODULE, "--job", self.job_uri],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.agent = agent = start_job_agent(self.job_uri, env)
         last_limits = last_price = last_usage = time.monotonic()
         last_hooks = 0.0
-        while self.agent.poll() is None:
+        while (code := agent.poll()) is None:
             time.sleep(POLL_SECONDS)
             now = time.monotonic()
-            self._watch_notice()
-            if self.standbys is not None:
-                self.standbys.poll(now, self.notice is not None, self.hook_ending,
-                                   self.launched_at)
+            self._watched("watching for an interruption notice", self._watch_notice)
+            if (standbys := self.standbys) is not None:
+                self._watched("the warm standby's watch", functools.partial(
+                    standbys.poll, now, self.notice is not None, self.hook_ending,
+                    self.launched_at))
             hooks_due = self.launch_hook_due or self.end_hook_due
             if (hooks_due or self.protect_due) and now - last_hooks >= (
                     HOOK_POLL_SECONDS if hooks_due else PROTECT_POLL_SECONDS):
                 last_hooks = now
-                self._watch_hooks()
+                self._watched("the lifecycle hooks' watch", self._watch_hooks)
             if now - last_usage >= USAGE_SECONDS:
                 last_usage = now
-                self._report_usage()
+                self._watched("reporting the requests made", self._report_usage)
             if now - last_limits >= LIMITS_SECONDS:
                 last_limits = now
-                self._watch_limits()
+                self._watched("the stop, budget and deadline watch", self._watch_limits)
             if now - last_price >= PRICE_SECONDS:
                 last_price = now
-                self._watch_price()
+                self._watched("the spot price's watch", self._watch_price)
             if self.stop_seen_at is not None and time.monotonic() - self.stop_seen_at > \
-                    STOP_GRACE_SECONDS and self.agent.poll() is None:
+                    STOP_GRACE_SECONDS and agent.poll() is None:
                 log.warning("the job agent did not stop within %gs; ending it",
                             STOP_GRACE_SECONDS)
-                self.agent.terminate()
-        return int(self.agent.returncode)
+                agent.terminate()
+        return code
 
     # ---------------------------------------------------------- group stream
 
@@ -276,20 +328,6 @@ class InstanceAgent:
             event = self.events.emit(type, **data)
             self.history.append(event)
             self.state.apply(event)
-
-    def _queue_names(self) -> list[str]:
-        """The job's queues: its control queue and the registered followers' (a
-        follower deletes its own when it stops; `spotnb aws cleanup` finds the rest)."""
-        from spotnb.protocol.events.live import CONTROL_QUEUE, WATCHERS_PREFIX
-        from spotnb.providers.aws.queue import sqs_name
-
-        names = [sqs_name(self.spec.job_id, CONTROL_QUEUE)]
-        try:
-            keys = self.store.list_keys(WATCHERS_PREFIX)
-        except Exception:
-            keys = []
-        names += [k.rsplit("/", 1)[-1].removesuffix(".json") for k in keys]
-        return names
 
     def _report_usage(self) -> None:
         """A ``usage`` event: the requests this process made so far (spotnb.protocol.usage)."""
@@ -314,7 +352,7 @@ class InstanceAgent:
 
     def _report_the_gap(self) -> None:
         """Capacity failures and silently ended predecessors (Step 2)."""
-        self.history = self.reader.poll()
+        self.history = patiently("reading the job's events", self.reader.poll)
         self.state = fold(self.history, self.spec.resources.max_nodes)
         group = [e for e in self.history if e.attempt == GROUP_STREAM]
         reported = {e.data.get("activity_id") for e in group}
@@ -558,52 +596,33 @@ class InstanceAgent:
     def _write_result(self, status: str, reason: str) -> None:
         body = {"status": status, "reason": reason, "time": time.time(), "by": "aws-instance",
                 "instance_id": self.identity.get("instance_id")}
-        if self.store.put_if_absent(layout.RESULT, json.dumps(body).encode()) is not None:
+        if patiently("writing the job's result", lambda: self.store.put_if_absent(
+                layout.RESULT, json.dumps(body).encode())) is not None:
             self._emit("result", status=status, reason=reason)
             self._emit("status", state=status, detail=reason)
 
-    def _teardown(self, reason: str) -> None:
-        """Step 4: the job is over; delete its capacity group, template and role."""
-        from spotnb.providers.aws import AwsProvider
-
+    def _teardown(self, reason: str) -> bool:
+        """Step 4: the job is over; delete its capacity group, template and role
+        (:mod:`.teardown`). False if the group could not be deleted: the instance has
+        then powered itself off."""
         self.tearing_down.set()
-        self._report_usage()
+        self._watched("reporting the requests made", self._report_usage)
         ident = self.identity
         self._emit("instance", action="terminated", reason=reason,
                    instance_id=ident["instance_id"], instance_type=ident.get("instance_type"),
                    az=ident.get("az_id"),
                    pool=f"{ident.get('instance_type')}@{ident.get('az_id')}")
         if self.events is not None:
-            self.events.close()
-        provider = AwsProvider(region=ident["region"])
-        job_id = self.spec.job_id
-        # The template first and the role last: deleting the group terminates this
-        # instance, and the role's credentials are what the deletions run with.
-        for label, step in (("queues", lambda j, r: provider._delete_queues(
-                                j, r, names=self._queue_names())),
-                            ("secrets", lambda j, r: provider._delete_secrets(
-                                j, r, names=self.spec.secrets) if self.spec.secrets else None),
-                            ("launch template", provider._delete_template),
-                            ("Auto Scaling group", provider._delete_group),
-                            ("network", self._delete_network),
-                            ("IAM role", lambda j, r: provider._delete_role(j, r, own=True))):
-            try:
-                step(job_id, ident["region"])
-            except Exception:
-                log.exception("could not delete the job's %s; `spotnb aws cleanup` will", label)
-        log.info("job %s is over (%s): its capacity group is deleted", job_id, reason)
-
-    def _delete_network(self, job_id: str, region: str) -> None:
-        """A multi-node job's security and placement groups (providers/aws/cluster.py):
-        AWS keeps them while an instance (this one) is in them; the next multi-node
-        launch or `spotnb aws cleanup` deletes those."""
-        from spotnb.providers.aws import cluster
-
-        if self.spec.resources.max_nodes <= 1:
-            return
-        left = cluster.delete_network(_boto.client("ec2", region), job_id)
-        if left:
-            log.info("still in use, deleted later: %s", ", ".join(left))
+            self._watched("writing the job's last events", self.events.close)
+        if not delete_job_resources(self.store, self.spec, ident["region"],
+                                    STORE_PATIENCE_SECONDS):
+            # The group would keep this instance: it ends itself (the group launches
+            # another, which finds the result and deletes the group in turn).
+            power_off("the job's Auto Scaling group could not be deleted")
+            return False
+        log.info("job %s is over (%s): its capacity group is deleted", self.spec.job_id,
+                 reason)
+        return True
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """EC2 is shutting the instance down: say so, flush, go (on a thread, as the
