@@ -27,11 +27,12 @@ from spotnb.protocol.events.fold import fold
 from spotnb.protocol.layout import RESULT, STOP
 from spotnb.protocol.signals import SignalModel
 from spotnb.protocol.spec import JobSpec, Policy, Resources, SpecError
+from spotnb.protocol.standby import STANDBY_WARMUP_SECONDS
 from spotnb.protocol.store import LocalStore
 from spotnb.providers import ProviderError, catalog
 from spotnb.providers.imds import ImdsClient
 from spotnb.providers.local import LocalProvider
-from spotnb.providers.local.group import STANDBY_WARMUP_SECONDS, Supervisor
+from spotnb.providers.local.group import Supervisor
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.market import Market
 from spotnb.providers.local.state import Settings, instance_dir

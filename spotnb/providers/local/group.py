@@ -10,11 +10,11 @@ group (replace what was lost, whether or not anyone is watching).
 A job's life, as the supervisor sees it::
 
     launch: pick a pool -> i-1 launched -> boot delay -> agent process spawned
-    rebalance recommendation -> a warm standby launched -> once it is ready, the old
-        instance ended through its termination hook (its agent saves and releases the
-        lease; ended once released); given back if not ready within STANDBY_HOLD_SECONDS
-        (a multi-node job's: a standby for the recommended node, which takes that
-        node's slot and joins the world in its place)
+    rebalance recommendation -> a warm standby launched (.standbys) -> once it is
+        ready, the old instance ended through its termination hook (its agent saves
+        and releases the lease; ended once released); given back if not ready within
+        its hold (a multi-node job's: a standby for the recommended node, which takes
+        that node's slot and joins the world in its place)
     interruption: (a recommendation minutes before, or none) -> notice
         (spot/instance-action) -> notice period
         -> SIGTERM the instance's process group, 1 s, SIGKILL -> terminated
@@ -50,41 +50,11 @@ every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
 
 Multi-node jobs: the group keeps ``max_nodes`` instances, each with its own metadata
 service (its own notices), launched and replaced one by one exactly as the one instance
-of a single-node job; the job ends for all of them with its result. A warm standby is
-one node's: it waits for that node's slot outside the rendezvous
-(:class:`spotnb.kernel_remote.standby.NodeStandby`), and the node ended through its
-termination hook is done once it released its slot's lease. A standby that takes the
-slot of another node, lost meanwhile, is that node's replacement and no longer on hold.
-Only a recommendation that comes before its node's notice starts one: one that comes
-with the notice (in its tick) has nothing to warm ahead of, and a standby launched then
-would only be the lost node's replacement, launched before the node is gone (the world
-would count one node too many while it is).
+of a single-node job; the job ends for all of them with its result.
 
-Recommendations on request (``LocalProvider.recommend``: reason ``requested``, no
-notice follows) come at the next tick, for tests that must aim them at a moment.
-
-Interruptions: on request (``LocalProvider.interrupt``: reason ``requested``; of one
-named instance, or of the first running one not yet under notice; every request read in
-a tick is its own notice); the
-spec's ``simulate_interruptions`` ``{"count": N}`` (reason ``simulated``: once an
-instance's attempt has a durable checkpoint and any later event, or after
-``interrupt_after`` seconds after the first output of a cell without any checkpoint;
-see ``_simulated_due``) or
-``{"schedule": [s, ...]}``
-(reason ``scheduled``, seconds since the first launch); the market price rising above
-``max_price`` (``price``); and the Spot Advisor's interruption rate (``hazard``).
-
-Rebalance recommendations (:mod:`.signals`: the job's ``simulate_signals`` or the
-model's defaults): for each interruption the group knows ahead (``hazard``,
-``scheduled``, ``price``), one ``lead`` before its notice (market seconds over
-``time_scale``; no earlier than the instance's launch) or none (``no_recommendation``);
-false alarms, recommendations no notice follows, at ``false_alarms_per_interruption``
-times the instance's Spot Advisor rate (with ``hazard``) and the schedule's rate over
-its span, and at the model's ``false_alarms`` times; an interruption nobody could know
-ahead (``requested``, ``simulated``) brings its recommendation with its notice, as
-EC2's sometimes does. Each is published at the instance's metadata service and logged
-as an ``instance`` event with action ``rebalance`` and the reason it stands for
-(``false-alarm`` for a false alarm).
+When EC2 wants an instance back (interruptions, rebalance recommendations, their
+causes and leads) is :mod:`.interruptions`' to say; warm standbys are :mod:`.standbys`'
+(the policy: :mod:`spotnb.protocol.standby`, AWS's too). The group acts on both.
 
 Faults without notice, on request: ``LocalProvider.kill`` (the agent and everything it
 started SIGKILLed at once; ``terminated`` with reason ``killed``, then replaced) and
@@ -100,8 +70,6 @@ import datetime
 import json
 import logging
 import os
-import random
-import secrets
 import signal
 import sys
 import time
@@ -110,20 +78,21 @@ from typing import Any
 
 import psutil
 
-from spotnb.protocol import billing, layout, lease, secretstore
+from spotnb.protocol import secretstore
 from spotnb.protocol.backoff import Backoff
-from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
+from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import fold
-from spotnb.protocol.events.live import Follower, request_stop
+from spotnb.protocol.events.live import request_stop
 from spotnb.protocol.layout import RESULT, SPEC, STOP
-from spotnb.protocol.signals import SignalModel
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
 from spotnb.providers import catalog
 from spotnb.providers.catalog import Pool
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
+from spotnb.providers.local.interruptions import FORESEEN, Interruptions
 from spotnb.providers.local.market import Market
+from spotnb.providers.local.standbys import Standbys
 from spotnb.providers.local.state import (
     CONTROL_DIR,
     GROUP_FILE,
@@ -153,8 +122,6 @@ KILL_GRACE_SECONDS = 1.0
 # job or agent, not bad luck: give up rather than burn money replacing instances.
 CRASH_LOOP_COUNT = 5
 CRASH_LOOP_SECONDS = 30.0
-# The Spot Advisor's buckets are "per month"; its month is taken as 30 days.
-MONTH_SECONDS = 30 * 86400.0
 # How long the store may fail before the supervisor gives up (and says so in group.json).
 STORE_OUTAGE_SECONDS = 900.0
 # An agent that exited because the store failed is replaced after this, doubling up to
@@ -163,25 +130,6 @@ STORE_BACKOFF_SECONDS = 5.0
 STORE_MAX_BACKOFF_SECONDS = 120.0
 # The agent's exit code when it gave up on the store (spotnb.kernel_remote.agent).
 AGENT_EXIT_STORE = 4
-# simulate_interruptions={"count": N}, for a cell that saves no checkpoint and shows
-# nothing yet (still importing, loading data): wait this many times interrupt_after.
-QUIET_CELL_FACTOR = 3
-# The interruptions the group knows ahead (their recommendation can come earlier).
-FORESEEN = ("hazard", "scheduled", "price")
-# A warm standby (spec.policy.standby) that is not ready within its boot plus this many
-# market seconds is given back (its kernel or the cell's set-up is stuck: a job that
-# moved to it would wait there). Ready, it takes the job over at once (as the AWS
-# instance agent does through its group's API): holding it for a notice instead billed
-# ~18% of a stressed pool's job for a fifth of its interruptions caught warm (README,
-# "Warm standbys").
-STANDBY_HOLD_SECONDS = 600.0
-# In an instance's first hour, a standby on a recommendation is launched to be ready as the
-# hour ends (its boot plus this many market seconds of warm-up before it), not at once:
-# EC2 interrupting the instance before then makes all of it free (protocol/billing.py),
-# and moving the job off it would forfeit that (policy.standby_first_hour: at once).
-# The AWS instance agent times it alike (spotnb.protocol.billing).
-STANDBY_WARMUP_SECONDS = billing.STANDBY_WARMUP_SECONDS
-# The events that show a cell got past its imports: output, or metrics (one row or a batch).
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
 
@@ -240,56 +188,13 @@ class Supervisor:
         self.crashes = 0
         self.finish: _Finish | None = None
         self.terminate_requested: str | None = None
-        # The instances an interruption was asked for and not yet given (every request
-        # counts: two in one tick are two notices, to two instances).
-        self.interrupt_requested: list[str] = []
-        # Faults without notice asked for: (instance id, "kill" or "freeze").
+        # Faults without notice (and recommendations) asked for: (instance id, "kill",
+        # "freeze" or "recommend").
         self.faults_requested: list[tuple[str, str]] = []
-        # Multi-node jobs: the instances recommended in this tick's step 4, whose standby
-        # starts at its end unless their notice came in the same tick (_step).
-        self.standby_wanted: set[str] = set()
-
-        sim = spec.simulate_interruptions or {}
-        self.sim_count = int(sim.get("count", 0))
-        self.sim_done = 0
-        self.schedule = sorted(float(s) for s in sim.get("schedule", ()))
-        self.schedule_next = 0
-        # Simulated interruptions wait for progress after a checkpoint: follow the job
-        # live (the local queue is free), as a notebook would.
-        self.reader = (Follower(store, spec.job_id, batches=True,
-                                quiet_log_seconds=STORE_POLL_SECONDS)
-                       if self.sim_count else None)
-        seed = settings.seed
-        self.rng = random.Random(f"{seed}:{spec.job_id}") if seed is not None else random.Random()
-        self._init_signals()
+        self.interruptions = Interruptions(spec, settings, store)
+        self.standbys = Standbys(self)
         if adopt:
             self._adopt(time.time())
-
-    def _init_signals(self) -> None:
-        """The job's signal model, and the false alarms that come at fixed times."""
-        self.signals = SignalModel.from_dict(self.spec.simulate_signals)
-        seed = self.signals.seed or self.settings.seed
-        # Every draw has its own generator, named by what it is for: the same seed gives
-        # the same draws whatever order the ticks meet them in.
-        self.signal_seed = (f"{seed}:{self.spec.job_id}" if seed is not None
-                            else secrets.token_hex(8))
-        self.recommended: set[tuple[str, int]] = set()  # interruptions recommended for
-        self.signal_leads: dict[tuple[str, int], float | None] = {}
-        self.false_alarm_rngs: dict[int, random.Random] = {}  # by instance index
-        times = list(self.signals.false_alarms)
-        if self.schedule and self.schedule[-1] > 0:
-            # A scheduled rate of interruptions brings its false alarms over its span.
-            rng = self._signal_rng("schedule-false-alarms")
-            rate = len(self.schedule) / self.schedule[-1]
-            t = 0.0
-            while (gap := self.signals.false_alarm_gap(rng, rate)) is not None and \
-                    (t := t + gap) < self.schedule[-1]:
-                times.append(t)
-        self.false_alarm_times = sorted(times)
-        self.false_alarm_next = 0
-
-    def _signal_rng(self, name: str) -> random.Random:
-        return random.Random(f"{self.signal_seed}:{name}")
 
     def _adopt(self, now: float) -> None:
         """Take over from a supervisor of this job that died (see the module docstring).
@@ -306,15 +211,7 @@ class Supervisor:
         ended = history.terminated
         if history.first_launch is not None:
             self.first_launch = history.first_launch
-        reasons = [reason for _instance, reason in history.group_notices]
-        self.sim_done = min(self.sim_count, reasons.count("simulated"))
-        self.schedule_next = min(len(self.schedule), reasons.count("scheduled"))
-        self.recommended.update(("scheduled", i) for i in range(self.schedule_next))
-        if self.first_launch is not None:
-            self.false_alarm_next = sum(1 for t in self.false_alarm_times
-                                        if self.first_launch + t <= now)
-        if self.sim_done >= self.sim_count:
-            self._stop_following()
+        self.interruptions.resume(history, self.first_launch, now)
         if not self.store.exists(RESULT):  # else it only logs the instances' end
             self._emit("status", None, state="launching",
                        detail="the local cloud's supervisor of this job was restarted; "
@@ -340,9 +237,7 @@ class Supervisor:
                 self._lose(meta, record)
                 continue
             log.info("adopted instance %s (agent pid %d)", inst.id, record.pid)
-            if inst.rebalance_at is not None:  # what its recommendation stood for is lost
-                self.recommended.update({("hazard", inst.index), ("price", inst.index)})
-            self._plan_signals(inst, now)
+            self.interruptions.adopted(inst, now)
             self.instances.append(inst)
             self.running.append(inst)
 
@@ -404,7 +299,7 @@ class Supervisor:
                         self._end(inst, time.time(), "group-ended")
                     except Exception:
                         log.exception("could not end instance %s", inst.id)
-            self._stop_following()
+            self.interruptions.stop_following()
             self.events.close()
             self._write_group("exited", supervisor=me.to_dict(), exit_code=code,
                               cost_usd=round(self.cost(time.time()), 6))
@@ -463,10 +358,10 @@ class Supervisor:
             return self._step_finishing(now)
         # One launch a tick at most: a capacity error waits CAPACITY_RETRY_SECONDS.
         if len(self.running) < self.target and now >= self.next_launch_at:
-            launched = self._launch(now)
+            launched = self.launch(now)
             if launched is not None and launched.boot_until <= now:
                 # No boot delay: start the agent now rather than a tick later.
-                self._spawn(launched, time.time())
+                self.spawn(launched, time.time())
         return True
 
     def _read_control(self) -> None:
@@ -490,8 +385,8 @@ class Supervisor:
                         log.warning("interrupt requested for %s, which is not running; "
                                     "ignored", target)
                     else:
-                        self.interrupt_requested.append(
-                            str(target) if target else self._first_uninterrupted())
+                        self.interruptions.requested.append(str(
+                            target or self.interruptions.first_uninterrupted(self.running)))
             elif kind in ("kill", "freeze", "recommend"):
                 target = (read_json(path) or {}).get("instance")
                 if not self.running or (target and all(i.id != target for i in self.running)):
@@ -503,14 +398,6 @@ class Supervisor:
                 log.warning("ignoring unknown control request %s", name)
             path.unlink(missing_ok=True)
 
-    def _first_uninterrupted(self) -> str:
-        """An interruption of "the first running" instance: the first one that is not
-        under notice and not already asked for (else the first running)."""
-        for inst in self.running:
-            if inst.terminate_at is None and inst.id not in self.interrupt_requested:
-                return inst.id
-        return self.running[0].id
-
     def _poll_store(self, now: float) -> None:
         if self.store.exists(RESULT):
             if self.finish is None or self.finish.kind == "stop":
@@ -520,17 +407,9 @@ class Supervisor:
             stop = self._read_stop()
             if stop is not None:
                 self._begin_stop(now, stop)
-        if self.reader is not None:
-            self._track_progress(list(self.running))
+        self.interruptions.track_progress(list(self.running))
         for inst in self.running:
-            if inst.standby_until is not None and self.target > 1 and inst.started and \
-                    self._slot_of(inst.id) is not None:
-                # It took the slot of another node, lost meanwhile (a kill, a notice
-                # before its own node's): that node's replacement now, not on hold.
-                log.info("standby %s took the place of a lost node", inst.id)
-                inst.standby_until = None
-            if inst.standby_for is not None and inst.started and not inst.standby_ready:
-                self._standby_ready(inst)
+            self.standbys.poll_store(inst)
 
     def _read_stop(self) -> dict[str, Any] | None:
         try:
@@ -556,7 +435,7 @@ class Supervisor:
         # Step 1: boot. The agent starts once the simulated boot delay is over.
         if not inst.started:
             if inst.terminate_at is None and self.finish is None and now >= inst.boot_until:
-                self._spawn(inst, now)
+                self.spawn(inst, now)
                 if inst not in self.running:  # the agent could not even be started
                     return
         # Step 2: an agent that exited by itself, or a fault asked for (kill, freeze).
@@ -573,8 +452,8 @@ class Supervisor:
                 self._recommend(inst, now, "requested")
             if "freeze" in kinds:
                 self._freeze(inst)
-        if inst.standby_until is not None:
-            self._mind_standby(inst, now)
+        if inst.on_hold:
+            self.standbys.mind(inst, now)
             if inst not in self.running:
                 return
         # Step 3: the market moves.
@@ -588,239 +467,45 @@ class Supervisor:
         # due: one with no lead comes in the tick of its notice, before it.
         if inst.terminate_at is None and self.finish is None:
             self._signal(inst, now)
-            if inst.standby_due is not None and now >= inst.standby_due:
-                inst.standby_due = None
-                inst.update_meta(standby_due=None)
-                self._start_standby(inst, now, defer=False)
-            reason = self._interruption_due(inst, now)
+            self.standbys.step(inst, now)
+            reason = self.interruptions.notice_due(inst, now, self.first_launch)
             if reason is not None:
                 self._notice(inst, now, reason)
-        elif inst.id in self.interrupt_requested:
-            # Already under notice, or winding down.
-            self.interrupt_requested = [i for i in self.interrupt_requested if i != inst.id]
-        if inst.id in self.standby_wanted:  # a multi-node job's recommendation (step 2, 4)
-            self.standby_wanted.discard(inst.id)
-            if inst.terminate_at is None:  # its notice did not come with it
-                self._start_standby(inst, now)
+        else:  # already under notice, or winding down: no interruption to give it
+            self.interruptions.withdraw(inst.id)
+        # A multi-node job's recommendation (step 2, 4), its notice come with it or not.
+        self.standbys.end_of_step(inst, now)
         # Step 5: the notice period is over (or, ended through the termination hook, the
         # agent handed the lease over).
         if inst.notice_reason == "rebalanced" and inst.terminate_at is not None and (
-                now >= inst.terminate_at or self._hook_done(inst)):
+                now >= inst.terminate_at or self.standbys.hook_done(inst)):
             self._end(inst, now, "rebalanced")
-            self._forget(inst)
+            self.forget(inst)
             return
         if inst.terminate_at is not None and now >= inst.terminate_at:
             self._end(inst, now, "spot-interruption")
-            self._forget(inst)
+            self.forget(inst)
             self.crashes = 0
             self.next_launch_at = now
 
-    def _plan_signals(self, inst: LocalInstance, now: float) -> None:
-        """What of an instance's signals is known at its launch: its first drawn false
-        alarm, and when the market takes it back at ``max_price``."""
-        rng = self.false_alarm_rngs[inst.index] = self._signal_rng(f"false-alarm:{inst.index}")
-        gap = self.signals.false_alarm_gap(rng, self._hazard_rate(inst.pool))
-        inst.next_false_alarm = None if gap is None else now + gap
-        max_price = self.spec.resources.max_price
-        if max_price is not None:
-            inst.price_risk_at = inst.market.next_above(now, max_price)
-
-    def _foreseen(self, inst: LocalInstance) -> list[tuple[str, int, float]]:
-        """The interruptions of ``inst`` the group knows ahead: (reason, the draw's
-        number, the notice's wall time)."""
-        found = []
-        if inst.hazard_at is not None:
-            found.append(("hazard", inst.index, inst.hazard_at))
-        if inst.price_risk_at is not None:
-            found.append(("price", inst.index, inst.price_risk_at))
-        if (self.schedule_next < len(self.schedule) and self.first_launch is not None
-                and inst.id == self._first_uninterrupted()):
-            found.append(("scheduled", self.schedule_next,
-                          self.first_launch + self.schedule[self.schedule_next]))
-        return found
-
     def _signal(self, inst: LocalInstance, now: float) -> None:
-        """Publish the recommendations of ``inst`` that are due (see the module
-        docstring)."""
-        for reason, number, notice_at in self._foreseen(inst):
-            key = (reason, number)
-            if key in self.recommended:
-                continue
-            if key not in self.signal_leads:
-                lead = self.signals.draw(self._signal_rng(f"{reason}:{number}"))
-                self.signal_leads[key] = (None if lead is None
-                                          else lead / self.settings.time_scale)
-            lead = self.signal_leads[key]
-            if lead is not None and now >= notice_at - lead:
-                self.recommended.add(key)
-                self._recommend(inst, now, reason)
-        if inst.next_false_alarm is not None and now >= inst.next_false_alarm:
-            gap = self.signals.false_alarm_gap(self.false_alarm_rngs[inst.index],
-                                               self._hazard_rate(inst.pool))
-            inst.next_false_alarm = None if gap is None else now + gap
-            self._recommend(inst, now, "false-alarm")
-        if (self.false_alarm_next < len(self.false_alarm_times) and self.first_launch
-                is not None and now >= self.first_launch
-                + self.false_alarm_times[self.false_alarm_next]
-                and inst.id == self._first_uninterrupted()):
-            self.false_alarm_next += 1
-            self._recommend(inst, now, "false-alarm")
+        """Publish the recommendations of ``inst`` that are due (:mod:`.interruptions`)."""
+        first = self.interruptions.first_uninterrupted(self.running)
+        for reason in self.interruptions.recommendations_due(inst, now, self.first_launch,
+                                                             first):
+            self._recommend(inst, now, reason)
 
     def _recommend(self, inst: LocalInstance, now: float, reason: str,
-                   at_notice: bool = False) -> None:
+                   with_notice: bool = False) -> None:
         """A rebalance recommendation for ``inst`` at its metadata service, and in the
-        log; then a warm standby for it (on AWS the job's instance agent asks its Auto
-        Scaling group for one). ``at_notice``: the recommendation comes with the notice;
-        a multi-node job's standby starts at the end of the instance's step 4, unless its
-        notice came in the same tick (see the module docstring)."""
+        log; then its warm standby (:mod:`.standbys`; on AWS the job's instance agent
+        asks its Auto Scaling group for one). ``with_notice``: the recommendation comes
+        in the tick of the notice."""
         inst.recommend_rebalance(now)
         log.info("rebalance recommendation for %s (%s)", inst.id, reason)
         self._emit("instance", inst.id, at=now, action="rebalance", reason=reason,
                    **inst.describe(), notice_time=iso_utc(now))
-        if self.target > 1:
-            if not at_notice:  # with its notice: no standby (the module docstring)
-                self.standby_wanted.add(inst.id)
-            return
-        self._start_standby(inst, now, defer=not at_notice)
-
-    def _start_standby(self, inst: LocalInstance, now: float, defer: bool = True) -> None:
-        """Launch a standby for ``inst`` (spotnb.kernel_remote.standby): a job whose
-        policy allows it, an instance that runs the job (not a standby still on hold),
-        none standing by for it yet, the job not winding down. A multi-node job's
-        standby is one node's: it joins the world in that node's place once the node
-        has left it (spotnb.kernel_remote.standby.NodeStandby). In the instance's first
-        hour the launch waits to be ready as the hour ends
-        (:data:`STANDBY_WARMUP_SECONDS`), unless ``defer`` is False (the recommendation
-        came with the notice: the instance is EC2's to end, free or not)."""
-        if (not self.spec.policy.standby or self.finish is not None
-                or not inst.started or inst.standby_until is not None
-                or any(i.standby_for == inst.id for i in self.running)):
-            return
-        if defer and self._defer_standby(inst, now):
-            return
-        standby = self._launch(now, standby_for=inst.id)
-        if standby is None:
-            return  # no capacity: the replacement launches after the loss, as without
-        standby.standby_for = inst.id
-        standby.standby_until = (standby.boot_until
-                                 + STANDBY_HOLD_SECONDS / self.settings.time_scale)
-        if standby.boot_until <= now:
-            self._spawn(standby, time.time())
-
-    def _defer_standby(self, inst: LocalInstance, now: float) -> bool:
-        """Whether the standby for ``inst`` waits (its launch time set, and said once):
-        launched now, it would move the job off ``inst`` inside its first hour."""
-        if self.spec.policy.standby_first_hour:
-            return False
-        scale = self.settings.time_scale
-        ahead = self.settings.boot_seconds * scale + STANDBY_WARMUP_SECONDS
-        wait = billing.free_hour_left(inst.age(now)) - ahead
-        if wait <= 0:
-            inst.standby_due = None
-            return False
-        if inst.standby_due is None:
-            inst.standby_due = now + wait / scale
-            inst.update_meta(standby_due=inst.standby_due)  # for a supervisor that adopts it
-            log.info("standby for %s waits %.0f market s: in its first hour an "
-                     "interruption by EC2 is free", inst.id, wait)
-            self._emit("instance", inst.id, at=now, action="standby-deferred",
-                       **inst.describe(), standby_due=inst.standby_due)
-        return True
-
-    def _mind_standby(self, inst: LocalInstance, now: float) -> None:
-        """A standby not yet the job's instance. It becomes that when the instance it
-        stands by for is noticed or gone, or, once it is ready, when the job moves to it
-        (:meth:`_move_to_standby`, through the old instance's termination hook); it is given
-        back (terminated, billed to the job) if it is not ready by the end of its hold."""
-        old = next((i for i in self.running if i.id == inst.standby_for), None)
-        if old is None or old.terminate_at is not None:
-            inst.standby_until = None  # the job's next instance now
-            return
-        if inst.standby_ready:
-            self._move_to_standby(old, inst, now)
-            return
-        if now >= (inst.standby_until or now):
-            log.info("standby %s for %s not ready within its hold: giving it back",
-                     inst.id, old.id)
-            self._end(inst, now, "standby-given-back", standby_for=old.id)
-            self._forget(inst)
-            self._notify_given_back(inst, inst.cost(now))
-
-    def _move_to_standby(self, old: LocalInstance, standby: LocalInstance,
-                         now: float) -> None:
-        """As Auto Scaling does once a capacity-rebalancing replacement is in service:
-        end the at-risk instance through its termination hook. Its agent takes that
-        for its notice (final save, lease released) and the standby takes the lease;
-        the old instance ends once its lease is released (:meth:`_hook_done`), else at
-        the hook's timeout. An interruption the schedule foresaw for it (its
-        recommendation came) leaves with it: the job is no longer there."""
-        for reason, number, _ in self._foreseen(old):
-            if reason == "scheduled" and (reason, number) in self.recommended:
-                self.schedule_next = max(self.schedule_next, number + 1)
-        old.end_through_hook(now, self.settings.notice_seconds)
-        standby.standby_until = None  # the job's next instance now
-        log.info("standby %s is ready: ending %s through its termination hook",
-                 standby.id, old.id)
-
-    def _hook_done(self, inst: LocalInstance) -> bool:
-        """Whether the agent of ``inst``, ended through its termination hook, released
-        the job's lease (or another holds it; a multi-node job's: of its node slot):
-        its lifecycle action is complete."""
-        try:
-            if self.target > 1:
-                return self._slot_of(inst.id) is None
-            current = lease.read(self.store)
-        except Exception:  # the hook's timeout ends it instead
-            return False
-        return current is not None and (current[0].holder != inst.id
-                                        or current[0].released)
-
-    def _slot_of(self, instance_id: str) -> int | None:
-        """The node slot whose lease ``instance_id`` holds (not released), if any: one
-        read of each slot's lease (a multi-node job's standbys and moves only)."""
-        for slot in range(self.target):
-            current = lease.read(self.store, slot)
-            if current is not None and current[0].holder == instance_id and \
-                    not current[0].released:
-                return slot
-        return None
-
-    def _notify_given_back(self, inst: LocalInstance, cost: float) -> None:
-        """Tell the job's webhook, if it has one, that a standby was given back: no
-        instance sees it (on AWS, Auto Scaling gives it back)."""
-        if secretstore.NOTIFY_SECRET not in self.spec.secrets:
-            return
-        from spotnb.protocol.notify import Notifier
-
-        try:
-            url = secretstore.read_local(self.spec.job_id, [secretstore.NOTIFY_SECRET])
-        except Exception as err:  # a notification is an extra: never the group's tick
-            log.warning("cannot read the job's webhook: %s", type(err).__name__)
-            return
-        notifier = Notifier(url.get(secretstore.NOTIFY_SECRET), self.spec.job_id,
-                            self.spec.name)
-        notifier.where = f"{inst.pool.instance_type} {inst.pool.az} {inst.id}"
-        notifier.job_start = self.first_launch
-        notifier.standby_given_back(cost)
-        notifier.close(timeout=0)  # sent from its own thread: the tick goes on
-
-    def _standby_ready(self, inst: LocalInstance) -> None:
-        """Log a standby's readiness once its agent said so in the store."""
-        try:
-            raw = self.store.get(layout.standby_ready_key(inst.id))
-        except NotFound:
-            return
-        try:
-            said = json.loads(raw)
-        except ValueError:
-            said = {}
-        inst.standby_ready = True
-        ready = said.get("ready") if isinstance(said, dict) else None
-        self._emit("instance", inst.id, at=float(ready) if isinstance(ready, (int, float))
-                   else time.time(), action="standby-ready", **inst.describe(),
-                   standby_for=inst.standby_for,
-                   kernel_started=said.get("kernel_started") if isinstance(said, dict)
-                   else None)
+        self.standbys.recommended(inst, now, with_notice)
 
     def _kill(self, inst: LocalInstance, now: float) -> None:
         """A machine lost outright: SIGKILL the agent and everything it started at once
@@ -831,7 +516,7 @@ class Supervisor:
                 proc.kill()
         log.info("killed instance %s without notice (requested)", inst.id)
         self._end(inst, now, "killed")
-        self._forget(inst)
+        self.forget(inst)
         self.next_launch_at = now
 
     def _freeze(self, inst: LocalInstance) -> None:
@@ -842,84 +527,14 @@ class Supervisor:
         log.info("froze instance %s (requested)", inst.id)
         self._emit("instance", inst.id, action="frozen", **inst.describe())
 
-    def _interruption_due(self, inst: LocalInstance, now: float) -> str | None:
-        if inst.id in self.interrupt_requested:
-            self.interrupt_requested = [i for i in self.interrupt_requested if i != inst.id]
-            return "requested"
-        max_price = self.spec.resources.max_price
-        if max_price is not None and inst.price > max_price:
-            return "price"
-        if (self.schedule_next < len(self.schedule) and self.first_launch is not None
-                and now >= self.first_launch + self.schedule[self.schedule_next]):
-            self.schedule_next += 1
-            return "scheduled"
-        if self.sim_done < self.sim_count and self._simulated_due(inst, now):
-            self.sim_done += 1
-            return "simulated"
-        if inst.hazard_at is not None and now >= inst.hazard_at:
-            return "hazard"
-        return None
-
-    def _simulated_due(self, inst: LocalInstance, now: float) -> bool:
-        """Whether to interrupt ``inst`` for ``simulate_interruptions={"count": N}``.
-
-        Step 1: after the attempt's first durable checkpoint, at its next sign of life
-        (output, a metric, a CPU sample: about a second), or ``interrupt_after`` seconds
-        after the checkpoint. Not only after a metric: a cell need not call spot.log.
-        Step 2: an attempt without a checkpoint, ``interrupt_after`` seconds after the
-        cell's first output or metric (its imports and data loading are then done: on
-        a busy machine they alone can take longer than that), or
-        :data:`QUIET_CELL_FACTOR` times as long after the cell started, if it shows
-        nothing. Never counted from the instance's start: a slow boot is not the cell's.
-        Both are the events' own times: the simulated interruption comes that long
-        after the cell showed something, however late the supervisor read of it.
-        """
-        limit = self.settings.interrupt_after
-        if inst.durable_at is not None:
-            return inst.progressed or now - inst.durable_at >= limit
-        if inst.first_output is not None:
-            return now - inst.first_output >= limit
-        return inst.cell_started is not None and \
-            now - inst.cell_started >= QUIET_CELL_FACTOR * limit
-
-    def _track_progress(self, instances: list[LocalInstance]) -> None:
-        """Watch each instance's attempt: its cell's start, its first durable checkpoint,
-        and any event after that (one read of the log for all of them)."""
-        assert self.reader is not None
-        by_id = {inst.id: inst for inst in instances}
-        for event in self.reader.poll(wait=0):
-            inst = by_id.get(event.instance or "")
-            if inst is None or event.attempt == GROUP_STREAM:
-                continue
-            body = codec.peek(event)
-            if (isinstance(body, codec.Status) and body.state == "running"
-                    and inst.cell_started is None):
-                inst.cell_started = event.time
-            if codec.is_output(event) and inst.first_output is None:
-                inst.first_output = event.time
-            if (isinstance(body, codec.CheckpointEvent) and body.durable
-                    and inst.durable_at is None):
-                inst.durable_at = event.time
-            elif inst.durable_at is not None and event.time > inst.durable_at:
-                inst.progressed = True
-        if self.sim_done >= self.sim_count:
-            self._stop_following()  # nothing left to simulate: stop reading the log
-
-    def _stop_following(self) -> None:
-        reader, self.reader = self.reader, None
-        if reader is not None:
-            reader.close()
-
     def _notice(self, inst: LocalInstance, now: float, reason: str) -> None:
-        """Interrupt like EC2: the notice now, the termination after the notice period."""
+        """Interrupt like EC2: the notice now, the termination after the notice period.
+        A single-node job's replacement launches at the notice, to boot during the
+        notice period, as on AWS (the noticed instance leaves its group), unless a
+        standby already boots for it (:meth:`.Standbys.at_notice`)."""
         if reason not in FORESEEN:  # nobody knew it ahead: the recommendation comes with it
-            self._recommend(inst, now, reason, at_notice=True)
-        elif self.target == 1:
-            # No recommendation now (none was drawn, or its standby waits for the first
-            # hour's end): the replacement still launches at the notice, to boot during
-            # the notice period, as on AWS (the noticed instance leaves its group); none
-            # if a standby already boots for it (_start_standby).
-            self._start_standby(inst, now, defer=False)
+            self._recommend(inst, now, reason, with_notice=True)
+        self.standbys.at_notice(inst, now)
         inst.notice(now, self.settings.notice_seconds, reason)
         assert inst.terminate_at is not None
         log.info("interruption notice for %s (%s); terminating at %s", inst.id, reason,
@@ -930,7 +545,7 @@ class Supervisor:
 
     def _agent_exited(self, inst: LocalInstance, now: float, code: int | None) -> None:
         lived = now - (inst.running_since or now)
-        self._forget(inst)
+        self.forget(inst)
         self.next_launch_at = now
         if self.store.exists(RESULT):
             self._end(inst, now, "job-finished", exit_code=code)
@@ -967,8 +582,7 @@ class Supervisor:
 
     def _end(self, inst: LocalInstance, now: float, reason: str, **extra: Any) -> None:
         """Terminate an instance and say so."""
-        cost = inst.terminate(now, KILL_GRACE_SECONDS, reason)
-        log.info("instance %s terminated (%s), cost $%.6f", inst.id, reason, cost)
+        cost = self.terminate(inst, now, reason)
         self._emit("instance", inst.id, action="terminated", reason=reason, **inst.describe(),
                    cost_usd=round(cost, 6), **extra)
 
@@ -990,12 +604,28 @@ class Supervisor:
             ordered += sorted(type_pools, key=lambda p: (self._market(p).price_at(now), p.az))
         return ordered
 
-    def _forget(self, inst: LocalInstance) -> None:
+    def forget(self, inst: LocalInstance) -> None:
         """The group no longer keeps ``inst`` (it ended): a replacement may launch."""
         if inst in self.running:
             self.running.remove(inst)
 
-    def _launch(self, now: float, standby_for: str | None = None) -> LocalInstance | None:
+    def terminate(self, inst: LocalInstance, now: float, reason: str) -> float:
+        """End ``inst`` as EC2 does (its processes, its metadata service); what it cost.
+        The event saying so is the caller's."""
+        cost = inst.terminate(now, KILL_GRACE_SECONDS, reason)
+        log.info("instance %s terminated (%s), cost $%.6f", inst.id, reason, cost)
+        return cost
+
+    def winding_down(self) -> bool:
+        """Whether the job ends (a result, a stop, a crash loop): nothing launches."""
+        return self.finish is not None
+
+    def moved(self, inst: LocalInstance) -> None:
+        """The job moves off ``inst`` to its standby (:mod:`.standbys`)."""
+        self.interruptions.moved(inst, self.first_launch,
+                                 self.interruptions.first_uninterrupted(self.running))
+
+    def launch(self, now: float, standby_for: str | None = None) -> LocalInstance | None:
         """Start an instance in the first pool that can take it; None if none can.
         ``standby_for``: a warm standby for that instance (logged as such)."""
         try:  # capacity shortages may be switched on and off while the job runs
@@ -1036,9 +666,10 @@ class Supervisor:
                         standby_for: str | None = None) -> LocalInstance:
         inst = LocalInstance.create(
             pool, self._market(pool), index=len(self.instances) + 1, now=now,
-            boot_seconds=settings.boot_seconds, hazard_at=self._hazard_time(pool, now),
+            boot_seconds=settings.boot_seconds,
+            hazard_at=self.interruptions.hazard_time(pool, now),
             job_id=self.spec.job_id, store_uri=self.store.uri)
-        self._plan_signals(inst, now)
+        self.interruptions.plan(inst, now)
         self.instances.append(inst)
         self.running.append(inst)
         self.reported_pools.clear()
@@ -1062,27 +693,7 @@ class Supervisor:
                  inst.market.source)
         return inst
 
-    def _hazard_time(self, pool: Pool, now: float) -> float | None:
-        """When the Spot Advisor's interruption rate takes this instance (or None).
-
-        The bucket's upper bound (``<5%`` -> 5, ``>20%`` -> 100) is read as interruptions
-        per month, a constant hazard rate in market time, hence ``time_scale`` faster in
-        real time.
-        """
-        rate = self._hazard_rate(pool)
-        return now + self.rng.expovariate(rate) if rate else None
-
-    def _hazard_rate(self, pool: Pool) -> float:
-        """Interruptions per real second at the pool's Spot Advisor rate (0 without
-        ``hazard`` or a bucket)."""
-        if not self.settings.hazard:
-            return 0.0
-        bucket = catalog.interruption_bucket(pool.instance_type, pool.region)
-        if bucket is None:
-            return 0.0
-        return bucket.max_pct / 100.0 / MONTH_SECONDS * self.settings.time_scale
-
-    def _spawn(self, inst: LocalInstance, now: float) -> None:
+    def spawn(self, inst: LocalInstance, now: float) -> None:
         cmd = [*(self.settings.agent_cmd or (sys.executable, *AGENT_MODULE)),
                "--job", self.store.uri]
         # The job's env names without a value are this machine's variables, passed on
@@ -1173,8 +784,12 @@ class Supervisor:
 
     def _emit(self, type: str, instance: str | None, at: float | None = None,
               **data: Any) -> None:
-        self.events.emit_event(Event(type=type, time=time.time() if at is None else at,
-                                     attempt=GROUP_STREAM, instance=instance, data=data))
+        self.emit_event(Event(type=type, time=time.time() if at is None else at,
+                              attempt=GROUP_STREAM, instance=instance, data=data))
+
+    def emit_event(self, event: Event) -> None:
+        """Write ``event`` to the group's stream."""
+        self.events.emit_event(event)
 
     def _emit_price(self, inst: LocalInstance) -> None:
         now = time.time()
