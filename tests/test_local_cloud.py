@@ -790,7 +790,7 @@ def test_a_recommendation_lead_is_market_time_compressed_as_the_notice(cloud: Cl
     group = Supervisor(store_of(spec), spec, settings, cloud.home / "group")
     pool = catalog.pools("g4dn.xlarge", "us-east-1")[0]
     now = time.time()
-    inst = LocalInstance.create(pool, group._market(pool), index=1, now=now,
+    inst = LocalInstance.create(pool, group.pools.market(pool), index=1, now=now,
                                 boot_seconds=0, hazard_at=now + 100, job_id=spec.job_id)
     try:
         group._signal(inst, now + 94.9)

@@ -34,19 +34,15 @@ agent that gave up on the store (exit code 4) is replaced only after a backoff
 it; after :data:`STORE_OUTAGE_SECONDS` without the store the supervisor exits, saying
 so in ``group.json``, and the next spotnb command that looks at the job starts a new one.
 
-Supervisor death (a crash, SIGKILL, a laptop that rebooted): any spotnb entry point
-that finds the job without a result and without a live supervisor starts a new one
-with ``--adopt`` (:meth:`spotnb.providers.local.LocalProvider.ensure_supervised`), and
-so does an instance whose supervisor is gone when it boots or when its agent ends
-(:mod:`.reaper`). It takes over the instances still running (their metadata service
-comes back on the same port, notices included), ends those whose termination was due
-and those it cannot adopt, writes a pending result, and carries on: the job resumes as
-after an interruption.
+Supervisor death (a crash, SIGKILL, a laptop that rebooted): a new supervisor, started
+``--adopt``, takes over the instances still running and carries on (:mod:`.adoption`):
+the job resumes as after an interruption.
 
-Pools are tried in the spec's order of instance types, cheapest AZ first (at the
-current market price). A pool without simulated capacity, or above ``max_price``, is
-skipped with a ``capacity_error`` event; when no pool can launch the group retries
-every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or deadline).
+Which pool an instance launches in, at what price, is :mod:`.pools`' to say (the
+spec's types in order, cheapest AZ first; a pool without capacity or above
+``max_price`` skipped with a ``capacity_error`` event); when no pool can launch the
+group retries every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or
+deadline).
 
 Multi-node jobs: the group keeps ``max_nodes`` instances, each with its own metadata
 service (its own notices), launched and replaced one by one exactly as the one instance
@@ -66,7 +62,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -86,23 +81,18 @@ from spotnb.protocol.events.live import request_stop
 from spotnb.protocol.layout import RESULT, SPEC, STOP
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
-from spotnb.providers import catalog
-from spotnb.providers.catalog import Pool
+from spotnb.providers.local.adoption import take_over
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.interruptions import FORESEEN, Interruptions
-from spotnb.providers.local.market import Market
+from spotnb.providers.local.pools import Pools
 from spotnb.providers.local.standbys import Standbys
 from spotnb.providers.local.state import (
     CONTROL_DIR,
     GROUP_FILE,
     ProcessRecord,
     Settings,
-    az_name,
     group_dir,
-    kill_processes,
-    kill_tree,
-    marked_processes,
     read_json,
     write_json,
 )
@@ -176,7 +166,6 @@ class Supervisor:
         self.pending_result: dict[str, Any] | None = previous.get("pending_result")
         self.store_failing_since: float | None = None
         self.store_backoff = Backoff(STORE_BACKOFF_SECONDS, STORE_MAX_BACKOFF_SECONDS)
-        self.markets: dict[str, Market] = {}
         self.instances: list[LocalInstance] = []
         # The instances the group keeps (launched, not ended): at most ``target``.
         self.running: list[LocalInstance] = []
@@ -184,7 +173,6 @@ class Supervisor:
         self.first_launch: float | None = None
         self.next_launch_at = 0.0
         self.next_store_poll = 0.0
-        self.reported_pools: set[str] = set()  # capacity errors already reported
         self.crashes = 0
         self.finish: _Finish | None = None
         self.terminate_requested: str | None = None
@@ -192,23 +180,21 @@ class Supervisor:
         # "freeze" or "recommend").
         self.faults_requested: list[tuple[str, str]] = []
         self.interruptions = Interruptions(spec, settings, store)
+        self.pools = Pools(spec, settings, store, self.started, self.interruptions, self._emit)
         self.standbys = Standbys(self)
         if adopt:
             self._adopt(time.time())
 
     def _adopt(self, now: float) -> None:
-        """Take over from a supervisor of this job that died (see the module docstring).
+        """Take over from a supervisor of this job that died (:mod:`.adoption`).
 
         Step 1  what the group did so far, from its event stream: first launch,
-                simulated interruptions already served, instances already ended.
-        Step 2  each instance still on record: its first process alive -> adopt it
-                (same IMDS endpoint, same notice); gone, never recorded or not
-                adoptable -> end what is left of it ("lost-while-unsupervised",
-                :meth:`_lose`).
+                interruptions already served, instances already ended.
+        Step 2  each instance still on record: adopted, or what is left of it ended
+                (``lost-while-unsupervised``).
         """
         history = fold(e for e in EventReader(self.store, batches=True).poll()
                        if e.attempt == GROUP_STREAM)
-        ended = history.terminated
         if history.first_launch is not None:
             self.first_launch = history.first_launch
         self.interruptions.resume(history, self.first_launch, now)
@@ -216,55 +202,11 @@ class Supervisor:
             self._emit("status", None, state="launching",
                        detail="the local cloud's supervisor of this job was restarted; "
                               "taking over its instances")
-        from spotnb.providers.local import LocalProvider
-
-        for meta in LocalProvider().instances(self.spec.job_id):
-            instance_id = meta.get("instance_id")
-            if meta.get("state") == "terminated" or instance_id in ended:
-                continue
-            pool = next((p for p in catalog.pools(meta["instance_type"],
-                                                  self.spec.resources.region)
-                         if p.az == meta.get("az")), None)
-            record = ProcessRecord.from_dict(read_json(Path(meta["dir"]) / "pid.json"))
-            if pool is None or record is None or not record.alive():
-                self._lose(meta, record)
-                continue
-            try:
-                inst = LocalInstance.adopt(meta, pool, self._market(pool), now)
-            except OSError as e:
-                log.warning("cannot adopt %s (its metadata endpoint: %s); ending it",
-                            instance_id, e)
-                self._lose(meta, record)
-                continue
-            log.info("adopted instance %s (agent pid %d)", inst.id, record.pid)
+        for inst in take_over(self.spec, self.pools, self._emit, history.terminated, now,
+                              KILL_GRACE_SECONDS):
             self.interruptions.adopted(inst, now)
             self.instances.append(inst)
             self.running.append(inst)
-
-    def _lose(self, meta: dict[str, Any], record: ProcessRecord | None) -> None:
-        """End an instance on record that this supervisor cannot adopt (Step 2): its
-        first process gone, never recorded (the supervisor died between starting it
-        and writing its ``pid.json``) or its metadata endpoint taken. Whatever still
-        runs of it (its reaper, an agent, what they started) is ended, as EC2 ends an
-        instance: left running, it would work on the job with no metadata service and
-        no supervisor to end it."""
-        instance_id = str(meta.get("instance_id"))
-        if record is not None:
-            kill_tree(record, KILL_GRACE_SECONDS)
-        strays = [proc for proc, instance, _ in marked_processes(self.spec.job_id)
-                  if instance == instance_id]
-        if strays:
-            log.warning("ending %d process(es) of instance %s, which no supervisor "
-                        "adopted", len(strays), instance_id)
-            kill_processes(strays, KILL_GRACE_SECONDS)
-        with contextlib.suppress(OSError):
-            path = Path(meta["dir"]) / "meta.json"
-            write_json(path, {**(read_json(path) or {}), "state": "terminated",
-                              "reason": "lost-while-unsupervised"})
-        self._emit("instance", instance_id, action="terminated",
-                   reason="lost-while-unsupervised", instance_id=instance_id,
-                   instance_type=meta.get("instance_type"), az=meta.get("az"),
-                   pool=meta.get("pool"))
 
     # ------------------------------------------------------------------ main loop
 
@@ -461,7 +403,7 @@ class Supervisor:
             price = inst.market.price_at(now)
             if price != inst.price:
                 inst.price = price
-                self._emit_price(inst)
+                self.pools.emit_price(inst)
             inst.next_price_change = inst.market.next_change_after(now)
         # Step 4: does EC2 want the instance back? First its recommendation, if one is
         # due: one with no lead comes in the tick of its notice, before it.
@@ -588,22 +530,6 @@ class Supervisor:
 
     # ------------------------------------------------------------------- launch
 
-    def _market(self, pool: Pool) -> Market:
-        market = self.markets.get(pool.name)
-        if market is None:
-            market = Market(pool, self.started, self.settings.time_scale, seed=self.spec.job_id)
-            self.markets[pool.name] = market
-        return market
-
-    def _candidates(self, now: float) -> list[Pool]:
-        """Pools in launch order: the spec's types in order, cheapest AZ first right now."""
-        ordered = []
-        region = self.spec.resources.region
-        for instance_type in self.spec.resources.instance_types:
-            type_pools = catalog.pools(instance_type, region)
-            ordered += sorted(type_pools, key=lambda p: (self._market(p).price_at(now), p.az))
-        return ordered
-
     def forget(self, inst: LocalInstance) -> None:
         """The group no longer keeps ``inst`` (it ended): a replacement may launch."""
         if inst in self.running:
@@ -626,71 +552,18 @@ class Supervisor:
                                  self.interruptions.first_uninterrupted(self.running))
 
     def launch(self, now: float, standby_for: str | None = None) -> LocalInstance | None:
-        """Start an instance in the first pool that can take it; None if none can.
-        ``standby_for``: a warm standby for that instance (logged as such)."""
-        try:  # capacity shortages may be switched on and off while the job runs
-            settings = Settings.load()
-        except SpecError as e:
-            log.warning("keeping the previous local cloud settings: %s", e)
-            settings = self.settings
-        max_price = self.spec.resources.max_price
-        for pool in self._candidates(now):
-            price = self._market(pool).price_at(now)
-            if max_price is not None and price > max_price:
-                self._capacity_error(pool, now, "SpotMaxPriceTooLow", (
-                    f"Your Spot request price of {max_price} is lower than the minimum "
-                    f"required Spot request fulfillment price of {price}."))
-            elif not settings.has_capacity(pool.instance_type, pool.az):
-                self._capacity_error(pool, now, "InsufficientInstanceCapacity", (
-                    f"We currently do not have sufficient {pool.instance_type} capacity in "
-                    f"the Availability Zone you requested ({az_name(pool.region, pool.az)})."))
-            else:
-                return self._start_instance(pool, now, settings, standby_for)
-        if standby_for is None:
-            self.next_launch_at = now + CAPACITY_RETRY_SECONDS
-        return None
-
-    def _capacity_error(self, pool: Pool, now: float, code: str, message: str) -> None:
-        if pool.name in self.reported_pools:
-            return  # reported once per wait; the retries would only repeat it
-        if not self.reported_pools:
-            self._emit("status", None, at=now, state="waiting_for_capacity",
-                       detail=f"no spot capacity in {pool.name} ({code}); trying other pools")
-        self.reported_pools.add(pool.name)
-        log.info("cannot launch in %s: %s", pool.name, code)
-        self._emit("instance", None, at=now, action="capacity_error", reason=code, detail=message,
-                   instance_id=None, instance_type=pool.instance_type, az=pool.az,
-                   pool=pool.name)
-
-    def _start_instance(self, pool: Pool, now: float, settings: Settings,
-                        standby_for: str | None = None) -> LocalInstance:
-        inst = LocalInstance.create(
-            pool, self._market(pool), index=len(self.instances) + 1, now=now,
-            boot_seconds=settings.boot_seconds,
-            hazard_at=self.interruptions.hazard_time(pool, now),
-            job_id=self.spec.job_id, store_uri=self.store.uri)
-        self.interruptions.plan(inst, now)
+        """Start an instance in the first pool that can take it (:mod:`.pools`); None if
+        none can (the group tries again in CAPACITY_RETRY_SECONDS). ``standby_for``: a
+        warm standby for that instance (logged as such)."""
+        inst = self.pools.launch(now, len(self.instances) + 1, self.target, standby_for)
+        if inst is None:
+            if standby_for is None:
+                self.next_launch_at = now + CAPACITY_RETRY_SECONDS
+            return None
         self.instances.append(inst)
         self.running.append(inst)
-        self.reported_pools.clear()
         if self.first_launch is None:
             self.first_launch = now
-        replacing = (f" (replacement #{inst.index - self.target})"
-                     if inst.index > self.target else "")
-        if standby_for is not None:
-            replacing = f" (standby for {standby_for}: rebalance recommendation)"
-        extra = {} if standby_for is None else {"standby_for": standby_for}
-        # Stamped with the tick's time, like the capacity errors before them: schedules
-        # and budgets count from it, and readers see the events in this order.
-        self._emit("status", None, at=now, state="launching", instance_type=pool.instance_type,
-                   az=pool.az, detail=f"launching {pool.instance_type} in {pool.az}{replacing}")
-        self._emit("instance", inst.id, at=now, action="launched", **inst.describe(),
-                   price=inst.price, ondemand=pool.ondemand, region=pool.region,
-                   az_name=az_name(pool.region, pool.az), time_scale=inst.market.time_scale,
-                   **extra)
-        self._emit_price(inst)
-        log.info("launched %s in %s at $%.4f/h; %s", inst.id, pool.name, inst.price,
-                 inst.market.source)
         return inst
 
     def spawn(self, inst: LocalInstance, now: float) -> None:
@@ -790,17 +663,6 @@ class Supervisor:
     def emit_event(self, event: Event) -> None:
         """Write ``event`` to the group's stream."""
         self.events.emit_event(event)
-
-    def _emit_price(self, inst: LocalInstance) -> None:
-        now = time.time()
-        # Which real prices these are: the history's source and the moment replayed.
-        replayed = datetime.datetime.fromtimestamp(inst.market.history_time(now),
-                                                   datetime.timezone.utc)
-        self._emit("price", inst.id, at=now, pool=inst.pool.name,
-                   instance_type=inst.pool.instance_type, az=inst.pool.az, price=inst.price,
-                   ondemand=inst.pool.ondemand, price_source=inst.market.source,
-                   history_time=replayed.isoformat(timespec="seconds"),
-                   history_scale=inst.market.time_scale)
 
     def _write_group(self, state: str, **fields: Any) -> None:
         write_json(self.home / GROUP_FILE, {
