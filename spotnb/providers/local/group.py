@@ -27,12 +27,8 @@ A job's life, as the supervisor sees it::
         -> result "stopped" unless the agent wrote one -> supervisor exits
 
 The store may fail (a full or read-only disk, a bucket out of reach): the supervisor
-keeps its local duties (notices, terminations) and retries the store every tick; an
-agent that gave up on the store (exit code 4) is replaced only after a backoff
-(:data:`STORE_BACKOFF_SECONDS` doubling), never in a storm. A result it must write
-(crash loop, stop) waits in ``group.json`` (``pending_result``) until the store takes
-it; after :data:`STORE_OUTAGE_SECONDS` without the store the supervisor exits, saying
-so in ``group.json``, and the next spotnb command that looks at the job starts a new one.
+keeps its local duties (notices, terminations), retries the store every tick, and keeps
+a result it must write in ``group.json`` meanwhile (:mod:`.groupfile`).
 
 Supervisor death (a crash, SIGKILL, a laptop that rebooted): a new supervisor, started
 ``--adopt``, takes over the instances still running and carries on (:mod:`.adoption`):
@@ -74,7 +70,6 @@ from typing import Any
 import psutil
 
 from spotnb.protocol import secretstore
-from spotnb.protocol.backoff import Backoff
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import fold
 from spotnb.protocol.events.live import request_stop
@@ -82,6 +77,7 @@ from spotnb.protocol.layout import RESULT, SPEC, STOP
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
 from spotnb.providers.local.adoption import take_over
+from spotnb.providers.local.groupfile import AGENT_EXIT_STORE, GroupFile
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.interruptions import FORESEEN, Interruptions
@@ -89,12 +85,10 @@ from spotnb.providers.local.pools import Pools
 from spotnb.providers.local.standbys import Standbys
 from spotnb.providers.local.state import (
     CONTROL_DIR,
-    GROUP_FILE,
     ProcessRecord,
     Settings,
     group_dir,
     read_json,
-    write_json,
 )
 
 log = logging.getLogger(__name__)
@@ -112,14 +106,6 @@ KILL_GRACE_SECONDS = 1.0
 # job or agent, not bad luck: give up rather than burn money replacing instances.
 CRASH_LOOP_COUNT = 5
 CRASH_LOOP_SECONDS = 30.0
-# How long the store may fail before the supervisor gives up (and says so in group.json).
-STORE_OUTAGE_SECONDS = 900.0
-# An agent that exited because the store failed is replaced after this, doubling up to
-# STORE_MAX_BACKOFF_SECONDS: a new instance would meet the same store.
-STORE_BACKOFF_SECONDS = 5.0
-STORE_MAX_BACKOFF_SECONDS = 120.0
-# The agent's exit code when it gave up on the store (spotnb.kernel_remote.agent).
-AGENT_EXIT_STORE = 4
 AGENT_MODULE = ("-m", "spotnb.kernel_remote")
 
 
@@ -160,12 +146,7 @@ class Supervisor:
         self.control = home / CONTROL_DIR
         self.control.mkdir(parents=True, exist_ok=True)
         self.events = EventWriter(store, attempt=GROUP_STREAM, flush_seconds=GROUP_FLUSH_SECONDS)
-        previous = (read_json(home / GROUP_FILE) or {}) if adopt else {}
-        # The market replays from the group's first start, across supervisors.
-        self.started = float(previous.get("started") or time.time())
-        self.pending_result: dict[str, Any] | None = previous.get("pending_result")
-        self.store_failing_since: float | None = None
-        self.store_backoff = Backoff(STORE_BACKOFF_SECONDS, STORE_MAX_BACKOFF_SECONDS)
+        self.record = GroupFile(home, spec, store, adopt)
         self.instances: list[LocalInstance] = []
         # The instances the group keeps (launched, not ended): at most ``target``.
         self.running: list[LocalInstance] = []
@@ -180,7 +161,9 @@ class Supervisor:
         # "freeze" or "recommend").
         self.faults_requested: list[tuple[str, str]] = []
         self.interruptions = Interruptions(spec, settings, store)
-        self.pools = Pools(spec, settings, store, self.started, self.interruptions, self._emit)
+        # The markets replay from the group's first start, across supervisors.
+        self.pools = Pools(spec, settings, store, self.record.started, self.interruptions,
+                           self._emit)
         self.standbys = Standbys(self)
         if adopt:
             self._adopt(time.time())
@@ -215,7 +198,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         me = ProcessRecord.of(os.getpid())
-        self._write_group("ready", supervisor=me.to_dict())
+        self.record.write("ready", supervisor=me.to_dict())
         log.info("capacity group for job %s is up (pid %d)", self.spec.job_id, me.pid)
         code = 0
         try:
@@ -225,9 +208,9 @@ class Supervisor:
                         # The job is over: its secrets go with its group.
                         secretstore.delete_local(self.spec.job_id)
                         break
-                    self._store_works()
+                    self.record.store_works()
                 except (StoreError, OSError) as err:
-                    if self._store_fails(err):
+                    if self.record.store_fails(err):
                         code = 1
                         break
                 time.sleep(TICK_SECONDS)
@@ -243,34 +226,11 @@ class Supervisor:
                         log.exception("could not end instance %s", inst.id)
             self.interruptions.stop_following()
             self.events.close()
-            self._write_group("exited", supervisor=me.to_dict(), exit_code=code,
+            self.record.write("exited", supervisor=me.to_dict(), exit_code=code,
                               cost_usd=round(self.cost(time.time()), 6))
         log.info("capacity group for job %s exited (cost $%.4f)", self.spec.job_id,
                  self.cost(time.time()))
         return code
-
-    def _store_works(self) -> None:
-        if self.store_failing_since is not None:
-            log.warning("the store works again after %.0f s",
-                        time.time() - self.store_failing_since)
-            self.store_failing_since = None
-            self._write_group("ready", supervisor=ProcessRecord.of(os.getpid()).to_dict())
-
-    def _store_fails(self, err: BaseException) -> bool:
-        """A tick met a store error: go on, unless it has lasted STORE_OUTAGE_SECONDS."""
-        now = time.time()
-        if self.store_failing_since is None:
-            self.store_failing_since = now
-            log.warning("the job's store fails (%s); retrying every tick", err)
-            self._write_group("store-unavailable",
-                              supervisor=ProcessRecord.of(os.getpid()).to_dict(),
-                              store_unavailable_since=now, store_error=str(err))
-        elif now - self.store_failing_since > STORE_OUTAGE_SECONDS:
-            log.error("the store has failed for %.0f s (%s); giving up: the next spotnb "
-                      "command that looks at the job restarts its supervision",
-                      now - self.store_failing_since, err)
-            return True
-        return False
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.terminate_requested = f"the supervisor received {signal.Signals(signum).name}"
@@ -278,9 +238,9 @@ class Supervisor:
     def _tick(self, now: float) -> bool:
         """One step of the loop; False when the group is done."""
         self._read_control()
-        if self.pending_result is not None:
+        if self.record.pending_result is not None:
             # A result the store would not take earlier (crash loop, stop): first.
-            self._write_result(**self.pending_result)
+            self._write_result(**self.record.pending_result)
         if self.terminate_requested:
             log.info("terminating the group (%s)", self.terminate_requested)
             for inst in self.running:
@@ -504,7 +464,7 @@ class Supervisor:
         log_path = inst.log_path
         if code == AGENT_EXIT_STORE:
             # The store failed the agent: another instance now would meet the same.
-            delay = self.store_backoff.next()
+            delay = self.record.backoff.next()
             log.warning("agent on %s gave up on the store; launching again in %.0f s",
                         inst.id, delay)
             self._end(inst, now, "agent-exited", exit_code=code)
@@ -634,24 +594,8 @@ class Supervisor:
         return False
 
     def _write_result(self, status: str, reason: str, **extra: Any) -> None:
-        """Write result.json unless the job already has one, and say so in the log.
-
-        If the store fails, the result waits in ``group.json`` (``pending_result``) and
-        every tick tries again, this supervisor's or the next one's.
-        """
-        body = {"status": status, "reason": reason, **extra, "time": time.time(),
-                "by": "local-cloud"}
-        self.pending_result = {"status": status, "reason": reason, **extra}
-        try:
-            written = self.store.put_if_absent(RESULT, json.dumps(body).encode())
-        except (StoreError, OSError):
-            self._write_group("result-pending",
-                              supervisor=ProcessRecord.of(os.getpid()).to_dict())
-            raise
-        self.pending_result = None
-        if written is not None:
-            log.info("wrote the job's result: %s (%s)", status, reason)
-            self._emit("result", None, status=status, reason=reason, **extra)
+        """Write result.json unless the job already has one (:mod:`.groupfile`)."""
+        self.record.write_result(self._emit, status, reason, **extra)
 
     # ------------------------------------------------------------------- output
 
@@ -663,14 +607,6 @@ class Supervisor:
     def emit_event(self, event: Event) -> None:
         """Write ``event`` to the group's stream."""
         self.events.emit_event(event)
-
-    def _write_group(self, state: str, **fields: Any) -> None:
-        write_json(self.home / GROUP_FILE, {
-            "job_id": self.spec.job_id, "store_uri": self.store.uri, "state": state,
-            "started": self.started, "log": str(self.home / "supervisor.log"),
-            "pending_result": self.pending_result,
-            "store_unavailable_since": self.store_failing_since, **fields,
-        })
 
 
 def _detach() -> None:
