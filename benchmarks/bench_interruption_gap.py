@@ -218,7 +218,7 @@ def job_cost(policy: str, ready: float, cold: float, parked: float, rate_per_hou
     in training time)."""
     from spotnb.protocol.billing import FREE_HOUR_SECONDS, free_of_charge
     from spotnb.protocol.signals import SignalModel
-    from spotnb.providers.local.group import STANDBY_WARMUP_SECONDS
+    from spotnb.protocol.standby import STANDBY_WARMUP_SECONDS
 
     # A cold start does what a warm-up does (the kernel, the cell's imports, the
     # download) after the same boot: a cell whose warm-up is long starts cold as slowly.

@@ -789,14 +789,19 @@ def test_a_standby_not_ready_in_time_is_given_back(
         sim: AwsSimulator, tmp_path: Path) -> None:
     """The job's instance gives back a standby not ready within its hold (the launch
     hook's wait, LAUNCH_HOOK_SECONDS): the group ends it through its termination hook
-    and goes back to one instance; the job goes on where it ran."""
+    and goes back to one instance; the job goes on where it ran. Its webhook is told,
+    as the local cloud's group tells it (test_notify), what the standby cost."""
+    from test_notify import Hook
+
     from spotnb.protocol.events.fold import fold
 
+    hook = Hook()
     gate, slow = tmp_path / "gate", tmp_path / "slow"
     slow.touch()
     handle = spotnb.submit(SLOW_STANDBY.format(gate=str(gate), slow=str(slow)),
                            provider="aws", instance_types=["g4dn.xlarge"],
-                           checkpoint_every="10 steps", standby_first_hour=True)
+                           checkpoint_every="10 steps", standby_first_hour=True,
+                           notify_url=hook.url)
     old = sim.wait_for_instance(handle.job_id)
     wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
                "a durable checkpoint before the recommendation")
@@ -820,6 +825,23 @@ def test_a_standby_not_ready_in_time_is_given_back(
     (story,) = state.standbys.values()
     assert story.given_back is not None and story.lease_at is None
     assert state.instances[standby.id].end_reason == "standby-given-back"
+    # Told by the job's instance that gave it back: what the standby billed until then
+    # (its own instance agent's word of its end may come a moment later).
+    try:
+        (told,) = wait_until(lambda: [b["text"] for b in list(hook.bodies)
+                                      if "standby given back" in b["text"]],
+                             60, "the given-back notification")
+    finally:
+        hook.close()
+    head, *_ = told.split("\n")
+    assert head.startswith(f":hourglass: spotnb job *{handle.spec.name}* "
+                           f"(`{handle.job_id}`): standby given back (not ready in time): $"), told
+    usd = float(head.rsplit("$", 1)[1])
+    inst = state.instances[standby.id]
+    until_given_back = state.billed(inst, inst.start, story.given_back)
+    assert until_given_back > 0, "billed to the job"
+    assert until_given_back - 0.0005 <= usd <= state.instance_cost(standby.id) + 0.0005, told
+    assert f"g4dn.xlarge {inst.az or ''} {standby.id}, job running".replace("  ", " ") in told
 
 
 def protected(asg: Any) -> dict[str, bool]:

@@ -28,11 +28,12 @@ from spotnb.protocol.events.fold import fold
 from spotnb.protocol.layout import RESULT, STOP
 from spotnb.protocol.signals import SignalModel
 from spotnb.protocol.spec import JobSpec, Policy, Resources, SpecError
+from spotnb.protocol.standby import STANDBY_WARMUP_SECONDS
 from spotnb.protocol.store import LocalStore
 from spotnb.providers import ProviderError, catalog
 from spotnb.providers.imds import ImdsClient
 from spotnb.providers.local import LocalProvider
-from spotnb.providers.local.group import STANDBY_WARMUP_SECONDS, Supervisor
+from spotnb.providers.local.group import Supervisor
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.market import Market
 from spotnb.providers.local.state import Settings, instance_dir
@@ -832,7 +833,7 @@ def test_a_recommendation_lead_is_market_time_compressed_as_the_notice(cloud: Cl
     group = Supervisor(store_of(spec), spec, settings, cloud.home / "group")
     pool = catalog.pools("g4dn.xlarge", "us-east-1")[0]
     now = time.time()
-    inst = LocalInstance.create(pool, group._market(pool), index=1, now=now,
+    inst = LocalInstance.create(pool, group.pools.market(pool), index=1, now=now,
                                 boot_seconds=0, hazard_at=now + 100, job_id=spec.job_id)
     try:
         group._signal(inst, now + 94.9)

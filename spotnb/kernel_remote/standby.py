@@ -25,7 +25,7 @@ distributed job's: :class:`NodeStandby`)::
 Nothing is written to the job's log before Step 5 (the standby holds no lease); its
 ``standby`` event (``phase="took-over"``) then records when its kernel started, when
 it was ready and what it read at the takeover. A standby that no notice follows is
-terminated by its group (:data:`spotnb.providers.local.group.STANDBY_HOLD_SECONDS`).
+terminated by its group (:data:`spotnb.protocol.standby.STANDBY_HOLD_SECONDS`).
 
 What a standby cannot do ahead: run a cell whose job has no checkpoint yet up to a
 restore point (the cell is then sent at the takeover, as in any attempt: only the

@@ -32,24 +32,10 @@ def free_hour_left(market_seconds: float) -> float:
     return max(0.0, FREE_HOUR_SECONDS - market_seconds)
 
 
-# In an instance's first hour, a warm standby for a rebalance recommendation is launched
-# to be ready as the hour ends (its boot plus this many market seconds of warm-up before
-# it), not at once: EC2 interrupting the instance before then makes all of it free, and
-# moving the job off it would forfeit that (policy.standby_first_hour: at once). The
-# local group and the AWS instance agent time it alike.
-STANDBY_WARMUP_SECONDS = 120.0
-
 # Market seconds a real second on an instance that a simulator runs (the AWS simulator's
 # compressed time: its instance agents read an instance's age in market time); unset on
 # EC2, where it is 1.
 ENV_TIME_SCALE = "SPOTNB_TIME_SCALE"
-
-
-def standby_wait(market_seconds: float, boot_seconds: float) -> float:
-    """Market seconds a recommendation's standby waits before its launch, for an
-    instance ``market_seconds`` old whose standby boots in ``boot_seconds``: so that it
-    is ready as the first hour ends (0: launch it now)."""
-    return max(0.0, free_hour_left(market_seconds) - boot_seconds - STANDBY_WARMUP_SECONDS)
 
 
 def time_scale() -> float:

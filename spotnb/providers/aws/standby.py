@@ -6,7 +6,10 @@ instance more than the job's nodes and two lifecycle hooks. No Auto Scaling feat
 launches the standby: capacity rebalancing would launch it at the recommendation, and
 in an instance's first hour moving the job then forfeits that hour's refund
 (:mod:`spotnb.protocol.billing`). The instance that got the recommendation drives its
-group's own API instead, and makes no request before one::
+group's own API instead, and makes no request before one. What to do and when is the
+warm-standby policy's (:mod:`spotnb.protocol.standby`, the local cloud's too); this
+module gathers its facts and carries its decisions out, with the same events and the
+same given-back notification as the local cloud::
 
     Step 1  a rebalance recommendation (IMDS) on an instance whose job agent holds the
             lease (a multi-node job's: a node slot's, :func:`held_slot`); one that
@@ -36,7 +39,9 @@ group's own API instead, and makes no request before one::
             notice period is) -> given back: its launch hook ABANDONed while it waits
             there (Pending:Wait), else TerminateInstanceInAutoScalingGroup on it
             (:meth:`StandbyDriver._give_back`), never an instance that holds a node
-            slot; never launched (no capacity) -> the desired capacity back to nodes
+            slot; the job's webhook told what it cost (a thread of its own: the
+            webhook from the job's secrets, the cost from its log folded); never
+            launched (no capacity) -> the desired capacity back to nodes
             (a late launch meanwhile is what Auto Scaling scales in: an instance that
             holds the lease is protected from scale-in by its instance agent,
             SetInstanceProtection)
@@ -58,15 +63,31 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection
 from typing import Any
 
 from spotnb.protocol import billing, layout, lease
-from spotnb.protocol.events import GROUP_STREAM, Event
+from spotnb.protocol.events import Event, EventReader
+from spotnb.protocol.events.fold import fold
+from spotnb.protocol.notify import SEND_TIMEOUT_SECONDS
+from spotnb.protocol.secretstore import NOTIFY_SECRET
 from spotnb.protocol.spec import JobSpec
+from spotnb.protocol.standby import (
+    Do,
+    ReadyMark,
+    Standby,
+    at_notice,
+    deferred_event,
+    given_back_event,
+    notify_given_back,
+    on_recommendation,
+    ready_event,
+    while_booting,
+)
 from spotnb.protocol.store import NotFound, Store
-from spotnb.providers.aws import _boto
+from spotnb.providers.aws import _boto, parameters
 from spotnb.providers.aws.resources import (
     LAUNCH_HOOK_NAME,
     LAUNCH_HOOK_SECONDS,
@@ -214,11 +235,8 @@ class StandbyDriver:
         wall = time.time()
         if self.phase == "deferred":
             assert self.due is not None
-            if noticed or ending:
-                log.info("no standby: the instance ends before its standby was due")
-                self._done()
-            elif wall >= self.due:
-                self._ask()
+            if noticed or ending or wall >= self.due:
+                self._decide(wall, noticed or ending, launched_at, Standby.DUE)
             return
         if self.phase == "turn":
             if noticed or ending:
@@ -233,11 +251,12 @@ class StandbyDriver:
         self._checked = now
         if self.phase == "deciding":
             if now >= self._decide_at:
-                self._decide(wall, noticed, ending, launched_at)
+                self._decide(wall, noticed or ending, launched_at, Standby.NONE)
         elif self.phase == "asked":
             self._watch(wall, noticed, ending)
         elif self.phase == "giving-back":
-            if noticed:
+            if noticed and at_notice(self.spec.policy, nodes=self.nodes, booting=True,
+                                     runs_job=self.held_lease).do is Do.TAKEOVER:
                 self._leave_at_notice()  # the standby is the replacement after all
             elif self._give_back(self.standby_id) or ending:
                 self._done()
@@ -248,43 +267,40 @@ class StandbyDriver:
                                 "or the job's end removes it")
                     self._done()
 
-    def _decide(self, wall: float, noticed: bool, ending: bool, launched_at: float) -> None:
+    def _decide(self, wall: float, ending: bool, launched_at: float,
+                standby: Standby) -> None:
         """Steps 1 and 2: whether this instance runs the job, and when its standby
-        launches."""
-        if noticed or ending:
-            log.info("no standby: the recommendation came with the notice (the group "
-                     "replaces the instance once EC2 ended it)")
-            self._done()
-            return
+        launches (the policy's :func:`~spotnb.protocol.standby.on_recommendation`;
+        ``standby``: DUE once a deferral's time came)."""
         try:
-            held = self.holds_lease()
+            runs_job = self.holds_lease()
         except Exception:
             log.debug("reading the lease for a standby failed", exc_info=True)
             return  # the next look
-        if not held:
+        scale = billing.time_scale()
+        decision = on_recommendation(self.spec.policy, ending=ending, runs_job=runs_job,
+                                     standby=standby, age=(wall - launched_at) * scale,
+                                     boot_seconds=STANDBY_BOOT_SECONDS)
+        if decision.do is Do.LATER:
             # Its job agent has yet to take the lease (the instance agent knows: its
             # launch hook is still due), or this is a standby, recommended itself: once
             # it takes the job over it asks for its own; looked at again meanwhile.
+            self.phase = "deciding"
             if not self.lease_due():
                 self._decide_at = time.monotonic() + TURN_SECONDS
-            return
-        scale = billing.time_scale()
-        wait = 0.0 if self.spec.policy.standby_first_hour else billing.standby_wait(
-            (wall - launched_at) * scale, STANDBY_BOOT_SECONDS)
-        if wait <= 0:
+        elif decision.do is Do.DEFER:
+            self.due = wall + decision.wait / scale
+            self.phase = "deferred"
+            log.info("standby waits %.0f market s: %s", decision.wait, decision.why)
+            ident = self.identity
+            self.emit(deferred_event(
+                self.iid, wall, self.due, instance_type=ident["instance_type"],
+                az=ident.get("az_id"), pool=f"{ident['instance_type']}@{ident.get('az_id')}"))
+        elif decision.do is Do.LAUNCH:
             self._ask()
-            return
-        self.due = wall + wait / scale
-        self.phase = "deferred"
-        log.info("standby waits %.0f market s: in its first hour an interruption by EC2 "
-                 "is free", wait)
-        ident = self.identity
-        self.emit(Event(type="instance", time=wall, attempt=GROUP_STREAM, instance=self.iid,
-                        data={"action": "standby-deferred", "instance_id": self.iid,
-                              "instance_type": ident["instance_type"],
-                              "az": ident.get("az_id"),
-                              "pool": f"{ident['instance_type']}@{ident.get('az_id')}",
-                              "standby_due": self.due}))
+        else:
+            log.info("no standby: %s", decision.why)
+            self._done()
 
     def _ask(self) -> None:
         """Steps 3 and 4: the group launches the standby (desired capacity nodes + 1),
@@ -311,25 +327,26 @@ class StandbyDriver:
         return LAUNCH_HOOK_SECONDS * termination_hook_seconds() / TERMINATION_HOOK_SECONDS
 
     def _watch(self, wall: float, noticed: bool, ending: bool) -> None:
-        """Step 5: the standby boots: a notice makes it the replacement; once it is
-        ready the job moves to it; not ready in time, it is given back."""
-        if noticed:
-            self._leave_at_notice()
-            return
-        if ending:
-            self._done()
-            return
-        ready = self._ready_standby()
-        if ready is not None:
-            standby, said = ready
-            at = said.get("ready")
-            kernel = said.get("kernel_started")
-            self.emit(Event(
-                type="instance", time=float(at) if isinstance(at, (int, float)) else wall,
-                attempt=GROUP_STREAM, instance=standby, data={
-                    "action": "standby-ready", "instance_id": standby,
-                    "standby_for": self.iid, "reported_by": self.iid,
-                    "kernel_started": kernel if isinstance(kernel, (int, float)) else None}))
+        """Step 5: the standby boots (the policy's
+        :func:`~spotnb.protocol.standby.while_booting`): a notice makes it the
+        replacement; once it is ready the job moves to it; not ready in time, it is
+        given back. Its hold counts in the termination hook's seconds, as the launch
+        hook's wait does (the simulator scales both with its notice period)."""
+        ready = None if noticed or ending else self._ready_standby()
+        assert self.asked is not None
+        hook_scale = termination_hook_seconds() / TERMINATION_HOOK_SECONDS
+        decision = while_booting(instance_ending=noticed or ending, ready=ready is not None,
+                                 waited=(wall - self.asked) / hook_scale,
+                                 boot_seconds=STANDBY_BOOT_SECONDS)
+        if decision.do is Do.TAKEOVER:
+            if noticed:
+                self._leave_at_notice()
+            else:
+                self._done()
+        elif decision.do is Do.MOVE:
+            assert ready is not None
+            standby, mark = ready
+            self.emit(ready_event(standby, self.iid, mark, wall, reported_by=self.iid))
             log.info("standby %s is ready: moving the job to it", standby)
             self.protect(False)  # ended on purpose, whatever AWS makes of protection
             if not self._asg("terminate_instance_in_auto_scaling_group",
@@ -340,9 +357,7 @@ class StandbyDriver:
                 self._start_giving_back()
                 return
             self._done()
-            return
-        assert self.asked is not None
-        if wall >= self.asked + self._hold_seconds():
+        elif decision.do is Do.GIVE_BACK:
             self._start_giving_back()
 
     def _start_giving_back(self) -> None:
@@ -369,25 +384,30 @@ class StandbyDriver:
         (the local group starts one at such a notice the same way). EC2 still ends
         this instance as an interruption (its first hour refunded). A multi-node node's
         replacement launches after the loss, as on the local cloud; an instance that
-        does not run the job (a standby) asks for none."""
+        does not run the job (a standby) asks for none (the policy's
+        :func:`~spotnb.protocol.standby.at_notice`)."""
         self._done()
-        if self.nodes > 1:
-            return
-        try:
-            # This instance's job agent holds the lease, or has just let go of it (a
-            # small state's final save can be durable before this look).
-            current = lease.read(self.store)
-        except Exception:
-            log.debug("reading the lease at the notice failed", exc_info=True)
-            return
-        if current is None or current[0].holder != self.iid:
+        runs_job = self.held_lease
+        if self.nodes == 1:  # a node's replacement comes after the loss: no read
+            try:
+                # This instance's job agent holds the lease, or has just let go of it
+                # (a small state's final save can be durable before this look).
+                current = lease.read(self.store)
+            except Exception:
+                log.debug("reading the lease at the notice failed", exc_info=True)
+                return
+            runs_job = current is not None and current[0].holder == self.iid
+        decision = at_notice(self.spec.policy, nodes=self.nodes, booting=False,
+                             runs_job=runs_job)
+        if decision.do is not Do.REPLACE:
+            log.info("no replacement at the notice: %s", decision.why)
             return
         if self._asg("detach_instances", "leaving the group at the notice",
                      InstanceIds=[self.iid], ShouldDecrementDesiredCapacity=False):
             log.info("interruption notice: the group launches the replacement now, to "
                      "boot during the notice period")
 
-    def _ready_standby(self) -> tuple[str, dict[str, Any]] | None:
+    def _ready_standby(self) -> tuple[str, ReadyMark] | None:
         """A standby launched for this instance that says it is ready (its mark in the
         store: one LIST, a GET once there), with what it said. Not a mark that was
         there when this one was asked for (an earlier move's standby, which may be
@@ -406,14 +426,13 @@ class StandbyDriver:
             if other == self.iid or other in known or key in self._marks_before:
                 continue
             try:
-                said = json.loads(self.store.get(key))
+                mark = ReadyMark.parse(self.store.get(key))
             except Exception:
-                said = {}
-            said = said if isinstance(said, dict) else {}
-            if said.get("standby_for") not in (None, self.iid):
+                mark = ReadyMark()
+            if mark.standby_for not in (None, self.iid):
                 self._marks_before.add(key)  # another's: not read again
                 continue
-            return other, said
+            return other, mark
         return None
 
     def _give_back(self, standby: str | None) -> bool:
@@ -471,12 +490,38 @@ class StandbyDriver:
                            "giving back the standby", InstanceId=standby,
                            ShouldDecrementDesiredCapacity=True):
             return False
-        self.emit(Event(
-            type="instance", time=time.time(), attempt=GROUP_STREAM, instance=standby,
-            data={"action": "terminated", "instance_id": standby,
-                  "reason": "standby-given-back", "standby_for": self.iid,
-                  "reported_by": self.iid}))
+        at = time.time()
+        self.emit(given_back_event(standby, self.iid, at, reported_by=self.iid))
+        self._tell_given_back(standby, at)
         return True
+
+    def _tell_given_back(self, standby: str, at: float) -> None:
+        """The job's webhook told that ``standby`` was given back, as the local cloud's
+        group tells it (:func:`spotnb.protocol.standby.notify_given_back`), from a
+        thread of its own: the webhook from the job's secrets (one GetParameters, the
+        instance role may read them) and the standby's type, zone and cost from the
+        job's log, folded (its launch is its own instance agent's event; one read of
+        the log per standby given back)."""
+        if NOTIFY_SECRET not in self.spec.secrets:
+            return
+
+        def tell() -> None:
+            try:
+                ssm = _boto.client("ssm", self.spec.resources.region)
+                url = parameters.read(ssm, self.spec.job_id, [NOTIFY_SECRET])[NOTIFY_SECRET]
+                state = fold(EventReader(self.store, batches=True).poll(), self.nodes)
+            except Exception as err:  # a notification is an extra: never the job's
+                log.warning("cannot tell the webhook that the standby was given back: %s",
+                            type(err).__name__)
+                return
+            inst = state.instances.get(standby)
+            notify_given_back(self.spec, url, instance_id=standby,
+                              instance_type=inst.instance_type if inst else None,
+                              az=inst.az if inst else None,
+                              cost_usd=state.instance_cost(standby, end=at),
+                              job_start=state.first_launch, wait=SEND_TIMEOUT_SECONDS)
+
+        threading.Thread(target=tell, name="spotnb-given-back", daemon=True).start()
 
     def _done(self) -> None:
         """The standby's story is over for this instance: a multi-node node lets go of

@@ -16,7 +16,7 @@ its nodes still running). The story (:class:`RegionPlan`)::
     round   a launch tries every pool of the job's types in its region (the types in
             the job's order, the cheapest AZ first; a multi-node job's: in its nodes'
             AZ) -> none has capacity: a failed round; the next comes
-            CAPACITY_RETRY_SECONDS later (spotnb.providers.local.group)
+            CAPACITY_RETRY_SECONDS later (spotnb.providers.local.pools, .group)
     move    MOVE_AFTER_FAILED_ROUNDS failed rounds in a row, another region to go to,
             and fewer than min_nodes nodes running (a multi-node job that still trains
             stays where it is) -> the region is left dry; the regions are ranked again
@@ -47,6 +47,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 
+from spotnb.protocol import billing
 from spotnb.protocol.events import Event, codec
 from spotnb.protocol.spec import JobSpec
 from spotnb.providers import catalog
@@ -54,7 +55,8 @@ from spotnb.providers.catalog import Pool
 from spotnb.providers.placement import simulated_placement_scores
 from spotnb.providers.regions import GB, rank_regions, transfer_price
 
-__all__ = ["MOVE_AFTER_FAILED_ROUNDS", "UNKNOWN_STATE_BYTES", "RegionPlan", "TransferMeter"]
+__all__ = ["MOVE_AFTER_FAILED_ROUNDS", "REGION_MOVE", "UNKNOWN_STATE_BYTES", "RegionPlan",
+           "TransferMeter", "notice_end"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,15 @@ MOVE_AFTER_FAILED_ROUNDS = 3
 #: instance picker's default checkpoint (1 GB), so that a region far from home pays for
 #: the saves it would send there.
 UNKNOWN_STATE_BYTES = GB
+#: The notice (and the end) of the nodes a move to another region leaves behind.
+REGION_MOVE = "region-move"
+
+
+def notice_end(notice_reason: str | None) -> str:
+    """How an instance under notice (``notice_reason``) ends: the group's own notice to
+    the nodes a move to another region leaves behind (billed: the owner ends it), or
+    EC2's interruption (free in its first hour)."""
+    return REGION_MOVE if notice_reason == REGION_MOVE else billing.EC2_INTERRUPTION
 
 
 class RegionPlan:

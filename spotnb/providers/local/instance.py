@@ -1,7 +1,8 @@
 """One local-cloud instance: its metadata service, its agent process, its record on disk.
 
 This is the "EC2" half of the local cloud: it creates, boots, warns and terminates an
-instance. *When* to do which is the capacity group's business (:mod:`.group`).
+instance. *When* to do which is the capacity group's business (:mod:`.group`,
+:mod:`.interruptions`, :mod:`.standbys`).
 
 An instance lives in ``instances/<instance_id>/`` under the cloud directory:
 ``meta.json`` (what and where it is, its state: enough for a new supervisor to adopt
@@ -89,12 +90,13 @@ class LocalInstance:
     progressed: bool = False  # any event of its attempt after that checkpoint
     rebalance_at: float | None = None  # its last rebalance recommendation
     standby_due: float | None = None  # a standby waiting for its first hour to end
+    standby_later: bool = False  # a recommendation asked again (it did not run the job)
     next_false_alarm: float | None = None  # when its next drawn false alarm comes
     price_risk_at: float | None = None  # when the price first rises above max_price
-    # A warm standby: the instance it stands by for, and until when it is kept if that
-    # one gets no notice (None once one came: it is the job's next instance).
+    # A warm standby: the instance it stands by for, and whether it is on hold (not yet
+    # the job's instance: given back if it is not ready within its hold).
     standby_for: str | None = None
-    standby_until: float | None = None
+    on_hold: bool = False
     standby_ready: bool = False
 
     @classmethod
