@@ -343,3 +343,50 @@ def test_an_instance_ec2_interrupts_in_its_first_hour_costs_nothing(
     assert [i.instance_id for i in state.refunded()] == ([] if billed else ["i-1"])
     # While it runs, it bills: only its end says whether AWS refunds it.
     assert fold(events[:1]).cost(end)[0] == pytest.approx(full)
+
+
+def test_the_fold_says_where_each_attempt_ran_why_it_moved_and_what_moving_cost(
+        store: LocalStore) -> None:
+    """A job that started in us-west-2 (home us-east-1 had no capacity) and moved back:
+    each attempt's region, the choice before it (start, move), and the checkpoint's
+    crossings summed once each into the cost (a transfer written twice, by a supervisor
+    and by the one that took over from it, counts once)."""
+    from spotnb.protocol.events import codec
+    from spotnb.protocol.events.fold import fold
+
+    t0 = 1_800_000_000.0
+    launched = {"action": "launched", "pool": "p@a", "price": 0.36, "ondemand": 1.0}
+    save = {"kind": "save", "bytes": 2 * 10**9, "source": "us-west-2",
+            "destination": "us-east-1", "usd_per_gb": 0.02, "usd": 0.04,
+            "key": "save:1:c1", "step": 10}
+    events = [
+        Event("region", t0, 0, None, {"region": "us-west-2", "cause": "start",
+                                      "reason": "us-east-1 has none", "home": "us-east-1"}),
+        Event("instance", t0, 0, "i-1", {**launched, "instance_id": "i-1",
+                                         "region": "us-west-2"}),
+        Event("status", t0 + 1, 1, "i-1", {"state": "booting", "region": "us-west-2"}),
+        Event("transfer", t0 + 5, 0, None, save),
+        Event("transfer", t0 + 5, 0, None, save),
+        Event("region", t0 + 20, 0, None, {
+            "region": "us-east-1", "previous": "us-west-2", "cause": "no-capacity",
+            "reason": "no capacity in us-west-2 for g5.xlarge after 3 tries",
+            "home": "us-east-1", "tries": 3}),
+        Event("instance", t0 + 21, 0, "i-2", {**launched, "instance_id": "i-2",
+                                              "region": "us-east-1"}),
+        Event("status", t0 + 22, 2, "i-2", {"state": "booting"}),  # its launch says where
+        Event("status", t0 + 23, 3, "i-2", {"state": "booting", "region": "us-east-1"}),
+    ]
+    state = fold(events)
+    assert [state.attempts[n].region for n in (1, 2, 3)] == [
+        "us-west-2", "us-east-1", "us-east-1"]
+    first, second = state.region_choice(1), state.region_choice(2)
+    assert first is not None and first.cause == "start" and not first.moved
+    assert second is not None and second.moved and second.previous == "us-west-2"
+    assert second.reason == "no capacity in us-west-2 for g5.xlarge after 3 tries"
+    assert state.region_choice(3) is None  # it runs where attempt 2 ran
+    assert isinstance(events[3].body, codec.Transfer) and events[3].body.bytes == 2 * 10**9
+    assert state.transfer_usd() == pytest.approx(0.04)
+    end = t0 + 30
+    assert state.cost_usd(end) == pytest.approx(state.cost(end)[0] + 0.04)
+    # The money as heard (a sweep's trials', a comparison's running jobs') counts it too.
+    assert state.cost_heard_usd()[0] == pytest.approx(state.cost_heard()[0] + 0.04)

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import signal
 import sys
@@ -72,6 +73,12 @@ def _our_processes(home: Path) -> list[psutil.Process]:
 @pytest.fixture
 def cloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
           private_tmpdir: Path) -> Iterator[Cloud]:
+    yield from local_cloud(tmp_path, monkeypatch)
+
+
+def local_cloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
+    """The local cloud of a test (its own SPOTNB_HOME, the stand-in agent, no hazard, a
+    short notice), and no process of it left afterwards (the ``cloud`` fixture)."""
     home = tmp_path / "home"
     monkeypatch.setenv("SPOTNB_HOME", str(home))
     for name in list(os.environ):
@@ -279,6 +286,33 @@ def test_capacity_returns_while_the_job_waits(cloud: Cloud) -> None:
     identity_file = instance_dir(inst.data["instance_id"]) / "identity.json"
     assert identity_file.stat().st_mtime >= inst.time + 0.5
     cloud.provider.terminate(spec.job_id)
+
+
+def test_a_shortage_names_types_pools_regions_or_types_in_a_region_for_a_while(
+        cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capacity model: a type anywhere, a pool, a whole region, a type in a region;
+    for ``no_capacity_seconds`` from a group's start, or as long as it is set; a name
+    the catalog does not know is refused (a typo would leave the capacity there)."""
+    use1 = catalog.pools("g5.xlarge", "us-east-1")[0].az
+    usw2 = catalog.pools("g5.xlarge", "us-west-2")[0].az
+    monkeypatch.setenv("SPOTNB_LOCAL_NO_CAPACITY", f"us-east-1,g5.xlarge@us-west-2,"
+                                                   f"g4dn.xlarge@{usw2}")
+    settings = Settings.load()
+    assert not settings.has_capacity("g4dn.xlarge", use1)  # the whole region
+    assert not settings.has_capacity("g5.xlarge", usw2)  # the type in the region
+    assert not settings.has_capacity("g4dn.xlarge", usw2)  # the pool
+    assert settings.has_capacity("g6.xlarge", usw2)
+    assert settings.has_capacity("g5.xlarge", catalog.pools("g5.xlarge", "eu-west-1")[0].az)
+    monkeypatch.setenv("SPOTNB_LOCAL_NO_CAPACITY_SECONDS", "30")
+    settings = Settings.load()
+    assert not settings.has_capacity("g4dn.xlarge", use1, since_start=29.9)
+    assert settings.has_capacity("g4dn.xlarge", use1, since_start=30.0)  # back
+    assert not settings.has_capacity("g4dn.xlarge", use1)  # at a launch's checks: short
+    for typo in ("us-east1", "g5.xlarge@us-east1", "g5.xlarg"):
+        monkeypatch.setenv("SPOTNB_LOCAL_NO_CAPACITY", typo)
+        with pytest.raises(SpecError, match=f"{re.escape(repr(typo))} is no instance "
+                                            "type, pool or region"):
+            Settings.load()
 
 
 def test_a_failed_launch_leaves_nothing_behind(cloud: Cloud) -> None:

@@ -150,6 +150,12 @@ class Attempt:
     az: str | None = None
     #: The node slot it ran on (``layout.node_slot``; 0 for a single-node job).
     node: int = 0
+    #: The region its instance ran in, where known.
+    region: str | None = None
+    #: Why the job moved to that region before it (the move's reason: "no capacity in
+    #: us-east-1 for g5.xlarge after 3 tries"); None when it ran where the attempt
+    #: before it ran, or where the job started.
+    moved: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +169,7 @@ class JobResult:
     attempts: tuple[Attempt, ...]
     interruptions: int
     #: What the job cost: its instances, billed per second from launch (boot included)
-    #: at their pools' spot prices, plus :attr:`requests_usd`.
+    #: at their pools' spot prices, plus :attr:`requests_usd` and :attr:`transfer_usd`.
     cost_usd: float
     #: The same instance-seconds at the on-demand price.
     ondemand_cost_usd: float
@@ -174,6 +180,9 @@ class JobResult:
     #: spotnb's own AWS requests (S3, SQS) at list prices, as its agents, runtime and
     #: followers reported them; 0 on the local cloud, whose requests cost nothing.
     requests_usd: float = 0.0
+    #: The checkpoint's transfer between regions (saves sent home from another region,
+    #: restores there), at AWS's inter-region prices; 0 for a job that stayed home.
+    transfer_usd: float = 0.0
     #: A multi-node job's world as it changed: (time, nodes, processes), from its
     #: ``world`` events (every node of a round reports it; each change is kept once).
     worlds: tuple[tuple[float, int, int], ...] = ()
@@ -188,8 +197,12 @@ class JobResult:
     @property
     def cost_includes(self) -> str:
         """What :attr:`cost_usd` includes, for a person."""
-        return (f"instances billed from launch (boot included) and spotnb's own requests "
+        text = (f"instances billed from launch (boot included) and spotnb's own requests "
                 f"(${self.requests_usd:.4f})")
+        if self.transfer_usd:
+            text += (f", and the checkpoint's transfer between regions "
+                     f"(${self.transfer_usd:.4f})")
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the outputs (they are arbitrary objects)."""
@@ -345,14 +358,18 @@ def node_instances(result: JobResult) -> list[Attempt]:
     return [newest[k] for k in sorted(newest)]
 
 
-def instances_label(result: JobResult, multinode: bool) -> str | None:
+def instances_label(result: JobResult, multinode: bool, home: str | None = None) -> str | None:
     """The instance type(s) ``%spot_jobs`` shows: the last attempt's; for a multi-node
     job each node's newest, counted, with their zone where the instances said it
-    (``"g4dn.xlarge x2 us-east-1a, g5.xlarge us-east-1a"``)."""
+    (``"g4dn.xlarge x2 us-east-1a, g5.xlarge us-east-1a"``); the region after them when
+    it is not ``home`` (the job moved: ``"g4dn.xlarge in us-west-2"``)."""
     if not result.attempts:
         return None
+    region = result.attempts[-1].region
+    away = f" in {region}" if home is not None and region and region != home else ""
     if not multinode:
-        return result.attempts[-1].instance_type
+        label = result.attempts[-1].instance_type
+        return None if label is None else label + away
     counts: dict[str, int] = {}
     for a in node_instances(result):
         where = " ".join(p for p in (a.instance_type or "?", a.az) if p)
@@ -361,7 +378,7 @@ def instances_label(result: JobResult, multinode: bool) -> str | None:
     for where, n in counts.items():
         kind, _, zone = where.partition(" ")
         parts.append(" ".join(p for p in (kind, f"x{n}" if n > 1 else "", zone) if p))
-    return ", ".join(parts)
+    return ", ".join(parts) + away
 
 
 # -- submitting ----------------------------------------------------------------------
@@ -882,8 +899,9 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 5  # 5: a sweep's pruned trial reads pruned (4: a multi-node row's
-#                        nodes and instances are its world's)
+_LISTING_VERSION = 6  # 6: the region of a job that moved, and the transfer in its
+#                        cost (5: a sweep's pruned trial reads pruned; 4: a multi-node
+#                        row's nodes and instances are its world's)
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -915,7 +933,8 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
                   attempts=len(s.attempts), interruptions=s.interruptions,
                   cost_usd=s.cost_usd, created=spec.created,
-                  instance_type=instances_label(s, spec.resources.max_nodes > 1),
+                  instance_type=instances_label(s, spec.resources.max_nodes > 1,
+                                                spec.resources.region),
                   duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
                   nodes=nodes_label(spec.resources, s), reason=s.reason)
     if state is not None:
@@ -949,8 +968,7 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
     now = time.time() if now is None else now
     final = result is not None or state.final
     end_of_job = (state.last_time if state.last_time is not None else now) if final else now
-    requests_usd = state.requests_usd()
-    cost, ondemand = state.cost(end_of_job)
+    ondemand = state.cost(end_of_job)[1]
     status, reason = state.outcome(result)
     attempts = []
     for number in sorted(state.attempts):
@@ -969,13 +987,18 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
             spot_price=instance.price if instance else None,
             az=a.az or (instance.az if instance else None),
             node=a.node,
+            region=a.region or (instance.region if instance else None),
+            moved=move.reason if (move := state.region_choice(number)) is not None
+            and move.moved else None,
         ))
     start = state.first_time if state.first_time is not None else spec.created
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,
         attempts=tuple(attempts), interruptions=state.interruptions(final),
-        cost_usd=cost + requests_usd, ondemand_cost_usd=ondemand, metrics=state.metrics(),
+        cost_usd=state.cost_usd(end_of_job), ondemand_cost_usd=ondemand,
+        metrics=state.metrics(),
         duration=max(0.0, end_of_job - min(start, spec.created)),
         error=(result or {}).get("error") or (state.error() if status == "failed" else None),
-        requests_usd=requests_usd, worlds=tuple(state.worlds),
+        requests_usd=state.requests_usd(), transfer_usd=state.transfer_usd(),
+        worlds=tuple(state.worlds),
     )

@@ -56,6 +56,12 @@ def format_event(event: Event) -> str | None:
                 line += f" ({b.failures} of {b.limit} failed boots in a row)"
             line += "".join(f"\n    | {text}" for text in b.log)
         return line
+    if isinstance(b, codec.Region):
+        moved = f" (from {b.previous})" if b.previous else ""
+        return f"{where} region {b.region}{moved}: {b.reason}".rstrip(": ")
+    if isinstance(b, codec.Transfer):
+        return (f"{where} transfer: the checkpoint's {b.kind} of {b.bytes / 1e9:.3f} GB "
+                f"{b.source} -> {b.destination}, ${b.usd:.4f} (${b.usd_per_gb:g}/GB)")
     if isinstance(b, codec.CheckpointEvent) and b.durable:
         return f"{where} checkpoint at step {b.step} durable ({b.bytes:,} bytes)"
     if isinstance(b, codec.Warning):

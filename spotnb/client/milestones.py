@@ -1,6 +1,6 @@
 """The lines a followed job's log shows between the cell's output: interruptions,
-resumes, retries, capacity fallbacks, warnings, a standby's handover, a multi-node
-job's nodes and worlds (:func:`milestones`).
+resumes, retries, capacity fallbacks, a move to another region, warnings, a standby's
+handover, a multi-node job's nodes and worlds (:func:`milestones`).
 
 Each line is told from the event it is about and the job's fold as it stands after it
 (:attr:`~spotnb.client.view.JobView.folded`): which attempt had a notice, whether a
@@ -60,6 +60,8 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         state, detail = body.state, body.detail
         if state == "booting" and not body.retrying:
             where = " ".join(str(p) for p in (body.instance_type, body.az) if p)
+            if body.region and view is not None and _away(view.folded):
+                where += f" in {body.region}"
             verb = "starting" if event.attempt == 1 else (
                 "resuming on a replacement instance" if _has_checkpoint(view) else
                 "starting again from the beginning on a replacement instance (no "
@@ -101,6 +103,8 @@ def milestone(event: Event, view: JobView | None = None) -> str | None:
         count = f" ({body.failures} of {body.limit} in a row)" if body.failures else ""
         return (f"{body.instance_id or event.instance} failed to boot{count}: {body.reason}"
                 f"{': ' + last if last else ''}; {then}. `%spot_logs` shows its log's end")
+    if isinstance(body, codec.Region) and (body.moved or body.region != body.home):
+        return _region_line(body)
     if isinstance(body, codec.Instance) and body.capacity_error:
         return (f"no spot capacity for {body.instance_type} in {body.az}: "
                 "trying the next pool")
@@ -117,6 +121,24 @@ def _noticed(view: JobView | None, attempt: int) -> bool:
     its standby): its ending statuses are then the notice's story, told already."""
     a = None if view is None else view.folded.attempts.get(attempt)
     return a is not None and a.noticed
+
+
+def _away(state: JobState) -> bool:
+    """Whether the job has run outside its home region (its region choices say)."""
+    return any(r.region != r.home for _t, r in state.regions)
+
+
+def _region_line(body: codec.Region) -> str:
+    """The group's move to another region (or its start away from home), and what
+    running there costs: the checkpoint sent to the home store and back."""
+    home = body.home or "its home region"
+    if body.moved:
+        return (f"moving to {body.region}: {body.reason}; resuming there from the "
+                f"checkpoint in the store in {home} (each save is sent home, at "
+                "AWS's transfer price between regions)")
+    return (f"starting in {body.region}, away from {home}: {body.reason} (each "
+            "checkpoint is sent to the store in the home region, at AWS's transfer "
+            "price between regions)")
 
 
 def _has_checkpoint(view: JobView | None) -> bool:

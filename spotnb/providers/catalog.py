@@ -55,6 +55,7 @@ __all__ = [
     "ondemand_price",
     "pools",
     "price_trace",
+    "region_of",
     "regions",
     "savings_pct",
 ]
@@ -301,6 +302,13 @@ def pools(instance_type: str, region: str) -> list[Pool]:
     """The spot pools of a type in a region (only those with a spot price), cheapest first."""
     found = [p for p in _pools_by_key().get((instance_type, region), ()) if p.spot is not None]
     return sorted(found, key=lambda p: (p.spot, p.az))
+
+
+@functools.cache
+def region_of(az_id: str) -> str | None:
+    """The region of an availability zone id (``use1-az4`` -> ``us-east-1``), or None
+    if no pool of the catalog is there."""
+    return next((p.region for p in _catalog()[1] if p.az == az_id), None)
 
 
 def regions(instance_type: str) -> list[str]:

@@ -30,8 +30,10 @@ and, in a notebook run by hand, the output metadata ``spotnb.job`` of its cell):
                   Accelerate tracker's config), params_source (which framework)
     created, end, duration_s
     attempts      number, instance_id, instance_type, pool, start, end, end_reason,
-                  spot_price_usd_per_hour
-    interruptions, cost_usd, ondemand_cost_usd, savings_pct
+                  spot_price_usd_per_hour, region, moved (why the job moved to that
+                  region before the attempt, else null)
+    interruptions, cost_usd, ondemand_cost_usd, savings_pct, transfer_usd (the
+                  checkpoint's transfer between regions, in cost_usd)
     refunded_usd, refunded_instances
                   what the instances EC2 interrupted in their first hour ran (AWS
                   charges none of it; not in cost_usd), and how many they were

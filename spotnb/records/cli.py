@@ -148,12 +148,17 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"  params ({', '.join(job.get('params_source') or []) or 'logged'}): "
                   f"{shown}" + (f" and {more} more (--json)" if more > 0 else ""))
         attempts = [[str(a.get("number")), str(a.get("instance_type")), str(a.get("pool")),
-                     str(a.get("start")), str(a.get("end") or "-"), str(a.get("end_reason")),
+                     str(a.get("region") or "-"), str(a.get("start")),
+                     str(a.get("end") or "-"), str(a.get("end_reason")),
                      f"{a.get('spot_price_usd_per_hour') or 0:.4f}"]
                     for a in job.get("attempts") or []]
         if attempts:
-            print("  " + _table(["#", "type", "pool", "start", "end", "ended", "spot $/h"],
-                                attempts).replace("\n", "\n  "))
+            print("  " + _table(["#", "type", "pool", "region", "start", "end", "ended",
+                                 "spot $/h"], attempts).replace("\n", "\n  "))
+        for a in job.get("attempts") or []:
+            if a.get("moved"):
+                print(f"  attempt {a.get('number')} moved to {a.get('region')}: "
+                      f"{a.get('moved')}")
         saved = job.get("savings_pct")
         print(f"  {job.get('interruptions', 0)} interruption(s); cost ${job.get('cost_usd', 0):.4f}"
               f" vs ${job.get('ondemand_cost_usd', 0):.4f} on-demand"

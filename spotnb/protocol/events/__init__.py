@@ -28,7 +28,7 @@ logs of spotnb 0.1), a ``type`` and a ``data`` dict. The types and their data (t
 vocabulary every reader may rely on):
 
 ``status``      ``state`` (one of :data:`STATES`), ``detail``; at boot also
-                ``instance_type``, ``az``
+                ``instance_type``, ``az``, ``region``
 ``metrics``     a batch of rows, by column (see :func:`metric_columns`): ``rows``,
                 ``step`` (int64), ``t`` (float64: the time of each ``log`` call),
                 ``values`` {name: float64 column, or {"i": int32 row indices, "v":
@@ -56,12 +56,21 @@ vocabulary every reader may rely on):
 ``price``       ``pool``, ``instance_type``, ``az``, ``price``, ``ondemand``
 ``instance``    ``action`` (launched, notice, terminated, capacity_error; the local
                 cloud's frozen and rebalance), ``instance_id``, ``instance_type``,
-                ``az``, ``reason`` (a terminated one: spot-interruption, killed,
-                job-finished, ...; a rebalance: the interruption it stands for, or
-                false-alarm); AWS's ``boot-failed`` (the instance's bootstrap
-                failed, and it powered off: ``reason`` the step and its exit code,
+                ``az``, ``region`` (a launch's), ``reason`` (a terminated one:
+                spot-interruption, killed, region-move, job-finished, ...; a
+                rebalance: the interruption it stands for, or false-alarm);
+                AWS's ``boot-failed`` (the instance's bootstrap failed, and it
+                powered off: ``reason`` the step and its exit code,
                 ``step``, ``exit_code``, ``log`` the boot log's last lines,
                 ``failures`` in a row of the job's ``limit``)
+``region``      the group's region from now on (its stream only): ``region``,
+                ``previous`` (None at the start), ``cause`` (``start``, or
+                ``no-capacity``: a move after ``tries`` launch rounds found none),
+                ``reason`` (in words), ``home`` (the store's region),
+                ``estimate`` (the ranking's account of the region)
+``transfer``    a checkpoint's bytes crossing regions (the group's stream): ``kind``
+                (save, restore), ``bytes``, ``source``, ``destination``,
+                ``usd_per_gb``, ``usd``, ``key`` (counted once), ``step``
 ``joined``      a distributed job's world re-formed with nodes that joined, from
                 global rank 0's node: ``nodes`` (their slots), ``node_count``,
                 ``world_size``, ``saved_step`` (the save before the join), ``step``

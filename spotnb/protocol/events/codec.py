@@ -36,11 +36,13 @@ __all__ = [
     "Price",
     "ProgressTotal",
     "Pruned",
+    "Region",
     "Result",
     "Standby",
     "Status",
     "Stream",
     "Sys",
+    "Transfer",
     "Unknown",
     "Usage",
     "Warning",
@@ -90,6 +92,7 @@ class Status:
     detail: str = ""
     instance_type: str | None = None
     az: str | None = None
+    region: str | None = None  # a boot's: the region of its instance
 
     @property
     def retrying(self) -> bool:
@@ -231,6 +234,7 @@ class Instance:
     instance_id: str | None = None
     instance_type: str | None = None
     az: str | None = None
+    region: str | None = None
     pool: str = ""
     price: float | None = None
     ondemand: float | None = None
@@ -285,6 +289,47 @@ class Instance:
     def boot_failed(self) -> bool:
         """The instance's bootstrap failed (AWS): it reported why and powered off."""
         return self.action == "boot-failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """``region``: the region the capacity group launches the job's instances in from
+    now on (``spotnb.providers.local.failover``), and why. ``previous``: where it
+    launched before (None at the job's start); ``cause``: ``start`` (the launch's
+    ranking chose it) or ``no-capacity`` (a move: ``tries`` launch rounds in a row found
+    no capacity in ``previous``); ``reason`` says it in words; ``home``: the region of
+    the job's store, which never moves."""
+
+    region: str
+    previous: str | None = None
+    cause: str = ""
+    reason: str = ""
+    home: str | None = None
+    tries: int = 0
+    estimate: str = ""  # the ranking's account of ``region``: its expected cost
+
+    @property
+    def moved(self) -> bool:
+        """The job left ``previous`` for ``region`` (not its first choice)."""
+        return self.previous is not None and self.previous != self.region
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """``transfer``: a checkpoint's bytes that crossed regions, as AWS bills them (the
+    sending region pays): ``kind`` ``save`` (an instance outside the home region sent a
+    checkpoint to the store) or ``restore`` (one read it from there), ``bytes`` from
+    ``source`` to ``destination`` at ``usd_per_gb``, ``usd`` in all. ``key`` names the
+    crossing (the save's id, the attempt that restored): a fold counts a key once."""
+
+    kind: str
+    bytes: int
+    source: str
+    destination: str
+    usd: float
+    usd_per_gb: float = 0.0
+    key: str = ""
+    step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,12 +432,13 @@ class Unknown:
 
 Body = (Status | Metric | Metrics | ProgressTotal | Stream | Display | Sys | CheckpointEvent
         | Params | Notice | Price | Instance | Usage | Warning | Error | Result | World
-        | Joined | Standby | Pruned | Unknown)
+        | Joined | Standby | Pruned | Region | Transfer | Unknown)
 
 
 def _status(e: Event, d: dict[str, Any]) -> Status:
     return Status(state=_str(d.get("state")), detail=_str(d.get("detail")),
-                  instance_type=_opt_str(d.get("instance_type")), az=_opt_str(d.get("az")))
+                  instance_type=_opt_str(d.get("instance_type")), az=_opt_str(d.get("az")),
+                  region=_opt_str(d.get("region")))
 
 
 def _metric(e: Event, d: dict[str, Any]) -> Metric:
@@ -412,6 +458,7 @@ def _checkpoint(e: Event, d: dict[str, Any]) -> CheckpointEvent:
 def _instance(e: Event, d: dict[str, Any]) -> Instance:
     return Instance(action=_str(d.get("action")), instance_id=_opt_str(d.get("instance_id")),
                     instance_type=_opt_str(d.get("instance_type")), az=_opt_str(d.get("az")),
+                    region=_opt_str(d.get("region")),
                     pool=_str(d.get("pool")), price=_opt_float(d.get("price")),
                     ondemand=_opt_float(d.get("ondemand")), reason=_opt_str(d.get("reason")),
                     standby_for=_opt_str(d.get("standby_for")),
@@ -444,6 +491,22 @@ def _price(e: Event, d: dict[str, Any]) -> Price:
                  history_scale=_opt_float(d.get("history_scale")))
 
 
+def _region(e: Event, d: dict[str, Any]) -> Region:
+    return Region(region=_str(d.get("region")), previous=_opt_str(d.get("previous")),
+                  cause=_str(d.get("cause")), reason=_str(d.get("reason")),
+                  home=_opt_str(d.get("home")), tries=_int(d.get("tries")),
+                  estimate=_str(d.get("estimate")))
+
+
+def _transfer(e: Event, d: dict[str, Any]) -> Transfer:
+    step = d.get("step")
+    return Transfer(kind=_str(d.get("kind")), bytes=_int(d.get("bytes")),
+                    source=_str(d.get("source")), destination=_str(d.get("destination")),
+                    usd=_opt_float(d.get("usd")) or 0.0,
+                    usd_per_gb=_opt_float(d.get("usd_per_gb")) or 0.0,
+                    key=_str(d.get("key")), step=None if step is None else _int(step))
+
+
 _DECODERS: dict[str, Any] = {
     "status": _status,
     "metric": _metric,
@@ -468,6 +531,8 @@ _DECODERS: dict[str, Any] = {
                                   source=_opt_str(d.get("source"))),
     "price": _price,
     "instance": _instance,
+    "region": _region,
+    "transfer": _transfer,
     "standby": _standby,
     "usage": lambda e, d: Usage(process=_opt_str(d.get("process")),
                                 requests=_dict(d.get("requests"))),
@@ -520,7 +585,7 @@ def is_batch(event: Event) -> bool:
 
 _OUTPUT_TYPES = frozenset({"stream", "display", "metric", "metrics"})
 _CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result",
-                            "usage", "standby", "pruned"})
+                            "usage", "standby", "pruned", "region", "transfer"})
 
 
 def is_output(event: Event) -> bool:

@@ -3,7 +3,9 @@
 Every reader of a job's story (its summary, the display's header and progress line, the
 dashboard and its markers, records, comparisons, sweeps, notifications, the job listing,
 the providers' budget and deadline checks) reads it from here, so they tell the same
-story: what the group launched and ended, at which prices (the one price source); which
+story: what the group launched and ended, at which prices (the one price source) and in
+which region (the group's region choices: where it started, each move, and the
+checkpoint's transfers between regions, in the cost); which
 attempts booted on which instance, and how each ended (:class:`EndReason`); where the
 job broke off and what that cost (:class:`Break`: steps redone, time and money); the
 current step, the total and the pace (:mod:`spotnb.protocol.events.steps`); the node
@@ -103,6 +105,11 @@ class JobState(Money):
         self.pruned: codec.Pruned | None = None
         #: instance id -> the time of the newest event that came from it
         self.heard: dict[str, float] = {}
+        #: The group's region choices in time order: where it launched from then on,
+        #: and why (the start's choice, each move to another region).
+        self.regions: list[tuple[float, codec.Region]] = []
+        #: Checkpoint bytes that crossed regions, by key (each counted once).
+        self.transfers: dict[str, codec.Transfer] = {}
         #: Events applied so far: a view that caches what it computes from the fold
         #: keys its cache on this.
         self.changes = 0
@@ -234,7 +241,7 @@ class JobState(Money):
                     instance_id=body.instance_id, start=e.time, pool=body.pool,
                     price=body.price, ondemand=body.ondemand,
                     instance_type=body.instance_type, az=body.az,
-                    time_scale=body.time_scale)
+                    time_scale=body.time_scale, region=body.region)
                 if self.first_launch is None or e.time < self.first_launch:
                     self.first_launch = e.time
                 self._price(body.pool, e.time, body.price, body.ondemand)
@@ -254,6 +261,10 @@ class JobState(Money):
             pool = self._price(body.pool, e.time, body.price, body.ondemand)
             if pool is not None:
                 self._price_source(pool, e.time, body)
+        elif isinstance(body, codec.Region) and body.region:
+            bisect.insort(self.regions, (e.time, body), key=lambda item: item[0])
+        elif isinstance(body, codec.Transfer) and body.key:
+            self.transfers[body.key] = body
         elif isinstance(body, codec.Status) and body.state in (
                 "launching", "waiting_for_capacity") and self._room_for_launch(e.time):
             self.launching = Launching(e.time, body.state != "launching",
@@ -321,6 +332,8 @@ class JobState(Money):
                 a.instance_id = e.instance
                 a.instance_type = body.instance_type
                 a.az = body.az
+                inst = self.instances.get(e.instance or "")
+                a.region = body.region or (inst.region if inst is not None else None)
                 self.launching = None
         elif isinstance(body, codec.Notice) and body.interruption:
             # A move is not an interruption: the job left an at-risk instance.
@@ -374,6 +387,22 @@ class JobState(Money):
         """The newest attempt that booted (the job runs, or last ran, on it)."""
         booted = [n for n, a in self.attempts.items() if a.boot_time is not None]
         return self.attempts[max(booted)] if booted else None
+
+    # -- regions ---------------------------------------------------------------------
+
+    def region_choice(self, number: int) -> codec.Region | None:
+        """Why attempt ``number`` runs in its region: the group's newest region choice
+        (the start's, or a move) after the attempt it follows (its node slot's
+        previous one) booted and before it booted itself; None when there was none
+        (it runs where that one ran)."""
+        a = self.attempts.get(number)
+        if a is None or a.boot_time is None:
+            return None
+        booted = [m.boot_time for m in self.attempts.values() if m.number < number
+                  and m.node == a.node and m.boot_time is not None]
+        after = max(booted, default=float("-inf"))
+        found = [body for t, body in self.regions if after < t <= a.boot_time]
+        return found[-1] if found else None
 
     # -- attempts and their ends -----------------------------------------------------
 

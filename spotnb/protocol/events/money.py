@@ -7,7 +7,8 @@ and standbys.
 Each instance bills per second from its launch to its end at its pool's spot price as
 it changed, nothing if EC2 interrupted it in its first hour
 (:mod:`spotnb.protocol.billing`); spotnb's own requests at list price
-(:mod:`spotnb.protocol.usage`) are part of the job's cost.
+(:mod:`spotnb.protocol.usage`) and the checkpoint's transfer between regions (its
+``transfer`` events: AWS's inter-region price) are part of the job's cost.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spotnb.protocol import usage
+from spotnb.protocol.events import codec
 from spotnb.protocol.events.parts import AttemptState, InstanceState, PoolState, StandbyState
 
 __all__ = ["Money", "integrate", "savings_pct"]
@@ -40,6 +42,7 @@ class Money:
     attempts: dict[int, AttemptState]
     last_time: float | None
     heard: dict[str, float]
+    transfers: dict[str, codec.Transfer]
 
     def current_attempt(self) -> AttemptState | None:
         """The newest attempt that booted (:meth:`JobState.current_attempt`)."""
@@ -48,6 +51,12 @@ class Money:
     def requests_usd(self) -> float:
         """spotnb's own requests at list price (the newest total of each process)."""
         return sum(usage.cost(counts) for counts in self.usage.values())
+
+    def transfer_usd(self) -> float:
+        """What the checkpoint's crossings between regions cost (AWS's inter-region
+        transfer: each save sent home from another region, each restore there; each
+        ``transfer`` event's key counted once)."""
+        return sum(t.usd for t in self.transfers.values())
 
     def cost(self, end: float) -> tuple[float, float]:
         """What the instances billed until ``end`` (those still running): at the spot
@@ -64,11 +73,12 @@ class Money:
             lambda inst: max(inst.start, self.heard.get(inst.instance_id, inst.start)))
 
     def cost_heard_usd(self) -> tuple[float, float]:
-        """What the job has cost as its events tell it so far (:meth:`cost_heard`, and
-        spotnb's own requests), and the same instance time on-demand: a sweep's trials'
-        and a comparison's running jobs' money, which never decreases."""
+        """What the job has cost as its events tell it so far (:meth:`cost_heard`,
+        spotnb's own requests and the checkpoint's transfer between regions), and the
+        same instance time on-demand: a sweep's trials' and a comparison's running
+        jobs' money, which never decreases."""
         cost, ondemand = self.cost_heard()
-        return cost + self.requests_usd(), ondemand
+        return cost + self.requests_usd() + self.transfer_usd(), ondemand
 
     def _cost_until(self, running_until: Callable[[InstanceState], float]
                     ) -> tuple[float, float]:
@@ -108,10 +118,11 @@ class Money:
         return total
 
     def cost_usd(self, end: float) -> float:
-        """What the job has cost until ``end``: its instances at the spot price, and
-        spotnb's own requests (a :class:`~spotnb.client.jobs.JobResult`'s ``cost_usd``,
-        the headers', the budget checks')."""
-        return self.cost(end)[0] + self.requests_usd()
+        """What the job has cost until ``end``: its instances at the spot price,
+        spotnb's own requests and the checkpoint's transfer between regions (a
+        :class:`~spotnb.client.jobs.JobResult`'s ``cost_usd``, the headers', the budget
+        checks')."""
+        return self.cost(end)[0] + self.requests_usd() + self.transfer_usd()
 
     def instance_cost(self, instance_id: str, end: float | None = None) -> float:
         """What one instance billed (until ``end`` while it runs), at its pool's price."""

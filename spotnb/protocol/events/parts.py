@@ -64,6 +64,7 @@ class InstanceState:
     end: float | None = None
     end_reason: str | None = None
     time_scale: float = 1.0  # market seconds a real second (the local cloud's)
+    region: str | None = None  # where it ran (its launch's)
 
     @property
     def free(self) -> bool:
@@ -133,6 +134,7 @@ class AttemptState:
     instance_id: str | None = None
     instance_type: str | None = None
     az: str | None = None
+    region: str | None = None  # its instance's, as its boot said
     # How its events said it ended, in their order (the job's end decides the rest:
     # JobState.end_reason).
     reason: EndReason = EndReason.RUNNING

@@ -22,10 +22,17 @@ are refused with :class:`~spotnb.protocol.spec.SpecError` before anything starts
 ``SPOTNB_LOCAL_BOOT_SECONDS`` [boot_seconds]
     Simulated boot time before the agent starts. Default 0.
 ``SPOTNB_LOCAL_NO_CAPACITY`` [no_capacity]
-    Comma-separated instance types (``g5.xlarge``) or pools (``g5.xlarge@use1-az4``)
-    that have no spot capacity: launches there fail with
-    ``InsufficientInstanceCapacity``. Read again at every launch, so the config file can
-    switch a shortage on and off while a job runs.
+    Comma-separated instance types (``g5.xlarge``), pools (``g5.xlarge@use1-az4``),
+    regions (``us-east-1``) or types in a region (``g5.xlarge@us-east-1``) that have no
+    spot capacity: launches there fail with ``InsufficientInstanceCapacity``, and the
+    simulated Spot placement scores there are 1. Instances already running there go on
+    (EC2 takes capacity back by interrupting them: ``interrupt``, the hazard). Read
+    again at every launch, so the config file can switch a shortage on and off while a
+    job runs. A name the catalog does not know is refused.
+``SPOTNB_LOCAL_NO_CAPACITY_SECONDS`` [no_capacity_seconds]
+    How long the shortage of ``no_capacity`` lasts: this many real seconds from the
+    start of each job's capacity group, then the capacity is back. Unset: for as long
+    as ``no_capacity`` names it.
 ``SPOTNB_LOCAL_HAZARD`` [hazard]
     1 (default) or 0: interrupt instances at the Spot Advisor rate of their pool (the
     bucket's upper bound, read as interruptions per month, time-compressed).
@@ -45,6 +52,19 @@ are refused with :class:`~spotnb.protocol.spec.SpecError` before anything starts
 ``SPOTNB_LOCAL_INSTANCE_ENV`` [instance_env]
     Comma-separated names (or ``PREFIX*``) of this machine's environment variables that
     every local instance gets, like variables baked into an AMI. Default none.
+
+Regions: the market has every region of the bundled catalog, each pool (a type in an
+AZ) with a price trace of its own (:func:`spotnb.providers.catalog.price_trace`, whose
+``source`` every ``price`` event names): the real price history of that type in that
+region where the bundled history has it (p2 and p3 types in us-east-1, us-east-2,
+us-west-2, eu-west-1 and eu-central-1, p3 in eu-west-2 too, from 2019-12 to 2020-03;
+g5.12xlarge and g5.48xlarge in us-east-1, g4dn.2xlarge in us-west-1, g4ad.2xlarge in
+eu-central-1, p2.8xlarge in ap-northeast-1 on 2022-05-31: ``spotnb/data/SOURCES.md``),
+else the shape of a related type's longest real trace scaled to the pool's catalog spot
+price in that region. A job with several regions starts in the one with the lowest
+expected cost among those with capacity, and moves to the next after repeated launches
+without capacity (:mod:`.failover`); every region reads and writes the job's one store,
+and the checkpoint's crossings are billed as AWS would bill them.
 
 An instance's metadata service gives the rebalance recommendation as EC2's does: some
 minutes before its notice, with it, not at all, or with no notice after it, drawn by
@@ -137,9 +157,9 @@ class LocalProvider(Provider):
             raise SpecError("no instance type given: name at least one, e.g. 'g5.xlarge', "
                             "or pick one with %spot_picker")
         for instance_type in res.instance_types:
-            catalog.check_instance_type(instance_type, res.region)
+            _check_type(instance_type, res.regions)
         if res.max_price is not None:
-            _check_max_price(res.max_price, res.instance_types, res.region)
+            _check_max_price(res.max_price, res.instance_types, res.regions)
         _check_simulation(spec.simulate_interruptions)
         try:
             open_store(spec.store_uri)
@@ -615,18 +635,37 @@ def _tail(path: Path, lines: int = 3) -> str:
     return " | ".join(text[-lines:]) or "the log is empty"
 
 
-def _check_max_price(max_price: Any, instance_types: tuple[str, ...], region: str) -> None:
+def _check_type(instance_type: str, regions: tuple[str, ...]) -> None:
+    """An instance type the catalog offers in one of the job's regions at least (it runs
+    where it is offered); SpecError naming where it is offered otherwise."""
+    catalog.check_type_name(instance_type)
+    if any(catalog.pools(instance_type, region) for region in regions):
+        return
+    if len(regions) == 1:
+        catalog.check_instance_type(instance_type, regions[0])  # raises, naming the fix
+    where = catalog.regions(instance_type)
+    raise SpecError(
+        f"{instance_type} has no spot pool in any of the job's regions "
+        f"({', '.join(regions)}) in spotnb's catalog ({catalog.DATA_DATE['catalog']}); "
+        + (f"regions that have it: {', '.join(where)}. Add one of them to the job's "
+           "regions (--region), or choose another type with %spot_picker." if where else
+           "no region has a spot price for it: pick another type with %spot_picker."))
+
+
+def _check_max_price(max_price: Any, instance_types: tuple[str, ...],
+                     regions: tuple[str, ...]) -> None:
     if isinstance(max_price, bool) or not isinstance(max_price, (int, float)) or max_price <= 0:
         raise SpecError(f"max_price must be a positive price in USD per hour, not {max_price!r}")
     lowest = min(
         (min(p for _, p in catalog.price_trace(t, region, pool.az).points), pool.name)
-        for t in instance_types for pool in catalog.pools(t, region)
+        for region in regions for t in instance_types for pool in catalog.pools(t, region)
     )
     if max_price < lowest[0]:
         raise SpecError(
             f"max_price ${max_price:g}/h is below every spot price the local cloud has for "
-            f"{', '.join(instance_types)} in {region} (lowest ${lowest[0]:.4f}/h in "
-            f"{lowest[1]}): the job would never start. Raise max_price or leave it unset."
+            f"{', '.join(instance_types)} in {', '.join(regions)} (lowest "
+            f"${lowest[0]:.4f}/h in {lowest[1]}): the job would never start. Raise "
+            "max_price or leave it unset."
         )
 
 

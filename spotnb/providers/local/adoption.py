@@ -46,9 +46,9 @@ def take_over(spec: JobSpec, pools: Pools, emit: Emit, ended: Collection[str], n
     ``ended``, which the group's stream says ended) are ended (:func:`lose`).
 
     Each instance on record: its first process alive -> adopted (same IMDS endpoint,
-    same notice); gone, never recorded or not adoptable -> what is left of it ended
-    (``grace``: between SIGTERM and SIGKILL) and logged ``terminated``
-    (:data:`LOST`).
+    same notice, same region: the group carries on there, :meth:`.Pools.resume`);
+    gone, never recorded or not adoptable -> what is left of it ended (``grace``:
+    between SIGTERM and SIGKILL) and logged ``terminated`` (:data:`LOST`).
     """
     from spotnb.providers.local import LocalProvider
 
@@ -57,7 +57,9 @@ def take_over(spec: JobSpec, pools: Pools, emit: Emit, ended: Collection[str], n
         instance_id = meta.get("instance_id")
         if meta.get("state") == "terminated" or instance_id in ended:
             continue
-        pool = next((p for p in catalog.pools(meta["instance_type"], spec.resources.region)
+        # Where it runs: a job away from home (:mod:`.failover`) is there still.
+        region = str(meta.get("region") or spec.resources.region)
+        pool = next((p for p in catalog.pools(meta["instance_type"], region)
                      if p.az == meta.get("az")), None)
         record = ProcessRecord.from_dict(read_json(Path(meta["dir"]) / "pid.json"))
         if pool is None or record is None or not record.alive():

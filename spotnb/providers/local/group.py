@@ -35,10 +35,11 @@ Supervisor death (a crash, SIGKILL, a laptop that rebooted): a new supervisor, s
 the job resumes as after an interruption.
 
 Which pool an instance launches in, at what price, is :mod:`.pools`' to say (the
-spec's types in order, cheapest AZ first; a pool without capacity or above
-``max_price`` skipped with a ``capacity_error`` event); when no pool can launch the
-group retries every :data:`CAPACITY_RETRY_SECONDS`, forever (until stop, budget or
-deadline).
+group's region, :mod:`.failover`; there the spec's types in order, cheapest AZ first; a
+pool without capacity or above ``max_price`` skipped with a ``capacity_error`` event);
+when no pool can launch the group retries every :data:`CAPACITY_RETRY_SECONDS`, forever
+(until stop, budget or deadline), and after repeated such rounds moves to the job's
+next region (its nodes left there get a ``region-move`` notice).
 
 Multi-node jobs: the group keeps ``max_nodes`` instances, each with its own metadata
 service (its own notices), launched and replaced one by one exactly as the one instance
@@ -77,6 +78,7 @@ from spotnb.protocol.layout import RESULT, SPEC, STOP
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
 from spotnb.providers.local.adoption import take_over
+from spotnb.providers.local.failover import notice_end
 from spotnb.providers.local.groupfile import AGENT_EXIT_STORE, GroupFile
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
@@ -189,11 +191,13 @@ class Supervisor:
             self._emit("status", None, state="launching",
                        detail="the local cloud's supervisor of this job was restarted; "
                               "taking over its instances")
-        for inst in take_over(self.spec, self.pools, self._emit, history.terminated, now,
-                              KILL_GRACE_SECONDS):
+        adopted = take_over(self.spec, self.pools, self._emit, history.terminated, now,
+                            KILL_GRACE_SECONDS)
+        for inst in adopted:
             self.interruptions.adopted(inst, now)
             self.instances.append(inst)
             self.running.append(inst)
+        self.pools.resume(history, adopted)  # in the region it ran in
 
     # ------------------------------------------------------------------ main loop
 
@@ -258,12 +262,15 @@ class Supervisor:
             self._poll_store(now)
         if self.finish is None:
             self._check_limits(now)
+        # Nodes of a region the group left, still going at the tick's start: the new
+        # region's launches wait for the next tick (the log then says each in order).
+        leaving = self.pools.leaving(self.running)
         for inst in list(self.running):
             self._step(inst, now)
         if self.finish is not None:
             return self._step_finishing(now)
         # One launch a tick at most: a capacity error waits CAPACITY_RETRY_SECONDS.
-        if len(self.running) < self.target and now >= self.next_launch_at:
+        if len(self.running) < self.target and now >= self.next_launch_at and not leaving:
             launched = self.launch(now)
             if launched is not None and launched.boot_until <= now:
                 # No boot delay: start the agent now rather than a tick later.
@@ -313,7 +320,8 @@ class Supervisor:
             stop = self._read_stop()
             if stop is not None:
                 self._begin_stop(now, stop)
-        self.interruptions.track_progress(list(self.running))
+        self.pools.bill(self.interruptions.track_progress(list(self.running)),
+                        self.instances)
         for inst in self.running:
             self.standbys.poll_store(inst)
 
@@ -389,7 +397,7 @@ class Supervisor:
             self.forget(inst)
             return
         if inst.terminate_at is not None and now >= inst.terminate_at:
-            self._end(inst, now, "spot-interruption")
+            self._end(inst, now, notice_end(inst.notice_reason))
             self.forget(inst)
             self.crashes = 0
             self.next_launch_at = now
@@ -459,7 +467,7 @@ class Supervisor:
             return
         if inst.terminate_at is not None:  # gone a little before its termination time
             self._end(inst, now, "rebalanced" if inst.notice_reason == "rebalanced"
-                      else "spot-interruption", exit_code=code)
+                      else notice_end(inst.notice_reason), exit_code=code)
             self.crashes = 0
             return
         if self.finish is not None:
@@ -519,10 +527,12 @@ class Supervisor:
         """Start an instance in the first pool that can take it (:mod:`.pools`); None if
         none can (the group tries again in CAPACITY_RETRY_SECONDS). ``standby_for``: a
         warm standby for that instance (logged as such)."""
-        inst = self.pools.launch(now, len(self.instances) + 1, self.target, standby_for)
+        inst = self.pools.launch(now, len(self.instances) + 1, self.running, self.target,
+                                 standby_for)
         if inst is None:
-            if standby_for is None:
-                self.next_launch_at = now + CAPACITY_RETRY_SECONDS
+            if standby_for is None:  # the next round, at once in another region
+                moved = self.pools.failed_round(now, self.running)
+                self.next_launch_at = now if moved else now + CAPACITY_RETRY_SECONDS
             return None
         self.instances.append(inst)
         self.running.append(inst)

@@ -35,7 +35,7 @@ import logging
 import random
 import secrets
 
-from spotnb.protocol.events import GROUP_STREAM, codec
+from spotnb.protocol.events import GROUP_STREAM, Event, codec
 from spotnb.protocol.events.fold import JobState
 from spotnb.protocol.events.live import Follower
 from spotnb.protocol.signals import SignalModel
@@ -69,6 +69,7 @@ class Interruptions:
     def __init__(self, spec: JobSpec, settings: Settings, store: Store) -> None:
         self.spec = spec
         self.settings = settings
+        self.store = store
         sim = spec.simulate_interruptions or {}
         self.sim_count = int(sim.get("count", 0))
         self.sim_done = 0
@@ -82,6 +83,9 @@ class Interruptions:
         self.reader = (Follower(store, spec.job_id, batches=True,
                                 quiet_log_seconds=FOLLOW_SECONDS)
                        if self.sim_count else None)
+        # The group bills the checkpoint's transfer between regions from the same read
+        # of the log (:mod:`.pools`): then the reader stays after the simulations.
+        self.keep_following = False
         seed = settings.seed
         self.rng = random.Random(f"{seed}:{spec.job_id}") if seed is not None else random.Random()
         self.signals = SignalModel.from_dict(spec.simulate_signals)
@@ -273,13 +277,25 @@ class Interruptions:
         return inst.cell_started is not None and \
             now - inst.cell_started >= QUIET_CELL_FACTOR * limit
 
-    def track_progress(self, instances: list[LocalInstance]) -> None:
-        """Watch each instance's attempt: its cell's start, its first durable checkpoint,
-        and any event after that (one read of the log for all of them)."""
+    def follow(self) -> None:
+        """Read the job's log from now on (from its start), whether or not a simulated
+        interruption is left: the group bills the checkpoint's transfer from it."""
+        self.keep_following = True
         if self.reader is None:
-            return
+            self.reader = Follower(self.store, self.spec.job_id, batches=True,
+                                   quiet_log_seconds=FOLLOW_SECONDS)
+
+    def track_progress(self, instances: list[LocalInstance]) -> list[Event]:
+        """Watch each instance's attempt: its cell's start, its first durable checkpoint,
+        and any event after that (one read of the log for all of them). Returns every
+        event read, for the group's transfer metering (:meth:`follow`)."""
+        if self.reader is None:
+            return []
         by_id = {inst.id: inst for inst in instances}
-        for event in self.reader.poll(wait=0):
+        events = self.reader.poll(wait=0)
+        for event in events:
+            if self.sim_done >= self.sim_count:
+                break  # nothing left to simulate: the events are the metering's only
             inst = by_id.get(event.instance or "")
             if inst is None or event.attempt == GROUP_STREAM:
                 continue
@@ -294,8 +310,9 @@ class Interruptions:
                 inst.durable_at = event.time
             elif inst.durable_at is not None and event.time > inst.durable_at:
                 inst.progressed = True
-        if self.sim_done >= self.sim_count:
-            self.stop_following()  # nothing left to simulate: stop reading the log
+        if self.sim_done >= self.sim_count and not self.keep_following:
+            self.stop_following()  # nothing left to simulate or bill: stop reading the log
+        return events
 
     def stop_following(self) -> None:
         reader, self.reader = self.reader, None

@@ -33,6 +33,7 @@ import psutil
 
 from spotnb.protocol.layout import cloud_dir
 from spotnb.protocol.spec import SpecError
+from spotnb.providers import catalog
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Settings:
     notice_seconds: float = 2.0
     boot_seconds: float = 0.0
     no_capacity: frozenset[str] = frozenset()
+    no_capacity_seconds: float | None = None
     hazard: bool = True
     seed: str | None = None
     interrupt_after: float = 20.0
@@ -100,7 +102,10 @@ class Settings:
             time_scale=scale,
             notice_seconds=_number(raw, "notice_seconds", 120.0 / scale, allow_zero=True),
             boot_seconds=_number(raw, "boot_seconds", 0.0, allow_zero=True),
-            no_capacity=frozenset(_names(raw.get("no_capacity", ()))),
+            no_capacity=frozenset(_shortages(raw.get("no_capacity", ()))),
+            no_capacity_seconds=(_number(raw, "no_capacity_seconds", 0.0, allow_zero=True)
+                                 if raw.get("no_capacity_seconds") not in (None, "")
+                                 else None),
             hazard=_flag(raw, "hazard", True),
             seed=str(raw["seed"]) if raw.get("seed") not in (None, "") else None,
             interrupt_after=_number(raw, "interrupt_after", 20.0),
@@ -109,10 +114,21 @@ class Settings:
             instance_env=tuple(_names(raw.get("instance_env", ()))),
         )
 
-    def has_capacity(self, instance_type: str, az: str) -> bool:
-        """Whether the simulated pool ``instance_type@az`` can launch an instance now."""
-        return instance_type not in self.no_capacity and (
-            f"{instance_type}@{az}" not in self.no_capacity)
+    def has_capacity(self, instance_type: str, az: str,
+                     since_start: float | None = None) -> bool:
+        """Whether the simulated pool ``instance_type@az`` (an AZ id) can launch an
+        instance now: not when :attr:`no_capacity` names the type, the pool, its
+        region or the type in its region. ``since_start``: seconds since the capacity
+        group started, after :attr:`no_capacity_seconds` of which the shortage is over
+        (None: it holds, as at a launch's checks and for the picker's scores)."""
+        if (self.no_capacity_seconds is not None and since_start is not None
+                and since_start >= self.no_capacity_seconds):
+            return True
+        region = catalog.region_of(az)
+        names = {instance_type, f"{instance_type}@{az}"}
+        if region is not None:
+            names |= {region, f"{instance_type}@{region}"}
+        return not names & self.no_capacity
 
 
 _ENV = {
@@ -120,6 +136,7 @@ _ENV = {
     "notice_seconds": "SPOTNB_LOCAL_NOTICE_SECONDS",
     "boot_seconds": "SPOTNB_LOCAL_BOOT_SECONDS",
     "no_capacity": "SPOTNB_LOCAL_NO_CAPACITY",
+    "no_capacity_seconds": "SPOTNB_LOCAL_NO_CAPACITY_SECONDS",
     "hazard": "SPOTNB_LOCAL_HAZARD",
     "seed": "SPOTNB_LOCAL_SEED",
     "interrupt_after": "SPOTNB_LOCAL_INTERRUPT_AFTER",
@@ -163,6 +180,26 @@ def _flag(raw: dict[str, Any], key: str, default: bool) -> bool:
 def _names(value: Any) -> list[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     return [str(item).strip() for item in items if str(item).strip()]
+
+
+def _shortages(value: Any) -> list[str]:
+    """The entries of ``no_capacity``, each a type, a pool (``type@az-id``), a region or
+    a type in a region (``type@region``) that the catalog knows; SpecError naming the
+    entry otherwise (a typo would silently leave the capacity there)."""
+    entries = _names(value)
+    types, regions = catalog.instance_types(), set(catalog.all_regions())
+    for entry in entries:
+        name, _, where = entry.partition("@")
+        known = (entry in regions if not where and name not in types else
+                 name in types and (not where or where in regions
+                                    or catalog.region_of(where) is not None))
+        if not known:
+            raise SpecError(
+                f"local cloud setting no_capacity ({_ENV['no_capacity']}): {entry!r} is no "
+                "instance type, pool or region of spotnb's catalog; name a type "
+                "(g5.xlarge), a pool (g5.xlarge@use1-az4), a region (us-east-1) or a type "
+                "in a region (g5.xlarge@us-east-1)")
+    return entries
 
 
 def _command(value: Any) -> tuple[str, ...] | None:
