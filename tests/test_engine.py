@@ -408,10 +408,15 @@ def test_a_kernel_that_dies_fails_the_job_with_its_exit_reason(
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
 
 
-def test_user_error_retried_when_the_policy_allows(cloud: Path) -> None:
+def test_user_error_retried_when_the_policy_allows(cloud: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The save before the error takes 2 s to upload (the instance's simulated
+    # bandwidth): it is durable before the error is recorded, and the retry resumes
+    # from it (it was cut off with the kernel, and the retry failed the same way).
+    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.5")
     code = textwrap.dedent("""
         tries = {"n": 0}
-        ckpt = spot.Checkpoint(tries=tries)
+        ckpt = spot.Checkpoint(tries=tries, padding=bytes(1_000_000))
         ckpt.restore()
         tries["n"] += 1
         ckpt.save(0)

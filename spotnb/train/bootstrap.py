@@ -106,8 +106,9 @@ def finish() -> None:
 
 
 def sync(token: str) -> None:
-    """Called by the agent (after a failed cell): send every row logged so far, then
-    ``token``; the agent waits for it before it records the failure."""
+    """Called by the agent (after a failed cell): wait for the checkpoint upload in
+    progress, send every row logged so far, then ``token``; the agent waits for it
+    before it records the failure."""
     rt = process.existing()
     if rt is not None:
         rt.sync(token)

@@ -529,7 +529,12 @@ class Session:
         return events
 
     def sync(self, token: str) -> None:
-        """Send every row logged so far, then a marker the agent waits for."""
+        """After a failed cell: wait for the checkpoint upload in progress (a save the
+        cell asked for before it failed is durable before the failure is recorded, so
+        that a retry resumes from it), send every row logged so far, then a marker the
+        agent waits for."""
+        if self.last_upload is not None:
+            self.last_upload.wait()
         self.drain()
         self.send(channel.Mark(token=token))
 
