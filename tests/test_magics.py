@@ -20,7 +20,7 @@ from typing import Any
 
 import cloudpickle
 import pytest
-from helpers import wait_until
+from helpers import Watch, wait_until
 from IPython.core.error import UsageError
 from IPython.core.getipython import get_ipython
 from IPython.core.inputtransformer2 import TransformerManager
@@ -705,17 +705,26 @@ def test_detach_interrupt_logs_and_stop_a_real_job(
     live = handle.events(timeout=120)
     assert any(e.type == "metric" and "total" in e.data["values"] for e in live)
     live.close()
-    with capture_output() as out:
-        ip.run_line_magic("spot_interrupt", "")  # the latest job
-    assert f"interruption notice delivered to job {job_id}" in out.stdout
-    wait_until(lambda: any(
-         e.type == "status" and e.attempt == 2 and e.data.get("detail", "").startswith("restored")
-         for e in handle.events(follow=False)), 60, "the resumed attempt")
+    # Followed live, as a notebook follows it: the agents send their events within a
+    # second (unwatched, the log is written about once a minute, and a wait on it
+    # raced that flush under load).
+    with Watch(handle) as watch:
+        with capture_output() as out:
+            ip.run_line_magic("spot_interrupt", "")  # the latest job
+        assert f"interruption notice delivered to job {job_id}" in out.stdout
+        watch.until(lambda events: any(
+            e.type == "status" and e.attempt == 2
+            and e.data.get("detail", "").startswith("restored") for e in events),
+            180, "the resumed attempt")
 
-    with capture_output() as out:
-        ip.run_line_magic("spot_logs", job_id)
-    assert "notice: instance-action terminate" in out.stdout
-    assert "running: restored checkpoint of step" in out.stdout
+        def logs() -> str:
+            with capture_output() as out:
+                ip.run_line_magic("spot_logs", job_id)
+            return out.stdout
+
+        said = wait_until(lambda: (text := logs()) and "running: restored checkpoint of step"
+                          in text and text, 120, "the restore in the job's log")
+    assert "notice: instance-action terminate" in said
 
     with capture_output() as out:
         ip.run_line_magic("spot_stop", "endless")  # by name
