@@ -56,11 +56,14 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def sim(spotnb_home: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> Iterator[AwsSimulator]:
-    """The simulator; afterwards ``spotnb aws cleanup --dry-run`` must find nothing."""
+    """The simulator; afterwards ``spotnb aws cleanup --dry-run`` must find nothing, and
+    every request spotnb sent must validate against botocore's service models."""
     monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
     with AwsSimulator(tmp_path / "sim") as simulator:
         yield simulator
         assert_nothing_left(simulator)
+        refused = simulator.check_requests()
+        assert not refused, "\n".join(map(str, refused))
 
 
 def assert_nothing_left(simulator: AwsSimulator, timeout: float = 30.0) -> None:

@@ -16,6 +16,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from spotnb.testing import contract
+from spotnb.testing.contract import Call
+
 __all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "MotoServer", "Request",
            "RequestLog", "aws_environment"]
 
@@ -79,6 +82,8 @@ class Request:
     operation: str
     origin: str
     status: int
+    #: the request as its operation's parameters (:mod:`spotnb.testing.contract`)
+    call: Call | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class RequestLog:
@@ -97,6 +102,11 @@ class RequestLog:
         with self._lock:
             return list(self._requests)
 
+    def calls(self) -> list[Call]:
+        """Every request as its operation's parameters, for
+        :func:`spotnb.testing.contract.check`."""
+        return [r.call for r in self.snapshot() if r.call is not None]
+
     def clear(self) -> None:
         with self._lock:
             self._requests.clear()
@@ -104,6 +114,11 @@ class RequestLog:
     def wrap(self, app: Callable[..., Any]) -> Callable[..., Any]:
         def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
             service, operation, origin = _describe(environ)
+            call = _parse(environ, origin) if service else None
+            if call is not None:
+                environ[CALL_KEY] = call
+                if not call.error:
+                    operation = call.operation
             status: list[int] = []
 
             def respond(code: str, headers: Any, *args: Any) -> Any:
@@ -114,9 +129,34 @@ class RequestLog:
             if service:
                 with self._lock:
                     self._requests.append(Request(time.time(), service, operation, origin,
-                                                  status[0] if status else 0))
+                                                  status[0] if status else 0, call))
             return result
         return logged
+
+
+#: Where a request's parsed :class:`~spotnb.testing.contract.Call` is kept in its WSGI
+#: environ, for the middlewares inside the log (IAM, faults).
+CALL_KEY = "spotnb.call"
+
+
+def _parse(environ: dict[str, Any], origin: str) -> Call:
+    """The request's call (parameters); a call with ``error`` set if moto's parsers
+    cannot read it. The body is read once and put back."""
+    size = int(environ.get("CONTENT_LENGTH") or 0)
+    body = environ["wsgi.input"].read(size) if size else b""
+    environ["wsgi.input"] = io.BytesIO(body)
+    service = ""
+    try:
+        parsed = contract.parse_request(environ, body)
+    except Exception as err:  # a request moto's parsers cannot read: the check says so
+        m = _CREDENTIAL.search(environ.get("HTTP_AUTHORIZATION", ""))
+        service = m.group(1) if m else ""
+        return contract.Call(service, "?", {}, origin,
+                             error=f"{type(err).__name__}: {str(err)[:300]} "
+                                   f"({environ.get('PATH_INFO')})")
+    if parsed is None:
+        return contract.Call(service, "?", {}, origin, error="no AWS signature")
+    return dataclasses.replace(parsed, origin=origin)
 
 
 _CREDENTIAL = re.compile(r"Credential=[^/]+/\d{8}/[^/]+/([^/]+)/aws4_request")

@@ -44,6 +44,9 @@ DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
 # requested type, EC2's "not likely" (1); elsewhere "likely" (9).
 NO_SCORE = 1
 GOOD_SCORE = 9
+#: The origins of spotnb's own requests (``spotnb-origin/<name>`` in the User-Agent):
+#: everything but the simulator's and a test's own clients.
+SPOTNB_ORIGINS = ("job-agent", "instance-agent", "runtime", "notebook", "cli")
 
 
 @dataclasses.dataclass
@@ -205,6 +208,16 @@ class AwsSimulator:
     @property
     def endpoint(self) -> str:
         return self.server.endpoint
+
+    def check_requests(self, models: Any = None, *,
+                       origins: tuple[str, ...] = SPOTNB_ORIGINS) -> list[Any]:
+        """Every request spotnb sent (from ``origins``) that botocore's models refuse:
+        :func:`spotnb.testing.contract.check` against ``models`` (a
+        :class:`~spotnb.testing.contract.ModelSet`; the running botocore's by default)."""
+        from spotnb.testing import contract
+
+        calls = [c for c in self.server.requests.calls() if c.origin in origins]
+        return contract.check(calls, models or contract.ModelSet.installed())
 
     # ---------------------------------------------------------------- controls
 
