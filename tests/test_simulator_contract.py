@@ -8,15 +8,22 @@ that spotnb's requirements allow at the lowest (the declared floor).
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import test_aws_provider as aws_tests
+from helpers import wait_until
 
 from spotnb.providers.aws import _boto
-from spotnb.testing import MotoServer, aws_environment, contract
+from spotnb.providers.aws.resources import TAG_MANAGED, fis_policy, trust_policy
+from spotnb.providers.imds import ImdsClient
+from spotnb.testing import DEFAULT_ACCOUNT, AwsSimulator, MotoServer, aws_environment, contract
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +43,13 @@ def declared_floor() -> str:
             version = m.group(1)
             return version + ".0" * (2 - version.count("."))
     raise AssertionError(f"no boto3 floor in the aws extra: {extras}")
+
+
+@pytest.fixture(name="sim")
+def simulator(spotnb_home: Path, tmp_path: Path,
+              monkeypatch: pytest.MonkeyPatch) -> Iterator[AwsSimulator]:
+    """The AWS tests' simulator (nothing left over, every request valid)."""
+    yield from aws_tests.sim.__wrapped__(spotnb_home, tmp_path, monkeypatch)
 
 
 @pytest.fixture
@@ -88,3 +102,62 @@ def test_a_parameter_an_older_botocore_lacks_is_refused(server: MotoServer) -> N
     # is newer than 1.34 too) are not held against spotnb.
     assert re.findall(r'Unknown parameter in input: "(\w+)"', refused[0].report) == [
         "IfNoneMatch"]
+
+
+# ------------------------------------------------------------------------- FIS
+
+
+def _spot_instances(sim: AwsSimulator, n: int) -> list[str]:
+    ec2 = _boto.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
+    ids = [i["InstanceId"] for i in ec2.run_instances(
+        ImageId=image, InstanceType="g4dn.xlarge", MinCount=n, MaxCount=n,
+        InstanceMarketOptions={"MarketType": "spot"},
+        TagSpecifications=[{"ResourceType": "instance", "Tags": [
+            {"Key": TAG_MANAGED, "Value": "true"}]}])["Instances"]]
+    wait_until(lambda: all(i in sim.instances for i in ids), 20, "the instances booted")
+    return ids
+
+
+def _template(fis: Any, role_arn: str, ids: list[str]) -> dict[str, Any]:
+    arns = [f"arn:aws:ec2:us-east-1:{DEFAULT_ACCOUNT}:instance/{i}" for i in ids]
+    return dict(fis.create_experiment_template(
+        clientToken=secrets.token_hex(8), description="test", roleArn=role_arn,
+        stopConditions=[{"source": "none"}],
+        targets={"Spot": {"resourceType": "aws:ec2:spot-instance", "resourceArns": arns,
+                          "selectionMode": "ALL"}},
+        actions={"interrupt": {"actionId": "aws:ec2:send-spot-instance-interruptions",
+                               "parameters": {"durationBeforeInterruption": "PT2M"},
+                               "targets": {"SpotInstances": "Spot"}}})["experimentTemplate"])
+
+
+def test_fis_refuses_more_than_five_arns_a_role_it_cannot_assume_and_interrupts_as_asked(
+        sim: AwsSimulator) -> None:
+    from botocore.exceptions import ClientError
+
+    ids = _spot_instances(sim, 6)
+    fis, iam = _boto.client("fis"), _boto.client("iam")
+    role = iam.create_role(RoleName="spotnb-fis-test", Path="/spotnb/",
+                           AssumeRolePolicyDocument=json.dumps(trust_policy(
+                               "fis.amazonaws.com")))["Role"]["Arn"]
+    iam.put_role_policy(RoleName="spotnb-fis-test", PolicyName="fis",
+                        PolicyDocument=json.dumps(fis_policy("us-east-1", DEFAULT_ACCOUNT)))
+    ec2_role = iam.create_role(RoleName="spotnb-not-fis", Path="/spotnb/",
+                               AssumeRolePolicyDocument=json.dumps(trust_policy(
+                                   "ec2.amazonaws.com")))["Role"]["Arn"]
+    for role_arn, targets, message in (
+            (role, ids, "at most 5"),
+            (ec2_role, ids[:2], "does not let fis.amazonaws.com assume it"),
+            (role.replace("spotnb-fis-test", "gone"), ids[:2], "does not exist")):
+        with pytest.raises(ClientError, match=message) as refused:
+            _template(fis, role_arn, targets)
+        assert refused.value.response["Error"]["Code"] == "ValidationException"
+    template = _template(fis, role, ids[:5])
+    fis.start_experiment(clientToken=secrets.token_hex(8),
+                         experimentTemplateId=template["id"])
+    noticed = [ImdsClient(sim.instances[i].imds.endpoint).instance_action() for i in ids]
+    assert [n is not None for n in noticed] == [True] * 5 + [False]
+    iam.delete_role_policy(RoleName="spotnb-fis-test", PolicyName="fis")
+    for name in ("spotnb-fis-test", "spotnb-not-fis"):
+        iam.delete_role(RoleName=name)
+    fis.delete_experiment_template(id=template["id"])

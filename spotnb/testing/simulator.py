@@ -8,7 +8,6 @@ import base64
 import contextlib
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import random
@@ -127,7 +126,6 @@ class AwsSimulator:
         self.server = MotoServer()
         self.instances: dict[str, SimInstance] = {}
         self.activities: dict[str, list[dict[str, Any]]] = {}
-        self.fis_templates: dict[str, dict[str, Any]] = {}
         #: EC2 placement groups (moto has none): name -> {"GroupName", "Strategy", ...}
         self.placement_groups: dict[str, dict[str, Any]] = {}
         self._no_capacity: set[str] = set()
@@ -169,7 +167,7 @@ class AwsSimulator:
             self.server.reset()
             self._patch_moto()
             self._publish_dlami()
-            self._install_hooks()
+            self._install_fis()
             self._thread = threading.Thread(target=self._run, name="spotnb-aws-sim",
                                             daemon=True)
             self._thread.start()
@@ -505,64 +503,21 @@ class AwsSimulator:
             keyid=None, last_modified_date=datetime.datetime.now(), version=1,
             data_type="aws:ec2:image"))
 
-    def _install_hooks(self) -> None:
-        from spotnb.providers.aws import _boto
+    def _install_fis(self) -> None:
+        from spotnb.testing.fis import FisPlay
 
-        self._undo.append(_boto.add_hook("after-call.fis.CreateExperimentTemplate",
-                                         self._remember_fis_template))
-        self._undo.append(_boto.add_hook("before-call.fis.StartExperiment",
-                                         self._start_fis_experiment))
-        self._undo.append(_boto.add_hook("before-call.fis.DeleteExperimentTemplate",
-                                         self._forget_fis_template))
+        def interrupt(instance_id: str, seconds: float) -> None:
+            if instance_id in self.instances:
+                self.interrupt(instance_id, seconds)
+
+        #: FIS as the simulator plays it (:mod:`spotnb.testing.fis`)
+        self.fis = FisPlay(interrupt, self.notice_seconds / 120.0)
+        self._undo.append(self.fis.install())
 
     def _client(self, service: str) -> Any:
         from spotnb.providers.aws import _boto
 
         return _boto.client(service, self.region, attempts=3, origin="simulator")
-
-    # ------------------------------------------------------------------- FIS
-
-    def _remember_fis_template(self, parsed: dict[str, Any], **kwargs: Any) -> None:
-        template = parsed.get("experimentTemplate") or {}
-        if template.get("id"):
-            with self._lock:
-                self.fis_templates[template["id"]] = template
-
-    def _forget_fis_template(self, params: dict[str, Any], **kwargs: Any) -> None:
-        path = str(params.get("url_path", ""))
-        with self._lock:
-            for template_id in list(self.fis_templates):
-                if path.endswith(template_id):
-                    self.fis_templates[template_id]["deleted"] = True
-
-    def _start_fis_experiment(self, params: dict[str, Any], **kwargs: Any) -> Any:
-        """Run ``aws:ec2:send-spot-instance-interruptions`` (moto cannot)."""
-        from botocore.awsrequest import AWSResponse
-
-        body = params.get("body") or b"{}"
-        request = json.loads(body) if body else {}
-        with self._lock:
-            template = self.fis_templates.get(request.get("experimentTemplateId", ""))
-        if template is None:
-            error = {"Error": {"Code": "ResourceNotFoundException",
-                               "Message": "experiment template not found"}}
-            return AWSResponse("", 404, {}, None), error
-        for action in template.get("actions", {}).values():
-            if action.get("actionId") != "aws:ec2:send-spot-instance-interruptions":
-                continue
-            notice = _iso_duration(action.get("parameters", {}).get(
-                "durationBeforeInterruption", "PT2M"))
-            scaled = self.notice_seconds * notice / 120.0
-            for target_name in action.get("targets", {}).values():
-                target = template.get("targets", {}).get(target_name, {})
-                for arn in target.get("resourceArns", ()):
-                    instance_id = arn.rsplit("/", 1)[1]
-                    if instance_id in self.instances:
-                        self.interrupt(instance_id, scaled)
-        experiment = {"id": "EXP" + secrets.token_hex(8),
-                      "experimentTemplateId": template["id"],
-                      "state": {"status": "running", "reason": "simulated by spotnb.testing"}}
-        return AWSResponse("", 200, {}, None), {"experiment": experiment}
 
     # ------------------------------------------------------- the world's clock
 
@@ -930,14 +885,3 @@ def _tags_match(tags: list[dict[str, str]], filters: dict[str, Any]) -> bool:
         if name.startswith("tag:") and found.get(name[4:]) not in values:
             return False
     return True
-
-
-def _iso_duration(text: str) -> float:
-    """Seconds of an ISO 8601 duration like ``PT2M`` or ``PT90S``."""
-    import re
-
-    m = re.fullmatch(r"PT(?:(\d+)H)?(?:(\d+)M)?(?:(\d+)S)?", text)
-    if not m:
-        return 120.0
-    hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    return hours * 3600.0 + minutes * 60.0 + seconds
