@@ -67,8 +67,8 @@ class FisPlay:
             play._run(backend, experiment, template)
             return experiment
 
-        FISBackend.create_experiment_template = create  # type: ignore[method-assign]
-        FISBackend.start_experiment = start  # type: ignore[method-assign]
+        FISBackend.create_experiment_template = create  # type: ignore[method-assign,assignment]
+        FISBackend.start_experiment = start  # type: ignore[method-assign,assignment]
 
         def undo() -> None:
             FISBackend.create_experiment_template = original_create  # type: ignore[method-assign]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from spotnb.protocol.signals import SignalModel
+from spotnb.testing.autoscaling import AutoScalingPlay
 from spotnb.testing.server import DEFAULT_ACCOUNT, DEFAULT_REGION, MotoServer, aws_environment
 
 __all__ = ["AwsSimulator", "SimInstance"]
@@ -36,8 +37,6 @@ DEFAULT_NOTICE_SECONDS = 2.0
 TICK_SECONDS = 0.2
 # EC2 shuts the OS down before power-off; the simulator's agents get this long.
 KILL_GRACE_SECONDS = 3.0
-# After every pool failed, Auto Scaling tries again after a while.
-CAPACITY_RETRY_SECONDS = 2.0
 DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
 # Spot placement scores the simulator gives an AZ: where no_capacity() covers every
 # requested type, EC2's "not likely" (1); elsewhere "likely" (9).
@@ -96,7 +95,7 @@ class SimInstance:
         return "\n".join(parts)
 
 
-class AwsSimulator:
+class AwsSimulator(AutoScalingPlay):
     """A fake AWS on loopback in which spotnb's instances really run. See the module
     docstring; use as a context manager."""
 
@@ -139,6 +138,9 @@ class AwsSimulator:
         self._subnet_az: dict[str, tuple[str, str]] = {}
         self._retry_at: dict[str, float] = {}
         self._placed: dict[str, str | None] = {}  # instance id -> its placement group
+        self._launch_waits: dict[str, tuple[str, str, float, str]] = {}
+        #: draws the pools' order where capacity decides (``capacity-optimized``)
+        self._allocation_rng = random.Random(self.signals.seed)
         self._killers: list[threading.Thread] = []
         #: (instance id, hook name) of each CompleteLifecycleAction, in order
         self.hooks_completed: list[tuple[str, str]] = []
@@ -317,97 +319,7 @@ class AwsSimulator:
     # --------------------------------------------------- moto's gaps (see above)
 
     def _patch_moto(self) -> None:
-        from moto.autoscaling.models import AutoScalingBackend, FakeAutoScalingGroup
-        from moto.autoscaling.responses import AutoScalingResponse
-        from moto.core.responses import ActionResult, EmptyResult
-
-        from spotnb.providers.aws.resources import TAG_JOB
-
-        original = FakeAutoScalingGroup.replace_autoscaling_group_instances
-
-        def replace(group: Any, count_needed: int, propagated_tags: dict[str, str]) -> None:
-            if any(t.get("Key") == TAG_JOB for t in group.tags):
-                return  # the simulator's fulfilment loop launches spotnb's instances
-            original(group, count_needed, propagated_tags)
-
-        def activities(response: Any) -> Any:
-            name = response._get_param("AutoScalingGroupName")
-            with self._lock:
-                found = list(reversed(self.activities.get(name, [])))  # newest first
-            return ActionResult({"Activities": found})
-
-        def complete_lifecycle_action(response: Any) -> Any:
-            with self._lock:
-                self.hooks_completed.append((str(response._get_param("InstanceId")),
-                                             str(response._get_param("LifecycleHookName"))))
-            return EmptyResult()
-
-        original_terminate = AutoScalingResponse.terminate_instance_in_auto_scaling_group
-
-        def terminate_in_group(response: Any) -> Any:
-            # Auto Scaling ends a member of a group with a termination hook through that
-            # hook: Terminating:Wait (IMDS target-lifecycle-state "Terminated") until
-            # its agent completes the hook or the wait runs out (the tick then
-            # terminates it); the desired capacity goes down at once if asked.
-            instance_id = str(response._get_param("InstanceId"))
-            decrement = response._get_bool_param("ShouldDecrementDesiredCapacity", False)
-            backend = response.autoscaling_backend
-            state = next((st for g in backend.autoscaling_groups.values()
-                          for st in g.instance_states if st.instance.id == instance_id), None)
-            group = state.auto_scaling_group if state is not None else None
-            hook = None if group is None else next(
-                (h for h in backend.describe_lifecycle_hooks(group.name)
-                 if h.lifecycle_transition == "autoscaling:EC2_INSTANCE_TERMINATING"), None)
-            with self._lock:
-                inst = self.instances.get(instance_id)
-            if hook is None or inst is None or state is None or group is None or \
-                    not any(t.get("Key") == TAG_JOB for t in group.tags):
-                return original_terminate(response)
-            now = time.time()
-            with self._lock:
-                if not inst.ending_in_group:
-                    inst.ending_in_group = True
-                    inst.hook_until = now + float(hook.heartbeat_timeout) * \
-                        self.notice_seconds / 120.0
-                    inst.imds.set_target_lifecycle_state("Terminated")
-                    self.signals_sent.append((now, inst.id, "terminating"))
-                    state.lifecycle_state = "Terminating:Wait"
-                    if decrement:
-                        group.desired_capacity = max(0, (group.desired_capacity or 0) - 1)
-            return ActionResult({"Activity": {
-                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group.name,
-                "Description": f"Terminating EC2 instance: {instance_id}",
-                "Cause": "the instance was taken out of service in response to a "
-                         "user request", "StartTime": datetime.datetime.now(
-                             datetime.timezone.utc), "StatusCode": "InProgress",
-                "Progress": 0}})
-
-        original_delete = AutoScalingBackend.delete_auto_scaling_group
-
-        def delete_group(backend: Any, group_name: str) -> None:
-            # spotnb deletes its groups with ForceDelete, which ends every instance,
-            # protected from scale-in or not (moto's scales in, sparing protected ones).
-            group = backend.autoscaling_groups.get(group_name)
-            if group is not None:
-                for state in group.instance_states:
-                    state.protected_from_scale_in = False
-            original_delete(backend, group_name)
-
-        original_activities = AutoScalingResponse.describe_scaling_activities
-        FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
-        AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
-        AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
-        AutoScalingResponse.terminate_instance_in_auto_scaling_group = terminate_in_group  # type: ignore[method-assign,assignment]
-        AutoScalingBackend.delete_auto_scaling_group = delete_group  # type: ignore[method-assign,assignment]
-
-        def unpatch() -> None:
-            FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
-            AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
-            AutoScalingResponse.terminate_instance_in_auto_scaling_group = original_terminate  # type: ignore[method-assign]
-            AutoScalingBackend.delete_auto_scaling_group = original_delete  # type: ignore[method-assign]
-            del AutoScalingResponse.complete_lifecycle_action  # type: ignore[attr-defined]
-
-        self._undo.append(unpatch)
+        self._patch_autoscaling()
         self._patch_ec2()
 
     def _patch_ec2(self) -> None:
@@ -553,6 +465,7 @@ class AwsSimulator:
         # Auto Scaling: instances its termination hook ends, capacity rebalancing
         # (groups that have it on), then fill every spotnb group up to its desired
         # capacity.
+        self._expire_launch_waits(now)
         for group in self._asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
             if self._end_through_hook(group, now):
                 continue  # the description is stale: the next tick fills the group
@@ -576,188 +489,6 @@ class AwsSimulator:
                                           daemon=True)
                 self._killers.append(killer)
                 killer.start()
-
-    def _fulfil(self, group: dict[str, Any], now: float) -> None:
-        from spotnb.providers.aws.resources import TAG_JOB
-
-        tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
-        policy = group.get("MixedInstancesPolicy")
-        if TAG_JOB not in tags or not policy:
-            return
-        name = group["AutoScalingGroupName"]
-        active = [i for i in group.get("Instances", ())
-                  if i.get("LifecycleState") not in ("Terminating", "Terminated")]
-        if len(active) >= group["DesiredCapacity"] or now < self._retry_at.get(name, 0.0):
-            return
-        self._launch(group, now, keep_desired=len(active) + 1 < group["DesiredCapacity"])
-
-    def _launch(self, group: dict[str, Any], now: float, keep_desired: bool) -> str | None:
-        """Launch one instance for ``group`` as Auto Scaling does (the policy's types in
-        order, each in the group's subnets in order); its id, or None if no pool had
-        capacity. ``keep_desired``: set the desired capacity back after attaching it."""
-        from spotnb.providers.aws import _boto
-
-        name = group["AutoScalingGroupName"]
-        policy = group["MixedInstancesPolicy"]
-        spec = policy["LaunchTemplate"]
-        template = spec["LaunchTemplateSpecification"]
-        types = [o["InstanceType"] for o in spec.get("Overrides", ())]
-        subnets = [s for s in group.get("VPCZoneIdentifier", "").split(",") if s]
-        spot = int(policy.get("InstancesDistribution", {}).get(
-            "OnDemandPercentageAboveBaseCapacity", 100)) < 100
-        placement = group.get("PlacementGroup") or None
-        if placement is not None and placement not in self.placement_groups:
-            self._activity(name, "Failed", (
-                f"Launching a new EC2 instance. Status Reason: The placement group "
-                f"'{placement}' is unknown. Launching EC2 instance failed."), types[0])
-            self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
-            return None
-        for instance_type in types:
-            for subnet in subnets:
-                az, az_id = self._subnet(subnet)
-                params: dict[str, Any] = dict(
-                    LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"],
-                                    "Version": template.get("Version", "$Latest")},
-                    InstanceType=instance_type, SubnetId=subnet, MinCount=1, MaxCount=1)
-                if spot:
-                    params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
-                        "SpotInstanceType": "one-time",
-                        "InstanceInterruptionBehavior": "terminate"}}
-                try:
-                    launched = self._ec2.run_instances(**params)["Instances"][0]
-                except Exception as err:
-                    if _boto.classify(err) != "capacity":
-                        raise
-                    self._activity(name, "Failed", (
-                        f"Could not launch {'Spot' if spot else 'On-Demand'} Instances. "
-                        f"{_boto.error_code(err)} - {_boto.error_message(err)} "
-                        "Launching EC2 instance failed."), instance_type)
-                    continue
-                with self._lock:
-                    self._placed[launched["InstanceId"]] = placement
-                self._asg.attach_instances(AutoScalingGroupName=name,
-                                           InstanceIds=[launched["InstanceId"]])
-                if keep_desired:
-                    # moto's AttachInstances sets the desired capacity to the instances
-                    # it holds; the group's own launches leave it (a group of N).
-                    self._asg.set_desired_capacity(AutoScalingGroupName=name,
-                                                   DesiredCapacity=group["DesiredCapacity"])
-                self._activity(name, "Successful", (
-                    f"Launching a new EC2 instance: {launched['InstanceId']} "
-                    f"({instance_type} in {az}, {az_id})"), instance_type)
-                self._retry_at.pop(name, None)
-                return str(launched["InstanceId"])
-        self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
-        return None
-
-    def _rebalance(self, group: dict[str, Any], now: float) -> bool:
-        """Auto Scaling's capacity rebalancing for a group that has it on: a replacement
-        for each instance EC2 recommended rebalancing (the group may exceed its desired
-        capacity meanwhile); once that replacement is in service (booted and, if the
-        group has a launch hook, that hook completed or its wait over), the at-risk
-        instance is ended through the group's termination hook (IMDS
-        ``autoscaling/target-lifecycle-state`` ``Terminated``), and terminated when its
-        agent completes the hook or the hook's wait runs out; with no such hook, at
-        once. Hooks' waits (HeartbeatTimeout) are scaled as the notice period is.
-        Whether the group changed (its description is stale then)."""
-        name = group["AutoScalingGroupName"]
-        with self._lock:
-            members = [self.instances[i["InstanceId"]] for i in group.get("Instances", ())
-                       if i["InstanceId"] in self.instances]
-        if not any(i.rebalance_at is not None for i in members):
-            return False  # nothing recommended: no request this tick
-        changed = False
-        hooks = self._asg.describe_lifecycle_hooks(AutoScalingGroupName=name)["LifecycleHooks"]
-        launch_wait = self._hook(hooks, "LAUNCHING")
-        ending = self._hook(hooks, "TERMINATING") or ("", 0.0)
-        for inst in members:
-            if inst.terminated or inst.rebalance_at is None:
-                continue
-            if inst.rebalanced_by is None and inst.terminate_at is None:
-                if now >= self._retry_at.get(name, 0.0):
-                    # Auto Scaling goes over the group's size for the replacement (moto
-                    # refuses to attach past MaxSize: raised meanwhile).
-                    self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                        MaxSize=group["MaxSize"] + 1)
-                    inst.rebalanced_by = self._launch(group, now, keep_desired=False)
-                    if inst.rebalanced_by is None:
-                        self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                            MaxSize=group["MaxSize"])
-                    changed = True
-                continue
-            with self._lock:
-                standby = self.instances.get(inst.rebalanced_by or "")
-            if inst.hook_until is None and standby is not None and standby.alive \
-                    and inst.terminate_at is None:
-                if launch_wait is not None and now < standby.booted + launch_wait[1] \
-                        and not self._completed(standby.id, launch_wait[0]):
-                    continue  # not in service yet (Pending:Wait)
-                inst.hook_until = now + ending[1]
-                inst.imds.set_target_lifecycle_state("Terminated")
-                self.signals_sent.append((now, inst.id, "terminating"))
-                log.info("capacity rebalancing: %s is in service; ending %s through the "
-                         "termination hook", standby.id, inst.id)
-            if inst.hook_until is not None and inst.terminate_at is None and (
-                    now >= inst.hook_until or self._completed(inst.id, ending[0])):
-                inst.terminate_at = now  # the tick's termination below takes it
-        # The group goes back to its size as each at-risk instance ends: it leaves the
-        # group (once: moto decrements the desired capacity at every call).
-        for inst in members:
-            if inst.rebalanced_by is not None and inst.terminate_at is not None \
-                    and inst.terminate_at <= now:
-                self._asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
-                                           ShouldDecrementDesiredCapacity=True)
-                self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                    MaxSize=max(1, group["MaxSize"] - 1))
-                changed = True
-        return changed
-
-    def _end_through_hook(self, group: dict[str, Any], now: float) -> bool:
-        """Members that TerminateInstanceInAutoScalingGroup ended through the group's
-        termination hook: once their agent completed it or its wait ran out, they leave
-        the group and EC2 terminates them. Whether the group changed."""
-        from spotnb.providers.aws.resources import LIFECYCLE_HOOK_NAME
-
-        name = group["AutoScalingGroupName"]
-        with self._lock:
-            members = [self.instances[i["InstanceId"]] for i in group.get("Instances", ())
-                       if i["InstanceId"] in self.instances]
-        done = [i for i in members if i.ending_in_group and i.terminate_at is None
-                and i.hook_until is not None and (
-                    now >= i.hook_until or self._completed(i.id, LIFECYCLE_HOOK_NAME))]
-        for inst in done:
-            inst.terminate_at = now  # the next tick's termination takes it
-            self._asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
-                                       ShouldDecrementDesiredCapacity=False)
-        return bool(done)
-
-    def _hook(self, hooks: list[dict[str, Any]], transition: str) -> tuple[str, float] | None:
-        """The group's lifecycle hook for ``transition`` (``LAUNCHING``,
-        ``TERMINATING``): its name and its wait in real seconds (HeartbeatTimeout,
-        scaled as the notice period is); None if it has none."""
-        for h in hooks:
-            if h["LifecycleTransition"] == f"autoscaling:EC2_INSTANCE_{transition}":
-                return (h["LifecycleHookName"],
-                        float(h.get("HeartbeatTimeout", 3600)) * self.notice_seconds / 120.0)
-        return None
-
-    def _completed(self, instance_id: str, hook: str) -> bool:
-        """Whether ``instance_id``'s agent completed lifecycle hook ``hook``."""
-        with self._lock:
-            return (instance_id, hook) in self.hooks_completed
-
-    def _activity(self, group: str, status: str, message: str, instance_type: str) -> None:
-        now = datetime.datetime.now(datetime.timezone.utc)
-        with self._lock:
-            self.activities.setdefault(group, []).append({
-                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group,
-                "Description": f"Launching a new EC2 instance ({instance_type})",
-                "Cause": f"At {now.isoformat()} an instance was started in response to a "
-                         "difference between desired and actual capacity.",
-                "StartTime": now, "EndTime": now, "StatusCode": status,
-                "StatusMessage": message if status != "Successful" else "",
-                "Progress": 100, "Details": "{}",
-            })
 
     def _subnet(self, subnet: str) -> tuple[str, str]:
         if subnet not in self._subnet_az:
