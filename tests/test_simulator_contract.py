@@ -23,7 +23,7 @@ from helpers import wait_until
 
 import spotnb
 from spotnb.providers.aws import _boto
-from spotnb.providers.aws.resources import TAG_MANAGED, fis_policy, trust_policy
+from spotnb.providers.aws.resources import TAG_JOB, TAG_MANAGED, fis_policy, trust_policy
 from spotnb.providers.imds import ImdsClient
 from spotnb.testing import DEFAULT_ACCOUNT, AwsSimulator, MotoServer, aws_environment, contract
 from spotnb.testing.autoscaling import pool_order
@@ -200,3 +200,109 @@ def test_a_launch_by_price_claims_no_capacity_error_that_did_not_happen(
     launching = [e.data["detail"] for e in handle.events(follow=False)
                  if e.type == "status" and e.data["state"] == "launching" and e.instance]
     assert launching and not any("had no spot capacity" in d for d in launching), launching
+
+
+def _group_with_hooks(name: str, default: str, timeout: int) -> Any:
+    """A spotnb-tagged group of one (launched by the simulator) with a launch hook and a
+    termination hook; its Auto Scaling client."""
+    ec2, asg = _boto.client("ec2"), _boto.client("autoscaling")
+    image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
+    template = ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={
+        "ImageId": image})["LaunchTemplate"]["LaunchTemplateId"]
+    subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
+    asg.create_auto_scaling_group(
+        AutoScalingGroupName=name, MinSize=0, MaxSize=2, DesiredCapacity=0,
+        VPCZoneIdentifier=subnet, Tags=[{"Key": TAG_JOB, "Value": name,
+                                         "PropagateAtLaunch": True}],
+        MixedInstancesPolicy={
+            "LaunchTemplate": {"LaunchTemplateSpecification": {
+                "LaunchTemplateId": template, "Version": "$Latest"},
+                "Overrides": [{"InstanceType": "g4dn.xlarge"}]},
+            "InstancesDistribution": {"OnDemandPercentageAboveBaseCapacity": 0,
+                                      "SpotAllocationStrategy": "price-capacity-optimized"}})
+    asg.put_lifecycle_hook(LifecycleHookName="up", AutoScalingGroupName=name,
+                           LifecycleTransition="autoscaling:EC2_INSTANCE_LAUNCHING",
+                           HeartbeatTimeout=timeout, DefaultResult=default)
+    asg.put_lifecycle_hook(LifecycleHookName="down", AutoScalingGroupName=name,
+                           LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
+                           HeartbeatTimeout=30, DefaultResult="CONTINUE")
+    asg.set_desired_capacity(AutoScalingGroupName=name, DesiredCapacity=1)
+    return asg
+
+
+def _states(asg: Any, name: str) -> dict[str, str]:
+    groups = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"]
+    return {i["InstanceId"]: i["LifecycleState"] for g in groups for i in g["Instances"]}
+
+
+def _remove(name: str) -> None:
+    _boto.client("autoscaling").delete_auto_scaling_group(AutoScalingGroupName=name,
+                                                          ForceDelete=True)
+    _boto.client("ec2").delete_launch_template(LaunchTemplateName=name)
+
+
+def test_a_member_waits_in_pending_wait_where_aws_refuses_what_it_refuses(
+        sim: AwsSimulator) -> None:
+    from botocore.exceptions import ClientError
+
+    name = "spotnb-lifecycle-test"
+    asg = _group_with_hooks(name, default="ABANDON", timeout=3600)
+    first = wait_until(lambda: next(iter(_states(asg, name)), None), 20, "the launch")
+    assert _states(asg, name) == {first: "Pending:Wait"}
+    described = asg.describe_auto_scaling_instances(InstanceIds=[first])
+    assert described["AutoScalingInstances"][0]["LifecycleState"] == "Pending:Wait"
+
+    def refused(code: str, message: str, call: Any, **params: Any) -> None:
+        with pytest.raises(ClientError, match=re.escape(message)) as err:
+            call(**params)
+        assert err.value.response["Error"]["Code"] == code
+
+    refused("ValidationError", "is not in InService or EnteringStandby or Standby",
+            asg.set_instance_protection, AutoScalingGroupName=name, InstanceIds=[first],
+            ProtectedFromScaleIn=True)
+    refused("ValidationError", f"The instance {first} is not in InService",
+            asg.detach_instances, AutoScalingGroupName=name, InstanceIds=[first],
+            ShouldDecrementDesiredCapacity=True)
+    refused("ScalingActivityInProgress", "Pending:Wait",
+            asg.terminate_instance_in_auto_scaling_group, InstanceId=first,
+            ShouldDecrementDesiredCapacity=True)
+    refused("ValidationError", f"No active Lifecycle Action found with instance ID {first}",
+            asg.complete_lifecycle_action, LifecycleHookName="down",
+            AutoScalingGroupName=name, LifecycleActionResult="CONTINUE", InstanceId=first)
+    # CONTINUE: in service; what was refused now works, and the hook is done.
+    asg.complete_lifecycle_action(LifecycleHookName="up", AutoScalingGroupName=name,
+                                  LifecycleActionResult="CONTINUE", InstanceId=first)
+    assert _states(asg, name) == {first: "InService"}
+    asg.set_instance_protection(AutoScalingGroupName=name, InstanceIds=[first],
+                                ProtectedFromScaleIn=True)
+    refused("ValidationError", "No active Lifecycle Action",
+            asg.complete_lifecycle_action, LifecycleHookName="up",
+            AutoScalingGroupName=name, LifecycleActionResult="CONTINUE", InstanceId=first)
+    # Through the termination hook: Terminating:Wait, then protection is refused.
+    asg.terminate_instance_in_auto_scaling_group(InstanceId=first,
+                                                 ShouldDecrementDesiredCapacity=False)
+    assert _states(asg, name)[first] == "Terminating:Wait"
+    refused("ValidationError", "is not in InService or EnteringStandby or Standby",
+            asg.set_instance_protection, AutoScalingGroupName=name, InstanceIds=[first],
+            ProtectedFromScaleIn=False)
+    asg.complete_lifecycle_action(LifecycleHookName="down", AutoScalingGroupName=name,
+                                  LifecycleActionResult="CONTINUE", InstanceId=first)
+    wait_until(lambda: sim.instances[first].terminated, 20, "the first ended")
+    # ABANDON on the launch hook: the instance is terminated, the group launches another.
+    second = wait_until(lambda: next((i for i in _states(asg, name) if i != first), None),
+                        20, "a replacement")
+    wait_until(lambda: second in sim.instances, 20, "the replacement booted")
+    asg.complete_lifecycle_action(LifecycleHookName="up", AutoScalingGroupName=name,
+                                  LifecycleActionResult="ABANDON", InstanceId=second)
+    wait_until(lambda: sim.instances[second].terminated, 20, "the abandoned one ended")
+    _remove(name)
+
+
+def test_a_launch_hook_that_times_out_takes_its_default_result(sim: AwsSimulator) -> None:
+    name = "spotnb-lifecycle-timeout"
+    # 240 s of hook wait is 4 s here (scaled as the notice period: 120 s -> 2 s).
+    asg = _group_with_hooks(name, default="CONTINUE", timeout=240)
+    first = wait_until(lambda: next(iter(_states(asg, name)), None), 20, "the launch")
+    assert _states(asg, name) == {first: "Pending:Wait"}
+    wait_until(lambda: _states(asg, name) == {first: "InService"}, 30, "the timeout")
+    _remove(name)
