@@ -306,3 +306,59 @@ def test_a_launch_hook_that_times_out_takes_its_default_result(sim: AwsSimulator
     assert _states(asg, name) == {first: "Pending:Wait"}
     wait_until(lambda: _states(asg, name) == {first: "InService"}, 30, "the timeout")
     _remove(name)
+
+
+# ------------------------------------------------------------- S3's lost responses
+
+
+def test_a_conditional_write_can_commit_and_lose_its_response(server: MotoServer) -> None:
+    """The fault as S3 plays it: the write commits, botocore's retry meets 412."""
+    from botocore.exceptions import ClientError
+
+    s3 = _boto.client("s3")
+    s3.create_bucket(Bucket="spotnb-lost")
+    server.lost_responses.arm("jobs/*", count=1)
+    with pytest.raises(ClientError) as err:
+        s3.put_object(Bucket="spotnb-lost", Key="jobs/a", Body=b"mine", IfNoneMatch="*")
+    assert err.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert s3.get_object(Bucket="spotnb-lost", Key="jobs/a")["Body"].read() == b"mine"
+    puts = [r.status for r in server.requests.snapshot() if r.operation == "PutObject"]
+    assert puts == [500, 412], "the first try committed, the retry was refused"
+    assert server.lost_responses.lost == ["jobs/a"]
+    s3.put_object(Bucket="spotnb-lost", Key="jobs/b", Body=b"x", IfNoneMatch="*")  # disarmed
+
+
+def test_a_lease_whose_write_response_was_lost_is_still_held(server: MotoServer) -> None:
+    """Issue 35's suspected defect, confirmed: the lease took a committed write whose
+    response was lost for a lost race (412 on botocore's retry) and gave up the job."""
+    from spotnb.protocol import lease
+    from spotnb.protocol.store import open_store
+
+    _boto.client("s3").create_bucket(Bucket="spotnb-lost")
+    store = open_store("s3://spotnb-lost/jobs/j1")
+    server.lost_responses.arm("*", count=1)
+    held = lease.acquire(store, "i-first")
+    assert server.lost_responses.lost, "the fault fired"
+    assert held is not None, "this instance wrote the lease: it holds it"
+    server.lost_responses.arm("*", count=1)
+    held.renew()  # no LeaseLost: the renewal went through
+    current = lease.read(store)
+    assert current is not None and current[0].holder == "i-first"
+
+
+def test_a_pointer_move_whose_response_was_lost_is_not_fenced(server: MotoServer) -> None:
+    """A checkpoint whose LATEST move committed but lost its response was reported
+    fenced off; and a real lost race is still one."""
+    from spotnb.protocol.store import open_store
+
+    _boto.client("s3").create_bucket(Bucket="spotnb-lost")
+    store = open_store("s3://spotnb-lost/jobs/j2")
+    first = store.put_if_absent("LATEST", b'{"id": "c1", "step": 1}')
+    assert first is not None
+    server.lost_responses.arm("*LATEST", count=1)
+    moved = store.put_if_match("LATEST", b'{"id": "c2", "step": 2}', first)
+    assert server.lost_responses.lost
+    assert moved is not None, "the pointer moved: the write committed"
+    assert store.get("LATEST") == b'{"id": "c2", "step": 2}'
+    assert store.put_if_match("LATEST", b'{"id": "c3", "step": 3}', first) is None, \
+        "another writer's move (a stale ETag) still loses"

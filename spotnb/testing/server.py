@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import io
 import logging
 import os
@@ -19,8 +20,8 @@ from typing import Any
 from spotnb.testing import contract
 from spotnb.testing.contract import Call
 
-__all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "MotoServer", "Request",
-           "RequestLog", "aws_environment"]
+__all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "LostResponses",
+           "MotoServer", "Request", "RequestLog", "aws_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,11 @@ def _moto_server_class() -> Any:
 
     class Server(ThreadedMotoServer):
         requests: RequestLog
+        lost: LostResponses
 
         def _server_entry(self) -> None:
             app = self.requests.wrap(
-                _S3Middleware(DomainDispatcherApplication(create_backend_app)))
+                _S3Middleware(DomainDispatcherApplication(create_backend_app), self.lost))
             self._server = make_server(self._ip_address, self._port, app, True,
                                        request_handler=QuietHandler)
             self._server_ready_event.set()
@@ -221,12 +223,58 @@ def _s3_operation(method: str, path: str, query: dict[str, list[str]],
     return method
 
 
-class _S3Middleware:
-    """S3 behaviour moto lacks: ``ExpectedBucketOwner`` and atomic conditional writes."""
+class LostResponses:
+    """A fault: conditional S3 writes that commit, then lose their response.
 
-    def __init__(self, app: Callable[..., Any]) -> None:
+    S3 may commit a ``PutObject`` and the client still see no answer (a connection
+    reset, a timeout, a ``500``); botocore then sends it again, and the retry of a
+    conditional write meets the object the first try wrote: ``412 PreconditionFailed``
+    although the write went through. :meth:`arm` makes the next ``count`` conditional
+    writes whose key (below the bucket) matches ``key`` (an ``fnmatch`` pattern) commit
+    and answer ``500 InternalError``, which botocore retries.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: list[tuple[str, int]] = []
+        #: the keys whose response was lost, in order
+        self.lost: list[str] = []
+
+    def arm(self, key: str = "*", count: int = 1) -> None:
+        with self._lock:
+            self._armed.append((key, count))
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed.clear()
+
+    def take(self, key: str) -> bool:
+        """Whether this write's response is to be lost (counts it)."""
+        with self._lock:
+            for i, (pattern, left) in enumerate(self._armed):
+                if fnmatch.fnmatchcase(key, pattern):
+                    if left <= 1:
+                        del self._armed[i]
+                    else:
+                        self._armed[i] = (pattern, left - 1)
+                    self.lost.append(key)
+                    return True
+        return False
+
+
+_INTERNAL_ERROR = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+                   b"<Message>We encountered an internal error. Please try again.</Message>"
+                   b"</Error>")
+
+
+class _S3Middleware:
+    """S3 behaviour moto lacks: ``ExpectedBucketOwner``, atomic conditional writes, and
+    the :class:`LostResponses` fault."""
+
+    def __init__(self, app: Callable[..., Any], lost: LostResponses) -> None:
         self.app = app
         self.conditional_lock = threading.Lock()
+        self.lost = lost
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         expected = environ.get("HTTP_X_AMZ_EXPECTED_BUCKET_OWNER")
@@ -234,17 +282,35 @@ class _S3Middleware:
             bucket = environ.get("PATH_INFO", "/").lstrip("/").split("/", 1)[0]
             owner = _bucket_owner(bucket)
             if owner is not None and owner != expected:
-                body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied'
-                        b"</Code><Message>Access Denied</Message></Error>")
+                denied = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied'
+                          b"</Code><Message>Access Denied</Message></Error>")
                 start_response("403 Forbidden", [("Content-Type", "application/xml"),
-                                                  ("Content-Length", str(len(body)))])
-                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
+                                                  ("Content-Length", str(len(denied)))])
+                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [denied]
         conditional = environ.get("REQUEST_METHOD") in ("PUT", "POST", "DELETE") and (
             "HTTP_IF_MATCH" in environ or "HTTP_IF_NONE_MATCH" in environ)
         if not conditional:
             return self.app(environ, start_response)
         with self.conditional_lock:
-            return list(self.app(environ, start_response))
+            answered: list[tuple[str, Any]] = []
+
+            def hold(status: str, headers: Any, exc_info: Any = None) -> Callable[..., Any]:
+                answered.append((status, headers))
+                return lambda data: None
+
+            body = list(self.app(environ, hold))
+        status, headers = answered[0]
+        key = environ.get("PATH_INFO", "/").lstrip("/").partition("/")[2]
+        if status.startswith("2") and environ.get("REQUEST_METHOD") == "PUT" and \
+                self.lost.take(key):
+            log.info("fault: the conditional write of %s committed; its response is lost",
+                     key)
+            start_response("500 Internal Server Error", [
+                ("Content-Type", "application/xml"),
+                ("Content-Length", str(len(_INTERNAL_ERROR)))])
+            return [_INTERNAL_ERROR]
+        start_response(status, headers)
+        return body
 
 
 def _bucket_owner(bucket: str) -> str | None:
@@ -262,6 +328,9 @@ class MotoServer:
         #: Every request the server answered (see :class:`RequestLog`).
         self.requests = RequestLog()
         self._server.requests = self.requests
+        #: The lost-response fault of conditional S3 writes (:class:`LostResponses`).
+        self.lost_responses = LostResponses()
+        self._server.lost = self.lost_responses
         self.endpoint = ""
 
     def start(self) -> MotoServer:

@@ -256,7 +256,11 @@ class S3Store(Store):
                 return str(reply["ETag"])
             except Exception as err:
                 code = _boto.error_code(err)
-                if code in ("PreconditionFailed", "412", "NoSuchKey", "404"):
+                if code in ("PreconditionFailed", "412"):
+                    # botocore retries a write whose response was lost (a reset, a
+                    # 500): if the first try committed, the retry meets our own object.
+                    return self._own_write(key, data)
+                if code in ("NoSuchKey", "404"):
                     return None
                 if code in ("ConditionalRequestConflict", "409") and \
                         attempt < _CONFLICT_RETRIES - 1:
@@ -266,6 +270,18 @@ class S3Store(Store):
                     return None
                 raise self._fail(err, f"writing {key} conditionally") from None
         return None
+
+    def _own_write(self, key: str, data: bytes) -> str | None:
+        """After a 412: the object's ETag if it holds exactly ``data`` (this write
+        committed on an earlier try whose response was lost), else None (another writer
+        won). A body that must tell writers apart names its writer (a lease's holder and
+        heartbeat, a claim's claimant, a checkpoint's id), so equal bytes are this
+        write's outcome."""
+        try:
+            body, etag = self.get_with_etag(key)
+        except NotFound:
+            return None
+        return etag if body == data else None
 
     def put_if_absent(self, key: str, data: bytes) -> str | None:
         return self._conditional_put(key, data, IfNoneMatch="*")
