@@ -49,6 +49,7 @@ from spotnb.providers.aws.resources import (
 )
 from spotnb.providers.imds import ImdsClient
 from spotnb.testing import FAKE_CREDENTIALS, AwsSimulator
+from spotnb.testing.simulator import SPOTNB_ORIGINS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,15 +62,51 @@ def sim(spotnb_home: Path, tmp_path: Path,
     monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
     with AwsSimulator(tmp_path / "sim") as simulator:
         yield simulator
-        assert_nothing_left(simulator)
-        refused = simulator.check_requests()
-        assert not refused, "\n".join(map(str, refused))
+        try:
+            assert_nothing_left(simulator)
+        finally:
+            assert_no_request_refused(simulator)
+
+
+def assert_no_request_refused(simulator: AwsSimulator) -> None:
+    """Every request spotnb sent validates against botocore's models, and IAM refused
+    none (a missing permission in the policies spotnb writes or prints), but those the
+    test expects (``simulator.expected_denials``: IAM actions)."""
+    refused = simulator.check_requests()
+    assert not refused, "\n".join(map(str, refused))
+    denied = [d for d in simulator.denied if d.origin in SPOTNB_ORIGINS
+              and d.action not in simulator.expected_denials and not _finding_13(d)]
+    assert not denied, "IAM refused spotnb:\n" + "\n".join(map(str, denied))
+
+
+def _finding_13(denial: Any) -> bool:
+    """Issue 35 finding 13 (helper aws35 fixes it in the provider): a job's instance
+    deletes its role's inline policy, then the role, which that policy no longer allows
+    (IAM's propagation lag hid it on AWS): ``iam:DeleteRole`` refused to the role
+    itself, and the role and its instance profile left over. Until then the fixtures
+    forgive exactly that refusal and delete what it leaves, as `spotnb aws cleanup`
+    would; test_simulator_contract's strict xfail test fails once it is fixed."""
+    role = denial.resource.rsplit("/", 1)[-1]
+    return denial.action == "iam:DeleteRole" and denial.origin == "instance-agent" and \
+        f":assumed-role/{role}/" in denial.principal
+
+
+def _delete_finding_13_leftovers(simulator: AwsSimulator) -> None:
+    iam = simulator.admin_client("iam")
+    for denial in simulator.denied:
+        if _finding_13(denial):
+            name = denial.resource.rsplit("/", 1)[-1]
+            with contextlib.suppress(Exception):
+                iam.delete_role(RoleName=name)
 
 
 def assert_nothing_left(simulator: AwsSimulator, timeout: float = 30.0) -> None:
     # The instance agent deletes its group a moment after the job's result.
     deadline = time.monotonic() + timeout
-    while AwsProvider().cleanup(dry_run=True) and time.monotonic() < deadline:
+    while True:
+        _delete_finding_13_leftovers(simulator)
+        if not AwsProvider().cleanup(dry_run=True) or time.monotonic() >= deadline:
+            break
         time.sleep(0.2)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -78,10 +115,18 @@ def assert_nothing_left(simulator: AwsSimulator, timeout: float = 30.0) -> None:
     simulator.wait_until_idle(timeout)
 
 
+def admin(service: str) -> Any:
+    """A client with the account administrator's key, for the test to look around or set
+    things up: spotnb's own clients run as the user, with IAM enforced."""
+    simulator = AwsSimulator._active
+    return simulator.admin_client(service) if simulator is not None else \
+        _boto.client(service)
+
+
 def resources() -> dict[str, list[str]]:
     """Every job resource in the account: groups, templates, live instances, roles,
     queues."""
-    asg, ec2, iam, sqs = (_boto.client(s) for s in ("autoscaling", "ec2", "iam", "sqs"))
+    asg, ec2, iam, sqs = (admin(s) for s in ("autoscaling", "ec2", "iam", "sqs"))
     instances = [i["InstanceId"] for r in ec2.describe_instances(Filters=[
         {"Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
         for i in r["Instances"]]
@@ -238,10 +283,16 @@ def test_bad_setups_are_refused_before_anything_is_created(
         spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarge"],
                       region="us-east-7")
     # A bucket of another account: nothing is written into it.
-    other = _boto.client("s3")
+    other = admin("s3")
     other.meta.events.register("before-sign.s3.*", lambda request, **kw: request.headers
                                .__setitem__("x-moto-account-id", "111111111111"))
     other.create_bucket(Bucket="someone-elses-bucket")
+    # The user may read it (IAM: an identity policy for it; the bucket's own policy,
+    # which AWS also needs across accounts, is not modelled).
+    admin("iam").put_user_policy(UserName="spotnb-user", PolicyName="other", PolicyDocument=
+                                 json.dumps({"Version": "2012-10-17", "Statement": [{
+                                     "Effect": "Allow", "Action": "s3:ListBucket",
+                                     "Resource": "arn:aws:s3:::someone-elses-bucket"}]}))
     with pytest.raises(SpecError, match="belongs to another AWS account"):
         spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarge"],
                       store="s3://someone-elses-bucket/spotnb")
@@ -281,7 +332,7 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
     job = handle.job_id
     assert handle.store.uri == f"s3://spotnb-123456789012-us-east-1/jobs/{job}"
     inst = sim.wait_for_instance(job)
-    ec2, asg, iam = (_boto.client(s) for s in ("ec2", "autoscaling", "iam"))
+    ec2, asg, iam = (admin(s) for s in ("ec2", "autoscaling", "iam"))
     # The group: one spot instance over the ranked types, in several AZs.
     group = asg.describe_auto_scaling_groups(
         AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"][0]
@@ -313,7 +364,7 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
         LaunchTemplateName=f"spotnb-{job}")["LaunchTemplateVersions"][0]["LaunchTemplateData"]
     assert version["MetadataOptions"]["HttpTokens"] == "required"
     assert version["IamInstanceProfile"]["Arn"].endswith(f"/spotnb/spotnb-job-{job}")
-    ssm_ami = _boto.client("ssm").get_parameter(
+    ssm_ami = admin("ssm").get_parameter(
         Name=AwsProvider().settings.ami_parameter)["Parameter"]["Value"]
     assert version["ImageId"] == ssm_ami
     groups = ec2.describe_security_groups(GroupIds=version["SecurityGroupIds"])
@@ -352,7 +403,7 @@ def test_a_stop_before_the_job_agent_starts_ends_the_job(sim: AwsSimulator) -> N
 
 def test_the_simulator_recommends_before_the_notice_alone_or_not_at_all(
         sim: AwsSimulator) -> None:
-    ec2 = _boto.client("ec2")
+    ec2 = admin("ec2")
     image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
     ids = [i["InstanceId"] for i in ec2.run_instances(
         ImageId=image, InstanceType="g4dn.xlarge", MinCount=3, MaxCount=3)["Instances"]]
@@ -437,7 +488,7 @@ def test_a_failed_launch_releases_what_it_created(sim: AwsSimulator) -> None:
     assert resources() == NOTHING, "the role and the template were deleted again"
     (job,) = spotnb.jobs(store="s3://spotnb-123456789012-us-east-1")
     assert job.status == "failed"
-    bucket = _boto.client("s3").list_objects_v2(Bucket="spotnb-123456789012-us-east-1")
+    bucket = admin("s3").list_objects_v2(Bucket="spotnb-123456789012-us-east-1")
     assert not any("/bootstrap/" in o["Key"] for o in bucket.get("Contents", ()))
 
 
@@ -649,7 +700,7 @@ def test_a_recommendation_moves_the_job_to_its_standby_and_completes_the_hooks(
         held = wait_until(lambda: (h := lease.read(handle.store)) and h[0].holder != old.id
                           and h, 120, "the standby holding the lease")
         # Now that it runs the job, it is protected from scale-in.
-        wait_until(lambda: protected(_boto.client("autoscaling")).get(held[0].holder),
+        wait_until(lambda: protected(admin("autoscaling")).get(held[0].holder),
                    60, "the standby that took over protected from scale-in")
         gate.touch()
         result = handle.wait(timeout=120)
@@ -808,7 +859,7 @@ def test_a_standby_not_ready_in_time_is_given_back(
     sim.recommend_rebalance(old.id)
     standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
                                        if i.id != old.id), None), 60, "the standby")
-    asg = _boto.client("autoscaling")
+    asg = admin("autoscaling")
     assert protected(asg).get(standby.id) is not True, "a standby is not protected"
     wait_until(lambda: standby.terminated, 120, "the standby given back")
     assert (standby.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed, \
@@ -846,7 +897,7 @@ def test_a_standby_never_launched_is_given_back_too(sim: AwsSimulator, tmp_path:
     old = sim.wait_for_instance(handle.job_id)
     wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
                "a durable checkpoint before the recommendation")
-    asg = _boto.client("autoscaling")
+    asg = admin("autoscaling")
     # The instance that runs the job is protected from scale-in: were the standby to
     # launch just as the group goes back to one instance, Auto Scaling would end the
     # standby, not it.
@@ -888,7 +939,7 @@ def test_a_notice_while_the_standby_boots_makes_it_the_replacement(
         standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
                                            if i.id != old.id), None), 60, "the standby")
         sim.interrupt(old.id, lead=None)
-        asg = _boto.client("autoscaling")
+        asg = admin("autoscaling")
         wait_until(lambda: [i["InstanceId"] for g in asg.describe_auto_scaling_groups()[
             "AutoScalingGroups"] for i in g["Instances"]] == [standby.id], 60,
             "the noticed instance out of the group")
@@ -1016,7 +1067,7 @@ def test_secrets_reach_every_attempt_and_no_store_file_or_cloud_state_holds_them
         secrets={"HF_TOKEN": remote["HF_TOKEN"]}, notify_url=remote["webhook"])
     job = handle.job_id
     inst = sim.wait_for_instance(job)
-    ec2, asg, iam, ssm = (_boto.client(s) for s in ("ec2", "autoscaling", "iam", "ssm"))
+    ec2, asg, iam, ssm = (admin(s) for s in ("ec2", "autoscaling", "iam", "ssm"))
     described = ssm.describe_parameters(ParameterFilters=[
         {"Key": "Path", "Option": "Recursive", "Values": [f"/spotnb/{job}"]}])["Parameters"]
     assert sorted((p["Name"], p["Type"], p["KeyId"], p["Tier"]) for p in described) == [
@@ -1076,7 +1127,7 @@ def test_secrets_reach_every_attempt_and_no_store_file_or_cloud_state_holds_them
     # the record, or EC2 and Auto Scaling state.
     blobs = {**_blobs_under(spotnb_home), **_blobs_under(tmp_path / "sim"),
              str(record): record.read_bytes(), "EC2 and Auto Scaling": state.encode()}
-    s3 = _boto.client("s3")
+    s3 = admin("s3")
     bucket = handle.store.uri[len("s3://"):].split("/", 1)[0]
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         for key in (o["Key"] for o in page.get("Contents", ())):
@@ -1104,23 +1155,26 @@ def test_cli_setup_doctor_and_cleanup(sim: AwsSimulator,
     assert '"ssm:PutParameter"' in out and "parameter/spotnb/<job-id>/*" in out, "secrets"
     assert "(dry run: nothing was changed)" in out
     assert resources() == NOTHING
-    assert _boto.client("s3").list_buckets()["Buckets"] == []
+    assert admin("s3").list_buckets()["Buckets"] == []
     assert cli_main(["aws", "setup"]) == 0
     out = capsys.readouterr().out
     assert "did create bucket" in out and "did create IAM role spotnb-fis" in out
     assert cli_main(["aws", "setup"]) == 0, "setup is idempotent"
     assert "exists" in capsys.readouterr().out
+    # Issue 35 finding 14 (helper aws35): doctor's iam:SimulatePrincipalPolicy is not in
+    # the policy it checks against, so its permissions line cannot tell.
+    sim.expected_denials.add("iam:SimulatePrincipalPolicy")
     code = cli_main(["aws", "doctor"])
     out = capsys.readouterr().out
-    assert "ok  credentials: arn:aws:sts::123456789012" in out
+    assert "ok  credentials: arn:aws:iam::123456789012:user/spotnb-user" in out
     assert "ok  bucket: s3://spotnb-123456789012-us-east-1 is yours" in out
     assert "ok  image: ami-" in out
     assert "ok  secrets: SSM Parameter Store, SecureString under /spotnb/<job-id>/" in out
     assert code == 0, out
     assert cli_main(["aws", "cleanup", "--dry-run"]) == 0
     assert capsys.readouterr().out.strip() == "nothing left over"
-    _boto.client("iam").delete_role_policy(RoleName="spotnb-fis", PolicyName="spotnb-fis")
-    _boto.client("iam").delete_role(RoleName="spotnb-fis")
+    admin("iam").delete_role_policy(RoleName="spotnb-fis", PolicyName="spotnb-fis")
+    admin("iam").delete_role(RoleName="spotnb-fis")
 
 
 def test_doctor_without_credentials_says_what_to_do(
@@ -1231,7 +1285,7 @@ def _refuse_nodes_without_capacity_in_one_az(
         spotnb.submit("x = 1", provider="aws", nodes=2, instance_types=types)
     # A type that no usable subnet's AZ offers (moto's offerings have no p4d.24xlarge in
     # us-east-1f) is refused the same way, before any score.
-    ec2 = _boto.client("ec2")
+    ec2 = admin("ec2")
     (subnet,) = ec2.describe_subnets(Filters=[
         {"Name": "availability-zone", "Values": ["us-east-1f"]}])["Subnets"]
     monkeypatch.setenv("SPOTNB_AWS_SUBNETS", subnet["SubnetId"])
@@ -1240,7 +1294,7 @@ def _refuse_nodes_without_capacity_in_one_az(
         spotnb.submit("x = 1", provider="aws", nodes="1:2", instance_types=["p4d.24xlarge"])
     assert resources() == NOTHING
     assert sim.placement_groups == {}
-    assert not _boto.client("ec2").describe_security_groups(Filters=[
+    assert not admin("ec2").describe_security_groups(Filters=[
         {"Name": "tag-key", "Values": [TAG_JOB]}])["SecurityGroups"]
     assert not any(key.startswith("jobs/") for key in _bucket_keys())
     sim.restore_capacity()
@@ -1248,7 +1302,7 @@ def _refuse_nodes_without_capacity_in_one_az(
 
 
 def _bucket_keys() -> list[str]:
-    s3 = _boto.client("s3")
+    s3 = admin("s3")
     if not s3.list_buckets()["Buckets"]:
         return []
     return [o["Key"] for o in s3.list_objects_v2(
@@ -1300,7 +1354,7 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     name = f"spotnb-{job.job_id}"
     # What the job was given, in moto's state (and the simulator's, for placement groups,
     # which moto lacks).
-    ec2, asg = _boto.client("ec2"), _boto.client("autoscaling")
+    ec2, asg = admin("ec2"), admin("autoscaling")
     group = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]
     # Room for one warm standby (providers/aws/standby.py).
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 3, 2)
@@ -1448,7 +1502,7 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
                             nodes=2, instance_types=["g5.8xlarge"], outputs=["weights"],
                             checkpoint_every="5 steps", standby_first_hour=True)
         name = f"spotnb-{job.job_id}"
-        asg = _boto.client("autoscaling")
+        asg = admin("autoscaling")
         (group,) = asg.describe_auto_scaling_groups(
             AutoScalingGroupNames=[name])["AutoScalingGroups"]
         # (Its desired capacity, 2, may read 1 for a moment here: the simulator attaches

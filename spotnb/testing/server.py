@@ -19,6 +19,7 @@ from typing import Any
 
 from spotnb.testing import contract
 from spotnb.testing.contract import Call
+from spotnb.testing.iam import IamEnforcer
 
 __all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "LostResponses",
            "MotoServer", "Request", "RequestLog", "aws_environment"]
@@ -63,10 +64,12 @@ def _moto_server_class() -> Any:
     class Server(ThreadedMotoServer):
         requests: RequestLog
         lost: LostResponses
+        iam: Any  # spotnb.testing.iam.IamEnforcer
 
         def _server_entry(self) -> None:
-            app = self.requests.wrap(
-                _S3Middleware(DomainDispatcherApplication(create_backend_app), self.lost))
+            self.iam.app = _S3Middleware(DomainDispatcherApplication(create_backend_app),
+                                         self.lost)
+            app = self.requests.wrap(self.iam)
             self._server = make_server(self._ip_address, self._port, app, True,
                                        request_handler=QuietHandler)
             self._server_ready_event.set()
@@ -331,6 +334,11 @@ class MotoServer:
         #: The lost-response fault of conditional S3 writes (:class:`LostResponses`).
         self.lost_responses = LostResponses()
         self._server.lost = self.lost_responses
+        #: IAM per principal (:mod:`spotnb.testing.iam`); off until switched on.
+        self.iam = IamEnforcer(None, account=DEFAULT_ACCOUNT,
+                               admin_key=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                               call_key=CALL_KEY)
+        self._server.iam = self.iam
         self.endpoint = ""
 
     def start(self) -> MotoServer:

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import random
@@ -25,7 +26,13 @@ from typing import Any
 
 from spotnb.protocol.signals import SignalModel
 from spotnb.testing.autoscaling import AutoScalingPlay
-from spotnb.testing.server import DEFAULT_ACCOUNT, DEFAULT_REGION, MotoServer, aws_environment
+from spotnb.testing.server import (
+    DEFAULT_ACCOUNT,
+    DEFAULT_REGION,
+    FAKE_CREDENTIALS,
+    MotoServer,
+    aws_environment,
+)
 
 __all__ = ["AwsSimulator", "SimInstance"]
 
@@ -42,6 +49,9 @@ DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
 # requested type, EC2's "not likely" (1); elsewhere "likely" (9).
 NO_SCORE = 1
 GOOD_SCORE = 9
+USER_NAME = "spotnb-user"
+#: How long an instance's role session lasts (EC2 refreshes them; the simulator does not).
+INSTANCE_CREDENTIAL_SECONDS = 12 * 3600
 #: The origins of spotnb's own requests (``spotnb-origin/<name>`` in the User-Agent):
 #: everything but the simulator's and a test's own clients.
 SPOTNB_ORIGINS = ("job-agent", "instance-agent", "runtime", "notebook", "cli")
@@ -105,8 +115,15 @@ class AwsSimulator(AutoScalingPlay):
                  region: str = DEFAULT_REGION, notice_seconds: float = DEFAULT_NOTICE_SECONDS,
                  boot_seconds: float = 0.0, kill_grace: float = KILL_GRACE_SECONDS,
                  install: bool = False, signals: SignalModel | None = None,
-                 time_scale: float | None = None) -> None:
+                 time_scale: float | None = None, iam: bool = True) -> None:
         self.region = region
+        #: IAM enforced per principal (:mod:`spotnb.testing.iam`): spotnb runs as a user
+        #: with the policy it prints, each instance as its instance profile's role.
+        self.iam = iam
+        self.user_credentials: dict[str, str] = {}
+        #: IAM actions a test expects spotnb to be refused (a check that degrades).
+        self.expected_denials: set[str] = set()
+        self._admin: Any = None
         #: Market seconds a real second, as the instances count their age (their first
         #: hour, which an interruption refunds): by default as the notice period is
         #: compressed (120 s in ``notice_seconds``); a test may compress the hour more.
@@ -167,9 +184,12 @@ class AwsSimulator(AutoScalingPlay):
             self._env.enter_context(aws_environment(self.server.endpoint, self.region))
             self._undo.append(self._env.close)
             self.server.reset()
+            self._admin = self._admin_session()
             self._patch_moto()
             self._publish_dlami()
             self._install_fis()
+            if self.iam:
+                self._enforce_iam()
             self._thread = threading.Thread(target=self._run, name="spotnb-aws-sim",
                                             daemon=True)
             self._thread.start()
@@ -423,13 +443,127 @@ class AwsSimulator(AutoScalingPlay):
                 self.interrupt(instance_id, seconds)
 
         #: FIS as the simulator plays it (:mod:`spotnb.testing.fis`)
-        self.fis = FisPlay(interrupt, self.notice_seconds / 120.0)
+        self.fis = FisPlay(interrupt, self.notice_seconds / 120.0, authorize=self._role_may)
         self._undo.append(self.fis.install())
 
     def _client(self, service: str) -> Any:
+        """A client with the administrator's key (the simulator's own requests)."""
         from spotnb.providers.aws import _boto
 
-        return _boto.client(service, self.region, attempts=3, origin="simulator")
+        return _boto.client(service, self.region, sess=self._admin, attempts=3,
+                            origin="simulator")
+
+    def admin_client(self, service: str) -> Any:
+        """A client with the account administrator's key, for a test to look around or
+        set things up (spotnb's own clients use the user's key, with IAM enforced)."""
+        return self._client(service)
+
+    def _admin_session(self) -> Any:
+        from spotnb.providers.aws import _boto
+
+        with _boto._SESSION_LOCK:
+            return _boto.boto3_module().session.Session(
+                aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                region_name=self.region)
+
+    # ------------------------------------------------------------------- IAM
+
+    def _enforce_iam(self) -> None:
+        """The notebook's user, with exactly the policy spotnb prints for users, in the
+        environment; IAM enforced per principal from here on (:mod:`spotnb.testing.iam`)."""
+        from spotnb.providers.aws import _boto
+        from spotnb.providers.aws.resources import user_policy
+        from spotnb.providers.aws.store import default_bucket
+
+        iam = self._client("iam")
+        iam.create_user(UserName=USER_NAME, Path="/")
+        iam.put_user_policy(UserName=USER_NAME, PolicyName="spotnb", PolicyDocument=json.dumps(
+            user_policy(self.region, DEFAULT_ACCOUNT, default_bucket(DEFAULT_ACCOUNT,
+                                                                     self.region))))
+        key = iam.create_access_key(UserName=USER_NAME)["AccessKey"]
+        #: the user's key (what spotnb runs with: the environment's credentials)
+        self.user_credentials = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+                                 "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+        os.environ.update(self.user_credentials)  # restored by aws_environment on exit
+        _boto._ACCOUNTS.clear()
+        self.server.iam.placement_tags = self._placement_tags
+        self.server.iam.enabled = True
+        self._undo.append(lambda: setattr(self.server.iam, "enabled", False))
+
+    @property
+    def denied(self) -> list[Any]:
+        """Every request IAM refused (:class:`spotnb.testing.iam.Denial`), in order."""
+        return list(self.server.iam.denied)
+
+    def _placement_tags(self, name: str) -> dict[str, str] | None:
+        with self._lock:
+            found = self.placement_groups.get(name)
+        return None if found is None else {t["Key"]: t["Value"] for t in found["Tags"]}
+
+    def _role_may(self, role_arn: str, action: str, resource: str) -> str | None:
+        """Why ``role_arn`` may not do ``action`` on ``resource`` (None: it may), its
+        policies evaluated as IAM does (an EC2 instance's tags as its resource tags)."""
+        from spotnb.testing import iam
+
+        if not self.iam:
+            return None
+        name = role_arn.rsplit("/", 1)[-1]
+        client = self._client("iam")
+        try:
+            documents = [client.get_role_policy(RoleName=name, PolicyName=n)["PolicyDocument"]
+                         for n in client.list_role_policies(RoleName=name)["PolicyNames"]]
+        except Exception as err:
+            return f"the role cannot be used: {err}"
+        policies = [json.loads(d) if isinstance(d, str) else d for d in documents]
+        world = iam.World(DEFAULT_ACCOUNT, self.region, self._placement_tags)
+        tags = world.ec2_tags(resource.rsplit("/", 1)[-1]) if ":instance/" in resource else {}
+        check = iam.Check(action, resource, {
+            "aws:RequestedRegion": (self.region,),
+            **{f"{p}:ResourceTag/{k}": (v,) for p in ("aws", "ec2") for k, v in tags.items()}})
+        verdict = iam.evaluate(policies, check)
+        return None if verdict == "allow" else (
+            f"{role_arn} is not authorized to perform {action} on {resource}")
+
+    def _instance_role(self, inst: dict[str, Any]) -> tuple[str | None, dict[str, str] | None]:
+        """The instance profile's role of a launched instance and a session of it (the
+        keys EC2 serves in the instance's metadata); (None, None) without one."""
+        from spotnb.testing import iam
+
+        profile = (inst.get("IamInstanceProfile") or {}).get("Arn")
+        world = iam.World(DEFAULT_ACCOUNT, self.region, self._placement_tags)
+        if not profile:
+            template = next((t["Value"] for t in inst.get("Tags", ())
+                             if t["Key"] == "aws:ec2launchtemplate:id"), None)
+            profile = world.template_profile(template) if template else None
+        role_arn = world.profile_role(profile) if profile else None
+        if role_arn is None:
+            return None, None
+        if not self._trusts_ec2(role_arn):
+            log.info("instance %s: its role %s does not trust EC2: no credentials",
+                     inst["InstanceId"], role_arn)
+            return None, None
+        session = self._client("sts").assume_role(
+            RoleArn=role_arn, RoleSessionName=inst["InstanceId"],
+            DurationSeconds=INSTANCE_CREDENTIAL_SECONDS)["Credentials"]
+        return role_arn.rsplit("/", 1)[-1], {
+            "AccessKeyId": session["AccessKeyId"], "SecretAccessKey": session["SecretAccessKey"],
+            "SessionToken": session["SessionToken"],
+            "Expiration": session["Expiration"].strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "ProfileArn": str(profile)}
+
+    def _trust_policy(self, role_arn: str) -> dict[str, Any]:
+        document = self._client("iam").get_role(RoleName=role_arn.rsplit("/", 1)[-1])[
+            "Role"]["AssumeRolePolicyDocument"]
+        return dict(json.loads(document) if isinstance(document, str) else document)
+
+    def _trusts_ec2(self, role_arn: str) -> bool:
+        for s in self._trust_policy(role_arn).get("Statement", []):
+            services = (s.get("Principal") or {}).get("Service", [])
+            services = [services] if isinstance(services, str) else services
+            if s.get("Effect") == "Allow" and "ec2.amazonaws.com" in services:
+                return True
+        return False
 
     # ------------------------------------------------------- the world's clock
 
@@ -521,7 +655,8 @@ class AwsSimulator(AutoScalingPlay):
 
     def _boot(self, inst: dict[str, Any]) -> None:
         from spotnb.providers.aws.resources import TAG_JOB
-        from spotnb.providers.local.imds import ImdsServer, InstanceIdentity
+        from spotnb.providers.local.imds import InstanceIdentity
+        from spotnb.testing.iam import instance_metadata
 
         instance_id = inst["InstanceId"]
         tags = {t["Key"]: t["Value"] for t in inst.get("Tags", ())}
@@ -544,9 +679,11 @@ class AwsSimulator(AutoScalingPlay):
         home.mkdir(parents=True, exist_ok=True)
         with self._lock:
             placement = self._placed.get(instance_id)
+        role, credentials = self._instance_role(inst) if self.iam else (None, None)
         record = SimInstance(id=instance_id, group=tags.get("aws:autoscaling:groupName"),
                              job_id=tags.get(TAG_JOB), instance_type=inst["InstanceType"],
-                             az=az, az_id=az_id, dir=home, imds=ImdsServer(identity).start(),
+                             az=az, az_id=az_id, dir=home,
+                             imds=instance_metadata(identity, role, credentials).start(),
                              placement_group=placement, address=address)
         with self._lock:
             self.instances[instance_id] = record
@@ -563,6 +700,16 @@ class AwsSimulator(AutoScalingPlay):
                # Its age in market time (spotnb.protocol.billing).
                "SPOTNB_TIME_SCALE": str(self.time_scale),
                "SPOTNB_INSTANCE_DIR": str(home), "SPOTNB_SIM_INSTANCE_ID": instance_id}
+        if self.iam:
+            # Its credentials are its instance profile's, from its metadata service (as
+            # on EC2), not the notebook's keys.
+            for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                         "AWS_EC2_METADATA_DISABLED"):
+                env.pop(name, None)
+            env.update(AWS_EC2_METADATA_SERVICE_ENDPOINT=record.imds.endpoint,
+                       # botocore's 1 s default is for EC2's local link; this machine is
+                       # shared and busy.
+                       AWS_METADATA_SERVICE_TIMEOUT="5", AWS_METADATA_SERVICE_NUM_ATTEMPTS="3")
         if self.install:
             site = home / "site"
             env.update(SPOTNB_BASE_PYTHON=sys.executable,

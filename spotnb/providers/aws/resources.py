@@ -328,17 +328,23 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
                     "s3:DeleteObject", "s3:PutBucketPublicAccessBlock",
                     "s3:PutEncryptionConfiguration", "s3:PutBucketPolicy",
                     "s3:PutLifecycleConfiguration", "s3:PutBucketTagging",
-                    "s3:GetBucketLocation"],
+                    # CreateBucket with ObjectOwnership sets the ownership controls too.
+                    "s3:PutBucketOwnershipControls", "s3:GetBucketLocation"],
          "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]},
         {"Sid": "JobRoles", "Effect": "Allow",
          "Action": ["iam:CreateRole", "iam:PutRolePolicy", "iam:TagRole", "iam:GetRole",
                     "iam:DeleteRolePolicy", "iam:DeleteRole", "iam:CreateInstanceProfile",
                     "iam:TagInstanceProfile", "iam:AddRoleToInstanceProfile",
                     "iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile",
-                    "iam:GetInstanceProfile", "iam:ListRoles", "iam:ListInstanceProfiles",
-                    "iam:ListRoleTags", "iam:PassRole"],
+                    "iam:GetInstanceProfile", "iam:ListRoleTags", "iam:PassRole"],
          "Resource": [f"arn:aws:iam::{account}:role{IAM_PATH}*",
                       f"arn:aws:iam::{account}:instance-profile{IAM_PATH}*"]},
+        # Auto Scaling creates its service-linked role on its first group in an account.
+        {"Sid": "AutoScalingServiceRole", "Effect": "Allow",
+         "Action": "iam:CreateServiceLinkedRole",
+         "Resource": f"arn:aws:iam::{account}:role/aws-service-role/"
+                     "autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling",
+         "Condition": {"StringLike": {"iam:AWSServiceName": "autoscaling.amazonaws.com"}}},
         {"Sid": "Capacity", "Effect": "Allow",
          "Action": ["ec2:CreateLaunchTemplate", "ec2:DeleteLaunchTemplate",
                     "ec2:CreateSecurityGroup", "ec2:CreateTags", "ec2:RunInstances",
@@ -364,7 +370,8 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
                     "ssm:DescribeParameters", "sqs:ListQueues",
                     "pricing:GetProducts", "ec2:GetSpotPlacementScores",
                     "servicequotas:GetServiceQuota", "sts:GetCallerIdentity",
-                    "tag:GetResources"],
+                    # No resource-level permissions: only "*" allows them.
+                    "iam:ListRoles", "iam:ListInstanceProfiles", "tag:GetResources"],
          "Resource": "*"},
     ]}
 
