@@ -209,10 +209,11 @@ def test_a_launch_by_price_claims_no_capacity_error_that_did_not_happen(
     assert launching and not any("had no spot capacity" in d for d in launching), launching
 
 
-def _group_with_hooks(name: str, default: str, timeout: int) -> Any:
+def _group_with_hooks(sim: AwsSimulator, name: str, default: str, timeout: int) -> Any:
     """A spotnb-tagged group of one (launched by the simulator) with a launch hook and a
-    termination hook; its Auto Scaling client."""
-    ec2, asg = _boto.client("ec2"), _boto.client("autoscaling")
+    termination hook; its Auto Scaling client (the administrator's: Auto Scaling's
+    rules are under test here, not spotnb's permissions)."""
+    ec2, asg = sim.admin_client("ec2"), sim.admin_client("autoscaling")
     image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
     template = ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={
         "ImageId": image})["LaunchTemplate"]["LaunchTemplateId"]
@@ -242,10 +243,10 @@ def _states(asg: Any, name: str) -> dict[str, str]:
     return {i["InstanceId"]: i["LifecycleState"] for g in groups for i in g["Instances"]}
 
 
-def _remove(name: str) -> None:
-    _boto.client("autoscaling").delete_auto_scaling_group(AutoScalingGroupName=name,
-                                                          ForceDelete=True)
-    _boto.client("ec2").delete_launch_template(LaunchTemplateName=name)
+def _remove(sim: AwsSimulator, name: str) -> None:
+    sim.admin_client("autoscaling").delete_auto_scaling_group(AutoScalingGroupName=name,
+                                                              ForceDelete=True)
+    sim.admin_client("ec2").delete_launch_template(LaunchTemplateName=name)
 
 
 def test_a_member_waits_in_pending_wait_where_aws_refuses_what_it_refuses(
@@ -253,7 +254,7 @@ def test_a_member_waits_in_pending_wait_where_aws_refuses_what_it_refuses(
     from botocore.exceptions import ClientError
 
     name = "spotnb-lifecycle-test"
-    asg = _group_with_hooks(name, default="ABANDON", timeout=3600)
+    asg = _group_with_hooks(sim, name, default="ABANDON", timeout=3600)
     first = wait_until(lambda: next(iter(_states(asg, name)), None), 20, "the launch")
     assert _states(asg, name) == {first: "Pending:Wait"}
     described = asg.describe_auto_scaling_instances(InstanceIds=[first])
@@ -302,17 +303,17 @@ def test_a_member_waits_in_pending_wait_where_aws_refuses_what_it_refuses(
     asg.complete_lifecycle_action(LifecycleHookName="up", AutoScalingGroupName=name,
                                   LifecycleActionResult="ABANDON", InstanceId=second)
     wait_until(lambda: sim.instances[second].terminated, 20, "the abandoned one ended")
-    _remove(name)
+    _remove(sim, name)
 
 
 def test_a_launch_hook_that_times_out_takes_its_default_result(sim: AwsSimulator) -> None:
     name = "spotnb-lifecycle-timeout"
     # 240 s of hook wait is 4 s here (scaled as the notice period: 120 s -> 2 s).
-    asg = _group_with_hooks(name, default="CONTINUE", timeout=240)
+    asg = _group_with_hooks(sim, name, default="CONTINUE", timeout=240)
     first = wait_until(lambda: next(iter(_states(asg, name)), None), 20, "the launch")
     assert _states(asg, name) == {first: "Pending:Wait"}
     wait_until(lambda: _states(asg, name) == {first: "InService"}, 30, "the timeout")
-    _remove(name)
+    _remove(sim, name)
 
 
 # ------------------------------------------------------------- S3's lost responses

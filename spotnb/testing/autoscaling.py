@@ -230,16 +230,38 @@ class AutoScalingPlay:
                     state.protected_from_scale_in = False
             original_delete(backend, group_name)
 
+        original_attach = AutoScalingBackend.attach_instances
+
+        def attach(backend: Any, group_name: str, instance_ids: list[str]) -> None:
+            # With a launch hook, an instance joins in Pending:Wait (in the same call,
+            # so that nobody sees it InService first).
+            original_attach(backend, group_name, instance_ids)
+            hook = next((h for h in backend.describe_lifecycle_hooks(group_name)
+                         if h.lifecycle_transition == "autoscaling:EC2_INSTANCE_LAUNCHING"),
+                        None)
+            if hook is None:
+                return
+            now = time.time()
+            wait = float(hook.heartbeat_timeout or 3600) * self.notice_seconds / 120.0
+            for state in backend.autoscaling_groups[group_name].instance_states:
+                if state.instance.id in instance_ids:
+                    with self._lock:
+                        state.lifecycle_state = "Pending:Wait"
+                        self._launch_waits[state.instance.id] = (
+                            group_name, hook.name, now + wait, hook.default_result or "ABANDON")
+
         original_activities = AutoScalingResponse.describe_scaling_activities
         FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
         AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
         AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
         AutoScalingResponse.terminate_instance_in_auto_scaling_group = terminate_in_group  # type: ignore[method-assign,assignment]
         AutoScalingBackend.delete_auto_scaling_group = delete_group  # type: ignore[method-assign,assignment]
+        AutoScalingBackend.attach_instances = attach  # type: ignore[method-assign,assignment]
         AutoScalingResponse.set_instance_protection = set_instance_protection  # type: ignore[method-assign,assignment]
         AutoScalingResponse.detach_instances = detach_instances  # type: ignore[method-assign,assignment]
 
         def unpatch() -> None:
+            AutoScalingBackend.attach_instances = original_attach  # type: ignore[method-assign]
             AutoScalingResponse.set_instance_protection = original_protect  # type: ignore[method-assign]
             AutoScalingResponse.detach_instances = original_detach  # type: ignore[method-assign]
             FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
@@ -326,28 +348,9 @@ class AutoScalingPlay:
                 f"Launching a new EC2 instance: {launched['InstanceId']} "
                 f"({instance_type} in {az}, {az_id})"), instance_type)
             self._retry_at.pop(name, None)
-            self._wait_for_launch_hook(name, str(launched["InstanceId"]), now)
             return str(launched["InstanceId"])
         self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
         return None
-
-    def _wait_for_launch_hook(self, group_name: str, instance_id: str, now: float) -> None:
-        """A new member of a group with a launch hook waits in ``Pending:Wait``."""
-        hooks = self._asg.describe_lifecycle_hooks(
-            AutoScalingGroupName=group_name)["LifecycleHooks"]
-        hook = next((h for h in hooks if h["LifecycleTransition"]
-                     == "autoscaling:EC2_INSTANCE_LAUNCHING"), None)
-        if hook is None:
-            return
-        state = _member(self._asg_backend(), instance_id)
-        if state is None:
-            return
-        wait = float(hook.get("HeartbeatTimeout", 3600)) * self.notice_seconds / 120.0
-        with self._lock:
-            state.lifecycle_state = "Pending:Wait"
-            self._launch_waits[instance_id] = (group_name, hook["LifecycleHookName"],
-                                               now + wait, hook.get("DefaultResult",
-                                                                    "ABANDON"))
 
     def _expire_launch_waits(self, now: float) -> None:
         """Launch hooks whose wait ran out: their ``DefaultResult`` applies."""

@@ -71,6 +71,9 @@ __all__ = ["Check", "IamEnforcer", "Principal", "checks", "evaluate"]
 log = logging.getLogger(__name__)
 
 AUTOSCALING_SLR = "AWSServiceRoleForAutoScaling"
+#: A denial's reason when the session's role was deleted, or has no policy left (a
+#: job torn down under it).
+ROLE_DELETED = "its role was deleted or has no policy left"
 AUTOSCALING_SERVICE = "autoscaling.amazonaws.com"
 _CREDENTIAL = re.compile(r"Credential=([^/]+)/\d{8}/([^/]+)/([^/]+)/aws4_request")
 # IAM's prefix of each signing name, where they differ.
@@ -100,6 +103,8 @@ class Principal:
     arn: str
     name: str = ""
     policies: tuple[dict[str, Any], ...] = ()
+    #: a session of a role deleted since, or left with no policy (it may do nothing)
+    deleted: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -678,9 +683,13 @@ def principal_of(access_key: str, account: str, admin_key: str) -> Principal | N
                 found += [iam.get_role_policy(name, n) for n in iam.list_role_policies(name)]
                 found += iam.list_attached_role_policies(name)[0]
             except Exception:  # the role was deleted: its sessions can do nothing
-                found = []
+                return Principal("role", f"arn:aws:sts::{account}:assumed-role/{name}/"
+                                 f"{session.session_name}", name, (), deleted=True)
+            # A role with no policy left is being deleted (spotnb's roles always hold
+            # one): what its sessions are refused is a job torn down under them.
             return Principal("role", f"arn:aws:sts::{account}:assumed-role/{name}/"
-                             f"{session.session_name}", name, _documents(found))
+                             f"{session.session_name}", name, _documents(found),
+                             deleted=not found)
     return None
 
 
@@ -750,9 +759,10 @@ class IamEnforcer:
         for check in self.needs(call, signing, world, principal):
             verdict = "gap" if check.unresolved else evaluate(principal.policies, check)
             if verdict != "allow":
-                reason = check.unresolved or ("explicit deny in an identity-based policy"
-                                              if verdict == "deny" else
-                                              "no identity-based policy allows the action")
+                reason = check.unresolved or (
+                    "explicit deny in an identity-based policy" if verdict == "deny" else
+                    ROLE_DELETED if principal.deleted else
+                    "no identity-based policy allows the action")
                 self._deny(Denial(principal.arn, f"{signing}.{call.operation}", check.action,
                                   check.resource, call.origin, reason))
                 return _refuse(environ, start_response, signing, call, message=(

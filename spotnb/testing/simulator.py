@@ -190,6 +190,11 @@ class AwsSimulator(AutoScalingPlay):
             self._install_fis()
             if self.iam:
                 self._enforce_iam()
+            self._ec2 = self._client("ec2")
+            # Capacity errors are injected into the fulfilment's own RunInstances calls.
+            self._ec2.meta.events.register("before-parameter-build.ec2.RunInstances",
+                                           self.capacity_hook)
+            self._asg = self._client("autoscaling")
             self._thread = threading.Thread(target=self._run, name="spotnb-aws-sim",
                                             daemon=True)
             self._thread.start()
@@ -455,8 +460,11 @@ class AwsSimulator(AutoScalingPlay):
 
     def admin_client(self, service: str) -> Any:
         """A client with the account administrator's key, for a test to look around or
-        set things up (spotnb's own clients use the user's key, with IAM enforced)."""
-        return self._client(service)
+        set things up (spotnb's own clients use the user's key, with IAM enforced). Its
+        requests' origin is ``test``: AWS's other rules apply to them."""
+        from spotnb.providers.aws import _boto
+
+        return _boto.client(service, self.region, sess=self._admin, attempts=3, origin="test")
 
     def _admin_session(self) -> Any:
         from spotnb.providers.aws import _boto
@@ -568,11 +576,6 @@ class AwsSimulator(AutoScalingPlay):
     # ------------------------------------------------------- the world's clock
 
     def _run(self) -> None:
-        self._ec2 = self._client("ec2")
-        # Capacity errors are injected into the fulfilment's own RunInstances calls.
-        self._ec2.meta.events.register("before-parameter-build.ec2.RunInstances",
-                                       self.capacity_hook)
-        self._asg = self._client("autoscaling")
         while not self._stop.wait(TICK_SECONDS):
             try:
                 self._tick()
