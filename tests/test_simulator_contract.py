@@ -31,7 +31,14 @@ from spotnb.providers.aws.resources import (
     trust_policy,
 )
 from spotnb.providers.imds import ImdsClient
-from spotnb.testing import DEFAULT_ACCOUNT, AwsSimulator, MotoServer, aws_environment, contract
+from spotnb.testing import (
+    DEFAULT_ACCOUNT,
+    FAKE_CREDENTIALS,
+    AwsSimulator,
+    MotoServer,
+    aws_environment,
+    contract,
+)
 from spotnb.testing.autoscaling import pool_order
 from spotnb.testing.simulator import SPOTNB_ORIGINS
 
@@ -487,3 +494,28 @@ def test_every_request_of_a_flow_validates_against_the_declared_floor(
     admin = sim.admin_client("iam")
     admin.delete_role_policy(RoleName="spotnb-fis", PolicyName="spotnb-fis")
     admin.delete_role(RoleName="spotnb-fis")
+
+
+def test_an_instance_runs_as_its_role_not_with_the_notebooks_keys(
+        sim: AwsSimulator, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(aws_tests.GATED.format(gate=str(gate)), provider="aws",
+                           instance_types=["g4dn.xlarge"])
+    inst = sim.wait_for_instance(handle.job_id)
+    assert inst.proc is not None
+    environ = dict(line.split("=", 1) for line in Path(
+        f"/proc/{inst.proc.pid}/environ").read_text().split("\0") if "=" in line)
+    assert "AWS_ACCESS_KEY_ID" not in environ and "AWS_SECRET_ACCESS_KEY" not in environ
+    assert environ["AWS_EC2_METADATA_SERVICE_ENDPOINT"] == inst.imds.endpoint
+    role = f"spotnb-job-{handle.job_id}"
+    imds = ImdsClient(inst.imds.endpoint)
+    served = json.loads(imds.get(f"iam/security-credentials/{role}") or "{}")
+    assert served["Code"] == "Success" and served["AccessKeyId"] not in (
+        FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"], sim.user_credentials["AWS_ACCESS_KEY_ID"])
+    # The instance's agents made their requests as that role's session.
+    wait_until(lambda: any(f":assumed-role/{role}/{inst.id}" in who
+                           for who, _, _ in sim.server.iam.allowed), 60,
+               "a request of the instance as its role")
+    gate.touch()
+    result = handle.wait(timeout=90)
+    assert result.status == "completed", (result.reason, result.error)

@@ -8,11 +8,9 @@ import base64
 import contextlib
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import random
-import secrets
 import shutil
 import signal
 import subprocess
@@ -26,6 +24,8 @@ from typing import Any
 
 from spotnb.protocol.signals import SignalModel
 from spotnb.testing.autoscaling import AutoScalingPlay
+from spotnb.testing.ec2 import Ec2Play
+from spotnb.testing.principals import PrincipalsPlay
 from spotnb.testing.server import (
     DEFAULT_ACCOUNT,
     DEFAULT_REGION,
@@ -45,13 +45,6 @@ TICK_SECONDS = 0.2
 # EC2 shuts the OS down before power-off; the simulator's agents get this long.
 KILL_GRACE_SECONDS = 3.0
 DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
-# Spot placement scores the simulator gives an AZ: where no_capacity() covers every
-# requested type, EC2's "not likely" (1); elsewhere "likely" (9).
-NO_SCORE = 1
-GOOD_SCORE = 9
-USER_NAME = "spotnb-user"
-#: How long an instance's role session lasts (EC2 refreshes them; the simulator does not).
-INSTANCE_CREDENTIAL_SECONDS = 12 * 3600
 #: The origins of spotnb's own requests (``spotnb-origin/<name>`` in the User-Agent):
 #: everything but the simulator's and a test's own clients.
 SPOTNB_ORIGINS = ("job-agent", "instance-agent", "runtime", "notebook", "cli")
@@ -105,7 +98,7 @@ class SimInstance:
         return "\n".join(parts)
 
 
-class AwsSimulator(AutoScalingPlay):
+class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
     """A fake AWS on loopback in which spotnb's instances really run. See the module
     docstring; use as a context manager."""
 
@@ -347,84 +340,6 @@ class AwsSimulator(AutoScalingPlay):
         self._patch_autoscaling()
         self._patch_ec2()
 
-    def _patch_ec2(self) -> None:
-        """EC2 calls moto lacks, answered by the simulator: placement groups (create,
-        describe, delete; a group that holds a running instance is "in use", as on
-        AWS) and spot placement scores (from the capacity set with :meth:`no_capacity`).
-        Added to moto's EC2 responder, so the instances' own calls reach them too."""
-        from moto.core.responses import ActionResult, EmptyResult
-        from moto.ec2.exceptions import EC2ClientError
-        from moto.ec2.responses import EC2Response
-
-        sim = self
-
-        def create_placement_group(response: Any) -> Any:
-            name = response._get_param("GroupName")
-            tags = response._parse_tag_specification().get("placement-group", {})
-            with sim._lock:
-                if name in sim.placement_groups:
-                    raise EC2ClientError("InvalidPlacementGroup.Duplicate",
-                                         f"The placement group '{name}' already exists.")
-                sim.placement_groups[name] = {
-                    "GroupName": name, "State": "available",
-                    "Strategy": response._get_param("Strategy"),
-                    "GroupId": "pg-" + secrets.token_hex(8),
-                    "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
-                return ActionResult({"PlacementGroup": sim.placement_groups[name]})
-
-        def describe_placement_groups(response: Any) -> Any:
-            names = response._get_param("GroupNames", [])
-            filters = response._filters_from_querystring()
-            with sim._lock:
-                found = [g for g in sim.placement_groups.values()
-                         if (not names or g["GroupName"] in names)
-                         and _tags_match(g["Tags"], filters)]
-            return ActionResult({"PlacementGroups": found})
-
-        def delete_placement_group(response: Any) -> Any:
-            name = response._get_param("GroupName")
-            with sim._lock:
-                if name not in sim.placement_groups:
-                    raise EC2ClientError("InvalidPlacementGroup.Unknown",
-                                         f"The Placement Group '{name}' is unknown.")
-                if any(i.placement_group == name and not i.terminated
-                       for i in sim.instances.values()):
-                    raise EC2ClientError("InvalidPlacementGroup.InUse",
-                                         f"The placement group '{name}' is in use.")
-                del sim.placement_groups[name]
-            return EmptyResult()
-
-        def get_spot_placement_scores(response: Any) -> Any:
-            types = response._get_param("InstanceTypes", [])
-            offered = sim._client("ec2").describe_instance_type_offerings(
-                LocationType="availability-zone-id",
-                Filters=[{"Name": "instance-type", "Values": types}])["InstanceTypeOfferings"]
-            scores = []
-            for az_id in sorted({o["Location"] for o in offered}):
-                with sim._lock:
-                    short = all(t in sim._no_capacity or f"{t}@{az_id}" in sim._no_capacity
-                                for t in types)
-                scores.append({"Region": sim.region, "AvailabilityZoneId": az_id,
-                               "Score": NO_SCORE if short else GOOD_SCORE})
-            return ActionResult({"SpotPlacementScores": scores})
-
-        added = {"create_placement_group": create_placement_group,
-                 "describe_placement_groups": describe_placement_groups,
-                 "delete_placement_group": delete_placement_group,
-                 "get_spot_placement_scores": get_spot_placement_scores}
-        before = {name: EC2Response.__dict__.get(name) for name in added}
-        for name, fn in added.items():
-            setattr(EC2Response, name, fn)
-
-        def unpatch() -> None:
-            for name, fn in before.items():
-                if fn is None:
-                    delattr(EC2Response, name)
-                else:
-                    setattr(EC2Response, name, fn)
-
-        self._undo.append(unpatch)
-
     def _publish_dlami(self) -> None:
         """Put the Deep Learning AMI's public parameter into moto (AWS publishes it)."""
         from moto.ssm.models import Parameter, ssm_backends
@@ -474,104 +389,6 @@ class AwsSimulator(AutoScalingPlay):
                 aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
                 aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
                 region_name=self.region)
-
-    # ------------------------------------------------------------------- IAM
-
-    def _enforce_iam(self) -> None:
-        """The notebook's user, with exactly the policy spotnb prints for users, in the
-        environment; IAM enforced per principal from here on (:mod:`spotnb.testing.iam`)."""
-        from spotnb.providers.aws import _boto
-        from spotnb.providers.aws.resources import user_policy
-        from spotnb.providers.aws.store import default_bucket
-
-        iam = self._client("iam")
-        iam.create_user(UserName=USER_NAME, Path="/")
-        iam.put_user_policy(UserName=USER_NAME, PolicyName="spotnb", PolicyDocument=json.dumps(
-            user_policy(self.region, DEFAULT_ACCOUNT, default_bucket(DEFAULT_ACCOUNT,
-                                                                     self.region))))
-        key = iam.create_access_key(UserName=USER_NAME)["AccessKey"]
-        #: the user's key (what spotnb runs with: the environment's credentials)
-        self.user_credentials = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-                                 "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
-        os.environ.update(self.user_credentials)  # restored by aws_environment on exit
-        _boto._ACCOUNTS.clear()
-        self.server.iam.placement_tags = self._placement_tags
-        self.server.iam.enabled = True
-        self._undo.append(lambda: setattr(self.server.iam, "enabled", False))
-
-    @property
-    def denied(self) -> list[Any]:
-        """Every request IAM refused (:class:`spotnb.testing.iam.Denial`), in order."""
-        return list(self.server.iam.denied)
-
-    def _placement_tags(self, name: str) -> dict[str, str] | None:
-        with self._lock:
-            found = self.placement_groups.get(name)
-        return None if found is None else {t["Key"]: t["Value"] for t in found["Tags"]}
-
-    def _role_may(self, role_arn: str, action: str, resource: str) -> str | None:
-        """Why ``role_arn`` may not do ``action`` on ``resource`` (None: it may), its
-        policies evaluated as IAM does (an EC2 instance's tags as its resource tags)."""
-        from spotnb.testing import iam
-
-        if not self.iam:
-            return None
-        name = role_arn.rsplit("/", 1)[-1]
-        client = self._client("iam")
-        try:
-            documents = [client.get_role_policy(RoleName=name, PolicyName=n)["PolicyDocument"]
-                         for n in client.list_role_policies(RoleName=name)["PolicyNames"]]
-        except Exception as err:
-            return f"the role cannot be used: {err}"
-        policies = [json.loads(d) if isinstance(d, str) else d for d in documents]
-        world = iam.World(DEFAULT_ACCOUNT, self.region, self._placement_tags)
-        tags = world.ec2_tags(resource.rsplit("/", 1)[-1]) if ":instance/" in resource else {}
-        check = iam.Check(action, resource, {
-            "aws:RequestedRegion": (self.region,),
-            **{f"{p}:ResourceTag/{k}": (v,) for p in ("aws", "ec2") for k, v in tags.items()}})
-        verdict = iam.evaluate(policies, check)
-        return None if verdict == "allow" else (
-            f"{role_arn} is not authorized to perform {action} on {resource}")
-
-    def _instance_role(self, inst: dict[str, Any]) -> tuple[str | None, dict[str, str] | None]:
-        """The instance profile's role of a launched instance and a session of it (the
-        keys EC2 serves in the instance's metadata); (None, None) without one."""
-        from spotnb.testing import iam
-
-        profile = (inst.get("IamInstanceProfile") or {}).get("Arn")
-        world = iam.World(DEFAULT_ACCOUNT, self.region, self._placement_tags)
-        if not profile:
-            template = next((t["Value"] for t in inst.get("Tags", ())
-                             if t["Key"] == "aws:ec2launchtemplate:id"), None)
-            profile = world.template_profile(template) if template else None
-        role_arn = world.profile_role(profile) if profile else None
-        if role_arn is None:
-            return None, None
-        if not self._trusts_ec2(role_arn):
-            log.info("instance %s: its role %s does not trust EC2: no credentials",
-                     inst["InstanceId"], role_arn)
-            return None, None
-        session = self._client("sts").assume_role(
-            RoleArn=role_arn, RoleSessionName=inst["InstanceId"],
-            DurationSeconds=INSTANCE_CREDENTIAL_SECONDS)["Credentials"]
-        return role_arn.rsplit("/", 1)[-1], {
-            "AccessKeyId": session["AccessKeyId"], "SecretAccessKey": session["SecretAccessKey"],
-            "SessionToken": session["SessionToken"],
-            "Expiration": session["Expiration"].strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "ProfileArn": str(profile)}
-
-    def _trust_policy(self, role_arn: str) -> dict[str, Any]:
-        document = self._client("iam").get_role(RoleName=role_arn.rsplit("/", 1)[-1])[
-            "Role"]["AssumeRolePolicyDocument"]
-        return dict(json.loads(document) if isinstance(document, str) else document)
-
-    def _trusts_ec2(self, role_arn: str) -> bool:
-        for s in self._trust_policy(role_arn).get("Statement", []):
-            services = (s.get("Principal") or {}).get("Service", [])
-            services = [services] if isinstance(services, str) else services
-            if s.get("Effect") == "Allow" and "ec2.amazonaws.com" in services:
-                return True
-        return False
 
     # ------------------------------------------------------- the world's clock
 
@@ -755,14 +572,3 @@ class AwsSimulator(AutoScalingPlay):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         inst.imds.stop()
-
-
-def _tags_match(tags: list[dict[str, str]], filters: dict[str, Any]) -> bool:
-    """EC2's ``tag:<key>`` and ``tag-key`` filters over ``tags``."""
-    found = {t["Key"]: t["Value"] for t in tags}
-    for name, values in filters.items():
-        if name == "tag-key" and not any(v in found for v in values):
-            return False
-        if name.startswith("tag:") and found.get(name[4:]) not in values:
-            return False
-    return True
