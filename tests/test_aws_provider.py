@@ -1409,11 +1409,13 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     # keeps a security or placement group while an instance is still in it, so what
     # the teardown could not delete yet is all that cleanup may find, and deletes.
     sim.wait_until_idle(60)
+    _delete_finding_13_leftovers(sim)
     left = AwsProvider().cleanup()
     assert all(re.fullmatch(r"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
                             r"group spotnb-\S+) in us-east-1 \(its job has a result\)", line)
                and f"spotnb-{job.job_id}" in line for line in left), left
     assert sim.placement_groups == {}
+    assert_no_request_refused(sim)
 
 
 def test_one_node_at_a_time_claims_the_groups_standby(tmp_path: Path) -> None:
@@ -1561,11 +1563,13 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
         booted = {i.id: i.booted for i in sim.instances.values()}
         # What the nodes' teardown left is what AWS keeps while an instance is in it.
         sim.wait_until_idle(60)
+        _delete_finding_13_leftovers(sim)
         left = AwsProvider().cleanup()
         assert all(re.fullmatch(r"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
                                 r"group spotnb-\S+) in us-east-1 \(its job has a result\)",
                                 line) for line in left), left
         assert resources() == NOTHING
+        assert_no_request_refused(sim)
     assert result.status == "completed", (result.status, result.reason)
     assert most <= 3
     assert {i for _, i in both} == set(nodes), "each node moved once"

@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 CAPACITY_RETRY_SECONDS = 2.0
 #: States in which an instance may be protected from scale-in.
 PROTECTABLE = ("InService", "EnteringStandby", "Standby")
+#: Lifecycle states that count toward a group's size.
+IN_GROUP = ("Pending", "Pending:Wait", "Pending:Proceed", "InService")
 #: Allocation strategies that honour the overrides' order (priority).
 PRIORITIZED = ("capacity-optimized-prioritized", "prioritized")
 
@@ -223,12 +225,25 @@ class AutoScalingPlay:
 
         def delete_group(backend: Any, group_name: str) -> None:
             # spotnb deletes its groups with ForceDelete, which ends every instance,
-            # protected from scale-in or not (moto's scales in, sparing protected ones).
+            # protected from scale-in or not, in a lifecycle wait or not (moto's scales
+            # in, sparing protected ones and counting only InService).
             group = backend.autoscaling_groups.get(group_name)
             if group is not None:
                 for state in group.instance_states:
                     state.protected_from_scale_in = False
+                    state.lifecycle_state = "InService"
+                    with self._lock:
+                        self._launch_waits.pop(state.instance.id, None)
             original_delete(backend, group_name)
+
+        original_active = FakeAutoScalingGroup.active_instances
+
+        def active_instances(group: Any) -> list[Any]:
+            # The group's size counts instances launching (Pending:Wait) as AWS does,
+            # not only InService ones (moto's): so SetDesiredCapacity below it scales in.
+            if not any(t.get("Key") == TAG_JOB for t in group.tags):
+                return list(original_active(group))
+            return [st for st in group.instance_states if st.lifecycle_state in IN_GROUP]
 
         original_attach = AutoScalingBackend.attach_instances
 
@@ -257,11 +272,13 @@ class AutoScalingPlay:
         AutoScalingResponse.terminate_instance_in_auto_scaling_group = terminate_in_group  # type: ignore[method-assign,assignment]
         AutoScalingBackend.delete_auto_scaling_group = delete_group  # type: ignore[method-assign,assignment]
         AutoScalingBackend.attach_instances = attach  # type: ignore[method-assign,assignment]
+        FakeAutoScalingGroup.active_instances = active_instances  # type: ignore[method-assign,assignment]
         AutoScalingResponse.set_instance_protection = set_instance_protection  # type: ignore[method-assign,assignment]
         AutoScalingResponse.detach_instances = detach_instances  # type: ignore[method-assign,assignment]
 
         def unpatch() -> None:
             AutoScalingBackend.attach_instances = original_attach  # type: ignore[method-assign]
+            FakeAutoScalingGroup.active_instances = original_active  # type: ignore[method-assign]
             AutoScalingResponse.set_instance_protection = original_protect  # type: ignore[method-assign]
             AutoScalingResponse.detach_instances = original_detach  # type: ignore[method-assign]
             FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
