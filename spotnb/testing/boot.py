@@ -82,11 +82,14 @@ MACHINE = "machine.json"
 
 
 def power_on(home: Path, user_data: Path, env: Mapping[str, str], *, instance_id: str,
-             region: str) -> subprocess.Popen[bytes]:
+             region: str, ec2_credentials: Mapping[str, str] | None = None
+             ) -> subprocess.Popen[bytes]:
     """Boot an instance whose directory is ``home`` for the first time: its operating
     system, which runs ``user_data`` with ``env`` (plus the systemd unit directory and
     its tools on ``PATH``). Returns the operating system's process: the instance runs
-    while it does."""
+    while it does. ``ec2_credentials``: the keys (``AWS_ACCESS_KEY_ID``, ...) of EC2's
+    part at a power-off (the simulator's administrator's, with IAM enforced: not the
+    instance's and not the notebook's); by default this process's environment's."""
     home = home.resolve()
     for sub in (UNITS, "run", TOOLS):
         (home / sub).mkdir(parents=True, exist_ok=True)
@@ -102,7 +105,7 @@ def power_on(home: Path, user_data: Path, env: Mapping[str, str], *, instance_id
         "env": machine_env}))
     # The operating system itself runs with the simulator's environment (it plays EC2
     # at a power-off), never the instance's.
-    os_env = dict(os.environ)
+    os_env = {**os.environ, **(ec2_credentials or {})}
     package_root = str(Path(__file__).resolve().parents[2])
     os_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
