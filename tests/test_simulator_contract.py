@@ -491,19 +491,22 @@ def test_every_request_of_a_flow_validates_against_the_declared_floor(
 
 
 def test_an_instance_runs_as_its_role_not_with_the_notebooks_keys(
-        sim: AwsSimulator, tmp_path: Path) -> None:
+        sim: AwsSimulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_the_notebooks_own")  # nothing of EC2's
     gate = tmp_path / "gate"
     handle = spotnb.submit(aws_tests.GATED.format(gate=str(gate)), provider="aws",
                            instance_types=["g4dn.xlarge"])
     inst = sim.wait_for_instance(handle.job_id)
-    assert inst.proc is not None  # the instance's operating system (spotnb.testing.boot)
+    # Its operating system (spotnb.testing.boot) starts once the user data is read.
+    proc = wait_until(lambda: inst.proc, 60, "the instance's operating system")
     # Every process of the instance (the user data, its agents) has the metadata
     # service's credentials and no keys of its own.
-    wait_until(lambda: len(_instance_environs(inst.proc.pid)) >= 2, 60,
+    wait_until(lambda: len(_instance_environs(proc.pid)) >= 2, 60,
                "the instance's processes")
-    for environ in _instance_environs(inst.proc.pid):
+    for environ in _instance_environs(proc.pid):
         assert "AWS_ACCESS_KEY_ID" not in environ and "AWS_SECRET_ACCESS_KEY" not in environ
         assert environ["AWS_EC2_METADATA_SERVICE_ENDPOINT"] == inst.imds.endpoint
+        assert "HF_TOKEN" not in environ, "the notebook's environment is not the instance's"
     role = f"spotnb-job-{handle.job_id}"
     imds = ImdsClient(inst.imds.endpoint)
     served = json.loads(imds.get(f"iam/security-credentials/{role}") or "{}")

@@ -112,8 +112,10 @@ that reach into moto's in-process state; each is restored on exit):
 * IAM: resource-based policies (the bucket policy spotnb writes, key and queue
   policies), permission boundaries, SCPs, signatures (any secret passes with a known
   key), credential expiry and refresh (an instance's role session lasts 12 hours), and
-  IAM's propagation delay (a new role is usable at once); an IAM call on a role or
-  instance profile that does not exist is answered ``NoSuchEntity`` unchecked.
+  IAM's propagation delay (a new role is usable at once, a deleted policy grants
+  nothing at once: a role that deleted its own policy may not delete itself after, the
+  worst case of issue 35's finding 13); an IAM call on a role or instance profile that
+  does not exist is answered ``NoSuchEntity`` unchecked.
 * Auto Scaling: capacity depth (a pool has capacity or none; ``capacity-optimized``
   draws an order), ``Standby``, warm pools, health checks, AZ rebalancing, cooldowns,
   ``ScalingActivityInProgress`` anywhere but an instance in ``Pending:Wait``, and a
@@ -134,7 +136,9 @@ that reach into moto's in-process state; each is restored on exit):
   interruptions, stop conditions.
 
 By default an instance runs its user data with ``SPOTNB_PYTHON`` set to this Python,
-like an image with spotnb preinstalled (fast); ``install=True`` boots it on a plain
+like an image with spotnb preinstalled (fast; its environment holds the simulator's
+variables and the machine's, none of the notebook's others:
+:func:`spotnb.testing.boot.preinstalled_environment`); ``install=True`` boots it on a plain
 image (:class:`spotnb.testing.boot.PlainImage`: a system Python without spotnb that
 refuses pip, PEP 668; a local wheel index for PyPI; nothing of the test's environment
 but the simulator's variables), where the boot downloads the wheel that the provider

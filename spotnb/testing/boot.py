@@ -63,7 +63,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PlainImage", "plain_image", "power_on", "reboot", "wheel_index"]
+__all__ = ["PlainImage", "plain_image", "power_on", "preinstalled_environment", "reboot",
+           "wheel_index"]
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +370,24 @@ def _become_subreaper() -> None:
         log.warning("could not become a child subreaper: errno %d", ctypes.get_errno())
 
 
-# ------------------------------------------------------------------- the plain image
+# ------------------------------------------------------------------- the images
+
+#: What an instance's environment keeps of the process that runs the simulator, on an
+#: image with spotnb preinstalled, besides the simulator's own variables: the machine's.
+MACHINE_VARIABLES = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "PYTHONPATH",
+                     "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "VIRTUAL_ENV")
+
+
+def preinstalled_environment(harness: Mapping[str, str]) -> dict[str, str]:
+    """An instance's environment on an image with spotnb preinstalled (this interpreter,
+    spotnb where this process imports it from, ``PYTHONPATH``): the simulator's
+    variables from ``harness`` (``SPOTNB_*``, ``AWS_*``) and the machine's
+    (:data:`MACHINE_VARIABLES`), nothing else. The notebook's own environment (a
+    secret, a token in it) never reaches an EC2 instance, so it does not reach a
+    simulated one either."""
+    return {k: v for k, v in harness.items()
+            if k.startswith(("SPOTNB_", "AWS_")) or k in MACHINE_VARIABLES}
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,10 @@ __all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "LostRespons
 
 log = logging.getLogger(__name__)
 
+# moto's reset of every backend, the first right after its start: a bound for a
+# machine under load (10 s was too short with six test runs on two cores), not a pace.
+RESET_TIMEOUT_SECONDS = 120.0
+
 DEFAULT_ACCOUNT = "123456789012"
 # The simulator reaches into moto's in-process state (see the module docstring): it is
 # tested with this moto.
@@ -356,7 +360,7 @@ class MotoServer:
         """Forget every resource (moto's ``/moto-api/reset``)."""
         request = urllib.request.Request(self.endpoint + "/moto-api/reset", method="POST")
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(request, timeout=10) as reply:
+        with opener.open(request, timeout=RESET_TIMEOUT_SECONDS) as reply:
             reply.read()
 
     def stop(self) -> None:

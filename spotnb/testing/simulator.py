@@ -25,7 +25,7 @@ from typing import Any
 from spotnb.protocol.signals import SignalModel
 from spotnb.testing import contract
 from spotnb.testing.autoscaling import AutoScalingPlay
-from spotnb.testing.boot import PlainImage, plain_image, power_on
+from spotnb.testing.boot import PlainImage, plain_image, power_on, preinstalled_environment
 from spotnb.testing.ec2 import Ec2Play
 from spotnb.testing.principals import PrincipalsPlay
 from spotnb.testing.server import (
@@ -537,8 +537,8 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
         if self.install:  # a plain image: the boot installs spotnb (spotnb.testing.boot)
             image = self.install if isinstance(self.install, PlainImage) else plain_image()
             env = image.environment(env, home)
-        else:
-            env["SPOTNB_PYTHON"] = sys.executable  # an image with spotnb preinstalled
+        else:  # an image with spotnb preinstalled
+            env = {**preinstalled_environment(env), "SPOTNB_PYTHON": sys.executable}
         # EC2's part at a power-off (terminating the instance) is the administrator's.
         record.proc = power_on(home, script, env, instance_id=instance_id,
                                region=self.region, ec2_credentials=FAKE_CREDENTIALS)
