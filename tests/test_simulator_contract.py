@@ -167,6 +167,56 @@ def test_fis_refuses_more_than_five_arns_a_role_it_cannot_assume_and_interrupts_
     fis.delete_experiment_template(id=template["id"])
 
 
+def test_fis_selects_a_jobs_running_spot_instances_by_tag_and_recommends_first(
+        sim: AwsSimulator) -> None:
+    """spotnb's whole-job interruption (a target by tag, not ARNs: six instances here,
+    FIS takes five ARNs) as FIS resolves it when the experiment starts: the job's
+    running spot instances only; the recommendation at the start, the notice two
+    minutes before the end of ``durationBeforeInterruption``; FIS's service-linked
+    role made at the first experiment, with the user's permission."""
+    from spotnb.providers.aws import fis as aws_fis
+
+    ec2 = sim.admin_client("ec2")
+    image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
+
+    def launch(job: str, spot: bool = True) -> str:
+        params: dict[str, Any] = dict(
+            ImageId=image, InstanceType="g4dn.xlarge", MinCount=1, MaxCount=1,
+            TagSpecifications=[{"ResourceType": "instance", "Tags": [
+                {"Key": TAG_MANAGED, "Value": "true"}, {"Key": TAG_JOB, "Value": job}]}])
+        if spot:
+            params["InstanceMarketOptions"] = {"MarketType": "spot"}
+        return str(ec2.run_instances(**params)["Instances"][0]["InstanceId"])
+
+    mine = [launch("j1") for _ in range(7)]
+    on_demand, others = launch("j1", spot=False), launch("j2")
+    everyone = [*mine, on_demand, others]
+    wait_until(lambda: all(i in sim.instances for i in everyone), 30, "the instances booted")
+    stopped = mine.pop()
+    ec2.stop_instances(InstanceIds=[stopped])
+    assert not sim.admin_client("iam").list_roles(PathPrefix="/aws-service-role/fis")[
+        "Roles"], "a fresh account"
+    role_arn, made = aws_fis.role(_boto.client("iam"), "us-east-1", DEFAULT_ACCOUNT)
+    lead = 60.0  # market seconds: the recommendation a minute before the notice
+    aws_fis.send(_boto.client("fis"), role_arn, made, "j1", None, rebalance_lead=lead)
+    wait_until(lambda: all(sim.instances[i].notice_at is not None for i in mine), 30,
+               "the notices")
+    signals = {(iid, kind): at for at, iid, kind in sim.signals_sent}
+    for iid in mine:
+        # The notice is due `lead` after the recommendation (scaled as the notice
+        # period is): never earlier.
+        assert signals[iid, "notice"] - signals[iid, "rebalance"] >= \
+            lead * sim.notice_seconds / 120.0
+    assert not {iid for iid, _ in signals} & {stopped, on_demand, others}, signals
+    assert sim.admin_client("iam").get_role(RoleName="AWSServiceRoleForFIS")["Role"][
+        "Path"] == "/aws-service-role/fis.amazonaws.com/"
+    assert sim.fis.failed == []
+    ec2.terminate_instances(InstanceIds=everyone)
+    admin = sim.admin_client("iam")
+    admin.delete_role_policy(RoleName="spotnb-fis", PolicyName="spotnb-fis")
+    admin.delete_role(RoleName="spotnb-fis")
+
+
 # ----------------------------------------------------------------- Auto Scaling
 
 
