@@ -267,7 +267,7 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         before = reset_peak()
         ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
         ckpt.maybe_save(step)  # not due (every 60 s): warms the buffers in the background
-        ckpt._pool.wait_warm()  # the training loop would be running meanwhile
+        ckpt._saves.pool.wait_warm()  # the training loop would be running meanwhile
         record("spotnb, first save after maybe_save warmed", before, *save(ckpt, step + 2))
         del ckpt
         spot._finish()
@@ -275,7 +275,7 @@ def one(nbytes: int, repeat: int) -> dict[str, Any]:
         before = reset_peak()
         ckpt = spot.Checkpoint(model=model, optimizer=opt, host_memory=whole)
         ckpt.restore()
-        ckpt._pool.wait_warm()
+        ckpt._saves.pool.wait_warm()
         record("spotnb, first save after restore()", before, *save(ckpt, step + 3))
         del ckpt
         spot._finish()

@@ -715,7 +715,7 @@ def _checkpoint_cases(rep: Report, torch: Any, spot: Any, dev: Any, cuda: bool,
         spot._finish()
         ckpt = spot.Checkpoint(model=model, optimizer=opt, gen=gen, extra=extra,
                                host_memory=whole)
-        ckpt._pool.wait_warm()  # its background allocation is not the restore's
+        ckpt._saves.pool.wait_warm()  # its background allocation is not the restore's
         if cuda:
             torch.cuda.set_rng_state_all([torch.zeros_like(s) for s in ref["cuda_rng"]])
         os.sync()
@@ -732,7 +732,7 @@ def _checkpoint_cases(rep: Report, torch: Any, spot: Any, dev: Any, cuda: bool,
             rep.check(f"{name}: CUDA RNG state restored",
                       all(torch.equal(a, b) for a, b in zip(rng, ref["cuda_rng"],
                                                             strict=True)))
-        ckpt._pool.wait_warm()
+        ckpt._saves.pool.wait_warm()
         del ckpt
         spot._finish()
         if timed:
@@ -748,7 +748,7 @@ def _checkpoint_cases(rep: Report, torch: Any, spot: Any, dev: Any, cuda: bool,
 
         on_gpu = {key: bool(t.is_cuda) for key, _, t in snapshot.tensor_specs(ckpt._objects)}
         return {k: (b.data_ptr(), bool(b.is_pinned()) if cuda else False, on_gpu.get(k, False))
-                for k, b in ckpt._pool._bufs.items()}
+                for k, b in ckpt._saves.pool._bufs.items()}
 
     # First-use costs (imports, the writer's threads) outside every case.
     spot.Checkpoint(x=torch.zeros(1, device=dev)).save(0)
@@ -772,7 +772,7 @@ def _checkpoint_cases(rep: Report, torch: Any, spot: Any, dev: Any, cuda: bool,
         ckpt = made.pop()
         record("spotnb, Checkpoint() + first save", stall, durable,
                extra_host(torch, start, counted))
-        held = ckpt._pool.held
+        held = ckpt._saves.pool.held
         bufs = buffers(ckpt)
         allocs: list[int] = []
         start = reset_peak(torch)
@@ -781,7 +781,7 @@ def _checkpoint_cases(rep: Report, torch: Any, spot: Any, dev: Any, cuda: bool,
         again = buffers(ckpt)
         of_gpu = [p for _, p, g in again.values() if g]
         rep.check("steady save reuses the same buffers, page-locked for GPU tensors",
-                  bufs == again and all(of_gpu) and ckpt._pool.held == held
+                  bufs == again and all(of_gpu) and ckpt._saves.pool.held == held
                   and allocs[0] == 0,
                   f"{len(again)} buffers ({len(of_gpu)} of GPU tensors, page-locked: "
                   f"{sum(of_gpu)}), {mib(held)} held, same addresses: {bufs == again}, "
@@ -802,8 +802,8 @@ def _checkpoint_cases(rep: Report, torch: Any, spot: Any, dev: Any, cuda: bool,
         ckpt = spot.Checkpoint(model=model, optimizer=opt, gen=gen, extra=extra,
                                host_memory=whole)
         during = step_times(torch, model, opt, dev, 0,
-                            until=functools.partial(_warmed, ckpt._pool))
-        ckpt._pool.wait_warm()
+                            until=functools.partial(_warmed, ckpt._saves.pool))
+        ckpt._saves.pool.wait_warm()
         stall, durable, ref = spot_save(ckpt)
         record("spotnb, first save after warming", stall, durable,
                extra_host(torch, start, counted))
@@ -827,12 +827,12 @@ def _checkpoint_cases(rep: Report, torch: Any, spot: Any, dev: Any, cuda: bool,
             ckpt = made.pop()
             host = extra_host(torch, start, counted)
             record(f"spotnb, Checkpoint() + save, {label}", stall, durable, host)
-            copied = ckpt._pool.held
+            copied = ckpt._saves.pool.held
             rep.check(f"{label}: host memory within the budget", host <= budget + BUDGET_SLACK,
                       f"peak +{mib(host)} for a budget of {mib(budget)} (pool holds "
                       f"{mib(copied)} of copies; torch's pinned allocator peaked at "
                       f"+{mib(max(0, pinned_bytes(torch)[1] - start[1]))})")
-            ckpt._pool.wait_warm()
+            ckpt._saves.pool.wait_warm()
             del ckpt
             spot._finish()
             if rnd == 0:
@@ -853,7 +853,7 @@ def fresh_restore(rep: Report, torch: Any, spot: Any, nbytes: int, dev: Any,
     extra2: dict[str, Any] = {}
     ckpt = spot.Checkpoint(model=model2, optimizer=opt2, gen=gen2, extra=extra2)
     got = ckpt.restore()
-    ckpt._pool.wait_warm()
+    ckpt._saves.pool.wait_warm()
     saved = {k: v for k, v in ref["tensors"].items() if k.startswith("model.")}
     ok, why = compare(torch, {"tensors": saved, "ptrs": {}}, {"model": model2.state_dict()},
                       same_storage=False)

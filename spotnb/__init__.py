@@ -16,10 +16,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from spotnb import _moved
 from spotnb._version import __version__
-
-_moved.install()  # old module paths (spotnb.runtime, spotnb.jobs, ...) keep importing
 
 if TYPE_CHECKING:
     from spotnb.client.jobs import (
@@ -47,6 +44,7 @@ _LAZY = {
     "JobResult": "spotnb.client.jobs",
     "attach": "spotnb.client.jobs",
     "find_job": "spotnb.client.jobs",
+    "jobs": "spotnb.client.jobs",
     "prepare": "spotnb.client.jobs",
     "submit": "spotnb.client.jobs",
     "SpecError": "spotnb.protocol.spec",
@@ -63,42 +61,28 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | {"jobs", "sweep"})
+    return sorted(set(globals()) | set(_LAZY) | {"sweep"})
 
 
 class _Package(types.ModuleType):
-    """This package's module. ``spotnb.jobs`` is the function that lists jobs, and
-    ``spotnb.jobs`` is also the old path of the module that defines it
-    (:mod:`spotnb.client.jobs`): importing that path sets the package's attribute to the
-    module, which must not hide the function."""
-
-    @property
-    def jobs(self) -> Any:
-        if "_jobs" in self.__dict__:  # set on purpose (a test's monkeypatch, say)
-            return self.__dict__["_jobs"]
-        return importlib.import_module("spotnb.client.jobs").jobs
-
-    @jobs.setter
-    def jobs(self, value: Any) -> None:
-        # The import system sets the submodule here: the function stays. Anything
-        # else is set on purpose and is what ``spotnb.jobs`` then is.
-        if not isinstance(value, types.ModuleType):
-            self.__dict__["_jobs"] = value
-
+    """This package's module. ``spotnb.sweep`` is the function that runs a sweep, and
+    also the subpackage that defines it (:mod:`spotnb.sweep`): importing that
+    subpackage sets the package's attribute to it, which must not hide the function."""
 
     @property
     def sweep(self) -> Any:
         """:func:`spotnb.sweep.api.sweep`: run a cell once per parameter set (a grid, a
         list, or an Optuna study's sampler), each trial a spot job with its own resume,
         at most ``parallel`` at once, under one budget, pruned by an Optuna pruner
-        (needs ``spotnb[sweep]``). ``spotnb.sweep`` is also the subpackage that defines
-        it; the function stays, as for ``jobs``."""
-        if "_sweep" in self.__dict__:
+        (needs ``spotnb[sweep]``)."""
+        if "_sweep" in self.__dict__:  # set on purpose (a test's monkeypatch, say)
             return self.__dict__["_sweep"]
         return importlib.import_module("spotnb.sweep.api").sweep
 
     @sweep.setter
     def sweep(self, value: Any) -> None:
+        # The import system sets the subpackage here: the function stays. Anything
+        # else is set on purpose and is what ``spotnb.sweep`` then is.
         if not isinstance(value, types.ModuleType):
             self.__dict__["_sweep"] = value
 

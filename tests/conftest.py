@@ -77,6 +77,18 @@ def _spotnb_processes(home: Path) -> list[psutil.Process]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def _waits_look_at_the_result_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``JobHandle.wait`` looks for the result every 0.25 s at first, then backs off to
+    one look every 10 s (an S3 HEAD each on AWS): a test would wait up to 10 s past its
+    job's end, 5 s on average. Here the looks are free (a local directory, the
+    simulator): every 0.25 s, so that a test waits on its job's end, not on a back-off.
+    (Notebook kernels follow their jobs live, not through ``wait``.)"""
+    from spotnb.client import jobs
+
+    monkeypatch.setattr(jobs, "WAIT_MAX_SECONDS", jobs.POLL_SECONDS)
+
+
 @pytest.fixture
 def spotnb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fresh SPOTNB_HOME; fails the test if a local-cloud process outlives it."""

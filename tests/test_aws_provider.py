@@ -29,7 +29,7 @@ from typing import Any
 import nbformat
 import pytest
 from aws_reference import floor
-from helpers import wait_until
+from helpers import Watch, wait_until
 
 import spotnb
 from spotnb.client.cli import main as cli_main
@@ -1389,7 +1389,8 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
                        240, "two nodes")
     assert {(n.az, n.placement_group) for n in nodes} == {(nodes[0].az, name)}
     # The rendezvous endpoint is the host node's private address, found in the store.
-    wait_until(lambda: job.metrics().get("loss"), 240, "training to start")
+    with Watch(job) as watch:  # live: unwatched, the log has the steps once a minute
+        watch.until(lambda _: 8 in watch.steps(), 240, "training to reach the gate (step 8)")
     record = rdzv.read(job.store)
     assert record is not None and record[0].endpoint is not None
     host = record[0].host
@@ -1532,8 +1533,9 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
         nodes = wait_until(lambda: len(sim.running(job.job_id)) == 2 and
                            [n.id for n in sim.running(job.job_id)], 240, "two nodes")
         # Paused at step 6, after a durable checkpoint (step 5's).
-        wait_until(lambda: job.store.exists(f"{layout.CHECKPOINTS}/LATEST") and
-                   6 in [s for s, _ in job.metrics().get("loss", [])], 240, "step 6")
+        with Watch(job) as watch:  # live: unwatched, the log has the steps once a minute
+            watch.until(lambda _: job.store.exists(f"{layout.CHECKPOINTS}/LATEST") and
+                        6 in watch.steps(), 240, "step 6")
         for node in nodes:
             sim.recommend_rebalance(node)
         (go / "6").write_text("go")

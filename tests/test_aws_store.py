@@ -59,8 +59,6 @@ def test_listing_pages_past_a_thousand_keys(store: S3Store) -> None:
         backend.put_object(store.bucket, f"{store.prefix}/many/{i:05d}", b"")
     keys = store.list_keys("many/")
     assert len(keys) == 1100 and keys == sorted(keys)
-    assert store.list_keys("many/", start_after="many/01000") == [
-        f"many/{i:05d}" for i in range(1001, 1100)]
     store.delete_prefix("many/")
     assert store.list_keys("many/") == []
 
@@ -240,8 +238,8 @@ def test_real_s3_keeps_the_store_contract(tmp_path: Path) -> None:
         assert store.get("a/b.json") == b"three"
         for i in range(3):
             store.put(f"events/000001/{i:08d}.jsonl", b"{}")
-        assert store.list_keys("events/000001/", start_after="events/000001/00000000.jsonl") \
-            == ["events/000001/00000001.jsonl", "events/000001/00000002.jsonl"]
+        assert store.list_keys("events/000001/") == [
+            f"events/000001/{i:08d}.jsonl" for i in range(3)]
         assert store.list_children() == ["a", "events"]
         big = tmp_path / "big"
         big.write_bytes(os.urandom(40 * 2**20))

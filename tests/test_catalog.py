@@ -141,5 +141,5 @@ def test_check_instance_type_names_regions_that_have_it() -> None:
     with pytest.raises(SpecError, match="no spot pool in af-south-1") as err:
         catalog.check_instance_type("p5.48xlarge", "af-south-1")
     assert "us-east-1" in str(err.value)
-    with pytest.raises(SpecError, match=r"unknown region 'us-east-7'.*'us-east-1'"):
+    with pytest.raises(SpecError, match=r"unknown AWS region 'us-east-7'.*'us-east-1'"):
         catalog.check_instance_type("g5.xlarge", "us-east-7")

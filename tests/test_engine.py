@@ -16,10 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
-from helpers import wait_until
+from helpers import run_uninterrupted, wait_until
 
 import spotnb
 from spotnb.protocol import layout
@@ -138,13 +139,17 @@ class Interrupter:
 
 
 def test_torch_training_with_three_interruptions_is_bitwise_identical(
-        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        cloud: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     inputs = {"STEPS": 160, "STEP_SECONDS": 0.03}
     common = dict(instance_types=["g4dn.xlarge"], inputs=inputs,
                   outputs=["digest", "accuracy"], checkpoint_every="20 steps")
 
-    # The uninterrupted run, beside the interrupted one (its settings are taken now).
-    uninterrupted = spotnb.submit(TORCH_TRAINING, name="baseline", **common)
+    # The uninterrupted run: the same code in a plain process (no job), beside the
+    # interrupted one.
+    baseline: dict[str, Any] = {}
+    uninterrupted = threading.Thread(target=lambda: baseline.update(run_uninterrupted(
+        TORCH_TRAINING, {**inputs, "STEP_SECONDS": 0}, ["digest", "accuracy"], tmp_path)))
+    uninterrupted.start()
 
     # Attempt 2 is interrupted while a checkpoint uploads: the cell itself asks the
     # local cloud for the notice right after its first save starts (the notice then
@@ -179,8 +184,8 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
 
     events = follow(handle, on_event)
     result = handle.wait(timeout=60)
-    baseline = uninterrupted.wait(timeout=240)
-    assert baseline.status == "completed", (baseline.reason, baseline.error)
+    uninterrupted.join(timeout=300)
+    assert baseline, "the uninterrupted run failed (see the output)"
     assert [why for _, why in interrupt.delivered] == [
         "between checkpoints", "during an upload", "between checkpoints"]
     assert result.status == "completed", (result.reason, result.error)
@@ -189,8 +194,8 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
     assert [a.end_reason for a in result.attempts] == [
         "interrupted", "interrupted", "interrupted", "completed"]
     # Bitwise: the same weights as the run that was never interrupted.
-    assert result.outputs["digest"] == baseline.outputs["digest"]
-    assert result.outputs["accuracy"] == baseline.outputs["accuracy"] > 0.8
+    assert result.outputs["digest"] == baseline["digest"]
+    assert result.outputs["accuracy"] == baseline["accuracy"] > 0.8
     # With a notice and steps much shorter than it, no step is done twice.
     by_attempt = steps_by_attempt(events)
     steps = [s for attempt in by_attempt.values() for s in attempt]
@@ -210,16 +215,17 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
     wait_no_processes(cloud)
 
 
-def test_pure_python_training_survives_interruptions(cloud: Path) -> None:
+def test_pure_python_training_survives_interruptions(cloud: Path, tmp_path: Path) -> None:
     inputs = {"STEPS": 160, "STEP_SECONDS": 0.05}  # time for three interruptions
-    common = dict(inputs=inputs, outputs=["weights"], checkpoint_every="10 steps")
-    baseline = spotnb.submit(PYTHON_TRAINING, **common).wait(timeout=120)
-    handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=3, **common)
+    handle = spotnb.submit(PYTHON_TRAINING, simulate_interruptions=3, inputs=inputs,
+                           outputs=["weights"], checkpoint_every="10 steps")
+    baseline = run_uninterrupted(PYTHON_TRAINING, {**inputs, "STEP_SECONDS": 0},
+                                 ["weights"], tmp_path)
     result = handle.wait(timeout=180)
     assert result.status == "completed", (result.reason, result.error)
     assert result.interruptions == 3
-    assert result.outputs["weights"] == baseline.outputs["weights"]
-    assert result.metrics["norm"] == baseline.metrics["norm"]
+    assert result.outputs["weights"] == baseline["weights"]
+    assert result.metrics["norm"] == baseline["metrics"]["norm"]
     wait_no_processes(cloud)
 
 

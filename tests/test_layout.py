@@ -176,6 +176,10 @@ def test_the_public_names_stay_where_they_were() -> None:
             "set(dir(spotnb))\n"
             "from spotnb import runtime as spot; assert callable(spot.log)\n"
             "assert spot is sys.modules['spotnb.train.runtime']\n"
+            # the path a cell names the runtime by, both ways, is the module itself
+            "import spotnb.runtime; assert spotnb.runtime is spot\n"
+            "assert sys.modules['spotnb.runtime'] is spot and spot.Checkpoint\n"
+            "import spotnb.sweep.view; assert callable(spotnb.sweep)\n"
             "print(__version__)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout.strip()

@@ -7,12 +7,14 @@ rendezvous store.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import wait_until
+from helpers import Watch, wait_until
 
 from spotnb.protocol import lease
 from spotnb.protocol.layout import LEASE, lease_key
@@ -335,20 +337,22 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_nodes_run_one_cell_as_torchrun_workers(
+def test_two_nodes_of_two_processes_run_one_cell_as_torchrun_workers(
         spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (One process per node, the common case, is what every other multi-node job here
+    # runs: DDP code whose process group reads torchrun's variables.)
     import spotnb
 
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
-    job = spotnb.submit(ALL_REDUCE, nodes=2, outputs=["total", "world", "seen", "peer_wait"],
+    job = spotnb.submit(ALL_REDUCE, nodes=2, procs_per_node=2,
+                        outputs=["total", "world", "seen", "peer_wait"],
                         instance_types="g4dn.xlarge", peer_timeout="45s")
     result = job.wait(timeout=240)
     assert result.status == "completed", (result.status, result.reason)
-    # Rank 0's values come back: the all-reduce saw both ranks (1 + 2).
-    assert result.outputs["total"] == 3.0 and result.outputs["world"] == 2
-    assert result.outputs["seen"]["RANK"] == "0"
-    assert result.outputs["seen"]["WORLD_SIZE"] == "2"
-    assert result.outputs["seen"]["MASTER_ADDR"] == "127.0.0.1"
+    # Rank 0's values come back: the all-reduce saw every rank (1 + 2 + 3 + 4).
+    assert result.outputs["world"] == 4 and result.outputs["total"] == 1 + 2 + 3 + 4
+    assert result.outputs["seen"] == {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+                                      "MASTER_ADDR": "127.0.0.1"}
     # The job's peer timeout bounds the collectives of a group the cell made without
     # a timeout (torch's default is 30 minutes).
     assert result.outputs["peer_wait"] == 45.0
@@ -357,6 +361,10 @@ def test_two_nodes_run_one_cell_as_torchrun_workers(
     assert sorted(a.number for a in result.attempts) == [1, 2]
     assert len({a.instance_id for a in result.attempts}) == 2
     assert result.cost_usd > 0
+    # %spot_jobs and `spotnb jobs` show the nodes.
+    row = next(r for r in spotnb.jobs() if r.job_id == job.job_id)
+    assert row.nodes == "2 nodes (2x2)"
+    assert (row.instance_type or "").startswith("g4dn.xlarge x2")
 
 
 @pytest.mark.parametrize("nodes, words", [
@@ -497,62 +505,95 @@ dist.destroy_process_group()
 
 # The uninterrupted run that a job's final weights are compared with: the same cell as
 # plain torchrun workers on this machine (no instances, no agents), with `spot` reduced
-# to what an uninterrupted run does with it (never restores, saves nothing that matters).
-_PLAIN_SPOT = """
-import os, sys, torch
-class _Checkpoint:
-    def __init__(self, **state): pass
-    def restore(self): return 0
-    def maybe_save(self, step): return False
-class spot:
-    Checkpoint = _Checkpoint
-    @staticmethod
-    def log(step, **values): pass
-"""
+# to what an uninterrupted run does with it (helpers.PLAIN_SPOT: never restores, saves
+# nothing that matters). GATED_TRAINING without pauses is DDP_TRAINING: the tests that
+# pause ask for DDP_TRAINING's run, which they share.
 
 
 class Uninterrupted:
     """``code`` run by ``world`` torchrun workers with ``inputs``, started at once (it
-    runs beside the job); :meth:`weights` waits for rank 0's ``weights``."""
+    runs beside the job); :meth:`weights` waits for rank 0's ``weights``.
+
+    One run per test run for the same code, inputs and world size, whichever tests (and
+    pytest-xdist workers) ask for it: the first to ask starts it (its weights are kept
+    in a directory the workers share, :func:`helpers.shared_dir`), the others wait for
+    its weights, or run it themselves if that run failed."""
 
     def __init__(self, code: str, inputs: dict[str, object], world: int,
                  tmp_path: Path) -> None:
+        import hashlib
+
+        from helpers import shared_dir
+
+        self.code, self.inputs, self.world, self.tmp_path = code, inputs, world, tmp_path
+        key = hashlib.sha256(repr((code, sorted(inputs.items()), world)).encode())
+        cache = shared_dir(tmp_path) / "uninterrupted"
+        cache.mkdir(exist_ok=True)
+        self.out = cache / f"{key.hexdigest()[:16]}.pt"
+        self.failed = self.out.with_suffix(".failed")
+        self.log = self.out.with_suffix(".log")
+        self.proc: Any = None
+        try:  # the first to ask runs it
+            os.close(os.open(self.out.with_suffix(".claim"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        self._start(self.out)
+
+    def _start(self, out: Path) -> None:
         import subprocess
         import sys
 
-        self.out = tmp_path / "uninterrupted.pt"
-        script = tmp_path / "uninterrupted.py"
-        given = "".join(f"{k} = {v!r}\n" for k, v in inputs.items())
+        from helpers import PLAIN_SPOT
+
+        script = self.tmp_path / "uninterrupted.py"
+        given = "".join(f"{k} = {v!r}\n" for k, v in self.inputs.items())
         # os._exit: no interpreter teardown after the process group is gone (gloo's
         # threads there can abort the process: "terminate called without an active
         # exception", seen beside two busy loops).
-        script.write_text(f"{_PLAIN_SPOT}{given}{code}\n"
+        script.write_text(f"{PLAIN_SPOT}{given}{self.code}\n"
                           f"if os.environ['RANK'] == '0':\n"
-                          f"    torch.save(weights, {str(self.out)!r})\n"
+                          f"    torch.save(weights, {str(out)!r} + '.tmp')\n"
+                          f"    os.replace({str(out)!r} + '.tmp', {str(out)!r})\n"
                           f"sys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n")
-        self.log = tmp_path / "uninterrupted.log"
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={world}", str(script)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+                 f"--nproc-per-node={self.world}", str(script)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp_path,
+                start_new_session=True)
 
     def __del__(self) -> None:
         # A test that failed before weights(): its workers are ended, not left running
-        # into the next test (whose set-up then reported the running subprocess).
+        # into the next test (whose set-up then reported the running subprocess), and
+        # the tests waiting for them are told.
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
-            import os
             import signal
 
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and its workers
             self.proc.wait()
+        if not self.out.exists():
+            self.failed.touch()
 
     def weights(self, timeout: float = 300) -> list[object]:
         import torch
 
-        rc = self.proc.wait(timeout=timeout)
-        assert rc == 0, self.log.read_text()[-3000:]
+        if self.proc is not None:
+            rc = self.proc.wait(timeout=timeout)
+            if rc != 0:
+                self.failed.touch()
+            assert rc == 0, self.log.read_text()[-3000:]
+        else:
+            wait_until(lambda: self.out.exists() or self.failed.exists(), timeout,
+                       "the uninterrupted run another test started")
+            if not self.out.exists():  # that run failed: this test runs its own
+                self.log = self.tmp_path / "uninterrupted.log"
+                self._start(self.tmp_path / "uninterrupted.pt")
+                rc = self.proc.wait(timeout=timeout)
+                assert rc == 0, self.log.read_text()[-3000:]
+                return torch.load(self.tmp_path / "uninterrupted.pt")  # type: ignore[no-any-return]
         return torch.load(self.out)  # type: ignore[no-any-return]
 
 
@@ -599,7 +640,8 @@ def test_notice_to_the_rendezvous_host_saves_once_and_the_run_ends_as_uninterrup
     def events(type: str) -> list[object]:
         return [e for e in EventReader(store).replay() if e.type == type]
 
-    wait_until(lambda: job.metrics().get("loss"), 240, "training to start")
+    with Watch(job) as watch:
+        watch.until(lambda _: 12 in watch.steps(), 240, "training to reach the gate (step 12)")
     current = rdzv.read(store)
     assert current is not None
     host = current[0].host
@@ -659,28 +701,27 @@ def test_two_notices_at_once_then_the_rendezvous_host_killed_end_as_uninterrupte
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "10")
     common = {"nodes": 2, "outputs": ["weights"], "instance_types": "g4dn.xlarge",
               "checkpoint_every": "5 steps"}
-    inputs = {"STEPS": 26, "PAUSES": [12, 20], "PAUSE_AT": -1}
-    reference = Uninterrupted(GATED_TRAINING, {**inputs, "PAUSES": [], "GO": ""}, 2, tmp_path)
+    inputs = {"STEPS": 30, "PAUSES": [12, 20], "PAUSE_AT": -1}
+    reference = Uninterrupted(DDP_TRAINING, {"STEPS": 30, "PAUSE_AT": -1, "GO": ""}, 2, tmp_path)
     go = tmp_path / "go"
     go.mkdir()
     job = spotnb.submit(GATED_TRAINING, inputs={**inputs, "GO": str(go)}, **common)
     store = LocalStore(job.spec.store_uri.removeprefix("file://"))
 
-    def steps() -> list[int]:
-        return [step for step, _ in job.metrics().get("loss", [])]
-
     def noticed() -> set[str]:
         return {e.instance for e in EventReader(store).replay() if e.type == "status"
                 and "interruption notice" in str(e.data.get("detail"))}
 
-    wait_until(lambda: 12 in steps(), 240, "training to reach step 12")
-    first = {w["instance"] for w in _worlds(store)}
-    job.interrupt(node=0)
-    time.sleep(0.3)  # the fault itself: the second notice 0.3 s after the first
-    job.interrupt(node=1)
-    wait_until(lambda: noticed() >= first, 240, "both nodes' agents to see their notices")
-    (go / "12").write_text("go")
-    wait_until(lambda: 20 in steps(), 240, "training to reach step 20 on the replacements")
+    with Watch(job) as watch:
+        watch.until(lambda _: 12 in watch.steps(), 240, "training to reach step 12")
+        first = {w["instance"] for w in _worlds(store)}
+        job.interrupt(node=0)
+        time.sleep(0.3)  # the fault itself: the second notice 0.3 s after the first
+        job.interrupt(node=1)
+        wait_until(lambda: noticed() >= first, 240, "both nodes' agents to see their notices")
+        (go / "12").write_text("go")
+        watch.until(lambda _: 20 in watch.steps(), 240,
+                    "training to reach step 20 on the replacements")
     record = rdzv.read(store)
     assert record is not None and record[0].host not in first
     host = record[0].host
@@ -740,7 +781,7 @@ def test_a_warm_standby_joins_in_a_recommended_nodes_place_with_no_step_redone(
     # The termination hook's wait; the node ends as soon as it released its slot.
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "60")
     inputs = {"STEPS": 16, "PAUSES": [6, 12], "PAUSE_AT": -1}
-    reference = Uninterrupted(GATED_TRAINING, {**inputs, "PAUSES": [], "GO": ""}, 2, tmp_path)
+    reference = Uninterrupted(DDP_TRAINING, {"STEPS": 16, "PAUSE_AT": -1, "GO": ""}, 2, tmp_path)
     go = tmp_path / "go"
     go.mkdir()
     # standby_first_hour: the standby starts at the recommendation, not as the node's
@@ -887,7 +928,8 @@ def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
         return [step for step, _ in job.metrics().get("loss", [])]
 
     # Mid-epoch: past a checkpoint (step 9), held at step 12 before its maybe_save.
-    wait_until(lambda: 12 in metric_steps(), 240, "training to reach step 12")
+    with Watch(job) as watch:
+        watch.until(lambda _: 12 in watch.steps(), 240, "training to reach step 12")
     nodes = [m for m in LocalProvider().instances(job.job_id) if m.get("state") == "running"]
     assert len(nodes) == 3
     victim = random.choice(nodes)
@@ -908,25 +950,6 @@ def test_three_nodes_one_killed_at_random_mid_epoch_end_as_uninterrupted(
     else:
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                    for a, b in zip(got, want, strict=True))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_two_processes_on_each_of_two_nodes(
-        spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import spotnb
-
-    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
-    job = spotnb.submit(ALL_REDUCE, nodes=2, procs_per_node=2,
-                        outputs=["total", "world", "seen"], instance_types="g4dn.xlarge")
-    result = job.wait(timeout=240)
-    assert result.status == "completed", (result.status, result.reason)
-    assert result.outputs["world"] == 4 and result.outputs["total"] == 1 + 2 + 3 + 4
-    assert result.outputs["seen"]["LOCAL_RANK"] == "0"
-    # %spot_jobs and `spotnb jobs` show the nodes.
-    row = next(r for r in spotnb.jobs() if r.job_id == job.job_id)
-    assert row.nodes == "2 nodes (2x2)"
-    assert (row.instance_type or "").startswith("g4dn.xlarge x2")
 
 
 # -- what the notebook shows of a multi-node job (offline, from its events) ----------

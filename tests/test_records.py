@@ -228,6 +228,39 @@ def test_recording_the_quickstart_keeps_interruptions_cost_and_accuracy(
     assert stored == {k: v for k, v in job.items() if k != "cell"}
 
 
+def test_the_quickstart_survives_two_interruptions_and_shows_what_it_cost(
+        quickstart: dict[str, Any]) -> None:
+    """What a reader of the executed quickstart sees (a record is the executed copy,
+    as ``spotnb run`` writes it, plus its metadata: one run of the quickstart for both;
+    it takes the better part of a minute)."""
+    assert quickstart["code"] == 0
+    nb = nbformat.read(quickstart["path"], as_version=4)
+    train = next(c for c in nb.cells if c.source.startswith("%%spot_train"))
+    text = _text(train)
+    assert text.count("spot interruption notice") == 2, text
+    assert "attempt 3: resuming on a replacement instance" in text
+    # The resumed attempts started where the checkpoint left off, not at 0.
+    starts = [int(s) for s in re.findall(r"attempt \d: starting at step (\d+)", text)]
+    assert len(starts) == 3 and starts[0] == 0 and 0 < starts[1] < starts[2], starts
+    accuracy = float(re.search(r"test accuracy (\d\.\d+)", text).group(1))  # type: ignore[union-attr]
+    assert accuracy > 0.9
+    status = [o["data"]["text/plain"] for o in train.outputs
+              if o.get("data", {}).get("text/plain", "").startswith("spotnb job")][-1]
+    assert "completed" in status and "interruptions 2" in status
+    report = _text(next(c for c in nb.cells if c.cell_type == "code"
+                        and "%spot_result" in c.source))
+    match = re.search(r"accuracy (\d\.\d+) after 2 interruptions and 3 attempts\n"
+                      r"cost \$(\d+\.\d+) on spot vs \$(\d+\.\d+) on-demand", report)
+    assert match, report
+    assert float(match.group(1)) == pytest.approx(accuracy, abs=1e-3)
+    assert 0 < float(match.group(2)) < float(match.group(3))
+    # Its widgets, as a reader of the executed copy sees them.
+    from test_widgets_notebook import (
+        assert_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image as widgets,
+    )
+    widgets(quickstart["path"])
+
+
 def test_the_quickstart_record_is_small_and_carries_a_static_dashboard(
         quickstart: dict[str, Any]) -> None:
     from PIL import Image

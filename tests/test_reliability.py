@@ -22,12 +22,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import replayed, wait_until
+from helpers import StartupHold, replayed, run_uninterrupted, wait_until
 from test_engine import live_processes, steps_by_attempt, wait_no_processes
 
 import spotnb
 from spotnb.protocol import lease
 from spotnb.protocol.events import Event, EventReader
+from spotnb.protocol.events.fold import fold
 from spotnb.protocol.events.live import Follower
 from spotnb.protocol.store import LocalStore
 
@@ -157,8 +158,8 @@ def test_a_sigkilled_agent_loses_no_metric_step(
         assert len(logged) == len(set(logged)), f"attempt {attempt} has a step twice"
     replayed = [e for e in events if e.type == "metric" and e.data.get("replayed_by")]
     assert replayed and all(e.attempt == 1 for e in replayed)
-    baseline = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"]).wait(timeout=120)
-    assert result.outputs["total"] == baseline.outputs["total"]
+    baseline = run_uninterrupted(COUNTING, {**inputs, "STEP_SECONDS": 0}, ["total"], tmp_path)
+    assert result.outputs["total"] == baseline["total"]
     wait_no_processes(cloud)
 
 
@@ -273,16 +274,20 @@ def test_a_store_that_fails_for_a_while_loses_nothing_and_starts_no_storm(
     wait_no_processes(cloud)
 
 
-def test_jobs_resume_after_their_supervisor_dies(cloud: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_jobs_resume_after_their_supervisor_dies(
+        cloud: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from spotnb.providers.local import LocalProvider
 
+    hold = StartupHold(tmp_path, monkeypatch)
     # Case 1: the supervisor dies, then the agent: the next look at the job restarts
     # supervision and the job resumes on a new instance.
     inputs = {"STEPS": 150, "STEP_SECONDS": 0.02, "CKPT": 20}
     first = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
-    # Case 2: the supervisor dies right after a notice: the parked agent must still be
-    # terminated and replaced.
+    # Case 2: the supervisor dies right after a notice, while the replacement it
+    # launched at the notice boots: held at the first instruction of its first process,
+    # the supervisor is gone before that process ran a line of its own (issue 40: it
+    # then never saw its supervisor die). The parked agent must still be terminated,
+    # the replacement must find its metadata service, and nothing may outlive the job.
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "3")
     code = COUNTING.replace("time.sleep(STEP_SECONDS)",
                             "time.sleep(STEP_SECONDS)\n    ckpt.maybe_save(step)")
@@ -299,17 +304,59 @@ def test_jobs_resume_after_their_supervisor_dies(cloud: Path,
     for proc in [*agent.children(recursive=True), agent]:
         proc.kill()
 
+    hold.arm(second.job_id)
     second.interrupt()
+    hold.held()  # the replacement launched at the notice
     # The interruption notice (a rebalance recommendation, which may come a poll
     # before it, is not one: killing the supervisor then would lose the request).
     wait_event(second, lambda e: e.type == "notice" and e.data.get("kind") == "instance-action",
                "the notice")
     os.kill(provider.group(second.job_id)["supervisor"]["pid"], signal.SIGKILL)
+    wait_until(lambda: not provider.group(second.job_id)["alive"], 120, "the supervisor to die")
+    hold.release()
 
     results = [spotnb.attach(h.job_id).wait(timeout=240) for h in (first, second)]
     assert [r.status for r in results] == ["completed", "completed"], results
     assert all(all_steps(events_of(h)) == set(range(150)) for h in (first, second))
     assert [a.end_reason for a in results[1].attempts] == ["interrupted", "completed"]
+    for handle in (first, second):  # every instance the group launched has ended
+        assert fold(events_of(handle)).running_instances() == []
+    wait_no_processes(cloud)
+    launched = [e.data["instance_id"] for e in events_of(second)
+                if e.type == "instance" and e.data.get("action") == "launched"]
+    assert results[1].attempts[1].instance_id == launched[1], "the replacement ran " \
+        "without its metadata service"
+
+
+def test_an_instance_no_supervisor_can_adopt_is_ended_not_left_running(cloud: Path) -> None:
+    # The supervisor dies between starting an instance's first process and recording it
+    # (pid.json): staged by removing the record, then killing the supervisor. The next
+    # look at the job starts one that cannot adopt the instance: it ends it, as its log
+    # says, rather than leaving it to run the job with no metadata service and no
+    # supervisor, and the job resumes on a replacement.
+    from spotnb.providers.local import LocalProvider
+    from spotnb.providers.local.state import instance_dir
+
+    handle = spotnb.submit(COUNTING, inputs={"STEPS": 150, "STEP_SECONDS": 0.02, "CKPT": 20},
+                           outputs=["total"])
+    wait_event(handle, is_durable, "a first checkpoint")
+    boot = booted(handle, 1)
+    assert boot is not None
+    agent = psutil.Process(boot.data["pid"])
+    provider = LocalProvider()
+    (instance_dir(str(boot.instance)) / "pid.json").unlink()
+    os.kill(provider.group(handle.job_id)["supervisor"]["pid"], signal.SIGKILL)
+    wait_until(lambda: not provider.group(handle.job_id)["alive"], 120, "the supervisor to die")
+    assert provider.ensure_supervised(handle.job_id) is not None  # the next look
+    # The new supervisor took over (or ended) the instances on record before it said
+    # it was up: this one is ended by now.
+    assert not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE
+    result = handle.wait(timeout=240)
+    assert result.status == "completed", (result.reason, result.error)
+    assert [a.end_reason for a in result.attempts] == ["lost", "completed"]
+    ended = [e for e in events_of(handle) if e.type == "instance"
+             and e.data.get("action") == "terminated" and e.instance == boot.instance]
+    assert [e.data["reason"] for e in ended] == ["lost-while-unsupervised"]
     wait_no_processes(cloud)
 
 

@@ -31,7 +31,7 @@ from spotnb.ckpt.checkpoints import CheckpointError, CheckpointStore, CorruptChe
 from spotnb.kernel_remote import channel
 from spotnb.protocol import layout, lease
 from spotnb.protocol.store import LocalStore
-from spotnb.train import process
+from spotnb.train import process, saving
 from spotnb.train import runtime as spot
 from spotnb.train.syncdir import sync_name
 
@@ -509,7 +509,7 @@ def test_maybe_save_every_n_seconds(job: Job, monkeypatch: pytest.MonkeyPatch) -
     # moved past it: the test orders the saves, not the scheduler.
     monkeypatch.setenv(channel.ENV_CHECKPOINT_EVERY, json.dumps({"seconds": 60, "steps": None}))
     clock = _SkewedTime()
-    monkeypatch.setattr(spot, "time", clock)
+    monkeypatch.setattr(saving, "time", clock)
     ckpt = spot.Checkpoint(stats={"n": 0})
     assert not ckpt.maybe_save(0)
     clock.skew += 60
@@ -992,13 +992,15 @@ def test_log_params_sends_bounded_json(job: Job) -> None:
 def test_a_saves_states_all_lead_from_start_to_done() -> None:
     # Checkpoint's save is a state machine: every state is reachable from START, every
     # one but DONE leads on, and DONE (only) ends it.
-    table = spot.SAVE_TRANSITIONS
-    assert set(table) == set(spot.SaveState)
-    reached, todo = {spot.SaveState.START}, [spot.SaveState.START]
+    table = saving.SAVE_TRANSITIONS
+    assert set(table) == set(saving.SaveState)
+    reached, todo = {saving.SaveState.START}, [saving.SaveState.START]
     while todo:
         for following in table[todo.pop()]:
             if following not in reached:
                 reached.add(following)
                 todo.append(following)
-    assert reached == set(spot.SaveState)
-    assert [s for s in spot.SaveState if not table[s]] == [spot.SaveState.DONE]
+    assert reached == set(saving.SaveState)
+    assert [s for s in saving.SaveState if not table[s]] == [saving.SaveState.DONE]
+    # ... and each state but DONE has the step that does its work.
+    assert set(saving.SaveRun.STEPS) == set(saving.SaveState) - {saving.SaveState.DONE}

@@ -941,7 +941,7 @@ def test_picker_shows_nvidia_on_x86_by_default_and_warns_of_a_hidden_choice() ->
     picker = InstancePicker(magics=magics)
     assert picker.shown and all(r.cuda for r in picker.shown)
     assert not any(r.instance_type.startswith(("g4ad", "g5g")) for r in picker.shown)
-    picker.choose("g5g.xlarge")
+    picker.chosen.value = ["g5g.xlarge"]  # as typing it would
     assert "g5g.xlarge is chosen but hidden" in picker.warning.value
     assert "ARM (Graviton)" in picker.warning.value
     picker.cuda_only.value = False
@@ -966,8 +966,8 @@ def test_picker_sorts_by_header_and_chooses_by_row_click() -> None:
     assert "%%spot_train -t g5.2xlarge,g5.xlarge" in picker.line.value
     picker.gpu_model.value = "A10G"
     assert picker.shown and {r.gpu_model for r in picker.shown} == {"A10G"}
-    picker.region.value = "eu-west-1"
-    picker.choose("g5.xlarge")
+    picker.regions.value = ["eu-west-1"]
+    picker.chosen.value = ["g5.xlarge"]
     assert magics.region == "eu-west-1" and picker.table.chosen == ["g5.xlarge"]
     assert "--region eu-west-1" in picker.line.value
 
@@ -1035,7 +1035,7 @@ def test_picker_keeps_its_reference_gpu_when_choices_change_the_default_type() -
     first = InstancePicker(magics=magics)
     assert first.reference.value == "T4" and magics.gpu_reference == "T4"
     cost = {r["id"]: r["cells"]["est_spot_usd"] for r in first.table.rows}
-    first.choose("p5.48xlarge")
+    first.chosen.value = ["p5.48xlarge"]
     assert magics.instance_types == ["p5.48xlarge"]
     # The cell run again: the same reference, so the same costs, and it says which.
     again = InstancePicker(magics=magics)
@@ -1058,7 +1058,7 @@ def test_picker_shows_the_default_columns_until_all_are_asked_for() -> None:
 
 def test_picker_reads_without_widgets_as_an_html_table() -> None:
     picker = InstancePicker(magics=FakeMagics())
-    picker.choose("g5.xlarge")
+    picker.chosen.value = ["g5.xlarge"]
     data = picker._repr_mimebundle_()
     assert display_view_mime(data)
     page = data["text/html"]

@@ -88,8 +88,9 @@ def _model(state: dict[str, Any], model_id: str) -> dict[str, Any]:
 
 def assert_executed_quickstart_is_small_and_shows_its_plots_once_as_an_image(
         executed: Path) -> None:
-    """What the executed quickstart (``spotnb run``) keeps of its widgets. Called by
-    tests/test_notebooks.py's quickstart test, which runs the notebook once for both."""
+    """What the executed quickstart (``spotnb run``, or the record ``spotnb record``
+    writes: the same executed copy with its metadata) keeps of its widgets. Called by
+    tests/test_records.py's quickstart test, which runs the notebook once for both."""
     from PIL import Image
 
     from spotnb.records.figures import LOSS_COLOUR

@@ -66,7 +66,6 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -878,9 +877,3 @@ def tensor_names(metadata: Metadata) -> Iterator[tuple[str, TensorStorageMetadat
     for fqn, saved in metadata.state_dict_metadata.items():
         if isinstance(saved, TensorStorageMetadata):
             yield fqn, saved
-
-
-def byte_items(metadata: Metadata) -> list[str]:
-    """The non-tensor items of a checkpoint."""
-    return [fqn for fqn, saved in metadata.state_dict_metadata.items()
-            if isinstance(saved, BytesStorageMetadata)]

@@ -458,10 +458,6 @@ def _empty(torch: Any, shape: Any, dtype: Any, on_gpu: bool) -> Any:
     return host_empty(torch, shape, dtype, pin=_pinned(torch, on_gpu), populate=False)
 
 
-def _empty_like(torch: Any, t: Any) -> Any:
-    return _empty(torch, t.shape, t.dtype, t.is_cuda)
-
-
 def _choose(tensors: list[Any], budget: int) -> list[bool]:
     """Which tensors to copy: all if they fit, else greedily in order while they fit."""
     sizes = [nbytes(t) for t in tensors]

@@ -20,16 +20,19 @@ from spotnb.providers.aws.cli import add_aws_commands
 from spotnb.records.cli import add_record_commands
 
 DESCRIPTION = ("spotnb: train in Jupyter on spot GPU instances. Follow, interrupt and "
-               "stop the jobs that %%spot_train cells started, browse the instance "
-               "catalog, and run or record notebooks head-less.")
+               "stop the jobs that %%spot_train cells started and the sweeps of "
+               "%%spot_sweep, browse the instance catalog, and run or record notebooks "
+               "head-less.")
 EPILOG = """\
 JOB is a job's id, its name, or the end of its id, as `spotnb jobs` lists them;
 without it, the latest job. Examples:
   spotnb jobs
+  spotnb sweeps
+  spotnb stop digits-sweep         (a sweep: every trial, and no more start)
   spotnb logs quickstart -f
   spotnb interrupt 9d7ca1
   spotnb kill 9d7ca1 --node 1      (local cloud: a machine lost without notice)
-  spotnb catalog --gpu A10G --region us-west-2
+  spotnb catalog --gpu A10G --region us-west-2,eu-west-1
   spotnb run notebooks/quickstart.ipynb --timeout 600
 The local cloud keeps its state in $SPOTNB_HOME (default ~/.spotnb)."""
 JOB_HELP = ("a job id, its name, or the end of its id, as `spotnb jobs` lists them "
@@ -70,8 +73,55 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweeps(args: argparse.Namespace) -> int:
+    import time
+
+    from spotnb.client.listing import SWEEP_COLUMNS, sweeps_table
+    from spotnb.sweep import sweeps
+
+    rows = sweeps(store=args.store)
+    if not rows:
+        print("no sweeps yet; start one with %%spot_sweep in a notebook or spotnb.sweep()")
+        return 0
+    table = sweeps_table(rows, time.time())
+    header = tuple(c.upper() for c in SWEEP_COLUMNS)
+    widths = [min(40, max(len(str(c)) for c in col))
+              for col in zip(header, *table, strict=True)]
+    for row in (header, *table):
+        print("  ".join(str(c)[:w].ljust(w) for c, w in zip(row, widths, strict=True))
+              .rstrip())
+    if any(r.status == "abandoned" for r in rows):
+        print("note: an abandoned sweep's driver is gone (its kernel closed); its trials "
+              "not started wait: `%spot_attach SWEEP --resume` in a notebook drives it on, "
+              "`spotnb stop SWEEP` ends it")
+    return 0
+
+
+def _stop_sweep(args: argparse.Namespace) -> int | None:
+    """``spotnb stop SWEEP``: None when ``args.job`` names no sweep."""
+    from spotnb.client.magics import _sweep_stopped_text
+    from spotnb.sweep import find_sweep, stop_sweep
+
+    if not args.job or find_sweep(args.job, store=args.store) is None:
+        return None
+    print(f"stopping sweep {args.job}: its driver and every running trial...", flush=True)
+    done = stop_sweep(args.job, store=args.store, reason="spotnb stop")
+    print(_sweep_stopped_text(done, "%spot_attach"))
+    return 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
-    handle = _job(args)
+    if args.job and args.job.startswith("sweep-"):
+        code = _stop_sweep(args)
+        if code is not None:
+            return code
+    try:
+        handle = _job(args)
+    except spotnb.JobNotFound:
+        code = _stop_sweep(args)
+        if code is not None:
+            return code
+        raise
     ended = handle.result_record()
     if ended is not None:
         print(f"job {handle.job_id} already ended ({ended.get('status')}); it has no "
@@ -118,29 +168,41 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
-    from spotnb.providers import catalog
+    import difflib
+
+    from spotnb.providers import catalog, regions
     from spotnb.widgets.picker import picker_rows
 
-    if args.region not in catalog.all_regions():
-        raise SpecError(f"--region: no prices for {args.region!r}; regions: "
-                        f"{', '.join(catalog.all_regions())}")
-    rows = picker_rows(args.region, gpus_only=not args.all)
+    known = catalog.all_regions()
+    for name in (p.strip() for p in args.region.split(",")):
+        if name and name != regions.ANY and name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise SpecError(f"--region: no prices for {name!r}; {hint}regions: "
+                            f"{', '.join(known)} (or any: $SPOTNB_ALLOWED_REGIONS)")
+    try:
+        where = regions.region_names(args.region, regions.allowed_regions())
+    except SpecError as err:
+        raise SpecError(err.message({"region": "--region"})) from None
+    rows = picker_rows(where, gpus_only=not args.all)
     if args.gpu:
         wanted = args.gpu.lower()
         rows = [r for r in rows if wanted in r.gpu_model.lower()]
     if args.min_gpus:
         rows = [r for r in rows if r.gpu_count >= args.min_gpus]
+    place = ", ".join(where)
     if not rows:
-        models = sorted({r.gpu_model for r in picker_rows(args.region, gpus_only=not args.all)})
-        print(f"no instance type in {args.region} matches; GPU models there: "
-              f"{', '.join(models)}")
+        models = sorted({r.gpu_model for r in picker_rows(where, gpus_only=not args.all)})
+        print(f"no instance type in {place} matches; GPU models there: {', '.join(models)}")
         return 1
-    rows.sort(key={"spot": lambda r: (r.spot, r.instance_type),
-                   "gpu-hour": lambda r: (r.spot_per_gpu_hour, r.instance_type),
-                   "type": lambda r: (r.instance_type,)}[args.sort])
-    header = ("TYPE", "GPUS", "GPU MEM", "VCPU", "RAM", "ON-DEMAND $/H", "SPOT $/H",
-              "SAVING", "INTERRUPTIONS")
-    table = [(r.instance_type, f"{r.gpu_count} x {r.gpu_model}",
+    rows.sort(key={"spot": lambda r: (r.spot, r.instance_type, r.region),
+                   "gpu-hour": lambda r: (r.spot_per_gpu_hour, r.instance_type, r.region),
+                   "type": lambda r: (r.instance_type, r.spot, r.region)}[args.sort])
+    several = len(where) > 1
+    header = ("TYPE", *(("REGION",) if several else ()), "GPUS", "GPU MEM", "VCPU", "RAM",
+              "ON-DEMAND $/H", "SPOT $/H", "SAVING", "INTERRUPTIONS")
+    table = [(r.instance_type, *((r.region,) if several else ()),
+              f"{r.gpu_count} x {r.gpu_model}",
               f"{r.gpu_memory_gib:.1f} GiB" if r.gpu_memory_gib else "-", str(r.vcpus),
               f"{r.memory_gib:g} GiB", f"{r.ondemand:.4f}" if r.ondemand else "-",
               f"{r.spot:.4f}", f"{r.savings_pct:.0f}%" if r.savings_pct is not None else "-",
@@ -148,9 +210,16 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     widths = [max(len(c) for c in col) for col in zip(header, *table, strict=True)]
     for row in [header, *table]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    print(f"\n{len(rows)} type(s) in {args.region}; spot is the cheapest availability zone's "
-          f"price, from spotnb's bundled catalog ({catalog.DATA_DATE['catalog']}). "
-          f"Use one with %%spot_train -t {rows[0].instance_type}")
+    best = rows[0]
+    line = f"%%spot_train -t {best.instance_type}"
+    if best.region != "us-east-1":
+        line += f" --region {best.region}"
+    kinds = len({r.instance_type for r in rows})
+    print(f"\n{len(rows)} row(s) of {kinds} type(s) in {place}; spot is the cheapest "
+          f"availability zone's price, from spotnb's bundled catalog "
+          f"({catalog.DATA_DATE['catalog']}). Use one with {line}"
+          + ("; %spot_picker ranks them by your job's expected cost, the checkpoint's "
+             "transfer between regions included" if several else ""))
     return 0
 
 
@@ -206,8 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)
     p.add_argument("-f", "--follow", action="store_true", help="keep following until it ends")
     p.set_defaults(func=cmd_logs)
-    p = sub.add_parser("stop", help="stop a job and delete its instance")
-    p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)
+    p = sub.add_parser("sweeps", help="list sweeps: status (abandoned: the driver gone), "
+                                      "trials, best objective, cost")
+    p.set_defaults(func=cmd_sweeps)
+    p = sub.add_parser("stop", help="stop a job and delete its instance; or a sweep for "
+                                    "good: every running trial, and no trial starts")
+    p.add_argument("job", nargs="?", metavar="JOB",
+                   help=JOB_HELP + "; or a sweep, its id or name as `spotnb sweeps` lists "
+                                   "them: every running trial stopped, no trial started")
     p.set_defaults(func=cmd_stop)
     p = sub.add_parser("interrupt", help="deliver a spot interruption notice to a job now")
     p.add_argument("job", nargs="?", metavar="JOB", help=JOB_HELP)
@@ -222,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "interruption rates")
     p.add_argument("--gpu", metavar="MODEL",
                    help="only types with this GPU model (a part of it: a10g, t4, h100)")
-    p.add_argument("--region", default="us-east-1", help="the region (default us-east-1)")
+    p.add_argument("--region", default="us-east-1", metavar="REGION",
+                   help="the region (default us-east-1), several (us-east-1,eu-west-1), "
+                        "or any: the regions $SPOTNB_ALLOWED_REGIONS allows")
     p.add_argument("--min-gpus", type=int, default=0, metavar="N",
                    help="only types with at least N GPUs")
     p.add_argument("--sort", choices=("spot", "gpu-hour", "type"), default="spot",

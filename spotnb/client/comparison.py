@@ -10,7 +10,7 @@ whatever it comes from:
   another attempt took over), and its interruptions (:attr:`Run.marks`: the last step
   of each attempt that ended early, and the steps the next one redid);
 * its facts (:class:`Facts`): status, parameters, final and best value of each metric,
-  duration, cost, cost on-demand, saving, interruptions, steps redone.
+  duration, cost, refunds, cost on-demand, saving, interruptions, steps redone.
 
 A job from the store is replayed as ``%spot_attach`` replays it (one
 :class:`~spotnb.protocol.events.live.Follower`: one LIST and a GET per log object, then
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from spotnb.protocol.events import FINAL_STATES, Event
+from spotnb.protocol.events import FINAL_STATES, Event, EventReader
 from spotnb.protocol.events.fold import JobState
 
 if TYPE_CHECKING:
@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 # error, better smaller. Matched against the last part of the name, case aside.
 _HIGHER = re.compile(r"acc|f1|auc|score|reward|precision|recall|bleu|rouge|iou|map|"
                      r"throughput|samples_per|tokens_per|return", re.I)
+
+
+# A live run whose attempt booted on an instance the fold has no launch of yet reads
+# the log this often until it has (one LIST each; at most a few per instance).
+UNKNOWN_INSTANCE_LOG_SECONDS = 2.0
 
 
 def higher_is_better(metric: str) -> bool:
@@ -94,11 +99,26 @@ class Facts:
     final: dict[str, float] = dataclasses.field(default_factory=dict)
     best: dict[str, float] = dataclasses.field(default_factory=dict)
     duration_s: float | None = None
+    #: What AWS bills (a :class:`~spotnb.client.jobs.JobResult`'s ``cost_usd``; of a
+    #: running job, its instances until the newest event heard from each:
+    #: :meth:`~spotnb.protocol.events.fold.JobState.cost_heard`, which never decreases).
     cost_usd: float | None = None
     ondemand_cost_usd: float | None = None
     savings_pct: float | None = None
     interruptions: int = 0
     redone_steps: int = 0
+    #: What the instances EC2 interrupted in their first hour ran (not billed), and
+    #: how many they were (the fold's ``refunded``).
+    refunded_usd: float = 0.0
+    refunded_instances: int = 0
+    #: A sweep's trial that its pruner stopped: the step, and why in words.
+    pruned_at: int | None = None
+    reason: str = ""
+
+    @property
+    def gross_usd(self) -> float | None:
+        """What the instances ran, refunds included (never decreases as a run goes on)."""
+        return None if self.cost_usd is None else self.cost_usd + self.refunded_usd
 
 
 class Run:
@@ -171,6 +191,8 @@ class JobRun(Run):
                                                  log_lines=1, max_nodes=nodes)
         self.state = JobState(nodes)  # every event, rows included: the job's facts
         self._follower: Follower | None = None
+        self._reader: EventReader | None = None  # the follower's, kept past its end
+        self._log_read_at = -float("inf")
         self._result: dict[str, Any] | None = None
         self._ended = False
         self._facts: tuple[int, Facts] | None = None
@@ -186,6 +208,7 @@ class JobRun(Run):
 
         self._follower = Follower(self.handle.store, self.handle.job_id, live=follow,
                                   batches=True)
+        self._reader = self._follower.reader
         self.poll(wait=0)
         if not follow and not self._ended:
             self._finish(read_result=False)
@@ -199,11 +222,37 @@ class JobRun(Run):
         batch = follower.poll(wait=wait)
         if follower.ended:
             batch += follower.poll(wait=0)  # the group's last events, as a re-attach
+        elif self._instance_unknown() and \
+                time.monotonic() - self._log_read_at >= UNKNOWN_INSTANCE_LOG_SECONDS:
+            self._log_read_at = time.monotonic()
+            batch += follower.read_log()
         with self.lock:
             self.add(batch)
             if follower.ended:
                 self._finish(read_result=True)
                 return True
+        return bool(batch)
+
+    def _instance_unknown(self) -> bool:
+        """Whether an attempt booted on an instance whose launch the fold has not seen
+        (the group's event is in the log, which a live follower reads once a minute):
+        until it has, the cost leaves that instance out."""
+        with self.lock:
+            return any(a.instance_id is not None and a.instance_id not in
+                       self.state.instances for a in self.state.attempts.values())
+
+    def read_log(self) -> bool:
+        """Read the job's log now (the group's events: launches, ends, a sweep's own),
+        also after the job ended; whether anything came."""
+        follower = self._follower
+        if follower is not None:
+            batch = follower.read_log()
+        elif self._reader is not None:
+            batch = self._reader.poll()
+        else:
+            return False
+        with self.lock:
+            self.add(batch)
         return bool(batch)
 
     def add(self, batch: list[Event]) -> None:
@@ -215,7 +264,7 @@ class JobRun(Run):
         self.version += 1
 
     def _finish(self, read_result: bool) -> None:
-        self._ended = True
+        self._ended = True  # the reader stays: read_log reads on after the end
         follower, self._follower = self._follower, None
         if follower is not None:
             follower.close()
@@ -274,12 +323,21 @@ class JobRun(Run):
         final = {**{k: float(v) for k, v in result.metrics.items()
                     if isinstance(v, (int, float)) and k not in final}, **final}
         final_state = self._result is not None or result.status in FINAL_STATES
+        pruned = self.state.pruned
+        # The money as heard from the instances: it only grows while the job runs.
+        billed, ondemand = self.state.cost_heard()
+        billed += self.state.requests_usd()
         facts = Facts(
             status=result.status, params=dict(self.state.params), final=final, best=best,
-            duration_s=result.duration, cost_usd=result.cost_usd,
-            ondemand_cost_usd=result.ondemand_cost_usd, savings_pct=result.savings_pct,
+            duration_s=result.duration, cost_usd=billed, ondemand_cost_usd=ondemand,
+            savings_pct=100.0 * (1.0 - billed / ondemand) if ondemand > 0 else None,
             interruptions=result.interruptions,
-            redone_steps=sum(b.redone or 0 for b in self.state.breaks(final=final_state)))
+            redone_steps=sum(b.redone or 0 for b in self.state.breaks(final=final_state)),
+            refunded_usd=self.state.refunded_usd(),
+            refunded_instances=len(self.state.refunded()),
+            pruned_at=None if pruned is None else pruned.step,
+            reason=pruned.text if pruned is not None else
+            (result.reason if final_state else ""))
         self._facts = (self.version, facts)
         return facts
 
@@ -331,7 +389,10 @@ class RecordRun(Run):
             ondemand_cost_usd=_float(job.get("ondemand_cost_usd")),
             savings_pct=_float(job.get("savings_pct")),
             interruptions=int(job.get("interruptions") or 0),
-            redone_steps=int(job.get("redone_steps") or 0))
+            redone_steps=int(job.get("redone_steps") or 0),
+            refunded_usd=_float(job.get("refunded_usd")) or 0.0,
+            refunded_instances=int(job.get("refunded_instances") or 0),
+            reason=str(job.get("reason") or ""))
 
 
 def _float(value: Any) -> float | None:

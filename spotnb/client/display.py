@@ -785,6 +785,7 @@ def status_lines(view: JobView) -> list[str]:
 
 
 _STATE_COLOURS = {"completed": "#1a7f37", "failed": "#cf222e", "stopped": "#9a6700",
+                  "pruned": "#6e7781",
                   "interrupted": "#bc4c00"}
 
 

@@ -314,6 +314,8 @@ class JobInfo:
     #: two worker processes per node; a multi-node job whose world formed says how
     #: many nodes it has now (or had at the end) first: ``"3 nodes (3:4)"``.
     nodes: str = "1"
+    #: Why it ended (a sweep's pruned trial: ``pruned at step 140 (val_loss 0.4452)``).
+    reason: str = ""
 
     @property
     def savings_pct(self) -> float | None:
@@ -370,7 +372,7 @@ def submit(
     *,
     provider: str = "local",
     instance_types: Sequence[str] | str = DEFAULT_INSTANCE_TYPES,
-    region: str = "us-east-1",
+    region: str | Sequence[str] = "us-east-1",
     max_price: float | None = None,
     name: str | None = None,
     inputs: Mapping[str, Any] | None = None,
@@ -392,6 +394,7 @@ def submit(
     secrets: Mapping[str, str | None] | Sequence[str] | None = None,
     standby: bool = True,
     standby_first_hour: bool = False,
+    allowed_regions: Sequence[str] | str | None = None,
 ) -> JobHandle:
     """Run ``code`` on a spot instance; return at once with a :class:`JobHandle`.
 
@@ -426,6 +429,10 @@ def submit(
     standbys"); False replaces an instance only once it is gone. In an instance's first
     hour a standby is timed to be ready as the hour ends (EC2 interrupting the instance
     before then makes it free); ``standby_first_hour=True`` starts it at once.
+    ``region``: a region, several (``["us-east-1", "us-west-2"]`` or
+    ``"us-east-1,us-west-2"``; the first is home, where the job's store is), or
+    ``"any"`` for the ``allowed_regions`` (default ``$SPOTNB_ALLOWED_REGIONS``), which a
+    named region must be among when they are set (:mod:`spotnb.providers.regions`).
     """
     job = prepare_job(code, provider=provider, instance_types=instance_types, region=region,
                    max_price=max_price, name=name, inputs=inputs, outputs=outputs,
@@ -437,7 +444,7 @@ def submit(
                    store=store, notify_url=notify_url, nodes=nodes,
                    procs_per_node=procs_per_node, peer_timeout=peer_timeout,
                    secrets=secrets, standby=standby,
-                   standby_first_hour=standby_first_hour)
+                   standby_first_hour=standby_first_hour, allowed_regions=allowed_regions)
     spec, job_store, prov = job.spec, job.store, job.provider
     warnings = job.warnings + _notice_warnings(
         prov, spec, inputs if isinstance(inputs, Mapping) else {})
@@ -867,7 +874,8 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 4  # 4: a multi-node row's nodes and instances are its world's
+_LISTING_VERSION = 5  # 5: a sweep's pruned trial reads pruned (4: a multi-node row's
+#                        nodes and instances are its world's)
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -901,7 +909,7 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
                   cost_usd=s.cost_usd, created=spec.created,
                   instance_type=instances_label(s, spec.resources.max_nodes > 1),
                   duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
-                  nodes=nodes_label(spec.resources, s))
+                  nodes=nodes_label(spec.resources, s), reason=s.reason)
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -958,6 +966,7 @@ def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | Non
         status, reason = str(result["status"]), str(result.get("reason", ""))
     else:
         status, reason = state.status_now()
+    status, reason = state.outcome(status, reason)  # a sweep's trial: pruned
     start = state.first_time if state.first_time is not None else spec.created
     return JobResult(
         job_id=spec.job_id, name=spec.name, status=status, reason=reason,

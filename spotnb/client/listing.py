@@ -15,8 +15,10 @@ from spotnb.protocol.events import Event, codec
 
 if TYPE_CHECKING:
     from spotnb.client.jobs import JobInfo
+    from spotnb.sweep.state import SweepInfo
 
-__all__ = ["JOB_COLUMNS", "format_age", "format_event", "format_events", "jobs_table"]
+__all__ = ["JOB_COLUMNS", "SWEEP_COLUMNS", "format_age", "format_event", "format_events",
+           "jobs_table", "sweeps_table"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -58,6 +60,9 @@ def format_event(event: Event) -> str | None:
         return f"{where} checkpoint at step {d.get('step')} durable ({d.get('bytes', 0):,} bytes)"
     if isinstance(b, codec.Warning):
         return f"{where} warning: {d.get('text', '')}"
+    if isinstance(b, codec.Pruned):
+        trial = f", trial {b.trial}" if b.trial is not None else ""
+        return f"{where} {b.text} by sweep {b.sweep or '?'}{trial}: the job is stopped"
     if isinstance(b, codec.Display):
         text = (d.get("data") or {}).get("text/plain")
         return str(text) if text else None
@@ -79,7 +84,10 @@ def jobs_table(rows: Sequence[JobInfo], now: float
         saving = f"{r.savings_pct:.0f}%" if r.savings_pct is not None else ""
         minutes, seconds = divmod(int(r.duration), 60)
         hours, minutes = divmod(minutes, 60)
-        table.append((r.job_id, r.name, r.status.replace("_", " "), r.instance_type or "",
+        status = r.status.replace("_", " ")
+        if r.status == "pruned" and r.reason.startswith("pruned at step"):
+            status = r.reason.split(" (", 1)[0]  # "pruned at step 140"; logs say why
+        table.append((r.job_id, r.name, status, r.instance_type or "",
                       f"{hours}:{minutes:02d}:{seconds:02d}", f"{r.cost_usd:.4f}", saving,
                       metric, str(r.attempts), str(r.interruptions), r.nodes,
                       format_age(r.created, now)))
@@ -97,3 +105,19 @@ def format_events(events: Sequence[Event]) -> str:
     return "\n".join(line for e in events if (line := format_event(e)) is not None)
 
 
+#: The columns of ``spotnb sweeps``.
+SWEEP_COLUMNS = ("sweep", "name", "status", "trials", "best objective", "cost $",
+                 "refunded $", "age")
+
+
+def sweeps_table(rows: Sequence[SweepInfo], now: float) -> list[tuple[str, ...]]:
+    """The sweeps newest first, one tuple of texts per sweep (:data:`SWEEP_COLUMNS`)."""
+    table: list[tuple[str, ...]] = []
+    for r in sorted(rows, key=lambda r: r.created, reverse=True):
+        counts = ", ".join(f"{n} {state}" for state, n in r.counts.items() if n)
+        best = (f"t{r.best_trial} {r.metric} {r.best_value:.4g}"
+                if r.best_value is not None else "-")
+        table.append((r.sweep_id, r.name, r.status, counts or "none", best,
+                      f"{r.cost_usd:.4f}", f"{r.refunded_usd:.4f}" if r.refunded_usd else "-",
+                      format_age(r.created, now)))
+    return table

@@ -31,6 +31,7 @@ import spotnb
 from spotnb.client import capture, display
 from spotnb.client.listing import JOB_COLUMNS, jobs_table
 from spotnb.client.notebook import ENV_RUN_JOBS
+from spotnb.protocol.events import FINAL_STATES
 from spotnb.protocol.spec import SpecError, parse_duration, parse_nodes, parse_peer_timeout
 
 __all__ = ["SpotMagics", "TrainRequest"]
@@ -66,7 +67,10 @@ def _resource_args(func: F) -> F:
                  help="where instances come from: local (the embedded local cloud, the "
                       "default) or aws (EC2 spot through your AWS account; see `spotnb "
                       "aws setup`)"),
-        argument("--region", help="the cloud region, e.g. --region us-east-1"),
+        argument("--region", metavar="REGION",
+                 help="where the job may run: a region (--region us-east-1), several "
+                      "(--region us-east-1,us-west-2: the first is home, where the job's "
+                      "store is), or any: the regions of SpotMagics.allowed_regions"),
     )):
         func = deco(func)
     return func
@@ -176,6 +180,7 @@ _OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
     "provider": ("--provider", "provider", "provider"),
     "instance_types": ("--instance-type", "instance_types", "instance_types"),
     "region": ("--region", "region", "region"),
+    "allowed_regions": ("SpotMagics.allowed_regions", None, "allowed_regions"),
     "max_price": ("--max-price", "max_price", "max_price"),
     "name": ("--name", "name", None),
     "outputs": ("--out", "outputs", None),
@@ -203,7 +208,8 @@ _OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
 _SWEEP_OPTIONS = {"grid": "--grid", "params": "--params", "study": "--study",
                   "space": "--space", "n_trials": "--trials", "parallel": "-k/--parallel",
                   "metric": "--metric", "pruner": "--pruner", "direction": "--metric",
-                  "budget_usd": "--budget", "notify_url": "--notify"}
+                  "budget_usd": "--budget", "notify_url": "--notify",
+                  "sampler": "--sampler"}
 
 # A SpecError while the line is parsed (a bad --nodes) names the option as typed.
 _TYPED = {field: option for field, (option, _dest, _setting) in _OPTIONS.items()}
@@ -279,7 +285,16 @@ class SpotMagics(Magics):
         Unicode(), default_value=["g4dn.xlarge"],
         help="Instance types in order of preference (a list, or one comma-separated "
              "string).").tag(config=True)
-    region = Unicode("us-east-1", help="The cloud region.").tag(config=True)
+    region = Unicode("us-east-1", help="Where jobs may run: a region, several "
+                                       "('us-east-1,us-west-2': the first is home, where a "
+                                       "job's store is), or 'any' (allowed_regions)."
+                     ).tag(config=True)
+    allowed_regions = _NameList(
+        Unicode(), default_value=[],
+        help="The regions jobs may run in (data residency), e.g. ['eu-west-1', "
+             "'eu-central-1']: --region any means these, and a region outside them is "
+             "refused. Empty: $SPOTNB_ALLOWED_REGIONS, else no restriction (and no "
+             "'any').").tag(config=True)
     gpu_reference = Unicode(
         "", help="The instance picker's reference GPU: a job is sized in hours on one "
                  "of it, e.g. 'A10G'. Empty: the GPU of the default instance type when "
@@ -344,6 +359,15 @@ class SpotMagics(Magics):
         if value is not None and not value > 0:
             raise TraitError(f"{proposal['trait'].name} must be above 0, not {value!r}")
         return value
+
+    @validate("allowed_regions")
+    def _valid_regions(self, proposal: Any) -> Any:
+        from spotnb.providers.regions import allowed_regions
+
+        try:
+            return list(allowed_regions(proposal["value"]) if proposal["value"] else ())
+        except SpecError as err:
+            raise TraitError(err.message({"allowed_regions": "allowed_regions"})) from None
 
     @validate("checkpoint_every")
     def _valid_every(self, proposal: Any) -> Any:
@@ -431,6 +455,7 @@ class SpotMagics(Magics):
             "provider": pick(args.provider, self.provider),
             "instance_types": _names(args.instance_types) or tuple(self.instance_types),
             "region": pick(args.region, self.region),
+            "allowed_regions": list(self.allowed_regions) or None,
             "max_price": pick(args.max_price, self.max_price),
             "name": args.name if args.name is not None else self._default_name(),
             "outputs": outputs,
@@ -556,16 +581,24 @@ class SpotMagics(Magics):
               help="a notebook variable holding an optuna.Study whose sampler picks the "
                    "trials (with --space and --trials)")
     @argument("--space", metavar="VAR",
-              help="with --study: a notebook variable, a dict of Optuna distributions")
+              help="a notebook variable, a dict of Optuna distributions: searched by "
+                   "--sampler (default tpe) for --trials N trials, or by --study's sampler")
+    @argument("--sampler", choices=("tpe", "random", "cmaes", "qmc", "grid"),
+              help="how trials are picked: grid (every --grid combination in order, the "
+                   "default for --grid), tpe (the default for --space), random, cmaes or "
+                   "qmc (numeric ranges: --space); with --grid, --trials N of its "
+                   "combinations")
     @argument("--trials", type=int, metavar="N", dest="n_trials",
-              help="how many trials at most (a study: required)")
+              help="how many trials at most (--space and --study: required)")
     @argument("-k", "--parallel", type=int, default=2, metavar="K",
               help="how many trials run at once (default 2)")
     @argument("--metric", default="loss",
               help="the metric (logged with spot.log) a trial is judged by, its last "
                    "value (default loss)")
     @argument("--prune", action="store_true",
-              help="stop trials early with Optuna's MedianPruner on --metric")
+              help="stop trials early on --metric: with Optuna's MedianPruner, or with "
+                   "--study, the study's own pruner (a study's pruner prunes only with "
+                   "--prune)")
     @argument("--pruner", metavar="VAR",
               help="a notebook variable holding an Optuna pruner to stop trials early with")
     @_resource_args
@@ -576,11 +609,13 @@ class SpotMagics(Magics):
     def spot_sweep(self, line: str, cell: str) -> Any:
         """Run this cell once per parameter set, each trial a spot job with its own
         resume; at most K at once, under one --budget for the whole sweep; the
-        comparison of the trials follows them live. Each parameter is a variable the
-        cell reads. Early stopping: --prune (or --pruner VAR) stops a trial whose
-        --metric the pruner finds behind, and its instance ends at once. One --notify
-        message at the end, none per trial. Interrupting this cell detaches: the sweep
-        goes on in this kernel; ``%spot_attach SWEEP`` shows it again.
+        sweep's view (its trials table, their analysis and curves) follows them live;
+        the cell stays busy until the sweep ends (``--detach``: returns at once). Each
+        parameter is a variable the cell reads. Early stopping: --prune (or --pruner
+        VAR) stops a trial whose --metric the pruner finds behind, and its instance ends
+        at once. One --notify message at the end, none per trial. Interrupting this cell
+        detaches: the sweep goes on in this kernel; ``%spot_attach SWEEP`` shows it
+        again, ``%spot_sweep_stop SWEEP`` ends it.
 
         Example::
 
@@ -608,15 +643,16 @@ class SpotMagics(Magics):
                 space["grid" if isinstance(value, dict) else "params"] = value
             if args.study is not None:
                 space["study"] = self._variable(args.study, "--study")
-                space["space"] = self._variable(args.space, "--space") if args.space else None
-            pruner = self._variable(args.pruner, "--pruner") if args.pruner else None
-            if args.prune and pruner is None and args.study is None:
-                from spotnb.sweep.space import import_optuna
-
-                pruner = import_optuna().pruners.MedianPruner(n_startup_trials=2)
-            if len([k for k in ("grid", "params", "study") if k in space]) != 1:
+            if args.space is not None:
+                space["space"] = self._variable(args.space, "--space")
+            pruner, note = self._sweep_pruner(args, space.get("study"))
+            if args.pruner:
+                pruner = self._variable(args.pruner, "--pruner")
+            if len([k for k in ("grid", "params", "study") if k in space]) > 1 or \
+                    not space:
                 raise UsageError("%%spot_sweep needs one of --grid NAME=V1,V2 (repeatable), "
-                                 "--params VAR or --study VAR --space VAR --trials N")
+                                 "--params VAR, --space VAR --trials N, or --study VAR "
+                                 "--space VAR --trials N")
         cap = self._capture(cell, request)
         code = cap.first_line(_NOTIFY_VALUE.sub(r"\1[redacted]", line)) + "\n" + cell
         options = dict(request.submit)
@@ -626,18 +662,42 @@ class SpotMagics(Magics):
         with _as_usage_errors({**request.names, **_SWEEP_OPTIONS}):
             made = api.sweep(code, **space, n_trials=args.n_trials, parallel=args.parallel,
                              metric=args.metric, pruner=pruner, budget_usd=budget,
-                             notify_url=notify_url, name=name, inputs=cap.inputs,
-                             files=cap.files, **options)
+                             sampler=args.sampler, notify_url=notify_url, name=name,
+                             inputs=cap.inputs, files=cap.files, syntax="magic", **options)
+        if note:
+            print(note)
         # Under `spotnb run`, a timed-out cell's trials are stopped as its jobs would be.
         made.listen(lambda what, run: _tell_runner(run.job_id, not request.detach)
                     if what == "run" else None)
         print(_shipping_line(cap).replace("shipping", f"sweep {made.sweep_id}: shipping"),
               *cap.notes, sep="\n")
         if request.detach:
-            print(f"[spotnb] sweep {made.sweep_id} ({made.name!r}) runs in this kernel; "
-                  f"`%spot_attach {made.sweep_id}` shows it.")
+            print(f"[spotnb] sweep {made.sweep_id} ({made.name!r}) runs in this kernel "
+                  f"(while it lives); `%spot_attach {made.sweep_id}` shows it, "
+                  f"`%spot_sweep_stop {made.sweep_id}` ends it.")
             return None
         return self._follow_sweep(made)
+
+    @staticmethod
+    def _sweep_pruner(args: Any, study: Any) -> tuple[Any, str]:
+        """The pruner the line asks for, and a note for the user: ``--pruner VAR``;
+        ``--prune`` (a study's own pruner, else Optuna's MedianPruner); none without
+        either, a study's own included (said so)."""
+        from spotnb.sweep.space import import_optuna
+
+        optuna = import_optuna()
+        if args.pruner:
+            return None, ""  # filled in by the caller: the notebook's variable
+        own = getattr(study, "pruner", None)
+        if args.prune:
+            if own is not None and not isinstance(own, optuna.pruners.NopPruner):
+                return own, ""
+            return optuna.pruners.MedianPruner(n_startup_trials=2), ""
+        if own is not None and not isinstance(own, optuna.pruners.NopPruner):
+            return optuna.pruners.NopPruner(), (
+                f"[spotnb] the study's {type(own).__name__} prunes nothing here: add "
+                "--prune to stop trials early with it")
+        return None, ""
 
     def _variable(self, name: str, option: str) -> Any:
         if name not in self._ip.user_ns:
@@ -646,50 +706,70 @@ class SpotMagics(Magics):
         return self._ip.user_ns[name]
 
     def _follow_sweep(self, made: Any) -> None:
-        """Show the sweep (the comparison of its trials where widgets render, else its
-        summary at the end), wait for its end, and keep every trial's record."""
+        """Show the sweep (its view where widgets render, else its summary at the end),
+        wait for its end with the cell busy, and keep every trial's record; the view's
+        final form stays as a picture for readers without widgets."""
         from IPython.display import display as show
 
         from spotnb.sweep.view import summary_text
 
+        view = None
         if _widgets_render(self._ip):
-            from spotnb.sweep.view import SweepView
+            from spotnb.widgets.sweep import SweepView
 
-            show(SweepView(made))
+            view = SweepView(made)
+            view.show()
         try:
             made.wait()
         except KeyboardInterrupt:
-            print(f"[spotnb] detached; sweep {made.sweep_id} goes on in this kernel. "
-                  f"`%spot_attach {made.sweep_id}` shows it again.")
+            if made.driving:
+                print(f"[spotnb] detached; sweep {made.sweep_id} goes on in this kernel. "
+                      f"`%spot_attach {made.sweep_id}` shows it again, "
+                      f"`%spot_sweep_stop {made.sweep_id}` ends it.")
+            else:
+                made.detach()
+                print(f"[spotnb] detached; sweep {made.sweep_id} is no longer followed "
+                      "here.")
             return
+        if view is not None:
+            view.finish()
         for number in sorted(made.runs):
             run = made.runs[number]
-            self._keep_record(run.handle, run.result)
+            if run.result.status in FINAL_STATES:
+                self._keep_record(run.handle, run.result)
         show({"text/plain": summary_text(made)},
              metadata={"spotnb": {"sweep": made.state_dict()}}, raw=True)
 
     # -- the other commands ----------------------------------------------------------
 
     @magic_arguments()
+    @argument("--resume", action="store_true",
+              help="a sweep whose driver is gone (abandoned: its kernel closed): drive it "
+                   "on here, starting the trials it had not started")
     @_job_arg
     @line_magic
     def spot_attach(self, line: str) -> Any:
         """Show a job's whole history, then follow it until it ends; for a sweep (its id,
-        ``sweep-...``, or its name), the comparison of its trials, followed until it ends.
+        ``sweep-...``, or its name), its view (trials, analysis, curves), followed until
+        it ends. A sweep whose driver is gone starts no trial unless ``--resume``.
 
         Works after a kernel restart: everything is read back from the job's store.
         Its ``--out`` variables are set when it completes. Example: ``%spot_attach``
-        (the latest job), ``%spot_attach 20250101-120000-ab12cd``.
+        (the latest job), ``%spot_attach 20250101-120000-ab12cd``,
+        ``%spot_attach my-sweep --resume``.
         """
         args = parse_argstring(self.spot_attach, line)
         if args.job is not None and args.job.startswith("sweep-"):
-            return self._attach_sweep(args.job)
+            return self._attach_sweep(args.job, args.resume)
         try:
             handle = self._resolve(args.job)
         except UsageError:
             if args.job is not None and self._is_sweep(args.job):
-                return self._attach_sweep(args.job)
+                return self._attach_sweep(args.job, args.resume)
             raise
+        if args.resume:
+            raise UsageError(f"--resume is for a sweep; {handle.job_id} is a job (a job "
+                             "resumes by itself)")
         self.last_job = handle.job_id
         return self._follow(handle)
 
@@ -698,16 +778,38 @@ class SpotMagics(Magics):
 
         return find_sweep(name, store=self.store) is not None
 
-    def _attach_sweep(self, name: str) -> None:
-        """A sweep's trials compared (replayed from the store), followed until the
-        sweep ends; one whose driver is gone (a restarted kernel) is driven on here."""
+    def _attach_sweep(self, name: str, resume: bool = False) -> None:
+        """A sweep's view (replayed from the store), followed until the sweep ends; one
+        whose driver is gone (a restarted kernel) is driven on here with ``resume``."""
         from spotnb.sweep import SweepNotFound, attach_sweep
 
         try:
-            made = attach_sweep(name, store=self.store)
+            made = attach_sweep(name, store=self.store, resume=resume)
         except SweepNotFound as err:
             raise UsageError(str(err)) from None
+        if made.abandoned and not resume:
+            print(f"[spotnb] sweep {made.sweep_id} is abandoned (its driver is gone): its "
+                  f"running trials are followed, no trial is started. "
+                  f"`%spot_attach {made.sweep_id} --resume` drives it on; "
+                  f"`%spot_sweep_stop {made.sweep_id}` ends it.")
         return self._follow_sweep(made)
+
+    @magic_arguments()
+    @argument("sweep", metavar="SWEEP",
+              help="the sweep's id (sweep-...) or name, as `spotnb sweeps` lists them")
+    @line_magic
+    def spot_sweep_stop(self, line: str) -> None:
+        """End a sweep for good: its driver (in this kernel or another) starts no more
+        trials, every running trial's job is stopped (its instance deleted), and the
+        store says it stopped, so a later ``%spot_attach`` starts nothing."""
+        from spotnb.sweep import SweepNotFound, stop_sweep
+
+        args = parse_argstring(self.spot_sweep_stop, line)
+        try:
+            done = stop_sweep(args.sweep, store=self.store, reason="%spot_sweep_stop")
+        except SweepNotFound as err:
+            raise UsageError(str(err)) from None
+        print(_sweep_stopped_text(done, "%spot_attach"))
 
     @magic_arguments()
     @_job_arg
@@ -835,43 +937,57 @@ class SpotMagics(Magics):
         show(bundle, raw=True)
 
     @magic_arguments()
-    @argument("--region", help="the region whose prices to show first (default: "
-                               "SpotMagics.region)")
+    @argument("--region", metavar="REGION",
+              help="the regions shown first: one, several (us-east-1,eu-west-1) or any "
+                   "(SpotMagics.allowed_regions); default: SpotMagics.region")
     @argument("--gpu-hours", type=float, default=100.0, metavar="N",
               help="size of the job to estimate: hours on one reference GPU (default 100)")
     @argument("--gpu", metavar="MODEL",
               help="the reference GPU of --gpu-hours, e.g. --gpu A10G, kept for the next "
                    "pickers (default: SpotMagics.gpu_reference, else the GPU of the first "
                    "default instance type)")
+    @argument("--state-gb", type=float, default=None, metavar="GB",
+              help="the job's checkpoint size in GB, which a job away from its home "
+                   "region moves at each save and restore (default 1)")
+    @argument("--count", type=int, default=1, metavar="N",
+              help="instances the job needs at once (nodes), for the placement scores "
+                   "(default 1)")
     @line_magic
     def spot_picker(self, line: str) -> Any:
-        """Choose instance types, ranked by what your job would cost on them: GPU,
-        speed, on-demand and spot prices, savings, interruption frequency, and the
+        """Choose instance types and regions, ranked by what your job would cost there:
+        GPU, speed, on-demand and spot prices, savings, interruption frequency, the
+        checkpoint's transfer to the home region, the Spot placement score, and the
         expected hours, interruptions and cost of a job of N hours on one GPU.
 
-        The types you choose, in order of preference, become the defaults of the next
-        ``%%spot_train`` (``SpotMagics.instance_types``), and the equivalent
-        ``%%spot_train -t ...`` line is shown. Example: ``%spot_picker --gpu-hours 500``.
+        The rows you choose, in order of preference, become the defaults of the next
+        ``%%spot_train`` (``SpotMagics.instance_types`` and ``region``), and the
+        equivalent ``%%spot_train -t ... --region ...`` line is shown. Example:
+        ``%spot_picker --gpu-hours 500 --region any``.
         """
         args = parse_argstring(self.spot_picker, line)
         from spotnb import widgets
+        from spotnb.providers import catalog, regions
 
         if not widgets.available():
             raise UsageError(f"%spot_picker needs widgets: {widgets.INSTALL_HINT}")
-        if args.region is not None:
-            from spotnb.providers import catalog
+        with _as_usage_errors({"region": "--region", "allowed_regions":
+                               "SpotMagics.allowed_regions"}):
+            if args.region is not None:
+                regions.region_names(args.region, regions.allowed_regions(
+                    list(self.allowed_regions) or None))
+        if args.gpu is not None and args.gpu not in catalog.gpu_speeds():
+            raise UsageError(f"no speed figure for GPU {args.gpu!r}; choose one of "
+                             f"{', '.join(sorted(catalog.gpu_speeds()))}")
+        if args.state_gb is not None and not (args.state_gb >= 0 and args.state_gb < 1e6):
+            raise UsageError(f"--state-gb must be a size in GB of 0 or more, not "
+                             f"{args.state_gb:g}")
+        from spotnb.protocol.spec import MAX_NODES
 
-            if args.region not in catalog.all_regions():
-                raise UsageError(f"no prices for region {args.region!r}; regions: "
-                                 f"{', '.join(catalog.all_regions())}")
-        if args.gpu is not None:
-            from spotnb.providers import catalog
-
-            if args.gpu not in catalog.gpu_speeds():
-                raise UsageError(f"no speed figure for GPU {args.gpu!r}; choose one of "
-                                 f"{', '.join(sorted(catalog.gpu_speeds()))}")
+        if not 1 <= args.count <= MAX_NODES:
+            raise UsageError(f"--count must be 1 to {MAX_NODES} instances, not {args.count}")
+        sizes = {"state_gb": args.state_gb} if args.state_gb is not None else {}
         return widgets.InstancePicker(args.region, magics=self, work_hours=args.gpu_hours,
-                                      reference=args.gpu)
+                                      reference=args.gpu, count=args.count, **sizes)
 
     @magic_arguments()
     @argument("runs", nargs="+", metavar="JOB_OR_RECORD",
@@ -894,8 +1010,10 @@ class SpotMagics(Magics):
             raise UsageError(f"%spot_compare needs widgets: {widgets.INSTALL_HINT}")
         try:
             with _as_usage_errors():
-                return spotnb.compare(*args.runs, store=self.store,
-                                      follow=not args.no_follow)
+                comparison = spotnb.compare(*args.runs, store=self.store,
+                                            follow=not args.no_follow)
+            comparison.show()  # with its static copy, for readers without widgets
+            return None
         except ValueError as err:
             # A path that is not a record (its module is loaded only for records).
             from spotnb.records.library import NotARecord
@@ -924,6 +1042,17 @@ class SpotMagics(Magics):
             if job is None and self.last_job is not None:
                 return spotnb.attach(self.last_job, store=self.store)
             return spotnb.attach(job, store=self.store)
+
+
+def _sweep_stopped_text(done: Any, attach: str) -> str:
+    """What ``%spot_sweep_stop`` and ``spotnb stop SWEEP`` say they did."""
+    if done.already_ended:
+        return (f"sweep {done.sweep_id} ({done.name!r}) had already ended ({done.status}); "
+                "nothing to stop.")
+    jobs = (f"its running trials' jobs stopped ({', '.join(done.jobs_stopped)}), their "
+            "instances deleted" if done.jobs_stopped else "no trial was running")
+    return (f"sweep {done.sweep_id} ({done.name!r}) stopped for good: {jobs}; no trial "
+            f"starts any more. Its trials stay in the store: `{attach} {done.sweep_id}`.")
 
 
 def _widgets_render(ip: Any) -> bool:

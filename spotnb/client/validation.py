@@ -48,7 +48,7 @@ from spotnb.protocol.spec import (
     whole_number,
 )
 from spotnb.protocol.store import Store, StoreError, open_store
-from spotnb.providers import Provider, get_provider
+from spotnb.providers import Provider, get_provider, regions
 
 __all__ = ["DEFAULT_INSTANCE_TYPES", "MAX_INPUT_BYTES", "PreparedJob", "prepare_job"]
 
@@ -83,7 +83,7 @@ def prepare_job(
     simulate_interruptions: Any = None, simulate_signals: Any = None, env: Any = None,
     files: Any = None, store: Any = None, notify_url: Any = None, nodes: Any = 1,
     procs_per_node: Any = 1, peer_timeout: Any = "2m", secrets: Any = None,
-    standby: Any = True, standby_first_hour: Any = False,
+    standby: Any = True, standby_first_hour: Any = False, allowed_regions: Any = None,
 ) -> PreparedJob:
     """Check and normalise every argument of :func:`spotnb.submit` (see there); values
     of any type are handled: a wrong type is a SpecError too. Writes and starts nothing.
@@ -95,9 +95,9 @@ def prepare_job(
                         f"{provider!r}", field="provider")
     prov = get_provider(provider)
     types = _instance_types(instance_types)
-    if not isinstance(region, str):
-        raise SpecError(f"{{option}} must be a region name such as 'us-east-1', not "
-                        f"{region!r}", field="region")
+    # The first is home: the job's store is there (spotnb.providers.regions).
+    where = regions.job_regions(region, types, regions.allowed_regions(allowed_regions))
+    home = where[0]
     if max_price is not None:
         max_price = amount(max_price, "max_price", "USD per hour",
                            "leave it unset to cap at the on-demand price")
@@ -143,14 +143,15 @@ def prepare_job(
     if store is not None and not isinstance(store, (str, os.PathLike)):
         raise SpecError(f"{{option}} must be a path or URI, not {store!r}", field="store")
     job_id = _new_job_id()
-    job_store = jobs_root(prov, store, region).child(f"jobs/{job_id}")
+    job_store = jobs_root(prov, store, home).child(f"jobs/{job_id}")
     spec = JobSpec(
         job_id=job_id,
         name="job" if name is None else name,
         code=code,
         provider=provider,
-        resources=Resources(instance_types=types, region=region, max_price=max_price,
-                            min_nodes=min_nodes, max_nodes=max_nodes, procs_per_node=procs),
+        resources=Resources(instance_types=types, region=home, regions=where,
+                            max_price=max_price, min_nodes=min_nodes, max_nodes=max_nodes,
+                            procs_per_node=procs),
         policy=policy,
         store_uri=job_store.uri,
         created=time.time(),

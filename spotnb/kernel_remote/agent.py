@@ -698,7 +698,7 @@ class Agent:
 
     # -- the interface a distributed job's NodeRun uses (and the attempt) --------------
 
-    def send(self, msg: dict[str, Any] | channel.Message) -> None:
+    def send(self, msg: channel.Message) -> None:
         """Send to every runtime (one per kernel; a broken connection is dropped)."""
         self.server.send(msg)
 

@@ -22,9 +22,10 @@ runtime -> agent
     ``{"op": "parked", "step": int}``: the save forced by an interruption notice is
     durable; user code is now held until the instance is terminated. (A distributed
     job: this node leaves the world.)
-    ``{"op": "reform", "step": int}``: distributed jobs: a node of the world leaves
-    after the coordinated checkpoint of ``step``; this rank holds the cell, and its
-    agent re-forms the world without that node.
+    ``{"op": "reform", "step": int | null, "join": bool}``: distributed jobs: a node of
+    the world leaves after the coordinated checkpoint of ``step``; this rank holds the
+    cell, and its agent re-forms the world without that node (``join``: with a node
+    that waits to join; ``step`` null: the cell made no checkpoint to save first).
     ``{"op": "warning", "kind": str, "text": str}``: something the user should know
     (``notice-fit``: a checkpoint takes too long to fit in the interruption notice).
     ``{"op": "unlogged", "id": int, "mark": str|null}``: a checkpoint being saved asks
@@ -65,9 +66,13 @@ agent -> runtime
     ``{"op": "error", "about": str, "error": str}``: the agent could not handle a
     message of op ``about`` (an op it does not know: a runtime of another spotnb).
 
-Each op is a frozen dataclass below (:data:`TO_AGENT`, :data:`TO_RUNTIME`): the agent
-and the runtime parse what they read with :func:`parse` and handle it through a table
-of op to handler; fields the agent passes on to an event as they came stay in ``data``.
+Each op is a frozen dataclass below (:data:`TO_AGENT`, :data:`TO_RUNTIME`), and both
+sides speak only through them: a side builds the message it sends and :func:`encode`
+writes it (a field that is None is left out, as a peer of any version reads a missing
+field as None); a side reads a line with :func:`decode` and :func:`parse`, which
+checks and converts every field once (:meth:`Message.from_dict`), and handles the
+typed message through a table of op to handler. The ops the agent records as events
+(``checkpoint``, ``sync``, ``params``) say what the event holds (``event_data``).
 
 The kernel's environment (set by the agent when it spawns the kernel, before it holds
 the lease): ``SPOTNB_JOB_URI``, ``SPOTNB_JOB_ID``, ``SPOTNB_AGENT_SOCKET``,
@@ -94,7 +99,9 @@ N}``, written by the agent once it holds the lease), then for :data:`PREFETCH_DO
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 ENV_JOB_URI = "SPOTNB_JOB_URI"
@@ -118,15 +125,17 @@ STANDBY_LEASED = ".standby-leased"
 OUTPUT_MARK = "spotnb_output_mark"
 
 
-def encode(message: dict[str, Any] | Message) -> bytes:
-    """One message as a line of JSON."""
+def encode(message: Message | dict[str, Any]) -> bytes:
+    """One message as a line of JSON. Both sides send a :class:`Message`; a dict is
+    the wire form as it is (what :func:`decode` returns), as a peer of another spotnb
+    may send it."""
     if isinstance(message, Message):
         message = message.to_dict()
     return (json.dumps(message, separators=(",", ":"), default=float) + "\n").encode()
 
 
 def decode(line: bytes | str) -> dict[str, Any]:
-    """A line of JSON back to a message."""
+    """A line of JSON back to the message's wire form (:func:`parse` types it)."""
     message = json.loads(line)
     if not isinstance(message, dict) or "op" not in message:
         raise ValueError(f"not a channel message: {line!r}")
@@ -141,44 +150,80 @@ class UnknownOp(ValueError):
         self.op = op
 
 
-def _rest(message: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in message.items() if k != "op"}
+# -- how a field is read from the wire, by its annotation ----------------------------
+
+#: A time: read as a number, and as None if it is anything else.
+Time = float
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) \
+        and not isinstance(value, bool) else None
+
+
+def _list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else []
+
+
+def _lines(value: Any) -> list[str]:
+    """JSON lines: only a list of them is trusted."""
+    return [str(line) for line in value] if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return dict(value) if isinstance(value, dict) else {}
+
+
+#: How a value that came is read into a field (None, or missing: the field's default),
+#: by the field's annotation. A value that cannot be read (``"step": "x"``) raises
+#: ValueError or TypeError: not a message of its op.
+_READ: dict[str, Callable[[Any], Any]] = {
+    "int": int, "int | None": int, "float": float, "float | None": float,
+    "str": str, "str | None": str, "bool": bool, "bool | None": bool,
+    "Time | None": _number, "list[Any]": _list, "list[str]": _lines,
+    "dict[str, Any]": _dict, "dict[str, Any] | None": _dict,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """A message on the channel; ``op`` names its kind (a class attribute)."""
+    """A message on the channel; ``op`` names its kind (a class attribute). Each field
+    is read from the wire by its annotation (:data:`_READ`: a class whose field has
+    another annotation is refused when it is defined)."""
 
     op: ClassVar[str] = ""
+    _readers: ClassVar[dict[str, Callable[[Any], Any]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = {name: annotation for name, annotation in inspect.get_annotations(cls).items()
+               if not annotation.startswith("ClassVar")}
+        unread = {name: a for name, a in own.items() if a not in _READ}
+        if unread:
+            raise TypeError(f"{cls.__name__}: no reader for the fields {unread}")
+        cls._readers = {**cls._readers, **{name: _READ[a] for name, a in own.items()}}
 
     @classmethod
     def from_dict(cls, message: dict[str, Any]) -> Message:
-        """The message as it came (``op`` included), typed: each field as it came, its
-        default where it is missing. A message whose fields need converting says how."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in message.items() if k in fields})
+        """The message as it came (``op`` included), typed: each field read by its
+        annotation, its default where it is missing or None."""
+        return cls(**{name: read(message[name]) for name, read in cls._readers.items()
+                      if message.get(name) is not None})
 
     def to_dict(self) -> dict[str, Any]:
-        """The message as it is sent."""
-        return {"op": self.op, **dataclasses.asdict(self)}
+        """The message as it is sent: its fields but those that are None."""
+        sent: dict[str, Any] = {"op": self.op}
+        for name in self._readers:
+            value = getattr(self, name)
+            if value is not None:
+                sent[name] = value
+        return sent
 
-
-@dataclasses.dataclass(frozen=True)
-class _Passed(Message):
-    """A message whose fields the agent passes on as they came (``data``)."""
-
-    data: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(data=_rest(message))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"op": self.op, **self.data}
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """One field, as ``dict.get``."""
-        return self.data.get(name, default)
+    def event_data(self) -> dict[str, Any]:
+        """The fields as an event's data (those that are None left out)."""
+        data = self.to_dict()
+        del data["op"]
+        return data
 
 
 # -- runtime -> agent ------------------------------------------------------------------
@@ -198,30 +243,57 @@ class Metrics(Message):
     op: ClassVar[str] = "metrics"
     rows: list[Any] = dataclasses.field(default_factory=list)
 
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(rows=message["rows"])
-
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointPhase(_Passed):
-    """A checkpoint's phase (begin, durable, failed); recorded as it came."""
+class CheckpointPhase(Message):
+    """A checkpoint's phase (``begin``, ``durable``, ``failed``), recorded as a
+    ``checkpoint`` event with these fields."""
 
     op: ClassVar[str] = "checkpoint"
+    phase: str = ""
+    id: str | None = None
+    step: int | None = None
+    #: Forced by a notice (sent with every phase).
+    forced: bool | None = None
+    #: True when saved before a node joins a distributed job (forced, but no notice);
+    #: not sent otherwise.
+    join: bool | None = None
+    bytes: int | None = None
+    seconds: float | None = None
+    #: ``durable``: how long the training loop waited for this save.
+    stall: float | None = None
+    #: ``failed``: why.
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class Restored(_Passed):
+class Restored(Message):
     """A checkpoint was restored."""
 
     op: ClassVar[str] = "restored"
+    id: str | None = None
+    step: int | None = None
+    seconds: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class Sync(_Passed):
-    """A synced directory's snapshot is durable, or was restored."""
+class Sync(Message):
+    """A synced directory's snapshot is durable, or was restored; recorded as a
+    ``checkpoint`` event of kind ``sync`` with these fields."""
 
     op: ClassVar[str] = "sync"
+    name: str = ""
+    phase: str = ""
+    id: str | None = None
+    files: int | None = None
+    bytes: int | None = None
+    #: A snapshot taken at a framework's save point (``SyncDir.save``): its step, and
+    #: whether a notice forced it.
+    step: int | None = None
+    forced: bool | None = None
+
+    def event_data(self) -> dict[str, Any]:
+        return {"kind": "sync", **super().event_data()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,27 +303,29 @@ class Usage(Message):
     op: ClassVar[str] = "usage"
     requests: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(requests=message.get("requests") or {})
-
 
 @dataclasses.dataclass(frozen=True)
 class Replay(Message):
-    """A restored checkpoint's carry, for the attempt that saved it."""
+    """A restored checkpoint's carry, for the attempt that saved it: its rows, its
+    events (JSON lines), and the restored save's own ``checkpoint`` event data saved
+    at time ``saved`` (both None unless that is a dict with a string ``id`` and
+    ``saved`` a time)."""
 
     op: ClassVar[str] = "replay"
     attempt: int = 0
     rows: list[Any] = dataclasses.field(default_factory=list)
-    events: list[Any] = dataclasses.field(default_factory=list)
-    checkpoint: Any = None
-    saved: Any = None
+    events: list[str] = dataclasses.field(default_factory=list)
+    checkpoint: dict[str, Any] | None = None
+    saved: Time | None = None
 
     @classmethod
     def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(attempt=int(message.get("attempt", 0)), rows=message.get("rows") or [],
-                   events=message.get("events") or [], checkpoint=message.get("checkpoint"),
-                   saved=message.get("saved"))
+        replay = super().from_dict(message)
+        assert isinstance(replay, Replay)
+        if replay.saved is None or replay.checkpoint is None \
+                or not isinstance(replay.checkpoint.get("id"), str):
+            return dataclasses.replace(replay, checkpoint=None, saved=None)
+        return replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,8 +333,8 @@ class Unlogged(Message):
     """Which events has the agent not written yet? (after the output mark ``mark``)"""
 
     op: ClassVar[str] = "unlogged"
-    id: Any = None
-    mark: Any = None
+    id: int = -1
+    mark: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +342,7 @@ class Fence(Message):
     """Does the agent still hold the lease?"""
 
     op: ClassVar[str] = "fence"
-    id: Any = None
+    id: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,30 +352,24 @@ class Mark(Message):
     op: ClassVar[str] = "mark"
     token: str = ""
 
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(token=str(message.get("token")))
-
 
 @dataclasses.dataclass(frozen=True)
 class Parked(Message):
     """The save forced by an interruption notice is durable; the cell is held."""
 
     op: ClassVar[str] = "parked"
-    step: Any = None
+    step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Reform(Message):
-    """Distributed jobs: re-form the world after the checkpoint of ``step``."""
+    """Distributed jobs: re-form the world after the checkpoint of ``step`` (None: the
+    cell made no checkpoint), without a node that leaves, or (``join``) with one that
+    waits to join."""
 
     op: ClassVar[str] = "reform"
-    step: Any = None
+    step: int | None = None
     join: bool = False
-
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(step=message.get("step"), join=bool(message.get("join")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,15 +377,17 @@ class Caution(Message):
     """Something the user should know."""
 
     op: ClassVar[str] = "warning"
-    kind: Any = None
-    text: Any = ""
+    kind: str | None = None
+    text: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
-class Params(_Passed):
-    """The run's hyperparameters."""
+class Params(Message):
+    """The run's hyperparameters, recorded as a ``params`` event with these fields."""
 
     op: ClassVar[str] = "params"
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,18 +395,19 @@ class Progress(Message):
     """How many steps the run has."""
 
     op: ClassVar[str] = "progress"
-    total: Any = None
-    source: Any = None
+    total: int | None = None
+    source: str | None = None
 
 
 # -- agent -> runtime ------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Ping(Message):
-    """The agent is alive; its lease counts as held until ``until`` unless renewed."""
+    """The agent is alive; its lease counts as held until ``until`` unless renewed
+    (None: it holds none)."""
 
     op: ClassVar[str] = "ping"
-    until: Any = None
+    until: Time | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,19 +416,9 @@ class Notice(Message):
     waits to join."""
 
     op: ClassVar[str] = "notice"
-    kind: Any = ""
-    action: Any = None
-    time: Any = None
-
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(kind=message.get("kind"), action=message.get("action"),
-                   time=message.get("time"))
-
-    def to_dict(self) -> dict[str, Any]:
-        if self.kind == "join":
-            return {"op": self.op, "kind": self.kind}
-        return super().to_dict()
+    kind: str = ""
+    action: str | None = None
+    time: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,15 +426,9 @@ class UnloggedReply(Message):
     """The answer to :class:`Unlogged`."""
 
     op: ClassVar[str] = "unlogged"
-    id: Any = None
-    events: Any = dataclasses.field(default_factory=list)
-    next: Any = 0
-
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        # As they came: the runtime trusts only a list of events.
-        return cls(id=message.get("id", -1), events=message.get("events"),
-                   next=message.get("next"))
+    id: int = -1
+    events: list[str] = dataclasses.field(default_factory=list)
+    next: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,14 +436,9 @@ class FenceReply(Message):
     """The answer to :class:`Fence`."""
 
     op: ClassVar[str] = "fence"
-    id: Any = None
+    id: int = -1
     ok: bool = False
     unknown: bool = False
-
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(id=message.get("id", -1), ok=bool(message.get("ok")),
-                   unknown=bool(message.get("unknown")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,22 +448,14 @@ class Durable(Message):
     op: ClassVar[str] = "durable"
     t: float = 0.0
 
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(t=float(message.get("t", 0.0)))
-
 
 @dataclasses.dataclass(frozen=True)
 class Error(Message):
     """The agent could not handle a message of op ``about``."""
 
     op: ClassVar[str] = "error"
-    about: Any = ""
-    error: Any = ""
-
-    @classmethod
-    def from_dict(cls, message: dict[str, Any]) -> Message:
-        return cls(about=message.get("about"), error=message.get("error"))
+    about: str = ""
+    error: str = ""
 
 
 #: Every op the agent accepts, and its message's class.

@@ -87,7 +87,7 @@ class ChannelServer:
                     if conn in self._conns:
                         self._conns.remove(conn)
 
-    def send(self, msg: dict[str, Any] | channel.Message) -> None:
+    def send(self, msg: channel.Message) -> None:
         """Send to every runtime (one per kernel; a broken connection is dropped)."""
         data = channel.encode(msg)
         with self._lock:
@@ -97,7 +97,7 @@ class ChannelServer:
                 except OSError:
                     self._conns.remove(conn)
 
-    def reply(self, conn: socket.socket | None, msg: dict[str, Any] | channel.Message) -> None:
+    def reply(self, conn: socket.socket | None, msg: channel.Message) -> None:
         """Answer the runtime on ``conn`` (None: every runtime)."""
         if conn is None:
             self.send(msg)

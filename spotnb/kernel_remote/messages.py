@@ -107,7 +107,7 @@ class RuntimeMessages:
             channel.Metrics.op: self._on_metrics,
             channel.CheckpointPhase.op: self._on_checkpoint,
             channel.Restored.op: self._on_restored,
-            channel.Sync.op: lambda ev, m, conn: ev.emit("checkpoint", kind="sync", **m.data),
+            channel.Sync.op: lambda ev, m, conn: ev.emit("checkpoint", **m.event_data()),
             channel.Usage.op: lambda ev, m, conn: ev.emit("usage", process="runtime",
                                                           requests=m.requests),
             channel.Replay.op: lambda ev, m, conn: record_carry(
@@ -120,7 +120,7 @@ class RuntimeMessages:
             channel.Reform.op: self._on_reform,
             channel.Caution.op: lambda ev, m, conn: ev.emit("warning", kind=m.kind,
                                                             text=m.text),
-            channel.Params.op: lambda ev, m, conn: ev.emit("params", **m.data),
+            channel.Params.op: lambda ev, m, conn: ev.emit("params", **m.event_data()),
             channel.Progress.op: self._on_progress,
         }
 
@@ -135,29 +135,27 @@ class RuntimeMessages:
 
     def _on_checkpoint(self, ev: EventWriter, msg: channel.CheckpointPhase,
                        conn: socket.socket | None) -> None:
-        data = msg.data
-        ev.emit("checkpoint", **data)
-        if data.get("phase") == "begin":
+        ev.emit("checkpoint", **msg.event_data())
+        if msg.phase == "begin":
             ev.emit("status", state="checkpointing",
-                    detail=f"saving a checkpoint at step {data.get('step')}")
+                    detail=f"saving a checkpoint at step {msg.step}")
         else:
             if not self.agent.notice:
                 ev.emit("status", state="running", detail="running the cell")
-            if data.get("phase") == "failed" or data.get("forced") or data.get("join"):
+            if msg.phase == "failed" or msg.forced or msg.join:
                 ev.flush_soon()  # a periodic save waits for the next flush
 
     def _on_restored(self, ev: EventWriter, msg: channel.Restored,
                      conn: socket.socket | None) -> None:
         ev.emit("status", state="running",
-                detail=f"restored checkpoint of step {msg.get('step')} "
-                       f"in {msg.get('seconds', 0):.1f}s")
-        if self.agent.node is not None and msg.get("step") is not None:
-            self.agent.node.on_restored(int(msg.get("step")))
+                detail=f"restored checkpoint of step {msg.step} "
+                       f"in {msg.seconds or 0:.1f}s")
+        if self.agent.node is not None and msg.step is not None:
+            self.agent.node.on_restored(msg.step)
         warm, self.agent.warm = self.agent.warm, None
         if warm is not None:  # a standby's: the handover is done (said once: a
             # distributed node's every worker restores)
-            ev.emit("standby", phase="restored", step=msg.get("step"),
-                    seconds=msg.get("seconds"))
+            ev.emit("standby", phase="restored", step=msg.step, seconds=msg.seconds)
             self.agent.notifier.handed_over(ev.attempt)
         ev.flush_soon()
 
@@ -218,8 +216,7 @@ class RuntimeMessages:
                 f"a node leaves after the checkpoint of step {msg.step}; "
                 "re-forming the world without it"))
         if self.agent.node is not None:
-            self.agent.node.on_reform(int(msg.step) if msg.step is not None else None,
-                                join=msg.join)
+            self.agent.node.on_reform(msg.step, join=msg.join)
 
     def _on_progress(self, ev: EventWriter, msg: channel.Progress,
                      conn: socket.socket | None) -> None:

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def record_carry(store: Store, keeper: LeaseKeeper, source: int, rows: list[list[Any]],
-                 lines: list[str], durable: Any = None, saved: Any = None) -> None:
+                 lines: list[str], durable: dict[str, Any] | None,
+                 saved: float | None) -> None:
     """Record what a restored checkpoint carried that the log of the attempt that
     saved it lacks (its agent died with it unwritten): metric rows, and events (the
     cell's output, earlier saves...). Rows are logged in time order, so those after
@@ -47,13 +48,12 @@ def record_carry(store: Store, keeper: LeaseKeeper, source: int, rows: list[list
     that log lacks it too (its agent died between the save and the next write of
     its log), and the rows as one batch: both unnumbered, since that agent may
     have given any later number to an event another checkpoint carries; a
-    checkpoint event is recorded once by its id and phase."""
+    checkpoint event is recorded once by its id and phase (``durable``: None, or one
+    with a string ``id``, and ``saved`` its time: :class:`spotnb.kernel_remote.channel.
+    Replay` reads them so)."""
     held = keeper.held
     if held is None or source == held.epoch:
         return
-    if not isinstance(durable, dict) or not isinstance(saved, (int, float)) \
-            or not isinstance(durable.get("id"), str):
-        durable = None
     carried = []
     for line in lines:
         try:
@@ -85,8 +85,9 @@ def record_carry(store: Store, keeper: LeaseKeeper, source: int, rows: list[list
                 saves.add(save)
             events.append(dataclasses.replace(e, data={**e.data,
                                                        "replayed_by": held.epoch}))
-        if durable is not None and (durable["id"], "durable") not in saves:
-            events.append(Event(type="checkpoint", time=float(saved), attempt=source,
+        if durable is not None and saved is not None \
+                and (durable["id"], "durable") not in saves:
+            events.append(Event(type="checkpoint", time=saved, attempt=source,
                                 instance=None, data={**durable, "replayed_by": held.epoch}))
         if missing:
             data = {**metrics_data(missing), "replayed_by": held.epoch}

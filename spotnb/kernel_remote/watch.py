@@ -45,14 +45,9 @@ class Agent(Protocol):
 
     def flush_soon(self) -> None: ...
 
-    def send(self, msg: Any) -> None: ...
+    def send(self, msg: channel.Message) -> None: ...
 
 log = logging.getLogger(__name__)
-
-
-def iso_now() -> str:
-    """Now, as IMDS writes times (``2026-11-26T15:00:00Z``)."""
-    return iso_utc(time.time())
 
 
 def iso_utc(when: float) -> str:

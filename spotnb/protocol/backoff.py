@@ -34,11 +34,6 @@ class Backoff:
     def __repr__(self) -> str:
         return f"Backoff({self.first:g}, {self.cap:g}, jitter={self.jitter:g})"
 
-    @property
-    def failing(self) -> bool:
-        """Whether a delay was given since the last :meth:`reset` (or ever)."""
-        return self._delay != self.first
-
     def next(self) -> float:
         """The delay before the next try, in seconds; the one after is twice as long
         (at most ``cap``)."""

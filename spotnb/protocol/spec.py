@@ -299,8 +299,13 @@ def _check_nodes(low: int, high: int, field: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Resources:
-    """Where the job may run: instance types in order of preference, region, price cap,
+    """Where the job may run: instance types in order of preference, regions, price cap,
     and how many nodes (``min_nodes``..``max_nodes``) with how many worker processes each.
+
+    ``region`` is the job's *home*: its store is there, wherever its instances run.
+    ``regions`` are all the regions it may run in, in the user's order, home among them
+    (``spotnb.providers.regions``); a spec made without them (or written before they
+    existed) runs in its home only: ``regions`` is then ``(region,)``.
 
     A job with ``max_nodes > 1`` or ``procs_per_node > 1`` is *distributed*: its cell runs
     in ``procs_per_node`` kernels on each node, as torchrun's workers (see
@@ -313,6 +318,7 @@ class Resources:
     min_nodes: int = 1
     max_nodes: int = 1
     procs_per_node: int = 1
+    regions: tuple[str, ...] = ()
 
     @property
     def distributed(self) -> bool:
@@ -327,6 +333,9 @@ class Resources:
                        self.instance_types)
         if not isinstance(self.region, str) or not self.region.strip():
             raise _bad("region", "a region name such as 'us-east-1'", self.region)
+        _check_regions(self.regions, self.region)
+        if not self.regions:
+            object.__setattr__(self, "regions", (self.region,))
         if self.max_price is not None:
             amount(self.max_price, "max_price", "USD per hour",
                    "leave it unset to cap at the on-demand price")
@@ -341,6 +350,18 @@ class Resources:
                 f"{{option}} {self.procs_per_node} is above spotnb's limit of "
                 f"{MAX_PROCS_PER_NODE} processes per node; use one per GPU of the "
                 "instance type (e.g. 8 on p4d.24xlarge)", field="procs_per_node")
+
+
+def _check_regions(regions: Any, home: str) -> None:
+    """A tuple of distinct region names (or empty), the home ``region`` among them."""
+    if not isinstance(regions, tuple) or not all(
+            isinstance(r, str) and r and r == r.strip() and "," not in r for r in regions):
+        raise _bad("region", "region names such as ('us-east-1', 'us-west-2')", regions)
+    if len(set(regions)) != len(regions):
+        raise _bad("region", "regions without repeats", regions)
+    if regions and home not in regions:
+        raise SpecError(f"{{option}}: the job's home region {home} (where its store is) "
+                        f"must be one of its regions {', '.join(regions)}", field="region")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -521,6 +542,8 @@ class JobSpec:
                     min_nodes=res.get("min_nodes", 1),
                     max_nodes=res.get("max_nodes", 1),
                     procs_per_node=res.get("procs_per_node", 1),
+                    # Specs written before a job had several regions: its home only.
+                    regions=_names_list(res.get("regions", ()), "region"),
                 ),
                 policy=Policy(checkpoint_every=CheckpointEvery(**every), **pol),
                 inputs=_names_list(raw.pop("inputs", ()), "inputs"),

@@ -245,8 +245,8 @@ class Store(ABC):
         """Replace ``key`` only if its ETag is ``etag``; return the new ETag or None."""
 
     @abstractmethod
-    def list_keys(self, prefix: str = "", start_after: str | None = None) -> list[str]:
-        """Keys under ``prefix`` in lexicographic order, strictly after ``start_after``."""
+    def list_keys(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix`` in lexicographic order."""
 
     @abstractmethod
     def list_children(self, prefix: str = "") -> list[str]:
@@ -463,7 +463,7 @@ class LocalStore(Store):
             if tmp.exists():
                 os.unlink(tmp)
 
-    def list_keys(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+    def list_keys(self, prefix: str = "") -> list[str]:
         base = self.root / prefix if prefix else self.root
         # A prefix may end inside a name ("events/0001/00"): walk its directory.
         walk_root = base if base.is_dir() else base.parent
@@ -477,7 +477,7 @@ class LocalStore(Store):
                     continue
                 key = os.path.relpath(os.path.join(dirpath, name), self.root)
                 key = key.replace(os.sep, "/")
-                if key.startswith(prefix) and (start_after is None or key > start_after):
+                if key.startswith(prefix):
                     keys.append(key)
         keys.sort()
         return keys
@@ -623,22 +623,18 @@ def _throttled_copy(src: str | os.PathLike[str], dest: str, throttle: _Throttle)
 #: Where the store of each URI scheme is implemented: (module, class), imported when a
 #: URI of the scheme is first opened (as fsspec's ``known_implementations``), so this
 #: module needs no cloud SDK and knows no provider. ``file`` and plain paths are
-#: :class:`LocalStore`. :func:`register_scheme` adds or replaces one.
+#: :class:`LocalStore`.
 STORE_SCHEMES: dict[str, tuple[str, str]] = {
     "s3": ("spotnb.providers.aws.store", "S3Store"),
 }
+# Each scheme's opener once imported.
 _openers: dict[str, Callable[[str], Store]] = {}
-
-
-def register_scheme(scheme: str, opener: Callable[[str], Store]) -> None:
-    """Open URIs of ``scheme`` with ``opener(uri)`` from now on in this process."""
-    _openers[scheme] = opener
 
 
 def open_store(uri: str | os.PathLike[str]) -> Store:
     """Open a store from its URI: ``file:///abs/path``, a plain local path, or
-    ``s3://bucket/prefix`` (:class:`spotnb.providers.aws.store.S3Store`, needs boto3),
-    or a scheme given to :func:`register_scheme`.
+    ``s3://bucket/prefix`` (:class:`spotnb.providers.aws.store.S3Store`, needs boto3):
+    :data:`STORE_SCHEMES`.
     """
     text = os.fspath(uri)
     parsed = urllib.parse.urlparse(text)

@@ -47,6 +47,8 @@ __all__ = [
     "PriceTrace",
     "all_regions",
     "check_instance_type",
+    "check_region",
+    "check_type_name",
     "gpu_speeds",
     "instance_types",
     "interruption_bucket",
@@ -439,20 +441,48 @@ def _span(points: _Trace) -> str:
     return f"{fmt(points[0][0])}..{fmt(points[-1][0])} UTC"
 
 
+def check_region(region: str, field: str | None = None) -> str:
+    """``region`` if the catalog has prices there; else :class:`SpecError` with close
+    matches (``us-east1`` -> ``us-east-1``) and the regions it has. ``field`` is the
+    argument the region came from, for the error to name it."""
+    known_regions = all_regions()
+    if region in known_regions:
+        return region
+    close = difflib.get_close_matches(region, known_regions, n=3)
+    hint = f"did you mean {_or(close)}? " if close else ""
+    where = "{option}: " if field else ""
+    raise SpecError(
+        f"{where}unknown AWS region {region!r}: {hint}spotnb's catalog has GPU prices "
+        f"for {', '.join(known_regions)}", field=field)
+
+
 def check_instance_type(name: str, region: str = "us-east-1") -> InstanceType:
     """Return the type if it has spot pools in ``region``; else raise :class:`SpecError`.
 
     The message names close matches for a misspelt type or region, and the regions
     that do have the type, and says where to look next.
     """
-    known_regions = all_regions()
-    if region not in known_regions:
-        close = difflib.get_close_matches(region, known_regions, n=3)
-        hint = f"did you mean {_or(close)}? " if close else ""
+    check_region(region)
+    found = check_type_name(name)
+    if not pools(name, region):
+        where = regions(name)
+        if where:
+            raise SpecError(
+                f"{name} has no spot pool in {region} in spotnb's catalog "
+                f"({DATA_DATE['catalog']}); regions that have it: {', '.join(where)}. "
+                "Choose one of them as the region, or another type with %spot_picker."
+            )
         raise SpecError(
-            f"unknown region {region!r}: {hint}spotnb's catalog has prices for "
-            f"{', '.join(known_regions)}"
+            f"{name} has no spot price in any region of spotnb's catalog "
+            f"({DATA_DATE['catalog']}); pick another type with %spot_picker."
         )
+    return found
+
+
+def check_type_name(name: str) -> InstanceType:
+    """The catalog's :class:`InstanceType` called ``name``, wherever it is offered; else
+    :class:`SpecError` naming close matches (a typo) or saying that the catalog covers
+    GPU and accelerator types only (``m5.large``), and where to look next."""
     types = _catalog()[0]
     if name not in types:
         families = sorted({t.family for t in types.values()})
@@ -468,18 +498,6 @@ def check_instance_type(name: str, region: str = "us-east-1") -> InstanceType:
         raise SpecError(
             f"unknown instance type {name!r}: {hint}See the instance types with "
             "`spotnb catalog`, or pick one with %spot_picker."
-        )
-    if not pools(name, region):
-        where = regions(name)
-        if where:
-            raise SpecError(
-                f"{name} has no spot pool in {region} in spotnb's catalog "
-                f"({DATA_DATE['catalog']}); regions that have it: {', '.join(where)}. "
-                "Choose one of them as the region, or another type with %spot_picker."
-            )
-        raise SpecError(
-            f"{name} has no spot price in any region of spotnb's catalog "
-            f"({DATA_DATE['catalog']}); pick another type with %spot_picker."
         )
     return types[name]
 

@@ -18,7 +18,9 @@ figures, and ``metadata.spotnb``::
 A job record (:func:`job_record`; also the job's ``summary.json`` in its store prefix,
 and, in a notebook run by hand, the output metadata ``spotnb.job`` of its cell)::
 
-    job_id, name, status, reason, store_uri, spotnb_version, code_sha256,
+    job_id, name, status (completed, failed, stopped; pruned: a sweep's trial its
+                  pruner stopped, reason "pruned at step N (METRIC VALUE)"), reason,
+                  store_uri, spotnb_version, code_sha256,
     options       provider, instance_types, region, max_price, checkpoint_every,
                   max_restarts_on_error, budget_usd, max_duration, keep_checkpoints,
                   inputs, outputs, simulate_interruptions, notify (whether a
@@ -30,6 +32,9 @@ and, in a notebook run by hand, the output metadata ``spotnb.job`` of its cell):
     attempts      number, instance_id, instance_type, pool, start, end, end_reason,
                   spot_price_usd_per_hour
     interruptions, cost_usd, ondemand_cost_usd, savings_pct
+    refunded_usd, refunded_instances
+                  what the instances EC2 interrupted in their first hour ran (AWS
+                  charges none of it; not in cost_usd), and how many they were
     breaks        each attempt that ended early: attempt, reason, time, step (its last),
                   resumed_at (the next attempt's first step), redone; redone_steps
     metrics       the last logged value of each metric

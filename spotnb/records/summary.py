@@ -25,7 +25,15 @@ from typing import Any
 from spotnb.ckpt.checkpoints import CheckpointStore
 from spotnb.client.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize_state
 from spotnb.protocol import layout
-from spotnb.protocol.events import Event, EventReader, codec, expand, metric_columns, metric_names
+from spotnb.protocol.events import (
+    FINAL_STATES,
+    Event,
+    EventReader,
+    codec,
+    expand,
+    metric_columns,
+    metric_names,
+)
 from spotnb.protocol.events.fold import JobState, fold
 from spotnb.protocol.secretstore import NOTIFY_SECRET
 from spotnb.records.scrub import scrub
@@ -226,7 +234,7 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
     final = dict(metrics)
     final.update({k: v for k, v in described.items() if _number(v) is not None})
     curves, omitted = _curves(events)
-    ended = result.status in ("completed", "failed", "stopped")
+    ended = result.status in FINAL_STATES
     breaks = state.breaks(final=ended)
     last_time = state.last_time
     record: dict[str, Any] = {
@@ -263,6 +271,9 @@ def job_record(handle: JobHandle, outputs: Mapping[str, Any] | None = None,
                    for b in breaks],
         "redone_steps": sum(b.redone or 0 for b in breaks),
         "cost_usd": result.cost_usd,
+        # What EC2 interrupted in its first hour ran: not charged (not in cost_usd).
+        "refunded_usd": round(state.refunded_usd(), 6),
+        "refunded_instances": len(state.refunded()),
         "ondemand_cost_usd": result.ondemand_cost_usd,
         "savings_pct": (round(result.savings_pct, 2) if result.savings_pct is not None
                         else None),

@@ -1,21 +1,22 @@
-"""What a person sees of a sweep: a line of where it stands, then the comparison of
-its trials (:class:`spotnb.widgets.compare.Comparison`), which follows them live.
+"""The sweep as text: its summary (the notification, the cell's end, the text form of
+its view), read from the sweep and its trials' folds. The widget is
+:mod:`spotnb.widgets.sweep`.
 
-The sweep's driver polls the trials' jobs (:mod:`spotnb.sweep.runner`); the view only
-draws what the driver read, at most every
-:data:`~spotnb.widgets.compare.FLUSH_SECONDS`. A pruned trial's row says ``pruned``.
-:func:`summary_text` is the sweep's summary, for the notification and the cell's end.
+"Best" is always said with what it is: the best *objective* (the metric's last value
+of a completed trial, what the study was told) names its trial; the lowest (or
+highest) value any trial ever logged is the table's, named so there.
 """
 
 from __future__ import annotations
 
-import html
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-__all__ = ["Sweep", "SweepView", "summary_text"]
+from spotnb.sweep.budget import SweepCost
+from spotnb.sweep.state import round_value
+
+__all__ = ["Sweep", "header_lines", "summary_text"]
 
 
 class _Trial(Protocol):
@@ -23,24 +24,33 @@ class _Trial(Protocol):
     params: dict[str, Any]
     job_id: str | None
     value: float | None
+    state: str
+    reason: str
+    pruned_at: int | None
 
 
 class Sweep(Protocol):
-    """What the view reads of a sweep (:class:`spotnb.sweep.runner.Sweep`, which shows
-    itself through this view)."""
+    """What a view reads of a sweep (:class:`spotnb.sweep.runner.Sweep`)."""
 
     definition: dict[str, Any]
     sweep_id: str
     name: str
     status: str
     reason: str
+    warning: str
     ended_at: float | None
 
     @property
     def trials(self) -> Sequence[_Trial]: ...
 
     @property
+    def runs(self) -> Mapping[int, Any]: ...
+
+    @property
     def metric(self) -> str: ...
+
+    @property
+    def direction(self) -> str: ...
 
     @property
     def parallel(self) -> int: ...
@@ -53,7 +63,7 @@ class Sweep(Protocol):
 
     def counts(self) -> dict[str, int]: ...
 
-    def cost(self) -> tuple[float, float]: ...
+    def cost(self) -> SweepCost: ...
 
     def best(self) -> _Trial | None: ...
 
@@ -65,85 +75,46 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def summary_text(made: Sweep, markdown: bool = False) -> str:
-    """The sweep in a few lines: trials completed, pruned and failed, the best
-    parameters and value, the cost and the saving (``markdown``: Slack's ``*bold*``)."""
+def _status(made: Sweep) -> str:
+    if made.status == "abandoned":
+        return ("abandoned: its driver is gone (the kernel that ran it closed); "
+                f"`%spot_attach {made.sweep_id} --resume` drives it on, "
+                f"`spotnb stop {made.sweep_id}` ends it")
+    return made.status
+
+
+def header_lines(made: Sweep, markdown: bool = False) -> list[str]:
+    """The sweep in a few lines: its status and trials; the best objective with its
+    trial and parameters; the cost, refunds and saving, and the time; why it ended
+    (or the warning of the moment). ``markdown``: Slack's ``*bold*``."""
     b = "*" if markdown else ""
     c = made.counts()
-    spent, ondemand = made.cost()
     done = ", ".join(f"{c[s]} {s}" for s in ("completed", "pruned", "failed", "stopped",
-                                             "skipped", "running", "waiting") if c[s])
+                                             "skipped", "running", "waiting") if c.get(s))
     icon = ":bar_chart: " if markdown else ""
-    lines = [f"{icon}spotnb sweep {b}{made.name}{b} {made.status}: "
-             f"{len(made.trials)} trials ({done})"]
+    lines = [f"{icon}spotnb sweep {b}{made.name}{b} {_status(made)}: "
+             f"{len(made.trials)} trials ({done or 'none yet'})"]
     best = made.best()
-    if best is not None:
-        params = ", ".join(f"{k}={v}" for k, v in best.params.items())
-        lines.append(f"best {made.metric} {best.value:.4g} with {b}{params}{b} "
-                     f"(trial {best.number}, job {best.job_id})")
+    word = "highest" if made.direction == "maximize" else "lowest"
+    if best is not None and best.value is not None:
+        params = ", ".join(f"{k}={round_value(v)}" for k, v in best.params.items())
+        lines.append(f"best trial t{best.number}: {made.metric} {best.value:.4g} (its last "
+                     f"value, the objective; {word} wins) with {b}{params}{b} "
+                     f"(job {best.job_id})")
     else:
-        lines.append(f"no trial completed with a value of {made.metric}")
-    money = f"cost ${spent:.4f}"
-    if ondemand > 0:
-        money += f" ({100 * (1 - spent / ondemand):.0f}% under on-demand ${ondemand:.4f})"
+        lines.append(f"no trial has completed with a value of {made.metric} yet")
+    money = made.cost().text()
     if made.budget_usd is not None:
-        money += f" of a ${made.budget_usd:g} budget"
+        money += f"; budget ${made.budget_usd:g}"
     created = float(made.definition.get("created") or time.time())
     lines.append(f"{money} · ran {_clock((made.ended_at or time.time()) - created)}")
-    if made.reason and made.status != "completed":
+    if made.reason and made.status not in ("completed", "running"):
         lines.append(made.reason)
-    return "\n".join(lines)
+    elif made.warning and made.status == "running":
+        lines.append(made.warning)
+    return lines
 
 
-class SweepView:
-    """The sweep's line over the comparison of its trials (module docstring)."""
-
-    def __init__(self, made: Sweep) -> None:
-        import ipywidgets as w
-
-        from spotnb.widgets.compare import FLUSH_SECONDS, Comparison
-
-        self.sweep = made
-        self.flush_seconds = FLUSH_SECONDS
-        self._lock = threading.RLock()
-        self._drawn_at = -float("inf")
-        self.header = w.HTML()
-        self.comparison = Comparison([], follow=False)
-        self.widget = w.VBox([self.header, self.comparison.widget],
-                             layout=w.Layout(width="100%"))
-        self.widget.add_class("spotnb-sweep")
-        self._draw_header()
-        if not made.ended:
-            self.comparison.serve_while_busy()  # the cell waits for the sweep
-        made.listen(self._on_sweep)
-
-    def _on_sweep(self, what: str, obj: Any) -> None:
-        with self._lock:
-            if what == "run":
-                if obj not in self.comparison.runs:
-                    self.comparison.add(obj, follow=False)
-                self._draw_header()
-            elif what == "end" or time.monotonic() - self._drawn_at >= self.flush_seconds:
-                self.draw()
-
-    def draw(self) -> None:
-        """Redraw the line and the comparison from what the driver read, now."""
-        with self._lock:
-            self._drawn_at = time.monotonic()
-            self.comparison.draw()
-            self._draw_header()
-
-    def _draw_header(self) -> None:
-        made = self.sweep
-        c = made.counts()
-        lines = summary_text(made).split("\n")
-        k = made.parallel
-        title = (f"<b>sweep {html.escape(made.name)}</b> ({html.escape(made.sweep_id)}): "
-                 f"{html.escape(made.status)}, {c['running']} running (at most {k} at once)")
-        rest = "<br>".join(html.escape(line) for line in lines[1:])
-        self.header.value = f"<div class='spotnb-sweep-header'>{title}<br>{rest}</div>"
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        data = dict(self.widget._repr_mimebundle_())
-        data["text/plain"] = summary_text(self.sweep) + "\n\n" + self.comparison.text()
-        return data
+def summary_text(made: Sweep, markdown: bool = False) -> str:
+    """:func:`header_lines` as one text."""
+    return "\n".join(header_lines(made, markdown))

@@ -141,10 +141,7 @@ def log_params(params: Mapping[str, Any] | None = None, /, *, source: str | None
                         len(merged), MAX_PARAMS)
     rt = current()
     rt.params.update(clean)
-    message: dict[str, Any] = {"op": "params", "params": clean}
-    if source:
-        message["source"] = source
-    rt.send(message)
+    rt.send(channel.Params(params=clean, source=source or None))
 
 
 def _param_value(value: Any) -> Any:

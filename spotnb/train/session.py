@@ -4,9 +4,10 @@ One :class:`Session` exists per kernel process (``spotnb.train.runtime`` creates
 use from the environment that :mod:`spotnb.kernel_remote.channel` describes, or in
 standalone mode without it). It owns:
 
-* the :class:`AgentChannel` to the agent's Unix socket and the receiver thread that
-  turns ``notice`` messages into flags the cell's thread reads (``force_save``,
-  ``park_requested``, ``interrupt_pending``) and wakes the synced directories;
+* the channel to the agent's Unix socket (:mod:`spotnb.train.agentchannel`) and the
+  receiver thread that turns ``notice`` messages into flags the cell's thread reads
+  (``force_save``, ``park_requested``, ``interrupt_pending``) and wakes the synced
+  directories;
 * the metrics thread that drains :data:`ROWS` (filled by ``spot.log``) every
   0.2 s, converts the values with ``float()`` and sends them in batches;
 * the uploads in progress and the synced directories, so that :meth:`Session.finish`
@@ -14,10 +15,11 @@ standalone mode without it). It owns:
 * parking: once the save forced by an interruption notice is durable, the cell is
   held in a sleep loop until the instance is terminated;
 * what a checkpoint carries so that a resume can record what died with an agent
-  (DESIGN invariant 8), :class:`Carry`: the rows sent but not yet durable in the event
-  log (the agent says up to which time they are, ``{"op": "durable"}``), and the
-  events the agent holds unwritten (the cell's output lines among them), asked for at
-  the save (``{"op": "unlogged"}``);
+  (DESIGN invariant 8, :mod:`spotnb.train.carry`): the rows sent but not yet durable
+  in the event log (the agent says up to which time they are,
+  :class:`~spotnb.kernel_remote.channel.Durable`), and the events the agent holds
+  unwritten (the cell's output lines among them), asked for at the save
+  (:class:`~spotnb.kernel_remote.channel.Unlogged`);
 * the fencing question: before a checkpoint becomes ``LATEST`` or the outputs are
   written, the agent is asked whether it still holds the job's lease;
 * the watchdog: the agent pings every second or so, with the time until which its
@@ -25,23 +27,22 @@ standalone mode without it). It owns:
   safety margin, :meth:`spotnb.protocol.lease.HeldLease.held_until`). A kernel whose agent falls
   silent (frozen) stops itself (SIGSTOP to its process group) at that time, before any
   other agent may take the job over whatever the lease's TTL, or after
-  :data:`AGENT_SILENT_SECONDS` of silence when it knows no such time
-  (:func:`watchdog_verdict`), so that nothing trains that nobody records. The agent
-  resumes it once it has confirmed its lease, or kills it if it lost it.
+  ``AGENT_SILENT_SECONDS`` of silence when it knows no such time
+  (:func:`spotnb.train.agentchannel.watchdog_verdict`), so that nothing trains that
+  nobody records. The agent resumes it once it has confirmed its lease, or kills it if
+  it lost it.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -56,12 +57,13 @@ from spotnb.protocol import lease as lease_mod
 from spotnb.protocol import usage
 from spotnb.protocol.spec import CheckpointEvery
 from spotnb.protocol.store import LocalStore, Store, open_store
+from spotnb.train.agentchannel import AgentChannel, watchdog_verdict
+from spotnb.train.carry import Carry, mark_output
 
 if TYPE_CHECKING:
     from spotnb.ckpt.checkpoints import Manifest
 
-__all__ = ["EVENTS_FILE", "LOCAL_DIR", "METRICS_FILE", "ROWS", "AgentChannel", "Carry",
-           "Session"]
+__all__ = ["LOCAL_DIR", "ROWS", "Session"]
 
 _logger = logging.getLogger(__name__)
 
@@ -69,22 +71,8 @@ _logger = logging.getLogger(__name__)
 _DRAIN_SECONDS = 0.2
 # At most this many metric rows per channel message, to keep lines reasonably short.
 _ROWS_PER_MESSAGE = 2000
-# The agent listens before it starts the kernel; wait a little in case it is slow.
-_CONNECT_SECONDS = 5.0
 # A parked cell sleeps in steps of this length until the instance is terminated.
 _PARK_SLEEP_SECONDS = 1.0
-# The agent pings every second or so; this much silence means it is frozen (or gone:
-# then PR_SET_PDEATHSIG has already killed this kernel). Well above any scheduling
-# hiccup of a busy machine. Only while no ping has said until when the lease is held
-# (before the agent holds it); otherwise that time bounds the kernel, whatever the TTL.
-AGENT_SILENT_SECONDS = 15.0
-# Past the lease's time, the kernel stops only once its agent has also been silent this
-# long: while the agent speaks, it pauses the kernel itself (a store outage), and a ping
-# already in the socket when a stopped kernel resumes carries the renewed time. Below
-# the lease's smallest safety margin (1 s, at the smallest TTL of 3 s): a frozen agent's
-# last renewal is at most a heartbeat old, so the lease's time comes at least a third of
-# the TTL after its last ping, and another agent may take over only after the margin.
-LEASE_GRACE_SECONDS = 0.5
 # The watchdog looks at least this often (and at the lease's time exactly), and looks
 # again this much later before it stops the kernel.
 _WATCHDOG_SECONDS = 1.0
@@ -101,10 +89,6 @@ MAX_UNACKED_ROWS = 1_000_000
 # How long a save waits for the agent's list of unlogged events (it answers once the
 # kernel's output up to the save has reached it: milliseconds, unless it is frozen).
 UNLOGGED_REPLY_SECONDS = 10.0
-# The files of a checkpoint (or synced directory's snapshot) that carry what the event
-# log had not confirmed when it was saved: a resume records what the log lacks.
-METRICS_FILE = "metrics.json"  # the metric rows, as the runtime sent them
-EVENTS_FILE = "events.jsonl"  # the agent's unwritten events (output lines...), as JSON lines
 # Standalone mode keeps its store here, relative to the working directory.
 LOCAL_DIR = ".spotnb-local"
 
@@ -116,76 +100,6 @@ ROWS: collections.deque[tuple[Any, float, dict[str, Any]]] = collections.deque()
 class FenceUnknown(RuntimeError):
     """The agent did not answer whether it still holds the lease: nothing was made
     current; the next save tries again."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Carry:
-    """What a checkpoint carries of what the event log had not confirmed when it was
-    saved (:meth:`Session.carry`): metric rows ``[step, t, {name: value}]`` and the
-    agent's unwritten events (JSON lines). A resume sends both to its agent
-    (``replay``), which records what the saving attempt's log lacks."""
-
-    rows: list[list[Any]] = dataclasses.field(default_factory=list)
-    events: list[str] = dataclasses.field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.rows or self.events)
-
-    def files(self) -> dict[str, bytes]:
-        """The checkpoint files that hold it (none when there is nothing to carry)."""
-        files = {}
-        if self.rows:
-            files[METRICS_FILE] = json.dumps(self.rows, separators=(",", ":")).encode()
-        if self.events:
-            files[EVENTS_FILE] = "".join(line + "\n" for line in self.events).encode()
-        return files
-
-    @classmethod
-    def read(cls, directory: Path, names: Any, what: str) -> Carry:
-        """The carry of a verified local copy whose files are ``names``; what cannot be
-        read is logged and left out (it is not the training state)."""
-        rows: list[list[Any]] = []
-        events: list[str] = []
-        try:
-            if METRICS_FILE in names:
-                loaded = json.loads((directory / METRICS_FILE).read_bytes())
-                rows = loaded if isinstance(loaded, list) else []
-            if EVENTS_FILE in names:
-                text = (directory / EVENTS_FILE).read_text()
-                events = [line for line in text.splitlines() if line.strip()]
-        except (OSError, ValueError) as e:
-            _logger.warning("what %s carries of the log cannot be read (%s); the history "
-                            "may miss the steps just before it", what, e)
-        return cls(rows, events)
-
-    def replay(self, rt: Session, attempt: int, durable: dict[str, Any],
-               saved: float) -> None:
-        """Have the agent record what the log of ``attempt`` lacks of this carry, and
-        the ``checkpoint`` event ``durable`` of the restored save (saved at time
-        ``saved``) if that log lacks it (its agent died before writing it)."""
-        if attempt != rt.attempt:
-            rt.send({"op": "replay", "attempt": attempt, "rows": self.rows,
-                     "events": self.events, "checkpoint": durable, "saved": saved})
-
-
-def _mark_output(token: str) -> bool:
-    """Flush the kernel's ``sys.stdout``/``sys.stderr`` and publish a mark after what
-    they sent on its output channel (the agent relays in order); False outside an
-    IPython kernel."""
-    out: Any = sys.stdout
-    session = getattr(out, "session", None)
-    pub = getattr(out, "pub_thread", None)
-    if session is None or pub is None:
-        return False
-    try:
-        out.flush()
-        sys.stderr.flush()
-        msg = session.msg(channel.OUTPUT_MARK, {"token": token}, parent=out.parent_header)
-        session.send(pub, msg, ident=b"spotnb")
-    except Exception:
-        _logger.debug("cannot mark the kernel's output", exc_info=True)
-        return False
-    return True
 
 
 class Upload(Protocol):
@@ -210,94 +124,6 @@ class SyncedDir(Protocol):
     def stop(self) -> None: ...
 
     def close(self) -> BaseException | None: ...
-
-
-class AgentChannel:
-    """The runtime's end of the agent's Unix socket (protocol: kernel_remote.channel)."""
-
-    def __init__(self, path: str, on_message: Any) -> None:
-        self.path = path
-        self._sock = self._connect(path)
-        self._send_lock = threading.Lock()
-        self._broken = False
-        self._reader = threading.Thread(target=self._read, args=(on_message,),
-                                        name="spotnb-channel", daemon=True)
-        self._reader.start()
-
-    @staticmethod
-    def _connect(path: str) -> socket.socket:
-        deadline = time.monotonic() + _CONNECT_SECONDS
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(path)
-                return sock
-            except OSError:
-                sock.close()
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    @property
-    def broken(self) -> bool:
-        """Whether the connection is gone (nothing more can be sent)."""
-        return self._broken
-
-    def send(self, message: dict[str, Any]) -> bool:
-        """Send one message; False if the agent is gone (then nothing more is sent)."""
-        data = channel.encode(message)
-        with self._send_lock:
-            if self._broken:
-                return False
-            try:
-                self._sock.sendall(data)
-            except OSError as e:
-                self._broken = True
-                _logger.warning("lost the connection to the spotnb agent (%s); metrics and "
-                                "checkpoint reports are no longer recorded", e)
-                return False
-        return True
-
-    def _read(self, on_message: Any) -> None:
-        with self._sock.makefile("rb") as f:
-            try:
-                for line in f:
-                    try:
-                        message = channel.decode(line)
-                    except ValueError:
-                        _logger.warning("ignoring a malformed message from the agent: %r", line)
-                        continue
-                    try:
-                        on_message(message)
-                    except Exception:
-                        _logger.exception("handling %s from the agent failed", message)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        with self._send_lock:
-            self._broken = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._reader.join(timeout=5)
-        self._sock.close()
-
-
-def watchdog_verdict(silent: float, until: float | None, now: float) -> str | None:
-    """Why a kernel must stop now, or None: its agent has been silent for ``silent``
-    seconds, and said its lease counts as held until ``until`` (None: it did not say);
-    ``now`` on :func:`spotnb.protocol.lease.clock`.
-
-    The lease's time comes before anyone else may take the job: the TTL less the
-    holder's safety margin after its last confirmed renewal. So with any TTL, the kernel
-    of a frozen agent stops before the next attempt holds the lease.
-    """
-    if until is not None and now >= until and silent >= LEASE_GRACE_SECONDS:
-        return (f"the spotnb agent has not answered for {silent:.1f} s and its lease is "
-                f"no longer confirmed (for {now - until:.1f} s)")
-    if silent >= AGENT_SILENT_SECONDS:
-        return f"the spotnb agent has not answered for {silent:.0f} s"
-    return None
 
 
 class Session:
@@ -374,7 +200,7 @@ class Session:
                 _logger.warning("cannot connect to the spotnb agent at %s (%s); metrics and "
                                 "notices are not available in this kernel", socket_path, e)
             else:
-                self.send({"op": "hello", "pid": os.getpid()})
+                self.send(channel.Hello(pid=os.getpid()))
         self._drainer = threading.Thread(target=self._drain_loop, name="spotnb-metrics",
                                          daemon=True)
         self._drainer.start()
@@ -452,7 +278,7 @@ class Session:
                 answer: tuple[threading.Event, list[bool | None]] = (threading.Event(), [])
                 self._fence_replies[ask] = answer
             try:
-                if not chan.send({"op": "fence", "id": ask}):
+                if not chan.send(channel.Fence(id=ask)):
                     return lease_mod.still_holds(self.store, self.attempt,
                                                  self.instance_id, slot=self.slot)
                 if not answer[0].wait(FENCE_REPLY_SECONDS):
@@ -468,7 +294,8 @@ class Session:
             # lost. Wait until it knows; it pauses this kernel meanwhile anyway.
             time.sleep(FENCE_RETRY_SECONDS)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: channel.Message) -> None:
+        """Send ``message`` to the agent (standalone: nowhere)."""
         if self.channel is not None:
             self.channel.send(message)
 
@@ -481,7 +308,7 @@ class Session:
     def report_total(self, total: int, source: str) -> None:
         """The run's total number of steps (``spot.progress``, or the loop's range)."""
         self.total = total
-        self.send({"op": "progress", "total": total, "source": source})
+        self.send(channel.Progress(total=total, source=source))
 
     # -- notices ---------------------------------------------------------------------
 
@@ -500,7 +327,7 @@ class Session:
             return
         text = fit.advice()
         _logger.warning("%s", text)
-        self.send({"op": "warning", "kind": "notice-fit", "text": text})
+        self.send(channel.Caution(kind="notice-fit", text=text))
 
     def _on_message(self, message: dict[str, Any]) -> None:
         """A message from the agent, handled through :meth:`handlers` (by its op); an op
@@ -521,21 +348,20 @@ class Session:
                 channel.Notice.op: self._on_notice}
 
     def _on_ping(self, message: channel.Ping) -> None:
-        until = message.until
-        self._until = float(until) if isinstance(until, (int, float)) else None
+        self._until = message.until
         self._pinged = True
 
     def _on_durable(self, message: channel.Durable) -> None:
         self._forget_durable(message.t)
 
     def _on_unlogged(self, message: channel.UnloggedReply) -> None:
-        asked = self._unlogged_replies.get(int(message.id))
+        asked = self._unlogged_replies.get(message.id)
         if asked is not None:
             asked[1].append(message)
             asked[0].set()
 
     def _on_fence(self, message: channel.FenceReply) -> None:
-        answer = self._fence_replies.get(int(message.id))
+        answer = self._fence_replies.get(message.id)
         if answer is not None:
             answer[1].append(None if message.unknown else message.ok)
             answer[0].set()
@@ -550,7 +376,7 @@ class Session:
             # A node waits to join this distributed job: every rank saves at the same
             # step, then the world re-forms with it (spotnb.kernel_remote.multinode.node).
             if not self.has_checkpoint:  # nothing to save: re-form now
-                self.send({"op": "reform", "step": None, "join": True})
+                self.send(channel.Reform(step=None, join=True))
                 return
             _logger.log(self._say_level, "a node waits to join: saving at the next "
                         "maybe_save, then the world re-forms")
@@ -579,7 +405,7 @@ class Session:
         for sd in list(self.sync_dirs.values()):
             sd.sync_quietly()
             sd.stop()  # the agent gives the lease up on "parked": no upload after it
-        self.send({"op": "parked", "step": step})
+        self.send(channel.Parked(step=step))
         _logger.log(self._say_level, "interruption: the checkpoint of step %d is durable; "
                     "holding the cell until the instance is terminated (the job resumes on "
                     "a new instance)", step)
@@ -592,11 +418,11 @@ class Session:
         (torchelastic restarts this worker; spotnb.kernel_remote.multinode)."""
         self.drain()
         if self.join_requested and not self.interrupt_pending:
-            self.send({"op": "reform", "step": step, "join": True})
+            self.send(channel.Reform(step=step, join=True))
             _logger.log(self._say_level, "the checkpoint of step %d is durable; holding "
                         "the cell while the world re-forms with the node that joins", step)
         else:
-            self.send({"op": "reform", "step": step})
+            self.send(channel.Reform(step=step))
             _logger.warning("a node leaves after the checkpoint of step %d; holding the "
                             "cell while the world re-forms without it", step)
         while True:
@@ -682,7 +508,7 @@ class Session:
                 or os.environ.get("RANK", "0") != "0":
             return []  # a distributed job: global rank 0's checkpoints carry its node's
         token = uuid.uuid4().hex
-        marked = _mark_output(token)
+        marked = mark_output(token)
         with self._unacked_lock:
             self._fence_ids += 1
             ask = self._fence_ids
@@ -690,7 +516,7 @@ class Session:
                                                                          [])
             self._unlogged_replies[ask] = asked
         try:
-            if not chan.send({"op": "unlogged", "id": ask, "mark": token if marked else None}):
+            if not chan.send(channel.Unlogged(id=ask, mark=token if marked else None)):
                 return []
             if not asked[0].wait(UNLOGGED_REPLY_SECONDS):
                 _logger.warning("the spotnb agent did not say within %g s which events its "
@@ -700,12 +526,12 @@ class Session:
             events = asked[1][0].events
         finally:
             self._unlogged_replies.pop(ask, None)
-        return [str(line) for line in events] if isinstance(events, list) else []
+        return events
 
     def sync(self, token: str) -> None:
         """Send every row logged so far, then a marker the agent waits for."""
         self.drain()
-        self.send({"op": "mark", "token": token})
+        self.send(channel.Mark(token=token))
 
     def _drain_loop(self) -> None:
         reported = time.monotonic()
@@ -723,7 +549,7 @@ class Session:
         cost a job shows includes them (spotnb.protocol.usage)."""
         counts = usage.snapshot()
         if counts:
-            self.send({"op": "usage", "requests": counts})
+            self.send(channel.Usage(requests=counts))
 
     def drain(self) -> None:
         """Convert the rows logged so far and send them (or keep them, standalone)."""
@@ -744,7 +570,7 @@ class Session:
                 self.history.extend((r[0], r[1], r[2]) for r in rows)
                 return
             for i in range(0, len(rows), _ROWS_PER_MESSAGE):
-                self.send({"op": "metrics", "rows": rows[i:i + _ROWS_PER_MESSAGE]})
+                self.send(channel.Metrics(rows=rows[i:i + _ROWS_PER_MESSAGE]))
             if self.remote:
                 with self._unacked_lock:
                     self.unacked.extend(rows)

@@ -28,7 +28,7 @@ so each upload, and the last one before termination above all, carries one
 checkpoint, not every one the framework keeps.
 
 Each snapshot also carries what the job's event log had not confirmed when it was
-taken (:class:`spotnb.train.session.Carry`: metric rows, output lines), beside its files;
+taken (:class:`spotnb.train.carry.Carry`: metric rows, output lines), beside its files;
 restoring it has the agent record what the saving attempt's log lacks (DESIGN
 invariant 8), as a restored ``spot.Checkpoint`` does.
 """
@@ -54,9 +54,10 @@ from spotnb.ckpt.checkpoints import (
     Manifest,
     copy_hashing,
 )
+from spotnb.kernel_remote import channel
 from spotnb.protocol import layout
 from spotnb.protocol.store import _check_key, retrying
-from spotnb.train.session import Carry
+from spotnb.train.carry import Carry
 
 if TYPE_CHECKING:
     from spotnb.train.session import Session
@@ -227,16 +228,14 @@ class SyncDir:
                     os.utime(dest, ns=(mtime, mtime))
         finally:
             shutil.rmtree(stage, ignore_errors=True)
-        durable: dict[str, object] = {"kind": "sync", "name": self.name, "phase": "durable",
-                                      "id": manifest.id, "files": len(manifest.files),
-                                      "bytes": manifest.total_bytes}
-        if manifest.metadata.get("step") is not None:
-            durable["step"] = manifest.metadata["step"]
-        carry.replay(self.rt, manifest.attempt, durable, manifest.created)
+        durable = channel.Sync(name=self.name, phase="durable", id=manifest.id,
+                               files=len(manifest.files), bytes=manifest.total_bytes,
+                               step=manifest.metadata.get("step"))
+        carry.replay(self.rt, manifest.attempt, durable.event_data(), manifest.created)
         self._seq = manifest.step + 1
         self._signature = self._sig(self._scan())
-        self.rt.send({"op": "sync", "name": self.name, "phase": "restored",
-                      "files": len(manifest.files), "bytes": manifest.total_bytes})
+        self.rt.send(channel.Sync(name=self.name, phase="restored",
+                                  files=len(manifest.files), bytes=manifest.total_bytes))
         _logger.info("restored %d file(s) into %s from snapshot %s", len(manifest.files),
                      self.path, manifest.id)
         return manifest
@@ -304,11 +303,9 @@ class SyncDir:
         return staged
 
     def _report(self, manifest: Manifest, step: int | None, forced: bool) -> None:
-        message = {"op": "sync", "name": self.name, "phase": "durable", "id": manifest.id,
-                   "files": len(manifest.files), "bytes": manifest.total_bytes}
-        if step is not None:
-            message.update(step=step, forced=forced)
-        self.rt.send(message)
+        self.rt.send(channel.Sync(name=self.name, phase="durable", id=manifest.id,
+                                  files=len(manifest.files), bytes=manifest.total_bytes,
+                                  step=step, forced=None if step is None else forced))
 
     def save(self, step: int, hold: bool = True) -> None:
         """The code (a framework) has written a complete checkpoint of ``step`` into the

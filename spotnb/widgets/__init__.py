@@ -9,8 +9,8 @@ The modules: ``dashboard`` (the renderer and its wiring), ``header`` (what the j
 doing, at a glance), ``plots`` (the figure's panels and marks), ``series`` (what is
 plotted, from events, bounded), ``elements`` (the widgets with front-end code of their
 own: figure, log panel, table), ``static`` (the finished figure as a picture),
-``picker``, ``compare`` (runs overlaid: ``%spot_compare``) and ``kernel`` (button
-clicks while the cell is busy).
+``picker`` (with ``ranking``: its rows, plain Python), ``compare`` (runs overlaid:
+``%spot_compare``) and ``kernel`` (button clicks while the cell is busy).
 """
 
 from __future__ import annotations

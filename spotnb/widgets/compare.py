@@ -16,12 +16,18 @@ thread of the comparison's own (:func:`spotnb.client.comparison.follow_until_end
 cell returns at once and the figure and the table keep up, redrawn at most every
 :data:`FLUSH_SECONDS`; each draw sends every trace's bounded series in one message,
 as the dashboard does.
+
+Where widgets do not draw (a notebook reopened without its widget state, an HTML
+export read offline, a record), :meth:`Comparison.show` leaves the comparison as a
+picture of its curves and its table (:func:`spotnb.widgets.static_sweep.compare_bundle`),
+hidden next to the live figure; a comparison of live runs gets it once they have ended.
 """
 
 from __future__ import annotations
 
 import html
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -77,18 +83,22 @@ def table_rows(runs: Sequence[Run]) -> tuple[list[dict[str, Any]], list[dict[str
         {"key": "status", "label": "status"}]
     columns += [{"key": f"param:{p}", "label": p, "title": f"parameter {p}"} for p in params]
     for m in metrics:
-        better = "largest" if higher_is_better(m) else "smallest"
+        better = "highest" if higher_is_better(m) else "lowest"
         columns += [{"key": f"final:{m}", "label": f"last {m}", "numeric": True,
                      "title": f"the last value of {m}"},
-                    {"key": f"best:{m}", "label": f"best {m}", "numeric": True,
+                    {"key": f"best:{m}", "label": f"{better} {m}", "numeric": True,
                      "descending_first": higher_is_better(m),
-                     "title": f"the best ({better}) value of {m}"}]
+                     "title": f"the {better} value of {m} logged at any step"}]
     columns += [
         {"key": "duration", "label": "duration", "numeric": True},
         {"key": "cost", "label": "cost $", "numeric": True,
-         "title": "instances at the spot price, and spotnb's own requests"},
+         "title": "instances at the spot price and spotnb's own requests, refunds "
+                  "included (it never decreases)"},
+        {"key": "refunded", "label": "refunded $", "numeric": True,
+         "title": "what EC2 refunds: instances it interrupted in their first hour"},
         {"key": "saved", "label": "saved", "numeric": True, "descending_first": True,
-         "title": "less than the same instance time on-demand"},
+         "title": "what is billed (cost less refunds) against the same instance time "
+                  "on-demand"},
         {"key": "interruptions", "label": "interruptions", "numeric": True},
         {"key": "redone", "label": "redone steps", "numeric": True,
          "title": "steps logged again after an interruption"},
@@ -96,11 +106,13 @@ def table_rows(runs: Sequence[Run]) -> tuple[list[dict[str, Any]], list[dict[str
     rows = []
     for n, (run, f) in enumerate(zip(runs, facts, strict=True)):
         values: dict[str, Any] = {"run": run.label, "status": f.status,
-                                  "duration": f.duration_s, "cost": f.cost_usd,
+                                  "duration": f.duration_s, "cost": f.gross_usd,
+                                  "refunded": f.refunded_usd,
                                   "saved": f.savings_pct, "interruptions": f.interruptions,
                                   "redone": f.redone_steps}
         cells = {"run": run.label, "status": f.status + (" (live)" if run.live else ""),
-                 "duration": _duration(f.duration_s), "cost": _fmt(f.cost_usd, ".4f"),
+                 "duration": _duration(f.duration_s), "cost": _fmt(f.gross_usd, ".4f"),
+                 "refunded": _fmt(f.refunded_usd, ".4f") if f.refunded_usd else "-",
                  "saved": "-" if f.savings_pct is None else f"{f.savings_pct:.0f}%",
                  "interruptions": str(f.interruptions), "redone": str(f.redone_steps)}
         for p in params:
@@ -111,7 +123,8 @@ def table_rows(runs: Sequence[Run]) -> tuple[list[dict[str, Any]], list[dict[str
             cells[f"final:{m}"], cells[f"best:{m}"] = _fmt(f.final.get(m)), _fmt(f.best.get(m))
         rows.append({"id": run.key, "cells": cells, "values": values,
                      "colour": RUN_COLOURS[n % len(RUN_COLOURS)],
-                     "titles": {"run": f"{run.source} {run.job_id or ''}".strip()}})
+                     "titles": {"run": f"{run.source} {run.job_id or ''}".strip(),
+                                "status": f.reason}})
     return columns, rows
 
 
@@ -139,8 +152,11 @@ class Comparison:
         import ipywidgets as w
 
         from spotnb.widgets.elements import LiveFigure, Table, plotly_loader
+        from spotnb.widgets.static_sweep import live_class
 
         self.runs = list(runs)
+        self.key = f"compare-{secrets.token_hex(4)}"  # its static copy's
+        self._static_output: Any = None
         self.flush_seconds = flush_seconds
         self._clock = clock
         self._lock = threading.RLock()
@@ -155,7 +171,8 @@ class Comparison:
         self.header = w.HTML()
         self.figure = LiveFigure(layout=w.Layout(width="100%"))
         self.table = Table(table_class="spotnb-compare-table", number_chosen=False,
-                           row_title="click to hide (or show) the curves of")
+                           row_title="click to hide (or show) the curves of",
+                           layout=w.Layout(width="100%"))
         self.table.observe(self._on_table, names=["sort_key", "descending", "chosen"])
         self.options = PlotOptions()
         self.smoothing = w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01,
@@ -174,6 +191,7 @@ class Comparison:
         self.widget = w.VBox([self.header, toolbar, self.figure, plotly_loader(),
                               self.table], layout=w.Layout(width="100%"))
         self.widget.add_class("spotnb-compare")
+        self.widget.add_class(live_class(self.key))
         self._thread: threading.Thread | None = None
         self._served = False  # the controls' messages go to a subshell
         self.draw()
@@ -227,9 +245,38 @@ class Comparison:
         return f"<spotnb Comparison of {len(self.runs)} runs>"
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        from spotnb.widgets.static_sweep import table_html
+
         data = dict(self.widget._repr_mimebundle_())
         data["text/plain"] = self.text()
+        columns, rows = table_rows(self.runs)
+        data["text/html"] = table_html(columns, rows, "spotnb-static-table")
         return data
+
+    def show(self) -> None:
+        """Display the comparison, and below it its static copy (module docstring):
+        now if every run has ended, else once they have (an update of that output)."""
+        from IPython.display import display
+
+        display(self, display_id=True)
+        with self._lock:
+            live = any(run.live for run in self.runs)
+            copy_ = None if live else self.static_bundle()
+            if copy_ is not None:
+                display(copy_[0], metadata=copy_[1], raw=True)
+            elif live:
+                self._static_output = display(
+                    {"text/plain": self.text()}, raw=True, display_id=True)
+
+    def static_bundle(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The comparison as a picture and a table, one output ``(data, metadata)``
+        (None without matplotlib)."""
+        from spotnb.widgets.static_sweep import compare_bundle
+
+        with self._lock:
+            columns, rows = table_rows(self.runs)
+            shown = [{k: v for k, v in row.items() if k != "values"} for row in rows]
+            return compare_bundle(self.key, list(self.runs), columns, shown)
 
     def text(self) -> str:
         """The table of runs as text (for readers without widgets)."""
@@ -257,6 +304,17 @@ class Comparison:
                 self._thread = None
         finally:
             self.draw()
+            self._update_static()
+
+    def _update_static(self) -> None:
+        """The runs have ended: the static copy shown as text until now becomes the
+        picture."""
+        output, self._static_output = self._static_output, None
+        if output is None or any(run.live for run in self.runs):
+            return
+        copy_ = self.static_bundle()
+        if copy_ is not None:
+            output.update(copy_[0], metadata=copy_[1], raw=True)
 
     def _maybe_draw(self) -> None:
         if self._clock() - self._drawn_at >= self.flush_seconds:

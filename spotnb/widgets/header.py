@@ -22,6 +22,7 @@ from spotnb.widgets.series import DashboardData, PoolPrices
 __all__ = ["header_html", "sparkline"]
 
 STATE_COLOURS = {"completed": "#1a7f37", "failed": "#cf222e", "stopped": "#9a6700",
+                 "pruned": "#6e7781",
                  "interrupted": "#bc4c00", "waiting_for_capacity": "#9a6700"}
 _GREY = "#57606a"
 _SPARK_W, _SPARK_H = 90, 16

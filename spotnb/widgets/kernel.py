@@ -14,9 +14,12 @@ act when the kernel is next idle, and the notebook's own stop button still detac
 **The kernel's status.** The kernel reports busy and idle around every request it
 handles, a click on the subshell included; JupyterLab shows the last report as the
 kernel's status, whichever request it was about (jupyterlab/jupyterlab#10701), so after
-a click the status bar would say "Idle" while the cell still runs. :class:`_StatusKeeper`
-follows the main shell's request and, when a subshell's request ends while it runs,
-reports busy again on its behalf: the status bar stays "Busy" until the cell ends.
+a click the status bar would say "Idle" while the cell still runs; and so after any
+request on the control channel (JupyterLab asks for a subshell, the debugger's
+requests), which the kernel answers at once while a cell runs. :class:`_StatusKeeper`
+follows the main shell's request and, when another request ends while it runs (a
+subshell's, or one on the control channel), reports busy again on its behalf: the
+status bar stays "Busy" until the cell ends.
 """
 
 from __future__ import annotations
@@ -96,13 +99,19 @@ class _StatusKeeper:
         parent = kernel.get_parent("shell") if _on_main_thread() else {}
         self.running: dict[str, Any] | None = parent if _msg_type(parent) == \
             "execute_request" else None
+        #: The request on whose behalf busy was said when installed (once each).
+        self.announced: str | None = None
 
     def __call__(self, status: str, channel: str, parent: Any = None) -> None:
-        # One lock for both threads' reports: a busy on the cell's behalf never
+        # One lock for every thread's reports: a busy on the cell's behalf never
         # follows the cell's own idle.
         with self._lock:
             self._publish(status, channel, parent)
             if channel != "shell":
+                # A control request answered while the cell runs (a subshell created,
+                # the debugger asked): its idle is not the cell's.
+                if status == "idle" and self.running is not None:
+                    self._publish("busy", "shell", self.running)
                 return
             msg = parent or self._kernel.get_parent(channel)
             if _on_main_thread():
@@ -132,9 +141,21 @@ def _msg_type(msg: Any) -> str | None:
 
 
 def _keep_status(kernel: Any) -> None:
-    """Install :class:`_StatusKeeper` on ``kernel`` (once)."""
-    if not isinstance(getattr(kernel, "_publish_status", None), _StatusKeeper):
-        kernel._publish_status = _StatusKeeper(kernel)
+    """Install :class:`_StatusKeeper` on ``kernel`` (once). Installed from a running
+    cell, it says busy once at once: a control request answered since the cell began
+    (the subshell's creation) may have said idle."""
+    keeper = getattr(kernel, "_publish_status", None)
+    if not isinstance(keeper, _StatusKeeper):
+        keeper = kernel._publish_status = _StatusKeeper(kernel)
+    elif _on_main_thread():
+        parent = kernel.get_parent("shell")
+        if _msg_type(parent) == "execute_request" and keeper.running is None:
+            keeper.running = parent
+    with keeper._lock:
+        running = keeper.running
+        if running is not None and _msg_id(running) != keeper.announced:
+            keeper.announced = _msg_id(running)
+            keeper._publish("busy", "shell", running)
 
 
 def serve_while_busy(widget: Any) -> bool:

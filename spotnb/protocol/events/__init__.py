@@ -72,6 +72,10 @@ vocabulary every reader may rely on):
                 ``text`` (what happens and what to do)
 ``error``       ``ename``, ``evalue``, ``traceback`` (list of str), ``retrying``
 ``result``      ``status`` (completed, failed, stopped), ``reason``
+``pruned``      a sweep's pruner stopped the job early (the sweep's driver writes it
+                in the group's stream before the stop): ``step``, ``metric``,
+                ``value``, ``sweep`` (its id), ``trial`` (its number); the job's
+                status then reads ``pruned`` (:meth:`~spotnb.protocol.events.fold.JobState.outcome`)
 """
 
 from __future__ import annotations
@@ -128,7 +132,9 @@ STATES = (
     "failed",
     "stopped",
 )
-FINAL_STATES = frozenset({"completed", "failed", "stopped"})
+#: The states of a job that ended (``pruned``: stopped by a sweep's pruner, as its
+#: ``pruned`` event says; no agent writes it).
+FINAL_STATES = frozenset({"completed", "failed", "stopped", "pruned"})
 
 
 def stream_name(attempt: int) -> str:

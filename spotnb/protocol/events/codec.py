@@ -35,6 +35,7 @@ __all__ = [
     "Params",
     "Price",
     "ProgressTotal",
+    "Pruned",
     "Result",
     "Standby",
     "Status",
@@ -313,6 +314,27 @@ class Result:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pruned:
+    """``pruned``: a sweep's pruner stopped the job (one of its trials) early: at
+    ``step``, where its ``metric`` was ``value``; ``sweep`` and ``trial`` name it.
+    Written to the group's stream by the sweep's driver before it stops the job."""
+
+    step: int | None
+    metric: str = ""
+    value: float | None = None
+    sweep: str | None = None
+    trial: int | None = None
+
+    @property
+    def text(self) -> str:
+        """``pruned at step 140 (val_loss 0.4452)``."""
+        at = f" at step {self.step}" if self.step is not None else ""
+        value = f" ({self.metric} {self.value:.4g})" if self.metric and \
+            self.value is not None else ""
+        return f"pruned{at}{value}"
+
+
+@dataclasses.dataclass(frozen=True)
 class World:
     """``world``: a multi-node job's world as one node saw it form."""
 
@@ -358,7 +380,7 @@ class Unknown:
 
 Body = (Status | Metric | Metrics | ProgressTotal | Stream | Display | Sys | CheckpointEvent
         | Params | Notice | Price | Instance | Usage | Warning | Error | Result | World
-        | Joined | Standby | Unknown)
+        | Joined | Standby | Pruned | Unknown)
 
 
 def _status(e: Event, d: dict[str, Any]) -> Status:
@@ -441,6 +463,10 @@ _DECODERS: dict[str, Any] = {
     "error": lambda e, d: Error(ename=d.get("ename"), evalue=d.get("evalue"),
                                 traceback=d.get("traceback"), retrying=bool(d.get("retrying"))),
     "result": lambda e, d: Result(status=_opt_str(d.get("status")), reason=_str(d.get("reason"))),
+    "pruned": lambda e, d: Pruned(
+        step=None if d.get("step") is None else _int(d.get("step")), metric=_str(d.get("metric")),
+        value=_opt_float(d.get("value")), sweep=_opt_str(d.get("sweep")),
+        trial=None if d.get("trial") is None else _int(d.get("trial"))),
     "world": lambda e, d: World(nodes=_int(d.get("nodes")), world_size=_int(d.get("world_size")),
                                 max_nodes=_int(d.get("max_nodes"), 1) or 1),
     "joined": lambda e, d: Joined(
@@ -483,7 +509,7 @@ def is_batch(event: Event) -> bool:
 
 _OUTPUT_TYPES = frozenset({"stream", "display", "metric", "metrics"})
 _CONTROL_TYPES = frozenset({"status", "notice", "instance", "price", "error", "result",
-                            "usage", "standby"})
+                            "usage", "standby", "pruned"})
 
 
 def is_output(event: Event) -> bool:

@@ -233,6 +233,10 @@ class JobState:
         self.first_launch: float | None = None
         #: The job's warm standbys, by instance id, in launch order.
         self.standbys: dict[str, StandbyState] = {}
+        #: A sweep's pruner stopped the job (one of its trials) early: where, and why.
+        self.pruned: codec.Pruned | None = None
+        #: instance id -> the time of the newest event that came from it
+        self.heard: dict[str, float] = {}
 
     # -- input ---------------------------------------------------------------------
 
@@ -243,6 +247,8 @@ class JobState:
             self.first_time = t
         if self.last_time is None or t > self.last_time:
             self.last_time = t
+        if e.instance is not None and t > self.heard.get(e.instance, 0.0):
+            self.heard[e.instance] = t
         if codec.is_row(e):  # most of a log: no body built for each
             if e.attempt != GROUP_STREAM:
                 a = self._attempt_of(e)
@@ -280,6 +286,8 @@ class JobState:
             self.params.update(body.params)
             if body.source:
                 self.param_sources[body.source] = None
+        elif isinstance(body, codec.Pruned):
+            self.pruned = body
 
     def apply_all(self, events: Iterable[Event]) -> JobState:
         for e in events:
@@ -525,6 +533,20 @@ class JobState:
             ondemand += (inst.ondemand or 0.0) * max(0.0, stop - start) / 3600.0
         return cost, ondemand
 
+    def cost_heard(self) -> tuple[float, float]:
+        """:meth:`cost` with each running instance billed until the newest event heard
+        from it, not until now: a figure that only grows as a job's events come in
+        (``cost(now)`` bills a running instance to now, then gives back the time past
+        its end once that end, read later, says it was earlier). Equal to ``cost`` once
+        every instance has ended."""
+        cost = ondemand = 0.0
+        for inst in self.instances.values():
+            stop = inst.end if inst.end is not None else \
+                max(inst.start, self.heard.get(inst.instance_id, inst.start))
+            cost += self.billed(inst, inst.start, stop)
+            ondemand += (inst.ondemand or 0.0) * max(0.0, stop - inst.start) / 3600.0
+        return cost, ondemand
+
     def billed(self, inst: InstanceState, start: float, stop: float) -> float:
         """What ``inst`` billed between ``start`` and ``stop``: its pool's spot price as
         it changed, nothing if EC2 interrupted it in its first hour."""
@@ -535,6 +557,21 @@ class JobState:
     def refunded(self) -> list[InstanceState]:
         """Instances EC2 interrupted in their first hour, which AWS does not charge."""
         return [i for i in self.instances.values() if i.free]
+
+    def refunded_usd(self) -> float:
+        """What the :meth:`refunded` instances ran, at their pools' spot prices: billed
+        while they ran (:meth:`cost` counted it then), refunded once EC2 took them back.
+        ``cost`` plus this never decreases as the job goes on."""
+        return sum(integrate(self.prices.get(i.pool, []), i.start, i.end or i.start,
+                             i.price or 0.0) for i in self.refunded())
+
+    def outcome(self, status: str, reason: str) -> tuple[str, str]:
+        """The job's status and reason as every view says them, given those of its
+        result (or of its events): a job stopped after a sweep's pruner said so is
+        ``pruned``, with the step and the metric's value (its ``pruned`` event)."""
+        if status == JobStatus.STOPPED.value and self.pruned is not None:
+            return "pruned", self.pruned.text
+        return status, reason
 
     def cost_between(self, start: float, stop: float) -> float:
         """What the instances billed between ``start`` and ``stop``, at the spot price

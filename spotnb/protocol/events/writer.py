@@ -263,12 +263,6 @@ class EventWriter:
             self._pending.clear()
             self._live = None
 
-    def set_interval(self, seconds: float) -> None:
-        """Flush every ``seconds`` from now on."""
-        if seconds != self.interval:
-            self.interval = seconds
-            self._wake.set()
-
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the background thread, then flush, retrying a failing store up to
         ``timeout`` seconds; whether every event was written."""

@@ -497,14 +497,14 @@ TRANSFER_CHUNK = 16 * 2**20
 TRANSFER_THREADS = 10
 
 
-def transfer_config(threshold: int = TRANSFER_THRESHOLD, chunk: int = TRANSFER_CHUNK,
-                    threads: int = TRANSFER_THREADS) -> Any:
+def transfer_config(threshold: int = TRANSFER_THRESHOLD, chunk: int = TRANSFER_CHUNK
+                    ) -> Any:
     """A ``boto3.s3.transfer.TransferConfig`` tuned for checkpoints (see the constants)."""
     boto3_module()
     from boto3.s3.transfer import TransferConfig
 
     return TransferConfig(multipart_threshold=threshold, multipart_chunksize=chunk,
-                          max_concurrency=threads, use_threads=True)
+                          max_concurrency=TRANSFER_THREADS, use_threads=True)
 
 
 def unwrap_transfer_error(err: BaseException) -> BaseException:

@@ -312,14 +312,12 @@ class S3Store(Store):
     def put_if_match(self, key: str, data: bytes, etag: str) -> str | None:
         return self._conditional_put(key, data, IfMatch=etag)
 
-    def list_keys(self, prefix: str = "", start_after: str | None = None) -> list[str]:
-        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._under(prefix),
-                                  "ExpectedBucketOwner": self.owner}
-        if start_after is not None:
-            params["StartAfter"] = self._under(start_after)
+    def list_keys(self, prefix: str = "") -> list[str]:
         keys: list[str] = []
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(**params):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=self._under(prefix),
+                    ExpectedBucketOwner=self.owner):
                 keys += [self._strip(o["Key"]) for o in page.get("Contents", ())]
         except Exception as err:
             raise self._fail(err, f"listing {prefix or '/'}") from None

@@ -90,6 +90,10 @@ from spotnb.protocol.store import StoreError, file_lock, open_store, upload_mbps
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
 from spotnb.providers.local.state import (
     CONTROL_DIR,
+    ENV_CLOUD_MARK,
+    ENV_INSTANCE_MARK,
+    ENV_JOB_MARK,
+    ENV_SOCKET_DIR,
     GROUP_FILE,
     ProcessRecord,
     Settings,
@@ -115,6 +119,9 @@ TERMINATE_TIMEOUT_SECONDS = 10.0
 # Grace for a supervisor killed from outside: on SIGTERM it ends its instances first.
 SUPERVISOR_KILL_GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.05
+# A supervisor is no process of an instance, also when an instance's reaper starts it
+# (spotnb.providers.local.reaper): it is started without the instance's variables.
+_INSTANCE_VARIABLES = (ENV_INSTANCE_MARK, ENV_JOB_MARK, ENV_CLOUD_MARK, ENV_SOCKET_DIR)
 
 
 class LocalProvider(Provider):
@@ -180,9 +187,11 @@ class LocalProvider(Provider):
         if adopt:
             cmd.append("--adopt")
         deadline = time.monotonic() + LAUNCH_TIMEOUT_SECONDS
+        env = {k: v for k, v in os.environ.items() if k not in _INSTANCE_VARIABLES}
         with open(log_path, "ab") as out:
-            starter = subprocess.Popen(cmd, cwd=home, stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+            starter = subprocess.Popen(cmd, cwd=home, env=env, stdin=subprocess.DEVNULL,
+                                       stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
         # Step 1: the starter process checks the job and forks the supervisor off.
         try:
             code = starter.wait(timeout=LAUNCH_TIMEOUT_SECONDS)

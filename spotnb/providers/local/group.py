@@ -36,10 +36,12 @@ so in ``group.json``, and the next spotnb command that looks at the job starts a
 
 Supervisor death (a crash, SIGKILL, a laptop that rebooted): any spotnb entry point
 that finds the job without a result and without a live supervisor starts a new one
-with ``--adopt`` (:meth:`spotnb.providers.local.LocalProvider.ensure_supervised`). It
-takes over the instances still running (their metadata service comes back on the same
-port, notices included), ends those whose termination was due, writes a pending
-result, and carries on: the job resumes as after an interruption.
+with ``--adopt`` (:meth:`spotnb.providers.local.LocalProvider.ensure_supervised`), and
+so does an instance whose supervisor is gone when it boots or when its agent ends
+(:mod:`.reaper`). It takes over the instances still running (their metadata service
+comes back on the same port, notices included), ends those whose termination was due
+and those it cannot adopt, writes a pending result, and carries on: the job resumes as
+after an interruption.
 
 Pools are tried in the spec's order of instance types, cheapest AZ first (at the
 current market price). A pool without simulated capacity, or above ``max_price``, is
@@ -129,7 +131,9 @@ from spotnb.providers.local.state import (
     Settings,
     az_name,
     group_dir,
+    kill_processes,
     kill_tree,
+    marked_processes,
     read_json,
     write_json,
 )
@@ -292,8 +296,10 @@ class Supervisor:
 
         Step 1  what the group did so far, from its event stream: first launch,
                 simulated interruptions already served, instances already ended.
-        Step 2  each instance still on record: its agent alive -> adopt it (same IMDS
-                endpoint, same notice); dead -> end it ("lost while unsupervised").
+        Step 2  each instance still on record: its first process alive -> adopt it
+                (same IMDS endpoint, same notice); gone, never recorded or not
+                adoptable -> end what is left of it ("lost-while-unsupervised",
+                :meth:`_lose`).
         """
         history = fold(e for e in EventReader(self.store, batches=True).poll()
                        if e.attempt == GROUP_STREAM)
@@ -324,21 +330,14 @@ class Supervisor:
                          if p.az == meta.get("az")), None)
             record = ProcessRecord.from_dict(read_json(Path(meta["dir"]) / "pid.json"))
             if pool is None or record is None or not record.alive():
-                self._emit("instance", instance_id, action="terminated",
-                           reason="lost-while-unsupervised", instance_id=instance_id,
-                           instance_type=meta.get("instance_type"), az=meta.get("az"),
-                           pool=meta.get("pool"))
+                self._lose(meta, record)
                 continue
             try:
                 inst = LocalInstance.adopt(meta, pool, self._market(pool), now)
             except OSError as e:
                 log.warning("cannot adopt %s (its metadata endpoint: %s); ending it",
                             instance_id, e)
-                kill_tree(record)
-                self._emit("instance", instance_id, action="terminated",
-                           reason="lost-while-unsupervised", instance_id=instance_id,
-                           instance_type=meta.get("instance_type"), az=meta.get("az"),
-                           pool=meta.get("pool"))
+                self._lose(meta, record)
                 continue
             log.info("adopted instance %s (agent pid %d)", inst.id, record.pid)
             if inst.rebalance_at is not None:  # what its recommendation stood for is lost
@@ -346,6 +345,31 @@ class Supervisor:
             self._plan_signals(inst, now)
             self.instances.append(inst)
             self.running.append(inst)
+
+    def _lose(self, meta: dict[str, Any], record: ProcessRecord | None) -> None:
+        """End an instance on record that this supervisor cannot adopt (Step 2): its
+        first process gone, never recorded (the supervisor died between starting it
+        and writing its ``pid.json``) or its metadata endpoint taken. Whatever still
+        runs of it (its reaper, an agent, what they started) is ended, as EC2 ends an
+        instance: left running, it would work on the job with no metadata service and
+        no supervisor to end it."""
+        instance_id = str(meta.get("instance_id"))
+        if record is not None:
+            kill_tree(record, KILL_GRACE_SECONDS)
+        strays = [proc for proc, instance, _ in marked_processes(self.spec.job_id)
+                  if instance == instance_id]
+        if strays:
+            log.warning("ending %d process(es) of instance %s, which no supervisor "
+                        "adopted", len(strays), instance_id)
+            kill_processes(strays, KILL_GRACE_SECONDS)
+        with contextlib.suppress(OSError):
+            path = Path(meta["dir"]) / "meta.json"
+            write_json(path, {**(read_json(path) or {}), "state": "terminated",
+                              "reason": "lost-while-unsupervised"})
+        self._emit("instance", instance_id, action="terminated",
+                   reason="lost-while-unsupervised", instance_id=instance_id,
+                   instance_type=meta.get("instance_type"), az=meta.get("az"),
+                   pool=meta.get("pool"))
 
     # ------------------------------------------------------------------ main loop
 

@@ -189,9 +189,11 @@ class LocalInstance:
             env[ENV_HOOK_SECONDS] = f"{hook_seconds:g}"
         self.running_since = now
         # The instance's first process (its "OS"): ends the agent's whole tree when the
-        # agent ends, however it ended or its descendants detached (spotnb.providers.
-        # local.reaper). Started with the same interpreter as the agent's default.
-        cmd = [sys.executable, "-m", REAPER_MODULE, f"{grace:g}", "--", *cmd]
+        # agent ends, however it ended or its descendants detached, and asks for a
+        # supervisor if this one (named: its pid) is gone (spotnb.providers.local.reaper).
+        # Started with the same interpreter as the agent's default.
+        cmd = [sys.executable, "-m", REAPER_MODULE, f"{grace:g}", str(os.getpid()), "--",
+               *cmd]
         try:
             with open(self.log_path, "ab") as out:
                 self.proc = subprocess.Popen(

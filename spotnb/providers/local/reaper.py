@@ -7,7 +7,8 @@ instance is a process tree on this machine, so its first process plays that part
                    ▲ orphans of the agent's tree (a double fork, a setsid'd daemon,
                    └ a child started with env={}) are re-parented here, not to pid 1
 
-Run as ``python -m spotnb.providers.local.reaper GRACE -- AGENT_CMD...``. It becomes a
+Run as ``python -m spotnb.providers.local.reaper GRACE SUPERVISOR -- AGENT_CMD...``
+(``SUPERVISOR``: the pid of the group's supervisor that started it). It becomes a
 child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux), starts the agent with its
 own environment, working directory and output, reaps every child, and when the agent
 exits (its own end, a crash, SIGKILL) ends all the processes still below it: SIGTERM,
@@ -15,9 +16,22 @@ exits (its own end, a crash, SIGKILL) ends all the processes still below it: SIG
 directory (:data:`ENV_SOCKET_DIR`, which it made) and exits with the agent's exit code
 (128 + N for an agent killed by signal N). SIGTERM to the reaper is passed on to the
 agent, SIGKILL of the reaper kills the agent too (``PR_SET_PDEATHSIG``): the instance
-ends as soon as the agent does. An agent that ended by itself while the supervisor was
-gone (killed alone) has its end logged: the reaper asks for a supervisor
-(``LocalProvider.ensure_supervised``), which adopts what is left.
+ends as soon as the agent does.
+
+An instance whose supervisor is gone asks for one (``LocalProvider.ensure_supervised``,
+which starts one that adopts what is left), at two moments::
+
+    boot       the supervisor died while this process started (between its launch and
+               here: the group's replacement was booting): asked for before the agent
+               starts, so that the agent finds its metadata service (served by the
+               supervisor) and the instance a supervisor to end it
+    the end    the agent ended by itself while the supervisor was gone (killed alone):
+               its end is logged, and the instances the job left (one parked after
+               its notice) are ended
+
+The supervisor is named on the command line, not taken from ``getppid()`` here: a
+supervisor killed before this process ran its first line would otherwise read as
+this process's parent (init, or a subreaper), and its death would go unseen.
 
 Where the reaper itself is killed outright, its tree's processes still carry the
 instance's marker variable or its directory as their working directory:
@@ -39,13 +53,10 @@ from pathlib import Path
 
 import psutil
 
+from spotnb.providers.local.state import ENV_JOB_MARK, ENV_SOCKET_DIR
+
 __all__ = ["ENV_SOCKET_DIR", "become_subreaper", "main"]
 
-# The agent's socket directory (its channel to the runtime, its kernels' connection
-# files): made by the reaper, short (Unix socket paths are limited to ~107 bytes, so
-# not under the instance's own directory), and removed by it when the instance ends,
-# however the agent ended. The agent makes its own where this is not set (EC2).
-ENV_SOCKET_DIR = "SPOTNB_AGENT_SOCKET_DIR"
 SOCKET_DIR_PREFIX = "spotnb-"
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_PDEATHSIG = 1
@@ -54,15 +65,16 @@ _END_ROUNDS = 5
 _POLL_SECONDS = 0.05
 
 
-def become_subreaper() -> bool:
-    """Make orphaned descendants this process's children rather than init's (Linux);
-    False where that is not possible."""
+def become_subreaper(on: bool = True) -> bool:
+    """Make orphaned descendants this process's children rather than init's (Linux;
+    ``on=False``: init's again); False where that is not possible."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
 
-        return int(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)) == 0
+        return int(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER,
+                                                           int(on))) == 0
     except (OSError, AttributeError):
         return False
 
@@ -126,14 +138,18 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
     return arm
 
 
+USAGE = "usage: python -m spotnb.providers.local.reaper GRACE SUPERVISOR -- AGENT_CMD..."
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 3 or args[1] != "--":
-        print("usage: python -m spotnb.providers.local.reaper GRACE -- AGENT_CMD...",
-              file=sys.stderr)
+    if len(args) < 4 or args[2] != "--" or not args[1].isdigit():
+        print(USAGE, file=sys.stderr)
         return 2
-    grace, cmd = float(args[0]), args[2:]
-    supervisor = os.getppid()
+    grace, supervisor, cmd = float(args[0]), int(args[1]), args[3:]
+    # Boot: a supervisor that died while this process started (see the module docstring).
+    if os.getppid() != supervisor:
+        _ask_for_supervisor("its supervisor died while it booted")
     become_subreaper()
     socket_dir = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
     agent: subprocess.Popen[bytes] | None = None
@@ -165,30 +181,30 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         end_descendants(grace)
         shutil.rmtree(socket_dir, ignore_errors=True)
+    # The end: an agent that ended by itself while the supervisor was gone.
     if not signalled and os.getppid() != supervisor:
-        _report_end()
+        _ask_for_supervisor("its agent ended while its supervisor was gone")
     return code if code >= 0 else 128 - code
 
 
-def _report_end() -> None:
-    """The agent ended by itself while the instance's supervisor was gone (killed
-    alone): have the end logged (see ``LocalProvider.ensure_supervised``), so that the
-    instance does not stay running in the group's log. Best effort."""
-    from spotnb.providers.local.state import ENV_CLOUD_MARK, ENV_INSTANCE_MARK, ENV_JOB_MARK
+def _ask_for_supervisor(why: str) -> None:
+    """Have the job supervised (``LocalProvider.ensure_supervised``): a supervisor that
+    adopts this instance, or closes the books of a job that ended. Best effort: the
+    instance goes on (or ends) either way.
 
+    This process stops being a subreaper first: the supervisor it starts (detached,
+    its starter exits) must not become its child, or the supervisor's end of this
+    instance (its tree) would include the supervisor itself."""
     job_id = os.environ.get(ENV_JOB_MARK)
     if not job_id:
         return
-    # A supervisor started from here is no process of this instance: without its
-    # markers (it runs in its group's directory).
-    for name in (ENV_INSTANCE_MARK, ENV_JOB_MARK, ENV_CLOUD_MARK, ENV_SOCKET_DIR):
-        os.environ.pop(name, None)
+    become_subreaper(False)
     try:
         from spotnb.providers.local import LocalProvider
 
         LocalProvider().ensure_supervised(job_id)
-    except Exception as e:  # the instance ends either way
-        print(f"spotnb local cloud: could not report the instance's end: {e}",
+    except Exception as e:
+        print(f"spotnb local cloud: could not ask for a supervisor ({why}): {e}",
               file=sys.stderr)
 
 

@@ -43,6 +43,13 @@ ENV_INSTANCE_MARK = "SPOTNB_LOCAL_INSTANCE_ID"
 ENV_JOB_MARK = "SPOTNB_LOCAL_JOB_ID"
 ENV_CLOUD_MARK = "SPOTNB_LOCAL_CLOUD_DIR"
 
+# The agent's socket directory (its channel to the runtime, its kernels' connection
+# files): made by the instance's reaper (spotnb.providers.local.reaper), short (Unix
+# socket paths are limited to ~107 bytes, so not under the instance's own directory),
+# and removed by it when the instance ends, however the agent ended. The agent makes
+# its own where this is not set (EC2).
+ENV_SOCKET_DIR = "SPOTNB_AGENT_SOCKET_DIR"
+
 GROUP_FILE = "group.json"
 CONTROL_DIR = "control"
 
@@ -288,9 +295,10 @@ def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
 def kill_processes(procs: list[psutil.Process], grace: float) -> None:
     """SIGTERM each process (its whole group if it leads one), wait ``grace``, SIGKILL.
 
-    Only call this with processes verified to be ours.
+    Only call this with processes verified to be ours; the calling process itself is
+    never signalled (a supervisor ending an instance whose tree it was once part of).
     """
-    procs = _running(procs)
+    procs = _running([p for p in procs if p.pid != os.getpid()])
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError, psutil.Error):

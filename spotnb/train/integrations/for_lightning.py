@@ -20,7 +20,7 @@ in place of yours) whose ``dirpath`` (default ``checkpoints``) is a synced direc
 * after each of Lightning's own saves (``every_n_train_steps``, epoch ends,
   validation): a snapshot of the directory, uploaded in the background, taken at the
   next hook, once Lightning has logged the batch's metrics (the snapshot carries the
-  rows the log has not confirmed: spotnb.train.session.Carry);
+  rows the log has not confirmed: spotnb.train.carry.Carry);
 * at the end of a training batch after an interruption notice: ``trainer.
   save_checkpoint`` to ``last.ckpt``, uploaded at once; at the next hook, once
   Lightning has logged the batch's metrics, the cell waits until it is durable and is
