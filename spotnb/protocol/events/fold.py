@@ -134,6 +134,8 @@ class AttemptState:
     # The first step it logged, and its newest (None before any metric).
     first_step: int | None = None
     last_step: int | None = None
+    # When it logged its first step (None before any metric).
+    first_step_time: float | None = None
 
     @property
     def start(self) -> float:
@@ -413,6 +415,7 @@ class JobState:
             return
         if a.first_step is None:
             a.first_step = span[0]
+            a.first_step_time = e.time
         a.last_step = span[1] if a.last_step is None else max(a.last_step, span[1])
 
     # -- figures -------------------------------------------------------------------
@@ -422,16 +425,23 @@ class JobState:
         (interrupted, lost, or a user-code error retried), in attempt order: where it
         ended, where the next attempt that logged a step resumed, and the steps redone
         (:class:`RedoneSteps`' rule, fed with each attempt's first and furthest step in
-        attempt order: both from the same pairing). ``final``: the job has ended (an
-        attempt with no word of its end is then lost)."""
+        the order the attempts began to log: both from the same pairing). ``final``: the
+        job has ended (an attempt with no word of its end is then lost)."""
         stride = self.max_nodes
         numbers = sorted(self.attempts)
+        # The rule is fed the attempts in the order they began to log (those that
+        # logged nothing last): in a multi-node job rank 0, the only one that logs, may
+        # go from a later node slot's attempt to an earlier one's when the world
+        # re-forms, so attempt numbers are not the order of the rows.
+        order = sorted(numbers, key=lambda n: (self.attempts[n].first_step_time is None,
+                                               self.attempts[n].first_step_time or 0.0, n))
+        place = {n: i for i, n in enumerate(order)}
         redo = RedoneSteps()
         ended: list[tuple[AttemptState, EndReason]] = []
-        for n in numbers:
+        for n in order:
             a = self.attempts[n]
             if a.first_step is not None and a.last_step is not None:
-                redo.logged(n, a.first_step, a.last_step)
+                redo.logged(place[n], a.first_step, a.last_step)
             slot = layout.node_slot(n, stride)
             later = [self.attempts[m] for m in numbers
                      if m > n and layout.node_slot(m, stride) == slot]
@@ -440,14 +450,14 @@ class JobState:
                               EndReason.ERROR_RETRIED.value, EndReason.LOST.value) \
                     or not later:
                 continue
-            redo.end(n)
+            redo.end(place[n])
             ended.append((a, EndReason(reason)))
         out = []
-        for a, reason in ended:
-            count = redo.of(a.number)
+        for a, reason in sorted(ended, key=lambda pair: pair[0].number):
+            count = redo.of(place[a.number])
             # Where the count was taken: in a multi-node job the next rows may come from
             # another node's attempt (the one hosting rank 0), not this slot's.
-            resumed = redo.resumed_at(a.number)
+            resumed = redo.resumed_at(place[a.number])
             out.append(Break(attempt=a.number, reason=reason, time=a.last_time,
                              step=a.last_step,
                              resumed_at=None if resumed is None else int(resumed),
