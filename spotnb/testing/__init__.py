@@ -46,10 +46,13 @@ listed at the end. The parts:
   profile's credentials);
 * delivers **spot interruptions**: the notice appears in the instance's metadata, and
   after the notice period the instance is terminated in moto (SIGTERM to its processes,
-  then SIGKILL after a grace); the **rebalance recommendation** comes with it, or
-  some time before it, or not at all (:meth:`AwsSimulator.interrupt`'s ``lead``, which
-  :meth:`AwsSimulator.drawn_lead` draws as the local cloud does), or alone, a false
-  alarm (:meth:`AwsSimulator.recommend_rebalance`);
+  then SIGKILL after a grace), or earlier when a test says so
+  (:meth:`AwsSimulator.take_back`: a test gives a notice period it cannot outlast and
+  ends it once what it waits for happened, instead of racing it); the **rebalance
+  recommendation** comes with it, or some time before it, or not at all
+  (:meth:`AwsSimulator.interrupt`'s ``lead``, which :meth:`AwsSimulator.drawn_lead`
+  draws as the local cloud does), or alone, a false alarm
+  (:meth:`AwsSimulator.recommend_rebalance`);
 * plays the **Fault Injection Service** inside moto's FIS (:mod:`spotnb.testing.fis`):
   a target lists at most 5 resource ARNs or selects instances by ``resourceTags`` and
   the ``State.Name`` filter, the template's role must exist and trust

@@ -274,6 +274,18 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
         log.info("simulated interruption of %s: notice in %.1fs, termination %.1fs later",
                  instance_id, lead or 0.0, delay)
 
+    def take_back(self, instance_id: str) -> None:
+        """EC2 ends a noticed instance now, before the time its notice said (EC2 may:
+        the notice is a warning, not a promise). With a notice period no test outlasts
+        (:meth:`interrupt`'s ``notice_seconds``), a test ends the period when what it
+        waits for has happened instead of racing the period."""
+        with self._lock:
+            inst = self.instances[instance_id]
+            if inst.notice_at is None:
+                raise ValueError(f"{instance_id} has had no interruption notice")
+            if inst.terminate_at is not None and inst.terminate_at > time.time():
+                inst.terminate_at = time.time()  # the clock's next tick ends it
+
     def recommend_rebalance(self, instance_id: str) -> None:
         """A rebalance recommendation now, alone: a false alarm unless an interruption
         follows."""
