@@ -504,6 +504,45 @@ def test_iam_refuses_what_the_policies_do_not_allow(sim: AwsSimulator) -> None:
                                  "s3:PutObject", "s3:ListBucket"})
 
 
+def test_a_nodes_teardown_after_its_peers_asks_for_no_placement_group_that_is_gone(
+        sim: AwsSimulator) -> None:
+    """Both nodes of a multi-node job delete its network at the end (each as the job's
+    role). The second comes after the first deleted the placement group: it looks first
+    and deletes nothing, instead of a DeletePlacementGroup that IAM may refuse (the
+    role's permission names the group's tag, gone with it), which the sim fixture's
+    check of IAM refusals would fail."""
+    from spotnb.providers.aws import cluster
+
+    job = "pg-twice"
+    iam, ec2 = sim.admin_client("iam"), sim.admin_client("ec2")
+    iam.create_role(RoleName=f"spotnb-job-{job}", Path="/spotnb/",
+                    AssumeRolePolicyDocument=json.dumps(trust_policy("ec2.amazonaws.com")))
+    iam.put_role_policy(RoleName=f"spotnb-job-{job}", PolicyName="spotnb-job",
+                        PolicyDocument=json.dumps(instance_policy(
+                            job_id=job, store_uri=f"s3://spotnb-123456789012-us-east-1/jobs/{job}",
+                            region="us-east-1", account=DEFAULT_ACCOUNT)))
+    ec2.create_placement_group(
+        GroupName=cluster.placement_group_name(job), Strategy="cluster",
+        TagSpecifications=[{"ResourceType": "placement-group",
+                            "Tags": [{"Key": TAG_JOB, "Value": job}]}])
+
+    def node(session: str) -> Any:
+        keys = sim.admin_client("sts").assume_role(
+            RoleArn=f"arn:aws:iam::{DEFAULT_ACCOUNT}:role/spotnb/spotnb-job-{job}",
+            RoleSessionName=session)["Credentials"]
+        return _boto.boto3_module().session.Session(
+            aws_access_key_id=keys["AccessKeyId"],
+            aws_secret_access_key=keys["SecretAccessKey"],
+            aws_session_token=keys["SessionToken"], region_name="us-east-1").client("ec2")
+
+    assert cluster.delete_network(node("i-first"), job) == []
+    assert not ec2.describe_placement_groups()["PlacementGroups"]
+    assert cluster.delete_network(node("i-second"), job) == []
+    assert sim.denied == []
+    iam.delete_role_policy(RoleName=f"spotnb-job-{job}", PolicyName="spotnb-job")
+    iam.delete_role(RoleName=f"spotnb-job-{job}")
+
+
 # ------------------------------------------------- the representative flow, twice checked
 
 

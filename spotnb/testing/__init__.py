@@ -94,7 +94,8 @@ that reach into moto's in-process state; each is restored on exit):
 * EC2 placement groups do not exist in moto (its server answers HTTP 500): the
   simulator answers ``CreatePlacementGroup``, ``DescribePlacementGroups`` and
   ``DeletePlacementGroup`` (refused with ``InvalidPlacementGroup.InUse`` while an
-  instance it launched for a group naming the placement group runs, as on AWS), added
+  instance it launched for a group naming the placement group runs, as on AWS;
+  ``InvalidPlacementGroup.Unknown`` for a name that does not exist), added
   to moto's EC2 responder so that the instances' own calls reach it too; moto accepts
   an Auto Scaling group's ``PlacementGroup`` and echoes it, but places nothing.
 * ``GetSpotPlacementScores`` is not in moto either: the simulator scores each AZ that
@@ -118,7 +119,10 @@ that reach into moto's in-process state; each is restored on exit):
   IAM's propagation delay (a new role is usable at once, a deleted policy grants
   nothing at once: a role that deleted its own policy may not delete itself after, the
   worst case of issue 35's finding 13); an IAM call on a role or instance profile that
-  does not exist is answered ``NoSuchEntity`` unchecked.
+  does not exist is answered ``NoSuchEntity`` unchecked. Which AWS checks first, IAM
+  or the resource's existence, is not documented: a request whose permission names
+  the tags of a resource that is gone (a placement group another node deleted) is
+  refused by IAM here, the stricter of the two.
 * Auto Scaling: capacity depth (a pool has capacity or none; ``capacity-optimized``
   draws an order), ``Standby``, warm pools, health checks, AZ rebalancing, cooldowns,
   ``ScalingActivityInProgress`` anywhere but an instance in ``Pending:Wait``, and a

@@ -58,8 +58,13 @@ class Ec2Play:
             names = response._get_param("GroupNames", [])
             filters = response._filters_from_querystring()
             with sim._lock:
+                missing = [n for n in names if n not in sim.placement_groups]
+                if missing:  # named ones must exist, as on EC2 (filters need not match)
+                    raise EC2ClientError("InvalidPlacementGroup.Unknown",
+                                         f"The Placement Group '{missing[0]}' is unknown.")
                 found = [g for g in sim.placement_groups.values()
                          if (not names or g["GroupName"] in names)
+                         and g["GroupName"] in filters.get("group-name", [g["GroupName"]])
                          and _tags_match(g["Tags"], filters)]
             return ActionResult({"PlacementGroups": found})
 

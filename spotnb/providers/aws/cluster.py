@@ -237,9 +237,25 @@ def delete_network(ec2: Any, job_id: str, multi_node: bool = True) -> list[str]:
         if not _delete(partial(ec2.delete_security_group, GroupId=group["GroupId"])):
             left.append(f"security group {group['GroupId']}")
     name = placement_group_name(job_id)
-    if not _delete(lambda: ec2.delete_placement_group(GroupName=name)):
+    if _placement_group_exists(ec2, job_id, name) and \
+            not _delete(lambda: ec2.delete_placement_group(GroupName=name)):
         left.append(f"placement group {name}")
     return left
+
+
+def _placement_group_exists(ec2: Any, job_id: str, name: str) -> bool:
+    """Whether the job's placement group is still there (as its security group is
+    looked up first): another node's teardown may have deleted it, and IAM may refuse
+    the deletion of one that is gone (its tags, which the instance role's permission
+    names, are gone with it). True when the lookup fails: the deletion then says."""
+    try:
+        found = ec2.describe_placement_groups(Filters=[
+            {"Name": f"tag:{TAG_JOB}", "Values": [job_id]},
+            {"Name": "group-name", "Values": [name]}]).get("PlacementGroups", ())
+    except Exception:
+        log.debug("looking up placement group %s failed", name, exc_info=True)
+        return True
+    return any(g.get("GroupName") == name for g in found)
 
 
 def _delete(fn: Callable[[], Any]) -> bool:
