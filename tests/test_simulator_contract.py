@@ -463,7 +463,7 @@ def test_iam_refuses_what_the_policies_do_not_allow(sim: AwsSimulator) -> None:
         "RunInstances is the user's in its region"
     with pytest.raises(ClientError) as err:
         _boto.client("ec2", "eu-west-1").create_launch_template(
-            LaunchTemplateName="x", LaunchTemplateData={"ImageId": "ami-1"})
+            LaunchTemplateName="not-spotnbs", LaunchTemplateData={"ImageId": "ami-1"})
     assert err.value.response["Error"]["Code"] == "UnauthorizedOperation", \
         "the Capacity statement is scoped to the region (aws:RequestedRegion)"
     # An unknown key is refused as such.
