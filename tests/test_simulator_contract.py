@@ -41,7 +41,7 @@ from spotnb.testing import (
     contract,
 )
 from spotnb.testing.autoscaling import pool_order
-from spotnb.testing.iam import ROLE_DELETED
+from spotnb.testing.iam import RESOURCE_GONE, ROLE_DELETED
 from spotnb.testing.simulator import SPOTNB_ORIGINS
 
 
@@ -504,13 +504,13 @@ def test_iam_refuses_what_the_policies_do_not_allow(sim: AwsSimulator) -> None:
                                  "s3:PutObject", "s3:ListBucket"})
 
 
-def test_a_nodes_teardown_after_its_peers_asks_for_no_placement_group_that_is_gone(
+def test_a_nodes_teardown_after_its_peers_asks_for_no_network_group_that_is_gone(
         sim: AwsSimulator) -> None:
-    """Both nodes of a multi-node job delete its network at the end (each as the job's
-    role). The second comes after the first deleted the placement group: it looks first
-    and deletes nothing, instead of a DeletePlacementGroup that IAM may refuse (the
-    role's permission names the group's tag, gone with it), which the sim fixture's
-    check of IAM refusals would fail."""
+    """Every node of a multi-node job deletes its network at the end (each as the job's
+    role). One that comes after its peer deleted the groups looks first and asks for
+    nothing; one whose peer deletes a group between its look and its deletion has that
+    deletion refused by IAM (the stricter reading: the role's permission names the
+    group's tag, gone with it) and takes it for done, as a deletion of what is gone."""
     from spotnb.providers.aws import cluster
 
     job = "pg-twice"
@@ -521,10 +521,16 @@ def test_a_nodes_teardown_after_its_peers_asks_for_no_placement_group_that_is_go
                         PolicyDocument=json.dumps(instance_policy(
                             job_id=job, store_uri=f"s3://spotnb-123456789012-us-east-1/jobs/{job}",
                             region="us-east-1", account=DEFAULT_ACCOUNT)))
-    ec2.create_placement_group(
-        GroupName=cluster.placement_group_name(job), Strategy="cluster",
-        TagSpecifications=[{"ResourceType": "placement-group",
-                            "Tags": [{"Key": TAG_JOB, "Value": job}]}])
+    tags = [{"Key": TAG_JOB, "Value": job}]
+    vpc = ec2.describe_vpcs()["Vpcs"][0]["VpcId"]
+
+    def network() -> None:
+        ec2.create_placement_group(
+            GroupName=cluster.placement_group_name(job), Strategy="cluster",
+            TagSpecifications=[{"ResourceType": "placement-group", "Tags": tags}])
+        ec2.create_security_group(
+            GroupName=cluster.training_group_name(job), Description="a job's", VpcId=vpc,
+            TagSpecifications=[{"ResourceType": "security-group", "Tags": tags}])
 
     def node(session: str) -> Any:
         keys = sim.admin_client("sts").assume_role(
@@ -535,10 +541,31 @@ def test_a_nodes_teardown_after_its_peers_asks_for_no_placement_group_that_is_go
             aws_secret_access_key=keys["SecretAccessKey"],
             aws_session_token=keys["SessionToken"], region_name="us-east-1").client("ec2")
 
-    assert cluster.delete_network(node("i-first"), job) == []
-    assert not ec2.describe_placement_groups()["PlacementGroups"]
-    assert cluster.delete_network(node("i-second"), job) == []
-    assert sim.denied == []
+    def gone() -> bool:
+        return not ec2.describe_placement_groups()["PlacementGroups"] and not \
+            ec2.describe_security_groups(Filters=[{"Name": f"tag:{TAG_JOB}",
+                                                   "Values": [job]}])["SecurityGroups"]
+
+    network()
+    assert cluster.delete_network(node("i-1"), job) == [] and gone()
+    assert cluster.delete_network(node("i-2"), job) == []
+    assert sim.denied == [], "the second looked, and asked for nothing"
+    for op in ("DeleteSecurityGroup", "DeletePlacementGroup"):
+        network()
+        peer, late = node("i-1"), node("i-2")
+        ran: list[list[str]] = []
+
+        def peer_first(ran: list[list[str]] = ran, peer: Any = peer, **kwargs: Any) -> None:
+            if not ran:  # the peer's whole teardown of the network, just before
+                ran.append(cluster.delete_network(peer, job))
+
+        late.meta.events.register(f"before-call.ec2.{op}", peer_first)
+        before = len(sim.denied)
+        assert cluster.delete_network(late, job) == []
+        assert ran == [[]] and gone()
+        refused = sim.denied[before:]
+        assert [(d.action, d.reason) for d in refused] == [(f"ec2:{op}", RESOURCE_GONE)], \
+            refused
     iam.delete_role_policy(RoleName=f"spotnb-job-{job}", PolicyName="spotnb-job")
     iam.delete_role(RoleName=f"spotnb-job-{job}")
 

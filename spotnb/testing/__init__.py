@@ -121,8 +121,9 @@ that reach into moto's in-process state; each is restored on exit):
   worst case of issue 35's finding 13); an IAM call on a role or instance profile that
   does not exist is answered ``NoSuchEntity`` unchecked. Which AWS checks first, IAM
   or the resource's existence, is not documented: a request whose permission names
-  the tags of a resource that is gone (a placement group another node deleted) is
-  refused by IAM here, the stricter of the two.
+  the tags of a resource that is gone (a security or placement group another node
+  deleted) is refused by IAM here, the stricter of the two (its denial's reason says
+  so: ``spotnb.testing.iam.RESOURCE_GONE``).
 * Auto Scaling: capacity depth (a pool has capacity or none; ``capacity-optimized``
   draws an order), ``Standby``, warm pools, health checks, AZ rebalancing, cooldowns,
   ``ScalingActivityInProgress`` anywhere but an instance in ``Pending:Wait``, and a

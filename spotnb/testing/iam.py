@@ -68,13 +68,17 @@ from typing import Any
 from spotnb.testing.contract import Call
 from spotnb.testing.iam_checks import SERVICE_LINKED_ROLES, Check, World, checks
 
-__all__ = ["Check", "IamEnforcer", "Principal", "checks", "evaluate"]
+__all__ = ["RESOURCE_GONE", "ROLE_DELETED", "Check", "IamEnforcer", "Principal", "checks",
+           "evaluate"]
 
 log = logging.getLogger(__name__)
 
 #: A denial's reason when the session's role was deleted, or has no policy left (a
 #: job torn down under it).
 ROLE_DELETED = "its role was deleted or has no policy left"
+#: A denial's reason when the resource does not exist and the permission names its tags
+#: (which AWS checks first, IAM or existence, is not documented: the stricter here).
+RESOURCE_GONE = "the resource does not exist (IAM knows none of its tags)"
 _CREDENTIAL = re.compile(r"Credential=([^/]+)/\d{8}/([^/]+)/([^/]+)/aws4_request")
 
 
@@ -328,6 +332,7 @@ class IamEnforcer:
                 reason = check.unresolved or (
                     "explicit deny in an identity-based policy" if verdict == "deny" else
                     ROLE_DELETED if principal.deleted else
+                    RESOURCE_GONE if check.gone else
                     "no identity-based policy allows the action")
                 self._deny(Denial(principal.arn, f"{signing}.{call.operation}", check.action,
                                   check.resource, call.origin, reason))

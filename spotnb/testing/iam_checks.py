@@ -61,6 +61,8 @@ class Check:
     context: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     #: why the simulator could not resolve the resource ("" when it did)
     unresolved: str = ""
+    #: the resource does not exist (IAM knows none of its tags)
+    gone: bool = False
 
 
 class World:
@@ -142,6 +144,12 @@ class World:
 
         return dict(ec2_backends[self.account][self.region].tags.get(resource_id, {}))
 
+    def has_security_group(self, group_id: str) -> bool:
+        from moto.ec2.models import ec2_backends
+
+        found = ec2_backends[self.account][self.region].get_security_group_from_id(group_id)
+        return found is not None
+
     def launch_template_id(self, params: dict[str, Any]) -> str:
         from moto.ec2.models import ec2_backends
 
@@ -169,6 +177,9 @@ class World:
 
     def placement_tags(self, name: str) -> dict[str, str]:
         return self._placement_tags(name) or {}
+
+    def has_placement_group(self, name: str) -> bool:
+        return self._placement_tags(name) is not None
 
     def parameter_arn(self, name: str) -> str:
         path = name.lstrip("/")
@@ -436,15 +447,19 @@ def _ec2_checks(p: dict[str, Any], op: str, base: dict[str, tuple[str, ...]],
     if op in ("AuthorizeSecurityGroupIngress", "AuthorizeSecurityGroupEgress",
               "RevokeSecurityGroupIngress", "RevokeSecurityGroupEgress", "DeleteSecurityGroup"):
         group = p.get("GroupId", "")
+        # A deleted group has no tags for IAM (moto keeps them).
+        exists = world.has_security_group(group)
         return [Check(action, f"{arn}:security-group/{group}",
-                      {**base, **_tag_context(world.ec2_tags(group), "ec2")})]
+                      {**base, **_tag_context(world.ec2_tags(group) if exists else {}, "ec2")},
+                      gone=not exists)]
     if op in ("CreatePlacementGroup",):
         return [Check(action, f"{arn}:placement-group/{p.get('GroupName', '')}",
                       {**base, **_request_tag_context(p)})]
     if op in ("DeletePlacementGroup",):
         name = p.get("GroupName", "")
         return [Check(action, f"{arn}:placement-group/{name}",
-                      {**base, **_tag_context(world.placement_tags(name), "ec2")})]
+                      {**base, **_tag_context(world.placement_tags(name), "ec2")},
+                      gone=not world.has_placement_group(name))]
     if op in ("TerminateInstances", "StopInstances", "RebootInstances"):
         return [Check(action, f"{arn}:instance/{i}",
                       {**base, **_tag_context(world.ec2_tags(i), "ec2")})
