@@ -198,15 +198,19 @@ def test_fis_selects_a_jobs_running_spot_instances_by_tag_and_recommends_first(
         "Roles"], "a fresh account"
     role_arn, made = aws_fis.role(_boto.client("iam"), "us-east-1", DEFAULT_ACCOUNT)
     lead = 60.0  # market seconds: the recommendation a minute before the notice
+    sim.notice_seconds = 6.0  # FIS's two minutes, as a test may set them once started
     aws_fis.send(_boto.client("fis"), role_arn, made, "j1", None, rebalance_lead=lead)
     wait_until(lambda: all(sim.instances[i].notice_at is not None for i in mine), 30,
                "the notices")
     signals = {(iid, kind): at for at, iid, kind in sim.signals_sent}
     for iid in mine:
         # The notice is due `lead` after the recommendation (scaled as the notice
-        # period is): never earlier.
+        # period is): never earlier; EC2 ends the instance two FIS minutes after it.
         assert signals[iid, "notice"] - signals[iid, "rebalance"] >= \
             lead * sim.notice_seconds / 120.0
+        inst = sim.instances[iid]
+        assert inst.terminate_at is not None and inst.notice_at is not None
+        assert inst.terminate_at - inst.notice_at == pytest.approx(sim.notice_seconds)
     assert not {iid for iid, _ in signals} & {stopped, on_demand, others}, signals
     assert sim.admin_client("iam").get_role(RoleName="AWSServiceRoleForFIS")["Role"][
         "Path"] == "/aws-service-role/fis.amazonaws.com/"

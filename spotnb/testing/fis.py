@@ -49,16 +49,16 @@ class FisPlay:
     """Patches moto's FIS backend (:meth:`install`; undone by the returned callable).
 
     ``interrupt(instance_id, notice_seconds, lead)`` delivers an interruption: the
-    rebalance recommendation now, the notice ``lead`` real seconds later, the
-    termination ``notice_seconds`` after it; ``authorize(role_arn, action,
+    rebalance recommendation now, the notice ``lead`` seconds later, the termination
+    ``notice_seconds`` after it, both in FIS's seconds (the simulator scales them as
+    its notice period is, when the experiment starts); ``authorize(role_arn, action,
     resource_arn)`` says why a role may not act on a resource (None: it may).
     """
 
-    def __init__(self, interrupt: Callable[[str, float, float], None], notice_scale: float,
+    def __init__(self, interrupt: Callable[[str, float, float], None],
                  authorize: Callable[[str, str, str], str | None] | None = None,
                  rng: random.Random | None = None) -> None:
         self._interrupt = interrupt
-        self._notice_scale = notice_scale  # real seconds per FIS notice second
         self.authorize = authorize
         self._rng = rng or random.Random(0)  # COUNT(n) and PERCENT(n) draw with it
         self._lock = threading.Lock()
@@ -115,7 +115,7 @@ class FisPlay:
             duration = _iso_duration(action.get("parameters", {}).get(
                 "durationBeforeInterruption", "PT2M"))
             # The recommendation now, the notice two minutes before the end.
-            lead = max(0.0, duration - NOTICE_SECONDS) * self._notice_scale
+            lead = max(0.0, duration - NOTICE_SECONDS)
             for target_name in action.get("targets", {}).values():
                 arns, why = self._resolve(backend, template.role_arn,
                                           targets.get(target_name, {}))
@@ -130,7 +130,7 @@ class FisPlay:
                         return
                     plan.append((arn.rsplit("/", 1)[1], lead))
         for instance_id, lead in plan:
-            self._interrupt(instance_id, NOTICE_SECONDS * self._notice_scale, lead)
+            self._interrupt(instance_id, NOTICE_SECONDS, lead)
 
     def _may_not(self, role_arn: str, action: str, resource: str) -> str | None:
         return self.authorize(role_arn, action, resource) if self.authorize else None

@@ -374,11 +374,13 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
         from spotnb.testing.fis import FisPlay
 
         def interrupt(instance_id: str, seconds: float, lead: float) -> None:
+            # FIS's seconds, scaled as the notice period is now (a test may change it).
+            scale = self.notice_seconds / 120.0
             if instance_id in self.instances:
-                self.interrupt(instance_id, seconds, lead=lead)
+                self.interrupt(instance_id, seconds * scale, lead=lead * scale)
 
         #: FIS as the simulator plays it (:mod:`spotnb.testing.fis`)
-        self.fis = FisPlay(interrupt, self.notice_seconds / 120.0, authorize=self._role_may,
+        self.fis = FisPlay(interrupt, authorize=self._role_may,
                            rng=random.Random(self.signals.seed))
         self._undo.append(self.fis.install())
 
