@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_aws_provider as aws_tests
 from helpers import wait_until
 
 import spotnb
@@ -149,9 +150,13 @@ def nothing_billed_left(timeout: float = 60.0) -> None:
 
 
 def nothing_left(simulator: AwsSimulator, timeout: float = 60.0) -> None:
-    wait_until(lambda: not AwsProvider().cleanup(dry_run=True), timeout,
-               "`spotnb aws cleanup --dry-run` to find nothing")
-    simulator.wait_until_idle(timeout)
+    """`spotnb aws cleanup --dry-run` finds nothing (but what the fixture of the AWS
+    tests allows), and IAM refused nothing spotnb asked, on the instance (its boot
+    report) or off it."""
+    try:
+        aws_tests.assert_nothing_left(simulator, timeout)
+    finally:
+        aws_tests.assert_no_request_refused(simulator)
 
 
 def site_packages(python: Path) -> Path:

@@ -7,18 +7,16 @@ Every test here ends with ``spotnb aws cleanup --dry-run`` finding nothing.
 from __future__ import annotations
 
 import contextlib
-import io
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_aws_provider as aws_tests
 from aws_reference import floor
 
 import spotnb
-from spotnb.client.cli import main as cli_main
-from spotnb.providers.aws import AwsProvider, _boto
+from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import LAUNCH_HOOK_NAME, LIFECYCLE_HOOK_NAME
 from spotnb.testing import AwsSimulator
 
@@ -28,17 +26,8 @@ Requests = list[tuple[str, str, dict[str, Any]]]
 @pytest.fixture
 def sim(spotnb_home: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> Iterator[AwsSimulator]:
-    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
-    with AwsSimulator(tmp_path / "sim") as simulator:
-        yield simulator
-        deadline = time.monotonic() + 30
-        while AwsProvider().cleanup(dry_run=True) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            assert cli_main(["aws", "cleanup", "--dry-run"]) == 0
-        assert out.getvalue().strip() == "nothing left over", out.getvalue()
-        simulator.wait_until_idle(30)
+    """The AWS tests' simulator (nothing left over, no request refused)."""
+    yield from aws_tests.sim.__wrapped__(spotnb_home, tmp_path, monkeypatch)
 
 
 @contextlib.contextmanager

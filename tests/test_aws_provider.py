@@ -28,6 +28,7 @@ from typing import Any
 
 import nbformat
 import pytest
+from aws_reference import floor
 from helpers import Watch, wait_until
 
 import spotnb
@@ -48,6 +49,8 @@ from spotnb.providers.aws.resources import (
 )
 from spotnb.providers.imds import ImdsClient
 from spotnb.testing import FAKE_CREDENTIALS, AwsSimulator
+from spotnb.testing.iam import RESOURCE_GONE, ROLE_DELETED
+from spotnb.testing.simulator import SPOTNB_ORIGINS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,18 +58,71 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def sim(spotnb_home: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> Iterator[AwsSimulator]:
-    """The simulator; afterwards ``spotnb aws cleanup --dry-run`` must find nothing."""
+    """The simulator; afterwards ``spotnb aws cleanup --dry-run`` must find nothing, and
+    every request spotnb sent must validate against botocore's service models."""
     monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
     with AwsSimulator(tmp_path / "sim") as simulator:
         yield simulator
-        assert_nothing_left(simulator)
+        try:
+            assert_nothing_left(simulator)
+        finally:
+            assert_no_request_refused(simulator)
+
+
+def assert_no_request_refused(simulator: AwsSimulator) -> None:
+    """Every request spotnb sent validates against botocore's models (the installed
+    botocore's and the declared floor's: every botocore spotnb allows), and IAM refused
+    none (a missing permission in the policies spotnb writes or prints), but those the
+    test expects (``simulator.expected_denials``: IAM actions)."""
+    refused = simulator.check_requests() + simulator.check_requests(floor.model_set())
+    assert not refused, "\n".join(map(str, refused))
+    # (A session of a role with no policy left may do nothing, as on AWS: an instance
+    # whose job was torn down under it, or the instance's own DeleteRole after it deleted
+    # its role's policy, issue 35 finding 13. Nor may a request on a resource another
+    # node deleted just before, whose tags the permission names (the stricter reading:
+    # spotnb takes it for done). Not missing permissions.)
+    # spotnb's own: from its clients (their origin), or an instance's role (the boot
+    # script's `aws s3 cp` and its failure report have spotnb's origin in no header).
+    denied = [d for d in simulator.denied
+              if (d.origin in SPOTNB_ORIGINS or ":assumed-role/spotnb-job-" in d.principal)
+              and d.action not in simulator.expected_denials
+              and d.reason not in (ROLE_DELETED, RESOURCE_GONE)]
+    assert not denied, "IAM refused spotnb:\n" + "\n".join(map(str, denied))
+
+
+#: What a job may leave (issue 35 finding 13): its role, which its instance may not
+#: delete once it deleted the role's policy (the simulator has no IAM lag to hide it);
+#: the next launch or ``spotnb aws cleanup`` deletes it.
+EMPTY_ROLE = re.compile(r"(would delete|deleted) IAM role and instance profile "
+                        r"(spotnb-job-\S+) \(its job has a result\)")
+
+
+def empty_roles_only(lines: list[str]) -> bool:
+    """Whether cleanup's ``lines`` name only ended jobs' roles with no policy left."""
+    iam = admin("iam")
+    for line in lines:
+        m = EMPTY_ROLE.fullmatch(line)
+        if m is None:
+            return False
+        with contextlib.suppress(Exception):
+            if iam.list_role_policies(RoleName=m.group(2))["PolicyNames"]:
+                return False
+    return True
 
 
 def assert_nothing_left(simulator: AwsSimulator, timeout: float = 30.0) -> None:
+    """Nothing of any job is left but ended jobs' empty roles, which ``spotnb aws
+    cleanup`` (as the user) deletes; then ``spotnb aws cleanup --dry-run`` finds
+    nothing."""
     # The instance agent deletes its group a moment after the job's result.
     deadline = time.monotonic() + timeout
-    while AwsProvider().cleanup(dry_run=True) and time.monotonic() < deadline:
+    while True:
+        left = AwsProvider().cleanup(dry_run=True)
+        if empty_roles_only(left) or time.monotonic() >= deadline:
+            break
         time.sleep(0.2)
+    if left and empty_roles_only(left):
+        assert empty_roles_only(AwsProvider().cleanup())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert cli_main(["aws", "cleanup", "--dry-run"]) == 0
@@ -74,10 +130,18 @@ def assert_nothing_left(simulator: AwsSimulator, timeout: float = 30.0) -> None:
     simulator.wait_until_idle(timeout)
 
 
+def admin(service: str) -> Any:
+    """A client with the account administrator's key, for the test to look around or set
+    things up: spotnb's own clients run as the user, with IAM enforced."""
+    simulator = AwsSimulator._active
+    return simulator.admin_client(service) if simulator is not None else \
+        _boto.client(service)
+
+
 def resources() -> dict[str, list[str]]:
     """Every job resource in the account: groups, templates, live instances, roles,
     queues."""
-    asg, ec2, iam, sqs = (_boto.client(s) for s in ("autoscaling", "ec2", "iam", "sqs"))
+    asg, ec2, iam, sqs = (admin(s) for s in ("autoscaling", "ec2", "iam", "sqs"))
     instances = [i["InstanceId"] for r in ec2.describe_instances(Filters=[
         {"Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
         for i in r["Instances"]]
@@ -234,10 +298,16 @@ def test_bad_setups_are_refused_before_anything_is_created(
         spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarge"],
                       region="us-east-7")
     # A bucket of another account: nothing is written into it.
-    other = _boto.client("s3")
+    other = admin("s3")
     other.meta.events.register("before-sign.s3.*", lambda request, **kw: request.headers
                                .__setitem__("x-moto-account-id", "111111111111"))
     other.create_bucket(Bucket="someone-elses-bucket")
+    # The user may read it (IAM: an identity policy for it; the bucket's own policy,
+    # which AWS also needs across accounts, is not modelled).
+    admin("iam").put_user_policy(UserName="spotnb-user", PolicyName="other", PolicyDocument=
+                                 json.dumps({"Version": "2012-10-17", "Statement": [{
+                                     "Effect": "Allow", "Action": "s3:ListBucket",
+                                     "Resource": "arn:aws:s3:::someone-elses-bucket"}]}))
     with pytest.raises(SpecError, match="belongs to another AWS account"):
         spotnb.submit("x = 1", provider="aws", instance_types=["g5.xlarge"],
                       store="s3://someone-elses-bucket/spotnb")
@@ -277,7 +347,7 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
     job = handle.job_id
     assert handle.store.uri == f"s3://spotnb-123456789012-us-east-1/jobs/{job}"
     inst = sim.wait_for_instance(job)
-    ec2, asg, iam = (_boto.client(s) for s in ("ec2", "autoscaling", "iam"))
+    ec2, asg, iam = (admin(s) for s in ("ec2", "autoscaling", "iam"))
     # The group: one spot instance over the ranked types, in several AZs.
     group = asg.describe_auto_scaling_groups(
         AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"][0]
@@ -309,7 +379,7 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
         LaunchTemplateName=f"spotnb-{job}")["LaunchTemplateVersions"][0]["LaunchTemplateData"]
     assert version["MetadataOptions"]["HttpTokens"] == "required"
     assert version["IamInstanceProfile"]["Arn"].endswith(f"/spotnb/spotnb-job-{job}")
-    ssm_ami = _boto.client("ssm").get_parameter(
+    ssm_ami = admin("ssm").get_parameter(
         Name=AwsProvider().settings.ami_parameter)["Parameter"]["Value"]
     assert version["ImageId"] == ssm_ami
     groups = ec2.describe_security_groups(GroupIds=version["SecurityGroupIds"])
@@ -328,7 +398,9 @@ def test_a_job_runs_in_its_own_group_and_stop_deletes_everything(
     # The instance: what the simulator booted from the template's user data.
     described = ec2.describe_instances(InstanceIds=[inst.id])["Reservations"][0]["Instances"][0]
     assert described["InstanceLifecycle"] == "spot"
-    assert inst.instance_type == "g5.xlarge"
+    # Under price-capacity-optimized Auto Scaling picks by price and capacity, not by
+    # the list's order: the cheaper g4dn.xlarge, though g5.xlarge is listed first.
+    assert inst.instance_type == "g4dn.xlarge"
     # Stop: the cell is interrupted, and nothing of the job is left.
     handle.stop()
     result = handle.wait(timeout=30)
@@ -346,7 +418,7 @@ def test_a_stop_before_the_job_agent_starts_ends_the_job(sim: AwsSimulator) -> N
 
 def test_the_simulator_recommends_before_the_notice_alone_or_not_at_all(
         sim: AwsSimulator) -> None:
-    ec2 = _boto.client("ec2")
+    ec2 = admin("ec2")
     image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
     ids = [i["InstanceId"] for i in ec2.run_instances(
         ImageId=image, InstanceType="g4dn.xlarge", MinCount=3, MaxCount=3)["Instances"]]
@@ -374,7 +446,8 @@ def test_the_simulator_recommends_before_the_notice_alone_or_not_at_all(
 
 def test_capacity_error_on_the_first_type_runs_on_the_next_and_says_why(
         sim: AwsSimulator) -> None:
-    sim.no_capacity("g5.xlarge")
+    # g4dn.xlarge is the cheaper type: price-capacity-optimized tries it first.
+    sim.no_capacity("g4dn.xlarge")
     # (A job's env values reach its kernel on AWS as on the local cloud.)
     handle = spotnb.submit("import os\nx = 6 * 7\nmode = os.environ.get('WANDB_MODE')",
                            provider="aws", outputs=["x", "mode"],
@@ -383,18 +456,16 @@ def test_capacity_error_on_the_first_type_runs_on_the_next_and_says_why(
     result = handle.wait(timeout=90)
     assert result.status == "completed", (result.reason, result.error)
     assert result.outputs == {"x": 42, "mode": "offline"}
-    assert [a.instance_type for a in result.attempts] == ["g4dn.xlarge"]
+    assert [a.instance_type for a in result.attempts] == ["g5.xlarge"]
     events = group_events(handle)
     errors = [e for e in events if e.type == "instance"
               and e.data.get("action") == "capacity_error"]
     assert errors and all(e.data["reason"] == "InsufficientInstanceCapacity"
-                          and e.data["instance_type"] == "g5.xlarge" for e in errors)
+                          and e.data["instance_type"] == "g4dn.xlarge" for e in errors)
     waiting = [e for e in events if e.type == "status"
                and e.data["state"] == "waiting_for_capacity"]
     assert waiting and "InsufficientInstanceCapacity" in waiting[0].data["detail"]
-    launching = [e.data["detail"] for e in events if e.type == "status"
-                 and e.data["state"] == "launching" and e.instance]
-    assert "g5.xlarge had no spot capacity" in launching[0]
+    # (What the launch says of the types' order: test_simulator_contract.)
 
 
 @pytest.mark.slow  # over 30 s: it waits for spot capacity first
@@ -432,7 +503,7 @@ def test_a_failed_launch_releases_what_it_created(sim: AwsSimulator) -> None:
     assert resources() == NOTHING, "the role and the template were deleted again"
     (job,) = spotnb.jobs(store="s3://spotnb-123456789012-us-east-1")
     assert job.status == "failed"
-    bucket = _boto.client("s3").list_objects_v2(Bucket="spotnb-123456789012-us-east-1")
+    bucket = admin("s3").list_objects_v2(Bucket="spotnb-123456789012-us-east-1")
     assert not any("/bootstrap/" in o["Key"] for o in bucket.get("Contents", ()))
 
 
@@ -644,7 +715,7 @@ def test_a_recommendation_moves_the_job_to_its_standby_and_completes_the_hooks(
         held = wait_until(lambda: (h := lease.read(handle.store)) and h[0].holder != old.id
                           and h, 120, "the standby holding the lease")
         # Now that it runs the job, it is protected from scale-in.
-        wait_until(lambda: protected(_boto.client("autoscaling")).get(held[0].holder),
+        wait_until(lambda: protected(admin("autoscaling")).get(held[0].holder),
                    60, "the standby that took over protected from scale-in")
         gate.touch()
         result = handle.wait(timeout=120)
@@ -676,6 +747,14 @@ def test_a_recommendation_moves_the_job_to_its_standby_and_completes_the_hooks(
 # be ready: LAUNCH_HOOK_SECONDS scaled the same).
 FIRST_HOUR_SCALE = 180.0
 FIRST_HOUR_NOTICE = 10.0
+# The first hour in real time, for tests whose notice must come in it: an hour is longer
+# than any test may run (its timeout), so it cannot run out first however slow the
+# machine (a short hour made them fail under load).
+WHOLE_HOUR_SCALE = 1.0
+# A notice period no test outlasts, for tests that check what happens during one: EC2
+# ends the instance when the test has seen it (sim.take_back), not when a short period
+# runs out, which a loaded machine could reach first.
+HELD_NOTICE = 3600.0
 
 
 def _recommended_once_saved(sim: AwsSimulator, handle: spotnb.JobHandle) -> Any:
@@ -746,19 +825,28 @@ def test_an_interruption_before_the_deferred_standby_is_free_and_replaced_during
     monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
     gate = tmp_path / "gate"
     with AwsSimulator(tmp_path / "sim", notice_seconds=FIRST_HOUR_NOTICE,
-                      time_scale=FIRST_HOUR_SCALE) as sim:
+                      time_scale=WHOLE_HOUR_SCALE) as sim:
         handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
                                instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
         old = _recommended_once_saved(sim, handle)
-        wait_until(lambda: _deferred(handle), 60, "the standby deferred")
-        sim.interrupt(old.id, lead=None)  # the notice the recommendation announced
+        deferred = wait_until(lambda: _deferred(handle), 60, "the standby deferred")
+        # Due near the hour's end: far after the notice below, whatever the load.
+        assert deferred.data["standby_due"] > deferred.time + 1800
+        # The notice the recommendation announced; EC2 holds the instance until the
+        # replacement has the job (a replacement that waited for the loss never comes).
+        sim.interrupt(old.id, HELD_NOTICE, lead=None)
         new = sim.wait_for_instance(handle.job_id, timeout=120, exclude=(old.id,))
-        old_end = old.terminate_at
-        assert old_end is not None and new.booted < old_end, \
-            "the replacement launched at the notice, before the loss"
-        wait_until(lambda: old.terminated, 120, "EC2 ended the instance")
+        assert not old.terminated, "the replacement launched at the notice, before the loss"
         wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == new.id,
-                   120, "the replacement holding the lease")
+                   120, "the replacement holding the lease during the notice")
+        with Watch(handle) as watch:  # live: its events within a second
+            watch.until(lambda events: any(e.attempt == 2 and e.instance == new.id
+                                           for e in events), 120,
+                        "the replacement's attempt running during the notice")
+        sim.take_back(old.id)
+        wait_until(lambda: old.terminated, 120, "EC2 ended the instance")
+        old_end = old.terminate_at
+        assert old_end is not None
         gate.touch()
         result = handle.wait(timeout=120)
         events = list(handle.events(follow=False))
@@ -808,7 +896,7 @@ def test_a_standby_not_ready_in_time_is_given_back(
     sim.recommend_rebalance(old.id)
     standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
                                        if i.id != old.id), None), 60, "the standby")
-    asg = _boto.client("autoscaling")
+    asg = admin("autoscaling")
     assert protected(asg).get(standby.id) is not True, "a standby is not protected"
     wait_until(lambda: standby.terminated, 120, "the standby given back")
     assert (standby.id, LIFECYCLE_HOOK_NAME) in sim.hooks_completed, \
@@ -863,7 +951,7 @@ def test_a_standby_never_launched_is_given_back_too(sim: AwsSimulator, tmp_path:
     old = sim.wait_for_instance(handle.job_id)
     wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
                "a durable checkpoint before the recommendation")
-    asg = _boto.client("autoscaling")
+    asg = admin("autoscaling")
     # The instance that runs the job is protected from scale-in: were the standby to
     # launch just as the group goes back to one instance, Auto Scaling would end the
     # standby, not it.
@@ -897,23 +985,25 @@ def test_a_notice_while_the_standby_boots_makes_it_the_replacement(
     gate, slow = tmp_path / "gate", tmp_path / "slow"
     slow.touch()
     with AwsSimulator(tmp_path / "sim", notice_seconds=FIRST_HOUR_NOTICE,
-                      time_scale=FIRST_HOUR_SCALE) as sim:
+                      time_scale=WHOLE_HOUR_SCALE) as sim:
         handle = spotnb.submit(SLOW_STANDBY.format(gate=str(gate), slow=str(slow)),
                                provider="aws", instance_types=["g4dn.xlarge"],
                                checkpoint_every="10 steps", standby_first_hour=True)
         old = _recommended_once_saved(sim, handle)
         standby = wait_until(lambda: next((i for i in sim.running(handle.job_id)
                                            if i.id != old.id), None), 60, "the standby")
-        sim.interrupt(old.id, lead=None)
-        asg = _boto.client("autoscaling")
+        # EC2 holds the instance until the test has seen what happens in its notice.
+        sim.interrupt(old.id, HELD_NOTICE, lead=None)
+        asg = admin("autoscaling")
         wait_until(lambda: [i["InstanceId"] for g in asg.describe_auto_scaling_groups()[
             "AutoScalingGroups"] for i in g["Instances"]] == [standby.id], 60,
             "the noticed instance out of the group")
         assert not old.terminated, "it left the group at its notice, before EC2 ended it"
         slow.unlink()
-        wait_until(lambda: old.terminated, 120, "EC2 ended the noticed instance")
         wait_until(lambda: (held := lease.read(handle.store)) and held[0].holder == standby.id,
                    120, "the standby holding the lease")
+        sim.take_back(old.id)
+        wait_until(lambda: old.terminated, 120, "EC2 ended the noticed instance")
         gate.touch()
         result = handle.wait(timeout=120)
         events = list(handle.events(follow=False))
@@ -1001,11 +1091,11 @@ def test_secrets_reach_every_attempt_and_no_store_file_or_cloud_state_holds_them
     # setting and --notify from the notebook machine's environment; one interruption.
     monkeypatch.setenv("HF_TOKEN", local["HF_TOKEN"])
     monkeypatch.setenv("WANDB_API_KEY", local["WANDB_API_KEY"])
-    monkeypatch.setenv("SPOTNB_TEST_WEBHOOK", local["webhook"])
+    monkeypatch.setenv("TEST_WEBHOOK", local["webhook"])
     notebook = tmp_path / "secrets.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("%load_ext spotnb"),
-        nbformat.v4.new_code_cell("import os\nwebhook = os.environ['SPOTNB_TEST_WEBHOOK']\n"
+        nbformat.v4.new_code_cell("import os\nwebhook = os.environ['TEST_WEBHOOK']\n"
                                   "%config SpotMagics.secrets = ['WANDB_API_KEY']"),
         nbformat.v4.new_code_cell(
             "%%spot_train --name local-secrets --secret HF_TOKEN --notify $webhook "
@@ -1033,7 +1123,7 @@ def test_secrets_reach_every_attempt_and_no_store_file_or_cloud_state_holds_them
         secrets={"HF_TOKEN": remote["HF_TOKEN"]}, notify_url=remote["webhook"])
     job = handle.job_id
     inst = sim.wait_for_instance(job)
-    ec2, asg, iam, ssm = (_boto.client(s) for s in ("ec2", "autoscaling", "iam", "ssm"))
+    ec2, asg, iam, ssm = (admin(s) for s in ("ec2", "autoscaling", "iam", "ssm"))
     described = ssm.describe_parameters(ParameterFilters=[
         {"Key": "Path", "Option": "Recursive", "Values": [f"/spotnb/{job}"]}])["Parameters"]
     assert sorted((p["Name"], p["Type"], p["KeyId"], p["Tier"]) for p in described) == [
@@ -1093,7 +1183,7 @@ def test_secrets_reach_every_attempt_and_no_store_file_or_cloud_state_holds_them
     # the record, or EC2 and Auto Scaling state.
     blobs = {**_blobs_under(spotnb_home), **_blobs_under(tmp_path / "sim"),
              str(record): record.read_bytes(), "EC2 and Auto Scaling": state.encode()}
-    s3 = _boto.client("s3")
+    s3 = admin("s3")
     bucket = handle.store.uri[len("s3://"):].split("/", 1)[0]
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         for key in (o["Key"] for o in page.get("Contents", ())):
@@ -1121,7 +1211,7 @@ def test_cli_setup_doctor_and_cleanup(sim: AwsSimulator,
     assert '"ssm:PutParameter"' in out and "parameter/spotnb/<job-id>/*" in out, "secrets"
     assert "(dry run: nothing was changed)" in out
     assert resources() == NOTHING
-    assert _boto.client("s3").list_buckets()["Buckets"] == []
+    assert admin("s3").list_buckets()["Buckets"] == []
     assert cli_main(["aws", "setup"]) == 0
     out = capsys.readouterr().out
     assert "did create bucket" in out and "did create IAM role spotnb-fis" in out
@@ -1129,15 +1219,15 @@ def test_cli_setup_doctor_and_cleanup(sim: AwsSimulator,
     assert "exists" in capsys.readouterr().out
     code = cli_main(["aws", "doctor"])
     out = capsys.readouterr().out
-    assert "ok  credentials: arn:aws:sts::123456789012" in out
+    assert "ok  credentials: arn:aws:iam::123456789012:user/spotnb-user" in out
     assert "ok  bucket: s3://spotnb-123456789012-us-east-1 is yours" in out
     assert "ok  image: ami-" in out
     assert "ok  secrets: SSM Parameter Store, SecureString under /spotnb/<job-id>/" in out
     assert code == 0, out
     assert cli_main(["aws", "cleanup", "--dry-run"]) == 0
     assert capsys.readouterr().out.strip() == "nothing left over"
-    _boto.client("iam").delete_role_policy(RoleName="spotnb-fis", PolicyName="spotnb-fis")
-    _boto.client("iam").delete_role(RoleName="spotnb-fis")
+    admin("iam").delete_role_policy(RoleName="spotnb-fis", PolicyName="spotnb-fis")
+    admin("iam").delete_role(RoleName="spotnb-fis")
 
 
 def test_doctor_without_credentials_says_what_to_do(
@@ -1248,7 +1338,7 @@ def _refuse_nodes_without_capacity_in_one_az(
         spotnb.submit("x = 1", provider="aws", nodes=2, instance_types=types)
     # A type that no usable subnet's AZ offers (moto's offerings have no p4d.24xlarge in
     # us-east-1f) is refused the same way, before any score.
-    ec2 = _boto.client("ec2")
+    ec2 = admin("ec2")
     (subnet,) = ec2.describe_subnets(Filters=[
         {"Name": "availability-zone", "Values": ["us-east-1f"]}])["Subnets"]
     monkeypatch.setenv("SPOTNB_AWS_SUBNETS", subnet["SubnetId"])
@@ -1257,7 +1347,7 @@ def _refuse_nodes_without_capacity_in_one_az(
         spotnb.submit("x = 1", provider="aws", nodes="1:2", instance_types=["p4d.24xlarge"])
     assert resources() == NOTHING
     assert sim.placement_groups == {}
-    assert not _boto.client("ec2").describe_security_groups(Filters=[
+    assert not admin("ec2").describe_security_groups(Filters=[
         {"Name": "tag-key", "Values": [TAG_JOB]}])["SecurityGroups"]
     assert not any(key.startswith("jobs/") for key in _bucket_keys())
     sim.restore_capacity()
@@ -1265,7 +1355,7 @@ def _refuse_nodes_without_capacity_in_one_az(
 
 
 def _bucket_keys() -> list[str]:
-    s3 = _boto.client("s3")
+    s3 = admin("s3")
     if not s3.list_buckets()["Buckets"]:
         return []
     return [o["Key"] for o in s3.list_objects_v2(
@@ -1317,7 +1407,7 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     name = f"spotnb-{job.job_id}"
     # What the job was given, in moto's state (and the simulator's, for placement groups,
     # which moto lacks).
-    ec2, asg = _boto.client("ec2"), _boto.client("autoscaling")
+    ec2, asg = admin("ec2"), admin("autoscaling")
     group = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]
     # Room for one warm standby (providers/aws/standby.py).
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 3, 2)
@@ -1365,15 +1455,18 @@ def test_two_nodes_in_one_az_survive_a_notice_and_end_as_uninterrupted(
     else:
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                    for a, b in zip(got, want, strict=True))
-    # The end: the instances' teardown deleted the groups, templates and roles; AWS
-    # keeps a security or placement group while an instance is still in it, so what
-    # the teardown could not delete yet is all that cleanup may find, and deletes.
+    # The end: the instances' teardown deleted the groups and templates; AWS keeps a
+    # security or placement group while an instance is still in it, and IAM may refuse
+    # a role's deletion by itself (finding 13), so what the teardown could not delete
+    # yet is all that cleanup may find, and deletes.
     sim.wait_until_idle(60)
     left = AwsProvider().cleanup()
-    assert all(re.fullmatch(r"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
-                            r"group spotnb-\S+) in us-east-1 \(its job has a result\)", line)
-               and f"spotnb-{job.job_id}" in line for line in left), left
+    assert all((re.fullmatch(r"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
+                             r"group spotnb-\S+) in us-east-1 \(its job has a result\)", line)
+                or EMPTY_ROLE.fullmatch(line))
+               and job.job_id in line for line in left), left
     assert sim.placement_groups == {}
+    assert_no_request_refused(sim)
 
 
 def test_one_node_at_a_time_claims_the_groups_standby(tmp_path: Path) -> None:
@@ -1466,7 +1559,7 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
                             nodes=2, instance_types=["g5.8xlarge"], outputs=["weights"],
                             checkpoint_every="5 steps", standby_first_hour=True)
         name = f"spotnb-{job.job_id}"
-        asg = _boto.client("autoscaling")
+        asg = admin("autoscaling")
         (group,) = asg.describe_auto_scaling_groups(
             AutoScalingGroupNames=[name])["AutoScalingGroups"]
         # (Its desired capacity, 2, may read 1 for a moment here: the simulator attaches
@@ -1520,13 +1613,15 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
         claim_left = job.store.exists(layout.STANDBY_CLAIM)
         completed = list(sim.hooks_completed)
         booted = {i.id: i.booted for i in sim.instances.values()}
-        # What the nodes' teardown left is what AWS keeps while an instance is in it.
+        # What the nodes' teardown left is what AWS keeps while an instance is in it,
+        # and the role IAM would not let delete itself (finding 13).
         sim.wait_until_idle(60)
         left = AwsProvider().cleanup()
         assert all(re.fullmatch(r"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
                                 r"group spotnb-\S+) in us-east-1 \(its job has a result\)",
-                                line) for line in left), left
+                                line) or EMPTY_ROLE.fullmatch(line) for line in left), left
         assert resources() == NOTHING
+        assert_no_request_refused(sim)
     assert result.status == "completed", (result.status, result.reason)
     assert most <= 3
     assert {i for _, i in both} == set(nodes), "each node moved once"
@@ -1548,7 +1643,7 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
         assert state.end_reason(gone.number, final=True) == EndReason.MOVED.value
         assert state.instances[node].end_reason == "rebalanced"
     assert state.interruptions() == 0 and result.interruptions == 0
-    assert state.redone_steps() == 0
+    assert state.redone_steps() == 0, state.breaks()
     assert logged == list(range(24)), "every step once"
     assert {e.data["world_size"] for e in events if e.type == "world"} == {2}
     got, want = result.outputs["weights"], reference.weights()

@@ -270,3 +270,24 @@ def test_a_multi_node_break_resumes_where_its_redone_count_was_taken() -> None:
     events += [metric(2, s, 90 + s) for s in range(31, 60)]
     (gone,) = fold(events, max_nodes=2).breaks()
     assert (gone.attempt, gone.step, gone.resumed_at, gone.redone) == (1, 40, 31, 10)
+
+
+def test_rank_0_back_on_an_earlier_node_slot_redoes_no_step() -> None:
+    """A 2-node job whose nodes moved to their standbys one at a time (a recommendation
+    for both): rank 0's rows came from slot 1's node (attempt 2) up to step 12, where it
+    moved; the world re-formed with rank 0 on slot 0's node (attempt 1), which logged
+    13-18 and moved in turn; slot 1's standby (attempt 4) went on from 19, slot 0's
+    (attempt 3) logs nothing. Every step was logged once: none is redone, though a
+    lower attempt number logged after a higher one (the fold counted 19)."""
+    from spotnb.protocol.events.fold import fold
+
+    events = [Event("status", T0 + n, n, f"i-{n}", {"state": "booting"}) for n in (1, 2)]
+    events += [metric(2, s, 10 + s) for s in range(13)]
+    events += [Event("status", T0 + 30, 4, "i-4", {"state": "booting"})]
+    events += [metric(1, s, 40 + s) for s in range(13, 19)]
+    events += [Event("status", T0 + 60, 3, "i-3", {"state": "booting"})]
+    events += [metric(4, s, 70 + s) for s in range(19, 24)]
+    state = fold(events, max_nodes=2)
+    assert [(b.attempt, b.step, b.resumed_at, b.redone) for b in state.breaks()] == [
+        (1, 18, 19, 0), (2, 12, 13, 0)]
+    assert state.redone_steps() == 0

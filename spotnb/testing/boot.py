@@ -63,7 +63,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PlainImage", "plain_image", "power_on", "reboot", "wheel_index"]
+__all__ = ["PlainImage", "plain_image", "power_on", "preinstalled_environment", "reboot",
+           "wheel_index"]
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,14 @@ MACHINE = "machine.json"
 
 
 def power_on(home: Path, user_data: Path, env: Mapping[str, str], *, instance_id: str,
-             region: str) -> subprocess.Popen[bytes]:
+             region: str, ec2_credentials: Mapping[str, str] | None = None
+             ) -> subprocess.Popen[bytes]:
     """Boot an instance whose directory is ``home`` for the first time: its operating
     system, which runs ``user_data`` with ``env`` (plus the systemd unit directory and
     its tools on ``PATH``). Returns the operating system's process: the instance runs
-    while it does."""
+    while it does. ``ec2_credentials``: the keys (``AWS_ACCESS_KEY_ID``, ...) of EC2's
+    part at a power-off (the simulator's administrator's, with IAM enforced: not the
+    instance's and not the notebook's); by default this process's environment's."""
     home = home.resolve()
     for sub in (UNITS, "run", TOOLS):
         (home / sub).mkdir(parents=True, exist_ok=True)
@@ -102,7 +106,7 @@ def power_on(home: Path, user_data: Path, env: Mapping[str, str], *, instance_id
         "env": machine_env}))
     # The operating system itself runs with the simulator's environment (it plays EC2
     # at a power-off), never the instance's.
-    os_env = dict(os.environ)
+    os_env = {**os.environ, **(ec2_credentials or {})}
     package_root = str(Path(__file__).resolve().parents[2])
     os_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
@@ -366,7 +370,24 @@ def _become_subreaper() -> None:
         log.warning("could not become a child subreaper: errno %d", ctypes.get_errno())
 
 
-# ------------------------------------------------------------------- the plain image
+# ------------------------------------------------------------------- the images
+
+#: What an instance's environment keeps of the process that runs the simulator, on an
+#: image with spotnb preinstalled, besides the simulator's own variables: the machine's.
+MACHINE_VARIABLES = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "PYTHONPATH",
+                     "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "VIRTUAL_ENV")
+
+
+def preinstalled_environment(harness: Mapping[str, str]) -> dict[str, str]:
+    """An instance's environment on an image with spotnb preinstalled (this interpreter,
+    spotnb where this process imports it from, ``PYTHONPATH``): the simulator's
+    variables from ``harness`` (``SPOTNB_*``, ``AWS_*``) and the machine's
+    (:data:`MACHINE_VARIABLES`), nothing else. The notebook's own environment (a
+    secret, a token in it) never reaches an EC2 instance, so it does not reach a
+    simulated one either."""
+    return {k: v for k, v in harness.items()
+            if k.startswith(("SPOTNB_", "AWS_")) or k in MACHINE_VARIABLES}
+
 
 
 @dataclasses.dataclass(frozen=True)

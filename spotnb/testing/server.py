@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import io
 import logging
 import os
@@ -16,10 +17,18 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "MotoServer", "Request",
-           "RequestLog", "aws_environment"]
+from spotnb.testing import contract
+from spotnb.testing.contract import Call
+from spotnb.testing.iam import IamEnforcer
+
+__all__ = ["DEFAULT_ACCOUNT", "DEFAULT_REGION", "FAKE_CREDENTIALS", "LostResponses",
+           "MotoServer", "Request", "RequestLog", "aws_environment"]
 
 log = logging.getLogger(__name__)
+
+# moto's reset of every backend, the first right after its start: a bound for a
+# machine under load (10 s was too short with six test runs on two cores), not a pace.
+RESET_TIMEOUT_SECONDS = 120.0
 
 DEFAULT_ACCOUNT = "123456789012"
 # The simulator reaches into moto's in-process state (see the module docstring): it is
@@ -58,10 +67,13 @@ def _moto_server_class() -> Any:
 
     class Server(ThreadedMotoServer):
         requests: RequestLog
+        lost: LostResponses
+        iam: Any  # spotnb.testing.iam.IamEnforcer
 
         def _server_entry(self) -> None:
-            app = self.requests.wrap(
-                _S3Middleware(DomainDispatcherApplication(create_backend_app)))
+            self.iam.app = _S3Middleware(DomainDispatcherApplication(create_backend_app),
+                                         self.lost)
+            app = self.requests.wrap(self.iam)
             self._server = make_server(self._ip_address, self._port, app, True,
                                        request_handler=QuietHandler)
             self._server_ready_event.set()
@@ -79,6 +91,8 @@ class Request:
     operation: str
     origin: str
     status: int
+    #: the request as its operation's parameters (:mod:`spotnb.testing.contract`)
+    call: Call | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class RequestLog:
@@ -97,6 +111,11 @@ class RequestLog:
         with self._lock:
             return list(self._requests)
 
+    def calls(self) -> list[Call]:
+        """Every request as its operation's parameters, for
+        :func:`spotnb.testing.contract.check`."""
+        return [r.call for r in self.snapshot() if r.call is not None]
+
     def clear(self) -> None:
         with self._lock:
             self._requests.clear()
@@ -104,6 +123,11 @@ class RequestLog:
     def wrap(self, app: Callable[..., Any]) -> Callable[..., Any]:
         def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
             service, operation, origin = _describe(environ)
+            call = _parse(environ, origin) if service else None
+            if call is not None:
+                environ[CALL_KEY] = call
+                if not call.error:
+                    operation = call.operation
             status: list[int] = []
 
             def respond(code: str, headers: Any, *args: Any) -> Any:
@@ -114,9 +138,34 @@ class RequestLog:
             if service:
                 with self._lock:
                     self._requests.append(Request(time.time(), service, operation, origin,
-                                                  status[0] if status else 0))
+                                                  status[0] if status else 0, call))
             return result
         return logged
+
+
+#: Where a request's parsed :class:`~spotnb.testing.contract.Call` is kept in its WSGI
+#: environ, for the middlewares inside the log (IAM, faults).
+CALL_KEY = "spotnb.call"
+
+
+def _parse(environ: dict[str, Any], origin: str) -> Call:
+    """The request's call (parameters); a call with ``error`` set if moto's parsers
+    cannot read it. The body is read once and put back."""
+    size = int(environ.get("CONTENT_LENGTH") or 0)
+    body = environ["wsgi.input"].read(size) if size else b""
+    environ["wsgi.input"] = io.BytesIO(body)
+    service = ""
+    try:
+        parsed = contract.parse_request(environ, body)
+    except Exception as err:  # a request moto's parsers cannot read: the check says so
+        m = _CREDENTIAL.search(environ.get("HTTP_AUTHORIZATION", ""))
+        service = m.group(1) if m else ""
+        return contract.Call(service, "?", {}, origin,
+                             error=f"{type(err).__name__}: {str(err)[:300]} "
+                                   f"({environ.get('PATH_INFO')})")
+    if parsed is None:
+        return contract.Call(service, "?", {}, origin, error="no AWS signature")
+    return dataclasses.replace(parsed, origin=origin)
 
 
 _CREDENTIAL = re.compile(r"Credential=[^/]+/\d{8}/[^/]+/([^/]+)/aws4_request")
@@ -181,12 +230,58 @@ def _s3_operation(method: str, path: str, query: dict[str, list[str]],
     return method
 
 
-class _S3Middleware:
-    """S3 behaviour moto lacks: ``ExpectedBucketOwner`` and atomic conditional writes."""
+class LostResponses:
+    """A fault: conditional S3 writes that commit, then lose their response.
 
-    def __init__(self, app: Callable[..., Any]) -> None:
+    S3 may commit a ``PutObject`` and the client still see no answer (a connection
+    reset, a timeout, a ``500``); botocore then sends it again, and the retry of a
+    conditional write meets the object the first try wrote: ``412 PreconditionFailed``
+    although the write went through. :meth:`arm` makes the next ``count`` conditional
+    writes whose key (below the bucket) matches ``key`` (an ``fnmatch`` pattern) commit
+    and answer ``500 InternalError``, which botocore retries.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: list[tuple[str, int]] = []
+        #: the keys whose response was lost, in order
+        self.lost: list[str] = []
+
+    def arm(self, key: str = "*", count: int = 1) -> None:
+        with self._lock:
+            self._armed.append((key, count))
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed.clear()
+
+    def take(self, key: str) -> bool:
+        """Whether this write's response is to be lost (counts it)."""
+        with self._lock:
+            for i, (pattern, left) in enumerate(self._armed):
+                if fnmatch.fnmatchcase(key, pattern):
+                    if left <= 1:
+                        del self._armed[i]
+                    else:
+                        self._armed[i] = (pattern, left - 1)
+                    self.lost.append(key)
+                    return True
+        return False
+
+
+_INTERNAL_ERROR = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+                   b"<Message>We encountered an internal error. Please try again.</Message>"
+                   b"</Error>")
+
+
+class _S3Middleware:
+    """S3 behaviour moto lacks: ``ExpectedBucketOwner``, atomic conditional writes, and
+    the :class:`LostResponses` fault."""
+
+    def __init__(self, app: Callable[..., Any], lost: LostResponses) -> None:
         self.app = app
         self.conditional_lock = threading.Lock()
+        self.lost = lost
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         expected = environ.get("HTTP_X_AMZ_EXPECTED_BUCKET_OWNER")
@@ -194,17 +289,35 @@ class _S3Middleware:
             bucket = environ.get("PATH_INFO", "/").lstrip("/").split("/", 1)[0]
             owner = _bucket_owner(bucket)
             if owner is not None and owner != expected:
-                body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied'
-                        b"</Code><Message>Access Denied</Message></Error>")
+                denied = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied'
+                          b"</Code><Message>Access Denied</Message></Error>")
                 start_response("403 Forbidden", [("Content-Type", "application/xml"),
-                                                  ("Content-Length", str(len(body)))])
-                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
+                                                  ("Content-Length", str(len(denied)))])
+                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [denied]
         conditional = environ.get("REQUEST_METHOD") in ("PUT", "POST", "DELETE") and (
             "HTTP_IF_MATCH" in environ or "HTTP_IF_NONE_MATCH" in environ)
         if not conditional:
             return self.app(environ, start_response)
         with self.conditional_lock:
-            return list(self.app(environ, start_response))
+            answered: list[tuple[str, Any]] = []
+
+            def hold(status: str, headers: Any, exc_info: Any = None) -> Callable[..., Any]:
+                answered.append((status, headers))
+                return lambda data: None
+
+            body = list(self.app(environ, hold))
+        status, headers = answered[0]
+        key = environ.get("PATH_INFO", "/").lstrip("/").partition("/")[2]
+        if status.startswith("2") and environ.get("REQUEST_METHOD") == "PUT" and \
+                self.lost.take(key):
+            log.info("fault: the conditional write of %s committed; its response is lost",
+                     key)
+            start_response("500 Internal Server Error", [
+                ("Content-Type", "application/xml"),
+                ("Content-Length", str(len(_INTERNAL_ERROR)))])
+            return [_INTERNAL_ERROR]
+        start_response(status, headers)
+        return body
 
 
 def _bucket_owner(bucket: str) -> str | None:
@@ -222,6 +335,14 @@ class MotoServer:
         #: Every request the server answered (see :class:`RequestLog`).
         self.requests = RequestLog()
         self._server.requests = self.requests
+        #: The lost-response fault of conditional S3 writes (:class:`LostResponses`).
+        self.lost_responses = LostResponses()
+        self._server.lost = self.lost_responses
+        #: IAM per principal (:mod:`spotnb.testing.iam`); off until switched on.
+        self.iam = IamEnforcer(None, account=DEFAULT_ACCOUNT,
+                               admin_key=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                               call_key=CALL_KEY)
+        self._server.iam = self.iam
         self.endpoint = ""
 
     def start(self) -> MotoServer:
@@ -239,7 +360,7 @@ class MotoServer:
         """Forget every resource (moto's ``/moto-api/reset``)."""
         request = urllib.request.Request(self.endpoint + "/moto-api/reset", method="POST")
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(request, timeout=10) as reply:
+        with opener.open(request, timeout=RESET_TIMEOUT_SECONDS) as reply:
             reply.read()
 
     def stop(self) -> None:

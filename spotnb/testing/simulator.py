@@ -8,11 +8,9 @@ import base64
 import contextlib
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import random
-import secrets
 import shutil
 import signal
 import subprocess
@@ -25,8 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from spotnb.protocol.signals import SignalModel
-from spotnb.testing.boot import PlainImage, plain_image, power_on
-from spotnb.testing.server import DEFAULT_ACCOUNT, DEFAULT_REGION, MotoServer, aws_environment
+from spotnb.testing import contract
+from spotnb.testing.autoscaling import AutoScalingPlay
+from spotnb.testing.boot import PlainImage, plain_image, power_on, preinstalled_environment
+from spotnb.testing.ec2 import Ec2Play
+from spotnb.testing.principals import PrincipalsPlay
+from spotnb.testing.server import (
+    DEFAULT_ACCOUNT,
+    DEFAULT_REGION,
+    FAKE_CREDENTIALS,
+    MotoServer,
+    aws_environment,
+)
 
 __all__ = ["AwsSimulator", "SimInstance"]
 
@@ -38,13 +46,10 @@ DEFAULT_NOTICE_SECONDS = 2.0
 TICK_SECONDS = 0.2
 # EC2 shuts the OS down before power-off; the simulator's agents get this long.
 KILL_GRACE_SECONDS = 3.0
-# After every pool failed, Auto Scaling tries again after a while.
-CAPACITY_RETRY_SECONDS = 2.0
 DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
-# Spot placement scores the simulator gives an AZ: where no_capacity() covers every
-# requested type, EC2's "not likely" (1); elsewhere "likely" (9).
-NO_SCORE = 1
-GOOD_SCORE = 9
+#: The origins of spotnb's own requests (``spotnb-origin/<name>`` in the User-Agent):
+#: everything but the simulator's and a test's own clients.
+SPOTNB_ORIGINS = ("job-agent", "instance-agent", "runtime", "notebook", "cli")
 
 
 @dataclasses.dataclass
@@ -95,7 +100,7 @@ class SimInstance:
         return "\n".join(parts)
 
 
-class AwsSimulator:
+class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
     """A fake AWS on loopback in which spotnb's instances really run. See the module
     docstring; use as a context manager."""
 
@@ -105,8 +110,15 @@ class AwsSimulator:
                  region: str = DEFAULT_REGION, notice_seconds: float = DEFAULT_NOTICE_SECONDS,
                  boot_seconds: float = 0.0, kill_grace: float = KILL_GRACE_SECONDS,
                  install: bool | PlainImage = False, signals: SignalModel | None = None,
-                 time_scale: float | None = None) -> None:
+                 time_scale: float | None = None, iam: bool = True) -> None:
         self.region = region
+        #: IAM enforced per principal (:mod:`spotnb.testing.iam`): spotnb runs as a user
+        #: with the policy it prints, each instance as its instance profile's role.
+        self.iam = iam
+        self.user_credentials: dict[str, str] = {}
+        #: IAM actions a test expects spotnb to be refused (a check that degrades).
+        self.expected_denials: set[str] = set()
+        self._admin: Any = None
         #: Market seconds a real second, as the instances count their age (their first
         #: hour, which an interruption refunds): by default as the notice period is
         #: compressed (120 s in ``notice_seconds``); a test may compress the hour more.
@@ -125,7 +137,6 @@ class AwsSimulator:
         self.server = MotoServer()
         self.instances: dict[str, SimInstance] = {}
         self.activities: dict[str, list[dict[str, Any]]] = {}
-        self.fis_templates: dict[str, dict[str, Any]] = {}
         #: EC2 placement groups (moto has none): name -> {"GroupName", "Strategy", ...}
         self.placement_groups: dict[str, dict[str, Any]] = {}
         self._no_capacity: set[str] = set()
@@ -139,6 +150,9 @@ class AwsSimulator:
         self._subnet_az: dict[str, tuple[str, str]] = {}
         self._retry_at: dict[str, float] = {}
         self._placed: dict[str, str | None] = {}  # instance id -> its placement group
+        self._launch_waits: dict[str, tuple[str, str, float, str]] = {}
+        #: draws the pools' order where capacity decides (``capacity-optimized``)
+        self._allocation_rng = random.Random(self.signals.seed)
         self._killers: list[threading.Thread] = []
         #: (instance id, hook name) of each CompleteLifecycleAction, in order
         self.hooks_completed: list[tuple[str, str]] = []
@@ -165,9 +179,17 @@ class AwsSimulator:
             self._env.enter_context(aws_environment(self.server.endpoint, self.region))
             self._undo.append(self._env.close)
             self.server.reset()
+            self._admin = self._admin_session()
             self._patch_moto()
             self._publish_dlami()
-            self._install_hooks()
+            self._install_fis()
+            if self.iam:
+                self._enforce_iam()
+            self._ec2 = self._client("ec2")
+            # Capacity errors are injected into the fulfilment's own RunInstances calls.
+            self._ec2.meta.events.register("before-parameter-build.ec2.RunInstances",
+                                           self.capacity_hook)
+            self._asg = self._client("autoscaling")
             self._thread = threading.Thread(target=self._run, name="spotnb-aws-sim",
                                             daemon=True)
             self._thread.start()
@@ -207,6 +229,14 @@ class AwsSimulator:
     def endpoint(self) -> str:
         return self.server.endpoint
 
+    def check_requests(self, models: contract.ModelSet | None = None, *,
+                       origins: tuple[str, ...] = SPOTNB_ORIGINS) -> list[contract.Violation]:
+        """Every request spotnb sent (from ``origins``) that botocore's models refuse:
+        :func:`spotnb.testing.contract.check` against ``models`` (the running botocore's
+        by default; an older botocore's: ``ModelSet(name, its data folder)``)."""
+        calls = [c for c in self.server.requests.calls() if c.origin in origins]
+        return contract.check(calls, models or contract.ModelSet.installed())
+
     # ---------------------------------------------------------------- controls
 
     def no_capacity(self, *pools: str) -> None:
@@ -243,6 +273,18 @@ class AwsSimulator:
                 self._notice(inst, now, delay)
         log.info("simulated interruption of %s: notice in %.1fs, termination %.1fs later",
                  instance_id, lead or 0.0, delay)
+
+    def take_back(self, instance_id: str) -> None:
+        """EC2 ends a noticed instance now, before the time its notice said (EC2 may:
+        the notice is a warning, not a promise). With a notice period no test outlasts
+        (:meth:`interrupt`'s ``notice_seconds``), a test ends the period when what it
+        waits for has happened instead of racing the period."""
+        with self._lock:
+            inst = self.instances[instance_id]
+            if inst.notice_at is None:
+                raise ValueError(f"{instance_id} has had no interruption notice")
+            if inst.terminate_at is not None and inst.terminate_at > time.time():
+                inst.terminate_at = time.time()  # the clock's next tick ends it
 
     def recommend_rebalance(self, instance_id: str) -> None:
         """A rebalance recommendation now, alone: a false alarm unless an interruption
@@ -307,203 +349,8 @@ class AwsSimulator:
     # --------------------------------------------------- moto's gaps (see above)
 
     def _patch_moto(self) -> None:
-        from moto.autoscaling.models import AutoScalingBackend, FakeAutoScalingGroup
-        from moto.autoscaling.responses import AutoScalingResponse
-        from moto.core.responses import ActionResult, EmptyResult
-
-        from spotnb.providers.aws.resources import TAG_JOB
-
-        original = FakeAutoScalingGroup.replace_autoscaling_group_instances
-
-        def replace(group: Any, count_needed: int, propagated_tags: dict[str, str]) -> None:
-            if any(t.get("Key") == TAG_JOB for t in group.tags):
-                return  # the simulator's fulfilment loop launches spotnb's instances
-            original(group, count_needed, propagated_tags)
-
-        def activities(response: Any) -> Any:
-            name = response._get_param("AutoScalingGroupName")
-            with self._lock:
-                found = list(reversed(self.activities.get(name, [])))  # newest first
-            return ActionResult({"Activities": found})
-
-        def complete_lifecycle_action(response: Any) -> Any:
-            with self._lock:
-                self.hooks_completed.append((str(response._get_param("InstanceId")),
-                                             str(response._get_param("LifecycleHookName"))))
-            return EmptyResult()
-
-        original_terminate = AutoScalingResponse.terminate_instance_in_auto_scaling_group
-
-        def terminate_in_group(response: Any) -> Any:
-            # Auto Scaling ends a member of a group with a termination hook through that
-            # hook: Terminating:Wait (IMDS target-lifecycle-state "Terminated") until
-            # its agent completes the hook or the wait runs out (the tick then
-            # terminates it); the desired capacity goes down at once if asked.
-            instance_id = str(response._get_param("InstanceId"))
-            decrement = response._get_bool_param("ShouldDecrementDesiredCapacity", False)
-            backend = response.autoscaling_backend
-            state = next((st for g in backend.autoscaling_groups.values()
-                          for st in g.instance_states if st.instance.id == instance_id), None)
-            group = state.auto_scaling_group if state is not None else None
-            hook = None if group is None else next(
-                (h for h in backend.describe_lifecycle_hooks(group.name)
-                 if h.lifecycle_transition == "autoscaling:EC2_INSTANCE_TERMINATING"), None)
-            with self._lock:
-                inst = self.instances.get(instance_id)
-            if hook is None or inst is None or state is None or group is None or \
-                    not any(t.get("Key") == TAG_JOB for t in group.tags):
-                return original_terminate(response)
-            now = time.time()
-            with self._lock:
-                if not inst.ending_in_group:
-                    inst.ending_in_group = True
-                    inst.hook_until = now + float(hook.heartbeat_timeout) * \
-                        self.notice_seconds / 120.0
-                    inst.imds.set_target_lifecycle_state("Terminated")
-                    self.signals_sent.append((now, inst.id, "terminating"))
-                    state.lifecycle_state = "Terminating:Wait"
-                    if decrement:
-                        group.desired_capacity = max(0, (group.desired_capacity or 0) - 1)
-            return ActionResult({"Activity": {
-                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group.name,
-                "Description": f"Terminating EC2 instance: {instance_id}",
-                "Cause": "the instance was taken out of service in response to a "
-                         "user request", "StartTime": datetime.datetime.now(
-                             datetime.timezone.utc), "StatusCode": "InProgress",
-                "Progress": 0}})
-
-        original_delete = AutoScalingBackend.delete_auto_scaling_group
-
-        def delete_group(backend: Any, group_name: str) -> None:
-            # spotnb deletes its groups with ForceDelete, which ends every instance,
-            # protected from scale-in or not (moto's scales in, sparing protected ones).
-            group = backend.autoscaling_groups.get(group_name)
-            if group is not None:
-                for state in group.instance_states:
-                    state.protected_from_scale_in = False
-            original_delete(backend, group_name)
-
-        original_create = AutoScalingResponse.create_auto_scaling_group
-
-        def create_group(response: Any) -> Any:
-            # moto replaces a group of the same name where AWS answers AlreadyExists;
-            # and it ignores the lifecycle hooks made with a group
-            # (LifecycleHookSpecificationList): they are added as PutLifecycleHook would.
-            from moto.autoscaling.exceptions import AutoscalingClientError
-
-            name = response._get_param("AutoScalingGroupName")
-            if name in response.autoscaling_backend.autoscaling_groups:
-                error = AutoscalingClientError(
-                    f"AutoScalingGroup by this name already exists - A group with the "
-                    f"name {name} already exists")
-                error.code = "AlreadyExists"
-                raise error
-            result = original_create(response)
-            for hook in response._get_params().get("LifecycleHookSpecificationList") or ():
-                response.autoscaling_backend.create_lifecycle_hook(
-                    name=hook["LifecycleHookName"],
-                    as_name=response._get_param("AutoScalingGroupName"),
-                    transition=hook["LifecycleTransition"],
-                    timeout=int(hook.get("HeartbeatTimeout") or 3600),
-                    result=hook.get("DefaultResult") or "ABANDON")
-            return result
-
-        original_activities = AutoScalingResponse.describe_scaling_activities
-        AutoScalingResponse.create_auto_scaling_group = create_group  # type: ignore[method-assign,assignment]
-        FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
-        AutoScalingResponse.describe_scaling_activities = activities  # type: ignore[method-assign,assignment]
-        AutoScalingResponse.complete_lifecycle_action = complete_lifecycle_action  # type: ignore[attr-defined]
-        AutoScalingResponse.terminate_instance_in_auto_scaling_group = terminate_in_group  # type: ignore[method-assign,assignment]
-        AutoScalingBackend.delete_auto_scaling_group = delete_group  # type: ignore[method-assign,assignment]
-
-        def unpatch() -> None:
-            AutoScalingResponse.create_auto_scaling_group = original_create  # type: ignore[method-assign]
-            FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]
-            AutoScalingResponse.describe_scaling_activities = original_activities  # type: ignore[method-assign]
-            AutoScalingResponse.terminate_instance_in_auto_scaling_group = original_terminate  # type: ignore[method-assign]
-            AutoScalingBackend.delete_auto_scaling_group = original_delete  # type: ignore[method-assign]
-            del AutoScalingResponse.complete_lifecycle_action  # type: ignore[attr-defined]
-
-        self._undo.append(unpatch)
+        self._patch_autoscaling()
         self._patch_ec2()
-
-    def _patch_ec2(self) -> None:
-        """EC2 calls moto lacks, answered by the simulator: placement groups (create,
-        describe, delete; a group that holds a running instance is "in use", as on
-        AWS) and spot placement scores (from the capacity set with :meth:`no_capacity`).
-        Added to moto's EC2 responder, so the instances' own calls reach them too."""
-        from moto.core.responses import ActionResult, EmptyResult
-        from moto.ec2.exceptions import EC2ClientError
-        from moto.ec2.responses import EC2Response
-
-        sim = self
-
-        def create_placement_group(response: Any) -> Any:
-            name = response._get_param("GroupName")
-            tags = response._parse_tag_specification().get("placement-group", {})
-            with sim._lock:
-                if name in sim.placement_groups:
-                    raise EC2ClientError("InvalidPlacementGroup.Duplicate",
-                                         f"The placement group '{name}' already exists.")
-                sim.placement_groups[name] = {
-                    "GroupName": name, "State": "available",
-                    "Strategy": response._get_param("Strategy"),
-                    "GroupId": "pg-" + secrets.token_hex(8),
-                    "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
-                return ActionResult({"PlacementGroup": sim.placement_groups[name]})
-
-        def describe_placement_groups(response: Any) -> Any:
-            names = response._get_param("GroupNames", [])
-            filters = response._filters_from_querystring()
-            with sim._lock:
-                found = [g for g in sim.placement_groups.values()
-                         if (not names or g["GroupName"] in names)
-                         and _tags_match(g["Tags"], filters)]
-            return ActionResult({"PlacementGroups": found})
-
-        def delete_placement_group(response: Any) -> Any:
-            name = response._get_param("GroupName")
-            with sim._lock:
-                if name not in sim.placement_groups:
-                    raise EC2ClientError("InvalidPlacementGroup.Unknown",
-                                         f"The Placement Group '{name}' is unknown.")
-                if any(i.placement_group == name and not i.terminated
-                       for i in sim.instances.values()):
-                    raise EC2ClientError("InvalidPlacementGroup.InUse",
-                                         f"The placement group '{name}' is in use.")
-                del sim.placement_groups[name]
-            return EmptyResult()
-
-        def get_spot_placement_scores(response: Any) -> Any:
-            types = response._get_param("InstanceTypes", [])
-            offered = sim._client("ec2").describe_instance_type_offerings(
-                LocationType="availability-zone-id",
-                Filters=[{"Name": "instance-type", "Values": types}])["InstanceTypeOfferings"]
-            scores = []
-            for az_id in sorted({o["Location"] for o in offered}):
-                with sim._lock:
-                    short = all(t in sim._no_capacity or f"{t}@{az_id}" in sim._no_capacity
-                                for t in types)
-                scores.append({"Region": sim.region, "AvailabilityZoneId": az_id,
-                               "Score": NO_SCORE if short else GOOD_SCORE})
-            return ActionResult({"SpotPlacementScores": scores})
-
-        added = {"create_placement_group": create_placement_group,
-                 "describe_placement_groups": describe_placement_groups,
-                 "delete_placement_group": delete_placement_group,
-                 "get_spot_placement_scores": get_spot_placement_scores}
-        before = {name: EC2Response.__dict__.get(name) for name in added}
-        for name, fn in added.items():
-            setattr(EC2Response, name, fn)
-
-        def unpatch() -> None:
-            for name, fn in before.items():
-                if fn is None:
-                    delattr(EC2Response, name)
-                else:
-                    setattr(EC2Response, name, fn)
-
-        self._undo.append(unpatch)
 
     def _publish_dlami(self) -> None:
         """Put the Deep Learning AMI's public parameter into moto (AWS publishes it)."""
@@ -523,89 +370,47 @@ class AwsSimulator:
             keyid=None, last_modified_date=datetime.datetime.now(), version=1,
             data_type="aws:ec2:image"))
 
-    def _install_hooks(self) -> None:
-        from spotnb.providers.aws import _boto
+    def _install_fis(self) -> None:
+        from spotnb.testing.fis import FisPlay
 
-        self._undo.append(_boto.add_hook("after-call.fis.CreateExperimentTemplate",
-                                         self._remember_fis_template))
-        self._undo.append(_boto.add_hook("before-call.fis.StartExperiment",
-                                         self._start_fis_experiment))
-        self._undo.append(_boto.add_hook("before-call.fis.DeleteExperimentTemplate",
-                                         self._forget_fis_template))
+        def interrupt(instance_id: str, seconds: float, lead: float) -> None:
+            # FIS's seconds, scaled as the notice period is now (a test may change it).
+            scale = self.notice_seconds / 120.0
+            if instance_id in self.instances:
+                self.interrupt(instance_id, seconds * scale, lead=lead * scale)
+
+        #: FIS as the simulator plays it (:mod:`spotnb.testing.fis`)
+        self.fis = FisPlay(interrupt, authorize=self._role_may,
+                           rng=random.Random(self.signals.seed))
+        self._undo.append(self.fis.install())
 
     def _client(self, service: str) -> Any:
+        """A client with the administrator's key (the simulator's own requests)."""
         from spotnb.providers.aws import _boto
 
-        return _boto.client(service, self.region, attempts=3, origin="simulator")
+        return _boto.client(service, self.region, sess=self._admin, attempts=3,
+                            origin="simulator")
 
-    # ------------------------------------------------------------------- FIS
+    def admin_client(self, service: str) -> Any:
+        """A client with the account administrator's key, for a test to look around or
+        set things up (spotnb's own clients use the user's key, with IAM enforced). Its
+        requests' origin is ``test``: AWS's other rules apply to them."""
+        from spotnb.providers.aws import _boto
 
-    def _remember_fis_template(self, parsed: dict[str, Any], **kwargs: Any) -> None:
-        template = parsed.get("experimentTemplate") or {}
-        if template.get("id"):
-            with self._lock:
-                self.fis_templates[template["id"]] = template
+        return _boto.client(service, self.region, sess=self._admin, attempts=3, origin="test")
 
-    def _forget_fis_template(self, params: dict[str, Any], **kwargs: Any) -> None:
-        path = str(params.get("url_path", ""))
-        with self._lock:
-            for template_id in list(self.fis_templates):
-                if path.endswith(template_id):
-                    self.fis_templates[template_id]["deleted"] = True
+    def _admin_session(self) -> Any:
+        from spotnb.providers.aws import _boto
 
-    def _start_fis_experiment(self, params: dict[str, Any], **kwargs: Any) -> Any:
-        """Run ``aws:ec2:send-spot-instance-interruptions`` (moto cannot)."""
-        from botocore.awsrequest import AWSResponse
-
-        body = params.get("body") or b"{}"
-        request = json.loads(body) if body else {}
-        with self._lock:
-            template = self.fis_templates.get(request.get("experimentTemplateId", ""))
-        if template is None:
-            error = {"Error": {"Code": "ResourceNotFoundException",
-                               "Message": "experiment template not found"}}
-            return AWSResponse("", 404, {}, None), error
-        for action in template.get("actions", {}).values():
-            if action.get("actionId") != "aws:ec2:send-spot-instance-interruptions":
-                continue
-            duration = _iso_duration(action.get("parameters", {}).get(
-                "durationBeforeInterruption", "PT2M"))
-            # FIS: the rebalance recommendation at the start, the notice two minutes
-            # before the end of durationBeforeInterruption (scaled as the notice is).
-            lead = self.notice_seconds * max(0.0, duration - 120.0) / 120.0
-            for target_name in action.get("targets", {}).values():
-                target = template.get("targets", {}).get(target_name, {})
-                for instance_id in self._fis_targets(target):
-                    if instance_id in self.instances:
-                        self.interrupt(instance_id, self.notice_seconds, lead=lead)
-        experiment = {"id": "EXP" + secrets.token_hex(8),
-                      "experimentTemplateId": template["id"],
-                      "state": {"status": "running", "reason": "simulated by spotnb.testing"}}
-        return AWSResponse("", 200, {}, None), {"experiment": experiment}
-
-    def _fis_targets(self, target: dict[str, Any]) -> list[str]:
-        """The instance ids an FIS target names: its ``resourceArns``, or the instances
-        its ``resourceTags`` and ``State.Name`` filter select (as FIS resolves them at
-        the experiment's start, with DescribeInstances)."""
-        if target.get("resourceArns"):
-            return [arn.rsplit("/", 1)[1] for arn in target["resourceArns"]]
-        filters = [{"Name": f"tag:{key}", "Values": [value]}
-                   for key, value in (target.get("resourceTags") or {}).items()]
-        if not filters:
-            return []
-        filters += [{"Name": "instance-state-name", "Values": list(f.get("values", ()))}
-                    for f in target.get("filters") or () if f.get("path") == "State.Name"]
-        found = self._client("ec2").describe_instances(Filters=filters)
-        return [i["InstanceId"] for r in found["Reservations"] for i in r["Instances"]]
+        with _boto._SESSION_LOCK:
+            return _boto.boto3_module().session.Session(
+                aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                region_name=self.region)
 
     # ------------------------------------------------------- the world's clock
 
     def _run(self) -> None:
-        self._ec2 = self._client("ec2")
-        # Capacity errors are injected into the fulfilment's own RunInstances calls.
-        self._ec2.meta.events.register("before-parameter-build.ec2.RunInstances",
-                                       self.capacity_hook)
-        self._asg = self._client("autoscaling")
         while not self._stop.wait(TICK_SECONDS):
             try:
                 self._tick()
@@ -632,6 +437,7 @@ class AwsSimulator:
         # Auto Scaling: instances its termination hook ends, capacity rebalancing
         # (groups that have it on), then fill every spotnb group up to its desired
         # capacity.
+        self._expire_launch_waits(now)
         for group in self._asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
             if self._end_through_hook(group, now):
                 continue  # the description is stale: the next tick fills the group
@@ -655,197 +461,6 @@ class AwsSimulator:
                                           daemon=True)
                 self._killers.append(killer)
                 killer.start()
-
-    def _fulfil(self, group: dict[str, Any], now: float) -> None:
-        from spotnb.providers.aws.resources import TAG_JOB
-
-        tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
-        policy = group.get("MixedInstancesPolicy")
-        if TAG_JOB not in tags or not policy:
-            return
-        name = group["AutoScalingGroupName"]
-        active = [i for i in group.get("Instances", ())
-                  if i.get("LifecycleState") not in ("Terminating", "Terminated")]
-        if len(active) >= group["DesiredCapacity"] or now < self._retry_at.get(name, 0.0):
-            return
-        self._launch(group, now, keep_desired=len(active) + 1 < group["DesiredCapacity"])
-
-    def _launch(self, group: dict[str, Any], now: float, keep_desired: bool) -> str | None:
-        """Launch one instance for ``group`` as Auto Scaling does (the policy's types in
-        order, each in the group's subnets in order); its id, or None if no pool had
-        capacity. ``keep_desired``: set the desired capacity back after attaching it."""
-        from spotnb.providers.aws import _boto
-
-        name = group["AutoScalingGroupName"]
-        policy = group["MixedInstancesPolicy"]
-        spec = policy["LaunchTemplate"]
-        template = spec["LaunchTemplateSpecification"]
-        types = [o["InstanceType"] for o in spec.get("Overrides", ())]
-        subnets = [s for s in group.get("VPCZoneIdentifier", "").split(",") if s]
-        spot = int(policy.get("InstancesDistribution", {}).get(
-            "OnDemandPercentageAboveBaseCapacity", 100)) < 100
-        placement = group.get("PlacementGroup") or None
-        if placement is not None and placement not in self.placement_groups:
-            self._activity(name, "Failed", (
-                f"Launching a new EC2 instance. Status Reason: The placement group "
-                f"'{placement}' is unknown. Launching EC2 instance failed."), types[0])
-            self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
-            return None
-        for instance_type in types:
-            for subnet in subnets:
-                az, az_id = self._subnet(subnet)
-                params: dict[str, Any] = dict(
-                    LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"],
-                                    "Version": template.get("Version", "$Latest")},
-                    InstanceType=instance_type, SubnetId=subnet, MinCount=1, MaxCount=1)
-                if spot:
-                    params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
-                        "SpotInstanceType": "one-time",
-                        "InstanceInterruptionBehavior": "terminate"}}
-                try:
-                    launched = self._ec2.run_instances(**params)["Instances"][0]
-                except Exception as err:
-                    if _boto.classify(err) != "capacity":
-                        if not _boto.error_code(err):
-                            raise
-                        # Any other refusal fails the activity (and is not the pool's:
-                        # the group tries again later), as Auto Scaling records it.
-                        self._activity(name, "Failed", (
-                            f"Launching a new EC2 instance. Status Reason: "
-                            f"{_boto.error_message(err)}. Launching EC2 instance failed."),
-                            instance_type)
-                        self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
-                        return None
-                    self._activity(name, "Failed", (
-                        f"Could not launch {'Spot' if spot else 'On-Demand'} Instances. "
-                        f"{_boto.error_code(err)} - {_boto.error_message(err)} "
-                        "Launching EC2 instance failed."), instance_type)
-                    continue
-                with self._lock:
-                    self._placed[launched["InstanceId"]] = placement
-                self._asg.attach_instances(AutoScalingGroupName=name,
-                                           InstanceIds=[launched["InstanceId"]])
-                if keep_desired:
-                    # moto's AttachInstances sets the desired capacity to the instances
-                    # it holds; the group's own launches leave it (a group of N).
-                    self._asg.set_desired_capacity(AutoScalingGroupName=name,
-                                                   DesiredCapacity=group["DesiredCapacity"])
-                self._activity(name, "Successful", (
-                    f"Launching a new EC2 instance: {launched['InstanceId']} "
-                    f"({instance_type} in {az}, {az_id})"), instance_type)
-                self._retry_at.pop(name, None)
-                return str(launched["InstanceId"])
-        self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
-        return None
-
-    def _rebalance(self, group: dict[str, Any], now: float) -> bool:
-        """Auto Scaling's capacity rebalancing for a group that has it on: a replacement
-        for each instance EC2 recommended rebalancing (the group may exceed its desired
-        capacity meanwhile); once that replacement is in service (booted and, if the
-        group has a launch hook, that hook completed or its wait over), the at-risk
-        instance is ended through the group's termination hook (IMDS
-        ``autoscaling/target-lifecycle-state`` ``Terminated``), and terminated when its
-        agent completes the hook or the hook's wait runs out; with no such hook, at
-        once. Hooks' waits (HeartbeatTimeout) are scaled as the notice period is.
-        Whether the group changed (its description is stale then)."""
-        name = group["AutoScalingGroupName"]
-        with self._lock:
-            members = [self.instances[i["InstanceId"]] for i in group.get("Instances", ())
-                       if i["InstanceId"] in self.instances]
-        if not any(i.rebalance_at is not None for i in members):
-            return False  # nothing recommended: no request this tick
-        changed = False
-        hooks = self._asg.describe_lifecycle_hooks(AutoScalingGroupName=name)["LifecycleHooks"]
-        launch_wait = self._hook(hooks, "LAUNCHING")
-        ending = self._hook(hooks, "TERMINATING") or ("", 0.0)
-        for inst in members:
-            if inst.terminated or inst.rebalance_at is None:
-                continue
-            if inst.rebalanced_by is None and inst.terminate_at is None:
-                if now >= self._retry_at.get(name, 0.0):
-                    # Auto Scaling goes over the group's size for the replacement (moto
-                    # refuses to attach past MaxSize: raised meanwhile).
-                    self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                        MaxSize=group["MaxSize"] + 1)
-                    inst.rebalanced_by = self._launch(group, now, keep_desired=False)
-                    if inst.rebalanced_by is None:
-                        self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                            MaxSize=group["MaxSize"])
-                    changed = True
-                continue
-            with self._lock:
-                standby = self.instances.get(inst.rebalanced_by or "")
-            if inst.hook_until is None and standby is not None and standby.alive \
-                    and inst.terminate_at is None:
-                if launch_wait is not None and now < standby.booted + launch_wait[1] \
-                        and not self._completed(standby.id, launch_wait[0]):
-                    continue  # not in service yet (Pending:Wait)
-                inst.hook_until = now + ending[1]
-                inst.imds.set_target_lifecycle_state("Terminated")
-                self.signals_sent.append((now, inst.id, "terminating"))
-                log.info("capacity rebalancing: %s is in service; ending %s through the "
-                         "termination hook", standby.id, inst.id)
-            if inst.hook_until is not None and inst.terminate_at is None and (
-                    now >= inst.hook_until or self._completed(inst.id, ending[0])):
-                inst.terminate_at = now  # the tick's termination below takes it
-        # The group goes back to its size as each at-risk instance ends: it leaves the
-        # group (once: moto decrements the desired capacity at every call).
-        for inst in members:
-            if inst.rebalanced_by is not None and inst.terminate_at is not None \
-                    and inst.terminate_at <= now:
-                self._asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
-                                           ShouldDecrementDesiredCapacity=True)
-                self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                    MaxSize=max(1, group["MaxSize"] - 1))
-                changed = True
-        return changed
-
-    def _end_through_hook(self, group: dict[str, Any], now: float) -> bool:
-        """Members that TerminateInstanceInAutoScalingGroup ended through the group's
-        termination hook: once their agent completed it or its wait ran out, they leave
-        the group and EC2 terminates them. Whether the group changed."""
-        from spotnb.providers.aws.resources import LIFECYCLE_HOOK_NAME
-
-        name = group["AutoScalingGroupName"]
-        with self._lock:
-            members = [self.instances[i["InstanceId"]] for i in group.get("Instances", ())
-                       if i["InstanceId"] in self.instances]
-        done = [i for i in members if i.ending_in_group and i.terminate_at is None
-                and i.hook_until is not None and (
-                    now >= i.hook_until or self._completed(i.id, LIFECYCLE_HOOK_NAME))]
-        for inst in done:
-            inst.terminate_at = now  # the next tick's termination takes it
-            self._asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
-                                       ShouldDecrementDesiredCapacity=False)
-        return bool(done)
-
-    def _hook(self, hooks: list[dict[str, Any]], transition: str) -> tuple[str, float] | None:
-        """The group's lifecycle hook for ``transition`` (``LAUNCHING``,
-        ``TERMINATING``): its name and its wait in real seconds (HeartbeatTimeout,
-        scaled as the notice period is); None if it has none."""
-        for h in hooks:
-            if h["LifecycleTransition"] == f"autoscaling:EC2_INSTANCE_{transition}":
-                return (h["LifecycleHookName"],
-                        float(h.get("HeartbeatTimeout", 3600)) * self.notice_seconds / 120.0)
-        return None
-
-    def _completed(self, instance_id: str, hook: str) -> bool:
-        """Whether ``instance_id``'s agent completed lifecycle hook ``hook``."""
-        with self._lock:
-            return (instance_id, hook) in self.hooks_completed
-
-    def _activity(self, group: str, status: str, message: str, instance_type: str) -> None:
-        now = datetime.datetime.now(datetime.timezone.utc)
-        with self._lock:
-            self.activities.setdefault(group, []).append({
-                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group,
-                "Description": f"Launching a new EC2 instance ({instance_type})",
-                "Cause": f"At {now.isoformat()} an instance was started in response to a "
-                         "difference between desired and actual capacity.",
-                "StartTime": now, "EndTime": now, "StatusCode": status,
-                "StatusMessage": message if status != "Successful" else "",
-                "Progress": 100, "Details": "{}",
-            })
 
     def _subnet(self, subnet: str) -> tuple[str, str]:
         if subnet not in self._subnet_az:
@@ -878,7 +493,8 @@ class AwsSimulator:
 
     def _boot(self, inst: dict[str, Any]) -> None:
         from spotnb.providers.aws.resources import TAG_JOB
-        from spotnb.providers.local.imds import ImdsServer, InstanceIdentity
+        from spotnb.providers.local.imds import InstanceIdentity
+        from spotnb.testing.iam import instance_metadata
 
         instance_id = inst["InstanceId"]
         tags = {t["Key"]: t["Value"] for t in inst.get("Tags", ())}
@@ -901,9 +517,11 @@ class AwsSimulator:
         home.mkdir(parents=True, exist_ok=True)
         with self._lock:
             placement = self._placed.get(instance_id)
+        role, credentials = self._instance_role(inst) if self.iam else (None, None)
         record = SimInstance(id=instance_id, group=tags.get("aws:autoscaling:groupName"),
                              job_id=tags.get(TAG_JOB), instance_type=inst["InstanceType"],
-                             az=az, az_id=az_id, dir=home, imds=ImdsServer(identity).start(),
+                             az=az, az_id=az_id, dir=home,
+                             imds=instance_metadata(identity, role, credentials).start(),
                              placement_group=placement, address=address)
         with self._lock:
             self.instances[instance_id] = record
@@ -920,13 +538,24 @@ class AwsSimulator:
                # Its age in market time (spotnb.protocol.billing).
                "SPOTNB_TIME_SCALE": str(self.time_scale),
                "SPOTNB_INSTANCE_DIR": str(home), "SPOTNB_SIM_INSTANCE_ID": instance_id}
+        if self.iam:
+            # Its credentials are its instance profile's, from its metadata service (as
+            # on EC2), not the notebook's keys.
+            for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                         "AWS_EC2_METADATA_DISABLED"):
+                env.pop(name, None)
+            env.update(AWS_EC2_METADATA_SERVICE_ENDPOINT=record.imds.endpoint,
+                       # botocore's 1 s default is for EC2's local link; this machine is
+                       # shared and busy.
+                       AWS_METADATA_SERVICE_TIMEOUT="5", AWS_METADATA_SERVICE_NUM_ATTEMPTS="3")
         if self.install:  # a plain image: the boot installs spotnb (spotnb.testing.boot)
             image = self.install if isinstance(self.install, PlainImage) else plain_image()
             env = image.environment(env, home)
-        else:
-            env["SPOTNB_PYTHON"] = sys.executable  # an image with spotnb preinstalled
+        else:  # an image with spotnb preinstalled
+            env = {**preinstalled_environment(env), "SPOTNB_PYTHON": sys.executable}
+        # EC2's part at a power-off (terminating the instance) is the administrator's.
         record.proc = power_on(home, script, env, instance_id=instance_id,
-                               region=self.region)
+                               region=self.region, ec2_credentials=FAKE_CREDENTIALS)
         log.info("booted %s (%s in %s) as pid %d", instance_id, inst["InstanceType"], az_id,
                  record.proc.pid)
 
@@ -958,25 +587,3 @@ class AwsSimulator:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         inst.imds.stop()
-
-
-def _tags_match(tags: list[dict[str, str]], filters: dict[str, Any]) -> bool:
-    """EC2's ``tag:<key>`` and ``tag-key`` filters over ``tags``."""
-    found = {t["Key"]: t["Value"] for t in tags}
-    for name, values in filters.items():
-        if name == "tag-key" and not any(v in found for v in values):
-            return False
-        if name.startswith("tag:") and found.get(name[4:]) not in values:
-            return False
-    return True
-
-
-def _iso_duration(text: str) -> float:
-    """Seconds of an ISO 8601 duration like ``PT2M`` or ``PT90S``."""
-    import re
-
-    m = re.fullmatch(r"PT(?:(\d+)H)?(?:(\d+)M)?(?:(\d+)S)?", text)
-    if not m:
-        return 120.0
-    hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    return hours * 3600.0 + minutes * 60.0 + seconds

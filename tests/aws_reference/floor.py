@@ -39,6 +39,14 @@ def models_dir(version: str = FLOOR) -> Path:
     return HERE / f"botocore-{version}"
 
 
+def model_set(version: str = FLOOR) -> Any:
+    """The vendored models as a :class:`spotnb.testing.contract.ModelSet`, for the
+    simulator's check of every recorded request (``sim.check_requests(model_set())``)."""
+    from spotnb.testing.contract import ModelSet
+
+    return ModelSet(f"botocore {version} (the declared floor, vendored)", models_dir(version))
+
+
 def declared_floor(pyproject: Path = REPO / "pyproject.toml") -> str:
     """The boto3 version the ``aws`` extra of ``pyproject.toml`` requires at least."""
     import tomllib

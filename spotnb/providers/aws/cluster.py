@@ -35,7 +35,11 @@ teardown, :meth:`AwsProvider.terminate`), and what AWS refused then is deleted b
 next multi-node launch in the region (:func:`sweep`: two Describe calls) or by
 ``spotnb aws cleanup``. Both are free while they wait (an empty security group or
 placement group costs nothing; AWS's default quotas are 2,500 security groups per VPC
-and 500 placement groups per region).
+and 500 placement groups per region). Every node's teardown tries, at about the same
+time: each deletes only what it finds (a Describe first), and an IAM refusal of a
+group that a peer deleted meanwhile is taken for done (the instance role's permission
+names the group's tag, and AWS does not say whether IAM or existence is checked
+first).
 
 Requests: validation makes 5 Describe/Get calls once per job (4 once a process cached
 the types' EFA support); the launch 5 more (the sweep's two Describe calls, create
@@ -81,6 +85,10 @@ SCORED_REFUSAL_MIN_TYPES = 3
 
 # Error codes that say "still in use: try again once the instances are gone".
 _IN_USE = frozenset({"DependencyViolation", "InvalidPlacementGroup.InUse"})
+# IAM's refusals: of a deletion, also what may be said of a resource another node's
+# teardown deleted just before (the instance role's permission names the resource's
+# tag, gone with it; AWS does not document whether IAM or existence is checked first).
+_REFUSED = frozenset({"UnauthorizedOperation", "AccessDenied"})
 
 _EFA: dict[tuple[str, str], bool] = {}
 _EFA_LOCK = threading.Lock()
@@ -234,17 +242,50 @@ def delete_network(ec2: Any, job_id: str, multi_node: bool = True) -> list[str]:
     if not groups and not multi_node:
         return left
     for group in groups:
-        if not _delete(partial(ec2.delete_security_group, GroupId=group["GroupId"])):
-            left.append(f"security group {group['GroupId']}")
+        gid = group["GroupId"]
+        if not _delete(partial(ec2.delete_security_group, GroupId=gid),
+                       gone=partial(_security_group_gone, ec2, job_id, gid)):
+            left.append(f"security group {gid}")
+    # Only what is still there (as the security groups are looked up first): the other
+    # nodes of the job tear it down at the same time.
     name = placement_group_name(job_id)
-    if not _delete(lambda: ec2.delete_placement_group(GroupName=name)):
+    if _placement_group_exists(ec2, job_id, name) and \
+            not _delete(lambda: ec2.delete_placement_group(GroupName=name),
+                        gone=lambda: not _placement_group_exists(ec2, job_id, name)):
         left.append(f"placement group {name}")
     return left
 
 
-def _delete(fn: Callable[[], Any]) -> bool:
+def _placement_group_exists(ec2: Any, job_id: str, name: str) -> bool:
+    """Whether the job's placement group is still there; True when the lookup fails
+    (the deletion then says)."""
+    try:
+        found = ec2.describe_placement_groups(Filters=[
+            {"Name": f"tag:{TAG_JOB}", "Values": [job_id]},
+            {"Name": "group-name", "Values": [name]}]).get("PlacementGroups", ())
+    except Exception:
+        log.debug("looking up placement group %s failed", name, exc_info=True)
+        return True
+    return any(g.get("GroupName") == name for g in found)
+
+
+def _security_group_gone(ec2: Any, job_id: str, group_id: str) -> bool:
+    """Whether the job's security group ``group_id`` is no longer there; False when
+    the lookup fails."""
+    try:
+        found = ec2.describe_security_groups(Filters=[
+            {"Name": f"tag:{TAG_JOB}", "Values": [job_id]},
+            {"Name": "group-id", "Values": [group_id]}]).get("SecurityGroups", ())
+    except Exception:
+        log.debug("looking up security group %s failed", group_id, exc_info=True)
+        return False
+    return not any(g.get("GroupId") == group_id for g in found)
+
+
+def _delete(fn: Callable[[], Any], gone: Callable[[], bool] | None = None) -> bool:
     """Run a delete: True when done or already gone; False when AWS says the resource
-    is still in use (it is deleted later); anything else raises."""
+    is still in use (it is deleted later); anything else raises, but IAM's refusal of
+    a resource that ``gone()`` finds deleted meanwhile (by another node)."""
     try:
         fn()
     except Exception as err:
@@ -252,6 +293,8 @@ def _delete(fn: Callable[[], Any]) -> bool:
         if code in _IN_USE:
             return False
         if "NotFound" in code or "Unknown" in code:
+            return True
+        if code in _REFUSED and gone is not None and gone():
             return True
         raise
     return True

@@ -73,6 +73,7 @@ READ_ONLY_ACTIONS = (
     "ec2:DescribeInstances",
     "ec2:DescribeLaunchTemplates",
     "ec2:DescribeSecurityGroups",  # a multi-node job's own group, to delete it
+    "ec2:DescribePlacementGroups",  # its placement group, if no peer deleted it
     "ec2:DescribeSpotPriceHistory",
     "autoscaling:DescribeAutoScalingGroups",
     "autoscaling:DescribeScalingActivities",
