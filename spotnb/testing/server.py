@@ -68,11 +68,12 @@ def _moto_server_class() -> Any:
     class Server(ThreadedMotoServer):
         requests: RequestLog
         lost: LostResponses
+        outage: Outage
         iam: Any  # spotnb.testing.iam.IamEnforcer
 
         def _server_entry(self) -> None:
             self.iam.app = _S3Middleware(DomainDispatcherApplication(create_backend_app),
-                                         self.lost)
+                                         self.lost, self.outage)
             app = self.requests.wrap(self.iam)
             self._server = make_server(self._ip_address, self._port, app, True,
                                        request_handler=QuietHandler)
@@ -269,6 +270,39 @@ class LostResponses:
         return False
 
 
+class Outage:
+    """A fault: S3 unavailable to one kind of client (an ``origin`` of
+    :class:`RequestLog`: ``instance-agent``, ``job-agent``...) while switched on. Every
+    S3 request of that origin is answered ``503 SlowDown``, which botocore retries a few
+    times and then raises, as in a regional S3 event or an instance's lost route to it.
+    ``met``: how many requests it answered so."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._origins: set[str] = set()
+        self.met = 0
+
+    def start(self, origin: str) -> None:
+        with self._lock:
+            self._origins.add(origin)
+
+    def end(self) -> None:
+        with self._lock:
+            self._origins.clear()
+
+    def hits(self, origin: str) -> bool:
+        """Whether a request of ``origin`` fails now (counts it)."""
+        with self._lock:
+            if origin in self._origins:
+                self.met += 1
+                return True
+        return False
+
+
+_SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+              b"<Message>Please reduce your request rate.</Message></Error>")
+
+
 _INTERNAL_ERROR = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
                    b"<Message>We encountered an internal error. Please try again.</Message>"
                    b"</Error>")
@@ -276,14 +310,20 @@ _INTERNAL_ERROR = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>Intern
 
 class _S3Middleware:
     """S3 behaviour moto lacks: ``ExpectedBucketOwner``, atomic conditional writes, and
-    the :class:`LostResponses` fault."""
+    the :class:`LostResponses` and :class:`Outage` faults."""
 
-    def __init__(self, app: Callable[..., Any], lost: LostResponses) -> None:
+    def __init__(self, app: Callable[..., Any], lost: LostResponses, outage: Outage) -> None:
         self.app = app
         self.conditional_lock = threading.Lock()
         self.lost = lost
+        self.outage = outage
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        call = environ.get(CALL_KEY)
+        if call is not None and call.service == "s3" and self.outage.hits(call.origin):
+            start_response("503 Slow Down", [("Content-Type", "application/xml"),
+                                             ("Content-Length", str(len(_SLOW_DOWN)))])
+            return [] if environ.get("REQUEST_METHOD") == "HEAD" else [_SLOW_DOWN]
         expected = environ.get("HTTP_X_AMZ_EXPECTED_BUCKET_OWNER")
         if expected:
             bucket = environ.get("PATH_INFO", "/").lstrip("/").split("/", 1)[0]
@@ -338,6 +378,9 @@ class MotoServer:
         #: The lost-response fault of conditional S3 writes (:class:`LostResponses`).
         self.lost_responses = LostResponses()
         self._server.lost = self.lost_responses
+        #: S3 unavailable to one kind of client (:class:`Outage`).
+        self.s3_outage = Outage()
+        self._server.outage = self.s3_outage
         #: IAM per principal (:mod:`spotnb.testing.iam`); off until switched on.
         self.iam = IamEnforcer(None, account=DEFAULT_ACCOUNT,
                                admin_key=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
