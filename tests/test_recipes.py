@@ -466,6 +466,28 @@ def test_the_notebooks_random_states_reach_the_instance() -> None:
     assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
 
 
+def test_the_random_states_load_where_numpy_is_not_installed() -> None:
+    """The notebook imported NumPy; the instance's image has none (a cell that never
+    imports it): the inputs still load (NumPy's state travels in plain Python types;
+    as a NumPy array it failed the cell before its first line on the AWS simulator's
+    image: ModuleNotFoundError)."""
+    import subprocess
+    import sys
+
+    np.random.seed(3)
+    job = prepare_job("x = 1", inputs={"scale": 2})
+    script = ("import sys, cloudpickle\n"
+              "sys.modules['numpy'] = None  # not installed\n"
+              "from spotnb.protocol import inputs\n"
+              "ns = {}\n"
+              "inputs.load(sys.stdin.buffer.read(), ns)\n"
+              "print(sorted(ns))\n")
+    done = subprocess.run([sys.executable, "-c", script], input=job.inputs,
+                          capture_output=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().strip() == "['scale']"
+
+
 # -- end to end: three recipes fixed as told, interrupted, bitwise --------------------------
 
 # The harness: a notice (or a kill) at a chosen (attempt, step), from inside the cell.

@@ -119,7 +119,11 @@ def random_states() -> bytes:
     states: dict[str, Any] = {"python": random.getstate()}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        states["numpy"] = numpy.random.get_state()
+        # In plain Python types: the states unpickle where NumPy is not installed (an
+        # instance whose cell never imports it).
+        name, keys, pos, has_gauss, cached = numpy.random.get_state()
+        states["numpy"] = (str(name), keys.tobytes(), str(keys.dtype), int(pos),
+                           int(has_gauss), float(cached))
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "get_rng_state"):
         states["torch"] = torch.get_rng_state().numpy().tobytes()
@@ -136,7 +140,10 @@ def _set_random_states(blob: bytes) -> None:
     random.setstate(states["python"])
     if "numpy" in states:
         with contextlib.suppress(ImportError):
-            importlib.import_module("numpy").random.set_state(states["numpy"])
+            numpy = importlib.import_module("numpy")
+            name, keys, dtype, pos, has_gauss, cached = states["numpy"]
+            numpy.random.set_state((name, numpy.frombuffer(keys, dtype=dtype).copy(), pos,
+                                    has_gauss, cached))
     if "torch" in states:
         try:
             torch = importlib.import_module("torch")
