@@ -532,8 +532,10 @@ class Session:
         """After a failed cell: wait for the checkpoint upload in progress (a save the
         cell asked for before it failed is durable before the failure is recorded, so
         that a retry resumes from it), send every row logged so far, then a marker the
-        agent waits for."""
-        if self.last_upload is not None:
+        agent waits for. Not in a distributed job: there a failed cell is most often a
+        broken world (a peer gone), whose save may never commit, and the survivors
+        re-form from the last durable checkpoint at once."""
+        if self.last_upload is not None and int(os.environ.get("WORLD_SIZE") or 1) <= 1:
             self.last_upload.wait()
         self.drain()
         self.send(channel.Mark(token=token))
