@@ -11,25 +11,13 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from test_aws_provider import assert_nothing_left
+from test_aws_provider import UNTIL_GATE, assert_nothing_left
 
 import spotnb
 from spotnb.protocol.events import metric_rows
 from spotnb.protocol.events.fold import fold
 from spotnb.providers.aws import bootstrap
 from spotnb.testing import AwsSimulator
-
-# Trains until the gate exists, a checkpoint every 10 steps.
-UNTIL_GATE = """
-import os, time
-ckpt = spot.Checkpoint(progress={{"n": 0}})
-step = ckpt.restore()
-while not (os.path.exists({gate!r}) and step >= 20):
-    spot.log(step, loss=1.0 / (step + 1))
-    time.sleep(0.05)
-    ckpt.maybe_save(step)
-    step += 1
-"""
 
 
 def processes(*words: str) -> list[int]:
