@@ -220,8 +220,10 @@ def _check_live(p: Any) -> None:
         "?.textContent || '')", timeout=60_000)
     assert "interruptions" in board.locator(".spotnb-header").inner_text()
     # The static copy is there for readers without widgets, hidden next to the view.
+    # It is drawn (matplotlib) after the header says the end: waited for, not assumed.
     static = p.locator(".spotnb-static").filter(has=p.get_by_alt_text(
         re.compile(r"^Final view of spotnb sweep")))
+    static.first.wait_for(state="attached", timeout=120_000)
     assert static.count() == 1 and not static.is_visible()
     # The comparison of two trials shows their parameters; %spot_jobs says pruned.
     compare = p.locator(".spotnb-compare").last
