@@ -119,7 +119,7 @@ def test_a_sweep_runs_k_at_once_prunes_at_once_and_sends_one_summary(
                                                                   "(loss "), result.reason
     from spotnb.records import job_record
 
-    assert job_record(pruned)["status"] == "pruned"
+    assert job_record(pruned)["status"] == "pruned" and pruned.status == "pruned"
     assert {r.name: r.status for r in spotnb.jobs()}["swept-t3"] == "pruned"
     cli.main(["jobs"])
     assert re.search(rf"swept-t3\s+pruned at step {step}\s", capsys.readouterr().out)

@@ -122,9 +122,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
         if code is not None:
             return code
         raise
-    ended = handle.result_record()
-    if ended is not None:
-        print(f"job {handle.job_id} already ended ({ended.get('status')}); it has no "
+    if handle.result_record() is not None:
+        print(f"job {handle.job_id} already ended ({handle.status}); it has no "
               f"instance to stop. Its history: `spotnb logs {handle.job_id}`")
         return 0
     handle.stop(reason="spotnb stop")

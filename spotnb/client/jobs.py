@@ -118,16 +118,26 @@ class JobRef:
     store_uri: str
 
     def status(self) -> str:
-        """How the job ended as its ``result.json`` says (``completed``, ``failed``,
-        ``stopped``; :meth:`JobState.outcome`'s first word), ``not ended`` or
-        ``unknown`` (one read)."""
+        """How the job ended (:func:`job_outcome`'s status: ``completed``, ``failed``,
+        ``stopped``, ``pruned``...), ``not ended`` or ``unknown``."""
         try:
-            record = dict(json.loads(open_store(self.store_uri).get(layout.RESULT)))
+            store = open_store(self.store_uri)
+            record = dict(json.loads(store.get(layout.RESULT)))
+            return job_outcome(store, record)[0]
         except NotFound:
             return "not ended"
         except (StoreError, ValueError, KeyError, TypeError, OSError):
             return "unknown"
-        return JobState().outcome(record)[0]
+
+
+def job_outcome(store: Store, result: dict[str, Any] | None,
+                max_nodes: int = 1) -> tuple[str, str]:
+    """The job's status and reason (:meth:`JobState.outcome`): of ``result`` (its
+    ``result.json``) alone where that says it, else with the job's log folded (a job
+    not ended, or one stopped, which a sweep's pruner may have pruned)."""
+    state = fold(EventReader(store, batches=True).poll(), max_nodes) \
+        if JobState.outcome_reads_log(result) else JobState()
+    return state.outcome(result)
 
 
 def _when(epoch: float) -> str:
@@ -577,12 +587,8 @@ class JobHandle:
     @property
     def status(self) -> str:
         """The job's state (:class:`~spotnb.protocol.events.JobStatus`' value, or a
-        newer spotnb's, said as it is): :meth:`JobState.outcome` of ``result.json``,
-        else of the log (read then)."""
-        result = self.result_record()
-        state = JobState() if result is not None else fold(
-            EventReader(self.store, batches=True).poll(), self.spec.resources.max_nodes)
-        return state.outcome(result)[0]
+        newer spotnb's, said as it is): :func:`job_outcome`'s."""
+        return job_outcome(self.store, self.result_record(), self.spec.resources.max_nodes)[0]
 
     def events(self, follow: bool = True, timeout: float | None = None,
                batches: bool = False) -> Iterator[Event]:

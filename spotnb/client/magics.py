@@ -832,9 +832,8 @@ class SpotMagics(Magics):
         """Stop a job: its cell is interrupted and its instance deleted."""
         args = parse_argstring(self.spot_stop, line)
         handle = self._resolve(args.job)
-        ended = handle.result_record()
-        if ended is not None:
-            print(f"job {handle.job_id} already ended ({ended.get('status')}); "
+        if handle.result_record() is not None:
+            print(f"job {handle.job_id} already ended ({handle.status}); "
                   "it has no instance to stop.")
             return
         with _as_usage_errors():
