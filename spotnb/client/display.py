@@ -222,7 +222,7 @@ def _older_news_possible(batch: list[Event], view: JobView) -> bool:
             state = body.state
             if saving:
                 continue
-        if event.type in ("usage", "price"):
+        if isinstance(body, (codec.Usage, codec.Price)):
             continue
         return True
     return False
