@@ -27,14 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from spotnb.client.jobs import (
-    FOLLOW_WAIT_SECONDS,
-    RESULT_WITHOUT_EVENTS_GRACE,
-    JobHandle,
-    JobResult,
-    summarize_state,
-)
+from spotnb.client.jobs import FOLLOW_WAIT_SECONDS, RESULT_WITHOUT_EVENTS_GRACE, JobHandle
 from spotnb.client.milestones import milestone, milestones
+from spotnb.client.results import JobResult, summarize_state
 from spotnb.client.status import Header, header, status_bundle, status_lines
 from spotnb.client.view import JobView
 from spotnb.protocol.events import GROUP_STREAM, Event, codec

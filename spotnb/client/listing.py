@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from spotnb.protocol.events import Event, codec
 
 if TYPE_CHECKING:
-    from spotnb.client.jobs import JobInfo
+    from spotnb.client.results import JobInfo
     from spotnb.sweep.state import SweepInfo
 
 __all__ = ["JOB_COLUMNS", "SWEEP_COLUMNS", "format_age", "format_event", "format_events",
