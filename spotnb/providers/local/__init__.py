@@ -104,6 +104,7 @@ from spotnb.protocol.layout import RESULT, SPEC
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import StoreError, file_lock, open_store, upload_mbps
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
+from spotnb.providers.local import control
 from spotnb.providers.local.checks import check_max_price, check_simulation, check_type
 from spotnb.providers.local.cleanup import CleanupAction, abandoned_socket_dirs, cleanup_plan
 from spotnb.providers.local.groupfile import (
@@ -127,7 +128,6 @@ from spotnb.providers.local.state import (
     kill_tree,
     marked_processes,
     read_json,
-    write_json,
 )
 
 __all__ = ["CleanupAction", "LocalProvider", "Settings", "abandoned_socket_dirs"]
@@ -295,7 +295,7 @@ class LocalProvider(Provider):
         info = read_json(home / GROUP_FILE)
         if info is None or not supervisor_alive(info):
             raise ProviderError(f"job {job_id} has no running capacity group to interrupt")
-        _request(home, "interrupt", instance=instance)
+        control.send(home, "interrupt", instance=instance)
         log.info("requested an interruption of job %s's instance %s", job_id,
                  instance or "(the first running)")
 
@@ -321,7 +321,7 @@ class LocalProvider(Provider):
         info = read_json(home / GROUP_FILE)
         if info is None or not supervisor_alive(info):
             raise ProviderError(f"job {job_id} has no running capacity group to {kind}")
-        _request(home, kind, instance=instance)
+        control.send(home, kind, instance=instance)
         log.info("requested a %s of job %s's instance %s", kind, job_id,
                  instance or "(the first running)")
 
@@ -331,7 +331,7 @@ class LocalProvider(Provider):
         supervisor = ProcessRecord.from_dict(info.get("supervisor")) if info else None
         # Step 1: ask the supervisor, which ends its instances and writes the result.
         if supervisor is not None and supervisor.alive():
-            _request(home, "terminate")
+            control.send(home, "terminate")
             deadline = time.monotonic() + TERMINATE_TIMEOUT_SECONDS
             while supervisor.alive() and time.monotonic() < deadline:
                 time.sleep(_POLL_SECONDS)
@@ -414,11 +414,6 @@ class LocalProvider(Provider):
             kill_tree(supervisor, grace=SUPERVISOR_KILL_GRACE_SECONDS)
         self._kill_instances(job_id)
         secretstore.delete_local(job_id)
-
-
-def _request(home: Path, kind: str, **fields: Any) -> None:
-    write_json(home / CONTROL_DIR / f"{kind}-{time.time_ns()}.json",
-               {"kind": kind, "time": time.time(), "pid": os.getpid(), **fields})
 
 
 def _write_result(store_uri: Any, status: str, reason: str) -> None:
