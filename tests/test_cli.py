@@ -226,6 +226,8 @@ def test_a_pruned_trial_reads_pruned_wherever_its_status_is_read(
     out = capsys.readouterr().out
     assert "already ended (pruned)" in out and "stopped" not in out
     assert handle.summary().status == "pruned"
+    assert main(["jobs"]) == 0  # the listing says where, from the fold's pruned event
+    assert re.search(rf"{job_id}\s+trial-3\s+pruned at step 140\s", capsys.readouterr().out)
 
 
 def test_kill_says_the_kill_is_requested_not_done(

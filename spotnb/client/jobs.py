@@ -43,7 +43,7 @@ from spotnb.protocol.events import (
     log_state,
     metric_rows,
 )
-from spotnb.protocol.events.fold import JobState, fold
+from spotnb.protocol.events.fold import JobState, JobStatus, fold
 from spotnb.protocol.events.live import CONTROL_QUEUE, Follower, request_stop
 from spotnb.protocol.events.queues import queue_for
 from spotnb.protocol.spec import JobSpec, SpecError
@@ -511,9 +511,10 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 6  # 6: the region of a job that moved, and the transfer in its
-#                        cost (5: a sweep's pruned trial reads pruned; 4: a multi-node
-#                        row's nodes and instances are its world's)
+_LISTING_VERSION = 7  # 7: a pruned trial's step from its fold (6: the region of a job
+#                        that moved, and the transfer in its cost; 5: a sweep's pruned
+#                        trial reads pruned; 4: a multi-node row's nodes and instances
+#                        are its world's)
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -539,7 +540,8 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
     handle = JobHandle(job_store, spec)
     if state is None:
         handle.keep_supervised(force=True)
-    s = handle.summary()
+    folded = fold(EventReader(job_store, batches=True).poll(), spec.resources.max_nodes)
+    s = handle.summary(state=folded)
     metric = next(((str(k), float(v)) for k, v in s.metrics.items()
                    if isinstance(v, (int, float))), None)
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
@@ -548,7 +550,9 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
                   instance_type=instances_label(s, spec.resources.max_nodes > 1,
                                                 spec.resources.region),
                   duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
-                  nodes=nodes_label(spec.resources, s), reason=s.reason)
+                  nodes=nodes_label(spec.resources, s), reason=s.reason,
+                  status_text=folded.pruned.at if s.status == JobStatus.PRUNED.value
+                  and folded.pruned is not None else "")
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

@@ -91,9 +91,7 @@ def jobs_table(rows: Sequence[JobInfo], now: float
         saving = f"{r.savings_pct:.0f}%" if r.savings_pct is not None else ""
         minutes, seconds = divmod(int(r.duration), 60)
         hours, minutes = divmod(minutes, 60)
-        status = r.status.replace("_", " ")
-        if r.status == "pruned" and r.reason.startswith("pruned at step"):
-            status = r.reason.split(" (", 1)[0]  # "pruned at step 140"; logs say why
+        status = r.status_text or r.status.replace("_", " ")
         table.append((r.job_id, r.name, status, r.instance_type or "",
                       f"{hours}:{minutes:02d}:{seconds:02d}", f"{r.cost_usd:.4f}", saving,
                       metric, str(r.attempts), str(r.interruptions), r.nodes,

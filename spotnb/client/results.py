@@ -232,6 +232,9 @@ class JobInfo:
     nodes: str = "1"
     #: Why it ended (a sweep's pruned trial: ``pruned at step 140 (val_loss 0.4452)``).
     reason: str = ""
+    #: The status as the listing says it where it says more than ``status``: a sweep's
+    #: pruned trial's with its step (``pruned at step 140``; its log says why).
+    status_text: str = ""
 
     @property
     def savings_pct(self) -> float | None:

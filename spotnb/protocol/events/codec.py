@@ -377,12 +377,16 @@ class Pruned:
     trial: int | None = None
 
     @property
+    def at(self) -> str:
+        """``pruned at step 140`` (``pruned`` without a step)."""
+        return f"pruned at step {self.step}" if self.step is not None else "pruned"
+
+    @property
     def text(self) -> str:
         """``pruned at step 140 (val_loss 0.4452)``."""
-        at = f" at step {self.step}" if self.step is not None else ""
         value = f" ({self.metric} {self.value:.4g})" if self.metric and \
             self.value is not None else ""
-        return f"pruned{at}{value}"
+        return f"{self.at}{value}"
 
 
 @dataclasses.dataclass(frozen=True)
