@@ -199,6 +199,37 @@ def test_stopping_an_ended_job_says_it_has_ended(
     assert spotnb.attach(job_id).status == "completed"
 
 
+def test_a_pruned_trial_reads_pruned_wherever_its_status_is_read(
+        spotnb_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep's pruner writes ``pruned`` into the trial's log, then stops the job,
+    whose result.json then says ``stopped``: the status every reader gives is the
+    fold's, ``pruned``, also where only result.json used to be read."""
+    from spotnb.client.jobs import find_job
+    from spotnb.sweep.trials import tell_job
+
+    job_id = ended_job(spotnb_home, "20250101-000000-eeeeee", "trial-3")
+    twin = ended_job(spotnb_home, "20250101-000001-ffffff", "trial-3")
+    handle = spotnb.attach(job_id)
+    tell_job(handle, "pruned", step=140, metric="val_loss", value=0.44521,
+             sweep="sweep-1", trial=3)
+    handle.store.put(layout.RESULT, json.dumps(
+        {"status": "stopped", "reason": "pruned by its sweep"}).encode())
+
+    assert handle.status == "pruned"
+    assert spotnb.attach(job_id).status == "pruned"
+    assert find_job(job_id).status() == "pruned"
+    assert find_job(twin).status() == "completed"
+    assert main(["logs", "trial-3"]) == 2  # the candidates, each with its status
+    err = capsys.readouterr().err
+    assert re.search(rf"{job_id}  trial-3  \(submitted [^)]*, pruned\)", err), err
+    assert main(["stop", job_id]) == 0
+    out = capsys.readouterr().out
+    assert "already ended (pruned)" in out and "stopped" not in out
+    assert handle.summary().status == "pruned"
+    assert main(["jobs"]) == 0  # the listing says where, from the fold's pruned event
+    assert re.search(rf"{job_id}\s+trial-3\s+pruned at step 140\s", capsys.readouterr().out)
+
+
 def test_kill_says_the_kill_is_requested_not_done(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`spotnb kill` only asks: the job's local group ends the instance at its next

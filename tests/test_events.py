@@ -277,6 +277,26 @@ def test_the_fold_tells_one_story_and_ignores_types_it_does_not_know(
     assert fold(e for e in events if e.type != "hologram").cost(t0 + 40) == (spot, ondemand)
 
 
+@pytest.mark.parametrize(("data", "retrying"), [
+    # The agent says it in the field, whatever its words.
+    ({"state": "booting", "retrying": True, "detail": "the cell again (1 of 2)"}, True),
+    ({"state": "booting", "retrying": False, "detail": "retrying the kernel"}, False),
+    ({"state": "booting", "detail": "boot"}, False),
+    # A log of spotnb before the field: its agent's words are all it has.
+    ({"state": "booting", "detail": "retrying after ValueError (1 of 2)"}, True),
+    ({"state": "running", "detail": "retrying the download"}, False),
+])
+def test_a_status_says_whether_the_same_attempt_boots_again(data: dict[str, object],
+                                                             retrying: bool) -> None:
+    """Whether a boot is a retry of the attempt after an error is the status event's
+    ``retrying`` field, which the agent sets where it decides; older logs without the
+    field read as they always did."""
+    from spotnb.protocol.events import codec
+
+    body = Event("status", 1_800_000_000.0, 1, "i-1", data).body
+    assert isinstance(body, codec.Status) and body.retrying is retrying
+
+
 @pytest.mark.parametrize("pruned_read_last", [False, True])
 def test_a_job_stopped_after_its_pruned_event_is_pruned_whichever_is_read_first(
         pruned_read_last: bool) -> None:

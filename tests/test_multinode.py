@@ -1064,7 +1064,7 @@ def test_the_display_tells_a_multi_node_job_in_nodes_and_worlds() -> None:
 
 def test_the_cost_of_a_multi_node_job_counts_every_node() -> None:
     from spotnb.client import display
-    from spotnb.client.jobs import instances_label, nodes_label, summarize
+    from spotnb.client.results import instances_label, nodes_label, summarize
 
     spec, events = _three_node_job()
     result = summarize(spec, events, {"status": "completed"})  # type: ignore[arg-type]

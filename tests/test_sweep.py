@@ -119,7 +119,7 @@ def test_a_sweep_runs_k_at_once_prunes_at_once_and_sends_one_summary(
                                                                   "(loss "), result.reason
     from spotnb.records import job_record
 
-    assert job_record(pruned)["status"] == "pruned"
+    assert job_record(pruned)["status"] == "pruned" and pruned.status == "pruned"
     assert {r.name: r.status for r in spotnb.jobs()}["swept-t3"] == "pruned"
     cli.main(["jobs"])
     assert re.search(rf"swept-t3\s+pruned at step {step}\s", capsys.readouterr().out)
@@ -341,19 +341,19 @@ def test_the_magic_refuses_bad_input_and_names_the_option(
 
 
 def test_prune_with_a_study_prunes_with_the_study_s_pruner() -> None:
-    from spotnb.client.magics import SpotMagics
+    from spotnb.client.sweepmagic import sweep_pruner
 
     args = type("Args", (), {"pruner": None, "prune": True})()
     study = optuna.create_study(pruner=optuna.pruners.PercentilePruner(25.0))
-    assert SpotMagics._sweep_pruner(args, study) == (study.pruner, "")
+    assert sweep_pruner(args, study) == (study.pruner, "")
     # A study without a pruner of its own: Optuna's median pruner.
     nop = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    pruner, _note = SpotMagics._sweep_pruner(args, nop)
+    pruner, _note = sweep_pruner(args, nop)
     assert isinstance(pruner, optuna.pruners.MedianPruner)
     # Without --prune a study's pruner (Optuna's default is the median) prunes
     # nothing, and the user is told how to have it.
     args.prune = False
-    pruner, note = SpotMagics._sweep_pruner(args, study)
+    pruner, note = sweep_pruner(args, study)
     assert isinstance(pruner, optuna.pruners.NopPruner)
     assert "PercentilePruner prunes nothing here: add --prune" in note
 

@@ -698,6 +698,21 @@ def test_the_header_answers_progress_cost_and_interruptions_at_a_glance() -> Non
         assert part in page, part
 
 
+@pytest.mark.parametrize("state", ["waiting_for_capacity", "running", "completed",
+                                   "stopped"])
+def test_the_text_and_the_widget_header_colour_a_state_alike(state: str) -> None:
+    board = dashboard()
+    events = [Event("status", T0, 1, "i-1", {"state": "booting"}),
+              Event("status", T0 + 1, 1, "i-1", {"state": state})]
+    board.events(events)
+    view = _view(events, now=T0 + 5)
+    border = re.compile(r"border-left:4px solid (#[0-9a-f]{6})")
+    text = border.search(display.status_bundle(view)["text/html"])
+    widget = border.search(header_html(view, board.data))
+    assert text is not None and widget is not None
+    assert text.group(1) == widget.group(1)
+
+
 def test_metric_batches_read_as_their_rows() -> None:
     """A reader with ``batches=True`` hands over ``metrics`` events (binary columns,
     merged by compaction): the plots, the header and the progress read them as rows."""

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from spotnb.protocol.events import codec
 from spotnb.protocol.spec import SpecError
 
 __all__ = ["DEFAULT_TYPES", "STEPS", "Outcome", "Sizes", "Step", "expected_result", "plan",
@@ -299,8 +300,8 @@ class _Run:
 
     def _when_step(self, handle: Any, step: int) -> None:
         """Wait until the job logged ``step``."""
-        self._wait_for(handle, lambda e: e.type == "metric" and
-                       e.data.get("step", -1) >= step, f"step {step}")
+        self._wait_for(handle, lambda e: isinstance(e.body, codec.Metric) and
+                       e.body.step is not None and e.body.step >= step, f"step {step}")
 
     def _wait_for(self, handle: Any, seen: Callable[[Any], bool], what: str) -> None:
         """Follow the job's events until one is ``seen``; an error if the job ends or
@@ -308,9 +309,8 @@ class _Run:
         for event in handle.events(timeout=self.sizes.step_timeout):
             if seen(event):
                 return
-            if event.type == "result":
-                raise RuntimeError(f"the job ended before {what}: "
-                                   f"{event.data.get('reason')}")
+            if isinstance(event.body, codec.Result):
+                raise RuntimeError(f"the job ended before {what}: {event.body.reason}")
         raise TimeoutError(f"no {what} within {self.sizes.step_timeout:g} s")
 
     def _check_result(self, result: Any, steps: int) -> list[str]:
@@ -371,7 +371,7 @@ class _Run:
         handle = self._submit(MULTI_CELL, "multinode", cost, step, steps, step_seconds,
                               nodes="1:2", standby=False)
         # Both nodes in the world, and training: then one node's FIS notice.
-        self._wait_for(handle, lambda e: e.type == "world" and e.data.get("nodes") == 2,
+        self._wait_for(handle, lambda e: isinstance(e.body, codec.World) and e.body.nodes == 2,
                        "the world to form at 2 nodes")
         self._when_step(handle, sizes.steps // 3)
         handle.interrupt(node=1)  # FIS, to one node

@@ -99,14 +99,14 @@ def cmd_sweeps(args: argparse.Namespace) -> int:
 
 def _stop_sweep(args: argparse.Namespace) -> int | None:
     """``spotnb stop SWEEP``: None when ``args.job`` names no sweep."""
-    from spotnb.client.magics import _sweep_stopped_text
     from spotnb.sweep import find_sweep, stop_sweep
+    from spotnb.sweep.view import stopped_text
 
     if not args.job or find_sweep(args.job, store=args.store) is None:
         return None
     print(f"stopping sweep {args.job}: its driver and every running trial...", flush=True)
     done = stop_sweep(args.job, store=args.store, reason="spotnb stop")
-    print(_sweep_stopped_text(done, "%spot_attach"))
+    print(stopped_text(done, "%spot_attach"))
     return 0
 
 
@@ -122,9 +122,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
         if code is not None:
             return code
         raise
-    ended = handle.result_record()
-    if ended is not None:
-        print(f"job {handle.job_id} already ended ({ended.get('status')}); it has no "
+    if handle.result_record() is not None:
+        print(f"job {handle.job_id} already ended ({handle.status}); it has no "
               f"instance to stop. Its history: `spotnb logs {handle.job_id}`")
         return 0
     handle.stop(reason="spotnb stop")

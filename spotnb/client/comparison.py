@@ -43,7 +43,8 @@ from spotnb.protocol.events import Event, EventReader
 from spotnb.protocol.events.fold import JobState, savings_pct
 
 if TYPE_CHECKING:
-    from spotnb.client.jobs import JobHandle, JobResult
+    from spotnb.client.jobs import JobHandle
+    from spotnb.client.results import JobResult
     from spotnb.protocol.events import EventReader
     from spotnb.protocol.events.live import Follower
     from spotnb.records.library import Record
@@ -298,7 +299,7 @@ class JobRun(Run):
     @property
     def result(self) -> JobResult:
         """The job's summary as its events say (and ``result.json``, once it ended)."""
-        from spotnb.client.jobs import summarize_state
+        from spotnb.client.results import summarize_state
 
         return summarize_state(self.handle.spec, self.state, self._result)
 

@@ -27,14 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from spotnb.client.jobs import (
-    FOLLOW_WAIT_SECONDS,
-    RESULT_WITHOUT_EVENTS_GRACE,
-    JobHandle,
-    JobResult,
-    summarize_state,
-)
+from spotnb.client.jobs import FOLLOW_WAIT_SECONDS, RESULT_WITHOUT_EVENTS_GRACE, JobHandle
 from spotnb.client.milestones import milestone, milestones
+from spotnb.client.results import JobResult, summarize_state
 from spotnb.client.status import Header, header, status_bundle, status_lines
 from spotnb.client.view import JobView
 from spotnb.protocol.events import GROUP_STREAM, Event, codec
@@ -222,7 +217,7 @@ def _older_news_possible(batch: list[Event], view: JobView) -> bool:
             state = body.state
             if saving:
                 continue
-        if event.type in ("usage", "price"):
+        if isinstance(body, (codec.Usage, codec.Price)):
             continue
         return True
     return False

@@ -15,17 +15,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
 
+from spotnb.client.jobindex import JobNotFound, JobRef, find_job, index_job, open_job
+from spotnb.client.results import (
+    Attempt,
+    JobInfo,
+    JobResult,
+    instances_label,
+    job_outcome,
+    nodes_label,
+    summarize,
+    summarize_state,
+)
 from spotnb.client.validation import DEFAULT_INSTANCE_TYPES, prepare_job
 from spotnb.protocol import layout
 from spotnb.protocol.events import (
@@ -34,11 +43,11 @@ from spotnb.protocol.events import (
     log_state,
     metric_rows,
 )
-from spotnb.protocol.events.fold import JobState, fold, savings_pct
+from spotnb.protocol.events.fold import JobState, JobStatus, fold
 from spotnb.protocol.events.live import CONTROL_QUEUE, Follower, request_stop
 from spotnb.protocol.events.queues import queue_for
-from spotnb.protocol.spec import JobSpec, Resources, SpecError
-from spotnb.protocol.store import NotFound, Store, StoreError, open_store
+from spotnb.protocol.spec import JobSpec, SpecError
+from spotnb.protocol.store import NotFound, Store, open_store
 from spotnb.providers import Provider, get_provider
 
 __all__ = [
@@ -77,308 +86,6 @@ FOLLOW_WAIT_SECONDS = 1.0
 # wait() looks every POLL_SECONDS at first, then less often.
 RESULT_CHECK_SECONDS = 60.0
 WAIT_MAX_SECONDS = 10.0
-
-
-class JobNotFound(LookupError):
-    """No job, or more than one, matches what was asked for.
-
-    ``query`` is what was asked for (None: the latest job), ``where`` the store looked
-    in, ``candidates`` the jobs an ambiguous query matches (empty if none matched).
-    :meth:`message` names the command that lists jobs (the magics say ``%spot_jobs``).
-    """
-
-    def __init__(self, query: str | None, where: str,
-                 candidates: Sequence[JobRef] = ()) -> None:
-        self.query = query
-        self.where = where
-        self.candidates = tuple(candidates)
-        super().__init__(self.message())
-
-    def message(self, lister: str = "`spotnb jobs`") -> str:
-        if self.query is None:
-            return (f"no jobs yet in {self.where}: submit one with %%spot_train in a "
-                    "notebook or spotnb.submit()")
-        if not self.candidates:
-            return (f"no job {self.query!r} in {self.where}: give a job's id, the end of "
-                    f"its id, or its name, as {lister} lists them")
-        rows = "\n".join(f"  {c.job_id}  {c.name}  (submitted {_when(c.created)}, "
-                         f"{c.status()})" for c in self.candidates)
-        return (f"{self.query!r} matches {len(self.candidates)} jobs:\n{rows}\n"
-                "Give the id of the one you mean (or the end of it).")
-
-
-@dataclasses.dataclass(frozen=True)
-class JobRef:
-    """A job found by :func:`find_job`: its id and name, when it was submitted, and
-    where it lives."""
-
-    job_id: str
-    name: str
-    created: float
-    store_uri: str
-
-    def status(self) -> str:
-        """How the job ended as its ``result.json`` says (``completed``, ``failed``,
-        ``stopped``; :meth:`JobState.outcome`'s first word), ``not ended`` or
-        ``unknown`` (one read)."""
-        try:
-            record = dict(json.loads(open_store(self.store_uri).get(layout.RESULT)))
-        except NotFound:
-            return "not ended"
-        except (StoreError, ValueError, KeyError, TypeError, OSError):
-            return "unknown"
-        return JobState().outcome(record)[0]
-
-
-def _when(epoch: float) -> str:
-    return datetime.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
-
-
-@dataclasses.dataclass(frozen=True)
-class Attempt:
-    """One attempt: an agent's run under one lease epoch, on one instance."""
-
-    number: int
-    instance_id: str | None
-    instance_type: str | None
-    pool: str | None
-    start: float
-    end: float | None
-    end_reason: str
-    spot_price: float | None
-    #: The availability zone, where the instance said.
-    az: str | None = None
-    #: The node slot it ran on (``layout.node_slot``; 0 for a single-node job).
-    node: int = 0
-    #: The region its instance ran in, where known.
-    region: str | None = None
-    #: Why the job moved to that region before it (the move's reason: "no capacity in
-    #: us-east-1 for g5.xlarge after 3 tries"); None when it ran where the attempt
-    #: before it ran, or where the job started.
-    moved: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class JobResult:
-    """How a job ended (or where it stands, for a job still running)."""
-
-    job_id: str
-    name: str
-    status: str
-    reason: str
-    attempts: tuple[Attempt, ...]
-    interruptions: int
-    #: What the job cost: its instances, billed per second from launch (boot included)
-    #: at their pools' spot prices, plus :attr:`requests_usd` and :attr:`transfer_usd`.
-    cost_usd: float
-    #: The same instance-seconds at the on-demand price.
-    ondemand_cost_usd: float
-    metrics: dict[str, float]
-    duration: float
-    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    error: dict[str, Any] | None = None
-    #: spotnb's own AWS requests (S3, SQS) at list prices, as its agents, runtime and
-    #: followers reported them; 0 on the local cloud, whose requests cost nothing.
-    requests_usd: float = 0.0
-    #: The checkpoint's transfer between regions (saves sent home from another region,
-    #: restores there), at AWS's inter-region prices; 0 for a job that stayed home.
-    transfer_usd: float = 0.0
-    #: A multi-node job's world as it changed: (time, nodes, processes), from its
-    #: ``world`` events (every node of a round reports it; each change is kept once).
-    worlds: tuple[tuple[float, int, int], ...] = ()
-
-    @property
-    def savings_pct(self) -> float | None:
-        """Savings versus on-demand in percent (None before any cost): what the job
-        cost, boot time and spotnb's own requests included, against its instance time
-        at the on-demand price."""
-        return savings_pct(self.cost_usd, self.ondemand_cost_usd)
-
-    @property
-    def cost_includes(self) -> str:
-        """What :attr:`cost_usd` includes, for a person."""
-        text = (f"instances billed from launch (boot included) and spotnb's own requests "
-                f"(${self.requests_usd:.4f})")
-        if self.transfer_usd:
-            text += (f", and the checkpoint's transfer between regions "
-                     f"(${self.transfer_usd:.4f})")
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, without the outputs (they are arbitrary objects)."""
-        out = dataclasses.asdict(self)
-        out.pop("outputs")
-        out["output_names"] = sorted(self.outputs)
-        out["savings_pct"] = self.savings_pct
-        return out
-
-    def __repr__(self) -> str:
-        """Every field on a line (``r = %spot_result`` shows this), readable: money in
-        USD, times as dates, durations in h/m/s, attempts one per line."""
-        fields = _fields(self)
-        width = max(len(label) for label, _ in fields) + 2
-        lines = [f"JobResult {self.job_id} {self.name!r}"]
-        for label, value in fields:
-            if label == "attempts":
-                lines.append(f"  {label:<{width}}{len(value)}")
-                lines += [f"    {_attempt_line(a)}" for a in value]
-            else:
-                lines.append(f"  {label:<{width}}{_text(label, value)}".rstrip())
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        """The same as a table, for notebooks."""
-        import html
-
-        rows = []
-        for label, value in _fields(self):
-            if label == "attempts" and value:
-                names = [f.name for f in dataclasses.fields(value[0])]
-                head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
-                body = "".join("<tr>" + "".join(
-                    f"<td>{html.escape(_text(n, getattr(a, n)))}</td>" for n in names)
-                    + "</tr>" for a in value)
-                cell = f"<table><tr>{head}</tr>{body}</table>"
-            else:
-                cell = html.escape(_text(label, value)).replace("\n", "<br>")
-            rows.append(f"<tr><th style='text-align:left;vertical-align:top'>"
-                        f"{html.escape(label)}</th><td style='text-align:left'>{cell}</td></tr>")
-        return (f"<b>JobResult {html.escape(self.job_id)} {html.escape(repr(self.name))}</b>"
-                f"<table>{''.join(rows)}</table>")
-
-
-def _fields(obj: Any) -> list[tuple[str, Any]]:
-    """A dataclass's fields, then its properties, as (name, value): whatever fields the
-    class has, so a new one appears in the repr without further work."""
-    pairs = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)
-             if f.name not in ("job_id", "name")]
-    properties = {name for klass in type(obj).__mro__ for name, member in vars(klass).items()
-                  if isinstance(member, property)}
-    return pairs + [(name, getattr(obj, name)) for name in sorted(properties)]
-
-
-def _text(name: str, value: Any) -> str:
-    """One value for a person, by what its name says it is."""
-    import reprlib
-
-    if value is None:
-        return "-"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if name.endswith("_usd"):
-            return f"${value:,.4f}"
-        if name.endswith("_pct"):
-            return f"{value:.1f}%"
-        if name == "duration" or name.endswith(("_seconds", "_duration")):
-            return _duration(float(value))
-        if name in ("created", "start", "end", "time") or name.endswith("_at"):
-            return _when(float(value))
-        return f"{value:.6g}" if isinstance(value, float) else str(value)
-    if isinstance(value, dict) and {"ename", "evalue"} <= set(value):
-        return f"{value['ename']}: {value['evalue']}"
-    if isinstance(value, dict):
-        if not value:
-            return "-"
-        return ", ".join(f"{k} = {_item(str(k), v)}" for k, v in value.items())
-    return str(value) if isinstance(value, str) else reprlib.repr(value)
-
-
-def _item(name: str, value: Any) -> str:
-    """A value inside a dict: numbers formatted, anything else a short repr (an output
-    may be a whole model)."""
-    import reprlib
-
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _text(name, value)
-    return reprlib.repr(value)
-
-
-def _attempt_line(attempt: Any) -> str:
-    return "  ".join(f"{name} {_text(name, value)}" for name, value in _fields(attempt))
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    whole = round(seconds)
-    hours, rest = divmod(whole, 3600)
-    return (f"{hours}h {rest // 60:02d}m {rest % 60:02d}s" if hours
-            else f"{rest // 60}m {rest % 60:02d}s")
-
-
-@dataclasses.dataclass(frozen=True)
-class JobInfo:
-    """A row of :func:`jobs`.
-
-    ``instance_type`` is the last attempt's; ``duration`` in seconds; ``metric`` the
-    last value of the first metric logged, as ``(name, value)``.
-    """
-
-    job_id: str
-    name: str
-    status: str
-    attempts: int
-    interruptions: int
-    cost_usd: float
-    created: float
-    instance_type: str | None = None
-    duration: float = 0.0
-    ondemand_cost_usd: float = 0.0
-    metric: tuple[str, float] | None = None
-    #: How many nodes: ``"1"``, ``"4"``, ``"3:4"`` (MIN:MAX); ``"x2"`` appended with
-    #: two worker processes per node; a multi-node job whose world formed says how
-    #: many nodes it has now (or had at the end) first: ``"3 nodes (3:4)"``.
-    nodes: str = "1"
-    #: Why it ended (a sweep's pruned trial: ``pruned at step 140 (val_loss 0.4452)``).
-    reason: str = ""
-
-    @property
-    def savings_pct(self) -> float | None:
-        """Savings versus on-demand in percent (None before any cost)."""
-        return savings_pct(self.cost_usd, self.ondemand_cost_usd)
-
-
-def nodes_label(resources: Resources, result: JobResult | None = None) -> str:
-    """A job's nodes as ``%spot_jobs`` shows them (see :attr:`JobInfo.nodes`)."""
-    low, high = resources.min_nodes, resources.max_nodes
-    label = str(high) if low == high else f"{low}:{high}"
-    label += f"x{resources.procs_per_node}" if resources.procs_per_node > 1 else ""
-    if high > 1 and result is not None and result.worlds:
-        nodes = result.worlds[-1][1]
-        return f"{nodes} node{'' if nodes == 1 else 's'} ({label})"
-    return label
-
-
-def node_instances(result: JobResult) -> list[Attempt]:
-    """The newest attempt of each node slot, in slot order: the instances a
-    multi-node job runs on now (or ran on at the end)."""
-    newest: dict[int, Attempt] = {}
-    for attempt in result.attempts:
-        if attempt.node not in newest or attempt.number > newest[attempt.node].number:
-            newest[attempt.node] = attempt
-    return [newest[k] for k in sorted(newest)]
-
-
-def instances_label(result: JobResult, multinode: bool, home: str | None = None) -> str | None:
-    """The instance type(s) ``%spot_jobs`` shows: the last attempt's; for a multi-node
-    job each node's newest, counted, with their zone where the instances said it
-    (``"g4dn.xlarge x2 us-east-1a, g5.xlarge us-east-1a"``); the region after them when
-    it is not ``home`` (the job moved: ``"g4dn.xlarge in us-west-2"``)."""
-    if not result.attempts:
-        return None
-    region = result.attempts[-1].region
-    away = f" in {region}" if home is not None and region and region != home else ""
-    if not multinode:
-        label = result.attempts[-1].instance_type
-        return None if label is None else label + away
-    counts: dict[str, int] = {}
-    for a in node_instances(result):
-        where = " ".join(p for p in (a.instance_type or "?", a.az) if p)
-        counts[where] = counts.get(where, 0) + 1
-    parts = []
-    for where, n in counts.items():
-        kind, _, zone = where.partition(" ")
-        parts.append(" ".join(p for p in (kind, f"x{n}" if n > 1 else "", zone) if p))
-    return ", ".join(parts) + away
 
 
 # -- submitting ----------------------------------------------------------------------
@@ -483,7 +190,7 @@ def submit(
             {"status": "failed", "reason": "the capacity group could not be created",
              "time": time.time()}).encode())
         raise
-    _index(spec)
+    index_job(spec)
     log.info("submitted job %s (%s) to %s", spec.job_id, spec.name, spec.provider)
     handle = JobHandle(job_store, spec, prov)
     handle.warnings = warnings
@@ -577,12 +284,8 @@ class JobHandle:
     @property
     def status(self) -> str:
         """The job's state (:class:`~spotnb.protocol.events.JobStatus`' value, or a
-        newer spotnb's, said as it is): :meth:`JobState.outcome` of ``result.json``,
-        else of the log (read then)."""
-        result = self.result_record()
-        state = JobState() if result is not None else fold(
-            EventReader(self.store, batches=True).poll(), self.spec.resources.max_nodes)
-        return state.outcome(result)[0]
+        newer spotnb's, said as it is): :func:`job_outcome`'s."""
+        return job_outcome(self.store, self.result_record(), self.spec.resources.max_nodes)[0]
 
     def events(self, follow: bool = True, timeout: float | None = None,
                batches: bool = False) -> Iterator[Event]:
@@ -771,97 +474,6 @@ class JobHandle:
              "time": time.time()}).encode())
 
 
-def _index(spec: JobSpec) -> None:
-    """Remember where the job lives, so attach and jobs() find it in any store."""
-    path = layout.index_dir() / f"{spec.job_id}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"store_uri": spec.store_uri, "provider": spec.provider,
-                                "name": spec.name, "created": spec.created}))
-
-
-def _indexed_store(job_id: str) -> str | None:
-    try:
-        return str(json.loads((layout.index_dir() / f"{job_id}.json").read_text())["store_uri"])
-    except (FileNotFoundError, ValueError, KeyError):
-        return None
-
-
-def _open_job(job_id: str, store: str | None = None) -> tuple[Store, JobSpec]:
-    if store is None and (uri := _indexed_store(job_id)) is not None:
-        job_store = open_store(uri)
-        where = uri
-    else:
-        root = open_store(store or layout.default_store_root())
-        job_store = root.child(f"jobs/{job_id}")
-        where = root.uri
-    try:
-        spec = JobSpec.from_json(job_store.get(layout.SPEC))
-    except NotFound:
-        raise JobNotFound(job_id, where) from None
-    return job_store, spec
-
-
-# What a job id looks like (spotnb's are 20250101-120000-ab12cd): only such a query is
-# tried as an id directly, before any listing.
-_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def find_job(job: str | None = None, store: str | None = None) -> JobRef:
-    """The job that ``job`` names: its id, its name, or the end of its id (tried in
-    this order); None names the latest job. The magics, the CLI and :func:`attach` all
-    resolve jobs here.
-
-    Raises :class:`JobNotFound` if nothing matches, or if a name or an id's end matches
-    several jobs (``candidates`` lists them).
-    """
-    if job is not None and _JOB_ID.match(job):
-        try:  # the common case, a whole id: one read, no listing
-            job_store, spec = _open_job(job, store)
-            return JobRef(spec.job_id, spec.name, spec.created, job_store.uri)
-        except JobNotFound:
-            pass
-    where = store or layout.default_store_root()
-    if job is not None and not job.strip():
-        raise JobNotFound(job, str(where))  # every id ends with ""
-    refs = _job_refs(store)
-    if job is None:
-        if not refs:
-            raise JobNotFound(None, str(where))
-        return max(refs, key=lambda r: r.created)
-    for matches in ([r for r in refs if r.name == job],
-                    [r for r in refs if r.job_id.endswith(job)]):
-        if len(matches) == 1:
-            return matches[0]
-        if matches:
-            raise JobNotFound(job, str(where), sorted(matches, key=lambda r: r.created))
-    raise JobNotFound(job, str(where))
-
-
-def _job_refs(store: str | None) -> list[JobRef]:
-    """Every job of ``store`` (default: the local store, and every job submitted from
-    this machine), from the job index where it has them, else from ``spec.json``."""
-    refs: dict[str, JobRef] = {}
-    if store is None and layout.index_dir().is_dir():
-        for path in layout.index_dir().glob("*.json"):
-            try:
-                raw = json.loads(path.read_text())
-                refs[path.stem] = JobRef(path.stem, str(raw["name"]), float(raw["created"]),
-                                         str(raw["store_uri"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-    root = open_store(store or layout.default_store_root())
-    for job_id in root.list_children("jobs"):
-        if job_id in refs:
-            continue
-        job_store = root.child(f"jobs/{job_id}")
-        try:
-            spec = JobSpec.from_json(job_store.get(layout.SPEC))
-        except (NotFound, SpecError, ValueError, KeyError, TypeError):
-            continue  # not a job (yet): its spec is written last
-        refs[job_id] = JobRef(job_id, spec.name, spec.created, job_store.uri)
-    return list(refs.values())
-
-
 def attach(job: str | None = None, store: str | None = None) -> JobHandle:
     """A handle on an existing job (after a kernel restart, from another process).
 
@@ -871,7 +483,7 @@ def attach(job: str | None = None, store: str | None = None) -> JobHandle:
     ``store``.
     """
     ref = find_job(job, store)
-    job_store, spec = _open_job(ref.job_id, store)
+    job_store, spec = open_job(ref.job_id, store)
     handle = JobHandle(job_store, spec)
     if not job_store.exists(layout.RESULT):
         handle.keep_supervised(force=True)
@@ -888,7 +500,7 @@ def jobs(store: str | None = None) -> list[JobInfo]:
     rows = []
     for job_id in sorted(ids):
         try:
-            job_store, spec = _open_job(job_id, store)
+            job_store, spec = open_job(job_id, store)
             rows.append(_job_info(job_store, spec))
         except JobNotFound:
             continue
@@ -899,9 +511,10 @@ def jobs(store: str | None = None) -> list[JobInfo]:
 
 
 # Bump when JobInfo or summarize() change what a listed row says.
-_LISTING_VERSION = 6  # 6: the region of a job that moved, and the transfer in its
-#                        cost (5: a sweep's pruned trial reads pruned; 4: a multi-node
-#                        row's nodes and instances are its world's)
+_LISTING_VERSION = 7  # 7: a pruned trial's step from its fold (6: the region of a job
+#                        that moved, and the transfer in its cost; 5: a sweep's pruned
+#                        trial reads pruned; 4: a multi-node row's nodes and instances
+#                        are its world's)
 
 
 def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
@@ -927,7 +540,8 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
     handle = JobHandle(job_store, spec)
     if state is None:
         handle.keep_supervised(force=True)
-    s = handle.summary()
+    folded = fold(EventReader(job_store, batches=True).poll(), spec.resources.max_nodes)
+    s = handle.summary(state=folded)
     metric = next(((str(k), float(v)) for k, v in s.metrics.items()
                    if isinstance(v, (int, float))), None)
     row = JobInfo(job_id=spec.job_id, name=spec.name, status=s.status,
@@ -936,7 +550,9 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
                   instance_type=instances_label(s, spec.resources.max_nodes > 1,
                                                 spec.resources.region),
                   duration=s.duration, ondemand_cost_usd=s.ondemand_cost_usd, metric=metric,
-                  nodes=nodes_label(spec.resources, s), reason=s.reason)
+                  nodes=nodes_label(spec.resources, s), reason=s.reason,
+                  status_text=folded.pruned.at if s.status == JobStatus.PRUNED.value
+                  and folded.pruned is not None else "")
     if state is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -947,58 +563,3 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
         except OSError as err:
             log.debug("cannot cache the listing of job %s: %s", spec.job_id, err)
     return row
-
-
-# -- summarising ---------------------------------------------------------------------
-
-def summarize(spec: JobSpec, events: list[Event], result: dict[str, Any] | None,
-              now: float | None = None) -> JobResult:
-    """A :class:`JobResult` from the event history (and ``result.json`` if any).
-
-    Cost: each instance is billed per second from launch to termination at its pool's
-    spot price, which changes when ``price`` events say so; the on-demand equivalent
-    bills the same seconds at the on-demand price.
-    """
-    return summarize_state(spec, fold(events, spec.resources.max_nodes), result, now)
-
-
-def summarize_state(spec: JobSpec, state: JobState, result: dict[str, Any] | None,
-                    now: float | None = None) -> JobResult:
-    """:func:`summarize` of the job's events folded (:mod:`spotnb.protocol.events.fold`)."""
-    now = time.time() if now is None else now
-    final = result is not None or state.final
-    end_of_job = (state.last_time if state.last_time is not None else now) if final else now
-    ondemand = state.cost(end_of_job)[1]
-    status, reason = state.outcome(result)
-    attempts = []
-    for number in sorted(state.attempts):
-        a = state.attempts[number]
-        instance = state.instances.get((a.instance_id if a.boot_time is not None
-                                        else a.first_instance) or "")
-        end_reason = state.end_reason(number, final, status)
-        attempts.append(Attempt(
-            number=number,
-            instance_id=a.instance_id if a.boot_time is not None else a.first_instance,
-            instance_type=a.instance_type or (instance.instance_type if instance else None),
-            pool=instance.pool if instance else None,
-            start=a.start,
-            end=a.last_time if end_reason != "running" else None,
-            end_reason=end_reason,
-            spot_price=instance.price if instance else None,
-            az=a.az or (instance.az if instance else None),
-            node=a.node,
-            region=a.region or (instance.region if instance else None),
-            moved=move.reason if (move := state.region_choice(number)) is not None
-            and move.moved else None,
-        ))
-    start = state.first_time if state.first_time is not None else spec.created
-    return JobResult(
-        job_id=spec.job_id, name=spec.name, status=status, reason=reason,
-        attempts=tuple(attempts), interruptions=state.interruptions(final),
-        cost_usd=state.cost_usd(end_of_job), ondemand_cost_usd=ondemand,
-        metrics=state.metrics(),
-        duration=max(0.0, end_of_job - min(start, spec.created)),
-        error=(result or {}).get("error") or (state.error() if status == "failed" else None),
-        requests_usd=state.requests_usd(), transfer_usd=state.transfer_usd(),
-        worlds=tuple(state.worlds),
-    )

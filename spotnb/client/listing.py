@@ -7,6 +7,7 @@ the magics say the same, without the magics importing the command line.
 from __future__ import annotations
 
 import datetime
+import html
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -14,11 +15,11 @@ from typing import TYPE_CHECKING
 from spotnb.protocol.events import Event, codec
 
 if TYPE_CHECKING:
-    from spotnb.client.jobs import JobInfo
+    from spotnb.client.results import JobInfo
     from spotnb.sweep.state import SweepInfo
 
 __all__ = ["JOB_COLUMNS", "SWEEP_COLUMNS", "format_age", "format_event", "format_events",
-           "jobs_table", "sweeps_table"]
+           "jobs_table", "sweeps_table", "table_bundle"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -90,9 +91,7 @@ def jobs_table(rows: Sequence[JobInfo], now: float
         saving = f"{r.savings_pct:.0f}%" if r.savings_pct is not None else ""
         minutes, seconds = divmod(int(r.duration), 60)
         hours, minutes = divmod(minutes, 60)
-        status = r.status.replace("_", " ")
-        if r.status == "pruned" and r.reason.startswith("pruned at step"):
-            status = r.reason.split(" (", 1)[0]  # "pruned at step 140"; logs say why
+        status = r.status_text or r.status.replace("_", " ")
         table.append((r.job_id, r.name, status, r.instance_type or "",
                       f"{hours}:{minutes:02d}:{seconds:02d}", f"{r.cost_usd:.4f}", saving,
                       metric, str(r.attempts), str(r.interruptions), r.nodes,
@@ -127,3 +126,16 @@ def sweeps_table(rows: Sequence[SweepInfo], now: float) -> list[tuple[str, ...]]
                       f"{r.cost_usd:.4f}", f"{r.refunded_usd:.4f}" if r.refunded_usd else "-",
                       format_age(r.created, now)))
     return table
+
+
+def table_bundle(header: Sequence[str], rows: Sequence[Sequence[str]]) -> dict[str, str]:
+    """A table as a MIME bundle: aligned text, and HTML."""
+
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    text = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in [header, *rows])
+    cells = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(str(c))}</td>"
+                                    for c in row) + "</tr>" for row in rows)
+    return {"text/plain": text,
+            "text/html": f"<table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table>"}

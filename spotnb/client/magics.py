@@ -1,10 +1,11 @@
 """The IPython magics: ``%%spot_train`` and the commands around it.
 
-Thin by design: each magic parses its line, calls the Python API
-(:func:`spotnb.submit`, :func:`spotnb.attach`, :func:`spotnb.jobs`) and renders what
-comes back; following a job is :func:`spotnb.client.display.follow`, finding a cell's inputs
-:func:`spotnb.client.capture.capture`. Bad input raises ``UsageError`` (shown without a
-traceback) before anything starts.
+Thin by design: each magic parses its line (its options: :mod:`spotnb.client.magicargs`),
+calls the Python API (:func:`spotnb.submit`, :func:`spotnb.attach`, :func:`spotnb.jobs`,
+:func:`spotnb.sweep`) and renders what comes back; running a cell's job in the notebook
+(capturing its inputs, following it, keeping its record) is :mod:`spotnb.client.cells`,
+a sweep's :mod:`spotnb.client.sweepmagic`. Bad input raises ``UsageError`` (shown
+without a traceback) before anything starts.
 
 Defaults come from traitlets configuration: ``%config SpotMagics.instance_types =
 ["g5.xlarge"]`` in the notebook, or ``c.SpotMagics.instance_types = [...]`` in
@@ -14,13 +15,10 @@ Defaults come from traitlets configuration: ``%config SpotMagics.instance_types 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-import re
 import time
-from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -28,22 +26,26 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, Float, Int, List, TraitError, Type, Unicode, validate
 
 import spotnb
-from spotnb.client import capture, display
-from spotnb.client.listing import JOB_COLUMNS, jobs_table
-from spotnb.client.notebook import ENV_RUN_JOBS
-from spotnb.protocol.events import is_terminal
-from spotnb.protocol.spec import SpecError, parse_duration, parse_nodes, parse_peer_timeout
-
-if TYPE_CHECKING:
-    from spotnb.protocol.events.fold import JobState
-    from spotnb.records.summary import Curves
+from spotnb.client import capture, cells, sweepmagic
+from spotnb.client.listing import JOB_COLUMNS, jobs_table, table_bundle
+from spotnb.client.magicargs import (
+    NODE_HELP,
+    SWEEP_OPTIONS,
+    TYPED,
+    TrainRequest,
+    as_usage_errors,
+    job_arg,
+    job_args,
+    policy_args,
+    redact_notify,
+    resource_args,
+    run_args,
+    sweep_args,
+    train_request,
+)
+from spotnb.protocol.spec import SpecError
 
 __all__ = ["SpotMagics", "TrainRequest"]
-
-F = TypeVar("F", bound=Callable[..., Any])
-_MIB = 1 << 20
-# The value of --notify on a %%spot_train line: a webhook URL, a secret.
-_NOTIFY_VALUE = re.compile(r"(--notify[=\s]+)(\S+)")
 
 
 class _NameList(List):
@@ -55,228 +57,6 @@ class _NameList(List):
             value = [part.strip() for part in value.split(",") if part.strip()]
         super().set(obj, value)
 
-
-# -- argument groups, shared between magics (as ipyparallel's exec_args) --------------
-
-def _resource_args(func: F) -> F:
-    """Where a job runs: provider, instance types, region, price cap."""
-    for deco in reversed((
-        argument("-t", "--instance-type", dest="instance_types", metavar="TYPES",
-                 help="instance types in order of preference, comma-separated, e.g. "
-                      "-t g5.xlarge,g4dn.xlarge (default: SpotMagics.instance_types)"),
-        argument("--max-price", type=float, metavar="USD",
-                 help="the most to pay per instance-hour, e.g. --max-price 0.5 (default: "
-                      "the on-demand price)"),
-        argument("--provider", metavar="NAME",
-                 help="where instances come from: local (the embedded local cloud, the "
-                      "default) or aws (EC2 spot through your AWS account; see `spotnb "
-                      "aws setup`)"),
-        argument("--region", metavar="REGION",
-                 help="where the job may run: a region (--region us-east-1), several "
-                      "(--region us-east-1,us-west-2: the first is home, where the job's "
-                      "store is), or any: the regions of SpotMagics.allowed_regions"),
-    )):
-        func = deco(func)
-    return func
-
-
-def _policy_args(func: F) -> F:
-    """How a job is run and when it is given up."""
-    for deco in reversed((
-        argument("--checkpoint-every", metavar="WHEN",
-                 help="how often Checkpoint.maybe_save saves: a time (--checkpoint-every "
-                      "5m) or a step count (--checkpoint-every 500steps)"),
-        argument("--max-restarts-on-error", type=int, metavar="N",
-                 help="rerun the cell up to N times after an error in it (default 0: an "
-                      "error fails the job)"),
-        argument("--budget", type=float, metavar="USD",
-                 help="stop the job once it has cost this much, e.g. --budget 2.50"),
-        argument("--max-duration", metavar="TIME",
-                 help="stop the job after this long, e.g. --max-duration 2h"),
-        argument("--keep-checkpoints", type=int, metavar="K",
-                 help="how many checkpoints to keep (default 3)"),
-        argument("--notify", metavar="URL",
-                 help="a Slack-compatible webhook that the instance posts to when the job "
-                      "is interrupted, ends or fails, e.g. --notify $webhook (a notebook "
-                      "variable; default: SpotMagics.notify_url); it travels as a secret"),
-        argument("--secret", action="append", dest="secrets", metavar="NAME",
-                 help="an environment variable of this machine whose value the cell needs "
-                      "and nobody else may read (repeat for several): --secret HF_TOKEN "
-                      "--secret WANDB_API_KEY. The value goes to the cloud's secret store "
-                      "(AWS: SSM Parameter Store), never into the job's spec, and is "
-                      "deleted with the job (added to SpotMagics.secrets)"),
-    )):
-        func = deco(func)
-    return func
-
-
-def _job_args(func: F) -> F:
-    """What travels with the cell, and the shape of its job."""
-    for deco in reversed((
-        argument("--out", dest="outputs", metavar="NAMES",
-                 help="variables to bring back into the notebook when the job completes, "
-                      "e.g. --out model,accuracy"),
-        argument("--in", dest="inputs", metavar="NAMES",
-                 help="ship exactly these notebook variables, e.g. --in data,config "
-                      "(default: every variable the cell reads before assigning it)"),
-        argument("--no-capture", action="store_true",
-                 help="ship no notebook variable: the cell must create everything it uses"),
-        argument("--no-standby", action="store_true", default=None,
-                 help="start no warm standby on a rebalance recommendation: replace the "
-                      "instance only once it is gone (cheaper; each interruption then costs "
-                      "a boot and a restore)"),
-        argument("--standby-first-hour", action="store_true", default=None,
-                 help="in an instance's first hour too, start a standby at once on a "
-                      "recommendation (by default it is timed to be ready as the hour "
-                      "ends: EC2 interrupting the instance before then makes it free)"),
-        argument("--name", help="a name for the job, shown by %%spot_jobs"),
-        argument("--nodes", metavar="N|MIN:MAX",
-                 help="train on N instances as torchrun's workers (RANK, WORLD_SIZE, ... set "
-                      "in the cell), e.g. --nodes 4; --nodes 3:4 goes on with 3 while a lost "
-                      "node's replacement boots (default 1)"),
-        argument("--procs-per-node", type=int, metavar="P",
-                 help="worker processes per instance, e.g. one per GPU (default 1)"),
-        argument("--peer-timeout", metavar="SECONDS",
-                 help="the longest a rank waits on a silent peer before the world re-forms "
-                      "without it, e.g. --peer-timeout 90 or 5m (10s to 60m; default 2m)"),
-    )):
-        func = deco(func)
-    return func
-
-
-def _run_args(func: F) -> F:
-    """How the job is run: simulated interruptions, environment, detaching."""
-    for deco in reversed((
-        argument("--simulate-interruptions", metavar="N|TIMES",
-                 help="local cloud: interrupt the job N times, each soon after an attempt's "
-                      "first checkpoint (or SPOTNB_LOCAL_INTERRUPT_AFTER seconds after the "
-                      "first output of a cell that saves none) (--simulate-interruptions 2), "
-                      "or at these times "
-                      "after launch (--simulate-interruptions 20s,45s)"),
-        argument("--env", action="append", metavar="NAME[=VALUE]",
-                 help="an environment variable for the cell (repeat for several): "
-                      "--env WANDB_MODE=offline. Values are written into the job's spec, so "
-                      "no secrets (give those with --secret); on the local cloud a NAME alone "
-                      "passes this machine's variable through"),
-        argument("--detach", action="store_true",
-                 help="return at once; the job runs on its own (follow it with %%spot_attach)"),
-    )):
-        func = deco(func)
-    return func
-
-
-def _job_arg(func: F) -> F:
-    """The job a command acts on."""
-    return argument(
-        "job", nargs="?", default=None, metavar="JOB",
-        help="a job id, its name, or the end of its id, as %%spot_jobs lists them "
-             "(default: the latest job)")(func)
-
-
-_NODE_HELP = ("node K of a multi-node job (0 to MAX-1, as the display numbers them; "
-              "default: the first running instance)")
-
-
-# Each spotnb.submit argument: the magic's option for it, the option's argparse
-# destination, and the SpotMagics setting that gives its default. A SpecError names
-# what the user typed (--budget, not budget_usd), or the setting the value came from.
-_OPTIONS: dict[str, tuple[str, str | None, str | None]] = {
-    "provider": ("--provider", "provider", "provider"),
-    "instance_types": ("--instance-type", "instance_types", "instance_types"),
-    "region": ("--region", "region", "region"),
-    "allowed_regions": ("SpotMagics.allowed_regions", None, "allowed_regions"),
-    "max_price": ("--max-price", "max_price", "max_price"),
-    "name": ("--name", "name", None),
-    "outputs": ("--out", "outputs", None),
-    "inputs": ("--in", "inputs", None),
-    "checkpoint_every": ("--checkpoint-every", "checkpoint_every", "checkpoint_every"),
-    "max_restarts_on_error": ("--max-restarts-on-error", "max_restarts_on_error",
-                              "max_restarts_on_error"),
-    "budget_usd": ("--budget", "budget", "budget"),
-    "max_duration": ("--max-duration", "max_duration", "max_duration"),
-    "keep_checkpoints": ("--keep-checkpoints", "keep_checkpoints", "keep_checkpoints"),
-    "simulate_interruptions": ("--simulate-interruptions", "simulate_interruptions", None),
-    "env": ("--env", "env", None),
-    "secrets": ("--secret", "secrets", "secrets"),
-    "store": ("SpotMagics.store", None, "store"),
-    "nodes": ("--nodes", "nodes", None),
-    "procs_per_node": ("--procs-per-node", "procs_per_node", None),
-    "peer_timeout": ("--peer-timeout", "peer_timeout", None),
-    "standby": ("--no-standby", "no_standby", "standby"),
-    "standby_first_hour": ("--standby-first-hour", "standby_first_hour",
-                           "standby_first_hour"),
-}
-
-
-# The options %%spot_sweep adds, by the spotnb.sweep argument they set.
-_SWEEP_OPTIONS = {"grid": "--grid", "params": "--params", "study": "--study",
-                  "space": "--space", "n_trials": "--trials", "parallel": "-k/--parallel",
-                  "metric": "--metric", "pruner": "--pruner", "direction": "--metric",
-                  "budget_usd": "--budget", "notify_url": "--notify",
-                  "sampler": "--sampler"}
-
-# A SpecError while the line is parsed (a bad --nodes) names the option as typed.
-_TYPED = {field: option for field, (option, _dest, _setting) in _OPTIONS.items()}
-
-
-# -- the request %%spot_train builds ------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class TrainRequest:
-    """A parsed ``%%spot_train`` line with the configuration filled in.
-
-    ``submit`` holds the keyword arguments of :func:`spotnb.submit` (all but the
-    code, inputs and files); ``inputs`` the ``--in`` names (None: analyse the cell);
-    ``names`` what each ``submit`` argument is called where its value came from (the
-    option on the line, else the ``SpotMagics`` setting).
-    """
-
-    submit: dict[str, Any]
-    inputs: tuple[str, ...] | None
-    capture: bool
-    detach: bool
-    names: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: The parsed line, for what a magic adds to ``%%spot_train``'s options.
-    args: Any = None
-
-
-def _names(text: str | None) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(p.strip() for p in (text or "").split(",") if p.strip()))
-
-
-def _simulation(text: str | None) -> int | list[float] | None:
-    """``--simulate-interruptions``: a count (``2``) or times with a unit (``20s,45s``);
-    a bare number with a fraction or a list of bare numbers is neither, so it is refused
-    rather than guessed."""
-    if text is None:
-        return None
-    text = text.strip()
-    if re.fullmatch(r"\d+", text):
-        return int(text)
-    parts = [part.strip() for part in text.split(",")]
-    if parts and all(re.fullmatch(r"[\d.]+\s*[a-z]+", part) for part in parts):
-        try:
-            return [parse_duration(part, "--simulate-interruptions") for part in parts]
-        except SpecError:
-            pass
-    raise UsageError(
-        f"--simulate-interruptions takes a count (--simulate-interruptions 2) or times "
-        f"after launch, with units (--simulate-interruptions 20s,1m), not {text!r}")
-
-
-_MAGIC_JOB_LISTER = "%spot_jobs"
-
-
-@contextlib.contextmanager
-def _as_usage_errors(names: dict[str, str] | None = None) -> Iterator[None]:
-    """The API's 'bad input' errors, shown as UsageError (no traceback), naming the
-    options the user typed (``names``: submit argument -> option)."""
-    try:
-        yield
-    except SpecError as err:
-        raise UsageError(err.message(names)) from None
-    except spotnb.JobNotFound as err:
-        raise UsageError(err.message(_MAGIC_JOB_LISTER)) from None
 
 
 @magics_class
@@ -386,10 +166,10 @@ class SpotMagics(Magics):
     # -- %%spot_train ---------------------------------------------------------------
 
     @magic_arguments(name="%spot_train")
-    @_resource_args
-    @_job_args
-    @_policy_args
-    @_run_args
+    @resource_args
+    @job_args
+    @policy_args
+    @run_args
     @cell_magic
     def spot_train(self, line: str, cell: str) -> Any:
         """Run this cell on a spot instance; survive interruptions by resuming.
@@ -411,7 +191,7 @@ class SpotMagics(Magics):
 
         Try it on the local cloud with ``--simulate-interruptions 2``.
         """
-        with _as_usage_errors(_TYPED):
+        with as_usage_errors(TYPED):
             request = self.train_request(line)
         if not cell.strip():
             raise UsageError("the cell is empty: put the training code below the "
@@ -421,16 +201,16 @@ class SpotMagics(Magics):
                              "magic (%time) or plain Python in the cell")
         cap = self._capture(cell, request)
         # The remote cell's line 1 quotes this line: never with the webhook's URL in it.
-        code = cap.first_line(_NOTIFY_VALUE.sub(r"\1[redacted]", line)) + "\n" + cell
-        with _as_usage_errors(request.names):
+        code = cap.first_line(redact_notify(line)) + "\n" + cell
+        with as_usage_errors(request.names):
             handle = spotnb.submit(code, inputs=cap.inputs, files=cap.files,
                                    **request.submit)
         self.last_job = handle.job_id
-        _tell_runner(handle.job_id, followed=not request.detach)
+        cells.tell_runner(handle.job_id, followed=not request.detach)
         # Warnings first: a cell that will not resume exactly is told on its first line.
         for warning in handle.warnings:
             print(f"[spotnb] warning: {warning}")
-        print(_shipping_line(cap), *cap.notes, sep="\n")
+        print(cap.shipping_line(), *cap.notes, sep="\n")
         if request.detach:
             print(f"[spotnb] submitted job {handle.job_id} ({handle.spec.name!r}); it runs "
                   f"on its own. Follow it with `%spot_attach {handle.job_id}`, stop it with "
@@ -447,51 +227,7 @@ class SpotMagics(Magics):
         except UsageError as err:
             which = f"%%{magic.__name__}"
             raise UsageError(f"{which}: {err}. See {which}? for the options.") from None
-        if args.inputs is not None and args.no_capture:
-            raise UsageError("--in and --no-capture contradict each other: --in ships the "
-                             "variables named, --no-capture ships none; choose one")
-
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        outputs = _names(args.outputs)
-        submit = {
-            "provider": pick(args.provider, self.provider),
-            "instance_types": _names(args.instance_types) or tuple(self.instance_types),
-            "region": pick(args.region, self.region),
-            "allowed_regions": list(self.allowed_regions) or None,
-            "max_price": pick(args.max_price, self.max_price),
-            "name": args.name if args.name is not None else self._default_name(),
-            "outputs": outputs,
-            "checkpoint_every": pick(args.checkpoint_every, self.checkpoint_every),
-            "max_restarts_on_error": pick(args.max_restarts_on_error,
-                                          self.max_restarts_on_error),
-            "budget_usd": pick(args.budget, self.budget),
-            "max_duration": pick(args.max_duration, self.max_duration),
-            "keep_checkpoints": pick(args.keep_checkpoints, self.keep_checkpoints),
-            "simulate_interruptions": _simulation(args.simulate_interruptions),
-            "env": list(args.env or ()) or None,
-            "store": self.store,
-            "notify_url": pick(args.notify, self.notify_url),
-            "secrets": list(dict.fromkeys([*self.secrets, *(args.secrets or ())])) or None,
-            "standby": False if args.no_standby else self.standby,
-            "standby_first_hour": bool(args.standby_first_hour or self.standby_first_hour),
-        }
-        # Only a distributed job passes these (submit's defaults: one node, one process).
-        if args.nodes is not None:
-            submit["nodes"] = parse_nodes(args.nodes)
-        if args.procs_per_node is not None:
-            submit["procs_per_node"] = args.procs_per_node
-        if args.peer_timeout is not None:
-            submit["peer_timeout"] = parse_peer_timeout(args.peer_timeout)
-        names = {}
-        for field, (option, dest, setting) in _OPTIONS.items():
-            typed = dest is not None and getattr(args, dest) is not None
-            names[field] = option if typed or setting is None else f"SpotMagics.{setting}"
-        return TrainRequest(submit=submit,
-                            inputs=_names(args.inputs) if args.inputs is not None else None,
-                            capture=not args.no_capture, detach=args.detach, names=names,
-                            args=args)
+        return train_request(self, args, self._default_name)
 
     def _default_name(self) -> str:
         # Jupyter tells the kernel which notebook it serves.
@@ -510,109 +246,21 @@ class SpotMagics(Magics):
         return int(count) if count is not None else None
 
     def _capture(self, body: str, request: TrainRequest) -> capture.Capture:
-        try:
-            # Line 1 stands for the magic line, so errors name the cell's own lines.
-            return capture.capture(
-                "#\n" + body, self._ip.user_ns, Path.cwd(),
-                names=request.inputs, variables=request.capture,
-                limit_bytes=int(self.capture_limit_mb * _MIB),
-                files_limit_bytes=int(self.files_limit_mb * _MIB),
-                hidden=self._ip.user_ns_hidden)
-        except SyntaxError as err:
-            text = (err.text or "").rstrip()
-            raise UsageError(
-                f"the cell does not compile: line {err.lineno}: {err.msg}"
-                + (f"\n    {text}" if text else "")
-                + "\nFix the line and run the cell again; nothing was started.") from None
-        except capture.CaptureError as err:
-            raise UsageError(str(err)) from None
-
-    def _renderer(self) -> display.Renderer:
-        cls = self.renderer_class
-        if cls is None:
-            cls = display.TextRenderer
-            if _widgets_render(self._ip):
-                from spotnb.widgets import Dashboard
-
-                cls = Dashboard
-        return cast(display.Renderer, cls())
+        return cells.capture_cell(self._ip, body, request, self.capture_limit_mb,
+                                  self.files_limit_mb)
 
     def _follow(self, handle: spotnb.JobHandle, cell_number: int | None = None) -> Any:
-        from spotnb.records.summary import Curves
-
-        renderer = self._renderer()
-        curves = Curves()  # the record's, gathered as the events come
-        outcome = display.follow(handle, renderer, on_events=curves.add)
-        if isinstance(outcome, display.Detached):
-            return None
-        result = outcome.result
-        self._keep_record(handle, result, outcome.state, curves)
-        shortfall = _simulation_shortfall(handle.spec, result)
-        if shortfall:
-            print(shortfall)
-        if result.status != "completed":
-            raise display.SpotJobError(result, cell_number)
-        if outcome.outputs_error is not None:
-            raise UsageError(
-                f"job {result.job_id} completed, but its outputs "
-                f"({', '.join(handle.spec.outputs)}) cannot be loaded here: "
-                f"{outcome.outputs_error}. Install what they need in this environment, "
-                f"then run %spot_attach {result.job_id} to load them.")
-        self._ip.user_ns.update(result.outputs)
-        if outcome.execute_result is not None:
-            return display.RemoteValue(outcome.execute_result)
-        return None
-
-    def _keep_record(self, handle: spotnb.JobHandle, result: spotnb.JobResult,
-                     state: JobState | None = None, curves: Curves | None = None) -> None:
-        """The job's record (spotnb.records), from what the follow loop holds: stored
-        as summary.json in its store prefix and shown as one line whose output metadata
-        carries it, so a notebook saved by hand is a record too."""
-        from IPython.display import display as show
-
-        from spotnb import records
-
-        record = records.job_ended(handle, result, state, curves)
-        if record is not None:
-            show(records.record_bundle(record), metadata={"spotnb": {"job": record}}, raw=True)
+        return cells.follow_cell(self._ip, handle,
+                                 cells.renderer(self.renderer_class, self._ip), cell_number)
 
     # -- %%spot_sweep ---------------------------------------------------------------
 
     @magic_arguments(name="%spot_sweep")
-    @argument("--grid", action="append", metavar="NAME=V1,V2",
-              help="a parameter and its values (repeat for several; every combination "
-                   "runs): --grid lr=0.1,0.01 --grid batch=32,64")
-    @argument("--params", metavar="VAR",
-              help="a notebook variable: a list of parameter dicts, run in order "
-                   "([{'lr': 0.1}, {'lr': 0.01}]), or a dict of value lists (a grid)")
-    @argument("--study", metavar="VAR",
-              help="a notebook variable holding an optuna.Study whose sampler picks the "
-                   "trials (with --space and --trials)")
-    @argument("--space", metavar="VAR",
-              help="a notebook variable, a dict of Optuna distributions: searched by "
-                   "--sampler (default tpe) for --trials N trials, or by --study's sampler")
-    @argument("--sampler", choices=("tpe", "random", "cmaes", "qmc", "grid"),
-              help="how trials are picked: grid (every --grid combination in order, the "
-                   "default for --grid), tpe (the default for --space), random, cmaes or "
-                   "qmc (numeric ranges: --space); with --grid, --trials N of its "
-                   "combinations")
-    @argument("--trials", type=int, metavar="N", dest="n_trials",
-              help="how many trials at most (--space and --study: required)")
-    @argument("-k", "--parallel", type=int, default=2, metavar="K",
-              help="how many trials run at once (default 2)")
-    @argument("--metric", default="loss",
-              help="the metric (logged with spot.log) a trial is judged by, its last "
-                   "value (default loss)")
-    @argument("--prune", action="store_true",
-              help="stop trials early on --metric: with Optuna's MedianPruner, or with "
-                   "--study, the study's own pruner (a study's pruner prunes only with "
-                   "--prune)")
-    @argument("--pruner", metavar="VAR",
-              help="a notebook variable holding an Optuna pruner to stop trials early with")
-    @_resource_args
-    @_job_args
-    @_policy_args
-    @_run_args
+    @sweep_args
+    @resource_args
+    @job_args
+    @policy_args
+    @run_args
     @cell_magic
     def spot_sweep(self, line: str, cell: str) -> Any:
         """Run this cell once per parameter set, each trial a spot job with its own
@@ -632,80 +280,21 @@ class SpotMagics(Magics):
                 loss = train_step(lr, batch)
                 spot.log(step, loss=loss)
         """
-        from spotnb.sweep import api
-
-        with _as_usage_errors(_TYPED):
+        with as_usage_errors(TYPED):
             request = self.train_request(line, self.spot_sweep)
-        args = request.args
         if not cell.strip():
             raise UsageError("the cell is empty: put the training code below the "
                              "%%spot_sweep line")
-        space: dict[str, Any] = {}
-        with _as_usage_errors(_SWEEP_OPTIONS):
-            if args.grid:
-                from spotnb.sweep.space import parse_assignments
-
-                space["grid"] = parse_assignments(args.grid, "--grid")
-            if args.params is not None:
-                value = self._variable(args.params, "--params")
-                space["grid" if isinstance(value, dict) else "params"] = value
-            if args.study is not None:
-                space["study"] = self._variable(args.study, "--study")
-            if args.space is not None:
-                space["space"] = self._variable(args.space, "--space")
-            pruner, note = self._sweep_pruner(args, space.get("study"))
-            if args.pruner:
-                pruner = self._variable(args.pruner, "--pruner")
-            if len([k for k in ("grid", "params", "study") if k in space]) > 1 or \
-                    not space:
-                raise UsageError("%%spot_sweep needs one of --grid NAME=V1,V2 (repeatable), "
-                                 "--params VAR, --space VAR --trials N, or --study VAR "
-                                 "--space VAR --trials N")
+        with as_usage_errors(SWEEP_OPTIONS):
+            space, pruner, note = sweepmagic.sweep_space(request.args, self._variable)
         cap = self._capture(cell, request)
-        code = cap.first_line(_NOTIFY_VALUE.sub(r"\1[redacted]", line)) + "\n" + cell
-        options = dict(request.submit)
-        notify_url = options.pop("notify_url")
-        budget = options.pop("budget_usd")
-        name = options.pop("name")
-        with _as_usage_errors({**request.names, **_SWEEP_OPTIONS}):
-            made = api.sweep(code, **space, n_trials=args.n_trials, parallel=args.parallel,
-                             metric=args.metric, pruner=pruner, budget_usd=budget,
-                             sampler=args.sampler, notify_url=notify_url, name=name,
-                             inputs=cap.inputs, files=cap.files, syntax="magic", **options)
-        if note:
-            print(note)
-        # Under `spotnb run`, a timed-out cell's trials are stopped as its jobs would be.
-        made.listen(lambda what, run: _tell_runner(run.job_id, not request.detach)
-                    if what == "run" else None)
-        print(_shipping_line(cap).replace("shipping", f"sweep {made.sweep_id}: shipping"),
-              *cap.notes, sep="\n")
+        made = sweepmagic.start_sweep(line, cell, request, cap, space, pruner, note)
         if request.detach:
             print(f"[spotnb] sweep {made.sweep_id} ({made.name!r}) runs in this kernel "
                   f"(while it lives); `%spot_attach {made.sweep_id}` shows it, "
                   f"`%spot_sweep_stop {made.sweep_id}` ends it.")
             return None
-        return self._follow_sweep(made)
-
-    @staticmethod
-    def _sweep_pruner(args: Any, study: Any) -> tuple[Any, str]:
-        """The pruner the line asks for, and a note for the user: ``--pruner VAR``;
-        ``--prune`` (a study's own pruner, else Optuna's MedianPruner); none without
-        either, a study's own included (said so)."""
-        from spotnb.sweep.space import import_optuna
-
-        optuna = import_optuna()
-        if args.pruner:
-            return None, ""  # filled in by the caller: the notebook's variable
-        own = getattr(study, "pruner", None)
-        if args.prune:
-            if own is not None and not isinstance(own, optuna.pruners.NopPruner):
-                return own, ""
-            return optuna.pruners.MedianPruner(n_startup_trials=2), ""
-        if own is not None and not isinstance(own, optuna.pruners.NopPruner):
-            return optuna.pruners.NopPruner(), (
-                f"[spotnb] the study's {type(own).__name__} prunes nothing here: add "
-                "--prune to stop trials early with it")
-        return None, ""
+        return sweepmagic.follow_sweep(self._ip, made)
 
     def _variable(self, name: str, option: str) -> Any:
         if name not in self._ip.user_ns:
@@ -713,46 +302,6 @@ class SpotMagics(Magics):
                              "define it in a cell above")
         return self._ip.user_ns[name]
 
-    def _follow_sweep(self, made: Any) -> None:
-        """Show the sweep (its view where widgets render, else its summary at the end),
-        wait for its end with the cell busy, and keep every trial's record; the view's
-        final form stays as a picture for readers without widgets."""
-        from IPython.display import display as show
-
-        from spotnb.records.summary import Curves
-        from spotnb.sweep.view import summary_text
-
-        view = None
-        if _widgets_render(self._ip):
-            from spotnb.widgets.sweep import SweepView
-
-            view = SweepView(made)
-            view.show()
-        try:
-            made.wait()
-        except KeyboardInterrupt:
-            if made.driving:
-                print(f"[spotnb] detached; sweep {made.sweep_id} goes on in this kernel. "
-                      f"`%spot_attach {made.sweep_id}` shows it again, "
-                      f"`%spot_sweep_stop {made.sweep_id}` ends it.")
-            else:
-                made.detach()
-                print(f"[spotnb] detached; sweep {made.sweep_id} is no longer followed "
-                      "here.")
-            return
-        if view is not None:
-            view.finish()
-        for number in sorted(made.runs):
-            run = made.runs[number]
-            if not is_terminal(run.result.status):
-                continue
-            curves = Curves()  # the trial's curves as its series hold them: no log read
-            for name, series in run.data.metrics.items():
-                series.curve.full.sort_by_x()
-                curves.put(name, series.curve.full.x, series.curve.full.y)
-            self._keep_record(run.handle, run.result, run.state, curves)
-        show({"text/plain": summary_text(made)},
-             metadata={"spotnb": {"sweep": made.state_dict()}}, raw=True)
 
     # -- the other commands ----------------------------------------------------------
 
@@ -760,7 +309,7 @@ class SpotMagics(Magics):
     @argument("--resume", action="store_true",
               help="a sweep whose driver is gone (abandoned: its kernel closed): drive it "
                    "on here, starting the trials it had not started")
-    @_job_arg
+    @job_arg
     @line_magic
     def spot_attach(self, line: str) -> Any:
         """Show a job's whole history, then follow it until it ends; for a sweep (its id,
@@ -806,7 +355,7 @@ class SpotMagics(Magics):
                   f"running trials are followed, no trial is started. "
                   f"`%spot_attach {made.sweep_id} --resume` drives it on; "
                   f"`%spot_sweep_stop {made.sweep_id}` ends it.")
-        return self._follow_sweep(made)
+        return sweepmagic.follow_sweep(self._ip, made)
 
     @magic_arguments()
     @argument("sweep", metavar="SWEEP",
@@ -817,49 +366,49 @@ class SpotMagics(Magics):
         trials, every running trial's job is stopped (its instance deleted), and the
         store says it stopped, so a later ``%spot_attach`` starts nothing."""
         from spotnb.sweep import SweepNotFound, stop_sweep
+        from spotnb.sweep.view import stopped_text
 
         args = parse_argstring(self.spot_sweep_stop, line)
         try:
             done = stop_sweep(args.sweep, store=self.store, reason="%spot_sweep_stop")
         except SweepNotFound as err:
             raise UsageError(str(err)) from None
-        print(_sweep_stopped_text(done, "%spot_attach"))
+        print(stopped_text(done, "%spot_attach"))
 
     @magic_arguments()
-    @_job_arg
+    @job_arg
     @line_magic
     def spot_stop(self, line: str) -> None:
         """Stop a job: its cell is interrupted and its instance deleted."""
         args = parse_argstring(self.spot_stop, line)
         handle = self._resolve(args.job)
-        ended = handle.result_record()
-        if ended is not None:
-            print(f"job {handle.job_id} already ended ({ended.get('status')}); "
+        if handle.result_record() is not None:
+            print(f"job {handle.job_id} already ended ({handle.status}); "
                   "it has no instance to stop.")
             return
-        with _as_usage_errors():
+        with as_usage_errors():
             handle.stop(reason="%spot_stop")
         print(f"job {handle.job_id} stopped; its instance is deleted. Its history stays: "
               f"`%spot_logs {handle.job_id}`.")
 
     @magic_arguments()
-    @argument("--node", type=int, metavar="K", default=None, help=_NODE_HELP)
-    @_job_arg
+    @argument("--node", type=int, metavar="K", default=None, help=NODE_HELP)
+    @job_arg
     @line_magic
     def spot_interrupt(self, line: str) -> None:
         """Deliver a spot interruption notice to a job's instance now (to try resume);
         ``--node K``: to node K of a multi-node job."""
         args = parse_argstring(self.spot_interrupt, line)
         handle = self._resolve(args.job)
-        with _as_usage_errors():
+        with as_usage_errors():
             handle.interrupt(node=args.node)
         which = f"node {args.node} of job" if args.node is not None else "job"
         print(f"interruption notice delivered to {which} {handle.job_id}: it checkpoints "
               f"and resumes on a replacement; watch it with `%spot_attach {handle.job_id}`.")
 
     @magic_arguments()
-    @argument("--node", type=int, metavar="K", default=None, help=_NODE_HELP)
-    @_job_arg
+    @argument("--node", type=int, metavar="K", default=None, help=NODE_HELP)
+    @job_arg
     @line_magic
     def spot_kill(self, line: str) -> None:
         """Local cloud: end a job's instance (``--node K``: node K) at once, without a
@@ -867,7 +416,7 @@ class SpotMagics(Magics):
         goes on from its last checkpoint on a replacement."""
         args = parse_argstring(self.spot_kill, line)
         handle = self._resolve(args.job)
-        with _as_usage_errors():
+        with as_usage_errors():
             handle.kill(node=args.node)
         which = f"node {args.node} of job" if args.node is not None else "job"
         print(f"kill requested for {which} {handle.job_id}: its group ends the instance at "
@@ -876,7 +425,7 @@ class SpotMagics(Magics):
 
     @magic_arguments()
     @argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
-    @_job_arg
+    @job_arg
     @line_magic
     def spot_logs(self, line: str) -> None:
         """Print a job's output and events (``-f``: follow until it ends).
@@ -894,7 +443,7 @@ class SpotMagics(Magics):
                     print(text, flush=True)
 
     @magic_arguments()
-    @_job_arg
+    @job_arg
     @line_magic
     def spot_result(self, line: str) -> spotnb.JobResult:
         """A job's :class:`spotnb.JobResult` (status, cost, on-demand cost, attempts,
@@ -916,13 +465,13 @@ class SpotMagics(Magics):
         saving, last metric, attempts, interruptions, nodes, age."""
         from IPython.display import display as show
 
-        with _as_usage_errors():
+        with as_usage_errors():
             rows = spotnb.jobs(store=self.store)
         if not rows:
             print("no jobs yet: put %%spot_train on a cell to start one")
             return
         table, notes = jobs_table(rows, time.time())
-        bundle = _table_bundle(JOB_COLUMNS, table)
+        bundle = table_bundle(JOB_COLUMNS, table)
         for note in notes:
             bundle["text/plain"] += f"\n{note}"
             bundle["text/html"] += f"<p>{note}</p>"
@@ -942,7 +491,7 @@ class SpotMagics(Magics):
             if name == "notify_url" and value:
                 shown = "(set; a secret, not shown)"
             rows.append((f"SpotMagics.{name}", shown, trait.help))
-        bundle = _table_bundle(("setting", "value", "meaning"), rows)
+        bundle = table_bundle(("setting", "value", "meaning"), rows)
         note = ("Change a setting with %config SpotMagics.NAME = VALUE, or for every "
                 "notebook in ipython_config.py: c.SpotMagics.NAME = VALUE. A %%spot_train "
                 "option overrides it for one cell.")
@@ -984,7 +533,7 @@ class SpotMagics(Magics):
 
         if not widgets.available():
             raise UsageError(f"%spot_picker needs widgets: {widgets.INSTALL_HINT}")
-        with _as_usage_errors({"region": "--region", "allowed_regions":
+        with as_usage_errors({"region": "--region", "allowed_regions":
                                "SpotMagics.allowed_regions"}):
             if args.region is not None:
                 regions.region_names(args.region, regions.allowed_regions(
@@ -1023,7 +572,7 @@ class SpotMagics(Magics):
         if not widgets.available():
             raise UsageError(f"%spot_compare needs widgets: {widgets.INSTALL_HINT}")
         try:
-            with _as_usage_errors():
+            with as_usage_errors():
                 comparison = spotnb.compare(*args.runs, store=self.store,
                                             follow=not args.no_follow)
             comparison.show()  # with its static copy, for readers without widgets
@@ -1037,7 +586,7 @@ class SpotMagics(Magics):
             raise
 
     @magic_arguments()
-    @_job_arg
+    @job_arg
     @line_magic
     def spot_tensorboard(self, line: str) -> None:
         """Open a job's TensorBoard logs (written with ``spot.tensorboard()``) with the
@@ -1052,64 +601,8 @@ class SpotMagics(Magics):
         """A handle on ``job`` (:func:`spotnb.client.jobs.find_job`: an id, a name, the end of
         an id); without one, the job this notebook started or attached to last, else the
         latest job."""
-        with _as_usage_errors():
+        with as_usage_errors():
             if job is None and self.last_job is not None:
                 return spotnb.attach(self.last_job, store=self.store)
             return spotnb.attach(job, store=self.store)
 
-
-def _sweep_stopped_text(done: Any, attach: str) -> str:
-    """What ``%spot_sweep_stop`` and ``spotnb stop SWEEP`` say they did."""
-    if done.already_ended:
-        return (f"sweep {done.sweep_id} ({done.name!r}) had already ended ({done.status}); "
-                "nothing to stop.")
-    jobs = (f"its running trials' jobs stopped ({', '.join(done.jobs_stopped)}), their "
-            "instances deleted" if done.jobs_stopped else "no trial was running")
-    return (f"sweep {done.sweep_id} ({done.name!r}) stopped for good: {jobs}; no trial "
-            f"starts any more. Its trials stay in the store: `{attach} {done.sweep_id}`.")
-
-
-def _widgets_render(ip: Any) -> bool:
-    """Whether widgets render here: a Jupyter kernel (not a terminal, not the
-    in-process test shell) with ipywidgets and plotly installed."""
-    from spotnb import widgets
-
-    return getattr(ip, "kernel", None) is not None and widgets.available()
-
-
-def _tell_runner(job_id: str, followed: bool) -> None:
-    """Under `spotnb run`, note the job in the file it named (``spotnb.client.notebook``
-    stops the followed job of a cell that runs past its timeout)."""
-    path = os.environ.get(ENV_RUN_JOBS)
-    if path:
-        with contextlib.suppress(OSError), open(path, "a") as out:
-            out.write(f"{job_id} {'followed' if followed else 'detached'}\n")
-
-
-def _simulation_shortfall(spec: Any, result: spotnb.JobResult) -> str | None:
-    """A note when ``--simulate-interruptions N`` got fewer than N interruptions."""
-    asked = (spec.simulate_interruptions or {}).get("count")
-    if not asked or result.interruptions >= asked:
-        return None
-    return (f"[spotnb] --simulate-interruptions {asked}: the job ended after "
-            f"{result.interruptions} of them. Each comes soon after an attempt's first "
-            "checkpoint, or SPOTNB_LOCAL_INTERRUPT_AFTER seconds (default 20) after the "
-            "first output of a cell that saves none; a job that ends sooner is not "
-            "interrupted.")
-
-
-def _shipping_line(cap: capture.Capture) -> str:
-    return cap.shipping_line()
-
-
-def _table_bundle(header: Sequence[str], rows: Sequence[Sequence[str]]) -> dict[str, str]:
-    import html
-
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-    text = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in [header, *rows])
-    cells = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(str(c))}</td>"
-                                    for c in row) + "</tr>" for row in rows)
-    return {"text/plain": text,
-            "text/html": f"<table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table>"}

@@ -15,7 +15,8 @@ from spotnb.client.view import JobView
 from spotnb.protocol.events import JobStatus
 from spotnb.protocol.events.fold import Break, EndReason
 
-__all__ = ["Header", "header", "status_bundle", "status_lines"]
+__all__ = ["STATE_COLOURS", "Header", "header", "state_colour", "status_bundle",
+           "status_lines"]
 
 
 def _plural(n: int, word: str) -> str:
@@ -181,15 +182,23 @@ def status_lines(view: JobView) -> list[str]:
     return lines
 
 
-_STATE_COLOURS = {"completed": "#1a7f37", "failed": "#cf222e", "stopped": "#9a6700",
-                  "pruned": "#6e7781",
-                  "interrupted": "#bc4c00"}
+#: The colour of each job state in the text display's and the dashboard's headers
+#: (:func:`state_colour`; any other state, running ones, is blue).
+STATE_COLOURS = {"completed": "#1a7f37", "failed": "#cf222e", "stopped": "#9a6700",
+                 "pruned": "#6e7781", "interrupted": "#bc4c00",
+                 "waiting_for_capacity": "#9a6700"}
+_RUNNING_COLOUR = "#0969da"
+
+
+def state_colour(state: str) -> str:
+    """The colour a header gives job state ``state`` (:data:`STATE_COLOURS`)."""
+    return STATE_COLOURS.get(state, _RUNNING_COLOUR)
 
 
 def status_bundle(view: JobView) -> dict[str, str]:
     """The status display as a MIME bundle (text and HTML)."""
     lines = status_lines(view)
-    colour = _STATE_COLOURS.get(view.state, "#0969da")
+    colour = state_colour(view.state)
     body = "<br>".join(html.escape(line) for line in lines)
     return {
         "text/plain": "\n".join(lines),

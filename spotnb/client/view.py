@@ -20,7 +20,7 @@ from spotnb.protocol.events import GROUP_STREAM, Event, codec, is_terminal
 from spotnb.protocol.events.fold import AttemptState, JobState, Join, savings_pct
 
 if TYPE_CHECKING:
-    from spotnb.client.jobs import JobResult
+    from spotnb.client.results import JobResult
 
 __all__ = ["JobView"]
 

@@ -471,7 +471,7 @@ class Agent:
         assert self.events is not None
         if retrying:
             self.events.emit("error", retrying=True, **error)
-            self.events.emit("status", state="booting",
+            self.events.emit("status", state="booting", retrying=True,
                              detail=f"retrying after {error['ename']} "
                                     f"({errors_so_far + 1} of "
                                     f"{self.spec.policy.max_restarts_on_error})")

@@ -6,8 +6,9 @@ the webhook URL of notifications, which is never copied out of it.
 
 Every part checks its fields when it is made (``__post_init__``), so a spec that exists
 is a valid one: a bad value is a :class:`SpecError` before anything starts, whether it
-came from :func:`spotnb.submit`, the magics or a ``spec.json``. The normalisers below
-(:func:`whole_number`, :func:`amount`, :func:`parse_duration`) turn what a user typed
+came from :func:`spotnb.submit`, the magics or a ``spec.json``. The normalisers
+(:mod:`spotnb.protocol.values`: :func:`whole_number`, :func:`amount`,
+:func:`parse_duration`, the name checks; handed out here too) turn what a user typed
 into the exact types a spec holds.
 """
 
@@ -15,15 +16,37 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import keyword
 import math
-import numbers
 import re
 from typing import Any
 
 from spotnb.protocol.errors import SpecError
+from spotnb.protocol.values import (
+    INJECTED_NAMES,
+    IPYTHON_CACHE_NAME,
+    MAX_NODES,
+    MAX_PROCS_PER_NODE,
+    PEER_TIMEOUT_MAX_SECONDS,
+    PEER_TIMEOUT_MIN_SECONDS,
+    amount,
+    bad_value,
+    check_env_name,
+    check_input_name,
+    check_nodes,
+    check_output_name,
+    check_user_env_name,
+    check_variable_name,
+    parse_duration,
+    parse_nodes,
+    parse_peer_timeout,
+    whole_number,
+)
 
 __all__ = [
+    "INJECTED_NAMES",
+    "IPYTHON_CACHE_NAME",
+    "MAX_NODES",
+    "MAX_PROCS_PER_NODE",
     "PEER_TIMEOUT_MAX_SECONDS",
     "PEER_TIMEOUT_MIN_SECONDS",
     "READABLE_SCHEMAS",
@@ -51,99 +74,6 @@ READABLE_SCHEMAS = frozenset({1})
 
 # A job's name is shown in one row of `spotnb jobs`; longer is a mistake, not a name.
 MAX_NAME_CHARS = 200
-
-
-def _bad(field: str, what: str, value: Any, fix: str = "") -> SpecError:
-    return SpecError(f"{{option}} must be {what}, not {value!r}" + (f"; {fix}" if fix else ""),
-                     field=field)
-
-
-def whole_number(value: Any, field: str, minimum: int = 0) -> int:
-    """``value`` as an ``int`` of at least ``minimum``; SpecError for anything else
-    (booleans, floats such as ``2.5`` or ``2.0``, strings, NaN)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise _bad(field, f"a whole number of at least {minimum}", value)
-    if value < minimum:
-        raise _bad(field, f"at least {minimum}", value)
-    return int(value)
-
-
-def amount(value: Any, field: str, unit: str, fix: str) -> float:
-    """``value`` as a finite ``float`` above 0 (a price, a budget); SpecError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _bad(field, f"a positive number of {unit}", value, fix)
-    number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise _bad(field, f"a positive, finite number of {unit}", value, fix)
-    return number
-
-
-def check_variable_name(name: Any, field: str) -> str:
-    """``name`` if it can be a Python variable (``class`` cannot); SpecError otherwise."""
-    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-        what = "a Python keyword" if isinstance(name, str) and keyword.iskeyword(name) \
-            else "not a variable name"
-        raise SpecError(f"{{option}}: {name!r} is {what}; name variables of the cell, "
-                        "e.g. model, accuracy", field=field)
-    return name
-
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def check_env_name(name: Any, field: str = "env") -> str:
-    """``name`` if it can name an environment variable; SpecError otherwise."""
-    if not isinstance(name, str) or not _ENV_NAME.match(name):
-        raise SpecError(f"{{option}}: {name!r} is not an environment variable name "
-                        "(letters, digits and _)", field=field)
-    return name
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|secs|m|min|mins|h|hr|hrs|d)?\s*$")
-_UNITS = {None: 1.0, "s": 1.0, "sec": 1.0, "secs": 1.0, "m": 60.0, "min": 60.0,
-          "mins": 60.0, "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "d": 86400.0}
-
-
-def parse_duration(value: float | int | str, what: str = "duration") -> float:
-    """Seconds from ``90``, ``"90s"``, ``"5m"``, ``"2h"`` or ``"1.5d"``: finite and
-    above 0. ``what`` is the field the value is for (it names it in the SpecError)."""
-    usage = "a duration like 90, '90s', '5m' or '2h'"
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-        raise _bad(what, usage, value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if not m:
-            raise _bad(what, usage, value)
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        seconds = float(value)
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise _bad(what, f"{usage}, finite and above 0", value)
-    return seconds
-
-
-#: The shortest peer timeout (``Policy.peer_timeout``) a job may set: a live peer may
-#: be silent this long while rank 0 writes a coordinated checkpoint or a loaded node
-#: answers late, and a shorter timeout takes such a peer for dead (a needless restart).
-PEER_TIMEOUT_MIN_SECONDS = 10.0
-#: The longest: a rank waits this long at most on a dead peer before the world
-#: re-forms (NCCL's own default of 10 minutes is a hang on a dead peer; an hour
-#: is past any reason to wait and still bounds the idle instances' cost).
-PEER_TIMEOUT_MAX_SECONDS = 3600.0
-
-
-def parse_peer_timeout(value: Any, what: str = "peer_timeout") -> float:
-    """Seconds a rank waits on a silent peer, from a duration (:func:`parse_duration`)
-    within :data:`PEER_TIMEOUT_MIN_SECONDS`..:data:`PEER_TIMEOUT_MAX_SECONDS`."""
-    seconds = parse_duration(value, what)
-    if not PEER_TIMEOUT_MIN_SECONDS <= seconds <= PEER_TIMEOUT_MAX_SECONDS:
-        raise SpecError(
-            f"{{option}} must be between {PEER_TIMEOUT_MIN_SECONDS:g}s and "
-            f"{PEER_TIMEOUT_MAX_SECONDS / 60:g}m (how long a rank waits on a dead peer "
-            f"before the world re-forms), not {value!r}: use e.g. 2m (the default); "
-            "shorter restarts a slow but live world, longer leaves the others idle "
-            "and billed", field=what)
-    return seconds
 
 
 #: ``Checkpoint.maybe_save`` saves this often unless the job says otherwise.
@@ -194,109 +124,6 @@ class CheckpointEvery:
         return f"every {self.steps} steps" if self.steps else f"every {self.seconds:g}s"
 
 
-# A multi-node job's nodes, at most: one node slot (lease, event stream) per node.
-MAX_NODES = 64
-# Worker processes (kernels) per node, at most: the largest GPU instances have 8 or 16
-# GPUs; one kernel per CPU core of a big CPU instance is still under this. More is a
-# typo, and each kernel costs an interpreter's memory on the instance.
-MAX_PROCS_PER_NODE = 128
-
-# Names the instance's kernel defines itself (the runtime's ``spot``, IPython's own),
-# and IPython's output cache (``_``, ``_i3``, ...): an input of such a name would shadow
-# them (or be shadowed). spotnb.client.capture skips them for the same reason.
-INJECTED_NAMES = frozenset({"spot", "get_ipython", "display", "In", "Out", "exit", "quit"})
-IPYTHON_CACHE_NAME = re.compile(r"^_(i{1,3}|i\d+|_{0,2}|dh|ih|oh|sh)$")
-# Environment variables spotnb sets on the instance (the local cloud's markers, the
-# metadata endpoint, its own settings): a job's env may not set them.
-RESERVED_ENV_PREFIX = "SPOTNB_"
-
-
-def check_input_name(name: Any, field: str = "inputs") -> str:
-    """``name`` if it can be an input variable of the cell; SpecError otherwise."""
-    check_variable_name(name, field)
-    if name in INJECTED_NAMES or IPYTHON_CACHE_NAME.match(name) or _dunder(name):
-        owner = ("the spotnb runtime" if name == "spot" else
-                 "Python" if _dunder(name) else "IPython")
-        raise SpecError(
-            f"{{option}}: {name!r} is a name the instance's kernel defines itself "
-            f"({owner}), so an input of that name would shadow it; rename the variable "
-            f"(e.g. {name.strip('_') or 'value'}_value) and use that name in the cell",
-            field=field)
-    return name
-
-
-def check_output_name(name: Any, field: str = "outputs") -> str:
-    """``name`` if it can be an output variable of the cell: not the runtime ``spot``,
-    IPython's own names or Python's (``__builtins__``); SpecError otherwise."""
-    check_variable_name(name, field)
-    if name in INJECTED_NAMES or IPYTHON_CACHE_NAME.match(name) or _dunder(name):
-        owner = ("the spotnb runtime module, not a result" if name == "spot" else
-                 "Python's own" if _dunder(name) else "IPython's own")
-        raise SpecError(
-            f"{{option}}: {name!r} is {owner}; bring back a variable the cell assigns "
-            "(e.g. model, accuracy)", field=field)
-    return name
-
-
-def _dunder(name: str) -> bool:
-    return len(name) > 4 and name.startswith("__") and name.endswith("__")
-
-
-def check_user_env_name(name: Any, field: str = "env") -> str:
-    """``name`` if a job's env may set it: not one of spotnb's own ``SPOTNB_*``."""
-    check_env_name(name, field)
-    if name.upper().startswith(RESERVED_ENV_PREFIX):
-        raise SpecError(
-            f"{{option}}: {name} is spotnb's own variable ({RESERVED_ENV_PREFIX}*: spotnb "
-            "sets these on the instance, and a job's value would override them); remove "
-            "it from env, or configure the local cloud through its settings "
-            "(cloud/config.json) instead", field=field)
-    return name
-
-
-def parse_nodes(value: Any, field: str = "nodes") -> tuple[int, int]:
-    """``(min, max)`` nodes from ``4``, ``"4"``, ``"3:4"`` or ``(3, 4)``; SpecError
-    (about ``field``) for anything else.
-
-    MIN is how few nodes training goes on with while a lost node's replacement boots
-    (torchrun's ``--nnodes MIN:MAX``); MAX is how many the capacity group keeps.
-    """
-    usage = ("{option} must be a count of nodes (4) or MIN:MAX ('3:4': train on 3 while a "
-             f"lost node's replacement boots, on 4 otherwise), not {value!r}")
-
-    def count(v: Any) -> bool:
-        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-    if count(value):
-        low = high = int(value)
-    elif isinstance(value, (tuple, list)):
-        if len(value) != 2 or not all(count(v) for v in value):
-            raise SpecError(usage, field=field)
-        low, high = int(value[0]), int(value[1])
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", value, flags=re.ASCII)
-        if not m:
-            raise SpecError(usage, field=field)
-        low = int(m.group(1))
-        high = int(m.group(2)) if m.group(2) is not None else low
-    else:
-        raise SpecError(usage, field=field)
-    _check_nodes(low, high, field, value)
-    return low, high
-
-
-def _check_nodes(low: int, high: int, field: str, value: Any) -> None:
-    if low < 1 or high < 1:
-        raise SpecError(f"{{option}}: a job needs at least one node, not {value!r}; use 1 "
-                        "(the default) or more", field=field)
-    if low > high:
-        raise SpecError(f"{{option}} {low}:{high} asks for at least {low} nodes but at most "
-                        f"{high}: MIN must not exceed MAX (e.g. {high}:{low})", field=field)
-    if high > MAX_NODES:
-        raise SpecError(f"{{option}} {value!r} is above spotnb's limit of {MAX_NODES} nodes",
-                        field=field)
-
-
 @dataclasses.dataclass(frozen=True)
 class Resources:
     """Where the job may run: instance types in order of preference, regions, price cap,
@@ -329,10 +156,10 @@ class Resources:
         if not isinstance(self.instance_types, tuple) or not all(
                 isinstance(t, str) and t and t == t.strip() and "," not in t
                 for t in self.instance_types):
-            raise _bad("instance_types", "instance type names such as 'g5.xlarge'",
+            raise bad_value("instance_types", "instance type names such as 'g5.xlarge'",
                        self.instance_types)
         if not isinstance(self.region, str) or not self.region.strip():
-            raise _bad("region", "a region name such as 'us-east-1'", self.region)
+            raise bad_value("region", "a region name such as 'us-east-1'", self.region)
         _check_regions(self.regions, self.region)
         if not self.regions:
             object.__setattr__(self, "regions", (self.region,))
@@ -342,7 +169,7 @@ class Resources:
             _exact_float(self.max_price, "max_price")
         _exact_int(self.min_nodes, "nodes", 1)
         _exact_int(self.max_nodes, "nodes", 1)
-        _check_nodes(self.min_nodes, self.max_nodes, "nodes",
+        check_nodes(self.min_nodes, self.max_nodes, "nodes",
                      f"{self.min_nodes}:{self.max_nodes}")
         _exact_int(self.procs_per_node, "procs_per_node", 1)
         if self.procs_per_node > MAX_PROCS_PER_NODE:
@@ -356,9 +183,9 @@ def _check_regions(regions: Any, home: str) -> None:
     """A tuple of distinct region names (or empty), the home ``region`` among them."""
     if not isinstance(regions, tuple) or not all(
             isinstance(r, str) and r and r == r.strip() and "," not in r for r in regions):
-        raise _bad("region", "region names such as ('us-east-1', 'us-west-2')", regions)
+        raise bad_value("region", "region names such as ('us-east-1', 'us-west-2')", regions)
     if len(set(regions)) != len(regions):
-        raise _bad("region", "regions without repeats", regions)
+        raise bad_value("region", "regions without repeats", regions)
     if regions and home not in regions:
         raise SpecError(f"{{option}}: the job's home region {home} (where its store is) "
                         f"must be one of its regions {', '.join(regions)}", field="region")
@@ -393,11 +220,11 @@ class Policy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.standby, bool):
-            raise _bad("standby", "True or False", self.standby)
+            raise bad_value("standby", "True or False", self.standby)
         if not isinstance(self.standby_first_hour, bool):
-            raise _bad("standby_first_hour", "True or False", self.standby_first_hour)
+            raise bad_value("standby_first_hour", "True or False", self.standby_first_hour)
         if not isinstance(self.checkpoint_every, CheckpointEvery):
-            raise _bad("checkpoint_every", "a CheckpointEvery", self.checkpoint_every)
+            raise bad_value("checkpoint_every", "a CheckpointEvery", self.checkpoint_every)
         _exact_int(self.max_restarts_on_error, "max_restarts_on_error", 0)
         if self.budget_usd is not None:
             amount(self.budget_usd, "budget_usd", "USD", "leave it unset for no budget")
@@ -414,12 +241,12 @@ def _exact_int(value: Any, field: str, minimum: int) -> None:
     """A spec holds a plain ``int`` (JSON-serialisable), not a numpy integer."""
     whole_number(value, field, minimum)
     if type(value) is not int:
-        raise _bad(field, "a plain int", value)
+        raise bad_value(field, "a plain int", value)
 
 
 def _exact_float(value: Any, field: str) -> None:
     if type(value) not in (int, float):
-        raise _bad(field, "a plain number", value)
+        raise bad_value(field, "a plain number", value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,13 +286,13 @@ class JobSpec:
     def __post_init__(self) -> None:
         for field in ("job_id", "code", "provider", "store_uri"):
             if not isinstance(getattr(self, field), str):
-                raise _bad(field, "a string", getattr(self, field))
+                raise bad_value(field, "a string", getattr(self, field))
         if not isinstance(self.name, str) or not self.name.strip() or \
                 len(self.name) > MAX_NAME_CHARS or not self.name.isprintable():
-            raise _bad("name", f"a printable name of 1 to {MAX_NAME_CHARS} characters on "
+            raise bad_value("name", f"a printable name of 1 to {MAX_NAME_CHARS} characters on "
                        "one line", self.name)
         if self.name.strip() in (".", "..") or "/" in self.name or "\\" in self.name:
-            raise _bad("name", "a name without '/' or '\\' that is not '.' or '..' (a "
+            raise bad_value("name", "a name without '/' or '\\' that is not '.' or '..' (a "
                        "job's name is typed in commands such as `spotnb logs NAME`, where "
                        "these read as paths)", self.name, "e.g. gpt-small-lr3e-4")
         if isinstance(self.schema, bool) or self.schema not in READABLE_SCHEMAS:
@@ -476,22 +303,22 @@ class JobSpec:
         for field in ("inputs", "outputs"):
             names = getattr(self, field)
             if not isinstance(names, tuple):
-                raise _bad(field, "a tuple of variable names", names)
+                raise bad_value(field, "a tuple of variable names", names)
             for name in names:
                 (check_input_name if field == "inputs" else check_output_name)(name, field)
             if len(set(names)) != len(names):
-                raise _bad(field, "names without repeats", names)
+                raise bad_value(field, "names without repeats", names)
         _check_simulation(self.simulate_interruptions)
         if self.simulate_signals is not None:
             from spotnb.protocol.signals import SignalModel
 
             SignalModel.from_dict(self.simulate_signals)
         if not isinstance(self.env, dict):
-            raise _bad("env", "a dict of environment variables", self.env)
+            raise bad_value("env", "a dict of environment variables", self.env)
         for key, value in self.env.items():
             check_user_env_name(key)
             if value is not None and (not isinstance(value, str) or "\0" in value):
-                raise _bad("env", "text values (or None)", {key: value})
+                raise bad_value("env", "text values (or None)", {key: value})
         _check_secret_names(self.secrets, self.env)
 
     def to_json(self) -> str:
@@ -531,7 +358,7 @@ class JobSpec:
             raise SpecError(f"spec.json lacks {', '.join(missing)}; {_RESUBMIT}")
         if not isinstance(raw.get("created"), (int, float)) or isinstance(
                 raw["created"], bool) or not math.isfinite(raw["created"]):
-            raise _bad("created", "a time (seconds since the epoch)", raw["created"],
+            raise bad_value("created", "a time (seconds since the epoch)", raw["created"],
                        _RESUBMIT)
         try:
             return cls(
@@ -582,18 +409,18 @@ def _object(value: Any, what: str) -> dict[str, Any]:
 
 def _names_list(value: Any, field: str) -> tuple[Any, ...]:
     if not isinstance(value, (list, tuple)):
-        raise _bad(field, "a list of names", value, _RESUBMIT)
+        raise bad_value(field, "a list of names", value, _RESUBMIT)
     return tuple(value)
 
 
 def _check_secret_names(names: Any, env: dict[str, Any]) -> None:
     """A tuple of distinct variable names, none of them also in ``env``."""
     if not isinstance(names, tuple):
-        raise _bad("secrets", "a tuple of environment variable names", names)
+        raise bad_value("secrets", "a tuple of environment variable names", names)
     for name in names:
         check_env_name(name, "secrets")
     if len(set(names)) != len(names):
-        raise _bad("secrets", "names without repeats", names)
+        raise bad_value("secrets", "names without repeats", names)
     both = sorted(set(names) & set(env))
     if both:
         raise SpecError(f"{{option}}: {', '.join(both)} is given both as a secret and in "

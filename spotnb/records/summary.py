@@ -25,7 +25,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from spotnb.ckpt.checkpoints import CheckpointStore
-from spotnb.client.jobs import JobHandle, JobResult, node_instances, nodes_label, summarize_state
+from spotnb.client.jobs import JobHandle
+from spotnb.client.results import JobResult, node_instances, nodes_label, summarize_state
 from spotnb.protocol import layout
 from spotnb.protocol.events import (
     Event,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from spotnb.sweep.budget import SweepCost
 from spotnb.sweep.state import round_value
 
-__all__ = ["Sweep", "header_lines", "summary_text"]
+__all__ = ["Sweep", "header_lines", "stopped_text", "summary_text"]
 
 
 class _Trial(Protocol):
@@ -118,3 +118,14 @@ def header_lines(made: Sweep, markdown: bool = False) -> list[str]:
 def summary_text(made: Sweep, markdown: bool = False) -> str:
     """:func:`header_lines` as one text."""
     return "\n".join(header_lines(made, markdown))
+
+
+def stopped_text(done: Any, attach: str) -> str:
+    """What ``%spot_sweep_stop`` and ``spotnb stop SWEEP`` say they did."""
+    if done.already_ended:
+        return (f"sweep {done.sweep_id} ({done.name!r}) had already ended ({done.status}); "
+                "nothing to stop.")
+    jobs = (f"its running trials' jobs stopped ({', '.join(done.jobs_stopped)}), their "
+            "instances deleted" if done.jobs_stopped else "no trial was running")
+    return (f"sweep {done.sweep_id} ({done.name!r}) stopped for good: {jobs}; no trial "
+            f"starts any more. Its trials stay in the store: `{attach} {done.sweep_id}`.")

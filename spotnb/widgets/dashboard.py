@@ -52,7 +52,8 @@ from spotnb.widgets.plots import GROUPINGS, X_AXES, Plots
 from spotnb.widgets.series import DEFAULT_BUCKETS, DashboardData
 
 if TYPE_CHECKING:
-    from spotnb.client.jobs import JobHandle, JobResult
+    from spotnb.client.jobs import JobHandle
+    from spotnb.client.results import JobResult
     from spotnb.protocol.events.fold import JobState
 
 __all__ = ["FLUSH_SECONDS", "MESSAGE_SECONDS", "STOP_CONFIRM_SECONDS", "Dashboard",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import html
 
 from spotnb.client import display
+from spotnb.client.status import state_colour
 from spotnb.client.view import JobView
 from spotnb.protocol.events import JobStatus
 from spotnb.protocol.events.fold import PoolState
@@ -23,9 +24,6 @@ from spotnb.widgets.series import DashboardData
 
 __all__ = ["header_html", "sparkline"]
 
-STATE_COLOURS = {"completed": "#1a7f37", "failed": "#cf222e", "stopped": "#9a6700",
-                 "pruned": "#6e7781",
-                 "interrupted": "#bc4c00", "waiting_for_capacity": "#9a6700"}
 _GREY = "#57606a"
 _SPARK_W, _SPARK_H = 90, 16
 
@@ -116,7 +114,7 @@ def header_html(view: JobView | None, data: DashboardData) -> str:
     if view is None:
         return "<div class='spotnb-header'><b>spotnb</b>: starting…</div>"
     h = display.header(view)
-    colour = STATE_COLOURS.get(view.state, "#0969da")
+    colour = state_colour(view.state)
     status = JobStatus.parse(view.state)
     state = (status.label if status is not None else view.state) + (
         " (detached)" if view.detached else "")

@@ -693,7 +693,7 @@ class NodeRun:
         agent.write(lambda: self.store.put(key, body), "the error")
         if retrying:
             agent.emit("error", retrying=True, rank=run.rank, **run.error)
-            agent.emit("status", state="booting", detail=(
+            agent.emit("status", state="booting", retrying=True, detail=(
                 f"retrying after {run.error['ename']} on rank {run.rank} ({errors + 1} of "
                 f"{self.spec.policy.max_restarts_on_error}): re-forming the world"))
             self.stop()  # the peers' collectives fail now: they re-form too

@@ -28,7 +28,8 @@ logs of spotnb 0.1), a ``type`` and a ``data`` dict. The types and their data (t
 vocabulary every reader may rely on):
 
 ``status``      ``state`` (one of :data:`STATES`), ``detail``; at boot also
-                ``instance_type``, ``az``, ``region``
+                ``instance_type``, ``az``, ``region``; ``retrying`` (true: the
+                same attempt boots its cell again after an error, max_restarts_on_error)
 ``metrics``     a batch of rows, by column (see :func:`metric_columns`): ``rows``,
                 ``step`` (int64), ``t`` (float64: the time of each ``log`` call),
                 ``values`` {name: float64 column, or {"i": int32 row indices, "v":

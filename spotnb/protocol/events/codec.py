@@ -93,11 +93,9 @@ class Status:
     instance_type: str | None = None
     az: str | None = None
     region: str | None = None  # a boot's: the region of its instance
-
-    @property
-    def retrying(self) -> bool:
-        """A boot of the same attempt again (max_restarts_on_error), not a new one."""
-        return self.detail.startswith("retrying")
+    # A boot of the same attempt again (max_restarts_on_error), not a new one: the agent
+    # says so in the event's ``retrying`` field where it decides to retry.
+    retrying: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,12 +377,16 @@ class Pruned:
     trial: int | None = None
 
     @property
+    def at(self) -> str:
+        """``pruned at step 140`` (``pruned`` without a step)."""
+        return f"pruned at step {self.step}" if self.step is not None else "pruned"
+
+    @property
     def text(self) -> str:
         """``pruned at step 140 (val_loss 0.4452)``."""
-        at = f" at step {self.step}" if self.step is not None else ""
         value = f" ({self.metric} {self.value:.4g})" if self.metric and \
             self.value is not None else ""
-        return f"pruned{at}{value}"
+        return f"{self.at}{value}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,9 +438,16 @@ Body = (Status | Metric | Metrics | ProgressTotal | Stream | Display | Sys | Che
 
 
 def _status(e: Event, d: dict[str, Any]) -> Status:
-    return Status(state=_str(d.get("state")), detail=_str(d.get("detail")),
+    detail = _str(d.get("detail"))
+    if "retrying" in d:
+        retrying = bool(d["retrying"])
+    else:
+        # Logs of spotnb before the field said it only in the detail's words, which the
+        # agent of those versions always began with "retrying"; read here and nowhere else.
+        retrying = d.get("state") == "booting" and detail.startswith("retrying")
+    return Status(state=_str(d.get("state")), detail=detail,
                   instance_type=_opt_str(d.get("instance_type")), az=_opt_str(d.get("az")),
-                  region=_opt_str(d.get("region")))
+                  region=_opt_str(d.get("region")), retrying=retrying)
 
 
 def _metric(e: Event, d: dict[str, Any]) -> Metric:

@@ -367,6 +367,15 @@ class JobState(Money):
         """Whether the job has ended (its result is in the log)."""
         return self.status.is_terminal
 
+    @staticmethod
+    def outcome_reads_log(result: Mapping[str, Any] | None) -> bool:
+        """Whether :meth:`outcome` of ``result`` (``result.json``) needs the log folded:
+        there is no result yet, or it says ``stopped``, which a sweep's ``pruned`` event
+        makes ``pruned``. Any other result says the outcome on its own (an empty
+        :class:`JobState` gives it), which spares a reader the log."""
+        return result is None or not result.get("status") or \
+            str(result["status"]) == JobStatus.STOPPED.value
+
     def outcome(self, result: Mapping[str, Any] | None = None) -> tuple[str, str]:
         """The job's status and reason as every view says them: ``result.json``'s
         (``result``: the job's own word, written first) where there is one, else the

@@ -186,10 +186,10 @@ LIFECYCLE_HOOK_NAME = "spotnb-final-save"
 #: prefetched, cell at its restore point).
 LAUNCH_HOOK_NAME = "spotnb-standby-ready"
 #: EC2's boot, as the instance agent counts it when it times a standby to be ready as
-#: its instance's first hour ends (spotnb.protocol.billing.standby_wait).
+#: its instance's first hour ends (spotnb.protocol.standby.standby_wait).
 STANDBY_BOOT_SECONDS = 90
-#: How long a standby may take to be ready: EC2's boot and the local group's hold
-#: (spotnb.providers.local.group.STANDBY_HOLD_SECONDS). The launch hook waits as long;
+#: How long a standby may take to be ready: EC2's boot and the standby policy's hold
+#: (spotnb.protocol.standby.STANDBY_HOLD_SECONDS, 600 s). The launch hook waits as long;
 #: the job's instance gives back a standby not ready by then.
 LAUNCH_HOOK_SECONDS = STANDBY_BOOT_SECONDS + 600
 

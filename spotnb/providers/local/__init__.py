@@ -80,34 +80,38 @@ are kept in ``$SPOTNB_HOME/secrets/<job-id>.json`` (mode 0600, outside the store
 :mod:`spotnb.protocol.secretstore`), which the agent reads at its start; the file is deleted
 when the job's supervisor ends, by ``terminate`` and by ``cleanup``.
 
-``cleanup`` plans before it acts (:meth:`LocalProvider.cleanup_plan`): the dry run
-prints the plan, the real run carries it out, action for action.
+``cleanup`` plans before it acts (:mod:`.cleanup`): the dry run prints the plan, the
+real run carries it out, action for action. What a job is refused before it starts:
+:mod:`.checks`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from spotnb.protocol import secretstore
 from spotnb.protocol.layout import RESULT, SPEC
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import StoreError, file_lock, open_store, upload_mbps
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
+from spotnb.providers.local import control
+from spotnb.providers.local.checks import check_max_price, check_simulation, check_type
+from spotnb.providers.local.cleanup import CleanupAction, abandoned_socket_dirs, cleanup_plan
+from spotnb.providers.local.groupfile import (
+    SUPERVISOR_KILL_GRACE_SECONDS,
+    has_result,
+    supervisor_alive,
+)
 from spotnb.providers.local.state import (
     CONTROL_DIR,
     ENV_CLOUD_MARK,
@@ -119,13 +123,11 @@ from spotnb.providers.local.state import (
     Settings,
     check_job_id,
     group_dir,
-    groups_dir,
     instances_dir,
     kill_processes,
     kill_tree,
     marked_processes,
     read_json,
-    write_json,
 )
 
 __all__ = ["CleanupAction", "LocalProvider", "Settings", "abandoned_socket_dirs"]
@@ -136,8 +138,6 @@ log = logging.getLogger(__name__)
 LAUNCH_TIMEOUT_SECONDS = 10.0
 # How long terminate() lets the supervisor end its instances before doing it itself.
 TERMINATE_TIMEOUT_SECONDS = 10.0
-# Grace for a supervisor killed from outside: on SIGTERM it ends its instances first.
-SUPERVISOR_KILL_GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.05
 # A supervisor is no process of an instance, also when an instance's reaper starts it
 # (spotnb.providers.local.reaper): it is started without the instance's variables.
@@ -157,10 +157,10 @@ class LocalProvider(Provider):
             raise SpecError("no instance type given: name at least one, e.g. 'g5.xlarge', "
                             "or pick one with %spot_picker")
         for instance_type in res.instance_types:
-            _check_type(instance_type, res.regions)
+            check_type(instance_type, res.regions)
         if res.max_price is not None:
-            _check_max_price(res.max_price, res.instance_types, res.regions)
-        _check_simulation(spec.simulate_interruptions)
+            check_max_price(res.max_price, res.instance_types, res.regions)
+        check_simulation(spec.simulate_interruptions)
         try:
             open_store(spec.store_uri)
         except StoreError as e:
@@ -177,7 +177,7 @@ class LocalProvider(Provider):
         store.put_if_absent(SPEC, spec.to_json().encode())
         home = group_dir(spec.job_id)
         info = read_json(home / GROUP_FILE)
-        if info is not None and _alive(info):
+        if info is not None and supervisor_alive(info):
             raise ProviderError(
                 f"job {spec.job_id} already has a running capacity group (supervisor pid "
                 f"{info['supervisor']['pid']}); stop that job first, or remove leftovers "
@@ -228,7 +228,7 @@ class LocalProvider(Provider):
         # Step 2: the supervisor says it is up.
         while time.monotonic() < deadline:
             info = read_json(home / GROUP_FILE)
-            if info is not None and info.get("state") == "ready" and _alive(info):
+            if info is not None and info.get("state") == "ready" and supervisor_alive(info):
                 log.info("local capacity group for job %s is up", job_id)
                 return
             if info is not None and info.get("state") == "exited" and not adopt:
@@ -247,16 +247,16 @@ class LocalProvider(Provider):
         """
         home = group_dir(job_id)
         info = read_json(home / GROUP_FILE)
-        if info is None or _alive(info):
+        if info is None or supervisor_alive(info):
             return None
         store_uri = info.get("store_uri")
         if not store_uri:
             return None
-        if _has_result(store_uri):
+        if has_result(store_uri):
             return self._close_books(job_id, str(store_uri))
         with file_lock(home / "restart.lock"):
             info = read_json(home / GROUP_FILE) or info
-            if _alive(info) or _has_result(store_uri):
+            if supervisor_alive(info) or has_result(store_uri):
                 return None  # another process restarted it, or the job ended
             log.warning("the supervisor of job %s is gone; starting a new one", job_id)
             try:
@@ -277,7 +277,7 @@ class LocalProvider(Provider):
         home = group_dir(job_id)
         with file_lock(home / "restart.lock"):
             info = read_json(home / GROUP_FILE) or {}
-            if _alive(info) or info.get("state") == "exited":
+            if supervisor_alive(info) or info.get("state") == "exited":
                 return None
             log.info("job %s ended while its supervisor was gone; closing its books",
                      job_id)
@@ -293,9 +293,9 @@ class LocalProvider(Provider):
         running one) an interruption notice, as EC2 would."""
         home = group_dir(job_id)
         info = read_json(home / GROUP_FILE)
-        if info is None or not _alive(info):
+        if info is None or not supervisor_alive(info):
             raise ProviderError(f"job {job_id} has no running capacity group to interrupt")
-        _request(home, "interrupt", instance=instance)
+        control.send(home, "interrupt", instance=instance)
         log.info("requested an interruption of job %s's instance %s", job_id,
                  instance or "(the first running)")
 
@@ -319,9 +319,9 @@ class LocalProvider(Provider):
     def _fault(self, job_id: str, kind: str, instance: str | None) -> None:
         home = group_dir(job_id)
         info = read_json(home / GROUP_FILE)
-        if info is None or not _alive(info):
+        if info is None or not supervisor_alive(info):
             raise ProviderError(f"job {job_id} has no running capacity group to {kind}")
-        _request(home, kind, instance=instance)
+        control.send(home, kind, instance=instance)
         log.info("requested a %s of job %s's instance %s", kind, job_id,
                  instance or "(the first running)")
 
@@ -331,7 +331,7 @@ class LocalProvider(Provider):
         supervisor = ProcessRecord.from_dict(info.get("supervisor")) if info else None
         # Step 1: ask the supervisor, which ends its instances and writes the result.
         if supervisor is not None and supervisor.alive():
-            _request(home, "terminate")
+            control.send(home, "terminate")
             deadline = time.monotonic() + TERMINATE_TIMEOUT_SECONDS
             while supervisor.alive() and time.monotonic() < deadline:
                 time.sleep(_POLL_SECONDS)
@@ -357,79 +357,8 @@ class LocalProvider(Provider):
         return done
 
     def cleanup_plan(self) -> list[CleanupAction]:
-        """Everything a cleanup does now, in order: kill what is left of jobs that ended
-        or lost their supervisor, then remove their directories, then the socket
-        directories that killed agents left in the temporary directory. A running job
-        (its supervisor alive, no result) is left alone.
-        """
-        kills: list[CleanupAction] = []
-        removals: list[CleanupAction] = []
-        live_jobs = set()
-        covered: set[int] = set()  # pids some action already kills
-        instances_of: dict[str, list[Path]] = {}
-        for home in _subdirs(instances_dir()):
-            job = (read_json(home / "meta.json") or {}).get("job_id")
-            instances_of.setdefault(str(job), []).append(home)
-        groups = {home.name: home for home in _subdirs(groups_dir())}
-        for job_id in sorted(set(groups) | set(instances_of) - {"None"}):
-            info = (read_json(groups[job_id] / GROUP_FILE) if job_id in groups else None) or {}
-            alive = _alive(info)
-            finished = _has_result(info.get("store_uri") or _instance_store(instances_of,
-                                                                                 job_id))
-            if alive and not finished:
-                live_jobs.add(job_id)
-                continue
-            # Step 1: processes. A supervisor still up after its job's result, then the
-            # instance processes that outlived their group.
-            supervisor = ProcessRecord.from_dict(info.get("supervisor")) if alive else None
-            if supervisor is not None:
-                covered |= _family(supervisor)
-                kills.append(CleanupAction(
-                    f"stop the capacity group of job {job_id} (pid {supervisor.pid}): its "
-                    "job has a result", _kill_action(supervisor, SUPERVISOR_KILL_GRACE_SECONDS)))
-            for home in instances_of.get(job_id, []):
-                record = ProcessRecord.from_dict(read_json(home / "pid.json"))
-                if record is not None and record.alive() and record.pid not in covered:
-                    covered |= _family(record)
-                    kills.append(CleanupAction(
-                        f"kill orphan instance {home.name} of job {job_id} (pid {record.pid})",
-                        _kill_action(record, 1.0)))
-            # Step 2: its directories in the local cloud (the job's history stays in
-            # its store: `spotnb logs` still shows it).
-            dirs = ([groups[job_id]] if job_id in groups else []) + instances_of.get(job_id, [])
-            if secretstore.local_path(job_id).exists():
-                dirs.append(secretstore.local_path(job_id))
-            count = len(instances_of.get(job_id, []))
-            instances = f"{count} instance director{'y' if count == 1 else 'ies'}"
-            if job_id not in groups:
-                what = f"the {instances} of job {job_id} (its capacity group is gone)"
-            elif finished and not alive:
-                what = (f"the logs of finished job {job_id} (its capacity group and "
-                        f"{instances}; its history stays in its store)")
-            else:
-                why = "its job has a result" if finished else "its supervisor is gone"
-                what = f"capacity group {job_id} ({why}) and its {instances}"
-            removals.append(CleanupAction(f"remove {what}", _remove_action(dirs)))
-        for path in _subfiles(secretstore.local_dir()):
-            job_id = path.name.removesuffix(".json")
-            if job_id not in groups and job_id not in instances_of:
-                removals.append(CleanupAction(
-                    f"remove the secrets of job {job_id} (it has no capacity group)",
-                    _remove_action([path])))
-        for home in instances_of.get("None", []):
-            removals.append(CleanupAction(f"remove the unreadable instance directory {home}",
-                                          _remove_action([home])))
-        for proc, instance_id, job_id in marked_processes():
-            if job_id in live_jobs or proc.pid in covered:
-                continue
-            kills.append(CleanupAction(
-                f"kill orphan process {proc.pid} of instance {instance_id} (job {job_id})",
-                _kill_processes_action(proc)))
-        for path in abandoned_socket_dirs():
-            removals.append(CleanupAction(
-                f"remove {path}, left by a killed agent (it holds its kernel's connection "
-                "file, with the kernel's key)", _remove_action([path])))
-        return kills + removals
+        """Everything a cleanup does now, in order (:func:`.cleanup.cleanup_plan`)."""
+        return cleanup_plan()
 
     def prices(self, instance_type: str, region: str) -> PoolPrice:
         catalog.check_instance_type(instance_type, region)
@@ -452,7 +381,7 @@ class LocalProvider(Provider):
     def group(self, job_id: str) -> dict[str, Any] | None:
         """The capacity group's record (``group.json``) with ``alive``, or None."""
         info = read_json(group_dir(job_id) / GROUP_FILE)
-        return None if info is None else {**info, "alive": _alive(info)}
+        return None if info is None else {**info, "alive": supervisor_alive(info)}
 
     def instances(self, job_id: str) -> list[dict[str, Any]]:
         """The records (``meta.json``) of the job's instances, oldest first."""
@@ -487,127 +416,6 @@ class LocalProvider(Provider):
         secretstore.delete_local(job_id)
 
 
-@dataclasses.dataclass(frozen=True)
-class CleanupAction:
-    """One step of a cleanup: ``what`` it does, in words, and ``apply`` to do it."""
-
-    what: str
-    apply: Callable[[], None]
-
-
-def _family(record: ProcessRecord) -> set[int]:
-    """The pids of a recorded process and its descendants (killing it kills them)."""
-    proc = record.process()
-    if proc is None:
-        return set()
-    try:
-        return {proc.pid, *(child.pid for child in proc.children(recursive=True))}
-    except psutil.Error:
-        return {proc.pid}
-
-
-def _subdirs(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
-
-
-def _instance_store(instances_of: dict[str, list[Path]], job_id: str) -> str | None:
-    """The job's store URI from one of its instances' records (its group may be gone)."""
-    for home in instances_of.get(job_id, []):
-        uri = (read_json(home / "meta.json") or {}).get("store_uri")
-        if uri:
-            return str(uri)
-    return None
-
-
-def _subfiles(path: Path) -> list[Path]:
-    return sorted(p for p in path.glob("*.json") if p.is_file()) if path.is_dir() else []
-
-
-def _kill_action(record: ProcessRecord, grace: float) -> Callable[[], None]:
-    def apply() -> None:
-        kill_tree(record, grace=grace)  # verifies the pid is still that process first
-    return apply
-
-
-def _kill_processes_action(proc: Any) -> Callable[[], None]:
-    def apply() -> None:
-        kill_processes([proc], grace=1.0)
-    return apply
-
-
-def _remove_action(paths: list[Path]) -> Callable[[], None]:
-    def apply() -> None:
-        for path in paths:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-    return apply
-
-
-# The agent keeps the runtime's socket and its kernel's sockets and connection file
-# (which holds the kernel's key) in a directory made with tempfile.mkdtemp(prefix=...).
-AGENT_SOCKET_DIR_PREFIX = "spotnb-"
-
-
-def abandoned_socket_dirs() -> list[Path]:
-    """This user's agent socket directories in the temporary directory that no live
-    process uses: left by agents that were killed (a clean exit removes its own).
-
-    A directory counts once it holds the agent's socket or a kernel connection file
-    (an agent binds its socket as it starts), and is abandoned when none of its sockets
-    is bound any more (``/proc/net/unix``). Where that cannot be read, nothing is
-    reported: a live agent's directory must never be removed.
-    """
-    bound = _bound_unix_sockets()
-    if bound is None:
-        return []
-    found = []
-    me = os.getuid()
-    for path in sorted(Path(tempfile.gettempdir()).glob(AGENT_SOCKET_DIR_PREFIX + "*")):
-        try:
-            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != me:
-                continue
-            names = [p.name for p in path.iterdir()]
-        except OSError:
-            continue
-        if "agent.sock" not in names and not any(re.fullmatch(r"k\d+\.json", n) for n in names):
-            continue
-        if any(str(path / name) in bound for name in names):
-            continue
-        found.append(path)
-    return found
-
-
-def _bound_unix_sockets() -> set[str] | None:
-    """The paths of every bound Unix socket on this machine, or None if unknown."""
-    try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-    except OSError:
-        return None
-    # Num RefCount Protocol Flags Type St Inode [Path]
-    return {parts[7] for line in lines if len(parts := line.split(None, 7)) == 8}
-
-
-def _alive(info: dict[str, Any]) -> bool:
-    record = ProcessRecord.from_dict(info.get("supervisor"))
-    return record is not None and record.alive()
-
-
-def _request(home: Path, kind: str, **fields: Any) -> None:
-    write_json(home / CONTROL_DIR / f"{kind}-{time.time_ns()}.json",
-               {"kind": kind, "time": time.time(), "pid": os.getpid(), **fields})
-
-
-def _has_result(store_uri: Any) -> bool:
-    if not store_uri:
-        return False
-    try:
-        return open_store(str(store_uri)).exists(RESULT)
-    except StoreError:
-        return False
-
-
 def _write_result(store_uri: Any, status: str, reason: str) -> None:
     try:
         open_store(str(store_uri)).put_if_absent(RESULT, json.dumps(
@@ -633,53 +441,3 @@ def _tail(path: Path, lines: int = 3) -> str:
     except OSError:
         return "no log"
     return " | ".join(text[-lines:]) or "the log is empty"
-
-
-def _check_type(instance_type: str, regions: tuple[str, ...]) -> None:
-    """An instance type the catalog offers in one of the job's regions at least (it runs
-    where it is offered); SpecError naming where it is offered otherwise."""
-    catalog.check_type_name(instance_type)
-    if any(catalog.pools(instance_type, region) for region in regions):
-        return
-    if len(regions) == 1:
-        catalog.check_instance_type(instance_type, regions[0])  # raises, naming the fix
-    where = catalog.regions(instance_type)
-    raise SpecError(
-        f"{instance_type} has no spot pool in any of the job's regions "
-        f"({', '.join(regions)}) in spotnb's catalog ({catalog.DATA_DATE['catalog']}); "
-        + (f"regions that have it: {', '.join(where)}. Add one of them to the job's "
-           "regions (--region), or choose another type with %spot_picker." if where else
-           "no region has a spot price for it: pick another type with %spot_picker."))
-
-
-def _check_max_price(max_price: Any, instance_types: tuple[str, ...],
-                     regions: tuple[str, ...]) -> None:
-    if isinstance(max_price, bool) or not isinstance(max_price, (int, float)) or max_price <= 0:
-        raise SpecError(f"max_price must be a positive price in USD per hour, not {max_price!r}")
-    lowest = min(
-        (min(p for _, p in catalog.price_trace(t, region, pool.az).points), pool.name)
-        for region in regions for t in instance_types for pool in catalog.pools(t, region)
-    )
-    if max_price < lowest[0]:
-        raise SpecError(
-            f"max_price ${max_price:g}/h is below every spot price the local cloud has for "
-            f"{', '.join(instance_types)} in {', '.join(regions)} (lowest "
-            f"${lowest[0]:.4f}/h in {lowest[1]}): the job would never start. Raise "
-            "max_price or leave it unset."
-        )
-
-
-def _check_simulation(sim: dict[str, Any] | None) -> None:
-    if sim is None:
-        return
-    usage = ("simulate_interruptions must be {'count': N} or {'schedule': [seconds, ...]}, "
-             f"not {sim!r}")
-    if not isinstance(sim, dict) or not set(sim) <= {"count", "schedule"} or not sim:
-        raise SpecError(usage)
-    count = sim.get("count", 0)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise SpecError(usage)
-    schedule = sim.get("schedule", [])
-    if not isinstance(schedule, (list, tuple)) or any(
-            isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0 for s in schedule):
-        raise SpecError(usage)

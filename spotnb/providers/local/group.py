@@ -57,7 +57,6 @@ started SIGKILLed at once; ``terminated`` with reason ``killed``, then replaced)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -68,15 +67,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from spotnb.protocol import secretstore
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import JobState, fold
 from spotnb.protocol.events.live import request_stop
 from spotnb.protocol.layout import RESULT, SPEC, STOP
+from spotnb.protocol.limits import limit_reached
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
+from spotnb.providers.local import control
 from spotnb.providers.local.adoption import take_over
 from spotnb.providers.local.failover import notice_end
 from spotnb.providers.local.groupfile import AGENT_EXIT_STORE, GroupFile
@@ -90,7 +89,6 @@ from spotnb.providers.local.state import (
     ProcessRecord,
     Settings,
     group_dir,
-    read_json,
 )
 
 log = logging.getLogger(__name__)
@@ -121,21 +119,6 @@ class _Finish:
     detail: str = ""
 
 
-def _family(inst: LocalInstance) -> list[psutil.Process]:
-    """An instance's agent and its descendants (kernels included), while it runs."""
-    if inst.proc is not None and inst.proc.poll() is None:
-        pid = inst.proc.pid
-    elif inst.adopted is not None and inst.adopted.alive():
-        pid = inst.adopted.pid
-    else:
-        return []
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
 class Supervisor:
     """Keeps a job's instances running; see the module docstring."""
 
@@ -145,8 +128,7 @@ class Supervisor:
         self.spec = spec
         self.settings = settings
         self.home = home
-        self.control = home / CONTROL_DIR
-        self.control.mkdir(parents=True, exist_ok=True)
+        (home / CONTROL_DIR).mkdir(parents=True, exist_ok=True)
         self.events = EventWriter(store, attempt=GROUP_STREAM, flush_seconds=GROUP_FLUSH_SECONDS)
         self.record = GroupFile(home, spec, store, adopt)
         self.instances: list[LocalInstance] = []
@@ -278,38 +260,19 @@ class Supervisor:
         return True
 
     def _read_control(self) -> None:
-        try:
-            names = sorted(os.listdir(self.control))
-        except FileNotFoundError:
-            return
-        for name in names:
-            if name.startswith("."):
-                continue
-            path = self.control / name
-            kind = name.split("-", 1)[0]
-            if kind == "terminate":
+        """Carry out what the provider asked (:mod:`.control`)."""
+        for req in control.take(self.home):
+            if req.kind == "terminate":
                 self.terminate_requested = "terminated through the provider"
-            elif kind == "interrupt":
-                if not self.running:
-                    log.warning("interrupt requested, but no instance is running; ignored")
-                else:
-                    target = (read_json(path) or {}).get("instance")
-                    if target and all(i.id != target for i in self.running):
-                        log.warning("interrupt requested for %s, which is not running; "
-                                    "ignored", target)
-                    else:
-                        self.interruptions.requested.append(str(
-                            target or self.interruptions.first_uninterrupted(self.running)))
-            elif kind in ("kill", "freeze", "recommend"):
-                target = (read_json(path) or {}).get("instance")
-                if not self.running or (target and all(i.id != target for i in self.running)):
-                    log.warning("%s requested for %s, which is not running; ignored", kind,
-                                target or "the first instance")
-                else:
-                    self.faults_requested.append((str(target or self.running[0].id), kind))
+            elif not self.running or (req.instance and
+                                      all(i.id != req.instance for i in self.running)):
+                log.warning("%s requested for %s, which is not running; ignored", req.kind,
+                            req.instance or "the first instance")
+            elif req.kind == "interrupt":
+                self.interruptions.requested.append(str(
+                    req.instance or self.interruptions.first_uninterrupted(self.running)))
             else:
-                log.warning("ignoring unknown control request %s", name)
-            path.unlink(missing_ok=True)
+                self.faults_requested.append((req.instance or self.running[0].id, req.kind))
 
     def _poll_store(self, now: float) -> None:
         if self.store.exists(RESULT):
@@ -424,10 +387,7 @@ class Supervisor:
     def _kill(self, inst: LocalInstance, now: float) -> None:
         """A machine lost outright: SIGKILL the agent and everything it started at once
         (no notice, no grace); the group replaces it as after an interruption."""
-        family = _family(inst)
-        for proc in family:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+        inst.kill_now()
         log.info("killed instance %s without notice (requested)", inst.id)
         self._end(inst, now, "killed")
         self.forget(inst)
@@ -435,9 +395,7 @@ class Supervisor:
 
     def _freeze(self, inst: LocalInstance) -> None:
         """A node gone silent: SIGSTOP the agent and everything it started."""
-        for proc in _family(inst):
-            with contextlib.suppress(psutil.Error):
-                proc.suspend()
+        inst.freeze()
         log.info("froze instance %s (requested)", inst.id)
         self._emit("instance", inst.id, action="frozen", **inst.describe())
 
@@ -572,21 +530,10 @@ class Supervisor:
         return self.state.cost_usd(now)
 
     def _check_limits(self, now: float) -> None:
-        policy = self.spec.policy
-        if policy.budget_usd is not None:
-            cost = self.cost(now)
-            if cost > policy.budget_usd:
-                self._request_stop(now, "budget", (
-                    f"the job has cost ${cost:.4f}, above its budget of "
-                    f"${policy.budget_usd:.4f}"), cost_usd=cost)
-                return
-        first = self.state.first_launch
-        if policy.max_duration is not None and first is not None:
-            elapsed = now - first
-            if elapsed > policy.max_duration:
-                self._request_stop(now, "deadline", (
-                    f"the job has run {elapsed:.0f} s since its first instance, above its "
-                    f"limit of {policy.max_duration:g} s"))
+        reached = limit_reached(self.spec.policy, self.state, now)
+        if reached is not None:
+            figures = {"cost_usd": reached.cost_usd} if reached.cost_usd is not None else {}
+            self._request_stop(now, reached.reason, reached.detail, **figures)
 
     def _request_stop(self, now: float, reason: str, detail: str, **figures: Any) -> None:
         log.info("stopping the job: %s", detail)

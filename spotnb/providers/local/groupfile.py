@@ -24,11 +24,12 @@ from typing import Any
 from spotnb.protocol.backoff import Backoff
 from spotnb.protocol.layout import RESULT
 from spotnb.protocol.spec import JobSpec
-from spotnb.protocol.store import Store, StoreError
+from spotnb.protocol.store import Store, StoreError, open_store
 from spotnb.providers.local.pools import Emit
 from spotnb.providers.local.state import GROUP_FILE, ProcessRecord, read_json, write_json
 
-__all__ = ["AGENT_EXIT_STORE", "GroupFile"]
+__all__ = ["AGENT_EXIT_STORE", "SUPERVISOR_KILL_GRACE_SECONDS", "GroupFile", "has_result",
+           "supervisor_alive"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ STORE_OUTAGE_SECONDS = 900.0
 # STORE_MAX_BACKOFF_SECONDS: a new instance would meet the same store.
 STORE_BACKOFF_SECONDS = 5.0
 STORE_MAX_BACKOFF_SECONDS = 120.0
+# Grace for a supervisor killed from outside: on SIGTERM it ends its instances first.
+SUPERVISOR_KILL_GRACE_SECONDS = 5.0
 # The agent's exit code when it gave up on the store (spotnb.kernel_remote.agent).
 AGENT_EXIT_STORE = 4
 
@@ -111,3 +114,20 @@ class GroupFile:
         if written is not None:
             log.info("wrote the job's result: %s (%s)", status, reason)
             emit("result", None, status=status, reason=reason, **extra)
+
+
+def supervisor_alive(info: dict[str, Any]) -> bool:
+    """Whether the supervisor a ``group.json`` (``info``) records is alive."""
+    record = ProcessRecord.from_dict(info.get("supervisor"))
+    return record is not None and record.alive()
+
+
+def has_result(store_uri: Any) -> bool:
+    """Whether the job's store (``store_uri``) holds its result (a store out of reach:
+    not as far as anyone can tell)."""
+    if not store_uri:
+        return False
+    try:
+        return open_store(str(store_uri)).exists(RESULT)
+    except StoreError:
+        return False

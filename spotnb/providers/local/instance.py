@@ -277,6 +277,33 @@ class LocalInstance:
         self.update_meta(state="terminated", reason=reason, ended=now)
         return self.cost(now)
 
+    def family(self) -> list[psutil.Process]:
+        """Its agent and the agent's descendants (kernels included), while it runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            pid = self.proc.pid
+        elif self.adopted is not None and self.adopted.alive():
+            pid = self.adopted.pid
+        else:
+            return []
+        try:
+            root = psutil.Process(pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def kill_now(self) -> None:
+        """A machine lost outright: SIGKILL its agent and everything the agent started
+        at once (no notice, no grace). Ending it is :meth:`terminate`'s."""
+        for proc in self.family():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+    def freeze(self) -> None:
+        """A node gone silent: SIGSTOP its agent and everything the agent started."""
+        for proc in self.family():
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
+
     def age(self, now: float) -> float:
         """Market seconds since its launch (the local cloud compresses time)."""
         return (now - self.launched) * self.market.time_scale
