@@ -26,6 +26,19 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
 
+# One compute thread per process: the suite runs two workers on a machine of a few
+# cores, and a test's notebook kernel, instances and reference run train beside each
+# other; torch's default (a thread per core, each spinning while it waits) then
+# oversubscribes the cores: the GPT example's step took 0.5 s instead of 0.03 s on two
+# busy cores. Set before anything imports torch; the processes the tests start inherit
+# it, and the local cloud lets it through to its instances (as a variable baked into
+# an AMI: SPOTNB_LOCAL_INSTANCE_ENV), as does the AWS simulator (a machine variable),
+# so a reference computed here and a job's result agree bitwise as before.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+for _name in THREAD_VARIABLES:
+    os.environ.setdefault(_name, "1")
+os.environ.setdefault("SPOTNB_LOCAL_INSTANCE_ENV", ",".join(THREAD_VARIABLES))
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest tests first. Two workers take the next test as each frees up: a

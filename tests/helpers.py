@@ -117,7 +117,7 @@ def run_uninterrupted(code: str, inputs: dict[str, Any], outputs: list[str],
     logged metric under ``"metrics"``. What an interrupted job's result is compared
     with, at a fraction of an uninterrupted job's cost (no supervisor, agent, kernel or
     log). A cell's own pauses (``STEP_SECONDS``) may be given as 0 here."""
-    from spotnb.providers.local.state import instance_base_environment
+    from spotnb.providers.local.state import Settings, instance_base_environment
 
     out = tmp / f"uninterrupted-{time.monotonic_ns()}.pkl"
     given = "".join(f"{k} = {v!r}\n" for k, v in inputs.items())
@@ -126,9 +126,9 @@ def run_uninterrupted(code: str, inputs: dict[str, Any], outputs: list[str],
               f"with open({str(out)!r}, 'wb') as f:\n"
               f"    pickle.dump({{**{{n: globals()[n] for n in {list(outputs)!r}}}, "
               "'metrics': spot.last}, f)\n")
+    env = instance_base_environment(os.environ, Settings.load().instance_env)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp, capture_output=True,
-                          text=True, timeout=timeout,
-                          env=instance_base_environment(os.environ))
+                          text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     with out.open("rb") as f:
         return dict(pickle.load(f))

@@ -527,8 +527,8 @@ def _figures(nb: Any) -> dict[str, str]:
 
 
 @pytest.mark.slow
-# A kernel, three attempts and the uninterrupted run in a second kernel: about 80 s on
-# a quiet 2-core machine.
+# A kernel, three attempts and the uninterrupted run in a second kernel: about 50 s on
+# a busy 2-core machine (torch on one thread: tests/conftest.py).
 @pytest.mark.timeout(900)
 def test_the_gpt_example_resumes_twice_and_ends_as_the_uninterrupted_run(
         spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

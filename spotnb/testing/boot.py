@@ -374,8 +374,11 @@ def _become_subreaper() -> None:
 
 #: What an instance's environment keeps of the process that runs the simulator, on an
 #: image with spotnb preinstalled, besides the simulator's own variables: the machine's.
+#: (The compute threads a process may use, too: every simulated instance shares this
+#: machine's cores.)
 MACHINE_VARIABLES = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "PYTHONPATH",
-                     "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "VIRTUAL_ENV")
+                     "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "VIRTUAL_ENV",
+                     "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def preinstalled_environment(harness: Mapping[str, str]) -> dict[str, str]:
