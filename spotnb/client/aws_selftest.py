@@ -311,8 +311,9 @@ class _Run:
     def _follow(self, handle: Any) -> Generator[Any, None, None]:
         """The job's events, followed live, for :meth:`_wait_for`: one follower for all
         of a step's waits (a new one registers with the job's agent anew and gets
-        live events only once the agent saw that: the multinode step's FIS notice
-        came at step ~300 of 480 rather than at step 80), closed after them."""
+        live events only once the agent saw that: with a second follower the
+        multinode step, waiting for step 80, sent its FIS notice at step ~300),
+        closed after them."""
         yield from handle.events(timeout=self.sizes.step_timeout)
 
     def _when_step(self, events: Iterator[Any], step: int) -> None:
