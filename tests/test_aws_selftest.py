@@ -73,37 +73,63 @@ def test_the_plan_costs_about_a_dollar_and_says_what_each_step_proves() -> None:
     assert "(dry run: nothing was started)" in text
 
 
+class _Checkpoint:
+    """``spot.Checkpoint`` for a run with no instance: nothing saved, nothing restored."""
+
+    def __init__(self, **state: Any) -> None:
+        self.state = dict(state)
+
+    def restore(self) -> int:
+        return 0
+
+    def __getitem__(self, name: str) -> Any:
+        return self.state[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.state[name] = value
+
+    def maybe_save(self, step: int) -> bool:
+        return False
+
+
+class _Spot:
+    """The ``spot`` a cell sees, for a run with no instance."""
+
+    Checkpoint = _Checkpoint
+
+    @staticmethod
+    def log(step: int, **values: Any) -> None:
+        pass
+
+
 def test_the_cells_result_is_the_uninterrupted_runs() -> None:
     # The value a run must end with is computed here, with no instance: the cells run
     # the same integer recurrence, which no GPU or library version can change.
-    namespace: dict[str, Any] = {"STEPS": 37, "STEP_SECONDS": 0.0}
-
-    class _Checkpoint:
-        def __init__(self, **state: Any) -> None:
-            self.state = dict(state)
-
-        def restore(self) -> int:
-            return 0
-
-        def __getitem__(self, name: str) -> Any:
-            return self.state[name]
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            self.state[name] = value
-
-        def maybe_save(self, step: int) -> bool:
-            return False
-
-    class _Spot:
-        Checkpoint = _Checkpoint
-
-        @staticmethod
-        def log(step: int, **values: Any) -> None:
-            pass
-
-    namespace["spot"] = _Spot
+    namespace: dict[str, Any] = {"STEPS": 37, "STEP_SECONDS": 0.0, "spot": _Spot}
     exec(aws_selftest.SINGLE_CELL, namespace)
     assert namespace["result"] == expected_result(37) != expected_result(36)
+
+
+def test_the_multi_node_cell_trains_its_steps_and_ends_in_a_whole_world(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The multinode step's cell in a world of one process (gloo, as on the nodes):
+    # whole (NODES=1), it stops at STEPS with the uninterrupted result; the steps it
+    # took are what the step checks the result against.
+    pytest.importorskip("torch")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+
+    namespace: dict[str, Any] = {"STEPS": 37, "STEP_SECONDS": 0.0, "NODES": 1,
+                                 "spot": _Spot}
+    exec(aws_selftest.MULTI_CELL, namespace)
+    assert (namespace["result"], namespace["steps"], namespace["world"]) == (
+        expected_result(37), 37, 1)
 
 
 @pytest.mark.slow

@@ -251,6 +251,54 @@ def test_a_dead_host_is_replaced_by_the_next_generation(tmp_path: Path) -> None:
     mine.close()
 
 
+def test_a_node_that_leaves_is_out_of_the_round_while_its_process_lives(
+        tmp_path: Path) -> None:
+    """A node leaves after its notice's checkpoint, but its agent process lives on (on
+    AWS until EC2 ends the instance, two minutes after the notice). The staying node
+    re-forms without it at once. It waited in torchelastic's wait list for as long as
+    the leaver's heartbeat ran, that is while its process lived: the selftest's
+    replacement then joined first and the world went 2 -> 2, never 1."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
+
+    store = LocalStore(tmp_path / "job")
+    record, hosted = rdzv.elect(store, "j-1", "i-a", 0, "127.0.0.1", None, "first", 30)
+    assert hosted is not None
+
+    def handler(node: str) -> Any:
+        # What NodeRun gives torchelastic (1:2 nodes); the join timeout is only a bound
+        # for this test: the leaver's heartbeat runs on here until the test ends.
+        return registry.get_rendezvous_handler(RendezvousParameters(
+            backend="c10d", endpoint=str(record.endpoint), run_id=record.run_id,
+            min_nodes=1, max_nodes=2, local_addr=node, is_host=False, join_timeout=60,
+            last_call_timeout=2, close_timeout=2, keep_alive_interval=1,
+            keep_alive_max_attempt=3, read_timeout=30))
+
+    stays, leaves = handler("127.0.0.1"), handler("127.0.0.2")
+    sizes: dict[str, int] = {}
+
+    def join(name: str, h: Any) -> None:
+        sizes[name] = h.next_rendezvous().world_size
+
+    threads = [threading.Thread(target=join, args=(n, h)) for n, h in
+               (("stays", stays), ("leaves", leaves))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sizes == {"stays": 2, "leaves": 2}
+    # The leaver's final save is durable: it leaves; its process (this one) lives on.
+    assert rdzv.leave_round(leaves, timeout=30)
+    # The staying node restarts its workers: a round of 1, without waiting for the
+    # leaver's heartbeat to stop (it would wait out its join timeout, then fail).
+    assert stays.next_rendezvous().world_size == 1
+    stays.shutdown()
+    hosted.close()
+
+
 # -- kernels outlive the thread that started them -----------------------------------
 
 

@@ -33,10 +33,11 @@ still hold); the cleanup always runs. ``pytest -m aws`` runs the same plan
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from spotnb.protocol.events import codec
@@ -147,7 +148,10 @@ result = x
 
 #: The multi-node cell: the same LCG on every rank, agreed each step with an
 #: all-reduce over the job's nodes (gloo: the nodes reach each other through the job's
-#: security group).
+#: security group). It trains STEPS steps at least, and on in a world smaller than
+#: NODES until it is whole again (every rank sees the same world size: they stop at
+#: the same step), so the job ends once the replacement joined, however long that took
+#: to boot, never before; then every rank of the final world must hold the same state.
 MULTI_CELL = """
 import time
 import torch
@@ -156,7 +160,8 @@ dist.init_process_group("gloo")
 ckpt = spot.Checkpoint(lcg=1)
 start = ckpt.restore()
 x = ckpt["lcg"]
-for step in range(start, STEPS):
+step = start
+while step < STEPS or dist.get_world_size() < NODES:
     x = (6364136223846793005 * x + 1442695040888963407) % (1 << 64)
     agreed = torch.tensor([x % 1000], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -164,7 +169,12 @@ for step in range(start, STEPS):
     spot.log(step, lcg=int(agreed.item()), world=dist.get_world_size())
     ckpt.maybe_save(step)
     time.sleep(STEP_SECONDS)
-result = x
+    step += 1
+final = torch.tensor([x % 1000, -(x % 1000)], dtype=torch.int64)
+dist.all_reduce(final, op=dist.ReduceOp.MAX)
+if final.tolist() != [x % 1000, -(x % 1000)]:
+    raise RuntimeError(f"the ranks of the final world disagree: {final.tolist()}")
+result, steps, world = x, step, dist.get_world_size()
 dist.destroy_process_group()
 """
 
@@ -294,19 +304,29 @@ class _Run:
 
         return spotnb.submit(
             code, provider="aws", region=self.region, instance_types=list(self.types),
-            name=f"selftest-{name}", inputs={"STEPS": steps, "STEP_SECONDS": step_seconds},
+            name=f"selftest-{name}",
+            inputs={"STEPS": steps, "STEP_SECONDS": step_seconds, **extra.pop("inputs", {})},
             outputs=extra.pop("outputs", ["result"]), checkpoint_every="25 steps",
             budget_usd=max(cost, 0.01), max_duration=step.minutes * 60, **extra)
 
-    def _when_step(self, handle: Any, step: int) -> None:
+    def _follow(self, handle: Any) -> Generator[Any, None, None]:
+        """The job's events, followed live, for :meth:`_wait_for`: one follower for all
+        of a step's waits (a new one registers with the job's agent anew and gets
+        live events only once the agent saw that: with a second follower the
+        multinode step, waiting for step 80, sent its FIS notice at step ~300),
+        closed after them."""
+        yield from handle.events(timeout=self.sizes.step_timeout)
+
+    def _when_step(self, events: Iterator[Any], step: int) -> None:
         """Wait until the job logged ``step``."""
-        self._wait_for(handle, lambda e: isinstance(e.body, codec.Metric) and
+        self._wait_for(events, lambda e: isinstance(e.body, codec.Metric) and
                        e.body.step is not None and e.body.step >= step, f"step {step}")
 
-    def _wait_for(self, handle: Any, seen: Callable[[Any], bool], what: str) -> None:
-        """Follow the job's events until one is ``seen``; an error if the job ends or
-        the step's time runs out first."""
-        for event in handle.events(timeout=self.sizes.step_timeout):
+    def _wait_for(self, events: Iterator[Any], seen: Callable[[Any], bool],
+                  what: str) -> None:
+        """Follow the job's ``events`` until one is ``seen``; an error if the job ends
+        or the step's time runs out first."""
+        for event in events:
             if seen(event):
                 return
             if isinstance(event.body, codec.Result):
@@ -329,7 +349,7 @@ class _Run:
         sizes = self.sizes
         handle = self._submit(SINGLE_CELL, "quickstart", cost, step, sizes.steps,
                               sizes.step_seconds, outputs=["result", "gpu"], standby=False)
-        self._when_step(handle, sizes.steps // 3)
+        self._when_step(self._follow(handle), sizes.steps // 3)
         handle.interrupt()  # FIS: the notice, two minutes before EC2 takes the instance
         result = handle.wait(timeout=sizes.step_timeout)
         wrong = self._check_result(result, sizes.steps)
@@ -346,7 +366,7 @@ class _Run:
         handle = self._submit(SINGLE_CELL, "standby", cost, step, sizes.steps,
                               sizes.step_seconds, outputs=["result", "gpu"], standby=True,
                               standby_first_hour=True)
-        self._when_step(handle, sizes.steps // 4)
+        self._when_step(self._follow(handle), sizes.steps // 4)
         # FIS: the rebalance recommendation now, its notice standby_lead later.
         handle.provider.interrupt(handle.job_id, rebalance_lead=sizes.standby_lead)
         result = handle.wait(timeout=sizes.step_timeout)
@@ -364,26 +384,32 @@ class _Run:
             result.cost_usd)
 
     def _multinode(self, step: Step, cost: float) -> Outcome:
-        # Long enough after the node's notice for its replacement to launch (once EC2
-        # ended the node), boot and join: twice the steps, each shorter.
+        # The cell trains on past its steps while its world is not whole: the job ends
+        # once the replacement joined (it boots after EC2 ended the node), never before.
         sizes = self.sizes
-        steps, step_seconds = sizes.steps * 2, sizes.step_seconds * 0.75
-        handle = self._submit(MULTI_CELL, "multinode", cost, step, steps, step_seconds,
-                              nodes="1:2", standby=False)
+        handle = self._submit(MULTI_CELL, "multinode", cost, step, sizes.steps,
+                              sizes.step_seconds * 0.75, nodes="1:2", standby=False,
+                              inputs={"NODES": 2}, outputs=["result", "steps", "world"])
         # Both nodes in the world, and training: then one node's FIS notice.
-        self._wait_for(handle, lambda e: isinstance(e.body, codec.World) and e.body.nodes == 2,
-                       "the world to form at 2 nodes")
-        self._when_step(handle, sizes.steps // 3)
+        with contextlib.closing(self._follow(handle)) as events:
+            self._wait_for(events, lambda e: isinstance(e.body, codec.World)
+                           and e.body.nodes == 2, "the world to form at 2 nodes")
+            self._when_step(events, sizes.steps // 3)
         handle.interrupt(node=1)  # FIS, to one node
         result = handle.wait(timeout=sizes.step_timeout)
+        steps = int(result.outputs.get("steps") or 0)
         wrong = self._check_result(result, steps)
+        if result.status == "completed" and (steps < sizes.steps
+                                             or result.outputs.get("world") != 2):
+            wrong.append(f"it ended after {steps} steps in a world of "
+                         f"{result.outputs.get('world')}, not {sizes.steps}+ in one of 2")
         worlds = [nodes for _, nodes, _ in result.worlds]
         if 1 not in worlds or worlds[-1] != 2:
             wrong.append(f"the world went {worlds}, not 2 -> 1 -> 2")
         return Outcome(step.name, not wrong, "; ".join(wrong) or (
             f"the world went {' -> '.join(map(str, worlds))} across one node's FIS "
-            f"interruption, the uninterrupted result; ${result.cost_usd:.4f}"),
-            result.cost_usd)
+            f"interruption ({steps} steps), the uninterrupted result; "
+            f"${result.cost_usd:.4f}"), result.cost_usd)
 
     def _cleanup(self) -> Outcome:
         """Delete what the jobs left (AWS keeps a security or placement group while an

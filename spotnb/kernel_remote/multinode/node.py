@@ -478,6 +478,7 @@ class NodeRun:
         outcome: list[Any] = []
 
         def elastic() -> None:
+            agent = None
             try:
                 agent = self._elastic_agent(record)
                 outcome.append(agent.run())
@@ -485,6 +486,13 @@ class NodeRun:
                         outcome[0].state == WorkerState.SUCCEEDED:
                     # torchrun closes the rendezvous when the job succeeded.
                     agent.get_worker_group().spec.rdzv_handler.shutdown()
+            except _Leave as e:
+                # Out of the round now: the staying nodes re-form without this node
+                # at once, however long this process lives on (rdzv.leave_round).
+                if agent is not None:
+                    rdzv.leave_round(agent.get_worker_group().spec.rdzv_handler,
+                                     self.peer_timeout)
+                outcome.append(e)
             except BaseException as e:
                 outcome.append(e)
             finally:

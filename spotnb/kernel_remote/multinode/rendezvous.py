@@ -23,6 +23,10 @@ Sequences (the node side is :mod:`spotnb.kernel_remote.multinode.node`)::
                      its runtime hears of the notice -> the coordinated checkpoint ->
                      the staying nodes restart their workers, see g+1 vacant, and the
                      first to compare-and-swap becomes its host -> all join g+1
+    node leaves      (its notice, after the coordinated checkpoint) its elastic agent
+                     leaves torchelastic's round at once (:func:`leave_round`): the
+                     staying nodes re-form without it now, not once its heartbeat
+                     stops (its process may live until EC2 ends the instance)
     host killed      the other nodes' elastic agents lose the store -> each reads the
                      record: same generation, its host gone (slot lease released or
                      expired, or the provider says the instance is terminated) ->
@@ -35,6 +39,7 @@ instances only).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -47,7 +52,7 @@ from spotnb.protocol import lease
 from spotnb.protocol.layout import RENDEZVOUS
 from spotnb.protocol.store import NotFound, Store
 
-__all__ = ["HostedStore", "Record", "elect", "host_alive", "read", "vacate"]
+__all__ = ["HostedStore", "Record", "elect", "host_alive", "leave_round", "read", "vacate"]
 
 log = logging.getLogger(__name__)
 
@@ -189,4 +194,41 @@ def host_alive(store: Store, record: Record,
                 return False
         except Exception:
             log.debug("could not tell whether %s is gone", record.host, exc_info=True)
+    return True
+
+
+def leave_round(handler: Any, timeout: float) -> bool:
+    """This node leaves the world for good (its final checkpoint is durable): take it
+    out of torchelastic's current round now, and stop its rendezvous heartbeat.
+
+    Without this, the round keeps the node as a participant for as long as its
+    heartbeat runs, which is as long as its agent process lives (on AWS, up to the two
+    minutes until EC2 ends the instance): the staying nodes, restarting their workers,
+    wait in the round's wait list that long before they re-form without it, and a
+    replacement that joins meanwhile makes the world re-form at full size, never at
+    the smaller one. torchrun's nodes only leave by exiting (torchelastic's own
+    ``shutdown`` closes the whole rendezvous, for every node), so this runs
+    torchelastic's exit operation (what ``next_rendezvous`` runs first) under the
+    heartbeat's lock, as its heartbeat does. That is not public API: if its shape
+    changes, the node is left to drop out when its heartbeat stops (whether it left).
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    stop = getattr(handler, "_stop_heartbeats", None)
+    executor = getattr(handler, "_op_executor", None)
+    exit_op = getattr(dynamic_rendezvous, "_RendezvousExitOp", None)
+    if stop is None or executor is None or exit_op is None:
+        log.warning("torchelastic's rendezvous handler has no exit operation here: the "
+                    "other nodes drop this one when its heartbeat stops")
+        return False
+    stop()
+    lock = getattr(handler, "_heartbeat_lock", None) or contextlib.nullcontext()
+    try:
+        with lock:
+            executor.run(exit_op(), time.monotonic() + timeout)
+    except Exception as err:
+        log.warning("could not leave the rendezvous round (%s: %s): the other nodes drop "
+                    "this one when its heartbeat stops", type(err).__name__, err)
+        return False
+    log.info("left the rendezvous round: the other nodes re-form without this one")
     return True
