@@ -1110,6 +1110,31 @@ def test_the_display_tells_a_multi_node_job_in_nodes_and_worlds() -> None:
     assert not any(text.startswith("attempt") for text in launching)
 
 
+def test_a_world_change_read_after_a_newer_one_keeps_its_place_in_the_history() -> None:
+    # A live follower reads each node's stream as it comes: the re-form at 2 nodes
+    # (t=55) may be read only after the re-form at 3 (t=80). The job's worlds are its
+    # history, in time order, whatever the reading order; the late change is no news.
+    from spotnb.client import display
+    from spotnb.protocol.events import codec
+    from spotnb.protocol.events.fold import fold
+
+    spec, events = _three_node_job()
+    shrunk = [e for e in events if isinstance(codec.peek(e), codec.World)
+              and e.time == T0 + 55]
+    assert len(shrunk) == 2
+    late = [e for e in events if e not in shrunk] + shrunk
+    assert fold(late).worlds == [(T0 + 20, 3, 3), (T0 + 55, 2, 2), (T0 + 80, 3, 3)]
+    view = display.JobView(job_id=spec.job_id, name=spec.name, created=T0,
+                           min_nodes=2, max_nodes=3)
+    lines = []
+    for event in late:
+        view.apply(event)  # type: ignore[arg-type]
+        text = display.milestone(event, view)  # type: ignore[arg-type]
+        if text is not None and text.startswith("world"):
+            lines.append(text)
+    assert lines == ["world formed: 3 nodes, world size 3 (--nodes 2:3)"], lines
+
+
 def test_the_cost_of_a_multi_node_job_counts_every_node() -> None:
     from spotnb.client import display
     from spotnb.client.results import instances_label, nodes_label, summarize

@@ -78,9 +78,11 @@ class JobView:
         self.folded.apply(event)
         body = event.body
         # Every node of a round says the same: only a change is news. A node's stream
-        # read late may bring an older round's report: not news either.
+        # read late may bring an older round's report: the fold puts it in its place in
+        # the job's history, but it is not news (the latest world is not its).
         self.world_changed = event if isinstance(body, codec.World) and \
-            len(self.folded.worlds) > worlds else None
+            len(self.folded.worlds) > worlds and self.folded.worlds[-1][0] == event.time \
+            else None
         if isinstance(body, codec.Status) and event.attempt != GROUP_STREAM and \
                 body.state == "booting" and event.attempt > self._cell_attempt:
             self._cell_attempt = event.attempt

@@ -80,6 +80,7 @@ class JobState(Money):
         self.attempts: dict[int, AttemptState] = {}
         self.usage: dict[tuple[Any, int, str | None], dict[str, Any]] = {}
         self.worlds: list[tuple[float, int, int]] = []
+        self._world_reports: list[tuple[float, int, int]] = []
         #: Nodes that joined a multi-node job's world, in order.
         self.joins: list[Join] = []
         #: The job's status and its reason: final (``is_terminal``) once its result is.
@@ -171,9 +172,7 @@ class JobState(Money):
             now = (body.nodes, body.world_size)
             self.max_nodes = max(self.max_nodes, body.max_nodes)
             self.steps.scan = self.steps.scan or self.max_nodes > 1
-            # Each node reports every round: keep the changes, in time order.
-            if not self.worlds or (self.worlds[-1][1:] != now and t >= self.worlds[-1][0]):
-                self.worlds.append((t, *now))
+            self._world_reported(t, now)
         elif isinstance(body, codec.Joined):
             self.joins.append(Join(e, e.attempt, body.nodes, body.world_size,
                                    body.saved_step, body.step, self.steps.started,
@@ -217,6 +216,20 @@ class JobState(Money):
             self._status_attempt = e.attempt
         self.status, self.detail = state, body.detail
         self._pruned()
+
+    def _world_reported(self, t: float, now: tuple[int, int]) -> None:
+        """Each node reports every round, and a node's stream may be read after a newer
+        round's report from another (a live follower reads them as they come): every
+        report kept in time order, the worlds are its changes."""
+        report = (t, *now)
+        if self._world_reports and t >= self._world_reports[-1][0]:
+            self._world_reports.append(report)  # the usual order: in time
+            if self.worlds[-1][1:] != now:
+                self.worlds.append(report)
+            return
+        bisect.insort(self._world_reports, report)
+        self.worlds = [r for i, r in enumerate(self._world_reports)
+                       if not i or self._world_reports[i - 1][1:] != r[1:]]
 
     def _pruned(self) -> None:
         """A job stopped after a sweep's pruner said so (its ``pruned`` event, read
