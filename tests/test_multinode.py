@@ -377,6 +377,7 @@ dist.all_reduce(t)
 total = t.item()
 world = dist.get_world_size()
 seen = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+threads = (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())
 # How long a collective of this group waits on a silent peer (gloo's own option).
 peer_wait = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 dist.destroy_process_group()
@@ -392,8 +393,11 @@ def test_two_nodes_of_two_processes_run_one_cell_as_torchrun_workers(
     import spotnb
 
     monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    # Nothing says how many compute threads: torchrun's default for 2 workers a node.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     job = spotnb.submit(ALL_REDUCE, nodes=2, procs_per_node=2,
-                        outputs=["total", "world", "seen", "peer_wait"],
+                        outputs=["total", "world", "seen", "peer_wait", "threads"],
                         instance_types="g4dn.xlarge", peer_timeout="45s")
     result = job.wait(timeout=240)
     assert result.status == "completed", (result.status, result.reason)
@@ -404,6 +408,8 @@ def test_two_nodes_of_two_processes_run_one_cell_as_torchrun_workers(
     # The job's peer timeout bounds the collectives of a group the cell made without
     # a timeout (torch's default is 30 minutes).
     assert result.outputs["peer_wait"] == 45.0
+    # As under torchrun, each of a node's workers computes on one thread.
+    assert tuple(result.outputs["threads"]) == ("1", 1)
     # Each node is an attempt of its own (its slot's epoch) on its own instance, and
     # the cost counts both instances.
     assert sorted(a.number for a in result.attempts) == [1, 2]

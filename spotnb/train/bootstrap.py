@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -62,6 +63,10 @@ def bootstrap(spot: types.ModuleType, user_ns: dict[str, Any] | None = None,
     from spotnb.protocol import inputs
 
     os.environ.update(env or {})
+    threads = (env or {}).get("OMP_NUM_THREADS")
+    torch = sys.modules.get("torch")
+    if threads and torch is not None:  # imported before the setting came: told now
+        torch.set_num_threads(int(threads))
     # The agent unpacks the job's files while the kernel boots: forget any directory
     # listing the import system cached before they were there.
     importlib.invalidate_caches()

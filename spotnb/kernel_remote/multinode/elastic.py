@@ -62,7 +62,7 @@ class Workers(Protocol):
 def worker_env(group: WorkerGroup, worker: Worker, restart_count: int) -> dict[str, str]:
     """The environment torchrun's ``LocalElasticAgent`` gives a worker."""
     spec = group.spec
-    return {
+    env = {
         "RANK": str(worker.global_rank),
         "GROUP_RANK": str(group.group_rank),
         "ROLE_RANK": str(worker.role_rank),
@@ -80,6 +80,12 @@ def worker_env(group: WorkerGroup, worker: Worker, restart_count: int) -> dict[s
         "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
+    # torchrun's default: several workers on a node compute on one thread each unless
+    # OMP_NUM_THREADS says otherwise (each would start a thread per core, and they
+    # would fight over the cores).
+    if spec.local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 class KernelElasticAgent(SimpleElasticAgent):
