@@ -421,6 +421,22 @@ def test_two_nodes_of_two_processes_run_one_cell_as_torchrun_workers(
     assert (row.instance_type or "").startswith("g4dn.xlarge x2")
 
 
+@pytest.mark.timeout(300)
+def test_the_jobs_own_thread_count_wins_over_torchruns_default(
+        spotnb_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import spotnb
+
+    monkeypatch.setenv("SPOTNB_LOCAL_HAZARD", "0")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    job = spotnb.submit(ALL_REDUCE, procs_per_node=2, env={"OMP_NUM_THREADS": "2"},
+                        outputs=["world", "threads"], instance_types="g4dn.xlarge")
+    result = job.wait(timeout=240)
+    assert result.status == "completed", (result.status, result.reason)
+    assert result.outputs["world"] == 2
+    assert tuple(result.outputs["threads"]) == ("2", 2)
+
+
 @pytest.mark.parametrize("nodes, words", [
     (0, "at least one node"), ("4:3", "MIN must not exceed MAX")])
 def test_submit_refuses_bad_node_counts_before_launch(

@@ -604,11 +604,13 @@ class NodeRun:
                 channel.ENV_INSTANCE_ID: self.me,
                 channel.ENV_RESTORE_DIR: str(restore_dir),
                 channel.ENV_SLOT: str(self.slot)}
+        # The job's own --env OMP_NUM_THREADS wins over torchrun's default of one thread.
+        threads = "OMP_NUM_THREADS" if self.spec.env.get("OMP_NUM_THREADS") else None
         runs = []
         for worker in group.workers:
             kernel = self.spares.pop(0) if self.spares else self._spawn(worker.local_rank)
-            runs.append(WorkerRun(self, worker.local_rank, kernel,
-                                  {**base, **envs[worker.local_rank]}))
+            env = {k: v for k, v in envs[worker.local_rank].items() if k != threads}
+            runs.append(WorkerRun(self, worker.local_rank, kernel, {**base, **env}))
         with self._lock:
             self.workers = runs
         for run in runs:
