@@ -60,12 +60,19 @@ Where the rest lives, since AWS has no spotnb supervisor process:
   Injection Service's ``aws:ec2:send-spot-instance-interruptions`` action against the
   job's instances, with a shared ``spotnb-fis`` role (:mod:`.fis`).
 
-Region: each call works in the job's region when this provider launched the job,
-else in the session's region (``AWS_DEFAULT_REGION`` or the profile's).
+Regions (:mod:`.failover`): a job of several regions (``--region a,b``) keeps its
+store, queues and secrets in its home (the first) and runs its group in one region at
+a time, chosen at validation by expected cost with EC2's Spot placement scores; its
+image (that region's own SSM parameter), template, security group and group are made
+there, and its instances read and write the home bucket across regions (the S3 client
+of the bucket's region: ``SPOTNB_STORE_REGION`` in their user data). Each call works
+in the job's region when this provider launched the job, else in the session's region
+(``AWS_DEFAULT_REGION`` or the profile's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -105,6 +112,7 @@ from spotnb.providers.aws.resources import (
     launch_template_data,
     mixed_instances_policy,
     rebalancing,
+    region_types,
     role_name,
     s3_location,
     tags,
@@ -162,7 +170,10 @@ class AwsProvider(Leftovers, Provider):
     def __init__(self, region: str | None = None, settings: AwsSettings | None = None) -> None:
         self.settings = settings or AwsSettings.from_env()
         self._region = region
-        self._job_regions: dict[str, str] = {}
+        self._job_regions: dict[str, str] = {}  # where each job's group runs
+        self._homes: dict[str, str] = {}  # each job's home (its store's region)
+        self._plans: dict[str, Any] = {}  # failover.AwsRegionPlan, chosen at validation
+        self._starts: dict[str, Any] = {}  # the region event of each plan's start
         self._clients: dict[tuple[str, str], Any] = {}
         self._watches: dict[str, CapacityWatch] = {}
         self._zones: dict[str, cluster.Zone] = {}  # multi-node jobs, chosen at validation
@@ -174,12 +185,28 @@ class AwsProvider(Leftovers, Provider):
     # -- plumbing
 
     def region(self, job_id: str | None = None) -> str:
-        """The job's region if this provider launched it, else the session's."""
+        """Where the job's group runs if this provider launched it, else the session's
+        region."""
         if job_id is not None and job_id in self._job_regions:
             return self._job_regions[job_id]
         if self._region:
             return self._region
         return str(_boto.session().region_name or "us-east-1")
+
+    def regions(self) -> list[str]:
+        """Every region spotnb may have made something in, as far as this provider
+        knows: the session's, the allowed ones (``$SPOTNB_ALLOWED_REGIONS``), and
+        those of the jobs it launched (where they ran and their homes); what ``spotnb
+        aws setup``/``doctor``/``cleanup`` cover."""
+        from spotnb.providers.regions import allowed_regions
+
+        try:
+            allowed = allowed_regions()
+        except SpecError as err:
+            log.warning("%s: looking in the session's region only", err)
+            allowed = ()
+        return list(dict.fromkeys([self.region(), *allowed, *self._job_regions.values(),
+                                   *self._homes.values()]))
 
     def client(self, service: str, region: str) -> Any:
         with self._lock:
@@ -205,10 +232,16 @@ class AwsProvider(Leftovers, Provider):
 
         res = spec.resources
         region = _boto.check_region(res.region)
+        for other in res.regions:
+            _boto.check_region(other)
         if not res.instance_types:
             raise SpecError("no instance type given: name at least one, e.g. 'g5.xlarge'")
-        for instance_type in res.instance_types:
-            catalog.check_instance_type(instance_type, region)
+        if len(res.regions) == 1:
+            for instance_type in res.instance_types:
+                catalog.check_instance_type(instance_type, region)
+        else:
+            for instance_type in res.instance_types:
+                catalog.check_type_name(instance_type)
         problem = image_problem(self.settings, res.instance_types)
         if problem is not None:
             raise SpecError(problem + ". Nothing was started.")
@@ -218,12 +251,13 @@ class AwsProvider(Leftovers, Provider):
         if spec.simulate_signals is not None:
             raise SpecError("simulate_signals works on the local cloud only; on AWS, EC2 "
                             "sends the rebalance recommendations")
+        run = self._choose_region(spec)
         if res.max_nodes > 1 and spec.job_id not in self._zones:
             # One AZ with capacity for all the nodes, or a refusal now, before the bucket is
             # made (cluster.py).
-            rows, _ = self._subnet_rows(region)
-            self._zones[spec.job_id] = cluster.choose_zone(self.client("ec2", region), spec,
-                                                           rows)
+            rows, _ = self._subnet_rows(run)
+            self._zones[spec.job_id] = cluster.choose_zone(self.client("ec2", run), spec,
+                                                           rows, region=run)
         bucket, _ = s3_location(spec.store_uri)
         account = _boto.account_id(region=region)
         s3 = self.client("s3", region)
@@ -238,30 +272,17 @@ class AwsProvider(Leftovers, Provider):
 
     def launch(self, spec: JobSpec, secrets: Mapping[str, str] | None = None) -> None:
         self.validate(spec)
-        region = spec.resources.region
+        home = spec.resources.region
         job_id = spec.job_id
-        account = _boto.account_id(region=region)
+        region = self._plans[job_id].region  # where the group runs (validate chose it)
+        account = _boto.account_id(region=home)
         store = open_store(spec.store_uri)
         tag_list = tags(job_id, spec.store_uri, spec.name)
         undo: list[tuple[str, Callable[[], Any]]] = []
         try:
-            # Step 1: image and network; first the roles of ended jobs that IAM would
-            # not let their instances delete (a role cannot delete itself reliably).
+            # First the roles of ended jobs that IAM would not let their instances
+            # delete (a role cannot delete itself reliably).
             self._sweep_roles(region)
-            ami = self._ami(region)
-            zone = self._zones.get(job_id)
-            network: cluster.Network | None = None
-            if zone is None:
-                subnets, vpc = self._subnets(region, spec.resources.instance_types)
-                security_group = self._security_group(region, vpc)
-            else:
-                # Step 1b: a multi-node job's AZ, placement group and security group;
-                # first the leftovers of ended jobs that AWS would not delete then.
-                self._sweep_networks(region)
-                subnets = [(zone.subnet, zone.az_id)]
-                network = cluster.create_network(self.client("ec2", region), spec, zone,
-                                                 tag_list, undo)
-                security_group = network.security_group
             # Step 2: the wheel the instances install.
             wheel = bundle()
             key = f"{BOOTSTRAP_PREFIX}/{wheel.filename}"
@@ -269,32 +290,14 @@ class AwsProvider(Leftovers, Provider):
             undo.append(("bootstrap wheel", lambda: store.delete(key)))
             # Step 2b: the job's secrets, SSM SecureString parameters under its path.
             if spec.secrets:
-                ssm = self.client("ssm", region)
+                ssm = self.client("ssm", home)
                 undo.append(("secrets", lambda: parameters.delete(ssm, job_id, spec.secrets)))
                 parameters.put(ssm, job_id, values_for(spec.secrets, secrets),
                                [t for t in tag_list if t["Key"] != "Name"])
             # Step 3: the job's role, limited to its prefix.
             profile_arn = self._create_role(spec, account, tag_list)
             undo.append(("IAM role", lambda: self._delete_role(job_id, region)))
-            # Step 4: the launch template.
-            ec2 = self.client("ec2", region)
-            script = user_data(job_id=job_id, store_uri=spec.store_uri, wheel=wheel)
-            template = _boto.with_backoff(lambda: ec2.create_launch_template(
-                LaunchTemplateName=template_name(job_id),
-                VersionDescription=f"spotnb job {job_id}",
-                LaunchTemplateData=launch_template_data(
-                    ami=ami, profile_arn=profile_arn, security_group=security_group,
-                    script=script, tag_list=tag_list, efa=zone is not None and zone.efa),
-                TagSpecifications=[{"ResourceType": "launch-template", "Tags": tag_list}],
-            ), what="creating the launch template")["LaunchTemplate"]
-            undo.append(("launch template", lambda: self._delete_template(job_id, region)))
-            # Step 5: the group (Auto Scaling may not see the new profile for a while).
-            # In the undo list before the call: a call whose answer is lost may have
-            # made the group, which launches at once (a missing group is no error).
-            undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
-            self._create_group(spec, template["LaunchTemplateId"], subnets, tag_list,
-                               ondemand=self.settings.ondemand_after == 0,
-                               placement_group=network.placement_group if network else None)
+            subnets, zone = self._make_capacity(spec, region, profile_arn, tag_list, undo)
         except BaseException:
             for label, release in reversed(undo):
                 try:
@@ -305,6 +308,7 @@ class AwsProvider(Leftovers, Provider):
             raise
         # Step 6: the dashboard.
         self._job_regions[job_id] = region
+        self._homes[job_id] = home
         azs = sorted({az for _, az in subnets})
         types = ", ".join(spec.resources.instance_types)
         detail = (f"Auto Scaling group {group_name(job_id)}: spot {types} in {', '.join(azs)} "
@@ -313,8 +317,13 @@ class AwsProvider(Leftovers, Provider):
             detail = (f"Auto Scaling group {group_name(job_id)}: {spec.resources.max_nodes} "
                       f"spot nodes of {types} in {zone.az} ({zone.why}), in a cluster "
                       f"placement group, {'with' if zone.efa else 'without'} EFA")
+        if region != home:
+            detail += f"; its store stays in {home}"
         try:
             events = EventWriter(store, GROUP_STREAM)
+            start = self._starts.pop(job_id, None)
+            if start is not None:
+                events.emit("region", **dataclasses.asdict(start))
             events.emit("status", state="launching", detail=detail)
             events.close()
         except StoreError:
@@ -323,6 +332,108 @@ class AwsProvider(Leftovers, Provider):
         self._watches[job_id] = watch
         watch.start()
         log.info("launched job %s: group %s in %s", job_id, group_name(job_id), region)
+
+    def _make_capacity(self, spec: JobSpec, region: str, profile_arn: str,
+                       tag_list: list[dict[str, str]], undo: list[tuple[str, Callable[[], Any]]]
+                       ) -> tuple[list[tuple[str, str]], cluster.Zone | None]:
+        """The job's capacity in ``region`` (launch Steps 1, 4 and 5; each made thing
+        added to ``undo``): its subnets there, and a multi-node job's AZ."""
+        job_id = spec.job_id
+        # Step 1: image (the region's own parameter) and network.
+        ami = self._ami(region)
+        zone = self._zones.get(job_id)
+        network: cluster.Network | None = None
+        if zone is None:
+            subnets, vpc = self._subnets(region, region_types(spec, region))
+            security_group = self._security_group(region, vpc)
+        else:
+            # Step 1b: a multi-node job's AZ, placement group and security group;
+            # first the leftovers of ended jobs that AWS would not delete then.
+            self._sweep_networks(region)
+            subnets = [(zone.subnet, zone.az_id)]
+            network = cluster.create_network(self.client("ec2", region), spec, zone,
+                                             tag_list, undo)
+            security_group = network.security_group
+        # Step 4: the launch template.
+        ec2 = self.client("ec2", region)
+        script = user_data(job_id=job_id, store_uri=spec.store_uri, wheel=bundle(),
+                           store_region=spec.resources.region)
+        template = _boto.with_backoff(lambda: ec2.create_launch_template(
+            LaunchTemplateName=template_name(job_id),
+            VersionDescription=f"spotnb job {job_id}",
+            LaunchTemplateData=launch_template_data(
+                ami=ami, profile_arn=profile_arn, security_group=security_group,
+                script=script, tag_list=tag_list, efa=zone is not None and zone.efa),
+            TagSpecifications=[{"ResourceType": "launch-template", "Tags": tag_list}],
+        ), what="creating the launch template")["LaunchTemplate"]
+        undo.append(("launch template", lambda: self._delete_template(job_id, region)))
+        # Step 5: the group (Auto Scaling may not see the new profile for a while).
+        # In the undo list before the call: a call whose answer is lost may have
+        # made the group, which launches at once (a missing group is no error).
+        undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
+        self._create_group(spec, region, template["LaunchTemplateId"], subnets, tag_list,
+                           ondemand=self.settings.ondemand_after == 0,
+                           placement_group=network.placement_group if network else None)
+        return subnets, zone
+
+    def move_region(self, spec: JobSpec, target: str) -> None:
+        """Move the job's capacity to ``target`` (:mod:`.failover`): its group,
+        template and network made there first (its role, wheel, secrets and store stay),
+        then deleted in the region it leaves (a multi-node job's network there, which
+        AWS keeps while an instance is in it, is left to the next launch's sweep or
+        ``spotnb aws cleanup``). Raises, with nothing left in ``target``, when the
+        capacity cannot be made there; the job then stays where it was."""
+        job_id = spec.job_id
+        previous = self.region(job_id)
+        iam = self.client("iam", spec.resources.region)
+        profile_arn = str(iam.get_instance_profile(
+            InstanceProfileName=role_name(job_id))["InstanceProfile"]["Arn"])
+        tag_list = tags(job_id, spec.store_uri, spec.name)
+        undo: list[tuple[str, Callable[[], Any]]] = []
+        old_zone = self._zones.pop(job_id, None)
+        try:
+            if spec.resources.max_nodes > 1:
+                rows, _ = self._subnet_rows(target)
+                self._zones[job_id] = cluster.choose_zone(self.client("ec2", target), spec,
+                                                          rows, region=target)
+            self._make_capacity(spec, target, profile_arn, tag_list, undo)
+        except BaseException:
+            for label, release in reversed(undo):
+                try:
+                    release()
+                except Exception:
+                    log.exception("could not release the %s of job %s in %s; `spotnb aws "
+                                  "cleanup` will find it", label, job_id, target)
+            if old_zone is not None:
+                self._zones[job_id] = old_zone
+            raise
+        self._job_regions[job_id] = target
+        self._delete_group(job_id, previous)
+        self._delete_template(job_id, previous)
+        try:
+            left = cluster.delete_network(self.client("ec2", previous), job_id,
+                                          multi_node=False)
+            if left:
+                log.info("job %s's %s in %s: in use until its instances are gone; the "
+                         "next launch there or `spotnb aws cleanup` deletes them", job_id,
+                         " and ".join(left), previous)
+        except Exception:
+            log.warning("could not delete job %s's network in %s; `spotnb aws cleanup` "
+                        "will", job_id, previous, exc_info=True)
+        log.info("moved job %s's capacity from %s to %s", job_id, previous, target)
+
+    def _choose_region(self, spec: JobSpec) -> str:
+        """Where the job's group runs (chosen once per job: :mod:`.failover`)."""
+        from spotnb.providers.aws import failover
+
+        plan = self._plans.get(spec.job_id)
+        if plan is None:
+            ec2 = self.client("ec2", spec.resources.region)
+            plan, event = failover.start(spec, lambda: failover.placement_scores(ec2, spec))
+            self._plans[spec.job_id] = plan
+            if event is not None:
+                self._starts[spec.job_id] = event
+        return str(plan.region)
 
     def read_secrets(self, spec: JobSpec) -> dict[str, str]:
         """See the contract: one GetParameters per 10 secrets, with the instance
@@ -368,13 +479,14 @@ class AwsProvider(Leftovers, Provider):
             ids = [i["InstanceId"] for i in leftovers]
             self.client("ec2", region).terminate_instances(InstanceIds=ids)
         self._delete_role(job_id, region)
+        home = self._homes.get(job_id, region)
         try:
-            self._delete_secrets(job_id, region)
+            self._delete_secrets(job_id, home)
         except Exception as err:
             log.warning("could not delete job %s's secrets (%s); `spotnb aws cleanup` will",
                         job_id, err)
         try:
-            self._delete_queues(job_id, region)
+            self._delete_queues(job_id, home)
         except Exception as err:
             log.warning("could not delete job %s's queues (%s); `spotnb aws cleanup` will",
                         job_id, err)
@@ -508,7 +620,8 @@ class AwsProvider(Leftovers, Provider):
         iam = self.client("iam", spec.resources.region)
         name = role_name(spec.job_id)
         policy = instance_policy(job_id=spec.job_id, store_uri=spec.store_uri,
-                                 region=spec.resources.region, account=account)
+                                 region=spec.resources.region, account=account,
+                                 regions=spec.resources.regions)
         iam_tags = [t for t in tag_list if t["Key"] != "Name"]
         try:
             iam.create_role(RoleName=name, Path=IAM_PATH, MaxSessionDuration=3600,
@@ -526,10 +639,10 @@ class AwsProvider(Leftovers, Provider):
             raise
         return str(profile["Arn"])
 
-    def _create_group(self, spec: JobSpec, template_id: str,
+    def _create_group(self, spec: JobSpec, region: str, template_id: str,
                       subnets: list[tuple[str, str]], tag_list: list[dict[str, str]],
                       ondemand: bool, placement_group: str | None = None) -> None:
-        asg = self.client("autoscaling", spec.resources.region)
+        asg = self.client("autoscaling", region)
         name = group_name(spec.job_id)
         nodes = spec.resources.max_nodes  # a multi-node job's group keeps MAX instances
         params: dict[str, Any] = dict(
@@ -543,7 +656,7 @@ class AwsProvider(Leftovers, Provider):
             MaxSize=nodes + 1 if rebalancing(spec) else nodes, DesiredCapacity=nodes,
             VPCZoneIdentifier=",".join(s for s, _ in subnets),
             MixedInstancesPolicy=mixed_instances_policy(
-                template_id=template_id, instance_types=spec.resources.instance_types,
+                template_id=template_id, instance_types=region_types(spec, region),
                 max_price=spec.resources.max_price, ondemand=ondemand,
                 strategy=self.settings.spot_strategy),
             CapacityRebalance=False,
