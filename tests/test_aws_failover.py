@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_until
 from test_aws_provider import EMPTY_ROLE, assert_no_request_refused, assert_nothing_left
 
 import spotnb
@@ -40,6 +41,9 @@ def sim(spotnb_home: Path, tmp_path: Path,
         try:
             assert_nothing_left(simulator)
             assert everything(simulator) == {r: NOTHING for r in (HOME, OTHER)}
+            # Every S3 client asked the bucket's own region (S3 refuses another's, and
+            # botocore's redirect costs a request per client).
+            assert simulator.server.s3_wrong_region == []
         finally:
             assert_no_request_refused(simulator)
 
@@ -77,10 +81,19 @@ def group_bodies(handle: spotnb.JobHandle, kind: type) -> list[Any]:
             if e.attempt == 0 and isinstance(e.body, kind)]
 
 
+GATED = """
+import os, time
+while not os.path.exists({gate!r}):
+    time.sleep(0.1)
+x = 6 * 7
+"""
+
+
 def test_a_job_whose_first_region_has_no_capacity_starts_in_the_second(
-        sim: AwsSimulator) -> None:
+        sim: AwsSimulator, tmp_path: Path) -> None:
     sim.no_capacity(HOME)  # every type, every AZ of home
-    handle = spotnb.submit("x = 6 * 7", provider="aws", outputs=["x"],
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(GATED.format(gate=str(gate)), provider="aws", outputs=["x"],
                            instance_types=TYPES, region=[HOME, OTHER])
     job = handle.job_id
     # The store stays home, in home's default bucket.
@@ -97,10 +110,16 @@ def test_a_job_whose_first_region_has_no_capacity_starts_in_the_second(
     assert sim.admin_client("autoscaling", OTHER).describe_auto_scaling_groups(
         AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"]
     assert everything(sim)[HOME]["groups"] == []
+    # %spot_interrupt reaches it there (FIS in its region); its replacement runs there
+    # too (a job stays in its region while it finds capacity there).
+    handle.interrupt()
+    wait_until(lambda: inst.terminated, 60, "the interrupted instance's end")
+    assert sim.wait_for_instance(job, timeout=60, exclude=(inst.id,)).region == OTHER
+    gate.touch()
     result = handle.wait(timeout=90)
     assert result.status == "completed", (result.reason, result.error)
     assert result.outputs == {"x": 42}
-    assert [a.region for a in result.attempts] == [OTHER]
+    assert {a.region for a in result.attempts} == {OTHER}
     # Why it runs there: the launch's ranking, EC2's placement scores putting home last;
     # no launch was tried at home (no capacity error).
     (start,) = group_bodies(handle, codec.Region)

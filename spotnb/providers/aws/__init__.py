@@ -467,19 +467,24 @@ class AwsProvider(Leftovers, Provider):
                  [i["InstanceId"] for i in running])
 
     def terminate(self, job_id: str) -> None:
-        region = self.region(job_id)
+        """See the contract: the job's group, template, instances and network where it
+        runs (a job this provider did not launch: in every region it knows, ``regions()``,
+        as the job may have moved), its role, and its secrets and queues at home."""
         watch = self._watches.pop(job_id, None)
         if watch is not None:
             watch.stop()
-        self._delete_group(job_id, region)
-        self._delete_template(job_id, region)
-        leftovers = self._instances(region, job_id, ("pending", "running", "stopping",
-                                                     "stopped"))
-        if leftovers:
-            ids = [i["InstanceId"] for i in leftovers]
-            self.client("ec2", region).terminate_instances(InstanceIds=ids)
-        self._delete_role(job_id, region)
-        home = self._homes.get(job_id, region)
+        known = job_id in self._job_regions
+        regions = [self.region(job_id)] if known else self.regions()
+        for region in regions:
+            self._delete_group(job_id, region)
+            self._delete_template(job_id, region)
+            leftovers = self._instances(region, job_id, ("pending", "running", "stopping",
+                                                         "stopped"))
+            if leftovers:
+                ids = [i["InstanceId"] for i in leftovers]
+                self.client("ec2", region).terminate_instances(InstanceIds=ids)
+        self._delete_role(job_id, regions[0])
+        home = self._homes.get(job_id, self.region())
         try:
             self._delete_secrets(job_id, home)
         except Exception as err:
@@ -490,11 +495,13 @@ class AwsProvider(Leftovers, Provider):
         except Exception as err:
             log.warning("could not delete job %s's queues (%s); `spotnb aws cleanup` will",
                         job_id, err)
-        left = cluster.delete_network(self.client("ec2", region), job_id, multi_node=False)
-        if left:
-            log.info("job %s's %s: in use until its instances are gone; the next "
-                     "multi-node launch or `spotnb aws cleanup` deletes them", job_id,
-                     " and ".join(left))
+        for region in regions:
+            left = cluster.delete_network(self.client("ec2", region), job_id,
+                                          multi_node=False)
+            if left:
+                log.info("job %s's %s in %s: in use until its instances are gone; the next "
+                         "multi-node launch or `spotnb aws cleanup` deletes them", job_id,
+                         " and ".join(left), region)
         log.info("deleted job %s's capacity group, template, role and queues", job_id)
 
     def _delete_secrets(self, job_id: str, region: str,

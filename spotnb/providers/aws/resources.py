@@ -410,13 +410,17 @@ def fis_target(job_id: str, instance_arn: str | None = None) -> dict[str, Any]:
 
 
 def fis_policy(region: str, account: str) -> dict[str, Any]:
-    """The FIS role: send interruption notices to spotnb's spot instances only."""
+    """The FIS role: send interruption notices to spotnb's spot instances only, in any
+    region (one role for the account, whose jobs run in several: ``region`` names the
+    partition)."""
+    partition = "aws-cn" if region.startswith("cn-") else (
+        "aws-us-gov" if region.startswith("us-gov-") else "aws")
     return {"Version": "2012-10-17", "Statement": [
         {
             "Sid": "InterruptSpotnbInstances",
             "Effect": "Allow",
             "Action": "ec2:SendSpotInstanceInterruptions",
-            "Resource": f"arn:aws:ec2:{region}:{account}:instance/*",
+            "Resource": f"arn:{partition}:ec2:*:{account}:instance/*",
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_MANAGED}": "true"}},
         },
         {"Sid": "FindThem", "Effect": "Allow", "Action": "ec2:DescribeInstances",
