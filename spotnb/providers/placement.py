@@ -129,9 +129,9 @@ def aws_placement_scores(instance_types: Sequence[str], regions: Sequence[str],
     """:func:`fetch_placement_scores` through spotnb's AWS client of ``home`` (the
     standard credential chain; one attempt, a short timeout: the caller goes on without
     scores when it fails)."""
-    from spotnb.providers.aws import _boto
+    from spotnb.providers.aws._boto import client
 
-    ec2 = _boto.client("ec2", home, attempts=1, read_timeout=AWS_TIMEOUT_SECONDS)
+    ec2 = client("ec2", home, attempts=1, read_timeout=AWS_TIMEOUT_SECONDS)
     return fetch_placement_scores(ec2, instance_types, regions, target_capacity)
 
 

@@ -15,7 +15,12 @@ a call, a state or a limit, the simulator refuses it too; what it does not model
 listed at the end. The parts:
 
 * moto in server mode (``moto.server.ThreadedMotoServer``) on loopback, on a free port,
-  with boto3 pointed at it through ``AWS_ENDPOINT_URL`` (restored on exit);
+  with boto3 pointed at it through ``AWS_ENDPOINT_URL`` (restored on exit); in one
+  region or several (``AwsSimulator(regions=("us-east-1", "us-west-2"))``, the first
+  the session's): moto serves every region, and the simulator plays EC2 and Auto
+  Scaling in each (its subnets, its own Deep Learning AMI behind its own parameter,
+  its groups, placement groups, scaling activities and capacity); an instance's
+  metadata names its region, and its environment has no region of the notebook's;
 * **IAM per principal** (:mod:`spotnb.testing.iam`, on by default): spotnb runs as an
   IAM user holding exactly the policy it prints for users (``spotnb aws setup
   --dry-run``), each instance as its instance profile's role, whose credentials its
@@ -61,7 +66,8 @@ listed at the end. The parts:
   experiment starts, the notice two minutes before the end of
   ``durationBeforeInterruption``;
 * **faults** a test can turn on: capacity errors for chosen pools
-  (:meth:`AwsSimulator.no_capacity`); conditional S3 writes that commit and lose their
+  (:meth:`AwsSimulator.no_capacity`: a type, a type in an AZ, a type in a region, or a
+  whole region; until restored or for a while); conditional S3 writes that commit and lose their
   response, so that botocore's retry meets ``412`` (``sim.server.lost_responses``,
   :class:`~spotnb.testing.server.LostResponses`).
 
@@ -99,8 +105,10 @@ that reach into moto's in-process state; each is restored on exit):
   to moto's EC2 responder so that the instances' own calls reach it too; moto accepts
   an Auto Scaling group's ``PlacementGroup`` and echoes it, but places nothing.
 * ``GetSpotPlacementScores`` is not in moto either: the simulator scores each AZ that
-  offers the types 9, or 1 where :meth:`AwsSimulator.no_capacity` covers every
-  requested type there (it does not model a count: any N scores the same).
+  offers the types in each requested region it plays (``RegionNames``) 9, or 1 where
+  :meth:`AwsSimulator.no_capacity` covers every requested type there (it does not model
+  a count: any N scores the same); without ``SingleAvailabilityZone``, a region's row
+  (its best AZ's score).
 * moto's ``AttachInstances`` sets a group's desired capacity to the instances it holds:
   after attaching the instance it launched for a group of N, the simulator sets it back.
 * Every instance runs on this machine: its IMDS ``local-ipv4`` is a loopback address of

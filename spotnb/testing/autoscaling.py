@@ -98,23 +98,27 @@ class AutoScalingPlay:
     (a part of it: it shares the simulator's state)."""
 
     region: str
+    regions: tuple[str, ...]
     notice_seconds: float
     instances: dict[str, Any]
-    activities: dict[str, list[dict[str, Any]]]
-    placement_groups: dict[str, dict[str, Any]]
+    activities: dict[tuple[str, str], list[dict[str, Any]]]
     hooks_completed: list[tuple[str, str]]
     signals_sent: list[tuple[float, str, str]]
     _lock: threading.RLock
     _undo: list[Callable[[], None]]
-    _asg: Any
-    _ec2: Any
-    _retry_at: dict[str, float]
+    _retry_at: dict[tuple[str, str], float]
     _placed: dict[str, str | None]
     #: instances waiting on their launch hook: id -> (group, hook, deadline, default)
     _launch_waits: dict[str, tuple[str, str, float, str]]
     _allocation_rng: random.Random
 
     def _subnet(self, subnet: str) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def _placement_groups(self, region: str) -> dict[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _client(self, service: str, region: str | None = None) -> Any:
         raise NotImplementedError
 
     def _patch_autoscaling(self) -> None:
@@ -136,7 +140,8 @@ class AutoScalingPlay:
         def activities(response: Any) -> Any:
             name = response._get_param("AutoScalingGroupName")
             with self._lock:
-                found = list(reversed(self.activities.get(name, [])))  # newest first
+                found = list(reversed(  # newest first
+                    self.activities.get((response.region, name), [])))
             return ActionResult({"Activities": found})
 
         def complete_lifecycle_action(response: Any) -> Any:
@@ -318,7 +323,7 @@ class AutoScalingPlay:
 
         self._undo.append(unpatch)
 
-    def _fulfil(self, group: dict[str, Any], now: float) -> None:
+    def _fulfil(self, region: str, group: dict[str, Any], now: float) -> None:
         from spotnb.providers.aws.resources import TAG_JOB
 
         tags = {t["Key"]: t["Value"] for t in group.get("Tags", ())}
@@ -328,11 +333,14 @@ class AutoScalingPlay:
         name = group["AutoScalingGroupName"]
         active = [i for i in group.get("Instances", ())
                   if i.get("LifecycleState") not in ("Terminating", "Terminated")]
-        if len(active) >= group["DesiredCapacity"] or now < self._retry_at.get(name, 0.0):
+        if len(active) >= group["DesiredCapacity"] or \
+                now < self._retry_at.get((region, name), 0.0):
             return
-        self._launch(group, now, keep_desired=len(active) + 1 < group["DesiredCapacity"])
+        self._launch(region, group, now,
+                     keep_desired=len(active) + 1 < group["DesiredCapacity"])
 
-    def _launch(self, group: dict[str, Any], now: float, keep_desired: bool) -> str | None:
+    def _launch(self, region: str, group: dict[str, Any], now: float,
+                keep_desired: bool) -> str | None:
         """Launch one instance for ``group`` as Auto Scaling does (its pools in the order
         of its allocation strategy: :func:`pool_order`); its id, or None if no pool had
         capacity. ``keep_desired``: set the desired capacity back after attaching it.
@@ -340,6 +348,8 @@ class AutoScalingPlay:
         from spotnb.providers.aws import _boto
 
         name = group["AutoScalingGroupName"]
+        key = (region, name)
+        ec2, asg = self._client("ec2", region), self._client("autoscaling", region)
         policy = group["MixedInstancesPolicy"]
         spec = policy["LaunchTemplate"]
         template = spec["LaunchTemplateSpecification"]
@@ -348,17 +358,17 @@ class AutoScalingPlay:
         spot = int(policy.get("InstancesDistribution", {}).get(
             "OnDemandPercentageAboveBaseCapacity", 100)) < 100
         placement = group.get("PlacementGroup") or None
-        if placement is not None and placement not in self.placement_groups:
-            self._activity(name, "Failed", (
+        if placement is not None and placement not in self._placement_groups(region):
+            self._activity(key, "Failed", (
                 f"Launching a new EC2 instance. Status Reason: The placement group "
                 f"'{placement}' is unknown. Launching EC2 instance failed."), types[0])
-            self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
+            self._retry_at[key] = now + CAPACITY_RETRY_SECONDS
             return None
         distribution = policy.get("InstancesDistribution", {})
         strategy = distribution.get("SpotAllocationStrategy", "lowest-price") if spot \
             else distribution.get("OnDemandAllocationStrategy", "prioritized")
         pools = pool_order([(t, subnet, self._subnet(subnet)[1]) for t in types
-                            for subnet in subnets], strategy, spot, self.region,
+                            for subnet in subnets], strategy, spot, region,
                            self._allocation_rng)
         for instance_type, subnet, _ in pools:
             az, az_id = self._subnet(subnet)
@@ -371,7 +381,7 @@ class AutoScalingPlay:
                     "SpotInstanceType": "one-time",
                     "InstanceInterruptionBehavior": "terminate"}}
             try:
-                launched = self._ec2.run_instances(**params)["Instances"][0]
+                launched = ec2.run_instances(**params)["Instances"][0]
             except Exception as err:
                 if _boto.classify(err) != "capacity":
                     if not _boto.error_code(err):
@@ -379,42 +389,44 @@ class AutoScalingPlay:
                     # Any other refusal (an instance profile, an image, a permission)
                     # fails the activity, and is not the pool's: the group tries again
                     # later, as Auto Scaling records it.
-                    self._activity(name, "Failed", (
+                    self._activity(key, "Failed", (
                         f"Launching a new EC2 instance. Status Reason: "
                         f"{_boto.error_message(err)}. Launching EC2 instance failed."),
                         instance_type)
-                    self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
+                    self._retry_at[key] = now + CAPACITY_RETRY_SECONDS
                     return None
-                self._activity(name, "Failed", (
+                self._activity(key, "Failed", (
                     f"Could not launch {'Spot' if spot else 'On-Demand'} Instances. "
                     f"{_boto.error_code(err)} - {_boto.error_message(err)} "
                     "Launching EC2 instance failed."), instance_type)
                 continue
             with self._lock:
                 self._placed[launched["InstanceId"]] = placement
-            self._asg.attach_instances(AutoScalingGroupName=name,
+            asg.attach_instances(AutoScalingGroupName=name,
                                        InstanceIds=[launched["InstanceId"]])
             if keep_desired:
                 # moto's AttachInstances sets the desired capacity to the instances
                 # it holds; the group's own launches leave it (a group of N).
-                self._asg.set_desired_capacity(AutoScalingGroupName=name,
+                asg.set_desired_capacity(AutoScalingGroupName=name,
                                                DesiredCapacity=group["DesiredCapacity"])
-            self._activity(name, "Successful", (
+            self._activity(key, "Successful", (
                 f"Launching a new EC2 instance: {launched['InstanceId']} "
                 f"({instance_type} in {az}, {az_id})"), instance_type)
-            self._retry_at.pop(name, None)
+            self._retry_at.pop(key, None)
             return str(launched["InstanceId"])
-        self._retry_at[name] = now + CAPACITY_RETRY_SECONDS
+        self._retry_at[key] = now + CAPACITY_RETRY_SECONDS
         return None
 
-    def _expire_launch_waits(self, now: float) -> None:
-        """Launch hooks whose wait ran out: their ``DefaultResult`` applies."""
+    def _expire_launch_waits(self, region: str, now: float) -> None:
+        """Launch hooks whose wait ran out in ``region``: their ``DefaultResult`` applies."""
+        backend = self._asg_backend(region)
         with self._lock:
-            due = [(i, w) for i, w in self._launch_waits.items() if w[2] <= now]
+            due = [(i, w) for i, w in self._launch_waits.items() if w[2] <= now
+                   and _member(backend, i) is not None]
             for instance_id, _ in due:
                 del self._launch_waits[instance_id]
         for instance_id, (_, hook, _, default) in due:
-            state = _member(self._asg_backend(), instance_id)
+            state = _member(backend, instance_id)
             if state is not None and state.lifecycle_state == "Pending:Wait":
                 log.info("launch hook %s of %s timed out: %s", hook, instance_id, default)
                 self._end_launch_wait(state, default)
@@ -427,16 +439,16 @@ class AutoScalingPlay:
             return
         group = state.auto_scaling_group
         group.instance_states = [s for s in group.instance_states if s is not state]
-        self._asg_backend().ec2_backend.terminate_instances([state.instance.id])
+        group.autoscaling_backend.ec2_backend.terminate_instances([state.instance.id])
 
-    def _asg_backend(self) -> Any:
+    def _asg_backend(self, region: str) -> Any:
         from moto.autoscaling.models import autoscaling_backends
 
         from spotnb.testing.server import DEFAULT_ACCOUNT
 
-        return autoscaling_backends[DEFAULT_ACCOUNT][self.region]
+        return autoscaling_backends[DEFAULT_ACCOUNT][region]
 
-    def _rebalance(self, group: dict[str, Any], now: float) -> bool:
+    def _rebalance(self, region: str, group: dict[str, Any], now: float) -> bool:
         """Auto Scaling's capacity rebalancing for a group that has it on: a replacement
         for each instance EC2 recommended rebalancing (the group may exceed its desired
         capacity meanwhile); once that replacement is in service (booted and, if the
@@ -453,22 +465,23 @@ class AutoScalingPlay:
         if not any(i.rebalance_at is not None for i in members):
             return False  # nothing recommended: no request this tick
         changed = False
-        hooks = self._asg.describe_lifecycle_hooks(AutoScalingGroupName=name)["LifecycleHooks"]
+        asg = self._client("autoscaling", region)
+        hooks = asg.describe_lifecycle_hooks(AutoScalingGroupName=name)["LifecycleHooks"]
         launch_wait = self._hook(hooks, "LAUNCHING")
         ending = self._hook(hooks, "TERMINATING") or ("", 0.0)
         for inst in members:
             if inst.terminated or inst.rebalance_at is None:
                 continue
             if inst.rebalanced_by is None and inst.terminate_at is None:
-                if now >= self._retry_at.get(name, 0.0):
+                if now >= self._retry_at.get((region, name), 0.0):
                     # Auto Scaling goes over the group's size for the replacement (moto
                     # refuses to attach past MaxSize: raised meanwhile).
-                    self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                        MaxSize=group["MaxSize"] + 1)
-                    inst.rebalanced_by = self._launch(group, now, keep_desired=False)
+                    asg.update_auto_scaling_group(AutoScalingGroupName=name,
+                                                  MaxSize=group["MaxSize"] + 1)
+                    inst.rebalanced_by = self._launch(region, group, now, keep_desired=False)
                     if inst.rebalanced_by is None:
-                        self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                            MaxSize=group["MaxSize"])
+                        asg.update_auto_scaling_group(AutoScalingGroupName=name,
+                                                      MaxSize=group["MaxSize"])
                     changed = True
                 continue
             with self._lock:
@@ -491,14 +504,14 @@ class AutoScalingPlay:
         for inst in members:
             if inst.rebalanced_by is not None and inst.terminate_at is not None \
                     and inst.terminate_at <= now:
-                self._asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
-                                           ShouldDecrementDesiredCapacity=True)
-                self._asg.update_auto_scaling_group(AutoScalingGroupName=name,
-                                                    MaxSize=max(1, group["MaxSize"] - 1))
+                asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
+                                     ShouldDecrementDesiredCapacity=True)
+                asg.update_auto_scaling_group(AutoScalingGroupName=name,
+                                              MaxSize=max(1, group["MaxSize"] - 1))
                 changed = True
         return changed
 
-    def _end_through_hook(self, group: dict[str, Any], now: float) -> bool:
+    def _end_through_hook(self, region: str, group: dict[str, Any], now: float) -> bool:
         """Members that TerminateInstanceInAutoScalingGroup ended through the group's
         termination hook: once their agent completed it or its wait ran out, they leave
         the group and EC2 terminates them. Whether the group changed."""
@@ -513,8 +526,9 @@ class AutoScalingPlay:
                     now >= i.hook_until or self._completed(i.id, LIFECYCLE_HOOK_NAME))]
         for inst in done:
             inst.terminate_at = now  # the next tick's termination takes it
-            self._asg.detach_instances(AutoScalingGroupName=name, InstanceIds=[inst.id],
-                                       ShouldDecrementDesiredCapacity=False)
+            self._client("autoscaling", region).detach_instances(
+                AutoScalingGroupName=name, InstanceIds=[inst.id],
+                ShouldDecrementDesiredCapacity=False)
         return bool(done)
 
     def _hook(self, hooks: list[dict[str, Any]], transition: str) -> tuple[str, float] | None:
@@ -532,11 +546,13 @@ class AutoScalingPlay:
         with self._lock:
             return (instance_id, hook) in self.hooks_completed
 
-    def _activity(self, group: str, status: str, message: str, instance_type: str) -> None:
+    def _activity(self, group: tuple[str, str], status: str, message: str,
+                  instance_type: str) -> None:
+        """Record a scaling activity of ``group`` ((region, name))."""
         now = datetime.datetime.now(datetime.timezone.utc)
         with self._lock:
             self.activities.setdefault(group, []).append({
-                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group,
+                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group[1],
                 "Description": f"Launching a new EC2 instance ({instance_type})",
                 "Cause": f"At {now.isoformat()} an instance was started in response to a "
                          "difference between desired and actual capacity.",

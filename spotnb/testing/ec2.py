@@ -20,13 +20,18 @@ class Ec2Play:
     """Placement groups and spot placement scores for the simulator (a part of it)."""
 
     region: str
-    placement_groups: dict[str, dict[str, Any]]
+    regions: tuple[str, ...]
     instances: dict[str, Any]
-    _no_capacity: set[str]
     _lock: threading.RLock
     _undo: list[Callable[[], None]]
 
-    def _client(self, service: str) -> Any:
+    def _client(self, service: str, region: str | None = None) -> Any:
+        raise NotImplementedError
+
+    def short(self, instance_type: str, region: str, az_id: str) -> bool:
+        raise NotImplementedError
+
+    def _placement_groups(self, region: str) -> dict[str, dict[str, Any]]:
         raise NotImplementedError
 
     def _patch_ec2(self) -> None:
@@ -44,25 +49,27 @@ class Ec2Play:
             name = response._get_param("GroupName")
             tags = response._parse_tag_specification().get("placement-group", {})
             with sim._lock:
-                if name in sim.placement_groups:
+                groups = sim._placement_groups(response.region)
+                if name in groups:
                     raise EC2ClientError("InvalidPlacementGroup.Duplicate",
                                          f"The placement group '{name}' already exists.")
-                sim.placement_groups[name] = {
+                groups[name] = {
                     "GroupName": name, "State": "available",
                     "Strategy": response._get_param("Strategy"),
                     "GroupId": "pg-" + secrets.token_hex(8),
                     "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
-                return ActionResult({"PlacementGroup": sim.placement_groups[name]})
+                return ActionResult({"PlacementGroup": groups[name]})
 
         def describe_placement_groups(response: Any) -> Any:
             names = response._get_param("GroupNames", [])
             filters = response._filters_from_querystring()
             with sim._lock:
-                missing = [n for n in names if n not in sim.placement_groups]
+                groups = sim._placement_groups(response.region)
+                missing = [n for n in names if n not in groups]
                 if missing:  # named ones must exist, as on EC2 (filters need not match)
                     raise EC2ClientError("InvalidPlacementGroup.Unknown",
                                          f"The Placement Group '{missing[0]}' is unknown.")
-                found = [g for g in sim.placement_groups.values()
+                found = [g for g in groups.values()
                          if (not names or g["GroupName"] in names)
                          and g["GroupName"] in filters.get("group-name", [g["GroupName"]])
                          and _tags_match(g["Tags"], filters)]
@@ -71,28 +78,35 @@ class Ec2Play:
         def delete_placement_group(response: Any) -> Any:
             name = response._get_param("GroupName")
             with sim._lock:
-                if name not in sim.placement_groups:
+                groups = sim._placement_groups(response.region)
+                if name not in groups:
                     raise EC2ClientError("InvalidPlacementGroup.Unknown",
                                          f"The Placement Group '{name}' is unknown.")
                 if any(i.placement_group == name and not i.terminated
-                       for i in sim.instances.values()):
+                       and i.region == response.region for i in sim.instances.values()):
                     raise EC2ClientError("InvalidPlacementGroup.InUse",
                                          f"The placement group '{name}' is in use.")
-                del sim.placement_groups[name]
+                del groups[name]
             return EmptyResult()
 
         def get_spot_placement_scores(response: Any) -> Any:
             types = response._get_param("InstanceTypes", [])
-            offered = sim._client("ec2").describe_instance_type_offerings(
-                LocationType="availability-zone-id",
-                Filters=[{"Name": "instance-type", "Values": types}])["InstanceTypeOfferings"]
+            # The regions asked (at most 10, botocore's model), those the simulator
+            # plays; without RegionNames, every one of them (AWS: every region).
+            asked = response._get_param("RegionNames", []) or list(sim.regions)
             scores = []
-            for az_id in sorted({o["Location"] for o in offered}):
-                with sim._lock:
-                    short = all(t in sim._no_capacity or f"{t}@{az_id}" in sim._no_capacity
-                                for t in types)
-                scores.append({"Region": sim.region, "AvailabilityZoneId": az_id,
-                               "Score": NO_SCORE if short else GOOD_SCORE})
+            for region in [r for r in asked if r in sim.regions]:
+                offered = sim._client("ec2", region).describe_instance_type_offerings(
+                    LocationType="availability-zone-id",
+                    Filters=[{"Name": "instance-type", "Values": types}]
+                )["InstanceTypeOfferings"]
+                found = {az_id: NO_SCORE if all(sim.short(t, region, az_id) for t in types)
+                         else GOOD_SCORE for az_id in sorted({o["Location"] for o in offered})}
+                if str(response._get_param("SingleAvailabilityZone")).lower() == "true":
+                    scores += [{"Region": region, "AvailabilityZoneId": az_id, "Score": score}
+                               for az_id, score in found.items()]
+                elif found:  # the region's score, without an AZ (its best AZ's here)
+                    scores.append({"Region": region, "Score": max(found.values())})
             return ActionResult({"SpotPlacementScores": scores})
 
         added = {"create_placement_group": create_placement_group,

@@ -296,7 +296,8 @@ class IamEnforcer:
         self.admin_key = admin_key
         self.call_key = call_key
         self.enabled = False
-        self.placement_tags: Callable[[str], dict[str, str] | None] = lambda name: None
+        self.placement_tags: Callable[[str, str], dict[str, str] | None] = \
+            lambda region, name: None
         self._lock = threading.Lock()
         #: every refused request, in order
         self.denied: list[Denial] = []

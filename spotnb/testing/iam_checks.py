@@ -70,7 +70,7 @@ class World:
     state, and the simulator's own placement groups)."""
 
     def __init__(self, account: str, region: str,
-                 placement_tags: Callable[[str], dict[str, str] | None]) -> None:
+                 placement_tags: Callable[[str, str], dict[str, str] | None]) -> None:
         self.account = account
         self.region = region
         self._placement_tags = placement_tags
@@ -176,10 +176,10 @@ class World:
         return profile.get("Arn") or profile.get("Name")
 
     def placement_tags(self, name: str) -> dict[str, str]:
-        return self._placement_tags(name) or {}
+        return self._placement_tags(self.region, name) or {}
 
     def has_placement_group(self, name: str) -> bool:
-        return self._placement_tags(name) is not None
+        return self._placement_tags(self.region, name) is not None
 
     def parameter_arn(self, name: str) -> str:
         path = name.lstrip("/")

@@ -31,14 +31,14 @@ class PrincipalsPlay:
     """The principals of :class:`~spotnb.testing.AwsSimulator` (a part of it)."""
 
     region: str
+    regions: tuple[str, ...]
     iam: bool
     server: MotoServer
     user_credentials: dict[str, str]
-    placement_groups: dict[str, dict[str, Any]]
     _lock: threading.RLock
     _undo: list[Callable[[], None]]
 
-    def _client(self, service: str) -> Any:
+    def _client(self, service: str, region: str | None = None) -> Any:
         raise NotImplementedError
 
     def _enforce_iam(self) -> None:
@@ -51,8 +51,8 @@ class PrincipalsPlay:
         iam = self._client("iam")
         iam.create_user(UserName=USER_NAME, Path="/")
         iam.put_user_policy(UserName=USER_NAME, PolicyName="spotnb", PolicyDocument=json.dumps(
-            user_policy(self.region, DEFAULT_ACCOUNT, default_bucket(DEFAULT_ACCOUNT,
-                                                                     self.region))))
+            user_policy(self.regions, DEFAULT_ACCOUNT, default_bucket(DEFAULT_ACCOUNT,
+                                                                      self.region))))
         key = iam.create_access_key(UserName=USER_NAME)["AccessKey"]
         #: the user's key (what spotnb runs with: the environment's credentials)
         self.user_credentials = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"],
@@ -68,9 +68,12 @@ class PrincipalsPlay:
         """Every request IAM refused (:class:`spotnb.testing.iam.Denial`), in order."""
         return list(self.server.iam.denied)
 
-    def _placement_tags(self, name: str) -> dict[str, str] | None:
+    def _placement_groups(self, region: str) -> dict[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _placement_tags(self, region: str, name: str) -> dict[str, str] | None:
         with self._lock:
-            found = self.placement_groups.get(name)
+            found = self._placement_groups(region).get(name)
         return None if found is None else {t["Key"]: t["Value"] for t in found["Tags"]}
 
     def _role_may(self, role_arn: str, action: str, resource: str) -> str | None:
@@ -88,22 +91,27 @@ class PrincipalsPlay:
         except Exception as err:
             return f"the role cannot be used: {err}"
         policies = [json.loads(d) if isinstance(d, str) else d for d in documents]
-        world = iam.World(DEFAULT_ACCOUNT, self.region, self._placement_tags)
+        # The resource's region (an instance's ARN names it), else the session's.
+        parts = resource.split(":")
+        region = parts[3] if len(parts) > 3 and parts[3] else self.region
+        world = iam.World(DEFAULT_ACCOUNT, region, self._placement_tags)
         tags = world.ec2_tags(resource.rsplit("/", 1)[-1]) if ":instance/" in resource else {}
         check = iam.Check(action, resource, {
-            "aws:RequestedRegion": (self.region,),
+            "aws:RequestedRegion": (region,),
             **{f"{p}:ResourceTag/{k}": (v,) for p in ("aws", "ec2") for k, v in tags.items()}})
         verdict = iam.evaluate(policies, check)
         return None if verdict == "allow" else (
             f"{role_arn} is not authorized to perform {action} on {resource}")
 
-    def _instance_role(self, inst: dict[str, Any]) -> tuple[str | None, dict[str, str] | None]:
-        """The instance profile's role of a launched instance and a session of it (the
-        keys EC2 serves in the instance's metadata); (None, None) without one."""
+    def _instance_role(self, region: str, inst: dict[str, Any]
+                       ) -> tuple[str | None, dict[str, str] | None]:
+        """The instance profile's role of an instance launched in ``region`` and a
+        session of it (the keys EC2 serves in the instance's metadata); (None, None)
+        without one."""
         from spotnb.testing import iam
 
         profile = (inst.get("IamInstanceProfile") or {}).get("Arn")
-        world = iam.World(DEFAULT_ACCOUNT, self.region, self._placement_tags)
+        world = iam.World(DEFAULT_ACCOUNT, region, self._placement_tags)
         if not profile:
             template = next((t["Value"] for t in inst.get("Tags", ())
                              if t["Key"] == "aws:ec2launchtemplate:id"), None)

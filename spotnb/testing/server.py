@@ -69,11 +69,12 @@ def _moto_server_class() -> Any:
         requests: RequestLog
         lost: LostResponses
         outage: Outage
+        wrong_region: list[tuple[str, str, str, str]]
         iam: Any  # spotnb.testing.iam.IamEnforcer
 
         def _server_entry(self) -> None:
             self.iam.app = _S3Middleware(DomainDispatcherApplication(create_backend_app),
-                                         self.lost, self.outage)
+                                         self.lost, self.outage, self.wrong_region)
             app = self.requests.wrap(self.iam)
             self._server = make_server(self._ip_address, self._port, app, True,
                                        request_handler=QuietHandler)
@@ -308,15 +309,47 @@ _INTERNAL_ERROR = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>Intern
                    b"</Error>")
 
 
-class _S3Middleware:
-    """S3 behaviour moto lacks: ``ExpectedBucketOwner``, atomic conditional writes, and
-    the :class:`LostResponses` and :class:`Outage` faults."""
+_S3_SIGNING = re.compile(r"Credential=[^/]+/\d{8}/([^/]+)/s3/aws4_request")
 
-    def __init__(self, app: Callable[..., Any], lost: LostResponses, outage: Outage) -> None:
+
+class _S3Middleware:
+    """S3 behaviour moto lacks: ``ExpectedBucketOwner``, a request signed for another
+    region than its bucket's refused (``400 AuthorizationHeaderMalformed`` naming the
+    bucket's region, as S3 answers it; botocore then sends it again to that region,
+    and each such request is kept in ``wrong_region``: (bucket, signed for, the
+    bucket's, origin)), atomic conditional writes, and the :class:`LostResponses` and
+    :class:`Outage` faults."""
+
+    def __init__(self, app: Callable[..., Any], lost: LostResponses, outage: Outage,
+                 wrong_region: list[tuple[str, str, str, str]]) -> None:
         self.app = app
         self.conditional_lock = threading.Lock()
         self.lost = lost
         self.outage = outage
+        self.wrong_region = wrong_region
+
+    def _wrong_region(self, environ: dict[str, Any], call: Any,
+                      start_response: Callable[..., Any]) -> list[bytes] | None:
+        """S3's answer to a request signed for another region than its bucket's."""
+        signed = _S3_SIGNING.search(environ.get("HTTP_AUTHORIZATION", ""))
+        path = environ.get("PATH_INFO", "/").lstrip("/")
+        bucket, _, key = path.partition("/")
+        if signed is None or not bucket or (environ.get("REQUEST_METHOD") == "PUT"
+                                            and not key and not environ.get("QUERY_STRING")):
+            return None  # not signed for S3, or a CreateBucket (its own rules)
+        region = _bucket_region(bucket)
+        if region is None or region == signed.group(1):
+            return None
+        self.wrong_region.append((bucket, signed.group(1), region,
+                                  call.origin if call is not None else "other"))
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>'
+                f"AuthorizationHeaderMalformed</Code><Message>The authorization header is "
+                f"malformed; the region '{signed.group(1)}' is wrong; expecting "
+                f"'{region}'</Message><Region>{region}</Region></Error>").encode()
+        start_response("400 Bad Request", [("Content-Type", "application/xml"),
+                                           ("x-amz-bucket-region", region),
+                                           ("Content-Length", str(len(body)))])
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         call = environ.get(CALL_KEY)
@@ -324,6 +357,9 @@ class _S3Middleware:
             start_response("503 Slow Down", [("Content-Type", "application/xml"),
                                              ("Content-Length", str(len(_SLOW_DOWN)))])
             return [] if environ.get("REQUEST_METHOD") == "HEAD" else [_SLOW_DOWN]
+        refused = self._wrong_region(environ, call, start_response)
+        if refused is not None:
+            return refused
         expected = environ.get("HTTP_X_AMZ_EXPECTED_BUCKET_OWNER")
         if expected:
             bucket = environ.get("PATH_INFO", "/").lstrip("/").split("/", 1)[0]
@@ -360,6 +396,20 @@ class _S3Middleware:
         return body
 
 
+def _bucket_region(bucket: str) -> str | None:
+    """The region of ``bucket`` (None: no such bucket)."""
+    from moto.s3.models import s3_backends
+
+    found = s3_backends.bucket_accounts.get(bucket)
+    if found is None:
+        return None
+    partition, account = found
+    try:
+        return str(s3_backends[account][partition].buckets[bucket].region_name)
+    except KeyError:
+        return None
+
+
 def _bucket_owner(bucket: str) -> str | None:
     from moto.s3.models import s3_backends
 
@@ -378,6 +428,11 @@ class MotoServer:
         #: The lost-response fault of conditional S3 writes (:class:`LostResponses`).
         self.lost_responses = LostResponses()
         self._server.lost = self.lost_responses
+        #: S3 requests signed for another region than their bucket's, which S3 refused
+        #: (botocore sends each again to the bucket's region): (bucket, signed for,
+        #: the bucket's region, origin).
+        self.s3_wrong_region: list[tuple[str, str, str, str]] = []
+        self._server.wrong_region = self.s3_wrong_region
         #: S3 unavailable to one kind of client (:class:`Outage`).
         self.s3_outage = Outage()
         self._server.outage = self.s3_outage

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,8 @@ class SimInstance:
     terminated: bool = False
     #: the Auto Scaling group's placement group, when it names one (a multi-node job)
     placement_group: str | None = None
+    #: the region it runs in (one of :attr:`AwsSimulator.regions`)
+    region: str = DEFAULT_REGION
     #: ``local-ipv4`` in its metadata: a loopback address of its own (see _boot)
     address: str = "127.0.0.1"
     #: capacity rebalancing: the instance its group launched for it on a recommendation
@@ -107,11 +109,18 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
     _active: AwsSimulator | None = None
 
     def __init__(self, workdir: str | os.PathLike[str] | None = None, *,
-                 region: str = DEFAULT_REGION, notice_seconds: float = DEFAULT_NOTICE_SECONDS,
+                 region: str = DEFAULT_REGION, regions: Sequence[str] = (),
+                 notice_seconds: float = DEFAULT_NOTICE_SECONDS,
                  boot_seconds: float = 0.0, kill_grace: float = KILL_GRACE_SECONDS,
                  install: bool | PlainImage = False, signals: SignalModel | None = None,
                  time_scale: float | None = None, iam: bool = True) -> None:
-        self.region = region
+        #: Every region the simulator plays EC2 and Auto Scaling in, each with its own
+        #: subnets, image, capacity and groups (moto serves them all); ``regions`` when
+        #: given, else ``region`` alone. The first is the session's (``AWS_DEFAULT_REGION``).
+        self.regions: tuple[str, ...] = tuple(dict.fromkeys(regions or (region,)))
+        self.region = self.regions[0]
+        #: the Deep Learning AMI each region's public parameter names (each its own)
+        self.images: dict[str, str] = {}
         #: IAM enforced per principal (:mod:`spotnb.testing.iam`): spotnb runs as a user
         #: with the policy it prints, each instance as its instance profile's role.
         self.iam = iam
@@ -136,10 +145,13 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="spotnb-sim-"))
         self.server = MotoServer()
         self.instances: dict[str, SimInstance] = {}
-        self.activities: dict[str, list[dict[str, Any]]] = {}
-        #: EC2 placement groups (moto has none): name -> {"GroupName", "Strategy", ...}
-        self.placement_groups: dict[str, dict[str, Any]] = {}
-        self._no_capacity: set[str] = set()
+        #: each group's scaling activities, by (region, group name)
+        self.activities: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        #: EC2 placement groups (moto has none), per region: name -> {"GroupName", ...}
+        self.placement_groups_in: dict[str, dict[str, dict[str, Any]]] = {
+            name: {} for name in self.regions}
+        #: pools without spot capacity (:meth:`no_capacity`): pool -> until (wall time)
+        self._no_capacity: dict[str, float] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -147,8 +159,9 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
         self._env: contextlib.ExitStack | None = None
         self._ec2: Any = None
         self._asg: Any = None
-        self._subnet_az: dict[str, tuple[str, str]] = {}
-        self._retry_at: dict[str, float] = {}
+        self._clients: dict[tuple[str, str], Any] = {}
+        self._subnet_az: dict[str, tuple[str, str, str]] = {}
+        self._retry_at: dict[tuple[str, str], float] = {}
         self._placed: dict[str, str | None] = {}  # instance id -> its placement group
         self._launch_waits: dict[str, tuple[str, str, float, str]] = {}
         #: draws the pools' order where capacity decides (``capacity-optimized``)
@@ -185,10 +198,11 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
             self._install_fis()
             if self.iam:
                 self._enforce_iam()
+            for name in self.regions:
+                # Capacity errors are injected into the fulfilment's own RunInstances.
+                self._client("ec2", name).meta.events.register(
+                    "before-parameter-build.ec2.RunInstances", self.capacity_hook)
             self._ec2 = self._client("ec2")
-            # Capacity errors are injected into the fulfilment's own RunInstances calls.
-            self._ec2.meta.events.register("before-parameter-build.ec2.RunInstances",
-                                           self.capacity_hook)
             self._asg = self._client("autoscaling")
             self._thread = threading.Thread(target=self._run, name="spotnb-aws-sim",
                                             daemon=True)
@@ -239,18 +253,32 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
 
     # ---------------------------------------------------------------- controls
 
-    def no_capacity(self, *pools: str) -> None:
+    def no_capacity(self, *pools: str, seconds: float | None = None) -> None:
         """Make spot launches in these pools fail with ``InsufficientInstanceCapacity``:
-        ``"g5.xlarge"`` (every AZ) or ``"g5.xlarge@use1-az1"`` (one AZ id). On-demand
-        launches still succeed, as during a real spot shortage."""
+        ``"g5.xlarge"`` (every AZ of every region), ``"g5.xlarge@use1-az1"`` (one AZ
+        id), ``"g5.xlarge@us-west-2"`` (one region), or ``"us-west-2"`` (every type in
+        that region); for ``seconds`` (then capacity returns by itself), else until
+        :meth:`restore_capacity`. On-demand launches still succeed, as during a real
+        spot shortage; spot placement scores say 1 where no requested type has any."""
+        until = float("inf") if seconds is None else time.time() + seconds
         with self._lock:
-            self._no_capacity.update(pools)
+            self._no_capacity.update(dict.fromkeys(pools, until))
+
+    def short(self, instance_type: str, region: str, az_id: str) -> bool:
+        """Whether the pool (``instance_type`` in ``az_id`` of ``region``) has no spot
+        capacity now (:meth:`no_capacity`)."""
+        now = time.time()
+        keys = (instance_type, f"{instance_type}@{az_id}", f"{instance_type}@{region}",
+                region)
+        with self._lock:
+            return any(self._no_capacity.get(key, 0.0) > now for key in keys)
 
     def restore_capacity(self, *pools: str) -> None:
         """Undo :meth:`no_capacity` for ``pools`` (all of them when none is named)."""
         with self._lock:
             if pools:
-                self._no_capacity.difference_update(pools)
+                for pool in pools:
+                    self._no_capacity.pop(pool, None)
             else:
                 self._no_capacity.clear()
 
@@ -353,22 +381,24 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
         self._patch_ec2()
 
     def _publish_dlami(self) -> None:
-        """Put the Deep Learning AMI's public parameter into moto (AWS publishes it)."""
+        """Put the Deep Learning AMI's public parameter into moto in each region (AWS
+        publishes it per region, naming that region's own image)."""
         from moto.ssm.models import Parameter, ssm_backends
 
         from spotnb.providers.aws.resources import DLAMI_NAME, DLAMI_PARAMETER
 
-        ec2 = self._client("ec2")
-        # An image named as AWS names the Deep Learning AMI (moto's own are not).
-        image = ec2.register_image(
-            Name=f"{DLAMI_NAME} 20260815", Architecture="x86_64",
-            RootDeviceName="/dev/sda1", Description=DLAMI_IMAGE_NAME)["ImageId"]
-        backend = ssm_backends[DEFAULT_ACCOUNT][self.region]
-        backend._parameters[DLAMI_PARAMETER].append(Parameter(  # type: ignore[abstract]
-            account_id=DEFAULT_ACCOUNT, name=DLAMI_PARAMETER, value=image,
-            parameter_type="String", description=DLAMI_IMAGE_NAME, allowed_pattern=None,
-            keyid=None, last_modified_date=datetime.datetime.now(), version=1,
-            data_type="aws:ec2:image"))
+        for region in self.regions:
+            # An image named as AWS names the Deep Learning AMI (moto's own are not).
+            image = self._client("ec2", region).register_image(
+                Name=f"{DLAMI_NAME} 20260815", Architecture="x86_64",
+                RootDeviceName="/dev/sda1", Description=DLAMI_IMAGE_NAME)["ImageId"]
+            self.images[region] = image
+            backend = ssm_backends[DEFAULT_ACCOUNT][region]
+            backend._parameters[DLAMI_PARAMETER].append(Parameter(  # type: ignore[abstract]
+                account_id=DEFAULT_ACCOUNT, name=DLAMI_PARAMETER, value=image,
+                parameter_type="String", description=DLAMI_IMAGE_NAME, allowed_pattern=None,
+                keyid=None, last_modified_date=datetime.datetime.now(), version=1,
+                data_type="aws:ec2:image"))
 
     def _install_fis(self) -> None:
         from spotnb.testing.fis import FisPlay
@@ -384,20 +414,35 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
                            rng=random.Random(self.signals.seed))
         self._undo.append(self.fis.install())
 
-    def _client(self, service: str) -> Any:
-        """A client with the administrator's key (the simulator's own requests)."""
+    @property
+    def placement_groups(self) -> dict[str, dict[str, Any]]:
+        """The placement groups of the first region (:attr:`placement_groups_in` has
+        every region's)."""
+        return self.placement_groups_in[self.region]
+
+    def _placement_groups(self, region: str) -> dict[str, dict[str, Any]]:
+        return self.placement_groups_in.setdefault(region, {})
+
+    def _client(self, service: str, region: str | None = None) -> Any:
+        """A client with the administrator's key (the simulator's own requests), in
+        ``region`` (the first of :attr:`regions` by default)."""
         from spotnb.providers.aws import _boto
 
-        return _boto.client(service, self.region, sess=self._admin, attempts=3,
-                            origin="simulator")
+        key = (service, region or self.region)
+        with self._lock:
+            if key not in self._clients:
+                self._clients[key] = _boto.client(service, key[1], sess=self._admin,
+                                                  attempts=3, origin="simulator")
+            return self._clients[key]
 
-    def admin_client(self, service: str) -> Any:
+    def admin_client(self, service: str, region: str | None = None) -> Any:
         """A client with the account administrator's key, for a test to look around or
         set things up (spotnb's own clients use the user's key, with IAM enforced). Its
         requests' origin is ``test``: AWS's other rules apply to them."""
         from spotnb.providers.aws import _boto
 
-        return _boto.client(service, self.region, sess=self._admin, attempts=3, origin="test")
+        return _boto.client(service, region or self.region, sess=self._admin, attempts=3,
+                            origin="test")
 
     def _admin_session(self) -> Any:
         from spotnb.providers.aws import _boto
@@ -421,39 +466,46 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
                 self.errors.append(f"{type(err).__name__}: {err}")
 
     def _tick(self) -> None:
-        now = time.time()
+        for region in self.regions:
+            self._tick_region(region, time.time())
+
+    def _tick_region(self, region: str, now: float) -> None:
+        """One turn of the clock in ``region``: its notices, terminations, groups and
+        boots."""
         # Notices a rebalance recommendation announced.
         with self._lock:
             for inst in self.instances.values():
                 if inst.pending_notice is not None and inst.pending_notice[0] <= now \
-                        and not inst.terminated:
+                        and not inst.terminated and inst.region == region:
                     self._notice(inst, now, inst.pending_notice[1])
         # Interruptions whose notice period is over.
         with self._lock:
-            due = [i for i in self.instances.values()
-                   if i.terminate_at is not None and i.terminate_at <= now and not i.terminated]
+            due = [i for i in self.instances.values() if i.region == region and
+                   i.terminate_at is not None and i.terminate_at <= now and not i.terminated]
+        ec2 = self._client("ec2", region)
         if due:
-            self._ec2.terminate_instances(InstanceIds=[i.id for i in due])
+            ec2.terminate_instances(InstanceIds=[i.id for i in due])
         # Auto Scaling: instances its termination hook ends, capacity rebalancing
         # (groups that have it on), then fill every spotnb group up to its desired
         # capacity.
-        self._expire_launch_waits(now)
-        for group in self._asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
-            if self._end_through_hook(group, now):
+        self._expire_launch_waits(region, now)
+        asg = self._client("autoscaling", region)
+        for group in asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
+            if self._end_through_hook(region, group, now):
                 continue  # the description is stale: the next tick fills the group
-            if group.get("CapacityRebalance") and self._rebalance(group, now):
+            if group.get("CapacityRebalance") and self._rebalance(region, group, now):
                 continue
-            self._fulfil(group, now)
+            self._fulfil(region, group, now)
         # EC2: boot new instances, shut down terminated ones.
         states = {}
-        for reservation in self._ec2.describe_instances()["Reservations"]:
+        for reservation in ec2.describe_instances()["Reservations"]:
             for inst in reservation["Instances"]:
                 states[inst["InstanceId"]] = inst
         for instance_id, inst in states.items():
             state = inst["State"]["Name"]
             known = self.instances.get(instance_id)
             if state in ("pending", "running") and known is None:
-                self._boot(inst)
+                self._boot(region, inst)
             elif state in ("shutting-down", "terminated") and known is not None \
                     and not known.terminated:
                 known.terminated = True
@@ -463,11 +515,17 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
                 killer.start()
 
     def _subnet(self, subnet: str) -> tuple[str, str]:
+        """The AZ name and id of ``subnet`` (of any region)."""
+        return self._subnet_place(subnet)[:2]
+
+    def _subnet_place(self, subnet: str) -> tuple[str, str, str]:
+        """The AZ name, AZ id and region of ``subnet`` (subnet ids are unique)."""
         if subnet not in self._subnet_az:
-            for row in self._ec2.describe_subnets()["Subnets"]:
-                self._subnet_az[row["SubnetId"]] = (row["AvailabilityZone"],
-                                                    row.get("AvailabilityZoneId", ""))
-        return self._subnet_az.get(subnet, (self.region + "a", ""))
+            for region in self.regions:
+                for row in self._client("ec2", region).describe_subnets()["Subnets"]:
+                    self._subnet_az[row["SubnetId"]] = (
+                        row["AvailabilityZone"], row.get("AvailabilityZoneId", ""), region)
+        return self._subnet_az.get(subnet, (self.region + "a", "", self.region))
 
     def capacity_hook(self, params: dict[str, Any], **kwargs: Any) -> None:
         """``before-parameter-build.ec2.RunInstances``: refuse launches in pools without
@@ -477,11 +535,8 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
         if not params.get("InstanceMarketOptions"):
             return  # on-demand
         instance_type = str(params.get("InstanceType", ""))
-        az, az_id = self._subnet(str(params.get("SubnetId", "")))
-        with self._lock:
-            short = instance_type in self._no_capacity or \
-                f"{instance_type}@{az_id}" in self._no_capacity
-        if short:
+        az, az_id, region = self._subnet_place(str(params.get("SubnetId", "")))
+        if self.short(instance_type, region, az_id):
             raise ClientError({
                 "Error": {"Code": "InsufficientInstanceCapacity", "Message": (
                     f"We currently do not have sufficient {instance_type} capacity in the "
@@ -491,7 +546,7 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
 
     # ----------------------------------------------------------- the instances
 
-    def _boot(self, inst: dict[str, Any]) -> None:
+    def _boot(self, region: str, inst: dict[str, Any]) -> None:
         from spotnb.providers.aws.resources import TAG_JOB
         from spotnb.providers.local.imds import InstanceIdentity
         from spotnb.testing.iam import instance_metadata
@@ -510,29 +565,33 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
         address = "127." + ".".join(private.split(".")[1:]) if private.count(".") == 3 \
             else "127.0.0.1"
         identity = InstanceIdentity(
-            instance_id=instance_id, instance_type=inst["InstanceType"], region=self.region,
+            instance_id=instance_id, instance_type=inst["InstanceType"], region=region,
             az=az, az_id=az_id, ami_id=inst.get("ImageId", ""), launched=launched,
             address=address)
         home = self.workdir / "instances" / instance_id
         home.mkdir(parents=True, exist_ok=True)
         with self._lock:
             placement = self._placed.get(instance_id)
-        role, credentials = self._instance_role(inst) if self.iam else (None, None)
+        role, credentials = self._instance_role(region, inst) if self.iam else (None, None)
         record = SimInstance(id=instance_id, group=tags.get("aws:autoscaling:groupName"),
                              job_id=tags.get(TAG_JOB), instance_type=inst["InstanceType"],
                              az=az, az_id=az_id, dir=home,
                              imds=instance_metadata(identity, role, credentials).start(),
-                             placement_group=placement, address=address)
+                             placement_group=placement, address=address, region=region)
         with self._lock:
             self.instances[instance_id] = record
-        encoded = self._ec2.describe_instance_attribute(
+        encoded = self._client("ec2", region).describe_instance_attribute(
             InstanceId=instance_id, Attribute="userData").get("UserData", {}).get("Value")
         if not encoded:
             log.info("instance %s has no user data: nothing to run", instance_id)
             return
         script = home / "user-data"
         script.write_bytes(base64.b64decode(encoded))
-        env = {**os.environ, "SPOTNB_IMDS_ENDPOINT": record.imds.endpoint,
+        # No region in an instance's environment (EC2 sets none: spotnb's agents take
+        # theirs from the metadata service), not the notebook's session's.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("AWS_DEFAULT_REGION", "AWS_REGION")}
+        env = {**env, "SPOTNB_IMDS_ENDPOINT": record.imds.endpoint,
                # The termination hook's wait, scaled as the notice period is.
                "SPOTNB_TERMINATION_HOOK_SECONDS": str(self.notice_seconds),
                # Its age in market time (spotnb.protocol.billing).
@@ -555,9 +614,9 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
             env = {**preinstalled_environment(env), "SPOTNB_PYTHON": sys.executable}
         # EC2's part at a power-off (terminating the instance) is the administrator's.
         record.proc = power_on(home, script, env, instance_id=instance_id,
-                               region=self.region, ec2_credentials=FAKE_CREDENTIALS)
-        log.info("booted %s (%s in %s) as pid %d", instance_id, inst["InstanceType"], az_id,
-                 record.proc.pid)
+                               region=region, ec2_credentials=FAKE_CREDENTIALS)
+        log.info("booted %s (%s in %s, %s) as pid %d", instance_id, inst["InstanceType"],
+                 az_id, region, record.proc.pid)
 
     def _kill(self, inst: SimInstance, grace: float) -> None:
         """EC2's shutdown: SIGTERM to every process of the instance, SIGKILL after

@@ -60,13 +60,19 @@ Where the rest lives, since AWS has no spotnb supervisor process:
   Injection Service's ``aws:ec2:send-spot-instance-interruptions`` action against the
   job's instances, with a shared ``spotnb-fis`` role (:mod:`.fis`).
 
-Region: each call works in the job's region when this provider launched the job,
-else in the session's region (``AWS_DEFAULT_REGION`` or the profile's).
+Regions (:mod:`.failover`): a job of several regions (``--region a,b``) keeps its
+store, queues and secrets in its home (the first) and runs its group in one region at
+a time, chosen at validation by expected cost with EC2's Spot placement scores; its
+image (that region's own SSM parameter), template, security group and group are made
+there, and its instances read and write the home bucket across regions (the S3 client
+of the bucket's region: ``SPOTNB_STORE_REGION`` in their user data). Each call works
+in the job's region when this provider launched the job, else in the session's region
+(``AWS_DEFAULT_REGION`` or the profile's).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -79,8 +85,14 @@ from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import StoreError, open_store
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
 from spotnb.providers.aws import _boto, cluster, fis, parameters
-from spotnb.providers.aws.bootstrap import bundle, user_data
+from spotnb.providers.aws.bootstrap import bundle
 from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
+from spotnb.providers.aws.launching import (  # noqa: F401 (their names here before)
+    IAM_PROPAGATION_ATTEMPTS,
+    LIFECYCLE_HOOK_SECONDS,
+    LaunchSteps,
+    lifecycle_hooks,
+)
 from spotnb.providers.aws.leftovers import (
     CleanupIncomplete,
     Leftovers,
@@ -91,61 +103,21 @@ from spotnb.providers.aws.leftovers import (
 )
 from spotnb.providers.aws.resources import (
     BOOTSTRAP_PREFIX,
-    IAM_PATH,
-    LAUNCH_HOOK_NAME,
-    LAUNCH_HOOK_SECONDS,
-    LIFECYCLE_HOOK_NAME,
-    SECURITY_GROUP,
     TAG_JOB,
-    TAG_MANAGED,
     AwsSettings,
     group_name,
     image_problem,
-    instance_policy,
-    launch_template_data,
-    mixed_instances_policy,
-    rebalancing,
     role_name,
     s3_location,
     tags,
     template_name,
-    trust_policy,
 )
-from spotnb.providers.imds import TERMINATION_HOOK_SECONDS
 
 __all__ = ["AwsProvider", "AwsSettings", "CleanupIncomplete", "stop_capacity_watches"]
 
 log = logging.getLogger(__name__)
 #: Its old name here (before cleanup moved to :mod:`.leftovers`).
 _cleanup_failure = cleanup_failure
-
-# A new instance profile is "invalid" to Auto Scaling until IAM has propagated it
-# (usually under 10 s): the group is created again with backoff for about a minute.
-IAM_PROPAGATION_ATTEMPTS = 9
-_IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Profile",
-                          "iamInstanceProfile"})
-# A standby group's termination hook waits this long before Auto Scaling ends the
-# instance the job moves off: EC2's notice period, for the agent's final save (the
-# instance agent completes the hook once the job agent is done, which ends the wait).
-LIFECYCLE_HOOK_SECONDS = int(TERMINATION_HOOK_SECONDS)
-
-
-def lifecycle_hooks() -> list[dict[str, Any]]:
-    """A standby group's two lifecycle hooks (made with the group).
-
-    The job moves to a ready standby (whose agent completes the launch hook then) by
-    ending the at-risk instance through the termination hook, whose wait (IMDS
-    ``target-lifecycle-state`` ``Terminated``) is its agent's notice, as long as EC2's,
-    for its final save."""
-    return [
-        {"LifecycleHookName": LAUNCH_HOOK_NAME,
-         "LifecycleTransition": "autoscaling:EC2_INSTANCE_LAUNCHING",
-         "HeartbeatTimeout": LAUNCH_HOOK_SECONDS, "DefaultResult": "CONTINUE"},
-        {"LifecycleHookName": LIFECYCLE_HOOK_NAME,
-         "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING",
-         "HeartbeatTimeout": LIFECYCLE_HOOK_SECONDS, "DefaultResult": "CONTINUE"},
-    ]
-
 
 #: What spotnb assumes an instance writes checkpoints to S3 at, before a job has
 #: measured it (the submit-time check of spotnb.ckpt.notice): a conservative figure for
@@ -154,7 +126,7 @@ def lifecycle_hooks() -> list[dict[str, Any]]:
 ASSUMED_S3_UPLOAD_MBPS = 300.0
 
 
-class AwsProvider(Leftovers, Provider):
+class AwsProvider(Leftovers, LaunchSteps, Provider):
     """spot instances on EC2 through Auto Scaling. See the module docstring."""
 
     name = "aws"
@@ -162,7 +134,10 @@ class AwsProvider(Leftovers, Provider):
     def __init__(self, region: str | None = None, settings: AwsSettings | None = None) -> None:
         self.settings = settings or AwsSettings.from_env()
         self._region = region
-        self._job_regions: dict[str, str] = {}
+        self._job_regions: dict[str, str] = {}  # where each job's group runs
+        self._homes: dict[str, str] = {}  # each job's home (its store's region)
+        self._plans: dict[str, Any] = {}  # failover.AwsRegionPlan, chosen at validation
+        self._starts: dict[str, Any] = {}  # the region event of each plan's start
         self._clients: dict[tuple[str, str], Any] = {}
         self._watches: dict[str, CapacityWatch] = {}
         self._zones: dict[str, cluster.Zone] = {}  # multi-node jobs, chosen at validation
@@ -174,12 +149,28 @@ class AwsProvider(Leftovers, Provider):
     # -- plumbing
 
     def region(self, job_id: str | None = None) -> str:
-        """The job's region if this provider launched it, else the session's."""
+        """Where the job's group runs if this provider launched it, else the session's
+        region."""
         if job_id is not None and job_id in self._job_regions:
             return self._job_regions[job_id]
         if self._region:
             return self._region
         return str(_boto.session().region_name or "us-east-1")
+
+    def regions(self) -> list[str]:
+        """Every region spotnb may have made something in, as far as this provider
+        knows: the session's, the allowed ones (``$SPOTNB_ALLOWED_REGIONS``), and
+        those of the jobs it launched (where they ran and their homes); what ``spotnb
+        aws setup``/``doctor``/``cleanup`` cover."""
+        from spotnb.providers.regions import allowed_regions
+
+        try:
+            allowed = allowed_regions()
+        except SpecError as err:
+            log.warning("%s: looking in the session's region only", err)
+            allowed = ()
+        return list(dict.fromkeys([self.region(), *allowed, *self._job_regions.values(),
+                                   *self._homes.values()]))
 
     def client(self, service: str, region: str) -> Any:
         with self._lock:
@@ -205,10 +196,16 @@ class AwsProvider(Leftovers, Provider):
 
         res = spec.resources
         region = _boto.check_region(res.region)
+        for other in res.regions:
+            _boto.check_region(other)
         if not res.instance_types:
             raise SpecError("no instance type given: name at least one, e.g. 'g5.xlarge'")
-        for instance_type in res.instance_types:
-            catalog.check_instance_type(instance_type, region)
+        if len(res.regions) == 1:
+            for instance_type in res.instance_types:
+                catalog.check_instance_type(instance_type, region)
+        else:
+            for instance_type in res.instance_types:
+                catalog.check_type_name(instance_type)
         problem = image_problem(self.settings, res.instance_types)
         if problem is not None:
             raise SpecError(problem + ". Nothing was started.")
@@ -218,12 +215,13 @@ class AwsProvider(Leftovers, Provider):
         if spec.simulate_signals is not None:
             raise SpecError("simulate_signals works on the local cloud only; on AWS, EC2 "
                             "sends the rebalance recommendations")
+        run = self._choose_region(spec)
         if res.max_nodes > 1 and spec.job_id not in self._zones:
             # One AZ with capacity for all the nodes, or a refusal now, before the bucket is
             # made (cluster.py).
-            rows, _ = self._subnet_rows(region)
-            self._zones[spec.job_id] = cluster.choose_zone(self.client("ec2", region), spec,
-                                                           rows)
+            rows, _ = self._subnet_rows(run)
+            self._zones[spec.job_id] = cluster.choose_zone(self.client("ec2", run), spec,
+                                                           rows, region=run)
         bucket, _ = s3_location(spec.store_uri)
         account = _boto.account_id(region=region)
         s3 = self.client("s3", region)
@@ -238,30 +236,17 @@ class AwsProvider(Leftovers, Provider):
 
     def launch(self, spec: JobSpec, secrets: Mapping[str, str] | None = None) -> None:
         self.validate(spec)
-        region = spec.resources.region
+        home = spec.resources.region
         job_id = spec.job_id
-        account = _boto.account_id(region=region)
+        region = self._plans[job_id].region  # where the group runs (validate chose it)
+        account = _boto.account_id(region=home)
         store = open_store(spec.store_uri)
         tag_list = tags(job_id, spec.store_uri, spec.name)
         undo: list[tuple[str, Callable[[], Any]]] = []
         try:
-            # Step 1: image and network; first the roles of ended jobs that IAM would
-            # not let their instances delete (a role cannot delete itself reliably).
+            # First the roles of ended jobs that IAM would not let their instances
+            # delete (a role cannot delete itself reliably).
             self._sweep_roles(region)
-            ami = self._ami(region)
-            zone = self._zones.get(job_id)
-            network: cluster.Network | None = None
-            if zone is None:
-                subnets, vpc = self._subnets(region, spec.resources.instance_types)
-                security_group = self._security_group(region, vpc)
-            else:
-                # Step 1b: a multi-node job's AZ, placement group and security group;
-                # first the leftovers of ended jobs that AWS would not delete then.
-                self._sweep_networks(region)
-                subnets = [(zone.subnet, zone.az_id)]
-                network = cluster.create_network(self.client("ec2", region), spec, zone,
-                                                 tag_list, undo)
-                security_group = network.security_group
             # Step 2: the wheel the instances install.
             wheel = bundle()
             key = f"{BOOTSTRAP_PREFIX}/{wheel.filename}"
@@ -269,32 +254,14 @@ class AwsProvider(Leftovers, Provider):
             undo.append(("bootstrap wheel", lambda: store.delete(key)))
             # Step 2b: the job's secrets, SSM SecureString parameters under its path.
             if spec.secrets:
-                ssm = self.client("ssm", region)
+                ssm = self.client("ssm", home)
                 undo.append(("secrets", lambda: parameters.delete(ssm, job_id, spec.secrets)))
                 parameters.put(ssm, job_id, values_for(spec.secrets, secrets),
                                [t for t in tag_list if t["Key"] != "Name"])
             # Step 3: the job's role, limited to its prefix.
             profile_arn = self._create_role(spec, account, tag_list)
             undo.append(("IAM role", lambda: self._delete_role(job_id, region)))
-            # Step 4: the launch template.
-            ec2 = self.client("ec2", region)
-            script = user_data(job_id=job_id, store_uri=spec.store_uri, wheel=wheel)
-            template = _boto.with_backoff(lambda: ec2.create_launch_template(
-                LaunchTemplateName=template_name(job_id),
-                VersionDescription=f"spotnb job {job_id}",
-                LaunchTemplateData=launch_template_data(
-                    ami=ami, profile_arn=profile_arn, security_group=security_group,
-                    script=script, tag_list=tag_list, efa=zone is not None and zone.efa),
-                TagSpecifications=[{"ResourceType": "launch-template", "Tags": tag_list}],
-            ), what="creating the launch template")["LaunchTemplate"]
-            undo.append(("launch template", lambda: self._delete_template(job_id, region)))
-            # Step 5: the group (Auto Scaling may not see the new profile for a while).
-            # In the undo list before the call: a call whose answer is lost may have
-            # made the group, which launches at once (a missing group is no error).
-            undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
-            self._create_group(spec, template["LaunchTemplateId"], subnets, tag_list,
-                               ondemand=self.settings.ondemand_after == 0,
-                               placement_group=network.placement_group if network else None)
+            subnets, zone = self._make_capacity(spec, region, profile_arn, tag_list, undo)
         except BaseException:
             for label, release in reversed(undo):
                 try:
@@ -305,6 +272,7 @@ class AwsProvider(Leftovers, Provider):
             raise
         # Step 6: the dashboard.
         self._job_regions[job_id] = region
+        self._homes[job_id] = home
         azs = sorted({az for _, az in subnets})
         types = ", ".join(spec.resources.instance_types)
         detail = (f"Auto Scaling group {group_name(job_id)}: spot {types} in {', '.join(azs)} "
@@ -313,8 +281,13 @@ class AwsProvider(Leftovers, Provider):
             detail = (f"Auto Scaling group {group_name(job_id)}: {spec.resources.max_nodes} "
                       f"spot nodes of {types} in {zone.az} ({zone.why}), in a cluster "
                       f"placement group, {'with' if zone.efa else 'without'} EFA")
+        if region != home:
+            detail += f"; its store stays in {home}"
         try:
             events = EventWriter(store, GROUP_STREAM)
+            start = self._starts.pop(job_id, None)
+            if start is not None:
+                events.emit("region", **dataclasses.asdict(start))
             events.emit("status", state="launching", detail=detail)
             events.close()
         except StoreError:
@@ -323,6 +296,19 @@ class AwsProvider(Leftovers, Provider):
         self._watches[job_id] = watch
         watch.start()
         log.info("launched job %s: group %s in %s", job_id, group_name(job_id), region)
+
+    def _choose_region(self, spec: JobSpec) -> str:
+        """Where the job's group runs (chosen once per job: :mod:`.failover`)."""
+        from spotnb.providers.aws import failover
+
+        plan = self._plans.get(spec.job_id)
+        if plan is None:
+            ec2 = self.client("ec2", spec.resources.region)
+            plan, event = failover.start(spec, lambda: failover.placement_scores(ec2, spec))
+            self._plans[spec.job_id] = plan
+            if event is not None:
+                self._starts[spec.job_id] = event
+        return str(plan.region)
 
     def read_secrets(self, spec: JobSpec) -> dict[str, str]:
         """See the contract: one GetParameters per 10 secrets, with the instance
@@ -356,33 +342,41 @@ class AwsProvider(Leftovers, Provider):
                  [i["InstanceId"] for i in running])
 
     def terminate(self, job_id: str) -> None:
-        region = self.region(job_id)
+        """See the contract: the job's group, template, instances and network where it
+        runs (a job this provider did not launch: in every region it knows, ``regions()``,
+        as the job may have moved), its role, and its secrets and queues at home."""
         watch = self._watches.pop(job_id, None)
         if watch is not None:
             watch.stop()
-        self._delete_group(job_id, region)
-        self._delete_template(job_id, region)
-        leftovers = self._instances(region, job_id, ("pending", "running", "stopping",
-                                                     "stopped"))
-        if leftovers:
-            ids = [i["InstanceId"] for i in leftovers]
-            self.client("ec2", region).terminate_instances(InstanceIds=ids)
-        self._delete_role(job_id, region)
+        known = job_id in self._job_regions
+        regions = [self.region(job_id)] if known else self.regions()
+        for region in regions:
+            self._delete_group(job_id, region)
+            self._delete_template(job_id, region)
+            leftovers = self._instances(region, job_id, ("pending", "running", "stopping",
+                                                         "stopped"))
+            if leftovers:
+                ids = [i["InstanceId"] for i in leftovers]
+                self.client("ec2", region).terminate_instances(InstanceIds=ids)
+        self._delete_role(job_id, regions[0])
+        home = self._homes.get(job_id, self.region())
         try:
-            self._delete_secrets(job_id, region)
+            self._delete_secrets(job_id, home)
         except Exception as err:
             log.warning("could not delete job %s's secrets (%s); `spotnb aws cleanup` will",
                         job_id, err)
         try:
-            self._delete_queues(job_id, region)
+            self._delete_queues(job_id, home)
         except Exception as err:
             log.warning("could not delete job %s's queues (%s); `spotnb aws cleanup` will",
                         job_id, err)
-        left = cluster.delete_network(self.client("ec2", region), job_id, multi_node=False)
-        if left:
-            log.info("job %s's %s: in use until its instances are gone; the next "
-                     "multi-node launch or `spotnb aws cleanup` deletes them", job_id,
-                     " and ".join(left))
+        for region in regions:
+            left = cluster.delete_network(self.client("ec2", region), job_id,
+                                          multi_node=False)
+            if left:
+                log.info("job %s's %s in %s: in use until its instances are gone; the next "
+                         "multi-node launch or `spotnb aws cleanup` deletes them", job_id,
+                         " and ".join(left), region)
         log.info("deleted job %s's capacity group, template, role and queues", job_id)
 
     def _delete_secrets(self, job_id: str, region: str,
@@ -434,151 +428,6 @@ class AwsProvider(Leftovers, Provider):
 
         catalog.check_instance_type(instance_type, region)
         return pool_price(instance_type, region)
-
-    # -- launch steps
-
-    def _ami(self, region: str) -> str:
-        if self.settings.ami:
-            return self.settings.ami
-        ssm = self.client("ssm", region)
-        try:
-            return str(ssm.get_parameter(Name=self.settings.ami_parameter)["Parameter"]["Value"])
-        except Exception as err:
-            if _boto.error_code(err) == "ParameterNotFound":
-                raise SpecError(
-                    f"the AMI parameter {self.settings.ami_parameter} does not exist in "
-                    f"{region}: set SPOTNB_AWS_AMI to an AMI id, or SPOTNB_AWS_AMI_PARAMETER "
-                    "to another Deep Learning AMI parameter") from None
-            _boto.raise_for(err, "looking up the Deep Learning AMI")
-            raise
-
-    def _subnet_rows(self, region: str) -> tuple[list[dict[str, Any]], Any]:
-        """The subnets spotnb may use (SPOTNB_AWS_SUBNETS, else the default VPC's), as
-        DescribeSubnets rows, and the EC2 client."""
-        ec2 = self.client("ec2", region)
-        if self.settings.subnets:
-            rows = ec2.describe_subnets(SubnetIds=list(self.settings.subnets))["Subnets"]
-        else:
-            vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
-            if not vpcs:
-                raise SpecError(f"{region} has no default VPC: create one (`aws ec2 "
-                                "create-default-vpc`) or set SPOTNB_AWS_SUBNETS to subnet ids")
-            rows = ec2.describe_subnets(Filters=[
-                {"Name": "vpc-id", "Values": [vpcs[0]["VpcId"]]},
-                {"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
-        return list(rows), ec2
-
-    def _subnets(self, region: str,
-                 instance_types: tuple[str, ...]) -> tuple[list[tuple[str, str]], str]:
-        """[(subnet id, AZ id)] to launch in, and their VPC."""
-        rows, ec2 = self._subnet_rows(region)
-        offered = {o["Location"] for o in ec2.describe_instance_type_offerings(
-            LocationType="availability-zone",
-            Filters=[{"Name": "instance-type", "Values": list(instance_types)}],
-        ).get("InstanceTypeOfferings", ())}
-        usable = [r for r in rows if not offered or r["AvailabilityZone"] in offered]
-        if not usable:
-            raise SpecError(f"none of {', '.join(instance_types)} is offered in the subnets "
-                            f"of {region}: choose other types or another region")
-        usable.sort(key=lambda r: r["AvailabilityZone"])
-        return ([(r["SubnetId"], r.get("AvailabilityZoneId", r["AvailabilityZone"]))
-                 for r in usable], str(usable[0]["VpcId"]))
-
-    def _security_group(self, region: str, vpc: str) -> str:
-        """The shared group without ingress rules (egress only: S3, AWS APIs, PyPI)."""
-        ec2 = self.client("ec2", region)
-        found = ec2.describe_security_groups(Filters=[
-            {"Name": "group-name", "Values": [SECURITY_GROUP]},
-            {"Name": "vpc-id", "Values": [vpc]}])["SecurityGroups"]
-        if found:
-            group = found[0]
-            if group.get("IpPermissions"):
-                raise SpecError(
-                    f"the security group {SECURITY_GROUP} ({group['GroupId']}) has inbound "
-                    "rules; spotnb instances open no port: remove them or delete the group")
-            return str(group["GroupId"])
-        return str(ec2.create_security_group(
-            GroupName=SECURITY_GROUP, VpcId=vpc,
-            Description="spotnb instances: no inbound traffic",
-            TagSpecifications=[{"ResourceType": "security-group",
-                                "Tags": [{"Key": TAG_MANAGED, "Value": "true"}]}],
-        )["GroupId"])
-
-    def _create_role(self, spec: JobSpec, account: str, tag_list: list[dict[str, str]]) -> str:
-        iam = self.client("iam", spec.resources.region)
-        name = role_name(spec.job_id)
-        policy = instance_policy(job_id=spec.job_id, store_uri=spec.store_uri,
-                                 region=spec.resources.region, account=account)
-        iam_tags = [t for t in tag_list if t["Key"] != "Name"]
-        try:
-            iam.create_role(RoleName=name, Path=IAM_PATH, MaxSessionDuration=3600,
-                            AssumeRolePolicyDocument=json.dumps(trust_policy("ec2.amazonaws.com")),
-                            Description=f"spotnb job {spec.job_id}: its store prefix only",
-                            Tags=iam_tags)
-            iam.put_role_policy(RoleName=name, PolicyName="spotnb-job",
-                                PolicyDocument=json.dumps(policy))
-            profile = iam.create_instance_profile(InstanceProfileName=name, Path=IAM_PATH,
-                                                  Tags=iam_tags)["InstanceProfile"]
-            iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
-        except Exception as err:
-            delete_role_named(iam, name)
-            _boto.raise_for(err, "creating the job's IAM role")
-            raise
-        return str(profile["Arn"])
-
-    def _create_group(self, spec: JobSpec, template_id: str,
-                      subnets: list[tuple[str, str]], tag_list: list[dict[str, str]],
-                      ondemand: bool, placement_group: str | None = None) -> None:
-        asg = self.client("autoscaling", spec.resources.region)
-        name = group_name(spec.job_id)
-        nodes = spec.resources.max_nodes  # a multi-node job's group keeps MAX instances
-        params: dict[str, Any] = dict(
-            # A standby group has room for one warm standby (a multi-node job's: for
-            # one node at a time), which the agent of the instance recommended asks
-            # for (SetDesiredCapacity) on a rebalance recommendation, timed in the
-            # instance's first hour (providers/aws/standby.py); not Auto Scaling's
-            # capacity rebalancing, which launches it at once and would forfeit that
-            # hour's refund (protocol/billing.py).
-            AutoScalingGroupName=name, MinSize=nodes,
-            MaxSize=nodes + 1 if rebalancing(spec) else nodes, DesiredCapacity=nodes,
-            VPCZoneIdentifier=",".join(s for s, _ in subnets),
-            MixedInstancesPolicy=mixed_instances_policy(
-                template_id=template_id, instance_types=spec.resources.instance_types,
-                max_price=spec.resources.max_price, ondemand=ondemand,
-                strategy=self.settings.spot_strategy),
-            CapacityRebalance=False,
-            HealthCheckType="EC2",
-            Tags=[{**t, "PropagateAtLaunch": False, "ResourceId": name,
-                   "ResourceType": "auto-scaling-group"} for t in tag_list],
-        )
-        if placement_group is not None:
-            params["PlacementGroup"] = placement_group
-        if rebalancing(spec):
-            # Made with the group, not after it: a hook added to a group that exists
-            # applies to the instances launched after it, and the group launches its
-            # first at once (CreateAutoScalingGroup's LifecycleHookSpecificationList:
-            # "lifecycle hooks to add to the Auto Scaling group before instances are
-            # launched"). One call also leaves no group without its hooks to roll back.
-            params["LifecycleHookSpecificationList"] = lifecycle_hooks()
-
-        def create() -> None:
-            try:
-                asg.create_auto_scaling_group(**params)
-            except Exception as err:
-                # A retry after an answer that was lost: the first try made the group.
-                if _boto.error_code(err) != "AlreadyExists" or not self._group_is_jobs(asg, spec):
-                    raise
-
-        _boto.with_backoff(create, what="creating the Auto Scaling group",
-                           attempts=IAM_PROPAGATION_ATTEMPTS, retry_codes=_IAM_NOT_YET)
-
-    @staticmethod
-    def _group_is_jobs(asg: Any, spec: JobSpec) -> bool:
-        """Whether the job's group exists and carries its job's tag."""
-        found = asg.describe_auto_scaling_groups(
-            AutoScalingGroupNames=[group_name(spec.job_id)]).get("AutoScalingGroups", ())
-        return any(t.get("Key") == TAG_JOB and t.get("Value") == spec.job_id
-                   for g in found for t in g.get("Tags", ()))
 
     # -- deleting
 

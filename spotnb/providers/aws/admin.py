@@ -3,12 +3,15 @@
 Both return typed outcomes; :mod:`.cli` prints them.
 
 ``setup(region, dry_run)`` creates (or checks) what jobs share: the default bucket with
-its settings, the no-inbound security group of the default VPC, and the FIS role used
-by ``spotnb interrupt``. Per-job resources (role, template, group) are made by each
-launch. It also returns the IAM policies spotnb uses, so they can be reviewed.
+its settings (in ``region``, the home), the no-inbound security group of the default
+VPC of ``region`` and of every other allowed region (``$SPOTNB_ALLOWED_REGIONS``: where
+jobs may run), and the FIS role used by ``spotnb interrupt``. Per-job resources (role,
+template, group) are made by each launch. It also returns the IAM policies spotnb
+uses, so they can be reviewed.
 
 ``doctor(region)`` checks, in order, what a launch needs: credentials, region, the
-bucket, the network, the image (it exists, is available, and is the PyTorch Deep
+bucket, the network, the image (the network, image and quotas in each allowed region
+too, each line naming its region) (it exists, is available, and is the PyTorch Deep
 Learning AMI by default), the spot vCPU quotas that count the GPU families it runs
 (named and numbered as Service Quotas has them), the FIS role, where secrets go (SSM
 Parameter Store) and the caller's permissions: whether IAM lets it do what the printed
@@ -75,36 +78,48 @@ def _region(region: str | None) -> str:
     return _boto.check_region(region or str(_boto.session().region_name or "us-east-1"))
 
 
+def _regions(home: str) -> list[str]:
+    """``home`` and the other allowed regions (``$SPOTNB_ALLOWED_REGIONS``), in order."""
+    from spotnb.providers.regions import allowed_regions
+
+    return list(dict.fromkeys([home, *allowed_regions()]))
+
+
+def _shared_network(provider: Any, region: str, dry_run: bool) -> list[str]:
+    """The no-inbound security group of ``region``'s default VPC, made or checked."""
+    ec2 = provider.client("ec2", region)
+    vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
+    if not vpcs:
+        return [f"no default VPC in {region}: create one with `aws ec2 "
+                "create-default-vpc`, or set SPOTNB_AWS_SUBNETS"]
+    vpc = vpcs[0]["VpcId"]
+    found = ec2.describe_security_groups(Filters=[
+        {"Name": "group-name", "Values": [SECURITY_GROUP]},
+        {"Name": "vpc-id", "Values": [vpc]}])["SecurityGroups"]
+    if found:
+        return [f"security group {SECURITY_GROUP} ({found[0]['GroupId']}) exists in {vpc} "
+                f"({region})"]
+    if dry_run:
+        return [f"would create security group {SECURITY_GROUP} (no inbound rules) in {vpc} "
+                f"({region})"]
+    group = provider._security_group(region, vpc)
+    return [f"did create security group {SECURITY_GROUP} ({group}) in {vpc} ({region})"]
+
+
 def setup(region: str | None = None, dry_run: bool = False) -> SetupReport:
     """Create or check the shared resources; see the module docstring."""
     from spotnb.providers.aws import AwsProvider
     from spotnb.providers.aws.store import default_bucket, ensure_bucket
 
     region = _region(region)
+    regions = _regions(region)
     account = _boto.account_id(region=region)
     bucket = default_bucket(account, region)
     provider = AwsProvider(region=region)
     actions = ensure_bucket(provider.client("s3", region), bucket, region, account,
                             dry_run=dry_run)
-    ec2 = provider.client("ec2", region)
-    vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
-    if not vpcs:
-        actions.append(f"no default VPC in {region}: create one with `aws ec2 "
-                       "create-default-vpc`, or set SPOTNB_AWS_SUBNETS")
-    else:
-        vpc = vpcs[0]["VpcId"]
-        found = ec2.describe_security_groups(Filters=[
-            {"Name": "group-name", "Values": [SECURITY_GROUP]},
-            {"Name": "vpc-id", "Values": [vpc]}])["SecurityGroups"]
-        if found:
-            actions.append(f"security group {SECURITY_GROUP} ({found[0]['GroupId']}) exists "
-                           f"in {vpc}")
-        elif dry_run:
-            actions.append(f"would create security group {SECURITY_GROUP} (no inbound rules) "
-                           f"in {vpc}")
-        else:
-            group = provider._security_group(region, vpc)
-            actions.append(f"did create security group {SECURITY_GROUP} ({group}) in {vpc}")
+    for where in regions:
+        actions += _shared_network(provider, where, dry_run)
     iam = provider.client("iam", region)
     try:
         iam.get_role(RoleName=FIS_ROLE)
@@ -119,10 +134,10 @@ def setup(region: str | None = None, dry_run: bool = False) -> SetupReport:
             actions.append(f"did create IAM role {FIS_ROLE} (for `spotnb interrupt`)")
     example_job = "<job-id>"
     policies = {
-        "notebook user (attach to your IAM identity)": user_policy(region, account, bucket),
+        "notebook user (attach to your IAM identity)": user_policy(regions, account, bucket),
         f"each job's instance role (spotnb-job-{example_job}, made per job)": instance_policy(
             job_id=example_job, store_uri=f"s3://{bucket}/jobs/{example_job}",
-            region=region, account=account),
+            region=region, account=account, regions=regions),
         f"{FIS_ROLE} (Fault Injection Service)": fis_policy(region, account),
     }
     return SetupReport(region=region, account=account, bucket=bucket,
@@ -158,13 +173,23 @@ def doctor(region: str | None = None) -> list[Check]:
         if problem == "missing" else problem)))
     settings = AwsSettings.from_env()
     try:
-        subnets, vpc = provider._subnets(region, ("g4dn.xlarge", "g5.xlarge"))
-        checks.append(Check("network", True, f"{len(subnets)} subnets in {vpc} "
-                                             f"({', '.join(az for _, az in subnets)})"))
-    except Exception as err:
-        checks.append(Check("network", False, str(err)))
-    checks.append(_image(provider, region, settings))
-    checks += _quotas(_boto.client("service-quotas", region, attempts=1), DLAMI_FAMILIES)
+        regions = _regions(region)
+    except SpecError as err:
+        checks.append(Check("allowed regions", False, str(err)))
+        regions = [region]
+    for where in regions:
+        named = (lambda name: name) if where == region else (
+            lambda name, where=where: f"{name} ({where})")
+        try:
+            subnets, vpc = provider._subnets(where, ("g4dn.xlarge", "g5.xlarge"))
+            checks.append(Check(named("network"), True, (
+                f"{len(subnets)} subnets in {vpc} ({', '.join(az for _, az in subnets)})")))
+        except Exception as err:
+            checks.append(Check(named("network"), False, str(err)))
+        image = _image(provider, where, settings)
+        checks.append(dataclasses.replace(image, name=named(image.name)))
+        checks += [dataclasses.replace(c, name=named(c.name)) for c in _quotas(
+            _boto.client("service-quotas", where, attempts=1), DLAMI_FAMILIES)]
     iam = provider.client("iam", region)
     try:
         iam.get_role(RoleName=FIS_ROLE)
@@ -174,7 +199,7 @@ def doctor(region: str | None = None) -> list[Check]:
             f"{FIS_ROLE} is missing ({_boto.error_code(err)}): `spotnb interrupt` creates "
             "it on first use, or run `spotnb aws setup`")))
     checks.append(_secrets(provider.client("ssm", region)))
-    checks.append(_permissions(iam, str(me["Arn"]), user_policy(region, account, bucket),
+    checks.append(_permissions(iam, str(me["Arn"]), user_policy(regions, account, bucket),
                                region))
     return checks
 

@@ -82,7 +82,9 @@ class _Boto3:
         self._client_error = ClientError
         self._invalid = ParamValidationError
         self.region = region
-        self.s3 = boto3.client("s3", region_name=region)
+        # The job's bucket is in its home region (the boot script's SPOTNB_STORE_REGION).
+        self.s3 = boto3.client("s3", region_name=os.environ.get("SPOTNB_STORE_REGION")
+                               or region)
 
     def put(self, bucket: str, key: str, body: bytes, create: bool = False) -> bool:
         """Write ``key``; with ``create``, only if it does not exist (False if it did)."""

@@ -148,8 +148,11 @@ def _report_source() -> str:
     return ast.unparse(tree)
 
 
-def user_data(*, job_id: str, store_uri: str, wheel: Bundle) -> str:
-    """The instance's boot script (see the module docstring).
+def user_data(*, job_id: str, store_uri: str, wheel: Bundle,
+              store_region: str | None = None) -> str:
+    """The instance's boot script (see the module docstring). ``store_region``: the
+    region of the job's bucket (its home), which the instance's S3 clients use
+    wherever it runs (``SPOTNB_STORE_REGION``); none: the instance's own.
 
     Variables a test harness (or an image that prepares itself) may set on the
     instance: ``SPOTNB_INSTANCE_DIR`` (default ``/opt/spotnb``), ``SPOTNB_PYTHON`` (an
@@ -167,7 +170,7 @@ def user_data(*, job_id: str, store_uri: str, wheel: Bundle) -> str:
         "GROUP": group_name(job_id), "TEMPLATE": template_name(job_id),
         "DLAMI_PYTHON": DLAMI_PYTHON, "BOOT_FAILURE_LIMIT": str(BOOT_FAILURE_LIMIT),
         "AGENT_TRIES": str(AGENT_TRIES), "AGENT_RETRY_SECONDS": str(AGENT_RETRY_SECONDS),
-        "UNIT": AGENT_UNIT,
+        "UNIT": AGENT_UNIT, "STORE_REGION": store_region or "",
     }
     script = (_HERE / "bootstrap.sh").read_text()
     for key, value in values.items():

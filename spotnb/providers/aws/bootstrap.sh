@@ -14,6 +14,10 @@ BOOT_FAILURE_LIMIT=@BOOT_FAILURE_LIMIT@
 AGENT_TRIES=@AGENT_TRIES@
 AGENT_RETRY_SECONDS=@AGENT_RETRY_SECONDS@
 UNIT=@UNIT@
+# The job's bucket is in its home region, wherever this instance runs: every S3 client
+# of spotnb here (and the AWS CLI's download below) asks that region.
+STORE_REGION=@STORE_REGION@
+if [ -n "$STORE_REGION" ]; then export SPOTNB_STORE_REGION="$STORE_REGION"; fi
 MODE="${1:-first-boot}"
 WORK="${SPOTNB_INSTANCE_DIR:-/opt/spotnb}"
 VENV="$WORK/venv"
@@ -131,12 +135,13 @@ SITES
   }
   get_s3() {  # get_s3 URI FILE, with the AWS CLI or boto3
     if command -v aws >/dev/null 2>&1; then
-      aws s3 cp --only-show-errors "$1" "$2"
+      aws s3 cp --only-show-errors ${STORE_REGION:+--region "$STORE_REGION"} "$1" "$2"
     else
       "$VENV/bin/python" - "$1" "$2" <<'DOWNLOAD'
-import sys, boto3
+import os, sys, boto3
 bucket, _, key = sys.argv[1][len("s3://"):].partition("/")
-boto3.client("s3").download_file(bucket, key, sys.argv[2])
+region = os.environ.get("SPOTNB_STORE_REGION") or None
+boto3.client("s3", region_name=region).download_file(bucket, key, sys.argv[2])
 DOWNLOAD
     fi
   }

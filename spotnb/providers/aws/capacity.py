@@ -16,6 +16,15 @@ the first (a new profile) usually heal. When they go on for ``SPOTNB_AWS_LAUNCH_
 seconds (default 300) and no instance has launched, the job fails with AWS's reason and
 its group is deleted: a job never sits at "launching" with a launch that cannot work.
 
+A job of several regions (:mod:`.failover`) is also moved here: its watch goes on for
+the job's life, and when :data:`~spotnb.providers.local.failover.MOVE_AFTER_FAILED_ROUNDS`
+launch rounds in a row failed for capacity (a *round*: as many capacity failures in a
+row, since the group's last successful launch, as the group has pools, types x
+subnets: Auto Scaling's try of each) while fewer than the job's minimum of nodes run,
+the job's capacity moves to the next region (:meth:`AwsProvider.move_region`), said in a
+``region`` event. Each poll of such a job costs one ``DescribeScalingActivities`` (free)
+and one read of the job's log (an S3 LIST, as a follower's).
+
 Not needed for recovery: the group keeps trying by itself, and the instance agent
 (:mod:`.instance`) reports the capacity failures when an instance boots. (A notebook
 that is closed meanwhile leaves a launch that cannot work to the group's retries;
@@ -24,6 +33,7 @@ nothing is billed while no instance runs, and ``spotnb aws cleanup`` deletes the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -31,7 +41,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spotnb.protocol import layout
-from spotnb.protocol.events import GROUP_STREAM, EventReader, EventWriter, codec
+from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import Store
 from spotnb.providers.aws.resources import (
@@ -39,12 +49,18 @@ from spotnb.providers.aws.resources import (
     group_name,
     launch_failures,
     mixed_instances_policy,
+    region_types,
 )
 
 if TYPE_CHECKING:
     from spotnb.providers.aws import AwsProvider
 
 __all__ = ["CapacityWatch", "stop_capacity_watches"]
+
+#: Launch rounds in a row without capacity after which a job moves to its next region:
+#: the local cloud's bound (spotnb.providers.local.failover), one rule for both
+#: (tests/test_aws_failover.py holds them equal).
+MOVE_AFTER_FAILED_ROUNDS = 3
 
 log = logging.getLogger(__name__)
 
@@ -107,16 +123,28 @@ class CapacityWatch(threading.Thread):
         failing_since: float | None = None
         started = time.monotonic()
         ondemand = settings.ondemand_after == 0
-        asg = self.provider.client("autoscaling", self.spec.resources.region)
+        # A job of several regions is watched for its life, to move it (module docstring).
+        moving = len(self.spec.resources.regions) > 1
+        launched = False
+        state_bytes: int | None = None  # its newest durable checkpoint's size
         writer: EventWriter | None = None
         try:
             while not self._halt.wait(settings.capacity_poll):
-                events = [e for e in reader.poll() if e.attempt == GROUP_STREAM]
+                asg = self.provider.client("autoscaling",
+                                           self.provider.region(self.spec.job_id))
+                polled = reader.poll()
+                events = [e for e in polled if e.attempt == GROUP_STREAM]
                 reported |= {e.data.get("activity_id") for e in events}
-                if any(isinstance(e.body, codec.Instance) and e.body.launched
-                       for e in events) or self.store.exists(layout.RESULT):
+                for e in polled:
+                    body = codec.peek(e)
+                    if isinstance(body, codec.CheckpointEvent) and body.durable \
+                            and not body.sync:
+                        state_bytes = body.bytes
+                launched = launched or any(
+                    isinstance(e.body, codec.Instance) and e.body.launched for e in events)
+                if (launched and not moving) or self.store.exists(layout.RESULT):
                     return
-                if time.monotonic() - started > CAPACITY_WATCH_SECONDS:
+                if not moving and time.monotonic() - started > CAPACITY_WATCH_SECONDS:
                     return
                 activities = asg.describe_scaling_activities(
                     AutoScalingGroupName=group_name(self.spec.job_id))["Activities"]
@@ -153,14 +181,63 @@ class CapacityWatch(threading.Thread):
                            "Quotas console raises it" if quota else "")
                         + "; Auto Scaling tries the other pools"))
                     writer.emit("instance", **failure)
+                if moving:
+                    writer = self._maybe_move(asg, activities, writer, state_bytes)
                 waited = time.monotonic() - started
-                if (not ondemand and settings.ondemand_after is not None and reported
-                        and waited > settings.ondemand_after):
+                if (not launched and not ondemand and settings.ondemand_after is not None
+                        and reported and waited > settings.ondemand_after):
                     self._fall_back_to_ondemand(asg, writer, waited)
                     ondemand = True
         finally:
             if writer is not None:
                 writer.close()
+
+    def _maybe_move(self, asg: Any, activities: list[dict[str, Any]],
+                    writer: EventWriter | None, state_bytes: int | None
+                    ) -> EventWriter | None:
+        """Move the job to its next region if its group failed enough rounds for
+        capacity with too few nodes running (module docstring); the writer, made if
+        the move was told."""
+        plan = self.provider._plans.get(self.spec.job_id)
+        if plan is None or plan.region is None:
+            return writer
+        failures = _failures_in_a_row(activities)
+        if not failures:
+            return writer
+        name = group_name(self.spec.job_id)
+        found = asg.describe_auto_scaling_groups(
+            AutoScalingGroupNames=[name])["AutoScalingGroups"]
+        if not found:
+            return writer
+        group = found[0]
+        subnets = [s for s in str(group.get("VPCZoneIdentifier", "")).split(",") if s]
+        pools = max(1, len(region_types(self.spec, plan.region)) * max(1, len(subnets)))
+        running = [i for i in group.get("Instances", ())
+                   if i.get("LifecycleState") not in ("Terminating", "Terminated")]
+        plan.failed_rounds = failures // pools
+        if len(running) >= self.spec.resources.min_nodes or not plan.failed_rounds or \
+                plan.failed_rounds < MOVE_AFTER_FAILED_ROUNDS:
+            return writer
+        previous = plan.region
+        at = time.time()
+        choice = plan.move(state_bytes)
+        if choice is None:
+            return writer
+        try:
+            self.provider.move_region(self.spec, choice.region)
+        except Exception as err:
+            plan.resume_in(previous)  # it stays, and tries to move again later
+            log.warning("job %s could not move from %s to %s: %s", self.spec.job_id,
+                        previous, choice.region, err)
+            return writer
+        writer = writer or EventWriter(self.store, GROUP_STREAM)
+        writer.emit_event(Event(type="region", time=at, attempt=GROUP_STREAM, instance=None,
+                                data=dataclasses.asdict(choice)))
+        writer.emit("status", state="waiting_for_capacity", detail=(
+            f"moved to {choice.region}: {choice.reason}; it resumes there from its "
+            f"checkpoint in {choice.home}"))
+        writer.flush()
+        return writer
 
     @staticmethod
     def _still_failing(activities: list[dict[str, Any]]) -> bool:
@@ -213,3 +290,15 @@ class CapacityWatch(threading.Thread):
             writer.emit("status", state="waiting_for_capacity", detail=(
                 f"no spot capacity for {waited:.0f} s: falling back to on-demand "
                 "(SPOTNB_AWS_ONDEMAND_AFTER)"))
+
+
+def _failures_in_a_row(activities: list[dict[str, Any]]) -> int:
+    """The group's capacity failures since its newest successful launch (the other
+    failures, not about capacity, neither count nor end the run)."""
+    count = 0
+    for act in sorted(activities, key=lambda a: str(a.get("StartTime")), reverse=True):
+        if act.get("StatusCode") == "Successful":
+            break
+        if capacity_failures([act]):
+            count += 1
+    return count

@@ -66,6 +66,7 @@ from spotnb.providers.aws.resources import (
     TAG_JOB,
     TAG_STORE,
     placement_group_name,
+    region_types,
     training_egress,
     training_group_name,
     training_ingress,
@@ -134,14 +135,17 @@ def efa_supported(ec2: Any, region: str, instance_types: tuple[str, ...]) -> boo
         return all(_EFA.get((region, t), False) for t in instance_types)
 
 
-def choose_zone(ec2: Any, spec: JobSpec, subnets: list[dict[str, Any]]) -> Zone:
+def choose_zone(ec2: Any, spec: JobSpec, subnets: list[dict[str, Any]],
+                region: str | None = None) -> Zone:
     """The AZ (and subnet) a multi-node job runs in, or a SpecError with the next step.
 
     ``subnets``: the candidate subnets (the default VPC's, or SPOTNB_AWS_SUBNETS), as
-    ``DescribeSubnets`` rows. See the module docstring for the ranking.
+    ``DescribeSubnets`` rows, of ``region`` (where its group runs: its home by
+    default), whose client ``ec2`` is. See the module docstring for the ranking.
     """
     res = spec.resources
-    region, types, nodes = res.region, res.instance_types, res.max_nodes
+    region = region or res.region
+    types, nodes = region_types(spec, region), res.max_nodes
     # Step 1: AZs that offer at least one of the types and have a subnet.
     offered: dict[str, set[str]] = {}
     for row in ec2.describe_instance_type_offerings(

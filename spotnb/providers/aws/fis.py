@@ -53,9 +53,14 @@ def duration(rebalance_lead: float) -> str:
 
 
 def role(iam: Any, region: str, account: str) -> tuple[str, bool]:
-    """The shared FIS role's ARN, and whether it was created just now."""
+    """The shared FIS role's ARN, and whether it was created just now. A role that
+    exists gets the current policy again (one made before jobs ran in several regions
+    named one region's instances)."""
     try:
-        return str(iam.get_role(RoleName=FIS_ROLE)["Role"]["Arn"]), False
+        arn = str(iam.get_role(RoleName=FIS_ROLE)["Role"]["Arn"])
+        iam.put_role_policy(RoleName=FIS_ROLE, PolicyName="spotnb-fis",
+                            PolicyDocument=json.dumps(fis_policy(region, account)))
+        return arn, False
     except Exception as err:
         if _boto.error_code(err) != "NoSuchEntity":
             _boto.raise_for(err, "looking up the FIS role")

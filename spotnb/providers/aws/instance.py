@@ -93,6 +93,8 @@ from spotnb.providers.aws.resources import (
 )
 from spotnb.providers.aws.standby import HOOK_POLL_SECONDS, StandbyDriver, claimed_for
 from spotnb.providers.aws.teardown import delete_job_resources
+from spotnb.providers.aws.transfers import POLL_SECONDS as TRANSFER_POLL_SECONDS
+from spotnb.providers.aws.transfers import AwayMeter
 from spotnb.providers.imds import ImdsClient
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,8 @@ class InstanceAgent:
         #: activities say had no spot capacity (read once, at boot: the announcement).
         self.spot_strategy = "price-capacity-optimized"
         self.no_capacity: set[str] = set()
+        #: Outside the job's home: its checkpoint's crossings, billed (.transfers).
+        self.away: AwayMeter | None = None
 
     # ----------------------------------------------------------------- the life
 
@@ -214,6 +218,10 @@ class InstanceAgent:
             return 0
         # Step 2
         self._report_the_gap()
+        if self.identity["region"] != self.spec.resources.region:  # away from the store
+            self.away = AwayMeter(self.reader, self.history, home=self.spec.resources.region,
+                                  region=self.identity["region"], instance_id=iid,
+                                  emit=lambda kind, data: self._emit(kind, **data))
         self._announce()
         self._came_up()
         # Step 3 and 4
@@ -221,6 +229,10 @@ class InstanceAgent:
         while True:
             started = time.monotonic()
             code = self._run_agent()
+            if self.away is not None:  # the last saves' crossings, before the end
+                self._watched("billing the checkpoint's crossings", self.away.poll)
+                if self.events is not None:
+                    self._watched("writing the crossings", self.events.flush)
             if self._has_result():
                 reason = "job-finished"
                 break
@@ -289,7 +301,7 @@ class InstanceAgent:
         if self.standby_for is not None:  # said in its ready mark
             env[layout.STANDBY_FOR_ENV] = self.standby_for
         self.agent = agent = start_job_agent(self.job_uri, env)
-        last_limits = last_price = last_usage = time.monotonic()
+        last_limits = last_price = last_usage = last_away = time.monotonic()
         last_hooks = 0.0
         while (code := agent.poll()) is None:
             time.sleep(POLL_SECONDS)
@@ -310,6 +322,9 @@ class InstanceAgent:
             if now - last_limits >= LIMITS_SECONDS:
                 last_limits = now
                 self._watched("the stop, budget and deadline watch", self._watch_limits)
+            if self.away is not None and now - last_away >= TRANSFER_POLL_SECONDS:
+                last_away = now
+                self._watched("billing the checkpoint's crossings", self.away.poll)
             if now - last_price >= PRICE_SECONDS:
                 last_price = now
                 self._watched("the spot price's watch", self._watch_price)

@@ -38,6 +38,8 @@ class _Deleting(Protocol):
 
     def region(self, job_id: str | None = None) -> str: ...
 
+    def regions(self) -> list[str]: ...
+
     def client(self, service: str, region: str) -> Any: ...
 
     def _delete_group(self, job_id: str, region: str) -> bool: ...
@@ -55,14 +57,16 @@ class Leftovers:
     docstring)."""
 
     def cleanup(self: _Deleting, dry_run: bool = False) -> list[str]:
-        """See the contract. Each kind of resource is looked for and deleted on its own:
-        a call that fails (a policy that denies it, an AWS without it) is named with the
-        permission it needed, the other kinds are cleaned up all the same, and then
+        """See the contract, in every region spotnb may have used (:meth:`regions`: the
+        session's, the allowed ones, those of the jobs this provider launched). Each
+        kind of resource is looked for and deleted on its own: a call that fails (a
+        policy that denies it, an AWS without it) is named with the permission it
+        needed, the other kinds are cleaned up all the same, and then
         :class:`CleanupIncomplete` says what could not be done."""
         done: list[str] = []
         failed: list[str] = []
         verdicts: dict[str, tuple[bool, str]] = {}
-        regions = {self.region(), *self._job_regions.values()}
+        regions = set(self.regions())
         verb = "would delete" if dry_run else "deleted"
 
         def over(job_id: str, store_uri: str | None) -> tuple[bool, str]:
@@ -225,7 +229,10 @@ class Leftovers:
         """Delete the roles of ended jobs (a ListRoles, and a ListRoleTags and the job's
         result looked for per job role left): an instance's teardown deletes its role's
         policy, but IAM may refuse the DeleteRole after it (the permission was in that
-        policy), so a role with nothing in it can be left (:meth:`_delete_role`)."""
+        policy), so a role with nothing in it can be left (:meth:`_delete_role`). Only
+        such empty roles: a role that still has its policy is one whose instance may be
+        tearing down right now (a job that ended a moment ago), and its teardown deletes
+        it (a ListRolePolicies per ended job's role)."""
         verdicts: dict[str, tuple[bool, str]] = {}
 
         def over(job_id: str, store_uri: str | None) -> tuple[bool, str]:
@@ -236,6 +243,8 @@ class Leftovers:
         iam = self.client("iam", region)
         try:
             for name, _ in ended_roles(iam, over):
+                if iam.list_role_policies(RoleName=name).get("PolicyNames"):
+                    continue  # its instance's teardown is not over yet
                 delete_role_named(iam, name)
                 log.info("deleted the role %s of an ended job", name)
         except Exception as err:

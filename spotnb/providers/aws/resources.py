@@ -35,6 +35,7 @@ import base64
 import dataclasses
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from spotnb.protocol.spec import JobSpec, SpecError
@@ -284,13 +285,35 @@ def trust_policy(service: str) -> dict[str, Any]:
         "Effect": "Allow", "Principal": {"Service": service}, "Action": "sts:AssumeRole"}]}
 
 
+def region_types(spec: JobSpec, region: str) -> tuple[str, ...]:
+    """The job's instance types offered in ``region`` (in its order), for its group's
+    overrides there; all of them when the catalog offers none there (AWS then says)."""
+    from spotnb.providers import catalog
+
+    offered = tuple(t for t in spec.resources.instance_types if catalog.pools(t, region))
+    return offered or spec.resources.instance_types
+
+
 def instance_policy(*, job_id: str, store_uri: str, region: str,
-                    account: str) -> dict[str, Any]:
-    """The job's instance role: least privilege, scoped to the job's store prefix."""
+                    account: str, regions: Sequence[str] = ()) -> dict[str, Any]:
+    """The job's instance role: least privilege, scoped to the job's store prefix.
+
+    ``region``: the job's home (its store's; its queues and secrets are there);
+    ``regions``: every region its group may run in (its own group, template and
+    network there), home by default. One role for the job's life: a move to another
+    of its regions changes no policy."""
     bucket, prefix = s3_location(store_uri)
     partition = "aws-cn" if region.startswith("cn-") else (
         "aws-us-gov" if region.startswith("us-gov-") else "aws")
     role = role_name(job_id)
+    where = list(dict.fromkeys(regions or (region,)))
+
+    def arns(*templates: str) -> str | list[str]:
+        found = [t.format(region=r) for t in templates for r in where]
+        return found[0] if len(found) == 1 else found
+
+    own_group = arns(f"arn:{partition}:autoscaling:{{region}}:{account}:autoScalingGroup:*:"
+                     f"autoScalingGroupName/{group_name(job_id)}")
     return {"Version": "2012-10-17", "Statement": [
         {
             "Sid": "JobObjects",
@@ -310,8 +333,7 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
             "Sid": "EndOwnGroup",
             "Effect": "Allow",
             "Action": "autoscaling:DeleteAutoScalingGroup",
-            "Resource": (f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:"
-                         f"autoScalingGroupName/{group_name(job_id)}"),
+            "Resource": own_group,
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
         },
         {
@@ -328,23 +350,22 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
                        "autoscaling:SetInstanceProtection",
                        "autoscaling:TerminateInstanceInAutoScalingGroup",
                        "autoscaling:DetachInstances"],
-            "Resource": (f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:"
-                         f"autoScalingGroupName/{group_name(job_id)}"),
+            "Resource": own_group,
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
         },
         {
             "Sid": "DeleteOwnTemplate",
             "Effect": "Allow",
             "Action": "ec2:DeleteLaunchTemplate",
-            "Resource": f"arn:{partition}:ec2:{region}:{account}:launch-template/*",
+            "Resource": arns(f"arn:{partition}:ec2:{{region}}:{account}:launch-template/*"),
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
         },
         {
             "Sid": "DeleteOwnNetwork",
             "Effect": "Allow",
             "Action": ["ec2:DeleteSecurityGroup", "ec2:DeletePlacementGroup"],
-            "Resource": [f"arn:{partition}:ec2:{region}:{account}:security-group/*",
-                         f"arn:{partition}:ec2:{region}:{account}:placement-group/*"],
+            "Resource": arns(f"arn:{partition}:ec2:{{region}}:{account}:security-group/*",
+                             f"arn:{partition}:ec2:{{region}}:{account}:placement-group/*"),
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
         },
         {
@@ -389,13 +410,17 @@ def fis_target(job_id: str, instance_arn: str | None = None) -> dict[str, Any]:
 
 
 def fis_policy(region: str, account: str) -> dict[str, Any]:
-    """The FIS role: send interruption notices to spotnb's spot instances only."""
+    """The FIS role: send interruption notices to spotnb's spot instances only, in any
+    region (one role for the account, whose jobs run in several: ``region`` names the
+    partition)."""
+    partition = "aws-cn" if region.startswith("cn-") else (
+        "aws-us-gov" if region.startswith("us-gov-") else "aws")
     return {"Version": "2012-10-17", "Statement": [
         {
             "Sid": "InterruptSpotnbInstances",
             "Effect": "Allow",
             "Action": "ec2:SendSpotInstanceInterruptions",
-            "Resource": f"arn:aws:ec2:{region}:{account}:instance/*",
+            "Resource": f"arn:{partition}:ec2:*:{account}:instance/*",
             "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_MANAGED}": "true"}},
         },
         {"Sid": "FindThem", "Effect": "Allow", "Action": "ec2:DescribeInstances",
@@ -415,13 +440,22 @@ SERVICE_LINKED_ROLES = {
 }
 
 
-def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
-    """What the notebook user's identity needs (printed by ``spotnb aws setup``).
+def user_policy(region: str | Sequence[str], account: str, bucket: str) -> dict[str, Any]:
+    """What the notebook user's identity needs (printed by ``spotnb aws setup``), in
+    ``region`` (or each of several: the allowed regions, where jobs may run; the first
+    is home, ``bucket``'s).
 
     Every action is checked against AWS's Service Authorization Reference in the tests
     (``tests/aws_reference/iam.py``): list calls that AWS cannot scope to a resource
     (``iam:ListRoles``, ``ec2:Describe*`` ...) are granted on ``*``, the rest on
-    spotnb's own resources or in the job's region."""
+    spotnb's own resources or in the allowed regions."""
+    regions = [region] if isinstance(region, str) else list(dict.fromkeys(region))
+    allowed: str | list[str] = regions[0] if len(regions) == 1 else regions
+
+    def arns(template: str) -> str | list[str]:
+        found = [template.format(region=r) for r in regions]
+        return found[0] if len(found) == 1 else found
+
     return {"Version": "2012-10-17", "Statement": [
         {"Sid": "Store", "Effect": "Allow",
          "Action": ["s3:CreateBucket", "s3:ListBucket", "s3:GetObject", "s3:PutObject",
@@ -436,7 +470,8 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
                     "iam:DeleteRolePolicy", "iam:DeleteRole", "iam:CreateInstanceProfile",
                     "iam:TagInstanceProfile", "iam:AddRoleToInstanceProfile",
                     "iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile",
-                    "iam:GetInstanceProfile", "iam:ListRoleTags", "iam:PassRole"],
+                    "iam:GetInstanceProfile", "iam:ListRoleTags", "iam:ListRolePolicies",
+                    "iam:PassRole"],
          "Resource": [f"arn:aws:iam::{account}:role{IAM_PATH}*",
                       f"arn:aws:iam::{account}:instance-profile{IAM_PATH}*"]},
         {"Sid": "ServiceLinkedRoles", "Effect": "Allow",
@@ -456,15 +491,15 @@ def user_policy(region: str, account: str, bucket: str) -> dict[str, Any]:
                     "fis:CreateExperimentTemplate", "fis:StartExperiment",
                     "fis:DeleteExperimentTemplate", "fis:TagResource"],
          "Resource": "*",
-         "Condition": {"StringEquals": {"aws:RequestedRegion": region}}},
+         "Condition": {"StringEquals": {"aws:RequestedRegion": allowed}}},
         {"Sid": "Queues", "Effect": "Allow",
          "Action": ["sqs:CreateQueue", "sqs:TagQueue", "sqs:GetQueueUrl", "sqs:SendMessage",
                     "sqs:ReceiveMessage", "sqs:DeleteQueue", "sqs:ListQueueTags"],
-         "Resource": f"arn:aws:sqs:{region}:{account}:spotnb-*"},
+         "Resource": arns(f"arn:aws:sqs:{{region}}:{account}:spotnb-*")},
         {"Sid": "JobSecrets", "Effect": "Allow",
          "Action": ["ssm:PutParameter", "ssm:AddTagsToResource", "ssm:ListTagsForResource",
                     "ssm:DeleteParameter", "ssm:DeleteParameters"],
-         "Resource": f"arn:aws:ssm:{region}:{account}:parameter{parameters.ROOT}/*"},
+         "Resource": arns(f"arn:aws:ssm:{{region}}:{account}:parameter{parameters.ROOT}/*")},
         # `spotnb aws doctor` asks IAM whether this identity has the rest of this policy.
         {"Sid": "SelfCheck", "Effect": "Allow",
          "Action": "iam:SimulatePrincipalPolicy",

@@ -124,7 +124,8 @@ class S3Store(Store):
                  transfer: Any = None) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.region = region
+        # On an instance outside the job's home, its user data names the bucket's region.
+        self.region = region or os.environ.get("SPOTNB_STORE_REGION") or None
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         # Shared with child views: one client (thread-safe), one owner lookup, one pool
         # of part uploads (so every streamed object of the store shares the link).

@@ -41,18 +41,19 @@ def queue_names(store: Store, job_id: str) -> list[str]:
 
 def delete_job_resources(store: Store, spec: JobSpec, region: str,
                          group_patience: float) -> bool:
-    """Delete the job's resources in ``region`` as its instance (its role's
+    """Delete the job's resources in ``region`` (where its group runs; its queues and
+    secrets are in its home, the store's region) as its instance (its role's
     credentials). False if its Auto Scaling group is still there after
     ``group_patience`` seconds of tries; what else fails is logged (`spotnb aws cleanup`
     deletes it)."""
     from spotnb.providers.aws import AwsProvider
 
     provider = AwsProvider(region=region)
-    job_id = spec.job_id
+    job_id, home = spec.job_id, spec.resources.region
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("queues", lambda: provider._delete_queues(
-            job_id, region, names=queue_names(store, job_id))),
-        ("secrets", lambda: provider._delete_secrets(job_id, region, names=spec.secrets)
+            job_id, home, names=queue_names(store, job_id))),
+        ("secrets", lambda: provider._delete_secrets(job_id, home, names=spec.secrets)
          if spec.secrets else None),
         ("launch template", lambda: provider._delete_template(job_id, region)),
         ("Auto Scaling group", lambda: backoff.patiently(

@@ -1,0 +1,94 @@
+"""Where an AWS job's Auto Scaling group runs: the job's regions ranked by expected cost
+with EC2's Spot placement scores, and the move to the next region when one has no
+capacity.
+
+The rules are the local cloud's (:mod:`spotnb.providers.local.failover`, whose
+:class:`~spotnb.providers.local.failover.RegionPlan` this module's plan is): a job names
+its regions (``--region a,b``), the first is its *home*, where its store (bucket), its
+queues and its secrets stay; its group, launch template, security group (a multi-node
+job's placement group) and the image they run are made in one region at a time, *its
+region*, and deleted there. What differs on AWS:
+
+* **the scores** are EC2's (``GetSpotPlacementScores``, asked once of the home region
+  for all the job's regions, for its MAX nodes in one AZ:
+  :func:`spotnb.providers.placement.fetch_placement_scores`), not simulated. AWS scores
+  one or two types "always low": only scores of at least
+  :data:`~spotnb.providers.placement.DECISIVE_MIN_TYPES` types put a region last;
+  with fewer, the job starts where the expected cost is lowest and moves if that
+  region has no capacity. Without scores (no permission, a partition without the API)
+  the ranking is by expected cost alone, and says so in the log.
+* **who moves it**: there is no spotnb supervisor on AWS. The launch chooses the
+  first region (:func:`start`); the notebook that launched the job watches its group
+  (:class:`spotnb.providers.aws.capacity.CapacityWatch`) and, after
+  :data:`~spotnb.providers.aws.capacity.MOVE_AFTER_FAILED_ROUNDS` failed launch rounds
+  in a row with fewer than the job's minimum of nodes running, moves it
+  (:meth:`AwsProvider.move_region`: the group, template and network made in the new
+  region, then deleted in the old one; the next instance resumes from the checkpoint
+  in the home store). A notebook that is closed moves nothing: the group keeps trying
+  in its region (nothing is billed meanwhile), as a one-region job's does.
+* **the crossings** of the checkpoint are billed by the instance outside home that
+  makes them (:mod:`.transfers`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from spotnb.protocol.events import codec
+from spotnb.protocol.spec import JobSpec
+from spotnb.providers import catalog
+from spotnb.providers.aws import _boto
+from spotnb.providers.local.failover import UNKNOWN_STATE_BYTES, RegionPlan
+from spotnb.providers.placement import PlacementScores, fetch_placement_scores
+from spotnb.providers.regions import rank_regions
+
+__all__ = ["AwsRegionPlan", "placement_scores", "start"]
+
+log = logging.getLogger(__name__)
+
+
+def placement_scores(ec2: object, spec: JobSpec) -> PlacementScores | None:
+    """EC2's Spot placement scores of the job's types for its MAX nodes in one AZ, in
+    each of its regions (one request of the home region's ``ec2`` client for up to 10
+    regions); None when EC2 will not say (the ranking goes on without them)."""
+    res = spec.resources
+    try:
+        return fetch_placement_scores(ec2, res.instance_types, res.regions, res.max_nodes)
+    except Exception as err:
+        log.info("spot placement scores unavailable (%s): ranking %s by expected cost only",
+                 _boto.error_code(err) or type(err).__name__, ", ".join(res.regions))
+        return None
+
+
+class AwsRegionPlan(RegionPlan):
+    """The local cloud's :class:`RegionPlan` with EC2's placement scores (fetched by
+    ``scores()`` at each ranking: the start and each move)."""
+
+    def __init__(self, spec: JobSpec,
+                 scores: Callable[[], PlacementScores | None]) -> None:
+        super().__init__(spec, has_capacity=lambda _type, _az: True)
+        self._scores = scores
+
+    def rank(self, state_bytes: int | None, resume: bool) -> list[tuple[str, str, bool]]:
+        """As :meth:`RegionPlan.rank`, with EC2's scores (or none)."""
+        res = self.spec.resources
+        ranked = [(c.region, c.why, c.cost.likely) for c in rank_regions(
+            self.spec, scores=self._scores(), resume=resume,
+            state_bytes=UNKNOWN_STATE_BYTES if state_bytes is None else state_bytes)]
+        known = {region for region, _why, _likely in ranked}
+        ranked += [(region, "no estimate for its types (no speed figure)", True)
+                   for region in res.regions if region not in known
+                   and any(catalog.pools(t, region) for t in res.instance_types)]
+        return ranked
+
+
+def start(spec: JobSpec, scores: Callable[[], PlacementScores | None]
+          ) -> tuple[AwsRegionPlan, codec.Region | None]:
+    """The plan of a job's launch and its first region; the ``region`` event to tell
+    (None for a job of one region: nothing to choose)."""
+    plan = AwsRegionPlan(spec, scores)
+    if len(spec.resources.regions) == 1:
+        plan.region = spec.resources.region
+        return plan, None
+    return plan, plan.start(None)

@@ -1,0 +1,242 @@
+"""A job across regions on the AWS simulator: it starts where its expected cost is lowest
+among the regions with capacity (EC2's Spot placement scores), its group, template and
+image are made in the region where it runs and deleted there, while its store stays in
+the home region's bucket; cleanup looks in every allowed region. Real agents on
+simulated EC2 instances in each region; every wait is on an event."""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import wait_until
+from test_aws_provider import EMPTY_ROLE, assert_no_request_refused, assert_nothing_left
+
+import spotnb
+from spotnb.protocol.events import codec
+from spotnb.providers.aws import AwsProvider
+from spotnb.providers.regions import ENV_ALLOWED
+from spotnb.testing import AwsSimulator
+
+HOME, OTHER = "us-east-1", "us-west-2"
+#: Three types: EC2's placement scores of one or two types are "always low", so only
+#: scores of three rank a region without capacity last (spotnb.providers.placement).
+TYPES = ["g4dn.xlarge", "g5.xlarge", "g4dn.2xlarge"]
+
+
+@pytest.fixture
+def sim(spotnb_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> Iterator[AwsSimulator]:
+    """The simulator in two regions, both allowed; afterwards nothing is left in either
+    (``spotnb aws cleanup --dry-run`` looks in every allowed region) and no request was
+    refused."""
+    monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
+    monkeypatch.setenv(ENV_ALLOWED, f"{HOME},{OTHER}")
+    with AwsSimulator(tmp_path / "sim", regions=(HOME, OTHER)) as simulator:
+        yield simulator
+        try:
+            assert_nothing_left(simulator)
+            assert everything(simulator) == {r: NOTHING for r in (HOME, OTHER)}
+            # Every S3 client asked the bucket's own region (S3 refuses another's, and
+            # botocore's redirect costs a request per client).
+            assert simulator.server.s3_wrong_region == []
+        finally:
+            assert_no_request_refused(simulator)
+
+
+NOTHING: dict[str, list[str]] = {"groups": [], "templates": [], "instances": [],
+                                 "queues": [], "security groups": []}
+
+
+def everything(simulator: AwsSimulator) -> dict[str, dict[str, list[str]]]:
+    """Every job resource in each region: groups, templates, live instances, queues,
+    and security groups spotnb made (the shared no-inbound one is kept, as in one
+    region)."""
+    found = {}
+    for region in simulator.regions:
+        asg, ec2, sqs = (simulator.admin_client(s, region)
+                         for s in ("autoscaling", "ec2", "sqs"))
+        found[region] = {
+            "groups": [g["AutoScalingGroupName"] for g in
+                       asg.describe_auto_scaling_groups()["AutoScalingGroups"]],
+            "templates": [t["LaunchTemplateName"] for t in
+                          ec2.describe_launch_templates()["LaunchTemplates"]],
+            "instances": [i["InstanceId"] for r in ec2.describe_instances(Filters=[
+                {"Name": "instance-state-name", "Values": ["pending", "running"]}])[
+                "Reservations"] for i in r["Instances"]],
+            "queues": sqs.list_queues(QueueNamePrefix="spotnb-").get("QueueUrls", []),
+            "security groups": [g["GroupName"] for g in ec2.describe_security_groups(
+                Filters=[{"Name": "tag-key", "Values": ["spotnb:job-id"]}])[
+                "SecurityGroups"]],
+        }
+    return found
+
+
+def group_bodies(handle: spotnb.JobHandle, kind: type) -> list[Any]:
+    return [e.body for e in handle.events(follow=False)
+            if e.attempt == 0 and isinstance(e.body, kind)]
+
+
+GATED = """
+import os, time
+while not os.path.exists({gate!r}):
+    time.sleep(0.1)
+x = 6 * 7
+"""
+
+
+def test_a_job_whose_first_region_has_no_capacity_starts_in_the_second(
+        sim: AwsSimulator, tmp_path: Path) -> None:
+    sim.no_capacity(HOME)  # every type, every AZ of home
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(GATED.format(gate=str(gate)), provider="aws", outputs=["x"],
+                           instance_types=TYPES, region=[HOME, OTHER])
+    job = handle.job_id
+    # The store stays home, in home's default bucket.
+    assert handle.store.uri == f"s3://spotnb-123456789012-{HOME}/jobs/{job}"
+    inst = sim.wait_for_instance(job)
+    assert inst.region == OTHER
+    # Made where it runs: the group, and the template with the region's own image (its
+    # own public parameter's); nothing of the job's capacity at home.
+    ec2 = sim.admin_client("ec2", OTHER)
+    data = ec2.describe_launch_template_versions(
+        LaunchTemplateName=f"spotnb-{job}")["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+    assert data["ImageId"] == sim.images[OTHER] != sim.images[HOME]
+    assert b"SPOTNB_STORE_REGION" in base64.b64decode(data["UserData"])
+    assert sim.admin_client("autoscaling", OTHER).describe_auto_scaling_groups(
+        AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"]
+    assert everything(sim)[HOME]["groups"] == []
+    # %spot_interrupt reaches it there (FIS in its region); its replacement runs there
+    # too (a job stays in its region while it finds capacity there).
+    handle.interrupt()
+    wait_until(lambda: inst.terminated, 60, "the interrupted instance's end")
+    assert sim.wait_for_instance(job, timeout=60, exclude=(inst.id,)).region == OTHER
+    gate.touch()
+    result = handle.wait(timeout=90)
+    assert result.status == "completed", (result.reason, result.error)
+    assert result.outputs == {"x": 42}
+    assert {a.region for a in result.attempts} == {OTHER}
+    # Why it runs there: the launch's ranking, EC2's placement scores putting home last;
+    # no launch was tried at home (no capacity error).
+    (start,) = group_bodies(handle, codec.Region)
+    assert (start.region, start.cause, start.previous, start.home) == (
+        OTHER, "start", None, HOME)
+    assert f"{HOME} has none for {', '.join(TYPES)} (placement score 1)" in start.reason
+    assert not [b for b in group_bodies(handle, codec.Instance)
+                if b.action == "capacity_error"]
+    # The queues stay home with the store (its followers find them there).
+    assert not everything(sim)[OTHER]["queues"]
+
+
+def test_with_capacity_everywhere_a_job_runs_at_home(sim: AwsSimulator) -> None:
+    handle = spotnb.submit("x = 1", provider="aws", outputs=["x"], instance_types=TYPES,
+                           region=[HOME, OTHER])
+    result = handle.wait(timeout=90)
+    assert result.status == "completed", (result.reason, result.error)
+    assert [a.region for a in result.attempts] == [HOME]
+    (start,) = group_bodies(handle, codec.Region)
+    assert (start.region, start.cause) == (HOME, "start")
+    assert AwsProvider().regions()[:2] == [HOME, OTHER]
+
+
+# Deterministic work: a hash chain over the global RNG (which every checkpoint holds),
+# a save every 5 steps; at step 30 it waits for the gate, which the test opens once it
+# has seen what it waits for.
+HELD = """
+import hashlib, os, random, time
+random.seed(7)
+state = {{"h": "0"}}
+ckpt = spot.Checkpoint(state=state)
+for step in range(ckpt.restore(), 60):
+    state["h"] = hashlib.sha256((state["h"] + repr(random.random())).encode()).hexdigest()
+    spot.log(step, loss=1.0 / (step + 1))
+    time.sleep(0.02)
+    ckpt.maybe_save(step)
+    while step == 30 and not os.path.exists({gate!r}):
+        time.sleep(0.05)
+digest = state["h"]
+"""
+
+
+def test_a_job_whose_region_runs_dry_mid_run_moves_and_ends_bitwise(
+        sim: AwsSimulator, tmp_path: Path) -> None:
+    from spotnb.protocol.events.fold import fold
+    from spotnb.providers.aws.capacity import MOVE_AFTER_FAILED_ROUNDS
+    from spotnb.providers.local import failover
+
+    assert MOVE_AFTER_FAILED_ROUNDS == failover.MOVE_AFTER_FAILED_ROUNDS  # one rule
+    common: dict[str, Any] = dict(provider="aws", outputs=["digest"], instance_types=TYPES,
+                                  checkpoint_every="5 steps")
+    open_gate = tmp_path / "open"
+    open_gate.touch()
+    baseline = spotnb.submit(HELD.format(gate=str(open_gate)), region=[HOME], **common)
+    expected = baseline.wait(timeout=120)
+    assert expected.status == "completed", (expected.reason, expected.error)
+
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(HELD.format(gate=str(gate)), region=[HOME, OTHER], **common)
+    job = handle.job_id
+    first = sim.wait_for_instance(job)
+    assert first.region == HOME
+    # Held at step 30, its save of step 29 durable: then home runs dry, and EC2 takes
+    # the instance back.
+    for event in handle.events(timeout=120):
+        body = event.body
+        if isinstance(body, codec.CheckpointEvent) and body.durable and body.step >= 29:
+            break
+    sim.no_capacity(HOME)
+    sim.interrupt(first.id)
+    second = sim.wait_for_instance(job, timeout=120, exclude=(first.id,))
+    assert second.region == OTHER
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "completed", (result.reason, result.error)
+    assert result.outputs == expected.outputs, "bitwise the uninterrupted run's digest"
+    assert [a.region for a in result.attempts] == [HOME, OTHER]
+    # Why: the start, then the move after the bound of rounds without capacity at home.
+    start, move = group_bodies(handle, codec.Region)
+    assert (start.region, start.cause) == (HOME, "start")
+    assert (move.previous, move.region, move.cause, move.tries, move.home) == (
+        HOME, OTHER, "no-capacity", MOVE_AFTER_FAILED_ROUNDS, HOME)
+    assert move.reason.startswith(f"no capacity in {HOME} for ")
+    # The checkpoint crossed regions: restored from home once, each save after sent
+    # home, with the measured bytes; the job's cost counts them.
+    transfers = group_bodies(handle, codec.Transfer)
+    restores = [t for t in transfers if t.kind == "restore"]
+    saves = [t for t in transfers if t.kind == "save"]
+    assert len(restores) == 1 and (restores[0].source, restores[0].destination) == (
+        HOME, OTHER) and restores[0].bytes > 0
+    assert saves and all((t.source, t.destination) == (OTHER, HOME) and t.bytes > 0
+                         for t in saves)
+    assert len({t.key for t in transfers}) == len(transfers), "each crossing once"
+    state = fold(list(handle.events(follow=False)))
+    billed = sum(t.usd for t in transfers)
+    assert billed > 0 and state.transfer_usd() == pytest.approx(billed)
+
+
+def test_a_multi_node_job_keeps_its_nodes_in_one_region_and_az(sim: AwsSimulator) -> None:
+    sim.no_capacity(HOME)
+    handle = spotnb.submit("import os\nrank = int(os.environ.get('RANK', '0'))",
+                           provider="aws", instance_types=TYPES, region=[HOME, OTHER],
+                           nodes=2)
+    job = handle.job_id
+    result = handle.wait(timeout=180)
+    assert result.status == "completed", (result.reason, result.error)
+    nodes = [i for i in sim.instances.values() if i.job_id == job]
+    assert len(nodes) == 2
+    assert {(i.region, i.az_id) for i in nodes} == {(OTHER, nodes[0].az_id)}
+    assert {i.placement_group for i in nodes} == {f"spotnb-{job}"}
+    assert sim.placement_groups_in[HOME] == {}
+    # The end: AWS keeps a placement or security group while an instance is still in
+    # it, and IAM may refuse a role's deletion by itself: what the teardown could not
+    # delete yet is all cleanup may find, where the job ran, and deletes.
+    sim.wait_until_idle(60)
+    left = AwsProvider().cleanup()
+    assert all((re.fullmatch(rf"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
+                             rf"group spotnb-\S+) in {OTHER} \(its job has a result\)", line)
+                or EMPTY_ROLE.fullmatch(line)) and job in line for line in left), left
+    assert sim.placement_groups_in == {HOME: {}, OTHER: {}}
