@@ -1,7 +1,8 @@
 """When a job's own limits stop it: its budget (``policy.budget_usd``: the job's cost as
 its fold says it, the cost every view shows) and its deadline (``policy.max_duration``:
 seconds since its first instance launched). One rule for whoever watches the job: the
-local cloud's capacity group checks it every tick (:mod:`spotnb.providers.local.group`).
+local cloud's capacity group checks it every tick (:mod:`spotnb.providers.local.group`),
+each AWS instance's agent at its watch's turn (:mod:`spotnb.providers.aws.instance`).
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ from spotnb.protocol import backoff, billing, layout, usage
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import JobState, fold
 from spotnb.protocol.events.live import request_stop
+from spotnb.protocol.limits import limit_reached
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import NotFound, Store, open_store
 from spotnb.providers.aws import _boto
@@ -516,20 +517,9 @@ class InstanceAgent:
         if self.stop_seen_at is not None or (policy.budget_usd is None
                                              and policy.max_duration is None):
             return
-        now = time.time()
-        if policy.budget_usd is not None:
-            cost = self.state.cost_usd(now)
-            if cost > policy.budget_usd:
-                self._request_stop("budget", f"the job has cost ${cost:.4f}, above its "
-                                             f"budget of ${policy.budget_usd:.4f}")
-                return
-        if policy.max_duration is not None:
-            first = self.state.first_launch
-            elapsed = now - (first if first is not None else now)
-            if elapsed > policy.max_duration:
-                self._request_stop("deadline", (
-                    f"the job has run {elapsed:.0f} s since its first instance, above its "
-                    f"limit of {policy.max_duration:g} s"))
+        passed = limit_reached(policy, self.state, time.time())
+        if passed is not None:
+            self._request_stop(passed.reason, passed.detail)
 
     def _request_stop(self, reason: str, detail: str) -> None:
         log.info("stopping the job: %s", detail)
