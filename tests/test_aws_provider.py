@@ -638,7 +638,9 @@ def test_quickstart_cell_across_two_interruptions_equals_the_uninterrupted_run(
     pytest.importorskip("sklearn")
     # What %%spot_train ships for this cell: the notebook's settings as inputs, the
     # helper module next to the notebook as a file.
-    inputs = {"SEED": 0, "STEPS": 150, "LR": 0.1, "STEP_SECONDS": 0.03}
+    # Slow enough steps that each FIS notice lands while the cell still trains (the
+    # second is sent at its attempt's first row, 100+ steps before the end).
+    inputs = {"SEED": 0, "STEPS": 150, "LR": 0.1, "STEP_SECONDS": 0.1}
     helper = REPO / "notebooks" / "digits_data.py"
     # The uninterrupted run: the same cell in a plain process (no job), beside the job.
     (tmp_path / helper.name).write_bytes(helper.read_bytes())
@@ -655,7 +657,7 @@ def test_quickstart_cell_across_two_interruptions_equals_the_uninterrupted_run(
         if event.type == "metric":
             steps.append(event.data["step"])
             if len(interrupted) < 2 and event.attempt not in interrupted and \
-                    event.data["step"] >= 40 * event.attempt:
+                    (event.attempt > 1 or event.data["step"] >= 40):
                 interrupted.append(event.attempt)
                 # %spot_interrupt: FIS's send-spot-instance-interruptions (simulated).
                 threading.Thread(target=handle.interrupt, daemon=True).start()

@@ -79,9 +79,15 @@ def test_jobs_interrupt_and_logs_follow_a_job_to_its_end(
         cloud: Path, capsys: pytest.CaptureFixture[str]) -> None:
     handle = spotnb.submit(TICKING, name="ticker", inputs={"TICKS": 50})
     wait_for_first_metric(handle)
-    assert main(["jobs"]) == 0
-    listing = capsys.readouterr().out
-    assert handle.job_id in listing and "ticker" in listing and "running" in listing
+
+    def listed() -> str:
+        assert main(["jobs"]) == 0
+        return capsys.readouterr().out
+
+    # The store has the job's "running" a moment after its first row came live.
+    listing = wait_until(lambda: (out := listed()) and "running" in out and out, 60,
+                         "spotnb jobs to list the job as running", interval=0.5)
+    assert handle.job_id in listing and "ticker" in listing
 
     assert main(["interrupt", "ticker"]) == 0  # by name
     assert "notice delivered" in capsys.readouterr().out

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -223,8 +224,21 @@ def test_a_metric_no_trial_logs_stops_the_sweep_at_the_first_trial_s_end(
 def test_the_cost_never_decreases_and_refunds_are_shown_as_such(spotnb_home: Path) -> None:
     # One trial, interrupted once by the local cloud's EC2 in its first hour: that
     # instance is refunded. Running, the trial shows what it has cost so far.
-    made = spotnb.sweep(CHECKPOINTED.replace("STEPS", "80"), params=SETS[:1], parallel=1,
-                        simulate_interruptions=1, checkpoint_every="10 steps")
+    # The trial trains on until its interruption was seen (a gate the test opens):
+    # however busy the machine, the interruption comes before the end.
+    gate = spotnb_home / "gate"
+    code = GATED.replace("STEPS", "40").replace("GATE", repr(str(gate)))
+    made = spotnb.sweep(code, params=SETS[:1], parallel=1, simulate_interruptions=1,
+                        checkpoint_every="10 steps")
+
+    def open_once_interrupted() -> None:
+        job_id = wait_until(lambda: made.trials and made.trials[0].job_id, 120,
+                            "the trial's job")
+        wait_until(lambda: attach(job_id).summary().interruptions >= 1, 180,
+                   "the trial's interruption", interval=1.0)
+        gate.touch()
+
+    threading.Thread(target=open_once_interrupted, daemon=True).start()
     seen: list[tuple[float, float, bool]] = []
 
     def note(_what: str, _obj: Any) -> None:
@@ -247,6 +261,17 @@ def test_the_cost_never_decreases_and_refunds_are_shown_as_such(spotnb_home: Pat
     assert f"${cost.refunded_usd:.4f} refunded: EC2 interrupted 1 instance in its first " \
            "hour" in summary_text(made)
 
+
+GATED = """
+import os, time
+ck = spot.Checkpoint(progress={"n": 0})
+step = ck.restore()
+while step < STEPS or not os.path.exists(GATE):
+    spot.log(step, loss=lr * (1 + 1 / (step + 1)))
+    ck.maybe_save(step)
+    time.sleep(0.1)
+    step += 1
+"""
 
 CHECKPOINTED = """
 import time
