@@ -669,3 +669,31 @@ def test_a_warm_standby_takes_the_job_over_once_ready_with_no_step_redone(
         f"handed over in {handover:.1f} s"]
     assert len(group("launched")) == 2  # no replacement besides the standby
     wait_no_processes(cloud)
+
+
+def test_a_cell_that_ends_in_an_error_after_a_stop_request_is_stopped(
+        cloud: Path, tmp_path: Path) -> None:
+    # A stop can end the cell before the agent read the request (the group ending the
+    # instance, or a stop whose message never came: the agent reads stop.json once a
+    # minute). The job was stopped: its result says so, not the error that followed.
+    gate = tmp_path / "gate"
+    code = textwrap.dedent(f"""
+        import os, time
+        print("waiting", flush=True)
+        while not os.path.exists({str(gate)!r}):
+            time.sleep(0.05)
+        raise RuntimeError("the kernel went with the instance")
+    """)
+    handle = spotnb.submit(code, name="stopped-then-died")
+    seen = threading.Event()
+    threading.Thread(target=follow, daemon=True, args=(
+        handle, lambda e: seen.set() if e.type == "stream" else None)).start()
+    assert seen.wait(120), "the cell never started"
+    # The record only (no control message): as an agent finds it at its next look.
+    handle.store.put_if_absent(layout.STOP, json.dumps(
+        {"reason": "user", "detail": "by the test", "time": time.time(),
+         "by": "test"}).encode())
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "stopped", (result.status, result.reason)
+    assert "by the test" in result.reason

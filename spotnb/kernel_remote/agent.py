@@ -389,6 +389,13 @@ class Agent:
             error = self.cells.execute(kc, self.spec.code, silent=False, sent=sent)
             self.warm = None
             self.lease.check()
+            if error and self.stop_requested is None:
+                # A stop can end the kernel before this agent's poll read the request
+                # (its group ending the instance): the cell's end is the stop's, not an
+                # error of the cell's.
+                request = self.stops.read()
+                if request is not None:
+                    self._on_stop(request)
             if self.stop_requested:
                 return self.finish("stopped", self.stops.reason())
             if error:
