@@ -425,7 +425,8 @@ def test_the_simulator_recommends_before_the_notice_alone_or_not_at_all(
         ImageId=image, InstanceType="g4dn.xlarge", MinCount=3, MaxCount=3)["Instances"]]
     booted = wait_until(lambda: all(i in sim.instances for i in ids), 10, "the instances")
     assert booted
-    early, alone, unannounced = (ImdsClient(sim.instances[i].imds.endpoint) for i in ids)
+    early, alone, unannounced = (ImdsClient(sim.instances[i].imds.endpoint, timeout=30)
+                                  for i in ids)
     sim.interrupt(ids[0], lead=1.0)  # the recommendation now, the notice a second later
     sim.recommend_rebalance(ids[1])  # a false alarm
     sim.interrupt(ids[2], lead=None)  # a notice with no recommendation

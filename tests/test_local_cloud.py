@@ -840,7 +840,7 @@ def test_a_recommendation_lead_is_market_time_compressed_as_the_notice(cloud: Cl
         assert inst.rebalance_at is None
         group._signal(inst, now + 95.1)
         assert inst.rebalance_at == now + 95.1
-        assert ImdsClient(inst.imds.endpoint).rebalance() is not None
+        assert ImdsClient(inst.imds.endpoint, timeout=30).rebalance() is not None
         group._signal(inst, now + 99)
         assert inst.rebalance_at == now + 95.1  # one recommendation per interruption
     finally:

@@ -159,7 +159,8 @@ def test_fis_refuses_more_than_five_arns_a_role_it_cannot_assume_and_interrupts_
     template = _template(fis, role, ids[:5])
     fis.start_experiment(clientToken=secrets.token_hex(8),
                          experimentTemplateId=template["id"])
-    noticed = [ImdsClient(sim.instances[i].imds.endpoint).instance_action() for i in ids]
+    noticed = [ImdsClient(sim.instances[i].imds.endpoint, timeout=30).instance_action()
+               for i in ids]
     assert [n is not None for n in noticed] == [True] * 5 + [False]
     iam.delete_role_policy(RoleName="spotnb-fis-test", PolicyName="fis")
     for name in ("spotnb-fis-test", "spotnb-not-fis"):
@@ -628,7 +629,7 @@ def test_an_instance_runs_as_its_role_not_with_the_notebooks_keys(
         assert environ["AWS_EC2_METADATA_SERVICE_ENDPOINT"] == inst.imds.endpoint
         assert "HF_TOKEN" not in environ, "the notebook's environment is not the instance's"
     role = f"spotnb-job-{handle.job_id}"
-    imds = ImdsClient(inst.imds.endpoint)
+    imds = ImdsClient(inst.imds.endpoint, timeout=30)
     served = json.loads(imds.get(f"iam/security-credentials/{role}") or "{}")
     assert served["Code"] == "Success" and served["AccessKeyId"] not in (
         FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"], sim.user_credentials["AWS_ACCESS_KEY_ID"])
