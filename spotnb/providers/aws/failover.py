@@ -37,11 +37,9 @@ from collections.abc import Callable
 
 from spotnb.protocol.events import codec
 from spotnb.protocol.spec import JobSpec
-from spotnb.providers import catalog
 from spotnb.providers.aws import _boto
-from spotnb.providers.local.failover import UNKNOWN_STATE_BYTES, RegionPlan
+from spotnb.providers.local.failover import RegionPlan
 from spotnb.providers.placement import PlacementScores, fetch_placement_scores
-from spotnb.providers.regions import rank_regions
 
 __all__ = ["AwsRegionPlan", "placement_scores", "start"]
 
@@ -70,17 +68,9 @@ class AwsRegionPlan(RegionPlan):
         super().__init__(spec, has_capacity=lambda _type, _az: True)
         self._scores = scores
 
-    def rank(self, state_bytes: int | None, resume: bool) -> list[tuple[str, str, bool]]:
-        """As :meth:`RegionPlan.rank`, with EC2's scores (or none)."""
-        res = self.spec.resources
-        ranked = [(c.region, c.why, c.cost.likely) for c in rank_regions(
-            self.spec, scores=self._scores(), resume=resume,
-            state_bytes=UNKNOWN_STATE_BYTES if state_bytes is None else state_bytes)]
-        known = {region for region, _why, _likely in ranked}
-        ranked += [(region, "no estimate for its types (no speed figure)", True)
-                   for region in res.regions if region not in known
-                   and any(catalog.pools(t, region) for t in res.instance_types)]
-        return ranked
+    def placement_scores(self) -> PlacementScores | None:
+        """EC2's scores (or none), asked once for all the job's regions."""
+        return self._scores()
 
 
 def start(spec: JobSpec, scores: Callable[[], PlacementScores | None]

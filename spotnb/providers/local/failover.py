@@ -52,7 +52,7 @@ from spotnb.protocol.events import Event, codec
 from spotnb.protocol.spec import JobSpec
 from spotnb.providers import catalog
 from spotnb.providers.catalog import Pool
-from spotnb.providers.placement import simulated_placement_scores
+from spotnb.providers.placement import PlacementScores, simulated_placement_scores
 from spotnb.providers.regions import GB, rank_regions, transfer_price
 
 __all__ = ["MOVE_AFTER_FAILED_ROUNDS", "REGION_MOVE", "UNKNOWN_STATE_BYTES", "RegionPlan",
@@ -103,16 +103,21 @@ class RegionPlan:
         cloud's placement scores for its node count; then, in the job's order, those it
         has no estimate for (no speed figure for the types offered there)."""
         res = self.spec.resources
-        scores = simulated_placement_scores(res.instance_types, res.regions, res.max_nodes,
-                                            has_capacity=self.has_capacity)
         ranked = [(c.region, c.why, c.cost.likely) for c in rank_regions(
-            self.spec, scores=scores, resume=resume,
+            self.spec, scores=self.placement_scores(), resume=resume,
             state_bytes=UNKNOWN_STATE_BYTES if state_bytes is None else state_bytes)]
         known = {region for region, _why, _likely in ranked}
         ranked += [(region, "no estimate for its types (no speed figure)", True)
                    for region in res.regions if region not in known
                    and any(catalog.pools(t, region) for t in res.instance_types)]
         return ranked
+
+    def placement_scores(self) -> PlacementScores | None:
+        """The placement scores the ranking reads: the local cloud's, simulated from its
+        capacity model for the job's node count (a cloud's own plan asks its API)."""
+        res = self.spec.resources
+        return simulated_placement_scores(res.instance_types, res.regions, res.max_nodes,
+                                          has_capacity=self.has_capacity)
 
     def start(self, state_bytes: int | None) -> codec.Region:
         """Choose the group's first region (a job that resumes, ``state_bytes`` known,
