@@ -371,12 +371,7 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
             log.warning("could not delete job %s's queues (%s); `spotnb aws cleanup` will",
                         job_id, err)
         for region in regions:
-            left = cluster.delete_network(self.client("ec2", region), job_id,
-                                          multi_node=False)
-            if left:
-                log.info("job %s's %s in %s: in use until its instances are gone; the next "
-                         "multi-node launch or `spotnb aws cleanup` deletes them", job_id,
-                         " and ".join(left), region)
+            self._delete_network(job_id, region)
         log.info("deleted job %s's capacity group, template, role and queues", job_id)
 
     def _delete_secrets(self, job_id: str, region: str,

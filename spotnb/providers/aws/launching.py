@@ -139,6 +139,15 @@ class LaunchSteps:
                            placement_group=network.placement_group if network else None)
         return subnets, zone
 
+    def _delete_network(self, job_id: str, region: str) -> None:
+        """Delete the job's security and placement groups in ``region``; what is still
+        in use waits for the next launch there or `spotnb aws cleanup`."""
+        left = cluster.delete_network(self.client("ec2", region), job_id, multi_node=False)
+        if left:
+            log.info("job %s's %s in %s: in use until its instances are gone; the next "
+                     "launch there or `spotnb aws cleanup` deletes them", job_id,
+                     " and ".join(left), region)
+
     def move_region(self, spec: JobSpec, target: str) -> None:
         """Move the job's capacity to ``target`` (:mod:`.failover`): its group,
         template and network made there first (its role, wheel, secrets and store stay),
@@ -174,12 +183,7 @@ class LaunchSteps:
         self._delete_group(job_id, previous)
         self._delete_template(job_id, previous)
         try:
-            left = cluster.delete_network(self.client("ec2", previous), job_id,
-                                          multi_node=False)
-            if left:
-                log.info("job %s's %s in %s: in use until its instances are gone; the "
-                         "next launch there or `spotnb aws cleanup` deletes them", job_id,
-                         " and ".join(left), previous)
+            self._delete_network(job_id, previous)
         except Exception:
             log.warning("could not delete job %s's network in %s; `spotnb aws cleanup` "
                         "will", job_id, previous, exc_info=True)
