@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,79 @@ def test_a_multi_node_job_keeps_its_nodes_in_one_region_and_az(sim: AwsSimulator
                              rf"group spotnb-\S+) in {OTHER} \(its job has a result\)", line)
                 or EMPTY_ROLE.fullmatch(line)) and job in line for line in left), left
     assert sim.placement_groups_in == {HOME: {}, OTHER: {}}
+
+
+def test_a_notebook_that_attaches_takes_over_the_move_and_two_move_it_once(
+        sim: AwsSimulator, tmp_path: Path) -> None:
+    """The launching notebook closes; the job's region runs dry; two notebooks that
+    attach later both watch its capacity (two processes' watches): the job moves once,
+    resumes in the other region and ends."""
+    from spotnb.providers.aws import stop_capacity_watches
+    from spotnb.providers.aws.capacity import MOVE_AFTER_FAILED_ROUNDS, CapacityWatch, watching
+
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(HELD.format(gate=str(gate)), provider="aws", outputs=["digest"],
+                           instance_types=TYPES, checkpoint_every="5 steps",
+                           region=[HOME, OTHER])
+    job = handle.job_id
+    first = sim.wait_for_instance(job)
+    assert first.region == HOME
+    for event in handle.events(timeout=120):
+        body = event.body
+        if isinstance(body, codec.CheckpointEvent) and body.durable and body.step >= 29:
+            break
+    stop_capacity_watches()  # the launching notebook closes
+    assert not watching(job)
+    sim.no_capacity(HOME)
+    sim.interrupt(first.id)
+    # Nobody follows the job: the group tries at home, and nothing moves it.
+    wait_until(lambda: first.terminated, 60, "the interrupted instance's end")
+    asg = sim.admin_client("autoscaling", HOME)
+
+    (group,) = asg.describe_auto_scaling_groups(
+        AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"]
+    pools = len(TYPES) * len(group["VPCZoneIdentifier"].split(","))
+
+    def failed_launches() -> int:
+        return sum(a["StatusCode"] == "Failed" for a in asg.describe_scaling_activities(
+            AutoScalingGroupName=f"spotnb-{job}")["Activities"])
+    wait_until(lambda: failed_launches() >= (MOVE_AFTER_FAILED_ROUNDS + 1) * pools, 120,
+               "more launch rounds failing at home than a move waits for")
+    assert everything(sim)[OTHER]["groups"] == []
+    # Two notebooks attach (a new provider each, as in another process).
+    attached = spotnb.attach(job)
+    assert watching(job)
+    other = CapacityWatch(AwsProvider(), attached.spec, attached.store)
+    other.start()
+    second = sim.wait_for_instance(job, timeout=120, exclude=(first.id,))
+    assert second.region == OTHER
+    gate.touch()
+    result = attached.wait(timeout=120)
+    assert result.status == "completed", (result.reason, result.error)
+    assert [a.region for a in result.attempts] == [HOME, OTHER]
+    moves = [b for b in group_bodies(attached, codec.Region) if b.moved]
+    assert [(m.previous, m.region) for m in moves] == [(HOME, OTHER)], "one move"
+    other.stop()
+    other.join(timeout=30)
+
+
+def test_a_move_is_claimed_by_one_owner_and_a_stale_claim_is_taken_over(
+        tmp_path: Path) -> None:
+    """Two notebooks watching one job: only the one whose conditional write made the
+    claim moves it (a write whose answer was lost is recognised as its own); a claim
+    whose move never came (its notebook closed) is another's after MOVE_CLAIM_SECONDS."""
+    import json
+
+    from spotnb.protocol import layout
+    from spotnb.protocol.store import LocalStore
+    from spotnb.providers.aws.capacity import MOVE_CLAIM_SECONDS, claim_move
+
+    store = LocalStore(tmp_path / "job")
+    assert claim_move(store, 1, "a")
+    assert not claim_move(store, 1, "b")
+    assert claim_move(store, 1, "a"), "its own claim (a retried write) is still its own"
+    assert claim_move(store, 2, "b"), "the next move is a new claim"
+    store.put(f"{layout.REGION_MOVES}3.json", json.dumps(
+        {"owner": "a", "time": time.time() - MOVE_CLAIM_SECONDS - 1}).encode())
+    assert claim_move(store, 3, "b"), "a stale claim is taken over"
+    assert not claim_move(store, 3, "a")

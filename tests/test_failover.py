@@ -89,6 +89,17 @@ def test_the_plan_ranks_moves_after_the_bound_and_cycles_through_dry_regions() -
     short = {HOME}
     cycled = plan.move(10**8)
     assert cycled is not None and cycled.region == OTHER and plan.dry == {HOME}
+    # A new owner (a restarted supervisor, a notebook attached to an AWS job) resumes
+    # from the choices in the log as the plan that made them stands after each.
+    choices = [start, move, again, cycled]
+    for seen in range(1, len(choices) + 1):
+        resumed = RegionPlan(spec, lambda t, az: True)
+        resumed.resume(choices[:seen])
+        assert resumed.region == choices[seen - 1].region
+    assert (resumed.region, resumed.dry, resumed.failed_rounds) == (plan.region, plan.dry, 0)
+    halfway = RegionPlan(spec, lambda t, az: True)
+    halfway.resume(choices[:3])
+    assert halfway.dry == {OTHER, "eu-west-1"}
     assert [p.region for p in plan.pools(lambda p: p.spot or 0.0)] == [OTHER] * len(
         catalog.pools("g4dn.xlarge", OTHER))
     # One region: never a move.

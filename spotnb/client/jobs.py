@@ -256,16 +256,18 @@ class JobHandle:
             self._provider = get_provider(self.spec.provider)
         return self._provider
 
-    def keep_supervised(self, force: bool = False) -> str | None:
+    def keep_supervised(self, force: bool = False, follows: bool = True) -> str | None:
         """Make sure the job's capacity group is supervised (the provider restarts a
-        supervisor that died); at most every SUPERVISION_CHECK_SECONDS unless ``force``.
+        supervisor that died; on AWS a caller that ``follows`` the job takes over its
+        capacity watch); at most every SUPERVISION_CHECK_SECONDS unless ``force``.
         Returns what was done, or None."""
         now = time.monotonic()
         if not force and now - self._supervision_checked < SUPERVISION_CHECK_SECONDS:
             return None
         self._supervision_checked = now
         try:
-            done = self.provider.ensure_supervised(self.job_id)
+            done = self.provider.ensure_supervised(self.job_id, *(
+                (self.spec, self.store) if follows else ()))
         except Exception:
             log.warning("could not check the supervision of job %s", self.job_id,
                         exc_info=True)
@@ -539,7 +541,7 @@ def _job_info(job_store: Store, spec: JobSpec) -> JobInfo:
             pass  # no cache, or one from another version: compute the row
     handle = JobHandle(job_store, spec)
     if state is None:
-        handle.keep_supervised(force=True)
+        handle.keep_supervised(force=True, follows=False)
     folded = fold(EventReader(job_store, batches=True).poll(), spec.resources.max_nodes)
     s = handle.summary(state=folded)
     metric = next(((str(k), float(v)) for k, v in s.metrics.items()

@@ -19,6 +19,9 @@ Job prefix (in the store, one per job)::
     standby/<instance>.json     a warm standby is ready (spotnb.kernel_remote.standby)
     standby.json                jobs on AWS: the instance (node) the group's one warm
                                 standby is for (spotnb.providers.aws.standby)
+    group/moves/<n>.json        jobs on AWS of several regions: the claim of the job's
+                                move after its n-th region choice by the one notebook
+                                that makes it (spotnb.providers.aws.capacity)
     boot/<instance>.log         jobs on AWS: the whole boot log of an instance whose
                                 bootstrap failed (spotnb.providers.aws.bootstrap)
     boot/<instance>.ok          jobs on AWS: an instance whose agent came up; the boot
@@ -56,6 +59,7 @@ OUTPUTS = "outputs.pkl"
 RESULT = "result.json"
 SUMMARY = "summary.json"
 STANDBY_CLAIM = "standby.json"
+REGION_MOVES = "group/moves/"
 BOOT = "boot/"
 
 

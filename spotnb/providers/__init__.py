@@ -44,13 +44,17 @@ contract" rather than repeat it):
 ``default_store(region)`` (optional)
     The store URI for jobs submitted without one (AWS: the default bucket); None means
     spotnb's local default store.
-``ensure_supervised(job_id)`` (optional)
+``ensure_supervised(job_id, spec=None, store=None)`` (optional)
     Called by every spotnb entry point that looks at a job without a result (attach,
     wait, follow, listing). A provider whose capacity group needs a live process of
     its own (the local cloud's supervisor, which a crash or a reboot can end) starts a
     new one that takes over; failing that, it ends the job with a result that says
     why. Returns a sentence saying what it did, or None when nothing was needed.
-    AWS needs none: the Auto Scaling group lives in AWS.
+    ``spec`` and ``store`` come from a caller that follows the job (attach, wait,
+    follow; not a listing): AWS's Auto Scaling group lives in AWS, but the watch that
+    moves a job of several regions and fails a launch that cannot work lives in a
+    follower's process (:mod:`spotnb.providers.aws.capacity`), and such a caller takes
+    it over.
 ``instance_gone(job_id, instance_id)`` (optional, called on the instance)
     Whether the instance is known to be terminated (EC2: ``shutting-down``,
     ``terminated`` or unknown). A replacement whose job's lease is held by that
@@ -73,6 +77,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
 from spotnb.protocol.spec import JobSpec, SpecError
+from spotnb.protocol.store import Store
 
 __all__ = ["PROVIDERS", "PoolPrice", "Provider", "ProviderError", "get_provider",
            "notice_seconds"]
@@ -132,7 +137,8 @@ class Provider(ABC):
         """The store URI for jobs submitted without one; None: the local default store."""
         return None
 
-    def ensure_supervised(self, job_id: str) -> str | None:
+    def ensure_supervised(self, job_id: str, spec: JobSpec | None = None,
+                          store: Store | None = None) -> str | None:
         """Restart the job's supervision if it died (see the contract)."""
         return None
 

@@ -77,16 +77,17 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from spotnb.protocol import layout
 from spotnb.protocol.events import GROUP_STREAM, EventWriter
 from spotnb.protocol.secretstore import values_for
 from spotnb.protocol.spec import JobSpec, SpecError
-from spotnb.protocol.store import StoreError, open_store
+from spotnb.protocol.store import Store, StoreError, open_store
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
 from spotnb.providers.aws import _boto, cluster, fis, parameters
 from spotnb.providers.aws.bootstrap import bundle
-from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches
+from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches, watching
 from spotnb.providers.aws.launching import (  # noqa: F401 (their names here before)
     IAM_PROPAGATION_ATTEMPTS,
     LIFECYCLE_HOOK_SECONDS,
@@ -112,6 +113,9 @@ from spotnb.providers.aws.resources import (
     tags,
     template_name,
 )
+
+if TYPE_CHECKING:
+    from spotnb.providers.aws.failover import AwsRegionPlan
 
 __all__ = ["AwsProvider", "AwsSettings", "CleanupIncomplete", "stop_capacity_watches"]
 
@@ -303,12 +307,45 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
 
         plan = self._plans.get(spec.job_id)
         if plan is None:
-            ec2 = self.client("ec2", spec.resources.region)
-            plan, event = failover.start(spec, lambda: failover.placement_scores(ec2, spec))
-            self._plans[spec.job_id] = plan
+            plan = self._plans[spec.job_id] = self.region_plan(spec)
+            event = failover.start(plan)
             if event is not None:
                 self._starts[spec.job_id] = event
         return str(plan.region)
+
+    def region_plan(self, spec: JobSpec) -> AwsRegionPlan:
+        """A new plan of where the job's group runs, ranking with EC2's placement
+        scores (asked of the home region, at each ranking)."""
+        from spotnb.providers.aws import failover
+
+        ec2 = self.client("ec2", spec.resources.region)
+        return failover.AwsRegionPlan(spec, lambda: failover.placement_scores(ec2, spec))
+
+    def runs_in(self, job_id: str, region: str, home: str) -> None:
+        """The job's group runs in ``region`` now, its store in ``home`` (as its log
+        says: a job this provider did not launch, or one another owner moved)."""
+        self._job_regions[job_id] = region
+        self._homes[job_id] = home
+
+    def ensure_supervised(self, job_id: str, spec: JobSpec | None = None,
+                          store: Store | None = None) -> str | None:
+        """See the contract. The group lives in AWS; what needs a live process is the
+        capacity watch (:mod:`.capacity`: a job of several regions' moves, a launch that
+        cannot work). A caller that follows the job (``spec`` and ``store`` given: an
+        attached notebook, a wait) takes it over while no watch of this process follows
+        the job; the watch learns the group's region from the job's log. Once per
+        provider: a watch ends when it is no longer needed (a job of one region that
+        launched), and a new one would read the whole log again."""
+        if spec is None or store is None or job_id in self._watches or \
+                watching(job_id) or store.exists(layout.RESULT):
+            return None
+        watch = CapacityWatch(self, spec, store)
+        self._watches[job_id] = watch
+        watch.start()
+        if len(spec.resources.regions) > 1:
+            return ("this notebook now watches the job's capacity (it moves the job to "
+                    "another of its regions when its region has none)")
+        return None
 
     def read_secrets(self, spec: JobSpec) -> dict[str, str]:
         """See the contract: one GetParameters per 10 secrets, with the instance

@@ -25,10 +25,20 @@ the job's capacity moves to the next region (:meth:`AwsProvider.move_region`), s
 ``region`` event. Each poll of such a job costs one ``DescribeScalingActivities`` (free)
 and one read of the job's log (an S3 LIST, as a follower's).
 
+**Who watches.** The notebook that launched the job, and every notebook or process that
+follows it later (``%spot_attach``, ``spotnb.attach(...).wait()``, ``spotnb logs
+--follow``: :meth:`AwsProvider.ensure_supervised`) while no watch of its own process
+does. A watch that did not launch the job takes the group's region and the regions left
+dry from the job's ``region`` events (:meth:`RegionPlan.resume`), and follows a move
+another owner made the same way. Two owners never move a job twice for the same
+shortage: each move is claimed first in the job's store (``group/moves/<n>.json``, one
+conditional write; :func:`claim_move`), and only the watch that wrote the claim moves.
+
 Not needed for recovery: the group keeps trying by itself, and the instance agent
-(:mod:`.instance`) reports the capacity failures when an instance boots. (A notebook
-that is closed meanwhile leaves a launch that cannot work to the group's retries;
-nothing is billed while no instance runs, and ``spotnb aws cleanup`` deletes the group.)
+(:mod:`.instance`) reports the capacity failures when an instance boots. (With no
+notebook following the job, a launch that cannot work is left to the group's retries
+and a job of several regions stays in its region; nothing is billed while no instance
+runs, and ``spotnb aws cleanup`` deletes the group.)
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import json
 import logging
 import threading
 import time
+import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from spotnb.protocol import layout
@@ -55,7 +67,7 @@ from spotnb.providers.aws.resources import (
 if TYPE_CHECKING:
     from spotnb.providers.aws import AwsProvider
 
-__all__ = ["CapacityWatch", "stop_capacity_watches"]
+__all__ = ["CapacityWatch", "claim_move", "stop_capacity_watches", "watching"]
 
 #: Launch rounds in a row without capacity after which a job moves to its next region:
 #: the local cloud's bound (spotnb.providers.local.failover), one rule for both
@@ -67,12 +79,44 @@ log = logging.getLogger(__name__)
 #: Capacity errors that are the account's spot vCPU quota, not EC2's capacity.
 QUOTA_CODES = frozenset({"MaxSpotInstanceCountExceeded", "VcpuLimitExceeded",
                          "InstanceLimitExceeded"})
+#: A move claimed this long ago whose ``region`` event never came is another owner's to
+#: make (the claimer's notebook closed): a move takes a few requests, seconds.
+MOVE_CLAIM_SECONDS = 300.0
 # The watcher gives up after this long without a first instance; the group keeps
 # trying, and the instance agent reports what happened when it boots.
 CAPACITY_WATCH_SECONDS = 3600.0
 
 _WATCHES: set[CapacityWatch] = set()
 _WATCHES_LOCK = threading.Lock()
+
+
+def watching(job_id: str) -> bool:
+    """Whether a capacity watch of this process follows job ``job_id``."""
+    with _WATCHES_LOCK:
+        return any(w.spec.job_id == job_id and w.is_alive() for w in _WATCHES)
+
+
+def claim_move(store: Store, choices: int, owner: str) -> bool:
+    """Claim the job's next region move, the one after its ``choices`` region choices so
+    far (one conditional write of ``group/moves/<choices>.json``): True for the owner
+    that wrote it. A write whose answer was lost is ours if the claim names us; a claim
+    older than :data:`MOVE_CLAIM_SECONDS` whose move never came (its notebook closed
+    between the two) is taken over, by one conditional replace."""
+    key = f"{layout.REGION_MOVES}{choices}.json"
+    body = json.dumps({"owner": owner, "time": time.time()}).encode()
+    if store.put_if_absent(key, body) is not None:
+        return True
+    try:
+        data, etag = store.get_with_etag(key)
+        claim = json.loads(data)
+        if claim.get("owner") == owner:
+            return True
+        if time.time() - float(claim.get("time", 0)) < MOVE_CLAIM_SECONDS:
+            return False
+        return store.put_if_match(key, body, etag) is not None
+    except Exception:
+        log.info("could not read the move claim %s", key, exc_info=True)
+        return False
 
 
 def stop_capacity_watches() -> None:
@@ -96,6 +140,9 @@ class CapacityWatch(threading.Thread):
         self.spec = spec
         self.store = store
         self._halt = threading.Event()
+        self._owner = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        #: The group's region choices read from the job's log, in time order.
+        self._choices: list[tuple[float, codec.Region]] = []
 
     def stop(self) -> None:
         self._halt.set()
@@ -130,8 +177,6 @@ class CapacityWatch(threading.Thread):
         writer: EventWriter | None = None
         try:
             while not self._halt.wait(settings.capacity_poll):
-                asg = self.provider.client("autoscaling",
-                                           self.provider.region(self.spec.job_id))
                 polled = reader.poll()
                 events = [e for e in polled if e.attempt == GROUP_STREAM]
                 reported |= {e.data.get("activity_id") for e in events}
@@ -140,6 +185,9 @@ class CapacityWatch(threading.Thread):
                     if isinstance(body, codec.CheckpointEvent) and body.durable \
                             and not body.sync:
                         state_bytes = body.bytes
+                self._follow_choices(events)
+                asg = self.provider.client("autoscaling",
+                                           self.provider.region(self.spec.job_id))
                 launched = launched or any(
                     isinstance(e.body, codec.Instance) and e.body.launched for e in events)
                 if (launched and not moving) or self.store.exists(layout.RESULT):
@@ -192,6 +240,26 @@ class CapacityWatch(threading.Thread):
             if writer is not None:
                 writer.close()
 
+    def _follow_choices(self, events: Sequence[Event]) -> None:
+        """Take in the group's region choices among ``events``: the provider learns
+        where the group runs now, and the plan follows a move another owner made (the
+        plan of a watch that did not launch the job is made here, from them)."""
+        fresh = [(e.time, e.body) for e in events if isinstance(e.body, codec.Region)
+                 and e.body.region]
+        if not fresh:
+            return
+        self._choices = sorted(self._choices + fresh, key=lambda item: item[0])
+        choices = [choice for _t, choice in self._choices]
+        self.provider.runs_in(self.spec.job_id, choices[-1].region,
+                              self.spec.resources.region)
+        plan = self.provider._plans.get(self.spec.job_id)
+        if plan is None and len(self.spec.resources.regions) > 1:
+            plan = self.provider._plans[self.spec.job_id] = self.provider.region_plan(
+                self.spec)
+            plan.resume(choices)
+        elif plan is not None and plan.region != choices[-1].region:
+            plan.resume(choices)  # another owner moved it
+
     def _maybe_move(self, asg: Any, activities: list[dict[str, Any]],
                     writer: EventWriter | None, state_bytes: int | None
                     ) -> EventWriter | None:
@@ -218,6 +286,8 @@ class CapacityWatch(threading.Thread):
         if len(running) >= self.spec.resources.min_nodes or not plan.failed_rounds or \
                 plan.failed_rounds < MOVE_AFTER_FAILED_ROUNDS:
             return writer
+        if not claim_move(self.store, len(self._choices), self._owner):
+            return writer  # another owner moves it: its region event comes next
         previous = plan.region
         at = time.time()
         choice = plan.move(state_bytes)

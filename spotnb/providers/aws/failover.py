@@ -18,14 +18,16 @@ region*, and deleted there. What differs on AWS:
   region has no capacity. Without scores (no permission, a partition without the API)
   the ranking is by expected cost alone, and says so in the log.
 * **who moves it**: there is no spotnb supervisor on AWS. The launch chooses the
-  first region (:func:`start`); the notebook that launched the job watches its group
-  (:class:`spotnb.providers.aws.capacity.CapacityWatch`) and, after
+  first region (:func:`start`); the notebook that launched the job, and any that
+  follows it later (``%spot_attach``), watches its group
+  (:class:`spotnb.providers.aws.capacity.CapacityWatch`, one move per shortage however
+  many watch) and, after
   :data:`~spotnb.providers.aws.capacity.MOVE_AFTER_FAILED_ROUNDS` failed launch rounds
   in a row with fewer than the job's minimum of nodes running, moves it
   (:meth:`AwsProvider.move_region`: the group, template and network made in the new
   region, then deleted in the old one; the next instance resumes from the checkpoint
-  in the home store). A notebook that is closed moves nothing: the group keeps trying
-  in its region (nothing is billed meanwhile), as a one-region job's does.
+  in the home store). With no notebook following the job nothing moves it: the group
+  keeps trying in its region (nothing is billed meanwhile), as a one-region job's does.
 * **the crossings** of the checkpoint are billed by the instance outside home that
   makes them (:mod:`.transfers`).
 """
@@ -73,12 +75,10 @@ class AwsRegionPlan(RegionPlan):
         return self._scores()
 
 
-def start(spec: JobSpec, scores: Callable[[], PlacementScores | None]
-          ) -> tuple[AwsRegionPlan, codec.Region | None]:
-    """The plan of a job's launch and its first region; the ``region`` event to tell
-    (None for a job of one region: nothing to choose)."""
-    plan = AwsRegionPlan(spec, scores)
-    if len(spec.resources.regions) == 1:
-        plan.region = spec.resources.region
-        return plan, None
-    return plan, plan.start(None)
+def start(plan: AwsRegionPlan) -> codec.Region | None:
+    """Choose the first region of a job's launch; the ``region`` event to tell (None
+    for a job of one region: nothing to choose)."""
+    if len(plan.regions) == 1:
+        plan.region = plan.home
+        return None
+    return plan.start(None)

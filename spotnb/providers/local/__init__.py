@@ -102,7 +102,7 @@ from typing import Any
 from spotnb.protocol import secretstore
 from spotnb.protocol.layout import RESULT, SPEC
 from spotnb.protocol.spec import JobSpec, SpecError
-from spotnb.protocol.store import StoreError, file_lock, open_store, upload_mbps
+from spotnb.protocol.store import Store, StoreError, file_lock, open_store, upload_mbps
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
 from spotnb.providers.local import control
 from spotnb.providers.local.checks import check_max_price, check_simulation, check_type
@@ -240,7 +240,8 @@ class LocalProvider(Provider):
             f"the local cloud's capacity group for job {job_id} did not start within "
             f"{LAUNCH_TIMEOUT_SECONDS:g} s: {_tail(log_path)} (log: {log_path})")
 
-    def ensure_supervised(self, job_id: str) -> str | None:
+    def ensure_supervised(self, job_id: str, spec: JobSpec | None = None,
+                          store: Store | None = None) -> str | None:
         """See the contract: if the job has no result and its supervisor is gone (killed,
         crashed, a reboot), start a new one that adopts its instances. If that fails,
         end the job with a failed result that says why. Returns what was done, or None.

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from spotnb.protocol import billing
 from spotnb.protocol.events import Event, codec
@@ -187,6 +187,20 @@ class RegionPlan:
     def resume_in(self, region: str) -> None:
         """A restarted supervisor takes over in the region its predecessor chose."""
         self.region, self.failed_rounds = region, 0
+
+    def resume(self, choices: Sequence[codec.Region]) -> None:
+        """A new owner of the group (a restarted supervisor, a notebook that attached to
+        an AWS job) carries on from the group's region choices so far (the fold's
+        ``regions``, in time order): in the newest one's region, with the regions the
+        moves left dry still dry, as :meth:`move` left them."""
+        self.dry = set()
+        for choice in choices:
+            if choice.cause == "no-capacity" and choice.previous:
+                self.dry.add(choice.previous)
+                if all(r in self.dry for r in self.regions if r != choice.previous):
+                    self.dry = {choice.previous}  # every region tried: all open again
+        if choices:
+            self.resume_in(choices[-1].region)
 
 
 @dataclasses.dataclass

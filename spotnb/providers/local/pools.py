@@ -198,8 +198,7 @@ class Pools:
         """A new supervisor carries on in the region its predecessor chose (that of
         the instances it adopted), with the transfers it billed."""
         self.meter.counted.update(history.transfers)
-        if history.regions:
-            self.plan.resume_in(history.regions[-1][1].region)
+        self.plan.resume([choice for _t, choice in history.regions])
         for inst in adopted:
             self.plan.resume_in(inst.pool.region)
         if self.plan.region not in (None, self.plan.home):
