@@ -23,48 +23,37 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spotnb.kernel_remote import channel, standby
 from spotnb.kernel_remote.kernel import KernelNotReady
 from spotnb.kernel_remote.kernels import BOOTSTRAP, KERNEL_READY_TIMEOUT
 from spotnb.kernel_remote.leasing import Fenced
+from spotnb.kernel_remote.multinode import agentapi
 from spotnb.kernel_remote.procs import process_started
 from spotnb.kernel_remote.sampler import Sampler
 from spotnb.protocol.events import EventWriter
 
 if TYPE_CHECKING:
     from spotnb.kernel_remote.cells import CellRunner
-    from spotnb.kernel_remote.kernel import KernelProcess
     from spotnb.kernel_remote.kernels import KernelSupervisor
     from spotnb.kernel_remote.leasing import LeaseKeeper
     from spotnb.kernel_remote.watch import StopWatcher
     from spotnb.protocol.events.live import LiveSender
-    from spotnb.protocol.lease import HeldLease
     from spotnb.protocol.notify import Notifier
-    from spotnb.protocol.spec import JobSpec
-    from spotnb.protocol.store import Store
 
 __all__ = ["KERNEL_TEARDOWN_SECONDS", "run_attempt", "run_node_attempt"]
-
-T = TypeVar("T")
 
 # How long a kernel that died while starting waits for the instance's SIGTERM before it
 # counts as the cell's error (the group signals the kernel and the agent one by one).
 KERNEL_TEARDOWN_SECONDS = 2.0
 
 
-class Agent(Protocol):
-    """What an attempt uses of its agent (:class:`spotnb.kernel_remote.agent.Agent`);
-    a distributed job's uses more (what :class:`~spotnb.kernel_remote.multinode.node.
-    NodeRun` uses of it)."""
+class Agent(agentapi.Agent, Protocol):
+    """What an attempt uses of its agent (:class:`spotnb.kernel_remote.agent.Agent`):
+    what a distributed job's node uses of it (:class:`~spotnb.kernel_remote.multinode.
+    agentapi.Agent`), and more."""
 
-    store: Store
-    spec: JobSpec
-    identity: dict[str, Any]
-    scratch: Path
     events: EventWriter | None
     live: LiveSender | None
     notifier: Notifier
@@ -76,55 +65,13 @@ class Agent(Protocol):
     stops: StopWatcher
     secrets_error: str | None
 
-    @property
-    def held(self) -> HeldLease | None: ...
-
-    @property
-    def fenced(self) -> threading.Event: ...
-
-    @property
-    def terminating(self) -> threading.Event: ...
-
-    @property
-    def stop_requested(self) -> dict[str, Any] | None: ...
-
     def where(self) -> str: ...
 
     def on_sample(self, data: dict[str, Any]) -> None: ...
 
     def on_stop(self, request: dict[str, Any]) -> None: ...
 
-    def stop_reason(self) -> str: ...
-
-    def emit(self, type: str, **data: Any) -> None: ...
-
-    def flush_soon(self) -> None: ...
-
-    def send(self, msg: channel.Message) -> None: ...
-
-    def execute(self, kc: Any, code: str, silent: bool, kernel: KernelProcess | None = None,
-                rank: int | None = None) -> dict[str, Any] | None: ...
-
-    def sync_runtime(self, kc: Any, kernel: KernelProcess | None = None) -> None: ...
-
-    def drain_channel(self) -> None: ...
-
-    def start_kernel(self, name: str | None) -> KernelProcess: ...
-
-    def forget_kernel(self, kernel: KernelProcess) -> None: ...
-
-    def prefetch(self, dest: Path, ranks: Sequence[int] | None = None,
-                 world_size: int | None = None) -> None: ...
-
-    def retry(self, fn: Callable[[], T], what: str) -> T: ...
-
-    def write(self, fn: Callable[[], T], what: str) -> T: ...
-
     def report_usage(self) -> None: ...
-
-    def finish(self, status: str, reason: str, error: dict[str, Any] | None = None) -> str: ...
-
-    def close_quietly(self) -> None: ...
 
 
 def run_attempt(agent: Agent) -> str:
