@@ -468,7 +468,7 @@ def test_a_frozen_agents_kernel_stops_before_anyone_may_take_the_lease(
     assert held is not None
     held.renew()
     after = lease.clock()
-    until = held.held_until()  # what the agent's ping says (spotnb.kernel_remote.agent)
+    until = held.held_until()  # what the agent's ping says (spotnb.kernel_remote.loops)
     assert until is not None
     frozen = after + lease.heartbeat_seconds(ttl)  # its last ping
     takeover = before + ttl  # the earliest another agent may take the lease

@@ -20,15 +20,16 @@ An attempt, narrated::
     Step 6  release the lease, stop the kernel, exit. The capacity group sees the
             result and deletes itself (DESIGN invariant 6).
 
-Alongside, two loops run. The *instance loop* (every :data:`IMDS_POLL_SECONDS`, no
-remote call but IMDS) watches IMDS for ``spot/instance-action`` and the rebalance
-recommendation (the runtime is told and saves at once; once that save is durable the
-agent releases the lease so the replacement can start), pings the runtime (a kernel
-whose agent stops answering stops itself), tells the runtime which metric rows are
-durable in the log, and keeps the kernel running only while the lease is confirmed:
-an unconfirmed lease (a frozen agent, a store out of reach) pauses it, a lost one
-kills it. The *store loop* renews the lease every :func:`lease.heartbeat_seconds` and
-looks for a stop request; store errors there are retried with backoff, never fatal.
+Alongside, two loops run (:mod:`spotnb.kernel_remote.loops`). The *instance loop*
+(every :data:`~spotnb.kernel_remote.loops.IMDS_POLL_SECONDS`, no remote call but
+IMDS) watches IMDS for ``spot/instance-action`` and the rebalance recommendation (the
+runtime is told and saves at once; once that save is durable the agent releases the
+lease so the replacement can start), pings the runtime (a kernel whose agent stops
+answering stops itself), tells the runtime which metric rows are durable in the log,
+and keeps the kernel running only while the lease is confirmed: an unconfirmed lease
+(a frozen agent, a store out of reach) pauses it, a lost one kills it. The *store
+loop* renews the lease every :func:`lease.heartbeat_seconds` and looks for a stop
+request; store errors there are retried with backoff, never fatal.
 ``SPOTNB_LEASE_TTL`` sets the lease's TTL (default :data:`lease.TTL_SECONDS`).
 
 Fencing (invariant 3): every write of this agent (events, errors, the result) happens
@@ -43,6 +44,8 @@ NodeRun`'s: torchelastic's rendezvous with the other nodes, one kernel per local
 The :class:`Agent` is the attempt's lifecycle (the steps and the loops above); it
 composes parts, each with one responsibility and its own module:
 
+    attempt         run_attempt, run_node_attempt: Step 4-5, on one node or on several
+    loops           the instance loop and the store loop
     leasing         LeaseKeeper: the lease, fencing (Fenced), guarded writes, heartbeat
     kernels         KernelSupervisor: spawn, interrupt, kill the kernels; their env
     cells           CellRunner: run code in a kernel, relay its outputs, output marks
@@ -55,8 +58,9 @@ composes parts, each with one responsibility and its own module:
     prefetch        the latest checkpoint, downloaded while the kernel starts
     procs           the process family (subreaper, sweep)
 
-A distributed job's :class:`~spotnb.kernel_remote.multinode.node.NodeRun` uses the agent's public
-methods (``execute``, ``emit``, ``send``, ``retry``, ``write``, ``finish``, ...).
+A distributed job's :class:`~spotnb.kernel_remote.multinode.node.NodeRun` (and an
+attempt) uses the agent's public methods (``execute``, ``emit``, ``send``, ``retry``,
+``write``, ``finish``, ...).
 """
 
 from __future__ import annotations
@@ -77,23 +81,24 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from spotnb.kernel_remote import channel, standby
+from spotnb.kernel_remote.attempt import run_attempt, run_node_attempt
 from spotnb.kernel_remote.cells import CHANNEL_DRAIN_SECONDS, CellRunner
 from spotnb.kernel_remote.channel_server import ChannelServer
-from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
-from spotnb.kernel_remote.kernels import BOOTSTRAP, KERNEL_READY_TIMEOUT, KernelSupervisor
+from spotnb.kernel_remote.kernel import KernelProcess
+from spotnb.kernel_remote.kernels import KernelSupervisor
 from spotnb.kernel_remote.leasing import Fenced, LeaseKeeper, retry_store
+from spotnb.kernel_remote.loops import instance_loop, store_loop
 from spotnb.kernel_remote.messages import Handler, RuntimeMessages
 from spotnb.kernel_remote.prefetch import prefetch
-from spotnb.kernel_remote.procs import become_subreaper, process_started, sweep_descendants
-from spotnb.kernel_remote.rows import ROWS_SECONDS, RowRelay
-from spotnb.kernel_remote.sampler import Sampler
-from spotnb.kernel_remote.watch import NoticeWatcher, StopWatcher, relay_notices
+from spotnb.kernel_remote.procs import become_subreaper, sweep_descendants
+from spotnb.kernel_remote.rows import RowRelay
+from spotnb.kernel_remote.watch import NoticeWatcher, StopWatcher
 from spotnb.protocol import layout, usage
 from spotnb.protocol.events import EventReader, EventWriter
 from spotnb.protocol.events.fold import JobState, fold
 from spotnb.protocol.events.live import CONTROL_QUEUE, LiveSender
 from spotnb.protocol.events.queues import queue_for
-from spotnb.protocol.lease import HeldLease, Standing
+from spotnb.protocol.lease import HeldLease
 from spotnb.protocol.notify import FLUSH_SECONDS, Notifier
 from spotnb.protocol.secretstore import NOTIFY_SECRET, SecretsUnavailable
 from spotnb.protocol.spec import JobSpec
@@ -106,25 +111,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# How often the instance loop looks at IMDS, pings the runtime and checks the lease's
-# standing. IMDS is on the instance: free. EC2 gives two minutes of notice; half a
-# second leaves the runtime the most time.
-IMDS_POLL_SECONDS = 0.5
-# How often the store loop reads control/stop.json (a GET: 60/h = $0.000024/h). A stop
-# also arrives at once as a message on the job's control queue; the object is the
-# record, read here in case the message was lost. A distributed job's agents also look
-# for a result another node wrote (one more request each time).
-STOP_POLL_SECONDS = 60.0
 # GPU/CPU samples are kept one in this many seconds while nobody watches.
 SYS_IDLE_SECONDS = 10.0
-# How often the agent reports the requests it made (a `usage` event; the cost a job
-# shows includes them).
-USAGE_SECONDS = 300.0
 # EC2 gives processes a moment between SIGTERM and power-off; use well under it.
 TERMINATION_GRACE_SECONDS = 0.8
-# How long a kernel that died while starting waits for the instance's SIGTERM before it
-# counts as the cell's error (the group signals the kernel and the agent one by one).
-KERNEL_TEARDOWN_SECONDS = 2.0
 
 # Exit codes: the capacity group only cares whether a result exists, and whether the
 # store was out of reach (then launching another instance at once would not help).
@@ -148,11 +138,11 @@ class Agent:
                                  max_nodes=self.spec.resources.max_nodes)
         # Why the job's secrets (spotnb.protocol.secretstore: for the kernels' environment) could
         # not be read, if so (the attempt then fails saying it).
-        self._secrets_error: str | None = None
+        self.secrets_error: str | None = None
         self.identity: dict[str, Any] = {}
         self.events: EventWriter | None = None
         self.parked = threading.Event()
-        self._done = threading.Event()
+        self.done = threading.Event()  # set once run() ends: the loops stop
         self.node: Any = None  # spotnb.kernel_remote.multinode.node.NodeRun, in a distributed job
         # This agent's warm-up as a standby (it found the lease held), until its first
         # attempt has used it.
@@ -241,7 +231,7 @@ class Agent:
             log.error("giving up: %s", err)
             return EXIT_STORE
         finally:
-            self._done.set()
+            self.done.set()
             self.notifier.close()  # bounded: the last message's send, at most
             if self.live is not None:
                 self.live.stop()
@@ -254,7 +244,7 @@ class Agent:
     def _take_lease(self) -> HeldLease | None:
         """The job's lease (Step 3), warming up as a standby while a live agent holds
         it (:func:`standby.take_lease`); None if the job ended meanwhile."""
-        self.notifier.where = self._where()
+        self.notifier.where = self.where()
         held, self.warm = standby.take_lease(self.store, self.spec, self.kernels,
                                              self.scratch, self.identity["instance_id"],
                                              self.notifier.standby_ready)
@@ -274,8 +264,8 @@ class Agent:
             # str() of a SecretsUnavailable names the secrets; of anything else only its
             # type is kept (a library's message might quote what it was given).
             why = str(err) if isinstance(err, SecretsUnavailable) else type(err).__name__
-            self._secrets_error = f"the job's secrets could not be read: {why}"
-            log.error("%s", self._secrets_error)
+            self.secrets_error = f"the job's secrets could not be read: {why}"
+            log.error("%s", self.secrets_error)
             return
         url = self.kernels.secrets.get(NOTIFY_SECRET)
         if url:
@@ -302,17 +292,18 @@ class Agent:
         except Exception as err:
             log.warning("no live channel (%s): followers read the log", err)
         threads = [
-            threading.Thread(target=self._instance_loop, name="instance", daemon=True),
-            threading.Thread(target=self._store_loop, name="store", daemon=True),
+            threading.Thread(target=instance_loop, args=(self,), name="instance",
+                             daemon=True),
+            threading.Thread(target=store_loop, args=(self,), name="store", daemon=True),
             threading.Thread(target=self.server.serve, name="channel", daemon=True),
         ]
         for t in threads:
             t.start()
         if self.spec.resources.distributed:
-            self._node_attempt()
+            run_node_attempt(self)
             return EXIT_OK
         while True:
-            outcome = self._one_attempt()
+            outcome = run_attempt(self)
             if outcome != "retry":
                 break
             # A user-code error the policy allows to retry: new kernel, new epoch.
@@ -320,173 +311,12 @@ class Agent:
             self.lease.renew_or_fence(self.held.bump)
         return EXIT_OK
 
-    def _one_attempt(self) -> str:
-        assert self.held is not None
-        attempt = self.held.epoch
-        held = self.held
-        self.events = EventWriter(self.store, attempt, self.identity["instance_id"],
-                                  may_write=held.status)
-        ev = self.events
-        if self.live is not None:
-            self.live.attach(ev)
-        ev.emit("status", state="booting", detail=f"attempt {attempt} on {self._where()}",
-                instance_type=self.identity.get("instance_type"),
-                az=self.identity.get("az_id") or self.identity.get("az"),
-                region=self.identity.get("region"), pid=os.getpid(),
-                process_started=process_started())
-        ev.flush_soon()
-        self.notifier.where = self._where()
-        if self._secrets_error is not None:
-            return self.finish("failed", self._secrets_error)
-        sampler = Sampler(self._on_sample)
-        sampler.start()
-        try:
-            warm, self.warm = self.warm, None
-            sent: str | None = None
-            if warm is not None and warm.kc is not None and warm.bootstrapped:
-                # A standby's kernel is bootstrapped, its cell at its restore point:
-                # refresh the checkpoint and let it go on (standby, Step 5).
-                kc, boot_error, sent = warm.kc, warm.boot_error, warm.cell_msg
-                self.warm = warm  # for the `restored` message
-                warm.took_over(attempt, ev)
-            else:
-                # Step 4: the checkpoint downloads while the kernel finishes booting and
-                # the cell's imports run; restore() waits for the download to finish.
-                restore_dir = self.scratch / f"restore-{attempt}"
-                restore_dir.mkdir(parents=True, exist_ok=True)
-                threading.Thread(target=self.prefetch, args=(restore_dir,),
-                                 daemon=True).start()
-                self.retry(lambda: self.kernels.unpack_workdir(self.store),
-                           "reading the job's files")
-                try:
-                    kc = self.kernels.connect()
-                except KernelNotReady as e:
-                    # The instance's teardown may reach the kernel a moment before the
-                    # agent's own SIGTERM: a kernel killed so is no error of the cell's.
-                    if self.terminating.wait(KERNEL_TEARDOWN_SECONDS):
-                        raise Fenced("the instance is being terminated") from e
-                    # Killed while it started (out of memory in an import, say): an error
-                    # like one in the cell, retried as far as the job's policy allows.
-                    return self._on_user_error(None, {
-                        "ename": "KernelDied", "evalue": f"the kernel could not start: {e}",
-                        "traceback": [str(e)]})
-                self.lease.check()
-                # The attempt's own settings reach the kernel with the bootstrap: the
-                # kernel was spawned before the lease said which attempt this is.
-                boot_error = self.execute(kc, BOOTSTRAP.format(env={
-                    channel.ENV_ATTEMPT: str(attempt),
-                    channel.ENV_INSTANCE_ID: self.identity["instance_id"],
-                    channel.ENV_RESTORE_DIR: str(restore_dir),
-                }), silent=True)
-            if self.stop_requested:
-                return self.finish("stopped", self.stops.reason())
-            if boot_error:
-                return self.finish("failed", "the runtime could not start in the kernel",
-                                    error=boot_error)
-            ev.emit("status", state="running", detail="running the cell")
-            ev.flush_soon()
-            self.notifier.started(attempt)
-            error = self.cells.execute(kc, self.spec.code, silent=False, sent=sent)
-            self.warm = None
-            self.lease.check()
-            if error and self.stop_requested is None:
-                # A stop can end the kernel before this agent's poll read the request
-                # (its group ending the instance): the cell's end is the stop's, not an
-                # error of the cell's.
-                request = self.stops.read()
-                if request is not None:
-                    self._on_stop(request)
-            if self.stop_requested:
-                return self.finish("stopped", self.stops.reason())
-            if error:
-                return self._on_user_error(kc, error)
-            # Step 5: outputs, then wait for uploads (the runtime's _finish).
-            if self.spec.outputs:
-                out_error = self.execute(
-                    kc, f"_spotnb_runtime._save_outputs({list(self.spec.outputs)!r})",
-                    silent=True)
-                if out_error:
-                    return self.finish("failed", "could not save the outputs",
-                                        error=out_error)
-            fin_error = self.execute(kc, "_spotnb_runtime._finish()", silent=True)
-            if fin_error:
-                return self.finish("failed", "uploading the last checkpoint failed",
-                                    error=fin_error)
-            # The runtime closed its end: read what is still in the socket.
-            self.drain_channel()
-            return self.finish("completed", "the cell finished")
-        finally:
-            sampler.stop()
-
-    def _node_attempt(self) -> str:
-        """A distributed job's attempt on this node: the NodeRun's (module docstring)."""
-        from spotnb.kernel_remote.multinode.node import NodeRun
-
-        assert self.held is not None
-        self.events = EventWriter(self.store, self.held.epoch, self.identity["instance_id"],
-                                  may_write=self.held.status)
-        if self.live is not None:
-            self.live.attach(self.events)
-        res = self.spec.resources
-        self.events.emit("status", state="booting",
-                         detail=f"attempt {self.held.epoch} on {self._where()}, node slot "
-                                f"{self.held.lease.slot} of {res.max_nodes}",
-                         instance_type=self.identity.get("instance_type"),
-                         az=self.identity.get("az_id") or self.identity.get("az"),
-                         region=self.identity.get("region"), pid=os.getpid(),
-                         process_started=process_started(), slot=self.held.lease.slot)
-        self.events.flush_soon()
-        if self._secrets_error is not None:
-            return self.finish("failed", self._secrets_error)
-        self.notifier.where = self._where()
-        self.notifier.started(self.held.epoch)
-        sampler = Sampler(self._on_sample)
-        sampler.start()
-        try:
-            self.retry(lambda: self.kernels.unpack_workdir(self.store),
-                       "reading the job's files")
-            found, self.warm = self.warm, None
-            warm = found if isinstance(found, standby.NodeStandby) else None
-            if warm is not None:
-                # A standby's kernels are started and its download is there: the node
-                # joins with them (standby.NodeStandby, Step 5).
-                warm.took_over(self.held.epoch, self.events)
-                self.warm = warm  # for the first `restored` message: the handover
-            self.node = NodeRun(self, KERNEL_READY_TIMEOUT, warm=warm)
-            return str(self.node.run())
-        finally:
-            sampler.stop()
-
     def close_quietly(self) -> None:
         """End this attempt without a result of its own: the events, then the lease."""
         if self.events is not None and not self.fenced.is_set():
             self._close_events()
         if self.held is not None:
             self.held.release()
-
-    def _on_user_error(self, kc: Any | None, error: dict[str, Any]) -> str:
-        self.lease.check()
-        # The rows the cell logged before it failed are still on their way.
-        self.sync_runtime(kc)
-        self.lease.check()
-        errors_so_far = len(self.retry(lambda: self.store.list_keys("errors/"),
-                                        "counting earlier errors"))
-        retrying = errors_so_far < self.spec.policy.max_restarts_on_error
-        assert self.held is not None
-        key = f"errors/{self.held.epoch:06d}.json"
-        self.write(lambda: self.store.put(key, json.dumps(error).encode()), "the error")
-        assert self.events is not None
-        if retrying:
-            self.events.emit("error", retrying=True, **error)
-            self.events.emit("status", state="booting", retrying=True,
-                             detail=f"retrying after {error['ename']} "
-                                    f"({errors_so_far + 1} of "
-                                    f"{self.spec.policy.max_restarts_on_error})")
-            self.report_usage()
-            self.kernels.shutdown()
-            self.drain_channel()
-            return "retry"
-        return self.finish("failed", f"{error['ename']}: {error['evalue']}", error=error)
 
     def finish(self, status: str, reason: str, error: dict[str, Any] | None = None) -> str:
         """Step 5-6: write the result (once, only while holding the lease), record the
@@ -516,94 +346,7 @@ class Agent:
         self.notifier.ended(status, reason, self.held.epoch)
         return status
 
-    # -- the loops: instance (IMDS, pings, rows, the kernel's pause) and store ----------
-
-    def _instance_loop(self) -> None:
-        """IMDS, pings, durable-row acknowledgements, and the kernel's pause/resume:
-        everything that needs no store request, every IMDS_POLL_SECONDS."""
-        pace = IMDS_POLL_SECONDS if self.live is None else min(IMDS_POLL_SECONDS,
-                                                               self.live.cadence)
-        while not self._done.wait(pace):
-            try:
-                self._watch_imds()
-                self._ping()
-                pace = ROWS_SECONDS if self.live is None else self.live.cadence
-                if self.rows.due(pace):
-                    self.rows.emit()
-                self._acknowledge_rows()
-                self._mind_kernel()
-            except Exception:
-                log.exception("the instance loop failed; going on")
-
-    def _ping(self) -> None:
-        """Tell the kernels this agent is alive, and until when (on the host's
-        :func:`spotnb.protocol.lease.clock`) its lease counts as held if no renewal lands: a
-        kernel whose agent falls silent stops itself by then, before another agent may
-        take the job over whatever the TTL (the session's watchdog)."""
-        self.send(channel.Ping(until=self.lease.held_until()))
-
-    def _acknowledge_rows(self) -> None:
-        """Tell the runtime up to which time its metric rows are durable in the log, so
-        it keeps only the rest (a checkpoint carries those: spotnb.train.runtime)."""
-        newest = self.rows.durable()
-        if newest is not None:
-            self.send(channel.Durable(t=newest))
-
-    def _store_loop(self) -> None:
-        """The lease's heartbeat and the stop request: the agent's store requests that
-        repeat. A failure is retried sooner, with backoff, and never ends the loop."""
-        heartbeat = self.lease.heartbeat()
-        next_stop = time.monotonic() + STOP_POLL_SECONDS
-        next_usage = time.monotonic() + USAGE_SECONDS
-        while not self._done.wait(
-                max(0.05, min(heartbeat.due, next_stop, next_usage) - time.monotonic())):
-            now = time.monotonic()
-            if not heartbeat.beat(now):
-                return
-            if now >= next_stop and self.stop_requested is None:
-                next_stop = now + STOP_POLL_SECONDS
-                self._watch_stop()
-            if now >= next_usage:
-                next_usage = now + USAGE_SECONDS
-                self.report_usage()
-
-    def _mind_kernel(self) -> None:
-        """Keep the kernel running only while the lease is confirmed.
-
-        UNCONFIRMED (no successful renewal for the TTL less the safety margin: the store
-        is out of reach, or this agent was frozen): pause the kernel, so nothing trains
-        that no agent can record. HELD again: resume it (also a kernel that stopped
-        itself when this agent stopped answering). LOST: fence off.
-        """
-        held, kernels = self.held, self.kernels.all()
-        if held is None or not kernels or self.parked.is_set():
-            return
-        standing = held.status()
-        if standing is Standing.LOST:
-            if not self.fenced.is_set():
-                self.lease.fence_off()
-        elif standing is Standing.UNCONFIRMED:
-            if self.paused_since is None:
-                self.paused_since = time.time()
-                for kernel in kernels:
-                    kernel.pause()
-                log.warning("the lease was not confirmed for %.0f s: the kernel is paused "
-                            "until it is", held.confirmed_age())
-                self.emit("status", state="paused", detail=(
-                    "paused: the job's lease could not be confirmed in the store (store "
-                    "unavailable?); training resumes when it is"))
-                self.flush_soon()
-        else:
-            if self.paused_since is not None:
-                paused = time.time() - self.paused_since
-                self.paused_since = None
-                self.emit("status", state="running",
-                           detail=f"the lease is confirmed again; resumed after {paused:.0f} s")
-            for kernel in kernels:
-                if kernel.stopped:
-                    log.warning("the kernel was stopped (its agent did not answer); "
-                                "resuming it")
-                    kernel.resume()
+    # -- the lease lost, a stop, the instance's end -------------------------------------
 
     def _on_lease_lost(self) -> None:
         """Another agent took the job: write nothing more, and stop the kernel at once
@@ -614,24 +357,9 @@ class Agent:
             log.warning("the lease was lost: killing the kernel")
             kernel.kill()
 
-    # -- notices and stop ------------------------------------------------------------
-
-    def _watch_imds(self) -> None:
-        relay_notices(self, *self.notices.poll())
-
-    def _watch_stop(self) -> None:
-        node = self.node
-        if node is not None and not node.ended.is_set():
-            try:
-                if self.store.exists(layout.RESULT):
-                    node.on_job_ended()  # another node wrote it (a failure, the end)
-            except Exception:
-                log.debug("looking for the result failed", exc_info=True)
-        request = self.stops.read()
-        if request is not None:
-            self._on_stop(request)
-
-    def _on_stop(self, request: dict[str, Any]) -> None:
+    def on_stop(self, request: dict[str, Any]) -> None:
+        """A stop request (read from the store, or on the control queue): the first
+        one interrupts the cell (and ends a distributed job's node)."""
         if not self.stops.request(request):
             return
         self.emit("status", state="stopped", detail=f"stopping: {self.stops.reason()}")
@@ -642,7 +370,7 @@ class Agent:
 
     def _on_stop_message(self, msg: dict[str, Any]) -> None:
         """A stop request on the control queue (the notebook wrote stop.json too)."""
-        self._on_stop({k: v for k, v in msg.items() if k != "op"})
+        self.on_stop({k: v for k, v in msg.items() if k != "op"})
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """The instance is being terminated: flush what we have and go.
@@ -693,7 +421,7 @@ class Agent:
         # kernel stays parked until the instance is terminated.
         self.events.stop_writing()
 
-    def _on_sample(self, data: dict[str, Any]) -> None:
+    def on_sample(self, data: dict[str, Any]) -> None:
         """A GPU/CPU sample: every one while a follower watches, else one in
         SYS_IDLE_SECONDS (the history needs no more; a day is 8,640 events)."""
         self.notifier.saw_sys(data)
@@ -788,7 +516,8 @@ class Agent:
         ident.setdefault("instance_id", f"host-{socket.gethostname()}-{os.getpid()}")
         return ident
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """Where this agent runs: its instance type, AZ and instance id."""
         ident = self.identity
         parts = [ident.get("instance_type"), ident.get("az_id") or ident.get("az"),
                  ident.get("instance_id")]

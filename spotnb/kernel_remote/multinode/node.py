@@ -22,18 +22,24 @@ writes the event stream of its attempt; :class:`NodeRun` is the rest of its tenu
 Worker outcomes, as :meth:`NodeRun.monitor` reports them to torchelastic: a cell
 still running is HEALTHY; every local cell finished is SUCCEEDED; a cell that failed
 because a peer is gone (a collective's connection broke or timed out:
-:func:`peer_error`), a round that lost a node (its rendezvous heartbeat stopped), or a
-runtime asking to re-form after the checkpoint of a node's notice, is UNHEALTHY:
-torchelastic restarts the workers, which re-runs the cell from its last checkpoint in a
-new round (N-1 nodes, or N again when a replacement waits). An error in the user's code
-is neither: it fails the job like on one node (or is retried, re-forming the world,
-within ``--max-restarts-on-error``).
+:func:`~spotnb.kernel_remote.multinode.worker.peer_error`), a round that lost a node
+(its rendezvous heartbeat stopped), or a runtime asking to re-form after the checkpoint
+of a node's notice, is UNHEALTHY: torchelastic restarts the workers, which re-runs the
+cell from its last checkpoint in a new round (N-1 nodes, or N again when a replacement
+waits). An error in the user's code is neither: it fails the job like on one node (or
+is retried, re-forming the world, within ``--max-restarts-on-error``).
 
 Kernels boot ahead: the next round's kernels are spawned as soon as the previous ones
 are stopped, so they start while the rendezvous completes; a round's settings
 (``RANK``, ``WORLD_SIZE``, ...) reach them with the bootstrap. A warm standby's node
 (:class:`spotnb.kernel_remote.standby.NodeStandby`) joins with the kernels it started
 while it waited for its slot, and the checkpoint it downloaded meanwhile.
+
+The run's parts, a module each: :mod:`.worker` (``WorkerRun``: one local worker, a
+kernel running the cell), :mod:`.joins` (``Joins``: the save before a node joins, and
+who joined), :mod:`.elastic` (torchelastic's agent with kernels as workers, built for a
+generation), :mod:`.rendezvous` (who hosts which generation), :mod:`.agentapi` (what
+the run uses of its agent).
 """
 
 from __future__ import annotations
@@ -43,119 +49,33 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
 from spotnb.kernel_remote import channel
-from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
-from spotnb.kernel_remote.kernels import BOOTSTRAP
+from spotnb.kernel_remote.kernel import KernelProcess
 from spotnb.kernel_remote.leasing import Fenced, holder_gone_check
 from spotnb.kernel_remote.multinode import (
-    EXIT_BARRIER_SECONDS,
-    JOIN_SAVE_SECONDS,
-    JOIN_TIMEOUT_SECONDS,
-    KEEP_ALIVE_MISSES,
-    KEEP_ALIVE_SECONDS,
-    LAST_CALL_SECONDS,
     MAX_REFORMATIONS,
     MONITOR_SECONDS,
     RESULT_WAIT_SECONDS,
     RETRY_SECONDS,
-    ROLE,
 )
 from spotnb.kernel_remote.multinode import rendezvous as rdzv
-from spotnb.kernel_remote.multinode.elastic import KernelElasticAgent
+from spotnb.kernel_remote.multinode.elastic import elastic_agent, round_shrank
+from spotnb.kernel_remote.multinode.joins import Joins
+from spotnb.kernel_remote.multinode.worker import WorkerRun
 from spotnb.protocol import layout, lease
 
 if TYPE_CHECKING:
+    from spotnb.kernel_remote.multinode.agentapi import Agent
     from spotnb.kernel_remote.standby import NodeStandby
-    from spotnb.protocol.lease import HeldLease
-    from spotnb.protocol.spec import JobSpec
-    from spotnb.protocol.store import Store
 
-__all__ = ["Agent", "NodeRun", "peer_error"]
-
-T = TypeVar("T")
-
-
-class Agent(Protocol):
-    """What a node's run uses of its agent: the public interface of
-    :class:`spotnb.kernel_remote.agent.Agent`, which makes the run."""
-
-    spec: JobSpec
-    store: Store
-    identity: dict[str, Any]
-    scratch: Path
-
-    @property
-    def held(self) -> HeldLease | None: ...
-
-    @property
-    def fenced(self) -> threading.Event: ...
-
-    @property
-    def terminating(self) -> threading.Event: ...
-
-    @property
-    def stop_requested(self) -> dict[str, Any] | None: ...
-
-    def stop_reason(self) -> str: ...
-
-    def emit(self, type: str, **data: Any) -> None: ...
-
-    def flush_soon(self) -> None: ...
-
-    def send(self, msg: channel.Message) -> None: ...
-
-    def drain_channel(self) -> None: ...
-
-    def execute(self, kc: Any, code: str, silent: bool, kernel: KernelProcess | None = None,
-                rank: int | None = None) -> dict[str, Any] | None: ...
-
-    def sync_runtime(self, kc: Any, kernel: KernelProcess | None = None) -> None: ...
-
-    def start_kernel(self, name: str | None) -> KernelProcess: ...
-
-    def forget_kernel(self, kernel: KernelProcess) -> None: ...
-
-    def prefetch(self, dest: Path, ranks: Sequence[int] | None = None,
-                 world_size: int | None = None) -> None: ...
-
-    def retry(self, fn: Callable[[], T], what: str) -> T: ...
-
-    def write(self, fn: Callable[[], T], what: str) -> T: ...
-
-    def finish(self, status: str, reason: str, error: dict[str, Any] | None = None) -> str: ...
-
-    def close_quietly(self) -> None: ...
+__all__ = ["NodeRun"]
 
 log = logging.getLogger(__name__)
-
-# Error names of torch.distributed's own failures (NCCL raises these, and stores).
-_DIST_ERRORS = frozenset({"DistError", "DistBackendError", "DistNetworkError",
-                          "DistStoreError"})
-# What gloo says when a peer's connection breaks or a collective times out: gloo
-# raises a plain RuntimeError from its transport ("[.../gloo/transport/tcp/pair.cc:537]
-# Read error ...: Connection reset by peer", "Timed out waiting ... for recv").
-_GLOO_MARKS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer",
-               "Connection refused", "Broken pipe")
-
-
-def peer_error(error: dict[str, Any]) -> bool:
-    """Whether a cell's error says that a peer is gone rather than that the code failed.
-
-    torch.distributed's own errors (``DistBackendError``: NCCL; ``DistStoreError``,
-    ``DistNetworkError``) and gloo's transport errors (a ``RuntimeError`` naming its
-    transport or a broken connection).
-    """
-    name = str(error.get("ename", ""))
-    if name in _DIST_ERRORS:
-        return True
-    text = str(error.get("evalue", ""))
-    return name == "RuntimeError" and any(mark in text for mark in _GLOO_MARKS)
 
 
 class _Ended(Exception):
@@ -174,103 +94,6 @@ class _UserError(Exception):
     def __init__(self, run: WorkerRun) -> None:
         super().__init__(run.error)
         self.run = run
-
-
-class _SaveBeforeJoin:
-    """torchelastic's rendezvous handler, whose ``num_nodes_waiting`` answers once the
-    checkpoint before a join is durable (:meth:`NodeRun.nodes_waiting`); everything
-    else is the handler's own."""
-
-    def __init__(self, handler: Any, node: NodeRun) -> None:
-        self._handler = handler
-        self._node = node
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handler, name)
-
-    def num_nodes_waiting(self) -> int:
-        return self._node.nodes_waiting(int(self._handler.num_nodes_waiting()))
-
-
-class WorkerRun:
-    """One local worker of one round: a kernel that runs the cell, on its own thread.
-
-    ``state``: starting, running, succeeded, peer (a peer is gone), user (the cell
-    failed), stopped (the node stopped it), fenced (the agent lost its lease).
-    """
-
-    def __init__(self, node: NodeRun, local_rank: int, kernel: KernelProcess,
-                 env: dict[str, str]) -> None:
-        self.node = node
-        self.local_rank = local_rank
-        self.rank = int(env["RANK"])
-        self.kernel = kernel
-        self.env = env
-        self.kc: Any = None
-        self.state = "starting"
-        self.error: dict[str, Any] | None = None
-        self.thread = threading.Thread(target=self._run, name=f"worker-{local_rank}",
-                                       daemon=True)
-
-    def _run(self) -> None:
-        agent = self.node.agent
-        try:
-            try:
-                self.kc = self.kernel.connect(timeout=self.node.kernel_timeout)
-            except KernelNotReady as e:
-                self._end("user", {"ename": "KernelDied", "evalue": str(e),
-                                   "traceback": [str(e)]})
-                return
-            boot = agent.execute(self.kc, BOOTSTRAP.format(env=self.env), silent=True,
-                                  kernel=self.kernel, rank=self.rank)
-            if boot:
-                self._end("stopped" if self.node.stopping else "user", boot)
-                return
-            self.state = "running"
-            if self.local_rank == 0:
-                agent.emit("status", state="running", detail="running the cell")
-            error = agent.execute(self.kc, agent.spec.code, silent=False,
-                                   kernel=self.kernel, rank=self.rank)
-            if error:
-                self._end(self._classify(error), error)
-                return
-            # Global rank 0's outputs are the job's; every rank waits for its uploads.
-            if self.rank == 0 and agent.spec.outputs:
-                out = agent.execute(self.kc, "_spotnb_runtime._save_outputs("
-                                     f"{list(agent.spec.outputs)!r})", silent=True,
-                                     kernel=self.kernel, rank=self.rank)
-                if out:
-                    self._end("stopped" if self.node.stopping else "user", out)
-                    return
-            fin = agent.execute(self.kc, "_spotnb_runtime._finish()", silent=True,
-                                 kernel=self.kernel, rank=self.rank)
-            if fin:
-                self._end(self._classify(fin), fin)
-                return
-            self.state = "succeeded"
-        except Fenced:
-            self.state = "fenced"
-        except Exception:
-            if self.node.stopping:
-                # Its kernel was killed under it (a re-formation): expected.
-                log.debug("worker %d ended while stopping", self.local_rank, exc_info=True)
-                self.state = "stopped"
-                return
-            log.exception("worker %d failed", self.local_rank)
-            if not self.node.stopping:
-                self._end("user", {"ename": "AgentError", "evalue": "the agent failed "
-                                   "running the cell (see the agent's log)", "traceback": []})
-        finally:
-            self.node.wake.set()
-
-    def _classify(self, error: dict[str, Any]) -> str:
-        if self.node.stopping or self.node.agent.stop_requested:
-            return "stopped"
-        return "peer" if peer_error(error) else "user"
-
-    def _end(self, state: str, error: dict[str, Any] | None) -> None:
-        self.error = error
-        self.state = state
 
 
 class NodeRun:
@@ -316,14 +139,9 @@ class NodeRun:
         self.stopping = False
         self.closing = False
         self.rounds = 0
-        # A node waits to join (torchelastic's num_nodes_waiting): when this node asked
-        # its runtimes for the save before the join (monotonic), and the step of that
-        # save once durable; the slots held at this round's start (rank 0's node).
-        self.join_asked: float | None = None
-        self.join_step: int | None = None
-        self.after_join: int | None = None
-        self.round_slots: set[int] | None = None
-        self._slots_before: set[int] | None = None
+        # A node waits to join (torchelastic's num_nodes_waiting): the save before it,
+        # and who joined (spotnb.kernel_remote.multinode.joins).
+        self.joins = Joins(agent, self.slot, self._instance_gone)
         # Set by the agent's threads: wake the waiting loop.
         self.wake = threading.Event()
         self.leaving = threading.Event()
@@ -357,67 +175,19 @@ class NodeRun:
         """A runtime asks to re-form: a node leaves after the coordinated checkpoint,
         or (``join``) one waits to join and the checkpoint of ``step`` is durable."""
         if join:
-            self.join_step = step
+            self.joins.join_step = step
         self.reform.set()
         self.wake.set()
 
     def nodes_waiting(self, waiting: int) -> int:
-        """torchelastic's ``num_nodes_waiting``, after the save before a join.
-
-        A node waiting to join makes torchelastic restart the workers, which would
-        redo every step since the last checkpoint on every rank. So the first time a
-        node waits while the cell runs, the runtimes are asked to save (the notice's
-        coordinated checkpoint: every rank at the same step), and torchelastic is told
-        no node waits until that save is durable and the runtimes ask to re-form (the
-        workers are then UNHEALTHY: the same restart, from the new checkpoint). A cell
-        that saves nothing within JOIN_SAVE_SECONDS re-forms without it.
-        """
-        if waiting <= 0 or self.reform.is_set():
-            return waiting
-        runs = list(self.workers)
-        if not runs or any(r.state != "running" for r in runs):
-            return waiting  # no cell runs yet: nothing to lose
-        if self.join_asked is None:
-            self.join_asked = time.monotonic()
-            self.agent.emit("status", state="checkpointing", detail=(
-                f"{waiting} node{'s' if waiting != 1 else ''} waiting to join: every rank "
-                "saves at its next maybe_save, then the world re-forms"))
-            self.agent.send(channel.Notice(kind="join"))
-            return 0
-        if time.monotonic() - self.join_asked > JOIN_SAVE_SECONDS:
-            return waiting
-        return 0
+        """torchelastic's ``num_nodes_waiting``, after the save before a join
+        (:meth:`Joins.nodes_waiting`)."""
+        return self.joins.nodes_waiting(waiting, self.workers, self.reform.is_set())
 
     def on_restored(self, step: int) -> None:
-        """A runtime restored the checkpoint of ``step``: after a join, global rank 0's
-        node says who joined, the step saved before re-forming and the one restored
-        (``joined`` event; the steps redone are the fold's, from the rows that follow:
-        every rank held at the join's save, so none, unless that save could not be read
-        and an older one was)."""
-        if self.after_join is None or not self.rank0_here or self.group is None:
-            return
-        before, self.after_join = self.after_join, None
-        joined = sorted((self.round_slots or set()) - self._slots_before) \
-            if self._slots_before is not None else []
-        self.agent.emit("joined", nodes=joined, node_count=self.group.group_world_size,
-                         world_size=self.group.workers[0].world_size, step=step,
-                         saved_step=before)
-        self.agent.flush_soon()
-
-    def _held_slots(self) -> set[int] | None:
-        """The node slots whose lease is held now (who is in the world), or None."""
-        try:
-            found = set()
-            for slot in range(self.spec.resources.max_nodes):
-                current = lease.read(self.store, slot)
-                if current is None or current[0].released:
-                    continue
-                gone = self._instance_gone
-                if slot == self.slot or gone is None or not gone(current[0].holder):
-                    found.add(slot)
-            return found
-        except Exception:
-            return None
+        """A runtime restored the checkpoint of ``step`` (after a join, rank 0's node
+        says who joined: :meth:`Joins.restored`)."""
+        self.joins.restored(step, self.group, self.rank0_here)
 
     def on_job_ended(self) -> None:
         self.ended.set()
@@ -428,7 +198,7 @@ class NodeRun:
     def run(self) -> str:
         """Train until the job ends for this node; what happened: completed, failed,
         stopped, ended (someone else wrote the result), left (after its notice)."""
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see _elastic_agent
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see elastic_agent
         self._spawn_spares()
         try:
             while True:
@@ -480,7 +250,9 @@ class NodeRun:
         def elastic() -> None:
             agent = None
             try:
-                agent = self._elastic_agent(record)
+                assert record.endpoint is not None
+                agent = elastic_agent(self, record.endpoint, record.run_id,
+                                      self.spec.resources, self.address, self.peer_timeout)
                 outcome.append(agent.run())
                 if outcome and isinstance(outcome[0], RunResult) and \
                         outcome[0].state == WorkerState.SUCCEEDED:
@@ -538,33 +310,6 @@ class NodeRun:
         self.wake.wait(RETRY_SECONDS)
         return None
 
-    def _elastic_agent(self, record: rdzv.Record) -> KernelElasticAgent:
-        """torchelastic's agent for one generation (what ``torchrun --nnodes MIN:MAX
-        --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` builds), with spotnb's store
-        host as the rendezvous endpoint, joined as a client."""
-        from torch.distributed.elastic.agent.server.api import WorkerSpec
-        from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
-
-        res = self.spec.resources
-        assert record.endpoint is not None
-        params = RendezvousParameters(
-            backend="c10d", endpoint=record.endpoint, run_id=record.run_id,
-            min_nodes=res.min_nodes, max_nodes=res.max_nodes, local_addr=self.address,
-            is_host=False, join_timeout=JOIN_TIMEOUT_SECONDS,
-            last_call_timeout=LAST_CALL_SECONDS, close_timeout=LAST_CALL_SECONDS,
-            keep_alive_interval=KEEP_ALIVE_SECONDS, keep_alive_max_attempt=KEEP_ALIVE_MISSES,
-            read_timeout=max(1, int(self.peer_timeout)))
-        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (set in run()): each round's rank 0
-        # publishes a fresh MASTER_ADDR/PORT. With sharing, a node that joins later
-        # waits forever for a MASTER_ADDR that a rank 0 kept from an earlier round
-        # never writes again (seen with torch 2.13: the new round hangs).
-        handler: Any = _SaveBeforeJoin(registry.get_rendezvous_handler(params), self)
-        spec = WorkerSpec(role=ROLE, local_world_size=self.procs, entrypoint="ipykernel",
-                          rdzv_handler=handler,
-                          max_restarts=MAX_REFORMATIONS, monitor_interval=MONITOR_SECONDS,
-                          local_addr=self.address)
-        return KernelElasticAgent(spec, self, exit_barrier_timeout=EXIT_BARRIER_SECONDS)
-
     # -- Workers (KernelElasticAgent's side) -------------------------------------------
 
     def start(self, group: WorkerGroup, envs: dict[int, dict[str, str]]) -> dict[int, Any]:
@@ -575,11 +320,7 @@ class NodeRun:
         self.reform.clear()
         self.group = group
         self.rounds += 1
-        self.after_join = self.join_step
-        self.join_asked = self.join_step = None
-        if 0 in [w.global_rank for w in group.workers]:
-            self._slots_before = self.round_slots
-            self.round_slots = self._held_slots()
+        self.joins.round_started(0 in [w.global_rank for w in group.workers])
         restore_dir = (self._warm_dir
                        or agent.scratch / f"restore-{agent.held.epoch}-{self.rounds}")
         self._warm_dir = None
@@ -638,7 +379,7 @@ class NodeRun:
             # torchelastic records each worker's return value (the cell's: none).
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={r.rank: None for r in runs})
-        if self._round_shrank(group):
+        if round_shrank(group):
             log.warning("a node of this round is gone (its rendezvous heartbeat stopped); "
                         "re-forming")
             return RunResult(state=WorkerState.UNHEALTHY)
@@ -741,16 +482,3 @@ class NodeRun:
         for kernel in spares:
             kernel.kill()
             self.agent.forget_kernel(kernel)
-
-    def _round_shrank(self, group: WorkerGroup) -> bool:
-        """Whether a node of this round left it (torchelastic dropped it when its
-        rendezvous heartbeat stopped: KEEP_ALIVE_MISSES x KEEP_ALIVE_SECONDS), read
-        from the rendezvous state its last sync brought. That state is not public
-        API: if its shape changes, this check is skipped (a dead peer then shows as a
-        failed collective, within the peer timeout)."""
-        holder = getattr(group.spec.rdzv_handler, "_state_holder", None)
-        participants = getattr(getattr(holder, "state", None), "participants", None)
-        if not isinstance(participants, dict) or group.group_world_size is None:
-            return False
-        return len(participants) < group.group_world_size
-
