@@ -1,7 +1,7 @@
 """``torch.distributed.checkpoint`` storage on spotnb's store: streamed, checksummed, parallel.
 
 :class:`StoreWriter` is a DCP ``StorageWriter`` that writes each rank's items straight
-into the store through a :class:`~spotnb.ckpt.checkpoints.PendingCheckpoint` (no scratch
+into the store through a :class:`~spotnb.ckpt.pending.PendingCheckpoint` (no scratch
 file, no second pass to checksum); :class:`FileReader` is the ``StorageReader`` for a
 local copy of such a checkpoint (the agent's prefetch, or a download), and
 :class:`StoreReader` the one that fetches into such a copy only what a rank reads
@@ -96,14 +96,10 @@ from spotnb.ckpt import (
     PIECE_BYTES,
     chunk_boxes,
 )
-from spotnb.ckpt.checkpoints import (
-    CheckpointError,
-    CheckpointStore,
-    FencedOff,
-    FileEntry,
-    Manifest,
-    PendingCheckpoint,
-)
+from spotnb.ckpt.checkpoints import CheckpointStore
+from spotnb.ckpt.errors import CheckpointError, FencedOff
+from spotnb.ckpt.manifest import FileEntry, Manifest
+from spotnb.ckpt.pending import PendingCheckpoint
 from spotnb.protocol.store import retrying
 
 __all__ = [

@@ -56,9 +56,10 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from spotnb.ckpt import snapshot
-from spotnb.ckpt.checkpoints import CheckpointError, CorruptCheckpoint, PendingCheckpoint
 from spotnb.ckpt.dcp import FileReader, StoreWriter, state_key, tensor_names
+from spotnb.ckpt.errors import CheckpointError, CorruptCheckpoint
 from spotnb.ckpt.memory import CopyBatch
+from spotnb.ckpt.pending import PendingCheckpoint
 
 __all__ = ["DCP_KIND", "checkpoint_group", "holds_sharded", "load", "save", "stage_specs"]
 
@@ -305,7 +306,7 @@ def load(objects: dict[str, Any], reader: FileReader, rank: int) -> dict[str, An
 
     ``reader``: a :class:`~spotnb.ckpt.dcp.StoreReader` (each rank fetches and verifies
     the files it reads) or a :class:`~spotnb.ckpt.dcp.FileReader` of a verified local
-    copy. A damaged or missing file raises :class:`~spotnb.ckpt.checkpoints.CorruptCheckpoint`
+    copy. A damaged or missing file raises :class:`~spotnb.ckpt.errors.CorruptCheckpoint`
     on every rank, whichever rank found it (see :func:`_together`), so that the ranks
     agree on falling back to an older checkpoint.
     """
