@@ -342,10 +342,10 @@ def test_a_streamed_save_restores_byte_exactly_in_place(
 
 def _one_large_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 1 MiB and a file per 2 MiB: a few-MB tensor is split like a 1 GB one."""
-    import spotnb.ckpt.dcp as dcp_mod
+    from spotnb.ckpt.dcp import one_process, writer
 
-    monkeypatch.setattr(dcp_mod, "CHUNK_BYTES", 1 << 20)
-    monkeypatch.setattr(dcp_mod, "FILE_MIN_BYTES", 2 << 20)
+    monkeypatch.setattr(one_process, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(writer, "FILE_MIN_BYTES", 2 << 20)
 
 
 def _holding(directory: Path, fqn: str) -> set[str]:
@@ -577,14 +577,14 @@ def test_store_writer_spreads_a_large_state_over_parallel_files(tmp_path: Path) 
     # 80 MB in 40 tensors: 2 files of at least FILE_MIN_BYTES... made smaller here.
     tensors = {f"w.{i}": torch.full((2**19,), float(i)) for i in range(40)}
     writer = StoreWriter(pending, live=["w.0", "w.1"])
-    import spotnb.ckpt.dcp as dcp_mod
+    import spotnb.ckpt.dcp.writer as writer_mod
 
-    old = dcp_mod.FILE_MIN_BYTES
-    dcp_mod.FILE_MIN_BYTES = 20 * 2**20
+    old = writer_mod.FILE_MIN_BYTES
+    writer_mod.FILE_MIN_BYTES = 20 * 2**20
     try:
         save_state({**tensors, state_key(): {"n": 40}}, writer)
     finally:
-        dcp_mod.FILE_MIN_BYTES = old
+        writer_mod.FILE_MIN_BYTES = old
     assert writer.live_written.is_set()
     manifest = pending.finish("dcp")
     data = sorted(f.name for f in manifest.files if f.name != METADATA_FILE)
@@ -672,8 +672,8 @@ _RANK = textwrap.dedent(
         if rank == 0:  # the coordinator lists every rank's files, then commits
             cs.commit(pending.finish("dcp"))
     else:  # each rank loads its columns of a checkpoint saved whole, from the store
-        import spotnb.ckpt.dcp
-        spotnb.ckpt.dcp.RANGE_PIECE_BYTES = 128  # ranged reads in pieces
+        import spotnb.ckpt.dcp.store_reader
+        spotnb.ckpt.dcp.store_reader.RANGE_PIECE_BYTES = 128  # ranged reads in pieces
         cs = CheckpointStore(LocalStore(root), "checkpoints")
         reader = StoreReader(cs, cs.latest(), f"{rendezvous}-{rank}")
         target = {"w": distribute_tensor(torch.zeros(24, 6), mesh, [Shard(1)])}
