@@ -391,9 +391,9 @@ class CheckpointStore:
             (dest / MANIFEST).unlink()
         wanted = None if names is None else set(names)
         paths = in_parallel([entry.name for entry in manifest.files
-                              if wanted is None or entry.name in wanted],
-                             lambda name: self.fetch(manifest, name, dest,
-                                                     verified=name in same))
+                             if wanted is None or entry.name in wanted],
+                            lambda name: self.fetch(manifest, name, dest,
+                                                    verified=name in same))
         (dest / MANIFEST).write_text(manifest.to_json())
         return paths
 
