@@ -135,16 +135,16 @@ def test_peak_host_memory_of_a_save_stays_within_the_budget(tmp_path: Path) -> N
 
 def test_warming_and_a_capture_share_the_buffers_and_allocate_each_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from spotnb.ckpt import snapshot
+    from spotnb.ckpt import buffers, snapshot
 
     allocated: list[tuple[int, ...]] = []
-    real_empty = snapshot._empty
+    real_empty = buffers._empty
 
     def counting_empty(torch_: Any, shape: Any, dtype: Any, on_gpu: bool) -> Any:
         allocated.append(tuple(shape))
         return real_empty(torch_, shape, dtype, on_gpu)
 
-    monkeypatch.setattr(snapshot, "_empty", counting_empty)
+    monkeypatch.setattr(buffers, "_empty", counting_empty)
     objects = {"m": torch.nn.Sequential(*[torch.nn.Linear(256, 256 + i) for i in range(6)])}
     specs = snapshot.tensor_specs(objects)
     total = sum(t.numel() * t.element_size() for _, _, t in specs)
@@ -169,15 +169,15 @@ def test_one_large_buffer_is_filled_in_pieces_by_the_warming_thread_and_the_capt
     """One large tensor's pages are filled by both threads, as many tensors' are."""
     import threading
 
-    from spotnb.ckpt import memory, snapshot
+    from spotnb.ckpt import buffers, memory, snapshot
 
     if not memory.can_populate():
         pytest.skip("filling part of a mapping needs MADV_POPULATE_WRITE (Linux 5.14+)")
     piece = 1 << 20
-    monkeypatch.setattr(snapshot, "FILL_PIECE_BYTES", piece)
+    monkeypatch.setattr(buffers, "FILL_PIECE_BYTES", piece)
     calls: list[tuple[str, int, int]] = []
     warming, capturing = threading.Event(), threading.Event()
-    real_populate = snapshot.populate
+    real_populate = buffers.populate
 
     def recording(address: int, nbytes: int) -> None:
         name = threading.current_thread().name
@@ -190,7 +190,7 @@ def test_one_large_buffer_is_filled_in_pieces_by_the_warming_thread_and_the_capt
             capturing.set()
         real_populate(address, nbytes)
 
-    monkeypatch.setattr(snapshot, "populate", recording)
+    monkeypatch.setattr(buffers, "populate", recording)
     table = torch.randn(2048, 1024)  # 8 MiB: 8 pieces
     objects = {"table": table}
     pool = snapshot.BufferPool()
