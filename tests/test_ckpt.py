@@ -135,16 +135,16 @@ def test_peak_host_memory_of_a_save_stays_within_the_budget(tmp_path: Path) -> N
 
 def test_warming_and_a_capture_share_the_buffers_and_allocate_each_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from spotnb.ckpt import snapshot
+    from spotnb.ckpt import buffers, snapshot
 
     allocated: list[tuple[int, ...]] = []
-    real_empty = snapshot._empty
+    real_empty = buffers._empty
 
     def counting_empty(torch_: Any, shape: Any, dtype: Any, on_gpu: bool) -> Any:
         allocated.append(tuple(shape))
         return real_empty(torch_, shape, dtype, on_gpu)
 
-    monkeypatch.setattr(snapshot, "_empty", counting_empty)
+    monkeypatch.setattr(buffers, "_empty", counting_empty)
     objects = {"m": torch.nn.Sequential(*[torch.nn.Linear(256, 256 + i) for i in range(6)])}
     specs = snapshot.tensor_specs(objects)
     total = sum(t.numel() * t.element_size() for _, _, t in specs)
@@ -169,15 +169,15 @@ def test_one_large_buffer_is_filled_in_pieces_by_the_warming_thread_and_the_capt
     """One large tensor's pages are filled by both threads, as many tensors' are."""
     import threading
 
-    from spotnb.ckpt import memory, snapshot
+    from spotnb.ckpt import buffers, memory, snapshot
 
     if not memory.can_populate():
         pytest.skip("filling part of a mapping needs MADV_POPULATE_WRITE (Linux 5.14+)")
     piece = 1 << 20
-    monkeypatch.setattr(snapshot, "FILL_PIECE_BYTES", piece)
+    monkeypatch.setattr(buffers, "FILL_PIECE_BYTES", piece)
     calls: list[tuple[str, int, int]] = []
     warming, capturing = threading.Event(), threading.Event()
-    real_populate = snapshot.populate
+    real_populate = buffers.populate
 
     def recording(address: int, nbytes: int) -> None:
         name = threading.current_thread().name
@@ -190,7 +190,7 @@ def test_one_large_buffer_is_filled_in_pieces_by_the_warming_thread_and_the_capt
             capturing.set()
         real_populate(address, nbytes)
 
-    monkeypatch.setattr(snapshot, "populate", recording)
+    monkeypatch.setattr(buffers, "populate", recording)
     table = torch.randn(2048, 1024)  # 8 MiB: 8 pieces
     objects = {"table": table}
     pool = snapshot.BufferPool()
@@ -342,10 +342,10 @@ def test_a_streamed_save_restores_byte_exactly_in_place(
 
 def _one_large_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 1 MiB and a file per 2 MiB: a few-MB tensor is split like a 1 GB one."""
-    import spotnb.ckpt.dcp as dcp_mod
+    from spotnb.ckpt.dcp import one_process, writer
 
-    monkeypatch.setattr(dcp_mod, "CHUNK_BYTES", 1 << 20)
-    monkeypatch.setattr(dcp_mod, "FILE_MIN_BYTES", 2 << 20)
+    monkeypatch.setattr(one_process, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(writer, "FILE_MIN_BYTES", 2 << 20)
 
 
 def _holding(directory: Path, fqn: str) -> set[str]:
@@ -577,14 +577,14 @@ def test_store_writer_spreads_a_large_state_over_parallel_files(tmp_path: Path) 
     # 80 MB in 40 tensors: 2 files of at least FILE_MIN_BYTES... made smaller here.
     tensors = {f"w.{i}": torch.full((2**19,), float(i)) for i in range(40)}
     writer = StoreWriter(pending, live=["w.0", "w.1"])
-    import spotnb.ckpt.dcp as dcp_mod
+    import spotnb.ckpt.dcp.writer as writer_mod
 
-    old = dcp_mod.FILE_MIN_BYTES
-    dcp_mod.FILE_MIN_BYTES = 20 * 2**20
+    old = writer_mod.FILE_MIN_BYTES
+    writer_mod.FILE_MIN_BYTES = 20 * 2**20
     try:
         save_state({**tensors, state_key(): {"n": 40}}, writer)
     finally:
-        dcp_mod.FILE_MIN_BYTES = old
+        writer_mod.FILE_MIN_BYTES = old
     assert writer.live_written.is_set()
     manifest = pending.finish("dcp")
     data = sorted(f.name for f in manifest.files if f.name != METADATA_FILE)
@@ -672,8 +672,8 @@ _RANK = textwrap.dedent(
         if rank == 0:  # the coordinator lists every rank's files, then commits
             cs.commit(pending.finish("dcp"))
     else:  # each rank loads its columns of a checkpoint saved whole, from the store
-        import spotnb.ckpt.dcp
-        spotnb.ckpt.dcp.RANGE_PIECE_BYTES = 128  # ranged reads in pieces
+        import spotnb.ckpt.dcp.store_reader
+        spotnb.ckpt.dcp.store_reader.RANGE_PIECE_BYTES = 128  # ranged reads in pieces
         cs = CheckpointStore(LocalStore(root), "checkpoints")
         reader = StoreReader(cs, cs.latest(), f"{rendezvous}-{rank}")
         target = {"w": distribute_tensor(torch.zeros(24, 6), mesh, [Shard(1)])}

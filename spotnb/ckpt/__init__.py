@@ -32,7 +32,7 @@ and DCP's planners reshard it: a checkpoint saved by N ranks loads on M.
 
 What multi-node training adds is the process group, not a format: each rank
 calls ``dcp.save``/``dcp.async_save`` with a :class:`~spotnb.ckpt.dcp.StoreWriter` on
-the same :class:`~spotnb.ckpt.checkpoints.PendingCheckpoint` id; DCP gathers every rank's
+the same :class:`~spotnb.ckpt.pending.PendingCheckpoint` id; DCP gathers every rank's
 write results on the coordinator, whose ``finish`` writes ``.metadata`` and lists every
 rank's files (their sizes and checksums travel with the results, and so does each
 rank's fencing answer: the coordinator writes nothing unless every rank's agent still
@@ -57,7 +57,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spotnb.ckpt.checkpoints import Manifest
+    from spotnb.ckpt.manifest import Manifest
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "DATA_SUFFIX", "FILE_MIN_BYTES", "MAX_FILES",
            "METADATA_FILE", "PIECE_BYTES", "chunk_boxes", "node_share"]

@@ -15,12 +15,14 @@ and two writers never pick the same one.
 Writing a checkpoint, step by step (:meth:`CheckpointStore.write`, which is
 :meth:`~CheckpointStore.upload` for steps 1-2, then :meth:`~CheckpointStore.commit`;
 or :meth:`CheckpointStore.begin`, which streams the files of step 1 straight into the
-store through :class:`PendingCheckpoint`, checksumming them as they are written):
+store through :class:`~spotnb.ckpt.pending.PendingCheckpoint`, checksumming them as they
+are written):
 
 1. Upload the data files under a fresh ``<id>/``. Nothing points there yet, so a
    writer killed here leaves ``LATEST`` on the previous complete checkpoint.
-2. Write ``MANIFEST.json``, listing every file with its size and checksum
-   (:mod:`spotnb.ckpt.checksum`: CRC-32C; manifests of older checkpoints have SHA-256).
+2. Write ``MANIFEST.json`` (:mod:`spotnb.ckpt.manifest`), listing every file with its
+   size and checksum (:mod:`spotnb.ckpt.checksum`: CRC-32C; manifests of older
+   checkpoints have SHA-256).
 3. Read ``LATEST`` and its ETag (absent the first time).
 4. Ask the fence (``spotnb.protocol.lease.still_holds`` in the runtime): a writer that lost the
    lease stops here with :class:`FencedOff` and never moves ``LATEST``.
@@ -37,34 +39,50 @@ commits them in order.
 
 Reading: :meth:`CheckpointStore.latest` reads ``LATEST`` then the manifest;
 :meth:`CheckpointStore.download` fetches the files and checks every size and checksum
-(:class:`CorruptCheckpoint` names the bad file); :meth:`CheckpointStore.fetch` does it
-for one file, which is how a rank of a sharded checkpoint reads only the files its
-part of the state is in (:class:`spotnb.ckpt.dcp.StoreReader`).
+(:mod:`spotnb.ckpt.verify`; :class:`CorruptCheckpoint` names the bad file);
+:meth:`CheckpointStore.fetch` does it for one file, which is how a rank of a sharded
+checkpoint reads only the files its part of the state is in
+(:class:`spotnb.ckpt.dcp.StoreReader`).
 
-Large files are never held in memory: :class:`HashingWriter` checksums while the caller
-writes (into a local file, or straight into the store), and verification reads files
-in chunks.
+Large files are never held in memory: :class:`~spotnb.ckpt.checksum.HashingWriter`
+checksums while the caller writes (into a local file, or straight into the store), and
+verification reads files in chunks.
+
+The names of this protocol are importable from here: its errors
+(:mod:`spotnb.ckpt.errors`), manifest (:mod:`spotnb.ckpt.manifest`), checksums of files
+(:mod:`spotnb.ckpt.checksum`) and the checkpoint being written
+(:mod:`spotnb.ckpt.pending`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
-import math
 import os
-import re
 import secrets
-import threading
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
-from spotnb.ckpt.checksum import Checksum, algorithm_of
-from spotnb.protocol.store import LocalStore, NotFound, ObjectWriter, Store
+from spotnb.ckpt.checksum import HashingWriter, copy_hashing, hash_file
+from spotnb.ckpt.errors import CheckpointError, CorruptCheckpoint, FencedOff
+from spotnb.ckpt.manifest import (
+    CHECKPOINT_FORMATS,
+    LATEST,
+    MANIFEST,
+    SYNC_FORMATS,
+    Damaged,
+    FileEntry,
+    Manifest,
+    check_name,
+    new_id,
+    parse_id,
+    parse_latest,
+)
+from spotnb.ckpt.pending import PendingCheckpoint
+from spotnb.ckpt.verify import in_parallel, verify_file, verify_size
+from spotnb.protocol.store import LocalStore, NotFound, Store
 
 __all__ = [
     "CHECKPOINT_FORMATS",
@@ -86,371 +104,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "MANIFEST.json"
-LATEST = "LATEST"
-# 2: files carry "checksum" ("crc32c:<hex>").
-MANIFEST_SCHEMA = 2
-
-# Files are hashed and copied in chunks of this size: large enough to be fast,
-# small enough never to matter for memory.
-_CHUNK = 4 * 1024 * 1024
 # A reader may race a writer's pruning (LATEST moves and the old id is deleted
 # between reading LATEST and its manifest): re-read LATEST this many times.
 _LATEST_READ_TRIES = 3
 # A file being fetched is downloaded under this prefix, then renamed into place.
 _FETCH_MARK = ".fetch-"
-_ID_RE = re.compile(r"^(\d{12})-a(\d{4})-[0-9a-f]+$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint could not be written or read."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """A checkpoint file is missing, or its size or checksum differs from the manifest."""
-
-
-class FencedOff(CheckpointError):
-    """This writer lost the lease: ``LATEST`` was not moved."""
-
-
-def new_id(step: int, attempt: int) -> str:
-    """A fresh checkpoint id that sorts by step, then attempt."""
-    if step < 0:
-        raise ValueError(f"a checkpoint step must be >= 0, not {step}")
-    return f"{step:012d}-a{attempt:04d}-{secrets.token_hex(4)}"
-
-
-def _parse_id(name: str) -> tuple[int, int] | None:
-    m = _ID_RE.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def _check_name(name: str) -> str:
-    """A file name inside a checkpoint: a relative path without ``..`` (may have ``/``)."""
-    parts = name.split("/")
-    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"invalid checkpoint file name {name!r}: use a relative path")
-    if name == MANIFEST:
-        raise ValueError(f"{MANIFEST} is reserved in a checkpoint")
-    return name
-
-
-@dataclasses.dataclass(frozen=True)
-class FileEntry:
-    """One file of a checkpoint: its size and ``checksum`` (``"crc32c:<hex>"``; see
-    :mod:`spotnb.ckpt.checksum`)."""
-
-    name: str
-    size: int
-    checksum: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-    """What a complete checkpoint holds. Written as ``<id>/MANIFEST.json``."""
-
-    id: str
-    step: int
-    attempt: int
-    created: float
-    files: tuple[FileEntry, ...]
-    format: str = "files"
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    schema: int = MANIFEST_SCHEMA
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-    def entry(self, name: str) -> FileEntry | None:
-        """The file ``name`` of the checkpoint, or None if it has none of that name."""
-        return next((f for f in self.files if f.name == name), None)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes, checkpoint_id: str | None = None) -> Manifest:
-        """The manifest in ``text``; :class:`CheckpointError` for anything that is not
-        one this module wrote (see :func:`_parse_manifest`). ``checkpoint_id``: the
-        directory it was read from, which its ``id`` must name."""
-        return _parse_manifest(text, checkpoint_id)
-
-    @classmethod
-    def read_local(cls, directory: str | os.PathLike[str]) -> Manifest:
-        """The manifest in a local copy of a checkpoint (``<dir>/MANIFEST.json``)."""
-        return cls.from_json(Path(directory, MANIFEST).read_bytes())
-
-
-# The formats of spotnb's readers (their CheckpointStore's ``formats``): what
-# spot.Checkpoint reads ("dcp"; "pickle": a state saved where torch was not imported),
-# what sync_dir reads.
-CHECKPOINT_FORMATS = frozenset({"dcp", "pickle"})
-SYNC_FORMATS = frozenset({"dir"})
-
-
-class _Damaged(CheckpointError):
-    """A manifest or ``LATEST`` that is not what this module writes."""
-
-
-def _load_json(text: str | bytes, what: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested a million deep
-        raise _Damaged(f"{what} is not JSON ({str(e)[:80]})") from None
-
-
-def _whole(raw: Mapping[str, Any], key: str, what: str) -> int:
-    value = raw.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _Damaged(f"{what}: {key} must be a whole number >= 0, not {value!r}"[:200])
-    return value
-
-
-def _parse_manifest(text: str | bytes, checkpoint_id: str | None) -> Manifest:
-    """The one reader of a manifest's shape. A manifest is untrusted input (a disk that
-    filled, a hand edit, another program writing to the bucket): every field is checked
-    here, once, so that code reading a :class:`Manifest` meets only what this module
-    writes. In particular no file name leaves the checkpoint's directory and the id
-    is the directory's own."""
-    what = f"the manifest of checkpoint {checkpoint_id or '?'}"
-    raw = _load_json(text, what)
-    if not isinstance(raw, dict):
-        raise _Damaged(f"{what} is not a JSON object but {type(raw).__name__}")
-    schema = raw.get("schema", MANIFEST_SCHEMA)
-    if isinstance(schema, bool) or not isinstance(schema, int):
-        raise _Damaged(f"{what}: schema must be a whole number, not {schema!r}"[:200])
-    if schema > MANIFEST_SCHEMA:
-        raise CheckpointError(
-            f"checkpoint {raw.get('id')} was written by a newer spotnb (manifest schema "
-            f"{schema}); upgrade spotnb: pip install -U spotnb"
-        )
-    cid = raw.get("id")
-    if not isinstance(cid, str) or _parse_id(cid) is None:
-        raise _Damaged(f"{what}: its id {cid!r} is not a checkpoint id"[:200])
-    if checkpoint_id is not None and cid != checkpoint_id:
-        raise _Damaged(f"{what} names another checkpoint ({cid})")
-    created = raw.get("created")
-    if isinstance(created, bool) or not isinstance(created, (int, float)) or \
-            not math.isfinite(created):
-        raise _Damaged(f"{what}: created must be a time, not {created!r}"[:200])
-    files = raw.get("files")
-    if not isinstance(files, list):
-        raise _Damaged(f"{what}: files must be a list, not {type(files).__name__}")
-    entries = tuple(_file_entry(f, what) for f in files)
-    if len({e.name for e in entries}) != len(entries):
-        raise _Damaged(f"{what} lists a file twice")
-    fmt = raw.get("format", "files")
-    if not isinstance(fmt, str) or not fmt.isprintable() or len(fmt) > 64:
-        raise _Damaged(f"{what}: format must be a name, not {fmt!r}"[:200])
-    metadata = raw.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        raise _Damaged(f"{what}: metadata must be a JSON object, not "
-                       f"{type(metadata).__name__}")
-    ranks = metadata.get("ranks")
-    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int)
-                              or ranks < 1):
-        raise _Damaged(f"{what}: metadata.ranks must be a world size, not {ranks!r}"[:200])
-    return Manifest(id=cid, step=_whole(raw, "step", what),
-                    attempt=_whole(raw, "attempt", what), created=float(created),
-                    files=entries, format=fmt, metadata=metadata, schema=schema)
-
-
-def _file_entry(raw: Any, what: str) -> FileEntry:
-    """A file of a manifest: its name, size and ``checksum``."""
-    if not isinstance(raw, dict):
-        raise _Damaged(f"{what}: a file entry is {type(raw).__name__}, not an object")
-    name = raw.get("name")
-    try:
-        _check_name(name if isinstance(name, str) else "")
-    except ValueError:
-        raise _Damaged(f"{what}: file name {name!r} is not a path inside the "
-                       "checkpoint"[:200]) from None
-    checksum = raw.get("checksum")
-    try:
-        algorithm_of(checksum if isinstance(checksum, str) else "")
-    except ValueError as e:  # a checksum this spotnb does not know
-        raise _Damaged(f"{what}: file {name!r}: {e}"[:300]) from None
-    assert isinstance(name, str) and isinstance(checksum, str)
-    return FileEntry(name, _whole(raw, "size", f"{what}: file {name!r}"), checksum)
-
-
-class HashingWriter:
-    """A binary file object that checksums and counts what is written through it.
-
-    ``torch.save`` and ``pickle.dump`` write into it directly, so a large checkpoint is
-    checksummed while it is serialised, not read back afterwards. ``raw`` is a local
-    file or a store's :class:`~spotnb.protocol.store.ObjectWriter`. The checksum is a running
-    CRC-32C (:mod:`spotnb.ckpt.checksum`).
-    """
-
-    def __init__(self, raw: IO[bytes] | ObjectWriter) -> None:
-        self._raw = raw
-        self._checksum = Checksum()
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self._checksum.update(view)
-        self.size += view.nbytes
-        self._raw.write(view)
-        return view.nbytes
-
-    def flush(self) -> None:
-        flush = getattr(self._raw, "flush", None)
-        if flush is not None:
-            flush()
-
-    def writable(self) -> bool:
-        return True
-
-    @property
-    def checksum(self) -> str:
-        """``"crc32c:<hex>"`` of what was written so far."""
-        return self._checksum.value
-
-
-def hash_file(path: str | os.PathLike[str], algorithm: str | None = None
-              ) -> tuple[int, str]:
-    """Size and checksum of a local file, read in chunks.
-
-    ``algorithm``: the one a manifest's checksum names (to check a file against it);
-    default: the one new checkpoints record.
-    """
-    checksum = Checksum() if algorithm is None else Checksum(algorithm)
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        while n := f.readinto(buf):
-            checksum.update(memoryview(buf)[:n])
-            size += n
-    return size, checksum.value
-
-
-def copy_hashing(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> tuple[int, str]:
-    """Copy a file in chunks, checksumming what was copied; return its size and checksum.
-
-    The hash describes the copy, so a source that changes during the copy cannot
-    produce a manifest that disagrees with the uploaded bytes.
-    """
-    with open(src, "rb") as fin, open(dest, "wb") as fout:
-        writer = HashingWriter(fout)
-        while chunk := fin.read(_CHUNK):
-            writer.write(chunk)
-    return writer.size, writer.checksum
-
-
-class _StreamedFile(HashingWriter):
-    """One file of a :class:`PendingCheckpoint`, streamed into the store and hashed."""
-
-    def __init__(self, pending: PendingCheckpoint, name: str, raw: ObjectWriter) -> None:
-        super().__init__(raw)
-        self.name = name
-        self._pending = pending
-        self._object = raw
-
-    def close(self) -> None:
-        """The file is complete: make it durable in the store and list it."""
-        self._object.close()
-        self._pending.add_entry(FileEntry(self.name, self.size, self.checksum))
-
-    def abort(self) -> None:
-        self._object.abort()
-
-    def __enter__(self) -> _StreamedFile:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-
-class PendingCheckpoint:
-    """A checkpoint being written: steps 1-2 of the module docstring.
-
-    Files go straight into the store under ``<prefix>/<id>/`` (:meth:`open` streams
-    one, hashing it on the way; :meth:`put_bytes` and :meth:`add_file` for small and
-    local ones), from any number of threads; :meth:`finish` writes the manifest that
-    lists them all. Files written by other processes into the same id (the ranks of a
-    multi-node checkpoint) are listed with :meth:`add_entry`.
-    """
-
-    def __init__(self, cs: CheckpointStore, checkpoint_id: str, step: int,
-                 attempt: int) -> None:
-        self.cs = cs
-        self.id = checkpoint_id
-        self.step = step
-        self.attempt = attempt
-        self._entries: dict[str, FileEntry] = {}
-        self._lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"PendingCheckpoint({self.cs.prefix}/{self.id}, {len(self._entries)} files)"
-
-    @property
-    def store(self) -> Store:
-        return self.cs.store
-
-    @property
-    def entries(self) -> tuple[FileEntry, ...]:
-        with self._lock:
-            return tuple(self._entries[name] for name in sorted(self._entries))
-
-    def open(self, name: str, *, parts_in_flight: int | None = None) -> _StreamedFile:
-        """Stream file ``name`` into the store: ``with pending.open("x") as f: ...``.
-
-        Closing it makes it durable and lists it; an exception in the block drops it.
-        ``parts_in_flight``: see :meth:`spotnb.protocol.store.Store.open_writer`.
-        """
-        return _StreamedFile(self, name, self.store.open_writer(
-            self.key(name), parts_in_flight=parts_in_flight))
-
-    def key(self, name: str) -> str:
-        """The store key of file ``name`` of this checkpoint."""
-        return self.cs._key(self.id, _check_name(name))
-
-    def put_bytes(self, name: str, data: bytes) -> FileEntry:
-        """Write a small file whole."""
-        self.store.put(self.key(name), data)
-        checksum = Checksum()
-        checksum.update(data)
-        entry = FileEntry(name, len(data), checksum.value)
-        self.add_entry(entry)
-        return entry
-
-    def add_file(self, name: str, path: str | os.PathLike[str],
-                 digest: tuple[int, str] | None = None) -> FileEntry:
-        """Upload a local file; ``digest`` is its ``(size, checksum)`` if already known."""
-        size, checksum = digest if digest is not None else hash_file(path)
-        self.store.upload_file(self.key(name), path)
-        entry = FileEntry(name, size, checksum)
-        self.add_entry(entry)
-        return entry
-
-    def add_entry(self, entry: FileEntry) -> None:
-        """List a file that is already durable in the store under this id."""
-        _check_name(entry.name)
-        with self._lock:
-            self._entries[entry.name] = entry
-
-    def finish(self, fmt: str = "files", metadata: Mapping[str, Any] | None = None
-               ) -> Manifest:
-        """Step 2: the manifest makes ``<id>/`` complete (but not yet current)."""
-        manifest = Manifest(
-            id=self.id,
-            step=self.step,
-            attempt=self.attempt,
-            created=time.time(),
-            files=self.entries,
-            format=fmt,
-            metadata=dict(metadata or {}),
-        )
-        self.store.put(self.cs._key(self.id, MANIFEST), manifest.to_json().encode())
-        return manifest
 
 
 class CheckpointStore:
@@ -473,7 +131,8 @@ class CheckpointStore:
     def __repr__(self) -> str:
         return f"CheckpointStore({self.store!r}, prefix={self.prefix!r}, keep={self.keep})"
 
-    def _key(self, *parts: str) -> str:
+    def key(self, *parts: str) -> str:
+        """The store key of ``<prefix>/<parts...>``."""
         return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
 
     # -- writing ---------------------------------------------------------------------
@@ -541,7 +200,7 @@ class CheckpointStore:
         cid, step = manifest.id, manifest.step
         # Step 3: the ETag we will compare-and-swap against.
         try:
-            _, latest_etag = self.store.get_with_etag(self._key(LATEST))
+            _, latest_etag = self.store.get_with_etag(self.key(LATEST))
         except NotFound:
             latest_etag = None
 
@@ -555,13 +214,13 @@ class CheckpointStore:
         # Step 5: move LATEST by compare-and-swap.
         pointer = json.dumps({"id": cid, "step": step}).encode()
         if latest_etag is None:
-            moved = self.store.put_if_absent(self._key(LATEST), pointer)
+            moved = self.store.put_if_absent(self.key(LATEST), pointer)
         else:
-            moved = self.store.put_if_match(self._key(LATEST), pointer, latest_etag)
+            moved = self.store.put_if_match(self.key(LATEST), pointer, latest_etag)
         if moved is None:
             raise FencedOff(
                 f"checkpoint {cid} (step {step}) was written but not made current: "
-                f"{self._key(LATEST)} was changed by another writer meanwhile (another "
+                f"{self.key(LATEST)} was changed by another writer meanwhile (another "
                 "agent holds the job's lease)"
             )
         log.debug("checkpoint %s/%s is current (step %d)", self.prefix, cid, step)
@@ -581,7 +240,7 @@ class CheckpointStore:
 
     def ids(self) -> list[str]:
         """Ids of every checkpoint directory, complete or not, in sort order."""
-        return [n for n in self.store.list_children(self.prefix) if _parse_id(n)]
+        return [n for n in self.store.list_children(self.prefix) if parse_id(n)]
 
     def prune(self, current: str | None = None, attempt: int | None = None) -> list[str]:
         """Delete what ``keep`` no longer covers; return the deleted ids.
@@ -599,19 +258,19 @@ class CheckpointStore:
             current = pointer[0]
         ids = self.ids()
         older = [i for i in ids if i < current]
-        complete_older = [i for i in older if self.store.exists(self._key(i, MANIFEST))]
+        complete_older = [i for i in older if self.store.exists(self.key(i, MANIFEST))]
         survivors = set(complete_older[max(0, len(complete_older) - (self.keep - 1)):]
                         if self.keep > 1 else [])
         doomed = [i for i in older if i not in survivors]
         if attempt is not None:
             for i in ids:
-                parsed = _parse_id(i)
+                parsed = parse_id(i)
                 if i > current and parsed is not None and parsed[1] < attempt:
                     doomed.append(i)
         for i in doomed:
             # The manifest first: a half-deleted checkpoint must not look complete.
-            self.store.delete(self._key(i, MANIFEST))
-            self.store.delete_prefix(self._key(i) + "/")
+            self.store.delete(self.key(i, MANIFEST))
+            self.store.delete_prefix(self.key(i) + "/")
         if doomed:
             log.debug("pruned %d old checkpoint(s) under %s", len(doomed), self.prefix)
         return doomed
@@ -623,30 +282,23 @@ class CheckpointStore:
         :class:`CheckpointError` if it is damaged (not the JSON this module writes, or
         an id that is not a checkpoint's: ``..`` would leave the prefix)."""
         try:
-            data = self.store.get(self._key(LATEST))
+            data = self.store.get(self.key(LATEST))
         except NotFound:
             return None
-        what = self._key(LATEST)
         try:
-            raw = _load_json(data, "it")
-            if not isinstance(raw, dict):
-                raise _Damaged("not a JSON object")
-            cid = raw.get("id")
-            if not isinstance(cid, str) or _parse_id(cid) is None:
-                raise _Damaged(f"its id {cid!r} is not a checkpoint id"[:200])
-            return cid, _whole(raw, "step", "its")
-        except _Damaged as e:
-            raise CheckpointError(f"{what} is damaged ({e})") from None
+            return parse_latest(data)
+        except Damaged as e:
+            raise CheckpointError(f"{self.key(LATEST)} is damaged ({e})") from None
 
     def manifest(self, checkpoint_id: str) -> Manifest:
         """The manifest of one checkpoint; :class:`spotnb.protocol.store.NotFound` if incomplete,
         :class:`CheckpointError` if damaged (or ``checkpoint_id`` is not an id)."""
-        if _parse_id(checkpoint_id) is None:
-            raise _Damaged(f"{checkpoint_id!r} is not a checkpoint id"[:200])
-        raw = self.store.get(self._key(checkpoint_id, MANIFEST))
+        if parse_id(checkpoint_id) is None:
+            raise Damaged(f"{checkpoint_id!r} is not a checkpoint id"[:200])
+        raw = self.store.get(self.key(checkpoint_id, MANIFEST))
         try:
             manifest = Manifest.from_json(raw, checkpoint_id)
-        except _Damaged as e:
+        except Damaged as e:
             raise CheckpointError(f"{e}: the manifest is damaged") from None
         if self.formats is not None and manifest.format not in self.formats:
             raise CheckpointError(
@@ -676,7 +328,7 @@ class CheckpointStore:
                 # Pruned between our two reads: LATEST has moved on; read it again.
                 continue
         raise CheckpointError(
-            f"{self._key(LATEST)} points to a checkpoint without a manifest; the store was "
+            f"{self.key(LATEST)} points to a checkpoint without a manifest; the store was "
             "changed by hand or another writer is racing"
         )
 
@@ -712,7 +364,7 @@ class CheckpointStore:
             if missing:
                 missing = False  # said once
                 log.warning("%s is missing; using the newest complete checkpoint found "
-                            "by listing, %s (step %d)", self._key(LATEST), cid, found.step)
+                            "by listing, %s (step %d)", self.key(LATEST), cid, found.step)
             yield found
 
     def download(self, manifest: Manifest, dest_dir: str | os.PathLike[str],
@@ -738,10 +390,10 @@ class CheckpointStore:
         with contextlib.suppress(FileNotFoundError):
             (dest / MANIFEST).unlink()
         wanted = None if names is None else set(names)
-        paths = _in_parallel([entry.name for entry in manifest.files
-                              if wanted is None or entry.name in wanted],
-                             lambda name: self.fetch(manifest, name, dest,
-                                                     verified=name in same))
+        paths = in_parallel([entry.name for entry in manifest.files
+                             if wanted is None or entry.name in wanted],
+                            lambda name: self.fetch(manifest, name, dest,
+                                                    verified=name in same))
         (dest / MANIFEST).write_text(manifest.to_json())
         return paths
 
@@ -762,13 +414,13 @@ class CheckpointStore:
         if entry is None:
             raise CorruptCheckpoint(f"checkpoint {manifest.id}: its manifest does not list "
                                     f"{name!r}, which its metadata refers to")
-        path = Path(directory) / _check_name(name)
+        path = Path(directory) / check_name(name)
         if path.exists():
             try:
                 if verified:
-                    _verify_size(manifest, entry, path)
+                    verify_size(manifest, entry, path)
                 else:
-                    _verify(manifest, entry, path, remove_bad=False)
+                    verify_file(manifest, entry, path, remove_bad=False)
                 return path
             except CorruptCheckpoint:
                 pass  # stale or damaged: replaced below, never removed (another process
@@ -777,12 +429,12 @@ class CheckpointStore:
         tmp = path.with_name(f"{_FETCH_MARK}{path.name}-{secrets.token_hex(4)}")
         try:
             try:
-                self.store.download_file(self._key(manifest.id, name), tmp)
+                self.store.download_file(self.key(manifest.id, name), tmp)
             except NotFound:
                 raise CorruptCheckpoint(
                     f"checkpoint {manifest.id}: file {name!r} is missing from the store"
                 ) from None
-            _verify(manifest, entry, tmp, remove_bad=True, shown=path)
+            verify_file(manifest, entry, tmp, remove_bad=True, shown=path)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -800,7 +452,7 @@ class CheckpointStore:
                 f"checkpoint {manifest.id}: {name!r} has no bytes {offset}-{offset + length} "
                 "in its manifest, which its metadata refers to")
         try:
-            data = self.store.get_range(self._key(manifest.id, _check_name(name)), offset,
+            data = self.store.get_range(self.key(manifest.id, check_name(name)), offset,
                                         length)
         except NotFound:
             raise CorruptCheckpoint(
@@ -817,7 +469,7 @@ class CheckpointStore:
         no copy), or None for a store elsewhere."""
         if not isinstance(self.store, LocalStore):
             return None
-        return self.store.root / self._key(_check_name(manifest.id))
+        return self.store.root / self.key(check_name(manifest.id))
 
     def verify_local(
         self, manifest: Manifest, directory: str | os.PathLike[str], *,
@@ -840,74 +492,11 @@ class CheckpointStore:
         def verify(name: str) -> Path:
             entry = manifest.entry(name)
             assert entry is not None
-            path = Path(directory) / _check_name(name)
+            path = Path(directory) / check_name(name)
             if verified:
-                _verify_size(manifest, entry, path)
+                verify_size(manifest, entry, path)
             else:
-                _verify(manifest, entry, path, remove_bad=False)
+                verify_file(manifest, entry, path, remove_bad=False)
             return path
 
-        return _in_parallel([entry.name for entry in manifest.files], verify)
-
-
-#: A checkpoint's files are downloaded (and checksummed) this many at a time: as many
-#: as a rank writes at once (``spotnb.ckpt.MAX_FILES``), so that a restore reads the
-#: store and checksums as fast as the save wrote.
-FILE_THREADS = 4
-
-
-def _in_parallel(names: list[str], fn: Callable[[str], Path]) -> dict[str, Path]:
-    """``{name: fn(name)}``, FILE_THREADS at a time; the first failure in ``names``'
-    order is raised, once every call has ended."""
-    if len(names) <= 1:
-        return {name: fn(name) for name in names}
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(min(FILE_THREADS, len(names)),
-                            thread_name_prefix="spotnb-fetch") as pool:
-        futures = [pool.submit(fn, name) for name in names]
-    return {name: future.result() for name, future in zip(names, futures, strict=True)}
-
-
-def _verify_size(manifest: Manifest, entry: FileEntry, path: Path) -> None:
-    """Check a file verified before: present, of the manifest's size."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"checkpoint {manifest.id}: file {entry.name!r} is missing "
-                                f"from {path.parent}") from None
-    if size != entry.size:
-        raise CorruptCheckpoint(f"checkpoint {manifest.id}: file {entry.name!r} has {size} "
-                                f"bytes, the manifest says {entry.size}")
-
-
-def _verify(manifest: Manifest, entry: FileEntry, path: Path, remove_bad: bool,
-            shown: Path | None = None) -> None:
-    # A bad file we downloaded ourselves is removed so that nobody loads it by mistake.
-    # The size first (no read), then the checksum with the algorithm the manifest names.
-    # ``shown``: the path to name in errors (``path`` is a temporary name of it).
-    where = (shown or path).parent
-    try:
-        size = path.stat().st_size
-        if size == entry.size:
-            size, checksum = hash_file(path, algorithm_of(entry.checksum))
-    except FileNotFoundError:
-        raise CorruptCheckpoint(
-            f"checkpoint {manifest.id}: file {entry.name!r} is missing from {where}"
-        ) from None
-    if size != entry.size:
-        if remove_bad:
-            with contextlib.suppress(OSError):
-                path.unlink()
-        raise CorruptCheckpoint(
-            f"checkpoint {manifest.id}: file {entry.name!r} has {size} bytes, the manifest "
-            f"says {entry.size}"
-        )
-    if checksum != entry.checksum:
-        if remove_bad:
-            with contextlib.suppress(OSError):
-                path.unlink()
-        raise CorruptCheckpoint(
-            f"checkpoint {manifest.id}: file {entry.name!r} does not match its checksum in "
-            f"the manifest ({algorithm_of(entry.checksum)}: the stored data is damaged)"
-        )
+        return in_parallel([entry.name for entry in manifest.files], verify)

@@ -20,7 +20,7 @@ the kernel backs with huge pages where it can (``MADV_HUGEPAGE``) and fills in o
 during the first copy costs several times the copy itself; this is 2-3x faster
 (``benchmarks/RESULTS.md``). Filling a buffer is still most of what a first save
 costs (the kernel zeroes every page before the copy writes it), so buffers are
-allocated ahead, in the background (``snapshot.BufferPool.warm_async``): the filling
+allocated ahead, in the background (``buffers.BufferPool.warm_async``): the filling
 ``madvise`` is called through ctypes, which lets go of the GIL, so that the training
 thread runs meanwhile (Python's ``mmap.madvise`` holds the GIL for the whole call, a
 quarter of a second or more per 256 MB here). A large buffer is filled in pieces

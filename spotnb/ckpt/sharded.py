@@ -28,7 +28,7 @@ tree if the checkpoint has one for its rank, else rank 0's (a world that grew).
 
 Asynchronous save (:func:`save`): the training thread copies this rank's local shards
 (and the other objects' tensors) into host buffers of the checkpoint's
-:class:`~spotnb.ckpt.snapshot.BufferPool`, reused from one save to the next; that copy is
+:class:`~spotnb.ckpt.buffers.BufferPool`, reused from one save to the next; that copy is
 the stall. ``dcp.async_save`` then plans, writes and gathers in its own thread, its
 collectives on a gloo group of the checkpoint's own (:func:`checkpoint_group`), so
 they never interleave with the training loop's collectives on the default group.
@@ -56,9 +56,12 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from spotnb.ckpt import snapshot
-from spotnb.ckpt.checkpoints import CheckpointError, CorruptCheckpoint, PendingCheckpoint
+from spotnb.ckpt.buffers import BufferPool
 from spotnb.ckpt.dcp import FileReader, StoreWriter, state_key, tensor_names
+from spotnb.ckpt.errors import CheckpointError, CorruptCheckpoint
 from spotnb.ckpt.memory import CopyBatch
+from spotnb.ckpt.pending import PendingCheckpoint
+from spotnb.ckpt.tensors import nbytes, streamable, synchronize
 
 __all__ = ["DCP_KIND", "checkpoint_group", "holds_sharded", "load", "save", "stage_specs"]
 
@@ -150,10 +153,10 @@ def _stageable(tree: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return all(type(t) in (torch.Tensor, torch.nn.Parameter, DTensor)
-               and snapshot._streamable(torch, _local(t)) for _, t in _tensors(tree))
+               and streamable(torch, _local(t)) for _, t in _tensors(tree))
 
 
-def _stage(tree: Any, pool: snapshot.BufferPool, batch: CopyBatch,
+def _stage(tree: Any, pool: BufferPool, batch: CopyBatch,
            key: tuple[Hashable, ...] = (_STAGED,)) -> tuple[Any, bool]:
     """A copy of a state dict that training cannot change: every tensor's local data
     in a host buffer of ``pool`` (a DTensor stays a DTensor over its copied shard, with
@@ -232,7 +235,7 @@ class _Staged(AsyncStager):
 
 
 def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank: int,
-         fence: Callable[[], bool] | None, pool: snapshot.BufferPool,
+         fence: Callable[[], bool] | None, pool: BufferPool,
          copy_budget: int | None = None, parts_in_flight: int | None = None
          ) -> tuple[Future[Any], bool]:
     """Start this rank's part of a sharded checkpoint (every rank calls it; collective).
@@ -253,9 +256,9 @@ def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank
         others = {n: o for n, o in objects.items()
                   if n not in modules and n not in optimizers}
         dicts = _state_dicts(modules, optimizers)
-        local = sum(snapshot.nbytes(_local(t)) for _, t in _tensors(dicts))
+        local = sum(nbytes(_local(t)) for _, t in _tensors(dicts))
         budget = copy_budget if copy_budget is not None else local + \
-            sum(snapshot.nbytes(t) for *_, t in snapshot.tensor_specs(others))
+            sum(nbytes(t) for *_, t in snapshot.tensor_specs(others))
         stage_it = local <= budget and _stageable(dicts)
         batch = CopyBatch()
         staged, in_flight = _stage(dicts, pool, batch) if stage_it else (dicts, False)
@@ -266,7 +269,7 @@ def save(objects: dict[str, Any], pending: PendingCheckpoint, *, step: int, rank
         captured = snapshot.capture(others, pool, step, budget - local if stage_it else 0,
                                     keep=keep)
         if in_flight:
-            snapshot.synchronize(torch, (_local(t) for _, t in _tensors(dicts)))
+            synchronize(torch, (_local(t) for _, t in _tensors(dicts)))
         copied = stage_it and not captured.live
         tree = dict(captured.state)
         tree["objects"] = {**tree["objects"],
@@ -305,7 +308,7 @@ def load(objects: dict[str, Any], reader: FileReader, rank: int) -> dict[str, An
 
     ``reader``: a :class:`~spotnb.ckpt.dcp.StoreReader` (each rank fetches and verifies
     the files it reads) or a :class:`~spotnb.ckpt.dcp.FileReader` of a verified local
-    copy. A damaged or missing file raises :class:`~spotnb.ckpt.checkpoints.CorruptCheckpoint`
+    copy. A damaged or missing file raises :class:`~spotnb.ckpt.errors.CorruptCheckpoint`
     on every rank, whichever rank found it (see :func:`_together`), so that the ranks
     agree on falling back to an older checkpoint.
     """

@@ -10,9 +10,10 @@ there) is replaced by a :class:`TensorRef` naming it; and the *tensors*, by name
 Which tensors are copied is the memory budget's call (:mod:`spotnb.ckpt.memory`):
 
 * the state fits in the budget: every tensor is copied (detached, to CPU) into a
-  buffer kept from the previous save (:class:`BufferPool`); training goes on while a
-  background thread writes the copies out (a copy into memory that is already mapped
-  is several times faster than into a fresh allocation, which must fault in each page);
+  buffer kept from the previous save (:class:`~spotnb.ckpt.buffers.BufferPool`);
+  training goes on while a background thread writes the copies out (a copy into memory
+  that is already mapped is several times faster than into a fresh allocation, which
+  must fault in each page);
 * it does not: the tensors that fit are copied, the others are *live*: written
   straight from the training process's own tensors (from a GPU through a small
   staging buffer) while the loop waits, so the extra host memory stays within the
@@ -38,7 +39,7 @@ How each registered object is captured and restored (the *kind*):
 ``value``       anything else picklable: read back as ``ckpt["name"]``
 
 The global RNGs (Python ``random``, NumPy's legacy global RNG, torch CPU and CUDA) are
-captured with :func:`capture_rng` and restored with :func:`restore_rng`.
+captured and restored with the state (:mod:`spotnb.ckpt.rng`).
 
 Without torch, arrays stay in the state (copied) and the state is pickled whole
 (:func:`dump`).
@@ -46,25 +47,19 @@ Without torch, arrays stay in the state (copied) and the state is pickled whole
 
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
 import logging
 import pickle
 import random
 import sys
-import threading
-import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import IO, Any
 
-from spotnb.ckpt.memory import (
-    POPULATE_MIN_BYTES,
-    CopyBatch,
-    can_populate,
-    host_empty,
-    populate,
-)
+from spotnb.ckpt.buffers import BufferPool, choose_copies
+from spotnb.ckpt.memory import CopyBatch
+from spotnb.ckpt.rng import capture_rng, restore_rng
+from spotnb.ckpt.tensors import nbytes, streamable, synchronize, user_torch
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +70,10 @@ __all__ = [
     "Pickled",
     "TensorRef",
     "capture",
-    "capture_rng",
     "dump",
     "kind_of",
     "live_tensors",
     "load",
-    "nbytes",
     "resolve_refs",
     "restore",
     "restore_rng",
@@ -145,35 +138,10 @@ class Pickled:
         return pickle.loads(self.data)
 
 
-def _torch() -> Any:
-    """The torch module if the user's code imported it (never imported here)."""
-    return sys.modules.get("torch")
-
-
-def synchronize(torch: Any, tensors: Iterable[Any]) -> None:
-    """Wait for the asynchronous copies out of ``tensors``: on every GPU one is on
-    (``torch.cuda.synchronize()`` alone waits for the current GPU's, and a model split
-    over several GPUs copies from each)."""
-    devices = {t.device for t in tensors if getattr(t, "is_cuda", False)}
-    for device in devices or (None,):
-        torch.cuda.synchronize(device)
-
-
-def _numpy() -> Any:
-    """NumPy if it can be imported (its global RNG is part of the state)."""
-    np = sys.modules.get("numpy")
-    if np is None:
-        try:
-            import numpy as np
-        except ImportError:
-            return None
-    return np
-
-
 def _is_atomic(x: Any) -> bool:
     if isinstance(x, _ATOMIC):
         return True
-    torch = _torch()
+    torch = user_torch()
     if torch is not None and isinstance(x, (torch.dtype, torch.device, torch.Size)):
         return True
     np = sys.modules.get("numpy")
@@ -186,7 +154,7 @@ def kind_of(obj: Any) -> str:
         getattr(obj, "load_state_dict", None)
     ) and not isinstance(obj, type):
         return "state_dict"
-    torch = _torch()
+    torch = user_torch()
     if torch is not None:
         if isinstance(obj, torch.Tensor):
             return "tensor"
@@ -207,270 +175,6 @@ def kind_of(obj: Any) -> str:
     return "value"
 
 
-def nbytes(t: Any) -> int:
-    """Bytes of a tensor's elements."""
-    return int(t.numel()) * int(t.element_size())
-
-
-def _streamable(torch: Any, t: Any) -> bool:
-    """Whether a tensor is written as raw bytes (dense); others stay in the state."""
-    return bool(t.layout == torch.strided and not t.is_quantized and not t.is_nested
-                and t.device.type != "meta")
-
-
-class BufferPool:
-    """Host-memory buffers for tensor copies, reused from one save to the next.
-
-    A buffer is keyed by where its tensor sits in the state (``("model", "fc.weight")``)
-    and reused while shape and dtype match. :meth:`warm_async` allocates buffers in the
-    background ahead of the first save. The pool keeps a host copy of (as much of the
-    state as the budget allows) alive between saves: that memory is what makes a save
-    cheap, and it counts against the budget. Callers never capture while a previous
-    capture is still being written.
-
-    Warming and a capture share the work: a key is allocated once, by whoever claims
-    it first. A capture passes over the keys the warming thread is allocating, and
-    allocates and copies the next ones itself (the thread skips those); it comes back
-    for the passed-over ones at the end, waiting for them only if they are still
-    being filled. So a save that comes while the pool is still warming has two
-    threads filling pages, and no buffer is allocated twice.
-
-    Filling a large buffer's pages (most of the cost of allocating it) is shared the
-    same way, piece by piece (:data:`FILL_PIECE_BYTES`, :class:`_Fill`): one large
-    tensor is filled by the warming thread and the capture together, as a state of
-    many tensors is.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict[Hashable, Any] = {}
-        self._lock = threading.Lock()
-        self._warming: list[threading.Thread] = []
-        # Keys being allocated (by a warming thread or a capture), set when done.
-        self._claims: dict[Hashable, threading.Event] = {}
-        # The keys the last capture kept (None: no capture since the last warm_async):
-        # a warming thread that finishes a buffer nobody wants any more drops it.
-        self._wanted: set[Hashable] | None = None
-        # Buffers whose pages are still being filled, piece by piece.
-        self._fills: dict[Hashable, _Fill] = {}
-
-    @property
-    def held(self) -> int:
-        """Bytes of host memory the buffers hold."""
-        with self._lock:
-            return sum(nbytes(b) for b in self._bufs.values())
-
-    def _buffer(self, key: Hashable, shape: Any, dtype: Any, on_gpu: bool,
-                wait: bool = True) -> Any:
-        """The buffer for ``key``, allocating it unless someone else is: then wait for
-        it, or return None if not ``wait``."""
-        torch = _torch()
-        while True:
-            with self._lock:
-                buf = self._bufs.get(key)
-                if buf is not None and buf.shape == shape and buf.dtype == dtype:
-                    return buf
-                claim = self._claims.get(key)
-                if claim is None:
-                    self._bufs.pop(key, None)  # free the old one before allocating
-                    claim = self._claims[key] = threading.Event()
-                    break
-            if not wait:
-                return None
-            claim.wait()  # another thread is filling it: copy into it when done
-        try:
-            buf = _empty(torch, shape, dtype, on_gpu)
-            fill = _Fill.of(buf, pinned=_pinned(torch, on_gpu))
-            with self._lock:
-                self._bufs[key] = buf
-                if fill is not None:
-                    self._fills[key] = fill
-            return buf
-        finally:
-            with self._lock:
-                del self._claims[key]
-            claim.set()
-
-    def _fill(self, key: Hashable, wait: bool = True) -> bool:
-        """Fill the pages of ``key``'s buffer that nobody is filling yet; then wait for
-        the pieces others are filling, or return False if not ``wait``."""
-        with self._lock:
-            fill = self._fills.get(key)
-        if fill is None:
-            return True
-        fill.run(stop=None if wait else _exiting)
-        if not fill.wait(wait):
-            return False
-        with self._lock:
-            if self._fills.get(key) is fill:
-                del self._fills[key]
-        return True
-
-    def copy(self, key: Hashable, t: Any, wait: bool = True, batch: CopyBatch | None = None
-             ) -> tuple[Any, bool] | None:
-        """A host copy of tensor ``t``; the second item says whether it is still in flight.
-
-        (A copy from a GPU into pinned memory is asynchronous; see :func:`capture`.)
-        None, copying nothing, if another thread is allocating its buffer and not
-        ``wait``. With a ``batch``, a copy from a CPU tensor is queued there instead:
-        the buffer holds the copy once the caller has run the batch.
-        """
-        torch = _torch()
-        t = t.detach()
-        buf = self._buffer(key, t.shape, t.dtype, t.is_cuda, wait)
-        if buf is None or not self._fill(key, wait):
-            return None
-        if batch is not None and batch.add(buf, t):
-            return buf, False
-        non_blocking = t.is_cuda and buf.is_pinned()
-        with torch.no_grad():
-            buf.copy_(t, non_blocking=non_blocking)
-        return buf, non_blocking
-
-    def retain(self, keys: set[Hashable]) -> None:
-        """Free the buffers of every other key (their tensors are no longer copied)."""
-        with self._lock:
-            self._wanted = set(keys)
-            for key in [k for k in self._bufs if k not in keys]:
-                del self._bufs[key]
-                self._fills.pop(key, None)
-
-    def warm_async(self, specs: list[tuple[Hashable, str, Any]], budget: int) -> None:
-        """Allocate buffers for ``[(key, name, tensor), ...]`` in the background.
-
-        Only the tensors a capture with this ``budget`` would copy (the same greedy
-        choice, in the same order); only shapes and dtypes are read from the tensors,
-        on the caller's thread. Returns at once.
-        """
-        torch = _torch()
-        if torch is None:
-            return
-        chosen = _choose([t for _, _, t in specs], budget)
-        wanted = [(key, t.shape, t.dtype, t.is_cuda)
-                  for (key, _, t), copy_it in zip(specs, chosen, strict=True) if copy_it]
-        if not wanted:
-            return
-        with self._lock:
-            self._wanted = None  # this warming is the newest word on what a save copies
-
-        def run() -> None:
-            for key, shape, dtype, on_gpu in wanted:
-                if _exiting.is_set():
-                    return  # the interpreter is shutting down: allocate nothing more
-                with self._lock:
-                    buf = self._bufs.get(key)
-                    if key in self._claims:
-                        continue  # a capture is allocating it
-                    had = buf is not None and buf.shape == shape and buf.dtype == dtype
-                if had:
-                    self._fill(key, wait=False)  # a capture has it: help fill it
-                    continue
-                self._buffer(key, shape, dtype, on_gpu)
-                self._fill(key, wait=False)  # a capture may be filling it too
-                with self._lock:
-                    if self._wanted is not None and key not in self._wanted:
-                        self._bufs.pop(key, None)  # a capture since chose without it
-                        self._fills.pop(key, None)
-
-        thread = threading.Thread(target=run, name="spotnb-warm", daemon=True)
-        thread.start()
-        self._warming = [th for th in self._warming if th.is_alive()] + [thread]
-        _warm_threads.add(thread)
-
-    def wait_warm(self) -> None:
-        """Wait until every buffer :meth:`warm_async` was asked for is allocated."""
-        while self._warming:
-            self._warming.pop().join()
-
-
-# Warming threads still running, and the flag that stops them when the interpreter
-# exits: a daemon thread killed inside a torch allocation at shutdown can abort the
-# process ("terminate called without an active exception") of a script that ends
-# right after a restore.
-_warm_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-_exiting = threading.Event()
-
-
-@atexit.register
-def _stop_warming() -> None:
-    _exiting.set()
-    for thread in list(_warm_threads):
-        thread.join()
-
-
-#: A large buffer's pages are filled in pieces of this size, each by whichever thread
-#: (warming or capture) takes it first.
-FILL_PIECE_BYTES = 32 * 2**20
-
-
-class _Fill:
-    """The filling of a large buffer's pages, in pieces that threads take in turn.
-
-    Holds the buffer, so that its mapping stays while a thread fills it.
-    """
-
-    def __init__(self, buf: Any) -> None:
-        self.buf = buf
-        address, size = int(buf.data_ptr()), nbytes(buf)
-        self.pieces = [(address + start, min(FILL_PIECE_BYTES, size - start))
-                       for start in range(0, size, FILL_PIECE_BYTES)]
-        self.done = [threading.Event() for _ in self.pieces]
-        self._next = 0
-        self._lock = threading.Lock()
-
-    @classmethod
-    def of(cls, buf: Any, pinned: bool) -> _Fill | None:
-        """The filling a fresh buffer of :func:`_empty` needs: None if it came filled
-        (small, ``pinned``, or a kernel without ``MADV_POPULATE_WRITE``)."""
-        if pinned or nbytes(buf) < POPULATE_MIN_BYTES or not can_populate():
-            return None
-        return cls(buf)
-
-    def run(self, stop: threading.Event | None = None) -> None:
-        """Fill the pieces nobody has taken, until none is left (or ``stop`` is set)."""
-        while stop is None or not stop.is_set():
-            with self._lock:
-                i = self._next
-                if i >= len(self.pieces):
-                    return
-                self._next += 1
-            try:
-                populate(*self.pieces[i])
-            finally:
-                self.done[i].set()
-
-    def wait(self, block: bool = True) -> bool:
-        """Whether every piece is filled (waiting for them if ``block``)."""
-        if block:
-            self.run()  # pieces left untaken by a stopped thread
-            for done in self.done:
-                done.wait()
-            return True
-        return all(done.is_set() for done in self.done)
-
-
-def _pinned(torch: Any, on_gpu: bool) -> bool:
-    # Pinned memory makes copies from the GPU asynchronous and faster.
-    return bool(on_gpu and torch.cuda.is_available())
-
-
-def _empty(torch: Any, shape: Any, dtype: Any, on_gpu: bool) -> Any:
-    # A large host buffer comes unfilled: BufferPool fills it in pieces (_Fill).
-    return host_empty(torch, shape, dtype, pin=_pinned(torch, on_gpu), populate=False)
-
-
-def _choose(tensors: list[Any], budget: int) -> list[bool]:
-    """Which tensors to copy: all if they fit, else greedily in order while they fit."""
-    sizes = [nbytes(t) for t in tensors]
-    if sum(sizes) <= budget:
-        return [True] * len(tensors)
-    chosen, used = [], 0
-    for size in sizes:
-        fits = used + size <= budget
-        chosen.append(fits)
-        used += size if fits else 0
-    return chosen
-
-
 class _Walker:
     """Walks registered objects the same way for capture, restore and warming.
 
@@ -487,7 +191,7 @@ class _Walker:
         self.pickle_leaves = pickle_leaves
         self.memo: dict[int, tuple[Any, Any]] = {}
         self.names: set[str] = set()
-        self.torch = _torch()
+        self.torch = user_torch()
         self.np = sys.modules.get("numpy")
 
     def _name(self, key: tuple[Hashable, ...]) -> str:
@@ -511,7 +215,7 @@ class _Walker:
             return x
         torch, np = self.torch, self.np
         if torch is not None and isinstance(x, torch.Tensor):
-            if not _streamable(torch, x):
+            if not streamable(torch, x):
                 return x.detach().to("cpu", copy=True)  # sparse, quantized: in the state
             return self._tensor(x, key, x.detach(), False)
         if np is not None and isinstance(x, np.ndarray) and x.dtype != object:
@@ -566,7 +270,7 @@ def state_dict(obj: Any) -> Any:
     not, and the README's recipe (DCP's ``get_model_state_dict``, which names them
     so too) reads it into either."""
     sd = obj.state_dict()
-    torch = _torch()
+    torch = user_torch()
     if torch is None or not isinstance(obj, torch.nn.Module) or \
             not any(_COMPILED in k.split(".") for k in sd):
         return sd
@@ -580,7 +284,7 @@ def state_dict(obj: Any) -> Any:
 def _own_keys(obj: Any, sd: Any) -> Any:
     """A saved module state named as ``obj`` names it (compiled or not: see
     :func:`state_dict`); anything else as it is."""
-    torch = _torch()
+    torch = user_torch()
     if torch is None or not isinstance(obj, torch.nn.Module) or not isinstance(sd, dict):
         return sd
     own_sd = obj.state_dict()
@@ -645,8 +349,8 @@ def capture(objects: dict[str, Any], pool: BufferPool, step: int,
     walker = _Walker(on_tensor, pickle_leaves=True)
     state = {"format": STATE_FORMAT, "step": step, "objects": walker.objects(objects),
              "rng": capture_rng()}
-    chosen = _choose([t for _, _, t in found],
-                     budget if budget is not None else sum(nbytes(t) for *_, t in found))
+    chosen = choose_copies([t for _, _, t in found],
+                           budget if budget is not None else sum(nbytes(t) for *_, t in found))
     tensors: dict[str, Any] = {}
     live: set[str] = set()
     copied = 0
@@ -677,7 +381,7 @@ def capture(objects: dict[str, Any], pool: BufferPool, step: int,
     batch.run()
     pool.retain({key for (key, _, _), copy_it in zip(found, chosen, strict=True) if copy_it}
                 | set(keep))
-    torch = _torch()
+    torch = user_torch()
     if async_copies and torch is not None:
         synchronize(torch, (t for (_, _, t), copy_it in zip(found, chosen, strict=True)
                             if copy_it))
@@ -695,7 +399,7 @@ def tensor_specs(objects: dict[str, Any]) -> list[tuple[Hashable, str, Any]]:
     def on_tensor(key: tuple[Hashable, ...], name: str, t: Any, was_numpy: bool) -> None:
         specs.append((key, name, t))
 
-    if _torch() is not None:
+    if user_torch() is not None:
         _Walker(on_tensor, pickle_leaves=False).objects(objects)
     return specs
 
@@ -771,7 +475,7 @@ def restore(name: str, obj: Any, kind: str, payload: Any) -> Any:
     elif kind == "list":
         obj[:] = value
     elif kind == "tensor":
-        torch = _torch()
+        torch = user_torch()
         with torch.no_grad():
             obj.copy_(value)
     elif kind == "ndarray":
@@ -779,44 +483,6 @@ def restore(name: str, obj: Any, kind: str, payload: Any) -> Any:
     else:
         return value
     return obj
-
-
-def capture_rng() -> dict[str, Any]:
-    """The global RNG states: Python, NumPy (if importable), torch CPU and CUDA."""
-    states: dict[str, Any] = {"python": random.getstate()}
-    np = _numpy()
-    if np is not None:
-        states["numpy"] = np.random.get_state()
-    torch = _torch()
-    if torch is not None:
-        states["torch"] = torch.get_rng_state()
-        # Only if CUDA is in use: asking for its state would initialise it.
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng(states: dict[str, Any]) -> None:
-    """Set the global RNGs from :func:`capture_rng`'s result."""
-    if "python" in states:
-        random.setstate(states["python"])
-    if "numpy" in states:
-        np = _numpy()
-        if np is not None:
-            np.random.set_state(states["numpy"])
-    if "torch" in states or "cuda" in states:
-        import torch
-
-        if "torch" in states:
-            torch.set_rng_state(states["torch"])
-        if "cuda" in states:
-            if torch.cuda.is_available() and torch.cuda.device_count() == len(states["cuda"]):
-                torch.cuda.set_rng_state_all(states["cuda"])
-            else:
-                log.warning("the checkpoint has CUDA RNG states for %d GPU(s) but %d are "
-                            "visible; CUDA random numbers will differ from an "
-                            "uninterrupted run", len(states["cuda"]),
-                            torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def dump(state: Any, fileobj: IO[bytes] | Any, fmt: str) -> None:
