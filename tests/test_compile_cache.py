@@ -275,6 +275,7 @@ def test_a_warm_standby_compiles_from_the_jobs_cache_after_its_takeover(
         spotnb_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from helpers import wait_until
 
+    from spotnb.protocol.events import codec
     from spotnb.protocol.events.fold import fold
     from spotnb.providers.local import LocalProvider
 
@@ -298,7 +299,16 @@ def test_a_warm_standby_compiles_from_the_jobs_cache_after_its_takeover(
                        for e in handle.events(follow=False))
 
         wait_until(standby_ready, 300, "the standby ready")
-        gate.touch()  # the old cell goes on: its final save, then the takeover
+
+        def moving() -> bool:
+            return any(e.attempt == 1 and isinstance(e.body, codec.Notice)
+                       and e.body.interruption for e in handle.events(follow=False))
+
+        # The old attempt's agent saw the move's notice: its cell, let go, saves at its
+        # next step and the standby takes over (let go earlier, the cell may end all
+        # its steps first on a fast or loaded machine: no takeover to test).
+        wait_until(moving, 300, "the old instance's notice of the move")
+        gate.touch()
         result = handle.wait(timeout=600)
     finally:
         gate.touch()
