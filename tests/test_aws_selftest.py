@@ -96,6 +96,7 @@ class _Spot:
     """The ``spot`` a cell sees, for a run with no instance."""
 
     Checkpoint = _Checkpoint
+    attempt = 0  # no instance, no attempt: the first attempt's hold is not this run's
 
     @staticmethod
     def log(step: int, **values: Any) -> None:
@@ -147,7 +148,7 @@ def test_the_selftest_runs_on_the_simulator(spotnb_home: Path, tmp_path: Path,
         sim.notice_seconds = 20.0  # FIS's two minutes: room for the final saves
         outcomes = aws_selftest.run(
             1.0, region="us-east-1", say=said.append,
-            sizes=Sizes(steps=240, step_seconds=0.25, standby_lead=780.0,
+            sizes=Sizes(steps=90, step_seconds=0.05, standby_lead=780.0,
                         require_gpu=False, step_timeout=300.0))
         sim.wait_until_idle(60)
     report = {o.step: (o.ok, o.detail) for o in outcomes}

@@ -126,7 +126,10 @@ def expected_result(steps: int) -> int:
 
 
 #: The single-node cell: the LCG under spot.Checkpoint, one step a STEP_SECONDS, and
-#: which GPU it ran on (the image's PyTorch, with CUDA).
+#: which GPU it ran on (the image's PyTorch, with CUDA). The first attempt holds its
+#: last step until it ends (each step interrupts it or moves it to a standby, well
+#: before): the interruption lands in training however fast the steps or slow the
+#: notice, and the check cannot pass by a race.
 SINGLE_CELL = """
 import time
 ckpt = spot.Checkpoint(lcg=1)
@@ -138,6 +141,9 @@ for step in range(start, STEPS):
     spot.log(step, lcg=x % 1000)
     ckpt.maybe_save(step)
     time.sleep(STEP_SECONDS)
+    while step == STEPS - 1 and spot.attempt == 1:
+        ckpt.maybe_save(step)
+        time.sleep(STEP_SECONDS)
 try:
     import torch
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
@@ -148,20 +154,23 @@ result = x
 
 #: The multi-node cell: the same LCG on every rank, agreed each step with an
 #: all-reduce over the job's nodes (gloo: the nodes reach each other through the job's
-#: security group). It trains STEPS steps at least, and on in a world smaller than
-#: NODES until it is whole again (every rank sees the same world size: they stop at
-#: the same step), so the job ends once the replacement joined, however long that took
-#: to boot, never before; then every rank of the final world must hold the same state.
+#: security group). It trains STEPS steps at least, and on until its world has been
+#: smaller than NODES and is whole again (every rank sees the same world size and
+#: restores the same ``shrunk``, which the save before a node joins carries: they stop
+#: at the same step), so the job ends once the replacement joined, however long the
+#: notice took to land or the replacement to boot, never before; then every rank of
+#: the final world must hold the same state. (NODES=1: nothing to wait for.)
 MULTI_CELL = """
 import time
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
-ckpt = spot.Checkpoint(lcg=1)
+ckpt = spot.Checkpoint(lcg=1, shrunk=False)
 start = ckpt.restore()
 x = ckpt["lcg"]
+ckpt["shrunk"] = ckpt["shrunk"] or dist.get_world_size() < NODES or NODES == 1
 step = start
-while step < STEPS or dist.get_world_size() < NODES:
+while step < STEPS or dist.get_world_size() < NODES or not ckpt["shrunk"]:
     x = (6364136223846793005 * x + 1442695040888963407) % (1 << 64)
     agreed = torch.tensor([x % 1000], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
