@@ -247,6 +247,11 @@ def test_a_store_that_fails_for_a_while_loses_nothing_and_starts_no_storm(
         cloud: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     switch = tmp_path / "store-fault"
     monkeypatch.setenv("SPOTNB_LOCAL_STORE_FAULT", str(switch))
+    # The agent meets the fault at its lease's next renewal: a 60 s lease renews every
+    # 20 s (the default's minute was most of this test's time), and a renewal that
+    # fails is retried for 40 s before the lease would lapse: the outage below lasts
+    # one failed renewal and one retry.
+    monkeypatch.setenv("SPOTNB_LEASE_TTL", "60")
     inputs = {"STEPS": 400, "STEP_SECONDS": 0.02, "CKPT": 50}
     handle = spotnb.submit(COUNTING, inputs=inputs, outputs=["total"])
     boot = wait_until(lambda: booted(handle, 1), 120, "attempt 1")
