@@ -83,11 +83,11 @@ from spotnb.protocol.limits import limit_reached
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import NotFound, Store, open_store
 from spotnb.providers.aws import _boto
+from spotnb.providers.aws.activities import capacity_failures
 from spotnb.providers.aws.jobprocess import AgentProcess, power_off, start_job_agent
 from spotnb.providers.aws.resources import (
     LAUNCH_HOOK_NAME,
     LIFECYCLE_HOOK_NAME,
-    capacity_failures,
     choice_detail,
     group_name,
     rebalancing,
