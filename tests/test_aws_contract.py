@@ -19,16 +19,13 @@ from aws_reference import floor, iam
 
 from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import AwsProvider, _boto, admin
+from spotnb.providers.aws.policies import fis_policy, instance_policy, trust_policy, user_policy
 from spotnb.providers.aws.resources import (
     IAM_PATH,
     TAG_JOB,
     AwsSettings,
     choice_detail,
-    fis_policy,
-    instance_policy,
     mixed_instances_policy,
-    trust_policy,
-    user_policy,
 )
 from spotnb.providers.aws.store import S3Store, tls_only_policy
 from spotnb.testing import DEFAULT_ACCOUNT, DEFAULT_REGION

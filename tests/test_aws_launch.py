@@ -131,7 +131,8 @@ def test_the_next_launch_deletes_a_role_that_iam_would_not_let_delete_itself(
 
     from spotnb.protocol import layout
     from spotnb.protocol.store import open_store
-    from spotnb.providers.aws.resources import IAM_PATH, TAG_JOB, TAG_STORE, trust_policy
+    from spotnb.providers.aws.policies import trust_policy
+    from spotnb.providers.aws.resources import IAM_PATH, TAG_JOB, TAG_STORE
     from spotnb.providers.aws.store import ensure_bucket
 
     ended = "20260101-000000-e0e0e0"

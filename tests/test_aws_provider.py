@@ -40,13 +40,12 @@ from spotnb.protocol.spec import SpecError
 from spotnb.providers import catalog, get_provider
 from spotnb.providers.aws import AwsProvider, _boto
 from spotnb.providers.aws.bootstrap import bundle, user_data
+from spotnb.providers.aws.policies import READ_ONLY_ACTIONS, instance_policy
 from spotnb.providers.aws.resources import (
     LAUNCH_HOOK_NAME,
     LIFECYCLE_HOOK_NAME,
-    READ_ONLY_ACTIONS,
     TAG_JOB,
     capacity_failures,
-    instance_policy,
 )
 from spotnb.providers.imds import ImdsClient
 from spotnb.testing import FAKE_CREDENTIALS, AwsSimulator

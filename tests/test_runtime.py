@@ -570,7 +570,7 @@ def test_a_lease_the_agent_cannot_confirm_is_not_a_lost_one(job: Job) -> None:
                                {"ok": False, "unknown": True}, {"ok": True}]
     job.agent.send({"op": "ping"})  # the runtime now asks the agent, not the store
     deadline = time.monotonic() + 20
-    while not ((rt := process.existing()) is not None and rt._pinged):
+    while not ((rt := process.existing()) is not None and rt.watchdog.pinged):
         assert time.monotonic() < deadline, "the runtime never read the ping"
         time.sleep(0.01)
     ckpt.save(1)
@@ -809,7 +809,7 @@ def test_a_frameworks_save_carries_what_the_log_has_not_confirmed(
     saves = spot.callbacks.accelerate(accelerator, "ck")
     job.agent.send({"op": "ping"})  # a live agent: it answers what its log lacks
     deadline = time.monotonic() + 30
-    while not spot._rt()._pinged and time.monotonic() < deadline:
+    while not spot._rt().watchdog.pinged and time.monotonic() < deadline:
         time.sleep(0.01)
     spot.log(3, loss=0.5)
     saves.save(3)

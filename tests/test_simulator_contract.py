@@ -24,13 +24,8 @@ from helpers import wait_until
 
 import spotnb
 from spotnb.providers.aws import _boto
-from spotnb.providers.aws.resources import (
-    TAG_JOB,
-    TAG_MANAGED,
-    fis_policy,
-    instance_policy,
-    trust_policy,
-)
+from spotnb.providers.aws.policies import fis_policy, instance_policy, trust_policy
+from spotnb.providers.aws.resources import TAG_JOB, TAG_MANAGED
 from spotnb.providers.imds import ImdsClient
 from spotnb.testing import (
     DEFAULT_ACCOUNT,

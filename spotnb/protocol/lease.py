@@ -266,7 +266,7 @@ class HeldLease:
         """When this holder stops counting the lease as its own if no renewal lands
         first (the end of HELD in :meth:`status`), on :func:`clock`: the same clock for
         every process of the host, so the kernel can fence itself by it while its agent
-        is frozen (:mod:`spotnb.train.session`). None once LOST (released or taken)."""
+        is frozen (:mod:`spotnb.train.watchdog`). None once LOST (released or taken)."""
         if self._lost or self.lease.released:
             return None
         return self._confirmed + self.lease.ttl - safety_seconds(self.lease.ttl)

@@ -45,7 +45,7 @@ class PrincipalsPlay:
         """The notebook's user, with exactly the policy spotnb prints for users, in the
         environment; IAM enforced per principal from here on (:mod:`spotnb.testing.iam`)."""
         from spotnb.providers.aws import _boto
-        from spotnb.providers.aws.resources import user_policy
+        from spotnb.providers.aws.policies import user_policy
         from spotnb.providers.aws.store import default_bucket
 
         iam = self._client("iam")

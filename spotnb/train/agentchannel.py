@@ -1,6 +1,6 @@
 """The runtime's end of the agent's Unix socket (the protocol:
 :mod:`spotnb.kernel_remote.channel`), and when a kernel whose agent fell silent must stop
-(:func:`watchdog_verdict`; the watchdog itself is the session's).
+(:func:`watchdog_verdict`; the watchdog itself is :mod:`spotnb.train.watchdog`).
 """
 
 from __future__ import annotations

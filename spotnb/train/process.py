@@ -23,7 +23,8 @@ from typing import Any
 
 from spotnb.kernel_remote import channel
 from spotnb.protocol.spec import parse_duration
-from spotnb.train.session import ROWS, Session
+from spotnb.train.metrics import ROWS
+from spotnb.train.session import Session
 from spotnb.train.syncdir import Select, SyncDir, find_checkpoints, sync_name
 
 __all__ = ["at_exit", "current", "end", "existing", "history", "last_checkpoint", "log",
@@ -203,7 +204,7 @@ def history() -> list[tuple[int, float, dict[str, float]]]:
     """
     rt = current()
     rt.drain()
-    return list(rt.history)
+    return list(rt.rows.history)
 
 
 def wait_for_lease(rt: Session) -> None:

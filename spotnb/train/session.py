@@ -8,8 +8,9 @@ standalone mode without it). It owns:
   receiver thread that turns ``notice`` messages into flags the cell's thread reads
   (``force_save``, ``park_requested``, ``interrupt_pending``) and wakes the synced
   directories;
-* the metrics thread that drains :data:`ROWS` (filled by ``spot.log``) every
-  0.2 s, converts the values with ``float()`` and sends them in batches;
+* the metrics thread that drains :data:`~spotnb.train.metrics.ROWS` (filled by
+  ``spot.log``) every 0.2 s (:class:`~spotnb.train.metrics.MetricRows`: the values
+  converted with ``float()``, sent in batches);
 * the uploads in progress and the synced directories, so that :meth:`Session.finish`
   can wait for all of them;
 * parking: once the save forced by an interruption notice is durable, the cell is
@@ -22,26 +23,17 @@ standalone mode without it). It owns:
   (:class:`~spotnb.kernel_remote.channel.Unlogged`);
 * the fencing question: before a checkpoint becomes ``LATEST`` or the outputs are
   written, the agent is asked whether it still holds the job's lease;
-* the watchdog: the agent pings every second or so, with the time until which its
-  lease counts as held (``until``: its last confirmed renewal plus the TTL less the
-  safety margin, :meth:`spotnb.protocol.lease.HeldLease.held_until`). A kernel whose agent falls
-  silent (frozen) stops itself (SIGSTOP to its process group) at that time, before any
-  other agent may take the job over whatever the lease's TTL, or after
-  ``AGENT_SILENT_SECONDS`` of silence when it knows no such time
-  (:func:`spotnb.train.agentchannel.watchdog_verdict`), so that nothing trains that
-  nobody records. The agent resumes it once it has confirmed its lease, or kills it if
-  it lost it.
+* the watchdog (:class:`~spotnb.train.watchdog.Watchdog`): a kernel whose agent falls
+  silent (frozen) stops itself by the time the agent's lease stops counting as held,
+  so that nothing trains that nobody records.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -57,44 +49,33 @@ from spotnb.protocol import lease as lease_mod
 from spotnb.protocol import usage
 from spotnb.protocol.spec import CheckpointEvery
 from spotnb.protocol.store import LocalStore, Store, open_store
-from spotnb.train.agentchannel import AgentChannel, watchdog_verdict
+from spotnb.train.agentchannel import AgentChannel
 from spotnb.train.carry import Carry, mark_output
+from spotnb.train.metrics import MetricRows
+from spotnb.train.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from spotnb.ckpt.checkpoints import Manifest
 
-__all__ = ["LOCAL_DIR", "ROWS", "Session"]
+__all__ = ["LOCAL_DIR", "Session"]
 
 _logger = logging.getLogger(__name__)
 
 # The background thread sends metrics this often; the notebook promises ~1 s latency.
 _DRAIN_SECONDS = 0.2
-# At most this many metric rows per channel message, to keep lines reasonably short.
-_ROWS_PER_MESSAGE = 2000
 # A parked cell sleeps in steps of this length until the instance is terminated.
 _PARK_SLEEP_SECONDS = 1.0
-# The watchdog looks at least this often (and at the lease's time exactly), and looks
-# again this much later before it stops the kernel.
-_WATCHDOG_SECONDS = 1.0
-_RECHECK_SECONDS = 0.1
-_PAST_SECONDS = 0.25
 # How long a fencing question waits for the agent's answer.
 FENCE_REPLY_SECONDS = 30.0
 # Between two questions while the agent cannot confirm the lease (a store outage).
 FENCE_RETRY_SECONDS = 1.0
 # How often the kernel reports the AWS requests it made (its uploads) to the agent.
 USAGE_SECONDS = 300.0
-# Rows kept for the next checkpoint while the log has not confirmed them (each ~200 B).
-MAX_UNACKED_ROWS = 1_000_000
 # How long a save waits for the agent's list of unlogged events (it answers once the
 # kernel's output up to the save has reached it: milliseconds, unless it is frozen).
 UNLOGGED_REPLY_SECONDS = 10.0
 # Standalone mode keeps its store here, relative to the working directory.
 LOCAL_DIR = ".spotnb-local"
-
-#: Rows logged by ``spot.log`` and not sent yet: ``(step, time, {name: value})``.
-#: Appending to a deque is atomic under the GIL, so the hot path takes no lock.
-ROWS: collections.deque[tuple[Any, float, dict[str, Any]]] = collections.deque()
 
 
 class FenceUnknown(RuntimeError):
@@ -168,29 +149,22 @@ class Session:
         self.join_requested = False  # a node waits to join (a distributed job)
         self.has_checkpoint = False  # the cell made a spot.Checkpoint
         self.fenced = False
-        self.history: list[tuple[int, float, dict[str, float]]] = []
-        # Rows sent to the agent and not yet confirmed durable in the event log.
-        self.unacked: collections.deque[list[Any]] = collections.deque()
-        self._unacked_lock = threading.Lock()
+        #: The rows of ``spot.log``: sent, and kept until durable (or, standalone, kept).
+        self.rows = MetricRows(remote=remote)
+        #: What this kernel knows of its agent's life; it stops the kernel while silent.
+        self.watchdog = Watchdog()
+        # The questions asked of the agent (fence, unlogged), by id, awaiting replies.
+        self._asks_lock = threading.Lock()
         self._fence_replies: dict[int, tuple[threading.Event, list[bool | None]]] = {}
         self._unlogged_replies: dict[
             int, tuple[threading.Event, list[channel.UnloggedReply]]] = {}
         self._fence_ids = 0
-        self._heard = time.monotonic()
-        # The watchdog is armed by the agent's first ping (an agent that never pings,
-        # such as a test's, is never taken for a frozen one).
-        self._pinged = False
-        # Until when the agent's lease counts as held (spotnb.protocol.lease.clock), from its
-        # pings; None while it holds none.
-        self._until: float | None = None
         #: Hyperparameters given to ``spot.log_params`` (also sent to the agent).
         self.params: dict[str, Any] = {}
         self.total: int | None = None
         self.sync_dirs: dict[str, SyncedDir] = {}
         # The newest checkpoint upload: the end of the job waits until it is durable.
         self.last_upload: Upload | None = None
-        self._drain_lock = threading.Lock()
-        self._bad_metrics: set[str] = set()
         self._stop = threading.Event()
         self.channel: AgentChannel | None = None
         if socket_path:
@@ -205,8 +179,7 @@ class Session:
                                          daemon=True)
         self._drainer.start()
         if self.channel is not None:
-            threading.Thread(target=self._watchdog, name="spotnb-watchdog",
-                             daemon=True).start()
+            self.watchdog.start(self.channel, self._stop)
 
     @classmethod
     def from_env(cls) -> Session:
@@ -269,10 +242,10 @@ class Session:
             return True
         while True:
             chan = self.channel
-            if chan is None or chan.broken or not self._pinged:
+            if chan is None or chan.broken or not self.watchdog.pinged:
                 return lease_mod.still_holds(self.store, self.attempt, self.instance_id,
                                              slot=self.slot)
-            with self._unacked_lock:
+            with self._asks_lock:
                 self._fence_ids += 1
                 ask = self._fence_ids
                 answer: tuple[threading.Event, list[bool | None]] = (threading.Event(), [])
@@ -332,7 +305,7 @@ class Session:
     def _on_message(self, message: dict[str, Any]) -> None:
         """A message from the agent, handled through :meth:`handlers` (by its op); an op
         the runtime does not know is ignored (an agent of a newer spotnb)."""
-        self._heard = time.monotonic()
+        self.watchdog.on_message()
         try:
             typed = channel.parse(message, channel.TO_RUNTIME)
         except channel.UnknownOp as err:
@@ -348,11 +321,10 @@ class Session:
                 channel.Notice.op: self._on_notice}
 
     def _on_ping(self, message: channel.Ping) -> None:
-        self._until = message.until
-        self._pinged = True
+        self.watchdog.on_ping(message.until)
 
     def _on_durable(self, message: channel.Durable) -> None:
-        self._forget_durable(message.t)
+        self.rows.durable_until(message.t)
 
     def _on_unlogged(self, message: channel.UnloggedReply) -> None:
         asked = self._unlogged_replies.get(message.id)
@@ -436,62 +408,13 @@ class Session:
         while True:
             time.sleep(_PARK_SLEEP_SECONDS)
 
-    def _watchdog(self) -> None:
-        """Stop this kernel (its whole process group) while the agent is silent: at the
-        time its lease stops counting as held, or after AGENT_SILENT_SECONDS."""
-        while not self._stop.wait(self._watchdog_wait()):
-            chan = self.channel
-            if chan is None or chan.broken:
-                return
-            # Only a kernel the agent started leads its own process group: never stop
-            # anything else (a test, a script that happens to have the variables set).
-            if not self._pinged or os.getpgrp() != os.getpid():
-                continue
-            if self._verdict() is None:
-                continue
-            # Resumed by the agent just now? Its pings wait in the socket, with the
-            # renewed time: let the reader take them before deciding.
-            if self._stop.wait(_RECHECK_SECONDS):
-                return
-            why = self._verdict()
-            if why is None:
-                continue
-            _logger.error("%s: stopping this kernel until it answers (nothing may train "
-                          "that is not recorded)", why)
-            with contextlib.suppress(OSError):
-                os.killpg(os.getpgrp(), signal.SIGSTOP)
-            # Resumed (SIGCONT from the agent): give it time to speak again.
-            self._heard = time.monotonic()
-
-    def _verdict(self) -> str | None:
-        return watchdog_verdict(time.monotonic() - self._heard, self._until,
-                                lease_mod.clock())
-
-    def _watchdog_wait(self) -> float:
-        """Until the watchdog's next look: at the lease's time, at the latest in
-        _WATCHDOG_SECONDS; past that time, every _PAST_SECONDS (for the agent's
-        silence)."""
-        until = self._until
-        if until is None:
-            return _WATCHDOG_SECONDS
-        left = until - lease_mod.clock()
-        return min(_WATCHDOG_SECONDS, left) if left > 0.01 else _PAST_SECONDS
-
     # -- metrics ---------------------------------------------------------------------
-
-    def _forget_durable(self, t: float) -> None:
-        """The agent wrote every row up to time ``t`` into the event log."""
-        with self._unacked_lock:
-            unacked = self.unacked
-            while unacked and unacked[0][1] <= t:
-                unacked.popleft()
 
     def rows_not_durable(self) -> list[list[Any]]:
         """Every row logged so far that the log has not confirmed: what a checkpoint
         must carry so that no step it covers loses its metrics."""
         self.drain()
-        with self._unacked_lock:
-            return list(self.unacked) if self.remote else []
+        return self.rows.not_durable()
 
     def carry(self) -> Carry:
         """What a checkpoint saved now must carry so that no step it covers loses its
@@ -504,12 +427,12 @@ class Session:
         """The events this attempt's agent has emitted and not yet written (JSON lines),
         everything printed so far included; [] without an agent that answers."""
         chan = self.channel
-        if not self.remote or chan is None or chan.broken or not self._pinged \
+        if not self.remote or chan is None or chan.broken or not self.watchdog.pinged \
                 or os.environ.get("RANK", "0") != "0":
             return []  # a distributed job: global rank 0's checkpoints carry its node's
         token = uuid.uuid4().hex
         marked = mark_output(token)
-        with self._unacked_lock:
+        with self._asks_lock:
             self._fence_ids += 1
             ask = self._fence_ids
             asked: tuple[threading.Event, list[channel.UnloggedReply]] = (threading.Event(),
@@ -560,54 +483,7 @@ class Session:
 
     def drain(self) -> None:
         """Convert the rows logged so far and send them (or keep them, standalone)."""
-        with self._drain_lock:
-            rows = []
-            popleft = ROWS.popleft
-            for _ in range(len(ROWS)):
-                try:
-                    raw = popleft()
-                except IndexError:
-                    break  # another session's drain took them (one left running)
-                row = self._convert(raw)
-                if row is not None:
-                    rows.append(row)
-            if not rows:
-                return
-            if self.channel is None:
-                self.history.extend((r[0], r[1], r[2]) for r in rows)
-                return
-            for i in range(0, len(rows), _ROWS_PER_MESSAGE):
-                self.send(channel.Metrics(rows=rows[i:i + _ROWS_PER_MESSAGE]))
-            if self.remote:
-                with self._unacked_lock:
-                    self.unacked.extend(rows)
-                    while len(self.unacked) > MAX_UNACKED_ROWS:
-                        self.unacked.popleft()
-
-    def _convert(self, row: tuple[Any, float, dict[str, Any]]) -> list[Any] | None:
-        # float() of a 0-d CUDA tensor waits for the GPU: that is why it happens here.
-        step, t, metrics = row
-        try:
-            step = int(step)
-        except Exception:
-            self._warn_bad("step", step)
-            return None
-        values: dict[str, float] = {}
-        for name, value in metrics.items():
-            try:
-                if hasattr(value, "detach"):
-                    value = value.detach()  # float() of a tensor needing grad warns
-                values[name] = float(value)
-            except Exception:
-                self._warn_bad(name, value)
-        return [step, t, values]
-
-    def _warn_bad(self, name: str, value: Any) -> None:
-        if name not in self._bad_metrics:
-            self._bad_metrics.add(name)
-            _logger.warning("spot.log: %s=%r is not a number and was dropped; log a number "
-                            "or a one-element tensor (e.g. loss.item() or loss)",
-                            name, type(value).__name__)
+        self.rows.drain(self.send if self.channel is not None else None)
 
     # -- the end ---------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The AWS provider: one EC2 Auto Scaling group of spot instances per job.
 
 Methods follow the contract in :mod:`spotnb.providers`. What a job gets (names and
-documents in :mod:`.resources`, boto3 only through :mod:`._boto`):
+documents in :mod:`.resources` and :mod:`.policies`, boto3 only through
+:mod:`._boto`):
 
 * a **launch template** that requires IMDSv2, opens no inbound port (a security group
   without ingress rules), runs the AWS Deep Learning AMI (from its public SSM
@@ -105,14 +106,13 @@ from spotnb.providers.aws.leftovers import (
 from spotnb.providers.aws.resources import (
     BOOTSTRAP_PREFIX,
     TAG_JOB,
-    AwsSettings,
     group_name,
-    image_problem,
     role_name,
     s3_location,
     tags,
     template_name,
 )
+from spotnb.providers.aws.settings import AwsSettings, image_problem
 
 if TYPE_CHECKING:
     from spotnb.providers.aws.failover import AwsRegionPlan

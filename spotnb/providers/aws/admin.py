@@ -27,17 +27,14 @@ from typing import Any
 
 from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import _boto
-from spotnb.providers.aws.resources import (
+from spotnb.providers.aws.policies import fis_policy, instance_policy, user_policy
+from spotnb.providers.aws.resources import FIS_ROLE, SECURITY_GROUP
+from spotnb.providers.aws.settings import (
     DLAMI_FAMILIES,
     DLAMI_NAME,
     DLAMI_PARAMETER,
     DLAMI_PYTHON,
-    FIS_ROLE,
-    SECURITY_GROUP,
     AwsSettings,
-    fis_policy,
-    instance_policy,
-    user_policy,
 )
 
 __all__ = ["Check", "SetupReport", "doctor", "setup"]

@@ -46,12 +46,8 @@ import zipfile
 from pathlib import Path
 
 import spotnb
-from spotnb.providers.aws.resources import (
-    BOOTSTRAP_PREFIX,
-    DLAMI_PYTHON,
-    group_name,
-    template_name,
-)
+from spotnb.providers.aws.resources import BOOTSTRAP_PREFIX, group_name, template_name
+from spotnb.providers.aws.settings import DLAMI_PYTHON
 
 __all__ = ["AGENT_UNIT", "BOOT_FAILURE_LIMIT", "Bundle", "bundle", "user_data"]
 

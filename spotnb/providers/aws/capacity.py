@@ -56,13 +56,8 @@ from spotnb.protocol import layout
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import Store
-from spotnb.providers.aws.resources import (
-    capacity_failures,
-    group_name,
-    launch_failures,
-    mixed_instances_policy,
-    region_types,
-)
+from spotnb.providers.aws.activities import capacity_failures, launch_failures
+from spotnb.providers.aws.resources import group_name, mixed_instances_policy, region_types
 
 if TYPE_CHECKING:
     from spotnb.providers.aws import AwsProvider

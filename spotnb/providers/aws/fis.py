@@ -3,7 +3,7 @@ Injection Service's ``aws:ec2:send-spot-instance-interruptions``.
 
 One experiment per request, from a template made for it and deleted once started (a
 started experiment keeps its own copy), run by the shared ``spotnb-fis`` role (made on
-first use; :func:`role`). The target (:func:`.resources.fis_target`) is one instance by
+first use; :func:`role`). The target (:func:`fis_target`) is one instance by
 its ARN, or every running spot instance of the job by its tag: FIS takes at most five
 ARNs a target. FIS sends the rebalance recommendation when the experiment starts and
 the interruption notice two minutes before the end of ``durationBeforeInterruption``
@@ -20,15 +20,8 @@ from typing import Any
 
 from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import _boto
-from spotnb.providers.aws.resources import (
-    FIS_ROLE,
-    IAM_PATH,
-    TAG_JOB,
-    TAG_MANAGED,
-    fis_policy,
-    fis_target,
-    trust_policy,
-)
+from spotnb.providers.aws.policies import fis_policy, trust_policy
+from spotnb.providers.aws.resources import FIS_ROLE, IAM_PATH, TAG_JOB, TAG_MANAGED
 
 __all__ = ["MAX_LEAD_SECONDS", "NOTICE", "duration", "role", "send"]
 
@@ -41,6 +34,21 @@ NOTICE_SECONDS = 120.0
 MAX_LEAD_SECONDS = 780.0
 # A new FIS role is not assumable until IAM has propagated it: tried this often.
 ROLE_ATTEMPTS = 6
+
+
+def fis_target(job_id: str, instance_arn: str | None = None) -> dict[str, Any]:
+    """The FIS experiment target of ``%spot_interrupt``: one instance by its ARN, or
+    every running spot instance of the job by its tag.
+
+    Not a list of the job's ARNs: FIS takes at most five ``resourceArns`` a target (the
+    FIS API Reference; ``max: 5`` in botocore's model), and a job may have up to 65
+    instances. Tags and a ``State.Name`` filter select any number, resolved by FIS when
+    the experiment starts (through the role's ``ec2:DescribeInstances``)."""
+    target: dict[str, Any] = {"resourceType": "aws:ec2:spot-instance", "selectionMode": "ALL"}
+    if instance_arn is not None:
+        return {**target, "resourceArns": [instance_arn]}
+    return {**target, "resourceTags": {TAG_JOB: job_id},
+            "filters": [{"path": "State.Name", "values": ["running"]}]}
 
 
 def duration(rebalance_lead: float) -> str:

@@ -48,6 +48,8 @@ An instance's life, narrated::
     SIGTERM (EC2 shuts the instance down) -> "terminated", flush, exit; during the
             teardown of Step 4 the signal waits for the teardown to finish.
 
+Step 2 is :mod:`.arrival`'s; the watches of Step 3 are :mod:`.watches`'s.
+
 A failing store or API never ends this agent while its job agent runs (an instance
 whose agent died is billed with nobody to end it: invariant 6). A watch that fails is
 tried again at its next turn; what the agent cannot go on without (the spec, whether
@@ -75,27 +77,26 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from spotnb.protocol import backoff, billing, layout, usage
+from spotnb.protocol import backoff, layout, usage
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter
 from spotnb.protocol.events.fold import JobState, fold
-from spotnb.protocol.events.live import request_stop
-from spotnb.protocol.limits import limit_reached
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import NotFound, Store, open_store
-from spotnb.providers.aws import _boto
+from spotnb.providers.aws.arrival import announce, came_up, report_the_gap
 from spotnb.providers.aws.jobprocess import AgentProcess, power_off, start_job_agent
-from spotnb.providers.aws.resources import (
-    LAUNCH_HOOK_NAME,
-    LIFECYCLE_HOOK_NAME,
-    capacity_failures,
-    choice_detail,
-    group_name,
-    rebalancing,
-)
-from spotnb.providers.aws.standby import HOOK_POLL_SECONDS, StandbyDriver, claimed_for
+from spotnb.providers.aws.resources import LIFECYCLE_HOOK_NAME, rebalancing
+from spotnb.providers.aws.standby import HOOK_POLL_SECONDS, StandbyDriver
 from spotnb.providers.aws.teardown import delete_job_resources
 from spotnb.providers.aws.transfers import POLL_SECONDS as TRANSFER_POLL_SECONDS
 from spotnb.providers.aws.transfers import AwayMeter
+from spotnb.providers.aws.watches import (
+    STOP_CHECK_SECONDS,
+    complete_hook,
+    watch_hooks,
+    watch_limits,
+    watch_notice,
+    watch_price,
+)
 from spotnb.providers.imds import ImdsClient
 
 log = logging.getLogger(__name__)
@@ -107,13 +108,9 @@ POLL_SECONDS = 0.5
 # it from scale-in), every PROTECT_POLL_SECONDS (a GET per slot: 360/h, $0.00014/h per
 # slot, only while it waits).
 PROTECT_POLL_SECONDS = 10.0
-# Asking Auto Scaling to protect this instance from scale-in is tried this many times.
-PROTECT_TRIES = 30
 # Budget and deadline are checked this often, from what this agent knows (the group's
 # history read once at boot, and its own price): no request.
 LIMITS_SECONDS = 5.0
-# A stop request is looked for this often (an S3 HEAD: 60/h = $0.000024/h).
-STOP_CHECK_SECONDS = 60.0
 # The group's events are few and each matters (launches, notices): written within this.
 GROUP_FLUSH_SECONDS = 0.5
 # How often the requests this agent made are reported (a `usage` event).
@@ -156,7 +153,8 @@ class InstanceAgent:
         self.identity: dict[str, str] = {}
         self.events: EventWriter | None = None
         self.reader = EventReader(self.store, batches=True)
-        self._stop_checked = -STOP_CHECK_SECONDS
+        #: When a stop request was last looked for (monotonic; .watches).
+        self.stop_checked = -STOP_CHECK_SECONDS
         self.history: list[Event] = []
         # The history folded (spotnb.protocol.events.fold): what the budget and deadline checks,
         # and the gap report, read.
@@ -175,7 +173,7 @@ class InstanceAgent:
         #: slot's) is protected from scale-in: lowering the group's desired capacity
         #: (a standby that never launched, given back) may then end only a standby.
         self.protect_due = rebalancing(self.spec)
-        self._protect_tries = 0
+        self.protect_tries = 0
         #: The instance this one stands by for, if it is a warm standby (its launch
         #: came while that instance's claim stood).
         self.standby_for: str | None = None
@@ -210,7 +208,7 @@ class InstanceAgent:
         self.events = EventWriter(self.store, GROUP_STREAM, instance=iid,
                                   flush_seconds=GROUP_FLUSH_SECONDS)
         self.standbys = StandbyDriver(self.store, self.spec, self.imds, self.identity,
-                                      self._emit_event, lambda: self.state.instances,
+                                      self.emit_event, lambda: self.state.instances,
                                       lambda: self.launch_hook_due)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if self._has_result():
@@ -218,13 +216,15 @@ class InstanceAgent:
             self._teardown("job-finished")
             return 0
         # Step 2
-        self._report_the_gap()
+        self.history = patiently("reading the job's events", self.reader.poll)
+        self.state = fold(self.history, self.spec.resources.max_nodes)
+        report_the_gap(self)
         if self.identity["region"] != self.spec.resources.region:  # away from the store
             self.away = AwayMeter(self.reader, self.history, home=self.spec.resources.region,
                                   region=self.identity["region"], instance_id=iid,
-                                  emit=lambda kind, data: self._emit(kind, **data))
-        self._announce()
-        self._came_up()
+                                  emit=lambda kind, data: self.emit(kind, **data))
+        announce(self)
+        came_up(self)
         # Step 3 and 4
         crashes = 0
         while True:
@@ -241,7 +241,7 @@ class InstanceAgent:
                 log.info("the job agent exited after Auto Scaling began to end this "
                          "instance: completing the termination hook")
                 self.end_hook_due = False
-                self._complete(LIFECYCLE_HOOK_NAME)
+                complete_hook(self, LIFECYCLE_HOOK_NAME)
             if self.notice is not None or self.hook_ending:
                 log.info("the job agent exited after the interruption notice; waiting for "
                          "EC2 to terminate this instance")
@@ -307,7 +307,8 @@ class InstanceAgent:
         while (code := agent.poll()) is None:
             time.sleep(POLL_SECONDS)
             now = time.monotonic()
-            self._watched("watching for an interruption notice", self._watch_notice)
+            self._watched("watching for an interruption notice",
+                          functools.partial(watch_notice, self))
             if (standbys := self.standbys) is not None:
                 self._watched("the warm standby's watch", functools.partial(
                     standbys.poll, now, self.notice is not None, self.hook_ending,
@@ -316,19 +317,20 @@ class InstanceAgent:
             if (hooks_due or self.protect_due) and now - last_hooks >= (
                     HOOK_POLL_SECONDS if hooks_due else PROTECT_POLL_SECONDS):
                 last_hooks = now
-                self._watched("the lifecycle hooks' watch", self._watch_hooks)
+                self._watched("the lifecycle hooks' watch", functools.partial(watch_hooks, self))
             if now - last_usage >= USAGE_SECONDS:
                 last_usage = now
                 self._watched("reporting the requests made", self._report_usage)
             if now - last_limits >= LIMITS_SECONDS:
                 last_limits = now
-                self._watched("the stop, budget and deadline watch", self._watch_limits)
+                self._watched("the stop, budget and deadline watch",
+                              functools.partial(watch_limits, self))
             if self.away is not None and now - last_away >= TRANSFER_POLL_SECONDS:
                 last_away = now
                 self._watched("billing the checkpoint's crossings", self.away.poll)
             if now - last_price >= PRICE_SECONDS:
                 last_price = now
-                self._watched("the spot price's watch", self._watch_price)
+                self._watched("the spot price's watch", functools.partial(watch_price, self))
             if self.stop_seen_at is not None and time.monotonic() - self.stop_seen_at > \
                     STOP_GRACE_SECONDS and agent.poll() is None:
                 log.warning("the job agent did not stop within %gs; ending it",
@@ -338,7 +340,8 @@ class InstanceAgent:
 
     # ---------------------------------------------------------- group stream
 
-    def _emit(self, type: str, **data: Any) -> None:
+    def emit(self, type: str, **data: Any) -> None:
+        """Write an event of this instance to the group's stream, and fold it."""
         if self.events is not None:
             # What the budget check counts: this instance's own events too.
             event = self.events.emit(type, **data)
@@ -347,187 +350,16 @@ class InstanceAgent:
 
     def _report_usage(self) -> None:
         """A ``usage`` event: the requests this process made so far (spotnb.protocol.usage)."""
-        self._emit("usage", process="instance-agent", requests=usage.snapshot())
+        self.emit("usage", process="instance-agent", requests=usage.snapshot())
 
-    def _emit_event(self, event: Event) -> None:
+    def emit_event(self, event: Event) -> None:
+        """Write ``event`` (made by the caller) to the group's stream, and fold it."""
         if self.events is not None:
             self.events.emit_event(event)
             self.history.append(event)
             self.state.apply(event)
 
-    def _describe(self, instance_ids: list[str]) -> dict[str, Any]:
-        ec2 = _boto.client("ec2", self.identity["region"])
-        found: dict[str, Any] = {}
-        try:
-            for reservation in ec2.describe_instances(InstanceIds=instance_ids)["Reservations"]:
-                for inst in reservation["Instances"]:
-                    found[inst["InstanceId"]] = inst
-        except Exception as err:
-            log.info("describe_instances %s failed: %s", instance_ids, err)
-        return found
-
-    def _report_the_gap(self) -> None:
-        """Capacity failures and silently ended predecessors (Step 2)."""
-        self.history = patiently("reading the job's events", self.reader.poll)
-        self.state = fold(self.history, self.spec.resources.max_nodes)
-        group = [e for e in self.history if e.attempt == GROUP_STREAM]
-        reported = {e.data.get("activity_id") for e in group}
-        asg = _boto.client("autoscaling", self.identity["region"])
-        try:
-            activities = asg.describe_scaling_activities(
-                AutoScalingGroupName=group_name(self.spec.job_id))["Activities"]
-        except Exception as err:
-            log.info("cannot read the group's scaling activities: %s", err)
-            activities = []
-        try:  # how the group chooses among the job's types (its announcement says)
-            (group,) = asg.describe_auto_scaling_groups(
-                AutoScalingGroupNames=[group_name(self.spec.job_id)])["AutoScalingGroups"]
-            self.spot_strategy = str(group["MixedInstancesPolicy"]["InstancesDistribution"]
-                                     ["SpotAllocationStrategy"])
-        except Exception as err:
-            log.info("cannot read the group's allocation strategy: %s", err)
-        failures = capacity_failures(activities)
-        self.no_capacity = {f["instance_type"] for f in failures if f["instance_type"]}
-        fresh = [f for f in failures if f["activity_id"] not in reported]
-        if fresh:
-            kinds = sorted({f"{f['reason']} for {f['instance_type'] or 'a pool'}"
-                            for f in fresh})
-            self._emit("status", state="waiting_for_capacity", detail=(
-                f"Auto Scaling could not get spot capacity ({'; '.join(kinds)}) and tried "
-                "other pools"))
-        for failure in fresh:
-            self._emit("instance", **failure)
-        launched = self.state.instances
-        silent = [i for i in launched if i not in self.state.terminated
-                  and i != self.identity["instance_id"]]
-        states = self._describe(silent) if silent else {}
-        for instance_id in silent:
-            state = states.get(instance_id, {}).get("State", {}).get("Name", "terminated")
-            if state not in ("shutting-down", "terminated"):
-                continue  # still running (its notice period): it reports its own end
-            inst = launched[instance_id]
-            last = max((e.time for e in self.history if e.instance == instance_id),
-                       default=inst.start)
-            noticed = instance_id in self.state.noticed_instances
-            data = {"instance_id": instance_id, "instance_type": inst.instance_type,
-                    "az": inst.az, "pool": inst.pool or None}
-            self._emit_event(Event(
-                type="instance", time=last, attempt=GROUP_STREAM, instance=instance_id,
-                data={**data, "action": "terminated", "reported_by": self.identity["instance_id"],
-                      "reason": "spot-interruption" if noticed else "terminated"}))
-
-    def _announce(self) -> None:
-        from spotnb.providers.aws.prices import pool_price
-
-        ident = self.identity
-        iid, region = ident["instance_id"], ident["region"]
-        me = self._describe([iid]).get(iid, {})
-        launch_time = me.get("LaunchTime")
-        started = launch_time.timestamp() if launch_time is not None else time.time()
-        self.launched_at = started
-        lifecycle = me.get("InstanceLifecycle") or "on-demand"
-        price = pool_price(ident["instance_type"], region, ident.get("az_id"))
-        self.price = price.ondemand if lifecycle == "on-demand" and me else price.spot
-        pool = f"{ident['instance_type']}@{ident.get('az_id') or ident.get('az')}"
-        # This instance announced itself before: its agent started again (the boot
-        # script's systemd unit, after a reboot; or in place, after a crash).
-        again = iid in self.state.instances
-        # The group's first MAX launches are its nodes; each launch after them replaces one.
-        launched = len([i for i in self.state.instances if i != iid])
-        replacing = max(0, launched - self.spec.resources.max_nodes + 1)
-        detail = (f"{iid} ({ident['instance_type']} in {ident.get('az_id')}, "
-                  f"{'spot' if me.get('InstanceLifecycle') == 'spot' else lifecycle}) started "
-                  f"by the Auto Scaling group")
-        # A warm standby: launched while an instance's claim on the group's standby
-        # stood (providers/aws/standby.py), for that instance.
-        standby_for = None
-        if rebalancing(self.spec):
-            try:
-                standby_for = claimed_for(self.store, iid, started)
-            except Exception:
-                log.debug("reading the standby claim failed", exc_info=True)
-        self.standby_for = standby_for
-        if again:
-            detail += " (its instance agent started again: a reboot, or a crash)"
-        elif standby_for is not None:
-            detail += f" (standby for {standby_for}: rebalance recommendation)"
-        elif replacing:
-            detail += f" (replacement #{replacing})"
-        detail += choice_detail(ident["instance_type"], self.spec.resources.instance_types,
-                                self.spot_strategy, self.no_capacity)
-        assert self.events is not None
-        self._emit("status", state="launching", detail=detail,
-                   instance_type=ident["instance_type"], az=ident.get("az_id"))
-        self._emit_event(Event(
-            type="instance", time=started, attempt=GROUP_STREAM, instance=iid, data={
-                "action": "launched", "instance_id": iid,
-                "instance_type": ident["instance_type"], "az": ident.get("az_id"),
-                "az_name": ident.get("az"), "pool": pool, "region": region,
-                "price": self.price, "ondemand": price.ondemand, "lifecycle": lifecycle,
-                "price_source": price.source,
-                **({"standby_for": standby_for} if standby_for is not None else {}),
-                **({"time_scale": scale} if (scale := billing.time_scale()) != 1 else {})}))
-        self._emit("price", pool=pool, instance_type=ident["instance_type"],
-                   az=ident.get("az_id"), price=self.price, ondemand=price.ondemand,
-                   source=price.source)
-        self.events.flush()
-
-    def _came_up(self) -> None:
-        """Mark this instance as one whose agent came up (``boot/<instance>.ok``): the
-        job's failed boots before it no longer count as in a row
-        (:mod:`.bootstrap`). One PUT per instance start."""
-        try:
-            self.store.put(layout.boot_ok_key(self.identity["instance_id"]), b"")
-        except Exception:
-            log.warning("could not mark this instance as up; earlier failed boots still "
-                        "count towards the job's limit", exc_info=True)
-
-    # ------------------------------------------------------------- watching
-
-    def _watch_notice(self) -> None:
-        if self.notice is not None:
-            return
-        try:
-            action = self.imds.instance_action()
-            if not action and not self.hook_ending and \
-                    self.imds.target_lifecycle_state() == "Terminated":
-                # Not EC2 taking the instance back: no notice event, no interruption.
-                self.hook_ending = self.end_hook_due = True
-                log.info("Auto Scaling is ending this instance through its termination "
-                         "hook: the job moves to its standby (or, a standby, it is given "
-                         "back)")
-        except OSError:
-            return
-        if action:
-            self.notice = action
-            ident = self.identity
-            self._emit("instance", action="notice", reason="spot-interruption",
-                       instance_id=ident["instance_id"], instance_type=ident["instance_type"],
-                       az=ident.get("az_id"), termination_time=action.get("time"),
-                       notice_action=action.get("action"), price=self.price)
-            log.info("interruption notice: %s", action)
-
-    def _watch_limits(self) -> None:
-        policy = self.spec.policy
-        now_m = time.monotonic()
-        if self.stop_seen_at is None and now_m - self._stop_checked >= STOP_CHECK_SECONDS:
-            self._stop_checked = now_m
-            if self.store.exists(layout.STOP):
-                self.stop_seen_at = now_m
-        if self.stop_seen_at is not None or (policy.budget_usd is None
-                                             and policy.max_duration is None):
-            return
-        passed = limit_reached(policy, self.state, time.time())
-        if passed is not None:
-            self._request_stop(passed.reason, passed.detail)
-
-    def _request_stop(self, reason: str, detail: str) -> None:
-        log.info("stopping the job: %s", detail)
-        body = {"reason": reason, "detail": detail, "time": time.time(), "by": "aws-instance",
-                "instance_id": self.identity["instance_id"]}
-        request_stop(self.store, self.spec.job_id, body)
-        self.stop_seen_at = time.monotonic()
-        self._emit("status", state="stopped", detail=f"stopping: {detail}")
+    # ---------------------------------------------------------------- the end
 
     def _stop_reason(self) -> str:
         try:
@@ -538,73 +370,13 @@ class InstanceAgent:
         return f"stop requested ({req.get('reason', 'requested')}" + (
             f": {detail})" if detail else ")")
 
-    def _watch_price(self) -> None:
-        from spotnb.providers.aws.prices import pool_price
-
-        ident = self.identity
-        try:
-            price = pool_price(ident["instance_type"], ident["region"], ident.get("az_id"))
-        except Exception:
-            log.debug("price lookup failed", exc_info=True)
-            return
-        if price.spot is not None and price.spot != self.price and self.price is not None:
-            self.price = price.spot
-            self._emit("price", pool=f"{ident['instance_type']}@{ident.get('az_id')}",
-                       instance_type=ident["instance_type"], az=ident.get("az_id"),
-                       price=price.spot, ondemand=price.ondemand, source=price.source)
-
-    # ---------------------------------------------------------------- the end
-
-    def _watch_hooks(self) -> None:
-        """Complete the group's lifecycle hooks once their time came: the launch hook
-        once this instance's job agent holds the lease or, a warm standby, says it is
-        ready (the group may then end the at-risk instance); the termination hook once
-        it holds the lease no more (its final save is durable, the standby has the job),
-        so that Auto Scaling terminates it now, not at the end of the hook's wait, and
-        the instance the job left is not billed for the rest of it. Once it holds the
-        lease, protect it from scale-in (``protect_due``)."""
-        iid = self.identity["instance_id"]
-        assert self.standbys is not None  # made once this instance knew who it is
-        try:
-            held = self.standbys.holds_lease()
-            if self.launch_hook_due and (
-                    held or self.store.exists(layout.standby_ready_key(iid))):
-                self.launch_hook_due = False
-                self._complete(LAUNCH_HOOK_NAME)
-            if self.end_hook_due and not held:
-                self.end_hook_due = False
-                self._complete(LIFECYCLE_HOOK_NAME)
-            if self.protect_due and held and self.notice is None and not self.hook_ending:
-                self._protect_tries += 1
-                if self.standbys.protect(True) or self._protect_tries >= PROTECT_TRIES:
-                    self.protect_due = False
-        except Exception:
-            log.debug("reading the lease for the lifecycle hooks failed", exc_info=True)
-
-    def _complete(self, hook: str) -> None:
-        """Tell Auto Scaling this instance is done with lifecycle hook ``hook`` (one
-        request); if that fails, the hook's timeout does it."""
-        ident = self.identity
-        try:
-            _boto.with_backoff(lambda: _boto.client("autoscaling", ident["region"])
-                               .complete_lifecycle_action(
-                                   LifecycleHookName=hook,
-                                   AutoScalingGroupName=group_name(self.spec.job_id),
-                                   LifecycleActionResult="CONTINUE",
-                                   InstanceId=ident["instance_id"]),
-                               what=f"completing the lifecycle hook {hook}")
-            log.info("completed the lifecycle hook %s", hook)
-        except Exception as err:
-            log.warning("could not complete the lifecycle hook %s (%s); Auto Scaling goes "
-                        "on at its timeout", hook, err)
-
     def _write_result(self, status: str, reason: str) -> None:
         body = {"status": status, "reason": reason, "time": time.time(), "by": "aws-instance",
                 "instance_id": self.identity.get("instance_id")}
         if patiently("writing the job's result", lambda: self.store.put_if_absent(
                 layout.RESULT, json.dumps(body).encode())) is not None:
-            self._emit("result", status=status, reason=reason)
-            self._emit("status", state=status, detail=reason)
+            self.emit("result", status=status, reason=reason)
+            self.emit("status", state=status, detail=reason)
 
     def _teardown(self, reason: str) -> bool:
         """Step 4: the job is over; delete its capacity group, template and role
@@ -613,10 +385,10 @@ class InstanceAgent:
         self.tearing_down.set()
         self._watched("reporting the requests made", self._report_usage)
         ident = self.identity
-        self._emit("instance", action="terminated", reason=reason,
-                   instance_id=ident["instance_id"], instance_type=ident.get("instance_type"),
-                   az=ident.get("az_id"),
-                   pool=f"{ident.get('instance_type')}@{ident.get('az_id')}")
+        self.emit("instance", action="terminated", reason=reason,
+                  instance_id=ident["instance_id"], instance_type=ident.get("instance_type"),
+                  az=ident.get("az_id"),
+                  pool=f"{ident.get('instance_type')}@{ident.get('az_id')}")
         if self.events is not None:
             self._watched("writing the job's last events", self.events.close)
         if not delete_job_resources(self.store, self.spec, ident["region"],
@@ -644,10 +416,10 @@ class InstanceAgent:
                 "terminated" if not self.hook_ending else \
                 "rebalanced" if self.standbys is not None and self.standbys.held_lease \
                 else "standby-given-back"
-            self._emit("instance", action="terminated", reason=reason,
-                       instance_id=ident.get("instance_id"),
-                       instance_type=ident.get("instance_type"), az=ident.get("az_id"),
-                       pool=f"{ident.get('instance_type')}@{ident.get('az_id')}")
+            self.emit("instance", action="terminated", reason=reason,
+                      instance_id=ident.get("instance_id"),
+                      instance_type=ident.get("instance_type"), az=ident.get("az_id"),
+                      pool=f"{ident.get('instance_type')}@{ident.get('az_id')}")
             if self.events is not None:
                 with contextlib.suppress(Exception):
                     self.events.flush()

@@ -18,6 +18,7 @@ from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.providers.aws import _boto, cluster
 from spotnb.providers.aws.bootstrap import bundle, user_data
 from spotnb.providers.aws.leftovers import delete_role_named
+from spotnb.providers.aws.policies import instance_policy, trust_policy
 from spotnb.providers.aws.resources import (
     IAM_PATH,
     LAUNCH_HOOK_NAME,
@@ -26,9 +27,7 @@ from spotnb.providers.aws.resources import (
     SECURITY_GROUP,
     TAG_JOB,
     TAG_MANAGED,
-    AwsSettings,
     group_name,
-    instance_policy,
     launch_template_data,
     mixed_instances_policy,
     rebalancing,
@@ -36,8 +35,8 @@ from spotnb.providers.aws.resources import (
     role_name,
     tags,
     template_name,
-    trust_policy,
 )
+from spotnb.providers.aws.settings import AwsSettings
 from spotnb.providers.imds import TERMINATION_HOOK_SECONDS
 
 __all__ = ["IAM_PROPAGATION_ATTEMPTS", "LIFECYCLE_HOOK_SECONDS", "LaunchSteps",

@@ -1,4 +1,6 @@
-"""What the AWS provider creates, by name, tag and document: pure functions, no calls.
+"""What the AWS provider creates, by name, tag and document (the launch template, the
+group's mix of instance types, a multi-node job's network rules): pure functions, no
+calls.
 
 Everything a job creates carries its id, so :meth:`AwsProvider.cleanup` can find it:
 
@@ -22,24 +24,30 @@ bucket                      ``spotnb-<account>-<region>`` (default store)    sha
 Tags: ``spotnb:job-id`` (the job), ``spotnb:store`` (the job's store URI, so cleanup
 can tell a finished job from a running one), ``spotnb:managed=true`` on everything.
 
-The instance role (:func:`instance_policy`) is least-privilege: objects under the job's
-prefix only, listing only that prefix, deleting only its own group, template, role and
-profile (by ARN and by tag), a multi-node job's own security and placement groups (by
-tag), reading and deleting its own secrets (SSM parameters under
-``/spotnb/<job_id>/``), plus read-only calls that AWS cannot scope to a resource.
+The IAM documents are :mod:`.policies`'s, the provider's settings and default image
+:mod:`.settings`'s, what the group's scaling activities say :mod:`.activities`'s.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
-import os
-import re
-from collections.abc import Sequence
 from typing import Any
 
 from spotnb.protocol.spec import JobSpec, SpecError
-from spotnb.providers.aws import parameters
+from spotnb.providers.aws.activities import capacity_failures
+from spotnb.providers.aws.settings import (
+    DLAMI_NAME,
+    DLAMI_PARAMETER,
+    SPOT_STRATEGIES,
+    AwsSettings,
+    check_strategy,
+    image_problem,
+)
+
+# Importable from here too, as before they had modules of their own (tests,
+# spotnb.testing): the settings, the default image, the capacity failures.
+__all__ = ["DLAMI_NAME", "DLAMI_PARAMETER", "AwsSettings", "capacity_failures",
+           "image_problem"]
 
 TAG_JOB = "spotnb:job-id"
 TAG_STORE = "spotnb:store"
@@ -48,132 +56,6 @@ IAM_PATH = "/spotnb/"
 SECURITY_GROUP = "spotnb-no-inbound"
 FIS_ROLE = "spotnb-fis"
 BOOTSTRAP_PREFIX = "bootstrap"
-
-#: The default image: AWS's Deep Learning AMI for PyTorch, the newest framework line AWS
-#: supports ("Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.11 (Ubuntu 24.04)",
-#: first released 2026-08-15; DLAMI release notes), from its public SSM parameter
-#: (DLAMI Developer Guide, "Finding the ID of a DLAMI": the AMI's name without "deep",
-#: "learning" and "ami"), whose ``latest`` follows the line's patch releases. Python
-#: with PyTorch at /opt/pytorch/bin/python. When AWS ends the line's support, move to
-#: the next one here. Override with SPOTNB_AWS_AMI_PARAMETER or SPOTNB_AWS_AMI.
-DLAMI_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.11 (Ubuntu 24.04)"
-DLAMI_PARAMETER = ("/aws/service/deeplearning/ami/x86_64/"
-                   "oss-nvidia-driver-gpu-pytorch-2.11-ubuntu-24.04/latest/ami-id")
-DLAMI_PYTHON = "/opt/pytorch/bin/python"
-#: The instance families that image supports (its release notes' supported_ec2_instances:
-#: G4dn, G5, G6, Gr6, G6e, P4 (p4d), P4de, P5, P5e, P5en, P6-B200). Others are refused
-#: with it: AMD (g4ad), Arm (g5g), Inferentia/Trainium and V100 (p3) instances need
-#: another image (SPOTNB_AWS_AMI).
-DLAMI_FAMILIES = ("g4dn", "g5", "g6", "gr6", "g6e", "p4d", "p4de", "p5", "p5e", "p5en",
-                  "p6-b200")
-
-# Actions AWS cannot restrict to a resource; all are read-only. The instance agent
-# (:mod:`.instance`) needs each of them; nothing else on the instance calls AWS.
-READ_ONLY_ACTIONS = (
-    "ec2:DescribeAvailabilityZones",
-    "ec2:DescribeInstances",
-    "ec2:DescribeLaunchTemplates",
-    "ec2:DescribeSecurityGroups",  # a multi-node job's own group, to delete it
-    "ec2:DescribePlacementGroups",  # its placement group, if no peer deleted it
-    "ec2:DescribeSpotPriceHistory",
-    "autoscaling:DescribeAutoScalingGroups",
-    "autoscaling:DescribeScalingActivities",
-    "pricing:GetProducts",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class AwsSettings:
-    """Provider settings from the environment (none is needed; all have defaults).
-
-    ``SPOTNB_AWS_AMI``             an AMI id to use instead of the Deep Learning AMI
-    ``SPOTNB_AWS_AMI_PARAMETER``   the SSM parameter to read the AMI id from
-    ``SPOTNB_AWS_SUBNETS``         comma-separated subnet ids (default: the default VPC's
-                                   subnets in every AZ that offers one of the types)
-    ``SPOTNB_AWS_ONDEMAND_AFTER``  seconds without spot capacity after which the group
-                                   may launch on-demand (default: never, spot only)
-    ``SPOTNB_AWS_CAPACITY_POLL``   seconds between looks at the group's scaling
-                                   activities while waiting for capacity (default 5)
-    ``SPOTNB_AWS_LAUNCH_FAILURE``  seconds of failed launches that are not about
-                                   capacity (and no instance) after which the job fails
-                                   with AWS's reason (default 300: IAM propagation of a
-                                   new instance profile heals within it)
-    ``SPOTNB_AWS_SPOT_STRATEGY``   how Auto Scaling picks among the job's types
-                                   (:data:`SPOT_STRATEGIES`; default
-                                   ``price-capacity-optimized``, which ignores their order)
-    """
-
-    ami: str | None = None
-    ami_parameter: str = DLAMI_PARAMETER
-    subnets: tuple[str, ...] = ()
-    ondemand_after: float | None = None
-    capacity_poll: float = 5.0
-    launch_failure: float = 300.0
-    spot_strategy: str = "price-capacity-optimized"
-
-    @classmethod
-    def from_env(cls) -> AwsSettings:
-        env = os.environ
-        subnets = tuple(s.strip() for s in env.get("SPOTNB_AWS_SUBNETS", "").split(",")
-                        if s.strip())
-        return cls(
-            ami=env.get("SPOTNB_AWS_AMI") or None,
-            ami_parameter=env.get("SPOTNB_AWS_AMI_PARAMETER") or DLAMI_PARAMETER,
-            subnets=subnets,
-            ondemand_after=_seconds(env, "SPOTNB_AWS_ONDEMAND_AFTER"),
-            capacity_poll=_seconds(env, "SPOTNB_AWS_CAPACITY_POLL") or 5.0,
-            launch_failure=_seconds(env, "SPOTNB_AWS_LAUNCH_FAILURE") or 300.0,
-            spot_strategy=_strategy(env.get("SPOTNB_AWS_SPOT_STRATEGY") or
-                                    "price-capacity-optimized"),
-        )
-
-
-#: The spot allocation strategies a job's group may use, and what each does with the
-#: order of the job's instance types (Auto Scaling User Guide, "Allocation strategies
-#: for multiple instance types"):
-SPOT_STRATEGIES = {
-    # The pools least likely to be interrupted soon, then the lowest price among them:
-    # the order of the types is no preference. spotnb's default (AWS recommends it).
-    "price-capacity-optimized": "the order of the types is no preference",
-    # The pools with the most capacity, taking the order as a preference "on a
-    # best-effort basis": for a job whose first type matters (a faster GPU, say).
-    "capacity-optimized-prioritized": "the order of the types is a preference, "
-                                      "capacity first",
-}
-
-
-def image_problem(settings: AwsSettings, instance_types: tuple[str, ...]) -> str | None:
-    """Why the job's types cannot run the image it would get, or None: the default image
-    (:data:`DLAMI_PARAMETER`) supports the families :data:`DLAMI_FAMILIES` only. An image
-    of the user's own (SPOTNB_AWS_AMI or SPOTNB_AWS_AMI_PARAMETER) is the user's call."""
-    if settings.ami or settings.ami_parameter != DLAMI_PARAMETER:
-        return None
-    others = [t for t in instance_types if t.split(".")[0] not in DLAMI_FAMILIES]
-    if not others:
-        return None
-    return (f"{', '.join(others)} cannot run spotnb's default image, the {DLAMI_NAME} "
-            f"(it supports {', '.join(DLAMI_FAMILIES)}): choose one of those types, or "
-            "set SPOTNB_AWS_AMI to an image of yours for them")
-
-
-def _strategy(name: str) -> str:
-    if name not in SPOT_STRATEGIES:
-        raise SpecError(f"SPOTNB_AWS_SPOT_STRATEGY must be one of "
-                        f"{', '.join(SPOT_STRATEGIES)}, not {name!r}")
-    return name
-
-
-def _seconds(env: Any, name: str) -> float | None:
-    raw = env.get(name)
-    if raw in (None, ""):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise SpecError(f"{name} must be a number of seconds, not {raw!r}")
-    return value
 
 
 # ------------------------------------------------------------------------- names
@@ -277,14 +159,6 @@ def s3_location(store_uri: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-# ------------------------------------------------------------------------- IAM
-
-def trust_policy(service: str) -> dict[str, Any]:
-    """Who may assume a role: the AWS service ``service`` (``ec2.amazonaws.com``)."""
-    return {"Version": "2012-10-17", "Statement": [{
-        "Effect": "Allow", "Principal": {"Service": service}, "Action": "sts:AssumeRole"}]}
-
-
 def region_types(spec: JobSpec, region: str) -> tuple[str, ...]:
     """The job's instance types offered in ``region`` (in its order), for its group's
     overrides there; all of them when the catalog offers none there (AWS then says)."""
@@ -292,226 +166,6 @@ def region_types(spec: JobSpec, region: str) -> tuple[str, ...]:
 
     offered = tuple(t for t in spec.resources.instance_types if catalog.pools(t, region))
     return offered or spec.resources.instance_types
-
-
-def instance_policy(*, job_id: str, store_uri: str, region: str,
-                    account: str, regions: Sequence[str] = ()) -> dict[str, Any]:
-    """The job's instance role: least privilege, scoped to the job's store prefix.
-
-    ``region``: the job's home (its store's; its queues and secrets are there);
-    ``regions``: every region its group may run in (its own group, template and
-    network there), home by default. One role for the job's life: a move to another
-    of its regions changes no policy."""
-    bucket, prefix = s3_location(store_uri)
-    partition = "aws-cn" if region.startswith("cn-") else (
-        "aws-us-gov" if region.startswith("us-gov-") else "aws")
-    role = role_name(job_id)
-    where = list(dict.fromkeys(regions or (region,)))
-
-    def arns(*templates: str) -> str | list[str]:
-        found = [t.format(region=r) for t in templates for r in where]
-        return found[0] if len(found) == 1 else found
-
-    own_group = arns(f"arn:{partition}:autoscaling:{{region}}:{account}:autoScalingGroup:*:"
-                     f"autoScalingGroupName/{group_name(job_id)}")
-    return {"Version": "2012-10-17", "Statement": [
-        {
-            "Sid": "JobObjects",
-            "Effect": "Allow",
-            "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject",
-                       "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"],
-            "Resource": f"arn:{partition}:s3:::{bucket}/{prefix}/*",
-        },
-        {
-            "Sid": "ListJobPrefix",
-            "Effect": "Allow",
-            "Action": "s3:ListBucket",
-            "Resource": f"arn:{partition}:s3:::{bucket}",
-            "Condition": {"StringLike": {"s3:prefix": [f"{prefix}/", f"{prefix}/*"]}},
-        },
-        {
-            "Sid": "EndOwnGroup",
-            "Effect": "Allow",
-            "Action": "autoscaling:DeleteAutoScalingGroup",
-            "Resource": own_group,
-            "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
-        },
-        {
-            # Warm standbys (providers/aws/instance.py): the job's instance asks its
-            # group for a second instance on a rebalance recommendation, moves the job
-            # to it (ends itself through the termination hook, whose wait it ends once
-            # its final save is durable), gives back one not ready in time, or leaves
-            # the group at a notice (EC2 ends it; the standby is its replacement); an
-            # instance that runs the job protects itself from scale-in.
-            "Sid": "OwnGroupStandby",
-            "Effect": "Allow",
-            "Action": ["autoscaling:CompleteLifecycleAction",
-                       "autoscaling:SetDesiredCapacity",
-                       "autoscaling:SetInstanceProtection",
-                       "autoscaling:TerminateInstanceInAutoScalingGroup",
-                       "autoscaling:DetachInstances"],
-            "Resource": own_group,
-            "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
-        },
-        {
-            "Sid": "DeleteOwnTemplate",
-            "Effect": "Allow",
-            "Action": "ec2:DeleteLaunchTemplate",
-            "Resource": arns(f"arn:{partition}:ec2:{{region}}:{account}:launch-template/*"),
-            "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
-        },
-        {
-            "Sid": "DeleteOwnNetwork",
-            "Effect": "Allow",
-            "Action": ["ec2:DeleteSecurityGroup", "ec2:DeletePlacementGroup"],
-            "Resource": arns(f"arn:{partition}:ec2:{{region}}:{account}:security-group/*",
-                             f"arn:{partition}:ec2:{{region}}:{account}:placement-group/*"),
-            "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_JOB}": job_id}},
-        },
-        {
-            "Sid": "DeleteOwnRole",
-            "Effect": "Allow",
-            "Action": ["iam:DeleteRolePolicy", "iam:DeleteRole",
-                       "iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile"],
-            "Resource": [f"arn:{partition}:iam::{account}:role{IAM_PATH}{role}",
-                         f"arn:{partition}:iam::{account}:instance-profile{IAM_PATH}{role}"],
-        },
-        {
-            "Sid": "OwnQueues",
-            "Effect": "Allow",
-            "Action": ["sqs:CreateQueue", "sqs:TagQueue", "sqs:GetQueueUrl",
-                       "sqs:ReceiveMessage", "sqs:SendMessage", "sqs:DeleteQueue"],
-            "Resource": f"arn:{partition}:sqs:{region}:{account}:spotnb-{job_id}-*",
-        },
-        parameters.role_statement(job_id=job_id, region=region, account=account,
-                                  partition=partition),
-        {
-            "Sid": "ReadOnlyUnscopable",
-            "Effect": "Allow",
-            "Action": list(READ_ONLY_ACTIONS),
-            "Resource": "*",
-        },
-    ]}
-
-
-def fis_target(job_id: str, instance_arn: str | None = None) -> dict[str, Any]:
-    """The FIS experiment target of ``%spot_interrupt``: one instance by its ARN, or
-    every running spot instance of the job by its tag.
-
-    Not a list of the job's ARNs: FIS takes at most five ``resourceArns`` a target (the
-    FIS API Reference; ``max: 5`` in botocore's model), and a job may have up to 65
-    instances. Tags and a ``State.Name`` filter select any number, resolved by FIS when
-    the experiment starts (through the role's ``ec2:DescribeInstances``)."""
-    target: dict[str, Any] = {"resourceType": "aws:ec2:spot-instance", "selectionMode": "ALL"}
-    if instance_arn is not None:
-        return {**target, "resourceArns": [instance_arn]}
-    return {**target, "resourceTags": {TAG_JOB: job_id},
-            "filters": [{"path": "State.Name", "values": ["running"]}]}
-
-
-def fis_policy(region: str, account: str) -> dict[str, Any]:
-    """The FIS role: send interruption notices to spotnb's spot instances only, in any
-    region (one role for the account, whose jobs run in several: ``region`` names the
-    partition)."""
-    partition = "aws-cn" if region.startswith("cn-") else (
-        "aws-us-gov" if region.startswith("us-gov-") else "aws")
-    return {"Version": "2012-10-17", "Statement": [
-        {
-            "Sid": "InterruptSpotnbInstances",
-            "Effect": "Allow",
-            "Action": "ec2:SendSpotInstanceInterruptions",
-            "Resource": f"arn:{partition}:ec2:*:{account}:instance/*",
-            "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_MANAGED}": "true"}},
-        },
-        {"Sid": "FindThem", "Effect": "Allow", "Action": "ec2:DescribeInstances",
-         "Resource": "*"},
-    ]}
-
-
-#: The service-linked roles AWS creates in an account on a service's first use, by the
-#: caller's request: Auto Scaling's at the first group (Auto Scaling User Guide,
-#: "Service-linked roles for Amazon EC2 Auto Scaling"), FIS's at the first experiment
-#: template (FIS User Guide, "Use service-linked roles for AWS FIS"). Without
-#: ``iam:CreateServiceLinkedRole`` for them a fresh account's first launch (or first
-#: ``%spot_interrupt``) fails.
-SERVICE_LINKED_ROLES = {
-    "autoscaling.amazonaws.com": "AWSServiceRoleForAutoScaling",
-    "fis.amazonaws.com": "AWSServiceRoleForFIS",
-}
-
-
-def user_policy(region: str | Sequence[str], account: str, bucket: str) -> dict[str, Any]:
-    """What the notebook user's identity needs (printed by ``spotnb aws setup``), in
-    ``region`` (or each of several: the allowed regions, where jobs may run; the first
-    is home, ``bucket``'s).
-
-    Every action is checked against AWS's Service Authorization Reference in the tests
-    (``tests/aws_reference/iam.py``): list calls that AWS cannot scope to a resource
-    (``iam:ListRoles``, ``ec2:Describe*`` ...) are granted on ``*``, the rest on
-    spotnb's own resources or in the allowed regions."""
-    regions = [region] if isinstance(region, str) else list(dict.fromkeys(region))
-    allowed: str | list[str] = regions[0] if len(regions) == 1 else regions
-
-    def arns(template: str) -> str | list[str]:
-        found = [template.format(region=r) for r in regions]
-        return found[0] if len(found) == 1 else found
-
-    return {"Version": "2012-10-17", "Statement": [
-        {"Sid": "Store", "Effect": "Allow",
-         "Action": ["s3:CreateBucket", "s3:ListBucket", "s3:GetObject", "s3:PutObject",
-                    "s3:DeleteObject", "s3:PutBucketPublicAccessBlock",
-                    "s3:PutEncryptionConfiguration", "s3:PutBucketPolicy",
-                    "s3:PutLifecycleConfiguration", "s3:PutBucketTagging",
-                    "s3:GetBucketLocation", "s3:AbortMultipartUpload",
-                    "s3:ListMultipartUploadParts"],
-         "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]},
-        {"Sid": "JobRoles", "Effect": "Allow",
-         "Action": ["iam:CreateRole", "iam:PutRolePolicy", "iam:TagRole", "iam:GetRole",
-                    "iam:DeleteRolePolicy", "iam:DeleteRole", "iam:CreateInstanceProfile",
-                    "iam:TagInstanceProfile", "iam:AddRoleToInstanceProfile",
-                    "iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile",
-                    "iam:GetInstanceProfile", "iam:ListRoleTags", "iam:ListRolePolicies",
-                    "iam:PassRole"],
-         "Resource": [f"arn:aws:iam::{account}:role{IAM_PATH}*",
-                      f"arn:aws:iam::{account}:instance-profile{IAM_PATH}*"]},
-        {"Sid": "ServiceLinkedRoles", "Effect": "Allow",
-         "Action": "iam:CreateServiceLinkedRole",
-         "Resource": [f"arn:aws:iam::{account}:role/aws-service-role/{service}/{role}"
-                      for service, role in SERVICE_LINKED_ROLES.items()],
-         "Condition": {"StringEquals": {"iam:AWSServiceName": list(SERVICE_LINKED_ROLES)}}},
-        {"Sid": "Capacity", "Effect": "Allow",
-         "Action": ["ec2:CreateLaunchTemplate", "ec2:DeleteLaunchTemplate",
-                    "ec2:CreateSecurityGroup", "ec2:CreateTags", "ec2:RunInstances",
-                    "ec2:AuthorizeSecurityGroupIngress", "ec2:AuthorizeSecurityGroupEgress",
-                    "ec2:DeleteSecurityGroup",
-                    "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup",
-                    "ec2:TerminateInstances", "autoscaling:CreateAutoScalingGroup",
-                    "autoscaling:UpdateAutoScalingGroup", "autoscaling:PutLifecycleHook",
-                    "autoscaling:DeleteAutoScalingGroup", "autoscaling:CreateOrUpdateTags",
-                    "fis:CreateExperimentTemplate", "fis:StartExperiment",
-                    "fis:DeleteExperimentTemplate", "fis:TagResource"],
-         "Resource": "*",
-         "Condition": {"StringEquals": {"aws:RequestedRegion": allowed}}},
-        {"Sid": "Queues", "Effect": "Allow",
-         "Action": ["sqs:CreateQueue", "sqs:TagQueue", "sqs:GetQueueUrl", "sqs:SendMessage",
-                    "sqs:ReceiveMessage", "sqs:DeleteQueue", "sqs:ListQueueTags"],
-         "Resource": arns(f"arn:aws:sqs:{{region}}:{account}:spotnb-*")},
-        {"Sid": "JobSecrets", "Effect": "Allow",
-         "Action": ["ssm:PutParameter", "ssm:AddTagsToResource", "ssm:ListTagsForResource",
-                    "ssm:DeleteParameter", "ssm:DeleteParameters"],
-         "Resource": arns(f"arn:aws:ssm:{{region}}:{account}:parameter{parameters.ROOT}/*")},
-        # `spotnb aws doctor` asks IAM whether this identity has the rest of this policy.
-        {"Sid": "SelfCheck", "Effect": "Allow",
-         "Action": "iam:SimulatePrincipalPolicy",
-         "Resource": [f"arn:aws:iam::{account}:user/*", f"arn:aws:iam::{account}:role/*"]},
-        {"Sid": "ReadOnly", "Effect": "Allow",
-         "Action": ["ec2:Describe*", "autoscaling:Describe*", "ssm:GetParameter",
-                    "ssm:DescribeParameters", "sqs:ListQueues",
-                    "pricing:GetProducts", "ec2:GetSpotPlacementScores",
-                    "servicequotas:ListServiceQuotas", "sts:GetCallerIdentity",
-                    "tag:GetResources", "iam:ListRoles", "iam:ListInstanceProfiles"],
-         "Resource": "*"},
-    ]}
 
 
 # -------------------------------------------------------------- launch template
@@ -565,7 +219,7 @@ def mixed_instances_policy(*, template_id: str, instance_types: tuple[str, ...],
         "OnDemandBaseCapacity": 0,
         "OnDemandPercentageAboveBaseCapacity": 100 if ondemand else 0,
         "OnDemandAllocationStrategy": "prioritized",
-        "SpotAllocationStrategy": _strategy(strategy),
+        "SpotAllocationStrategy": check_strategy(strategy),
     }
     if max_price is not None:
         distribution["SpotMaxPrice"] = f"{max_price:.5f}"
@@ -597,58 +251,3 @@ def choice_detail(instance_type: str, instance_types: tuple[str, ...], strategy:
             f"{SPOT_STRATEGIES[strategy]})")
     return (f"; Auto Scaling's choice among the job's {len(instance_types)} types "
             f"({strategy}: {SPOT_STRATEGIES.get(strategy, '')})")
-
-
-# ------------------------------------------------------------ scaling activities
-
-_TYPE = re.compile(r"\b([a-z][a-z0-9-]*\d[a-z0-9-]*\.\d*[a-z]+)\b")
-_AZ = re.compile(r"\b([a-z]{2}(?:-gov)?-[a-z]+-\d[a-z])\b")
-
-
-def launch_failures(activities: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Failed Auto Scaling activities that were not about spot capacity (an instance
-    profile IAM has not propagated yet or that is gone, an image that does not exist,
-    a type the image cannot run, a missing permission...), oldest first: ``activity_id``
-    and AWS's ``reason`` (the activity's status message)."""
-    from spotnb.providers.aws._boto import capacity_code_in
-
-    found = []
-    for act in activities:
-        if act.get("StatusCode") not in ("Failed", "Cancelled"):
-            continue
-        message = str(act.get("StatusMessage") or act.get("Description") or "").strip()
-        if capacity_code_in(message) is None:
-            found.append({"activity_id": act.get("ActivityId"), "reason": message,
-                          "start": str(act.get("StartTime"))})
-    found.sort(key=lambda f: str(f["start"]))
-    return found
-
-
-def capacity_failures(activities: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Failed Auto Scaling activities that were about spot capacity, oldest first, as
-    ``instance`` event data (``action="capacity_error"``, ``reason`` the AWS code)."""
-    from spotnb.providers.aws._boto import capacity_code_in
-
-    found = []
-    for act in activities:
-        if act.get("StatusCode") not in ("Failed", "Cancelled"):
-            continue
-        message = str(act.get("StatusMessage") or act.get("Description") or "")
-        code = capacity_code_in(message)
-        if code is None:
-            continue
-        instance_type = _TYPE.search(message)
-        az = _AZ.search(message)
-        found.append({
-            "action": "capacity_error", "reason": code, "detail": message,
-            "instance_id": None,
-            "instance_type": instance_type.group(1) if instance_type else None,
-            "az": None,  # events name AZs by id; AWS's messages by name (az_name)
-            "az_name": az.group(1) if az else None,
-            "activity_id": act.get("ActivityId"),
-            "start": act.get("StartTime"),
-        })
-    found.sort(key=lambda f: str(f["start"]))
-    for f in found:
-        f.pop("start")
-    return found
