@@ -45,8 +45,8 @@ class PrincipalsPlay:
         """The notebook's user, with exactly the policy spotnb prints for users, in the
         environment; IAM enforced per principal from here on (:mod:`spotnb.testing.iam`)."""
         from spotnb.providers.aws import _boto
+        from spotnb.providers.aws.bucket import default_bucket
         from spotnb.providers.aws.policies import user_policy
-        from spotnb.providers.aws.store import default_bucket
 
         iam = self._client("iam")
         iam.create_user(UserName=USER_NAME, Path="/")

@@ -188,7 +188,7 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
 
     def default_store(self, region: str) -> str:
         """``s3://spotnb-<account>-<region>``: where jobs go when no store is given."""
-        from spotnb.providers.aws.store import default_bucket
+        from spotnb.providers.aws.bucket import default_bucket
 
         _boto.check_region(region)
         return f"s3://{default_bucket(_boto.account_id(region=region), region)}"
@@ -196,7 +196,7 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
     # -- the contract
 
     def validate(self, spec: JobSpec) -> None:
-        from spotnb.providers.aws.store import bucket_problem, default_bucket, ensure_bucket
+        from spotnb.providers.aws.bucket import bucket_problem, default_bucket, ensure_bucket
 
         res = spec.resources
         region = _boto.check_region(res.region)

@@ -106,7 +106,7 @@ def _shared_network(provider: Any, region: str, dry_run: bool) -> list[str]:
 def setup(region: str | None = None, dry_run: bool = False) -> SetupReport:
     """Create or check the shared resources; see the module docstring."""
     from spotnb.providers.aws import AwsProvider
-    from spotnb.providers.aws.store import default_bucket, ensure_bucket
+    from spotnb.providers.aws.bucket import default_bucket, ensure_bucket
 
     region = _region(region)
     regions = _regions(region)
@@ -144,7 +144,7 @@ def setup(region: str | None = None, dry_run: bool = False) -> SetupReport:
 def doctor(region: str | None = None) -> list[Check]:
     """Everything a launch needs, checked; see the module docstring."""
     from spotnb.providers.aws import AwsProvider
-    from spotnb.providers.aws.store import bucket_problem, default_bucket
+    from spotnb.providers.aws.bucket import bucket_problem, default_bucket
 
     checks: list[Check] = []
     try:
