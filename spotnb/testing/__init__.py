@@ -163,6 +163,7 @@ into a virtual environment of its own, as on real EC2; ``install=`` a ``PlainIma
 boots on that one (``plain_image().without("pathspec")``: an index that lacks one).
 """
 
+from spotnb.testing.instances import SimInstance
 from spotnb.testing.server import (
     DEFAULT_ACCOUNT,
     DEFAULT_REGION,
@@ -171,7 +172,7 @@ from spotnb.testing.server import (
     MotoServer,
     aws_environment,
 )
-from spotnb.testing.simulator import AwsSimulator, SimInstance
+from spotnb.testing.simulator import AwsSimulator
 
 __all__ = [
     "DEFAULT_ACCOUNT",
