@@ -35,6 +35,7 @@ from spotnb.providers.imds import ImdsClient
 from spotnb.providers.local import LocalProvider
 from spotnb.providers.local.group import Supervisor
 from spotnb.providers.local.instance import LocalInstance
+from spotnb.providers.local.lifecycle import send_signals
 from spotnb.providers.local.market import Market
 from spotnb.providers.local.state import Settings, instance_dir
 
@@ -836,12 +837,12 @@ def test_a_recommendation_lead_is_market_time_compressed_as_the_notice(cloud: Cl
     inst = LocalInstance.create(pool, group.pools.market(pool), index=1, now=now,
                                 boot_seconds=0, hazard_at=now + 100, job_id=spec.job_id)
     try:
-        group._signal(inst, now + 94.9)
+        send_signals(group, inst, now + 94.9)
         assert inst.rebalance_at is None
-        group._signal(inst, now + 95.1)
+        send_signals(group, inst, now + 95.1)
         assert inst.rebalance_at == now + 95.1
         assert ImdsClient(inst.imds.endpoint, timeout=30).rebalance() is not None
-        group._signal(inst, now + 99)
+        send_signals(group, inst, now + 99)
         assert inst.rebalance_at == now + 95.1  # one recommendation per interruption
     finally:
         inst.imds.stop()

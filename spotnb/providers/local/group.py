@@ -26,6 +26,9 @@ A job's life, as the supervisor sees it::
         instances; the agent has stop_grace (15 s) to finish by itself -> terminate it
         -> result "stopped" unless the agent wrote one -> supervisor exits
 
+Each instance's turn in a tick (its boot, its agent's exit, faults asked for, the market,
+EC2's recommendation and notice, the end of its notice period) is :mod:`.lifecycle`'s.
+
 The store may fail (a full or read-only disk, a bucket out of reach): the supervisor
 keeps its local duties (notices, terminations), retries the store every tick, and keeps
 a result it must write in ``group.json`` meanwhile (:mod:`.groupfile`).
@@ -75,13 +78,12 @@ from spotnb.protocol.layout import RESULT, SPEC, STOP
 from spotnb.protocol.limits import limit_reached
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
-from spotnb.providers.local import control
+from spotnb.providers.local import control, lifecycle
 from spotnb.providers.local.adoption import take_over
 from spotnb.providers.local.failover import notice_end
 from spotnb.providers.local.groupfile import AGENT_EXIT_STORE, GroupFile
-from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
-from spotnb.providers.local.interruptions import FORESEEN, Interruptions
+from spotnb.providers.local.interruptions import Interruptions
 from spotnb.providers.local.pools import Pools
 from spotnb.providers.local.standbys import Standbys
 from spotnb.providers.local.state import (
@@ -150,7 +152,7 @@ class Supervisor:
         self.interruptions = Interruptions(spec, settings, store)
         # The markets replay from the group's first start, across supervisors.
         self.pools = Pools(spec, settings, store, self.record.started, self.interruptions,
-                           self._emit)
+                           self.emit)
         self.standbys = Standbys(self)
         if adopt:
             self._adopt(time.time())
@@ -170,10 +172,10 @@ class Supervisor:
             self.first_launch = history.first_launch
         self.interruptions.resume(history, self.first_launch, now)
         if not self.store.exists(RESULT):  # else it only logs the instances' end
-            self._emit("status", None, state="launching",
-                       detail="the local cloud's supervisor of this job was restarted; "
-                              "taking over its instances")
-        adopted = take_over(self.spec, self.pools, self._emit, history.terminated, now,
+            self.emit("status", None, state="launching",
+                      detail="the local cloud's supervisor of this job was restarted; "
+                             "taking over its instances")
+        adopted = take_over(self.spec, self.pools, self.emit, history.terminated, now,
                             KILL_GRACE_SECONDS)
         for inst in adopted:
             self.interruptions.adopted(inst, now)
@@ -211,7 +213,7 @@ class Supervisor:
             for inst in self.instances:
                 if inst.ended is None:
                     try:
-                        self._end(inst, time.time(), "group-ended")
+                        self.end(inst, time.time(), "group-ended")
                     except Exception:
                         log.exception("could not end instance %s", inst.id)
             self.interruptions.stop_following()
@@ -234,7 +236,7 @@ class Supervisor:
         if self.terminate_requested:
             log.info("terminating the group (%s)", self.terminate_requested)
             for inst in self.running:
-                self._end(inst, now, "group-terminated")
+                self.end(inst, now, "group-terminated")
             self.running = []
             self._write_result("stopped", "the capacity group was terminated",
                                detail=self.terminate_requested)
@@ -248,7 +250,7 @@ class Supervisor:
         # region's launches wait for the next tick (the log then says each in order).
         leaving = self.pools.leaving(self.running)
         for inst in list(self.running):
-            self._step(inst, now)
+            lifecycle.step(self, inst, now)
         if self.finish is not None:
             return self._step_finishing(now)
         # One launch a tick at most: a capacity error waits CAPACITY_RETRY_SECONDS.
@@ -308,128 +310,25 @@ class Supervisor:
 
     # ---------------------------------------------------------------- instances
 
-    def _step(self, inst: LocalInstance, now: float) -> None:
-        # Step 1: boot. The agent starts once the simulated boot delay is over.
-        if not inst.started:
-            if inst.terminate_at is None and self.finish is None and now >= inst.boot_until:
-                self.spawn(inst, now)
-                if inst not in self.running:  # the agent could not even be started
-                    return
-        # Step 2: an agent that exited by itself, or a fault asked for (kill, freeze).
-        elif (code := inst.exit_code()) is not None:
-            self._agent_exited(inst, now, code)
-            return
-        elif any(i == inst.id for i, _ in self.faults_requested):
-            kinds = {k for i, k in self.faults_requested if i == inst.id}
-            self.faults_requested = [f for f in self.faults_requested if f[0] != inst.id]
-            if "kill" in kinds:
-                self._kill(inst, now)
-                return
-            if "recommend" in kinds and inst.terminate_at is None and self.finish is None:
-                self._recommend(inst, now, "requested")
-            if "freeze" in kinds:
-                self._freeze(inst)
-        if inst.on_hold:
-            self.standbys.mind(inst, now)
-            if inst not in self.running:
-                return
-        # Step 3: the market moves.
-        if inst.next_price_change is not None and now >= inst.next_price_change:
-            price = inst.market.price_at(now)
-            if price != inst.price:
-                inst.price = price
-                self.pools.emit_price(inst)
-            inst.next_price_change = inst.market.next_change_after(now)
-        # Step 4: does EC2 want the instance back? First its recommendation, if one is
-        # due: one with no lead comes in the tick of its notice, before it.
-        if inst.terminate_at is None and self.finish is None:
-            self._signal(inst, now)
-            self.standbys.step(inst, now)
-            reason = self.interruptions.notice_due(inst, now, self.first_launch)
-            if reason is not None:
-                self._notice(inst, now, reason)
-        else:  # already under notice, or winding down: no interruption to give it
-            self.interruptions.withdraw(inst.id)
-        # A multi-node job's recommendation (step 2, 4), its notice come with it or not.
-        self.standbys.end_of_step(inst, now)
-        # Step 5: the notice period is over (or, ended through the termination hook, the
-        # agent handed the lease over).
-        if inst.notice_reason == "rebalanced" and inst.terminate_at is not None and (
-                now >= inst.terminate_at or self.standbys.hook_done(inst)):
-            self._end(inst, now, "rebalanced")
-            self.forget(inst)
-            return
-        if inst.terminate_at is not None and now >= inst.terminate_at:
-            self._end(inst, now, notice_end(inst.notice_reason))
-            self.forget(inst)
-            self.crashes = 0
-            self.next_launch_at = now
-
-    def _signal(self, inst: LocalInstance, now: float) -> None:
-        """Publish the recommendations of ``inst`` that are due (:mod:`.interruptions`)."""
-        first = self.interruptions.first_uninterrupted(self.running)
-        for reason in self.interruptions.recommendations_due(inst, now, self.first_launch,
-                                                             first):
-            self._recommend(inst, now, reason)
-
-    def _recommend(self, inst: LocalInstance, now: float, reason: str,
-                   with_notice: bool = False) -> None:
-        """A rebalance recommendation for ``inst`` at its metadata service, and in the
-        log; then its warm standby (:mod:`.standbys`; on AWS the job's instance agent
-        asks its Auto Scaling group for one). ``with_notice``: the recommendation comes
-        in the tick of the notice."""
-        inst.recommend_rebalance(now)
-        log.info("rebalance recommendation for %s (%s)", inst.id, reason)
-        self._emit("instance", inst.id, at=now, action="rebalance", reason=reason,
-                   **inst.describe(), notice_time=iso_utc(now))
-        self.standbys.recommended(inst, now, with_notice)
-
-    def _kill(self, inst: LocalInstance, now: float) -> None:
-        """A machine lost outright: SIGKILL the agent and everything it started at once
-        (no notice, no grace); the group replaces it as after an interruption."""
-        inst.kill_now()
-        log.info("killed instance %s without notice (requested)", inst.id)
-        self._end(inst, now, "killed")
-        self.forget(inst)
-        self.next_launch_at = now
-
-    def _freeze(self, inst: LocalInstance) -> None:
-        """A node gone silent: SIGSTOP the agent and everything it started."""
-        inst.freeze()
-        log.info("froze instance %s (requested)", inst.id)
-        self._emit("instance", inst.id, action="frozen", **inst.describe())
-
-    def _notice(self, inst: LocalInstance, now: float, reason: str) -> None:
-        """Interrupt like EC2: the notice now, the termination after the notice period.
-        A single-node job's replacement launches at the notice, to boot during the
-        notice period, as on AWS (the noticed instance leaves its group), unless a
-        standby already boots for it (:meth:`.Standbys.at_notice`)."""
-        if reason not in FORESEEN:  # nobody knew it ahead: the recommendation comes with it
-            self._recommend(inst, now, reason, with_notice=True)
-        self.standbys.at_notice(inst, now)
-        inst.notice(now, self.settings.notice_seconds, reason)
-        assert inst.terminate_at is not None
-        log.info("interruption notice for %s (%s); terminating at %s", inst.id, reason,
-                 iso_utc(inst.terminate_at))
-        self._emit("instance", inst.id, action="notice", reason=reason, **inst.describe(),
-                   notice_time=iso_utc(now), termination_time=iso_utc(inst.terminate_at),
-                   price=inst.price)
-
-    def _agent_exited(self, inst: LocalInstance, now: float, code: int | None) -> None:
+    def agent_exited(self, inst: LocalInstance, now: float, code: int | None) -> None:
+        """The agent of ``inst`` exited by itself (:mod:`.lifecycle`'s step 2, or it
+        could not start): the job's end, its instance's a little before its termination
+        time, a store it gave up on (the next launch backs off), or a crash (a crash
+        loop fails the job)."""
         lived = now - (inst.running_since or now)
         self.forget(inst)
         self.next_launch_at = now
         if self.store.exists(RESULT):
-            self._end(inst, now, "job-finished", exit_code=code)
+            self.end(inst, now, "job-finished", exit_code=code)
             self.finish = _Finish("result", now, "job-finished")
             return
         if inst.terminate_at is not None:  # gone a little before its termination time
-            self._end(inst, now, "rebalanced" if inst.notice_reason == "rebalanced"
-                      else notice_end(inst.notice_reason), exit_code=code)
+            self.end(inst, now, "rebalanced" if inst.notice_reason == "rebalanced"
+                     else notice_end(inst.notice_reason), exit_code=code)
             self.crashes = 0
             return
         if self.finish is not None:
-            self._end(inst, now, "stopped", exit_code=code)
+            self.end(inst, now, "stopped", exit_code=code)
             return
         log_path = inst.log_path
         if code == AGENT_EXIT_STORE:
@@ -437,12 +336,12 @@ class Supervisor:
             delay = self.record.backoff.next()
             log.warning("agent on %s gave up on the store; launching again in %.0f s",
                         inst.id, delay)
-            self._end(inst, now, "agent-exited", exit_code=code)
+            self.end(inst, now, "agent-exited", exit_code=code)
             self.next_launch_at = now + delay
             return
         log.warning("agent on %s exited with code %s after %.1fs without a result; see %s",
                     inst.id, code, lived, log_path)
-        self._end(inst, now, "agent-exited", exit_code=code)
+        self.end(inst, now, "agent-exited", exit_code=code)
         self.crashes = self.crashes + 1 if lived < CRASH_LOOP_SECONDS else 0
         if self.crashes >= CRASH_LOOP_COUNT:
             self.finish = _Finish("failed", now)  # first: no more launches, store or not
@@ -452,11 +351,11 @@ class Supervisor:
                 f"within {CRASH_LOOP_SECONDS:g} s without a result); see {log_path}",
             )
 
-    def _end(self, inst: LocalInstance, now: float, reason: str, **extra: Any) -> None:
+    def end(self, inst: LocalInstance, now: float, reason: str, **extra: Any) -> None:
         """Terminate an instance and say so."""
         cost = self.terminate(inst, now, reason)
-        self._emit("instance", inst.id, action="terminated", reason=reason, **inst.describe(),
-                   cost_usd=round(cost, 6), **extra)
+        self.emit("instance", inst.id, action="terminated", reason=reason, **inst.describe(),
+                  cost_usd=round(cost, 6), **extra)
 
     # ------------------------------------------------------------------- launch
 
@@ -516,7 +415,7 @@ class Supervisor:
         except OSError as e:
             # A missing interpreter or agent: the same outcome as an agent that crashed.
             log.error("cannot start the agent %s: %s", cmd, e)
-            self._agent_exited(inst, now, 127)
+            self.agent_exited(inst, now, 127)
             return
         assert inst.proc is not None
         log.info("agent for %s started (pid %d)", inst.id, inst.proc.pid)
@@ -552,7 +451,7 @@ class Supervisor:
             reason = "job-finished" if self.store.exists(RESULT) else "stopped"
             for inst in self.running:
                 if inst.ended is None:
-                    self._end(inst, now, reason)
+                    self.end(inst, now, reason)
             self.running = []
         if self.finish.kind == "stop":
             self._write_result("stopped", self.finish.reason, detail=self.finish.detail)
@@ -560,12 +459,14 @@ class Supervisor:
 
     def _write_result(self, status: str, reason: str, **extra: Any) -> None:
         """Write result.json unless the job already has one (:mod:`.groupfile`)."""
-        self.record.write_result(self._emit, status, reason, **extra)
+        self.record.write_result(self.emit, status, reason, **extra)
 
     # ------------------------------------------------------------------- output
 
-    def _emit(self, type: str, instance: str | None, at: float | None = None,
-              **data: Any) -> None:
+    def emit(self, type: str, instance: str | None, at: float | None = None,
+             **data: Any) -> None:
+        """An event of the group about ``instance`` (at ``at``, else now):
+        :meth:`emit_event`."""
         self.emit_event(Event(type=type, time=time.time() if at is None else at,
                               attempt=GROUP_STREAM, instance=instance, data=data))
 

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 class Emit(Protocol):
-    """The group's writer of its own events (:meth:`.group.Supervisor._emit`)."""
+    """The group's writer of its own events (:meth:`.group.Supervisor.emit`)."""
 
     def __call__(self, type: str, instance: str | None, at: float | None = None,
                  **data: Any) -> None: ...
