@@ -14,6 +14,7 @@ from helpers import wait_until
 from test_aws_provider import UNTIL_GATE, assert_nothing_left
 
 import spotnb
+from spotnb.protocol import layout
 from spotnb.protocol.events import metric_rows
 from spotnb.protocol.events.fold import fold
 from spotnb.providers.aws import bootstrap
@@ -49,7 +50,9 @@ def test_an_instance_agent_that_dies_is_started_again_and_adopts_its_running_job
                                instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
         inst = sim.wait_for_instance(handle.job_id)
         uri = handle.store.uri
-        wait_until(lambda: handle.metrics().get("loss"), 120, "the first steps")
+        # (The store, not the log: a job nobody follows writes its log once a minute.)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+                   "the first steps' checkpoint")
         (job_agent,) = wait_until(lambda: processes("spotnb.kernel_remote", uri), 60,
                                   "the job agent")
         (first,) = processes("spotnb.providers.aws.instance", uri)
@@ -87,16 +90,22 @@ def test_an_s3_outage_as_the_job_ends_is_waited_out_and_nothing_is_left_billed(
         handle = spotnb.submit(UNTIL_GATE.format(gate=str(gate)), provider="aws",
                                instance_types=["g4dn.xlarge"], checkpoint_every="10 steps")
         inst = sim.wait_for_instance(handle.job_id)
-        wait_until(lambda: handle.metrics().get("loss"), 120, "the first steps")
+        # (The store, not the log: a job nobody follows writes its log once a minute.)
+        wait_until(lambda: handle.store.exists(f"{layout.CHECKPOINTS}/LATEST"), 120,
+                   "the first steps' checkpoint")
         boot_log = inst.dir / "bootstrap.log"
         outage = sim.server.s3_outage
         outage.start("instance-agent")
         gate.touch()
-        result = handle.wait(timeout=120)  # the job agent's result: S3 works for it
+        # The job agent's result (S3 works for it). Not handle.wait() yet: it would wait
+        # out its grace for the instance agent's report of the instance's end, which
+        # the outage holds back.
+        wait_until(lambda: handle.store.exists(layout.RESULT), 120, "the job's result")
         wait_until(lambda: "reading whether the job has a result failed" in
                    boot_log.read_text(), 120, "the instance agent to meet the outage")
         assert not inst.terminated, "the group is not deleted while S3 fails"
         outage.end()
+        result = handle.wait(timeout=120)
         wait_until(lambda: inst.terminated, 120, "the instance to end with its job")
         assert_nothing_left(sim)
         events = list(handle.events(follow=False))
