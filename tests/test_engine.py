@@ -157,15 +157,22 @@ def test_torch_training_with_three_interruptions_is_bitwise_identical(
     # seconds (about 5.5 s for this state). The notice period leaves the forced save
     # time to upload beside it: the instance's link is shared by its uploads, so the
     # forced save is durable after up to two uploads' worth (about 11 s), then commits.
-    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.01")
+    # Only attempt 2's instance has the slow link (the kernel's uploads read the
+    # setting as they start): at 0.01 MB/s everywhere every other save took 5.5 s too,
+    # the forced ones 11 s (the test took 65 s, 37 s of it in those uploads).
     monkeypatch.setenv("SPOTNB_LOCAL_NOTICE_SECONDS", "20")
-    during_upload = TORCH_TRAINING.replace("    ckpt.maybe_save(step)\n", (
+    during_upload = TORCH_TRAINING.replace("start = ckpt.restore()\n", (
+        "start = ckpt.restore()\n"
+        "if spot.attempt == 2:\n"
+        "    import os\n"
+        "    os.environ['SPOTNB_LOCAL_UPLOAD_MBPS'] = '0.01'\n")).replace(
+        "    ckpt.maybe_save(step)\n", (
         "    if ckpt.maybe_save(step) and spot.attempt == 2 and not spot.interrupt_pending:\n"
         "        from spotnb.providers.local import LocalProvider\n"
         "        if not globals().get('_asked'):\n"
         "            _asked = True\n"
         "            LocalProvider().interrupt(spot.job_id)\n"))
-    assert during_upload != TORCH_TRAINING
+    assert during_upload.count("spot.attempt == 2") == 2
     handle = spotnb.submit(during_upload, name="interrupted", **common)
     interrupt = Interrupter(handle)
     in_flight: dict[int, str] = {}

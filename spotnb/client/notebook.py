@@ -28,9 +28,13 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import nbformat
+if TYPE_CHECKING:
+    # Imported where it is used: nbformat's import takes seconds (its schema validation
+    # loads jsonschema's format checkers), and `%load_ext spotnb` imports this module
+    # (ENV_RUN_JOBS) without ever reading a notebook.
+    import nbformat
 
 __all__ = ["ENV_RUN_JOBS", "CellFailure", "NotebookRun", "default_output", "execute",
            "run_notebook"]
@@ -101,6 +105,8 @@ def run_notebook(path: str | os.PathLike[str], output: str | os.PathLike[str] | 
     if not source.is_file():
         raise FileNotFoundError(f"no notebook at {source}")
     out = Path(output).resolve() if output is not None else default_output(source)
+    import nbformat
+
     nb = nbformat.read(source, as_version=4)
     started = time.monotonic()
     env = {**os.environ, "JPY_SESSION_NAME": str(source)}
@@ -181,6 +187,8 @@ def execute(nb: nbformat.NotebookNode, directory: str | os.PathLike[str], *,
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     if failure is not None and failure.timed_out:
+        import nbformat
+
         # Last, once the kernel is gone and adds no more output: why the cell ended.
         nb.cells[failure.index].outputs.append(nbformat.v4.new_output(
             "error", ename=failure.ename, evalue=failure.evalue,
