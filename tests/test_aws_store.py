@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_until
 
 from spotnb.protocol.spec import SpecError
 from spotnb.protocol.store import NotFound, StoreError, open_store
@@ -159,6 +161,41 @@ def test_a_checkpoint_streams_to_s3_in_parts_with_checksums(
     targets: dict[str, Any] = {"w": torch.empty_like(weights), state_key(): None}
     load_state(targets, FileReader(tmp_path / "copy"))
     assert torch.equal(targets["w"], weights) and targets[state_key()] == {"step": 3}
+
+
+# ------------------------------------------------------------- the live queue
+
+
+def test_a_live_queue_makes_one_request_per_wait_even_under_a_second(
+        moto_endpoint: str) -> None:
+    """SQS waits in whole seconds. A wait under one second (a sweep's trials share its
+    one-second round; a test's watch polls every 0.5 s) was sent as WaitTimeSeconds=0,
+    answered at once, and the follower asked again at once: a loop of billed
+    ReceiveMessage requests (about 100 a second on this machine) that also took the
+    machine's CPU. An empty answer is now followed by the rest of the wait."""
+    from spotnb.providers.aws.queue import SqsQueue
+
+    queue = SqsQueue("us-east-1", DEFAULT_ACCOUNT, f"spotnb-test-{secrets.token_hex(4)}")
+    queue.create()
+    asked: list[int] = []
+    queue.client.meta.events.register(
+        "before-parameter-build.sqs.ReceiveMessage",
+        lambda params, **kw: asked.append(params["WaitTimeSeconds"]))
+    try:
+        for wait in (0.0, 0.5, 1.0):
+            assert queue.receive(wait) == []
+        assert asked == [0, 0, 1], "SQS's whole seconds"
+        asked.clear()
+        # Followed for at least two seconds in waits of 0.5 s: a request each.
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:
+            assert queue.receive(0.5) == []
+        assert len(asked) <= 5, f"{len(asked)} ReceiveMessage requests in 2 s"
+        # What is there is taken at once, whatever the wait.
+        queue.send("hello")
+        assert wait_until(lambda: queue.receive(0.5), 10, "the message") == ["hello"]
+    finally:
+        queue.delete()
 
 
 # ------------------------------------------------------------- buckets, errors

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from spotnb.kernel_remote import channel, standby
 from spotnb.kernel_remote.kernel import KernelNotReady
-from spotnb.kernel_remote.kernels import BOOTSTRAP, KERNEL_READY_TIMEOUT
+from spotnb.kernel_remote.kernels import BOOTSTRAP, KERNEL_READY_TIMEOUT, import_ahead
 from spotnb.kernel_remote.leasing import Fenced
 from spotnb.kernel_remote.multinode import agentapi
 from spotnb.kernel_remote.procs import process_started
@@ -36,6 +36,7 @@ from spotnb.protocol.events import EventWriter
 
 if TYPE_CHECKING:
     from spotnb.kernel_remote.cells import CellRunner
+    from spotnb.kernel_remote.kernel import KernelProcess
     from spotnb.kernel_remote.kernels import KernelSupervisor
     from spotnb.kernel_remote.leasing import LeaseKeeper
     from spotnb.kernel_remote.watch import StopWatcher
@@ -205,8 +206,6 @@ def _retry_or_fail(agent: Agent, kc: Any | None, error: dict[str, Any]) -> str:
 
 def run_node_attempt(agent: Agent) -> str:
     """A distributed job's attempt on this node: the NodeRun's (module docstring)."""
-    from spotnb.kernel_remote.multinode.node import NodeRun
-
     assert agent.held is not None
     agent.events = EventWriter(agent.store, agent.held.epoch, agent.identity["instance_id"],
                                may_write=agent.held.status)
@@ -232,12 +231,21 @@ def run_node_attempt(agent: Agent) -> str:
                     "reading the job's files")
         found, agent.warm = agent.warm, None
         warm = found if isinstance(found, standby.NodeStandby) else None
+        first: list[KernelProcess] = []
         if warm is not None:
             # A standby's kernels are started and its download is there: the node
             # joins with them (standby.NodeStandby, Step 5).
             warm.took_over(agent.held.epoch, agent.events)
             agent.warm = warm  # for the first `restored` message: the handover
-        agent.node = NodeRun(agent, KERNEL_READY_TIMEOUT, warm=warm)
+        else:
+            # The first round's kernels boot, and import torch, beside this agent's
+            # import of torchelastic (seconds) and the rendezvous.
+            for rank in range(res.procs_per_node):
+                first.append(agent.start_kernel(f"r{rank}"))
+                import_ahead(first[-1])
+        from spotnb.kernel_remote.multinode.node import NodeRun
+
+        agent.node = NodeRun(agent, KERNEL_READY_TIMEOUT, warm=warm, spares=first)
         return str(agent.node.run())
     finally:
         sampler.stop()

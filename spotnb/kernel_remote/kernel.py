@@ -151,29 +151,38 @@ class KernelProcess:
             stdin=subprocess.DEVNULL, start_new_session=True))
         return cls(proc, connection_file)
 
-    def connect(self, timeout: float) -> Any:
+    def connect(self, timeout: float, keep: bool = True) -> Any:
         """A started ``BlockingKernelClient`` once the kernel answers on shell and IOPub.
 
-        Raises :class:`KernelNotReady` if the kernel exits or ``timeout`` passes first.
+        ``keep``: the kernel's client, whose channels :meth:`kill` stops; else a passing
+        one, whose channels its caller stops. Raises :class:`KernelNotReady` if the
+        kernel exits or ``timeout`` passes first.
         """
         from jupyter_client.blocking import BlockingKernelClient
 
         kc = BlockingKernelClient(connection_file=str(self.connection_file))
         kc.load_connection_file()
         kc.start_channels()
-        self._client = kc
+        if keep:
+            self._client = kc
         deadline = time.monotonic() + timeout
-        while True:
-            msg_id = kc.kernel_info()
-            if self._await_info_reply(kc, msg_id, deadline):
-                try:
-                    kc.get_iopub_msg(timeout=IOPUB_PROOF_SECONDS)
-                except queue.Empty:
-                    pass  # not subscribed yet: ask again
-                else:
-                    return kc
-            if time.monotonic() > deadline:
-                raise KernelNotReady(f"the kernel did not answer within {timeout:.0f} s")
+        try:
+            while True:
+                msg_id = kc.kernel_info()
+                if self._await_info_reply(kc, msg_id, deadline):
+                    try:
+                        kc.get_iopub_msg(timeout=IOPUB_PROOF_SECONDS)
+                    except queue.Empty:
+                        pass  # not subscribed yet: ask again
+                    else:
+                        return kc
+                if time.monotonic() > deadline:
+                    raise KernelNotReady(
+                        f"the kernel did not answer within {timeout:.0f} s")
+        except BaseException:
+            if not keep:
+                kc.stop_channels()
+            raise
 
     def _await_info_reply(self, kc: Any, msg_id: str, deadline: float) -> bool:
         until = min(deadline, time.monotonic() + INFO_RETRY_SECONDS)

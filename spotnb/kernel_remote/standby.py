@@ -56,7 +56,12 @@ from spotnb.ckpt import compile_cache
 from spotnb.kernel_remote import channel, leasing
 from spotnb.kernel_remote.cells import reply_error
 from spotnb.kernel_remote.kernel import KernelNotReady, KernelProcess
-from spotnb.kernel_remote.kernels import BOOTSTRAP, KERNEL_READY_TIMEOUT, KernelSupervisor
+from spotnb.kernel_remote.kernels import (
+    BOOTSTRAP,
+    KERNEL_READY_TIMEOUT,
+    NODE_PREIMPORT,
+    KernelSupervisor,
+)
 from spotnb.kernel_remote.leasing import holder_gone_check
 from spotnb.protocol import layout, lease
 from spotnb.protocol.events import EventWriter
@@ -72,12 +77,6 @@ BOOTSTRAP_SECONDS = 120.0
 #: How long the cell may take to reach its restore point before the standby says it is
 #: ready anyway (its kernel is started; the rest of the cell's set-up goes on).
 RESTORE_POINT_SECONDS = 300.0
-
-
-#: What a distributed job's standby imports in its kernels ahead (binding no name in the
-#: cell's namespace): the runtime a worker's bootstrap starts, and torch.distributed,
-#: which every distributed cell and the runtime's coordinated saves use.
-NODE_PREIMPORT = "__import__('torch.distributed'); __import__('spotnb.train.runtime')"
 
 
 def lease_now(store: Store, spec: JobSpec, instance: str) -> lease.HeldLease | None:
@@ -276,9 +275,9 @@ class NodeStandby(Standby):
 
         Step 1  unpack the job's files; spawn the node's P kernels (the first round's
                 workers) and wait until each answers.
-        Step 2  import torch.distributed and spotnb's runtime in each
-                (:data:`NODE_PREIMPORT`): the workers' bootstrap and the cell's imports
-                find them loaded.
+        Step 2  import torch.distributed and spotnb's runtime in each (:data:`spotnb.
+                kernel_remote.kernels.NODE_PREIMPORT`): the workers' bootstrap and
+                the cell's imports find them loaded.
         Step 3  download the newest checkpoint: a replicated one (DDP: global rank 0
                 wrote it) whole; of a sharded one its ``.metadata`` (which shards this
                 node reads only its ranks tell, given at the rendezvous).

@@ -29,9 +29,11 @@ cell from its last checkpoint in a new round (N-1 nodes, or N again when a repla
 waits). An error in the user's code is neither: it fails the job like on one node (or
 is retried, re-forming the world, within ``--max-restarts-on-error``).
 
-Kernels boot ahead: the next round's kernels are spawned as soon as the previous ones
-are stopped, so they start while the rendezvous completes; a round's settings
-(``RANK``, ``WORLD_SIZE``, ...) reach them with the bootstrap. A warm standby's node
+Kernels boot ahead: the first round's are spawned before the agent imports torchelastic,
+the next round's as soon as the previous ones are stopped, so they start while the
+rendezvous completes, and each imports torch.distributed meanwhile (:func:`spotnb.
+kernel_remote.kernels.import_ahead`); a round's settings (``RANK``, ``WORLD_SIZE``,
+...) reach them with the bootstrap. A warm standby's node
 (:class:`spotnb.kernel_remote.standby.NodeStandby`) joins with the kernels it started
 while it waited for its slot, and the checkpoint it downloaded meanwhile.
 
@@ -49,6 +51,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +59,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 
 from spotnb.kernel_remote import channel
 from spotnb.kernel_remote.kernel import KernelProcess
+from spotnb.kernel_remote.kernels import import_ahead
 from spotnb.kernel_remote.leasing import Fenced, holder_gone_check
 from spotnb.kernel_remote.multinode import (
     MAX_REFORMATIONS,
@@ -100,7 +104,8 @@ class NodeRun:
     """The agent's tenure of a node slot in a distributed job (module docstring)."""
 
     def __init__(self, agent: Agent, kernel_timeout: float,
-                 warm: NodeStandby | None = None) -> None:
+                 warm: NodeStandby | None = None,
+                 spares: Sequence[KernelProcess] = ()) -> None:
         self.agent = agent
         self.spec = agent.spec
         self.store = agent.store
@@ -120,7 +125,8 @@ class NodeRun:
         self.record: rdzv.Record | None = None
         self.hosted: dict[int, rdzv.HostedStore] = {}  # generation -> our store server
         self.workers: list[WorkerRun] = []
-        self.spares: list[KernelProcess] = []
+        # The first round's kernels, if the agent spawned them (attempt.run_node_attempt).
+        self.spares: list[KernelProcess] = list(spares)
         # A standby's warm-up (spotnb.kernel_remote.standby.NodeStandby): its kernels
         # are the first round's workers, its download that round's restore directory.
         self._warm_dir: Path | None = None
@@ -471,7 +477,9 @@ class NodeRun:
     # -- kernels -----------------------------------------------------------------------
 
     def _spawn(self, local_rank: int) -> KernelProcess:
-        return self.agent.start_kernel(f"r{local_rank}")
+        kernel = self.agent.start_kernel(f"r{local_rank}")
+        import_ahead(kernel)
+        return kernel
 
     def _spawn_spares(self) -> None:
         while len(self.spares) < self.procs:

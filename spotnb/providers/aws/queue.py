@@ -9,6 +9,7 @@ cleanup`` can judge it.
 from __future__ import annotations
 
 import os
+import time
 import urllib.parse
 from typing import Any
 
@@ -17,6 +18,9 @@ from spotnb.providers.aws import _boto
 from spotnb.providers.aws.resources import TAG_JOB, TAG_MANAGED, TAG_STORE
 
 __all__ = ["SqsQueue", "job_queue", "sqs_name"]
+
+#: SQS's longest wait for a receive (long polling), in whole seconds.
+MAX_WAIT_SECONDS = 20
 
 
 class SqsQueue(Queue):
@@ -82,9 +86,21 @@ class SqsQueue(Queue):
         self._call("send_message", QueueUrl=self._url(), MessageBody=body)
 
     def receive(self, wait: float) -> list[str]:
+        """SQS waits in whole seconds (long polling): it waits the whole seconds of
+        ``wait`` (at most MAX_WAIT_SECONDS); after an empty answer the fraction left is
+        slept, so that a caller that polls again at once (a sweep's trials share a second:
+        a wait of 0.25 s each) makes one request per ``wait``, not a loop of
+        ReceiveMessage requests answered at once, each billed. A message that comes
+        during that fraction is the next call's."""
+        wait = max(0.0, min(float(MAX_WAIT_SECONDS), wait))
+        started = time.monotonic()
         reply = self._call("receive_message", QueueUrl=self._url(), MaxNumberOfMessages=10,
-                           WaitTimeSeconds=max(0, min(20, round(wait))))
-        return [m["Body"] for m in reply.get("Messages", [])]
+                           WaitTimeSeconds=int(wait))
+        bodies = [m["Body"] for m in reply.get("Messages", [])]
+        left = wait - (time.monotonic() - started)
+        if not bodies and left > 0:
+            time.sleep(left)
+        return bodies
 
     def _url(self) -> str:
         if self._cached_url is None:
