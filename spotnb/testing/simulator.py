@@ -73,6 +73,8 @@ class SimInstance:
     #: its last rebalance recommendation
     rebalance_at: float | None = None
     terminated: bool = False
+    #: when the clock saw EC2 end it (shutting-down or terminated), wall time
+    ended: float | None = None
     #: the Auto Scaling group's placement group, when it names one (a multi-node job)
     placement_group: str | None = None
     #: the region it runs in (one of :attr:`AwsSimulator.regions`)
@@ -508,7 +510,7 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay):
                 self._boot(region, inst)
             elif state in ("shutting-down", "terminated") and known is not None \
                     and not known.terminated:
-                known.terminated = True
+                known.terminated, known.ended = True, time.time()
                 killer = threading.Thread(target=self._kill, args=(known, self.kill_grace),
                                           daemon=True)
                 self._killers.append(killer)
