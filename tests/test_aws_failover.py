@@ -245,16 +245,18 @@ def test_a_multi_node_job_keeps_its_nodes_in_one_region_and_az(sim: AwsSimulator
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
 def test_a_multi_node_job_moves_mid_run_once_its_node_left_at_home_saved_and_went(
-        sim: AwsSimulator, tmp_path: Path) -> None:
+        sim: AwsSimulator, tmp_path: Path, standby: bool) -> None:
     """Two nodes (its minimum is its size) of seeded DDP code train at home; home runs
     dry and EC2 takes one node back: every rank saves at the notice, that node goes,
     and the job cannot train (one node of two). After the bound of failed rounds it
     moves: the node left at home gets its notice first (Auto Scaling ends it through
-    its group's termination hook, a ``region-move``), gives up its node slot with
-    nothing to save (it was not training) and goes; only then do the other region's
-    two nodes launch, in one AZ. The job ends with the uninterrupted run's weights,
-    bitwise (every round had both nodes), no step redone, one save forced (the
+    its group's termination hook, a ``region-move``: a group with warm standbys has
+    the hook, one without gets it for the move), gives up its node slot with nothing
+    to save (it was not training) and goes; only then do the other region's two nodes
+    launch, in one AZ. The job ends with the uninterrupted run's weights, bitwise
+    (every round had both nodes), no step redone, one save forced (the
     interruption's); nothing is left in either region (the fixture)."""
     torch = pytest.importorskip("torch")
     from test_multinode import DDP_TRAINING, Uninterrupted
@@ -270,7 +272,7 @@ def test_a_multi_node_job_moves_mid_run_once_its_node_left_at_home_saved_and_wen
     handle = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 16, "PAUSE_AT": 8, "GO": str(go)},
                            provider="aws", nodes=2, instance_types=TYPES,
                            region=[HOME, OTHER], outputs=["weights"],
-                           checkpoint_every="4 steps")
+                           checkpoint_every="4 steps", standby=standby)
     job = handle.job_id
     nodes = wait_until(lambda: len(sim.running(job)) == 2 and sim.running(job), 240,
                        "two nodes at home")

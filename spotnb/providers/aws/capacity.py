@@ -293,7 +293,7 @@ class CapacityWatch(threading.Thread):
         subnets = [s for s in str(group.get("VPCZoneIdentifier", "")).split(",") if s]
         pools = max(1, len(region_types(self.spec, plan.region)) * max(1, len(subnets)))
         running = [i for i in group.get("Instances", ())
-                   if i.get("LifecycleState") not in ("Terminating", "Terminated")]
+                   if not str(i.get("LifecycleState", "")).startswith("Terminat")]
         plan.failed_rounds = failures // pools
         if len(running) >= self.spec.resources.min_nodes or not plan.failed_rounds or \
                 plan.failed_rounds < MOVE_AFTER_FAILED_ROUNDS:
