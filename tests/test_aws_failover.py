@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import run_uninterrupted, wait_until
+from helpers import Watch, run_uninterrupted, wait_until
 from test_aws_provider import EMPTY_ROLE, assert_no_request_refused, assert_nothing_left
 
 import spotnb
@@ -268,6 +268,102 @@ def test_a_multi_node_job_keeps_its_nodes_in_one_region_and_az(sim: AwsSimulator
                              rf"group spotnb-\S+) in {OTHER} \(its job has a result\)", line)
                 or EMPTY_ROLE.fullmatch(line)) and job in line for line in left), left
     assert sim.placement_groups_in == {HOME: {}, OTHER: {}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
+def test_a_multi_node_job_moves_mid_run_once_its_node_left_at_home_saved_and_went(
+        sim: AwsSimulator, tmp_path: Path, standby: bool) -> None:
+    """Two nodes (its minimum is its size) of seeded DDP code train at home; home runs
+    dry and EC2 takes one node back: every rank saves at the notice, that node goes,
+    and the job cannot train (one node of two). After the bound of failed rounds it
+    moves: the node left at home gets its notice first (Auto Scaling ends it through
+    its group's termination hook, a ``region-move``: a group with warm standbys has
+    the hook, one without gets it for the move), gives up its node slot with nothing
+    to save (it was not training) and goes; only then do the other region's two nodes
+    launch, in one AZ. The job ends with the uninterrupted run's weights, bitwise
+    (every round had both nodes), no step redone, one save forced (the
+    interruption's); nothing is left in either region (the fixture)."""
+    torch = pytest.importorskip("torch")
+    from test_multinode import DDP_TRAINING, Uninterrupted
+
+    from spotnb.kernel_remote.multinode import rendezvous as rdzv
+    from spotnb.protocol.events.fold import fold
+    from spotnb.providers.local.failover import REGION_MOVE
+
+    sim.notice_seconds = 20.0  # EC2's two minutes: time for the coordinated checkpoint
+    go = tmp_path / "go"
+    reference = Uninterrupted(DDP_TRAINING, {"STEPS": 16, "PAUSE_AT": -1, "GO": ""}, 2,
+                              tmp_path)
+    handle = spotnb.submit(DDP_TRAINING, inputs={"STEPS": 16, "PAUSE_AT": 8, "GO": str(go)},
+                           provider="aws", nodes=2, instance_types=TYPES,
+                           region=[HOME, OTHER], outputs=["weights"],
+                           checkpoint_every="4 steps", standby=standby)
+    job = handle.job_id
+    nodes = wait_until(lambda: len(sim.running(job)) == 2 and sim.running(job), 240,
+                       "two nodes at home")
+    assert {n.region for n in nodes} == {HOME}
+
+    def said(events: list[Any], instance: str, words: str) -> list[Any]:
+        return [e for e in events if e.instance == instance and e.type == "status"
+                and words in str(e.data.get("detail"))]
+
+    with Watch(handle) as watch:  # live: unwatched, the log has the steps once a minute
+        watch.until(lambda _: 8 in watch.steps(), 240, "training to reach the gate (step 8)")
+        record = rdzv.read(handle.store)
+        assert record is not None
+        staying = sim.instances[record[0].host]  # it hosts the rendezvous
+        (leaving,) = [n for n in nodes if n.id != staying.id]
+        sim.no_capacity(HOME)
+        sim.interrupt(leaving.id)
+        watch.until(lambda events: said(events, leaving.id, "interruption notice"), 240,
+                    "the interrupted node's agent to see its notice")
+        go.write_text("go")
+        watch.until(lambda events: said(events, leaving.id, "final checkpoint at step 8"),
+                    240, "the interrupted node's save at the notice")
+    sim.take_back(leaving.id)  # its save is durable: the rest of its notice is no matter
+    result = handle.wait(timeout=480)
+    assert result.status == "completed", (result.reason, result.error)
+    events = list(handle.events(follow=False))
+    state = fold(events, 2)
+    # Bitwise the uninterrupted run's weights (min nodes = max: every round had both).
+    assert {e.data["world_size"] for e in events if e.type == "world"} == {2}
+    assert all(torch.equal(a, b) for a, b in zip(
+        result.outputs["weights"], reference.weights(), strict=True))
+    forced = [e.data["step"] for e in events if e.type == "checkpoint"
+              and e.data.get("phase") == "durable" and e.data.get("forced")]
+    assert forced == [8], "one save forced: the interruption's; none for the move"
+    assert state.redone_steps() == 0
+    # The move: after the bound of failed rounds at home, to the other region, where
+    # both nodes ran in one AZ.
+    start, move = group_bodies(handle, codec.Region)
+    assert (start.region, move.previous, move.region, move.cause) == (
+        HOME, HOME, OTHER, "no-capacity")
+    assert [a.region for a in result.attempts] == [HOME, HOME, OTHER, OTHER]
+    away = [i for i in sim.instances.values() if i.job_id == job and i.region == OTHER]
+    assert len(away) == 2 and len({i.az_id for i in away}) == 1
+    # The node left at home had its notice (the group's, and its agent's word of where
+    # the job goes), ended as an interruption, not lost; the other region's nodes
+    # booted only once both nodes at home were gone: never two regions at once.
+    assert (staying.id, REGION_MOVE) in state.group_notices
+    assert said(events, staying.id, f"the job moves to {OTHER}")
+    (mine,) = [n for n, a in state.attempts.items() if a.instance_id == staying.id]
+    assert state.end_reason(mine) == "interrupted"
+    assert state.instances[staying.id].end_reason == REGION_MOVE
+    home = [i for i in sim.instances.values() if i.job_id == job and i.region == HOME]
+    assert sorted(i.id for i in home) == sorted(n.id for n in nodes), "no launch at home"
+    ends = [i.ended for i in home]
+    assert None not in ends and max(e for e in ends if e is not None) <= min(
+        i.booted for i in away)
+    # The end: nothing of the job at home (the move deleted it); where it ended, only
+    # what AWS keeps while an instance is in it (and the role IAM may not let delete
+    # itself), which cleanup deletes.
+    sim.wait_until_idle(60)
+    left = AwsProvider().cleanup()
+    assert all((re.fullmatch(rf"deleted (security group spotnb-\S+ \(sg-\w+\)|placement "
+                             rf"group spotnb-\S+) in {OTHER} \(its job has a result\)", line)
+                or EMPTY_ROLE.fullmatch(line)) and job in line for line in left), left
 
 
 def test_a_move_is_claimed_by_one_owner_and_a_stale_claim_is_taken_over(

@@ -92,7 +92,7 @@ from spotnb.kernel_remote.messages import Handler, RuntimeMessages
 from spotnb.kernel_remote.prefetch import prefetch
 from spotnb.kernel_remote.procs import become_subreaper, sweep_descendants
 from spotnb.kernel_remote.rows import RowRelay
-from spotnb.kernel_remote.watch import NoticeWatcher, StopWatcher
+from spotnb.kernel_remote.watch import NoticeWatcher, StopWatcher, leaving_region
 from spotnb.protocol import layout, usage
 from spotnb.protocol.events import EventReader, EventWriter
 from spotnb.protocol.events.fold import JobState, fold
@@ -161,7 +161,7 @@ class Agent:
         # The parts (module docstrings): each has one responsibility; the agent
         # composes them into the attempt.
         self.lease = LeaseKeeper(on_lost=self._on_lease_lost)
-        self.notices = NoticeWatcher(self.imds)
+        self.notices = NoticeWatcher(self.imds, leaving=self._leaving_region)
         self.stops = StopWatcher(self.store)
         self.kernels = KernelSupervisor(job_uri, self.spec, self._socket_dir,
                                         self._socket_dir / "agent.sock", self.scratch)
@@ -393,6 +393,12 @@ class Agent:
 
         threading.Timer(TERMINATION_GRACE_SECONDS, os._exit, args=(EXIT_OK,)).start()
         threading.Thread(target=shut, daemon=True).start()
+
+    def _leaving_region(self) -> dict[str, Any] | None:
+        """The job's move to another region's mark on this instance (its notice's
+        reason), once it knows who it is."""
+        iid = self.identity.get("instance_id")
+        return leaving_region(self.store, str(iid)) if iid else None
 
     # -- the runtime channel ---------------------------------------------------------
 

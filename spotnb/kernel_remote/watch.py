@@ -7,6 +7,12 @@ through a termination lifecycle hook, which waits as long as a notice) and the
 rebalance recommendation and keeps the first of each; :class:`StopWatcher` keeps the first stop
 request, read from ``control/stop.json`` or received on the control queue. Both only
 say what is new; :func:`relay_notices` says what it means for the agent's attempt.
+
+Auto Scaling ends an instance through its termination hook for one of two reasons: the
+job moves to the instance's ready warm standby (``source`` ``auto-scaling``), or the job
+moves to another of its regions and this node was left in the one it leaves
+(``region-move``: the move marks the instance in the store first,
+:func:`leaving_region`; one read, when the hook's end is first seen).
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from spotnb.kernel_remote import channel, standby
-from spotnb.protocol import layout
+from spotnb.protocol import billing, layout
 from spotnb.protocol.store import NotFound, Store
 from spotnb.providers.imds import ImdsClient, termination_hook_seconds
 
@@ -55,11 +62,30 @@ def iso_utc(when: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
 
 
-class NoticeWatcher:
-    """The instance's interruption notice and rebalance recommendation, once each."""
+def leaving_region(store: Store, instance_id: str) -> dict[str, Any] | None:
+    """The job's move to another region's mark on ``instance_id``, a node it leaves in
+    the region it leaves (``{"reason": "region-move", "region": <where the job goes>,
+    "previous": ...}``), or None: Auto Scaling ends the instance for another reason
+    (its warm standby), or the store cannot say."""
+    try:
+        mark = json.loads(store.get(layout.leaving_region_key(instance_id)) or b"{}")
+    except NotFound:
+        return None
+    except Exception:
+        log.debug("reading the region move's mark failed", exc_info=True)
+        return None
+    return mark if isinstance(mark, dict) else None
 
-    def __init__(self, imds: ImdsClient) -> None:
+
+class NoticeWatcher:
+    """The instance's interruption notice and rebalance recommendation, once each.
+    ``leaving``: the region move's mark on this instance (:func:`leaving_region`), read
+    when Auto Scaling's end is first seen."""
+
+    def __init__(self, imds: ImdsClient,
+                 leaving: Callable[[], dict[str, Any] | None] | None = None) -> None:
         self.imds = imds
+        self.leaving = leaving
         #: The interruption notice (IMDS's ``instance-action``), once it appeared.
         self.notice: dict[str, Any] | None = None
         #: The rebalance recommendation, once it appeared.
@@ -77,6 +103,9 @@ class NoticeWatcher:
                 # and the final save's time.
                 action = {"action": "terminate", "source": "auto-scaling",
                           "time": iso_utc(time.time() + termination_hook_seconds())}
+                mark = self.leaving() if self.leaving is not None else None
+                if mark is not None:  # the job moves to another region
+                    action.update(source=billing.REGION_MOVE, region=mark.get("region"))
             rebalance = None if self.rebalance else self.imds.rebalance()
         except Exception:
             log.debug("IMDS poll failed", exc_info=True)
@@ -142,11 +171,15 @@ def relay_notices(agent: Agent, action: dict[str, Any] | None,
         moved = action.get("source") == "auto-scaling"
         agent.emit("notice", kind="instance-action", action=action.get("action"),
                    notice_time=action.get("time"), source=action.get("source"))
-        what = ("the warm standby is ready: moving to it (this instance ends at "
-                if moved else f"spot interruption notice: {action.get('action')} at ")
-        agent.emit("status", state="interrupted",
-                   detail=f"{what}{action.get('time')}{')' if moved else ''}; "
-                          "saving a checkpoint")
+        if action.get("source") == billing.REGION_MOVE:
+            what = (f"the job moves to {action.get('region') or 'another region'} (no "
+                    f"capacity in this one): this instance ends at {action.get('time')}")
+        elif moved:
+            what = f"the warm standby is ready: moving to it (this instance ends at " \
+                   f"{action.get('time')})"
+        else:
+            what = f"spot interruption notice: {action.get('action')} at {action.get('time')}"
+        agent.emit("status", state="interrupted", detail=f"{what}; saving a checkpoint")
         agent.flush_soon()
         if agent.paused_since is None:
             for kernel in agent.kernels.all():

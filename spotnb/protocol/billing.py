@@ -18,6 +18,9 @@ FREE_HOUR_SECONDS = 3600.0
 # The termination reason of an instance that EC2 took back (the group's, the instance
 # agent's, or another node's report of it).
 EC2_INTERRUPTION = "spot-interruption"
+# The notice and end of a node that the job's move to another region leaves behind (the
+# group's, on the owner's behalf: billed).
+REGION_MOVE = "region-move"
 
 
 def free_of_charge(reason: str | None, market_seconds: float) -> bool:

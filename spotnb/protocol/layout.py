@@ -22,6 +22,11 @@ Job prefix (in the store, one per job)::
     group/moves/<n>.json        jobs on AWS of several regions: the claim of the job's
                                 move after its n-th region choice by the one notebook
                                 that makes it (spotnb.providers.aws.capacity)
+    group/leaving/<instance>.json
+                                jobs on AWS of several regions: a node that the job's
+                                move to another region ends, written before Auto Scaling
+                                ends it (its agents read it: their notice's reason;
+                                spotnb.providers.aws.launching)
     boot/<instance>.log         jobs on AWS: the whole boot log of an instance whose
                                 bootstrap failed (spotnb.providers.aws.bootstrap)
     boot/<instance>.ok          jobs on AWS: an instance whose agent came up; the boot
@@ -73,6 +78,13 @@ def standby_ready_key(instance_id: str) -> str:
     """Where a warm standby's agent says it is ready (one PUT per standby; see
     :mod:`spotnb.kernel_remote.standby`): its group reads it."""
     return f"standby/{instance_id}.json"
+
+
+def leaving_region_key(instance_id: str) -> str:
+    """Where the move of a job to another region says that it ends ``instance_id``, a
+    node left in the region it leaves (one PUT per node; its agents read it once, when
+    Auto Scaling ends the instance: :mod:`spotnb.providers.aws.launching`)."""
+    return f"group/leaving/{instance_id}.json"
 
 
 def boot_log_key(instance_id: str) -> str:

@@ -18,7 +18,9 @@ launches nothing of a mixed-instances policy and keeps no lifecycle).
 * **Groups**: ``CreateAutoScalingGroup`` of a name that exists is refused with
   ``AlreadyExists`` (moto would replace the group), and the hooks of its
   ``LifecycleHookSpecificationList`` (which moto ignores) are made with the group,
-  before its first launch.
+  before its first launch. ``UpdateAutoScalingGroup`` changes only what it names, as
+  its API reference says ("Any properties that you don't specify are not changed");
+  moto's drops the mixed-instances policy of a request that names none.
 * **Lifecycle**: with a launch hook, a new member waits in ``Pending:Wait`` until
   ``CompleteLifecycleAction`` (``CONTINUE``: ``InService``; ``ABANDON``: terminated) or
   its heartbeat timeout (the hook's ``DefaultResult``); ``TerminateInstanceInAutoScalingGroup``
@@ -41,6 +43,7 @@ launches nothing of a mixed-instances policy and keeps no lifecycle).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import random
@@ -297,6 +300,20 @@ class AutoScalingPlay:
                     result=hook.get("DefaultResult") or "ABANDON")
             return result
 
+        original_update = FakeAutoScalingGroup.update
+
+        def update_group(group: Any, *args: Any, **kwargs: Any) -> None:
+            # A request that names no launch template, configuration or policy keeps
+            # the group's (moto would drop its mixed-instances policy).
+            policy = group.mixed_instances_policy
+            if policy and not (kwargs.get("launch_config_name") or kwargs.get(
+                    "launch_template") or kwargs.get("mixed_instances_policy")):
+                kept = copy.deepcopy(policy)  # named by its id only, as it was given
+                kept["LaunchTemplate"]["LaunchTemplateSpecification"].pop(
+                    "LaunchTemplateName", None)
+                kwargs["mixed_instances_policy"] = kept
+            original_update(group, *args, **kwargs)
+
         original_activities = AutoScalingResponse.describe_scaling_activities
         AutoScalingResponse.create_auto_scaling_group = create_group  # type: ignore[method-assign,assignment]
         FakeAutoScalingGroup.replace_autoscaling_group_instances = replace  # type: ignore[method-assign,assignment]
@@ -306,6 +323,7 @@ class AutoScalingPlay:
         AutoScalingBackend.delete_auto_scaling_group = delete_group  # type: ignore[method-assign,assignment]
         AutoScalingBackend.attach_instances = attach  # type: ignore[method-assign,assignment]
         FakeAutoScalingGroup.active_instances = active_instances  # type: ignore[method-assign,assignment]
+        FakeAutoScalingGroup.update = update_group  # type: ignore[method-assign,assignment]
         AutoScalingResponse.set_instance_protection = set_instance_protection  # type: ignore[method-assign,assignment]
         AutoScalingResponse.detach_instances = detach_instances  # type: ignore[method-assign,assignment]
 
@@ -313,6 +331,7 @@ class AutoScalingPlay:
             AutoScalingResponse.create_auto_scaling_group = original_create  # type: ignore[method-assign]
             AutoScalingBackend.attach_instances = original_attach  # type: ignore[method-assign]
             FakeAutoScalingGroup.active_instances = original_active  # type: ignore[method-assign]
+            FakeAutoScalingGroup.update = original_update  # type: ignore[method-assign]
             AutoScalingResponse.set_instance_protection = original_protect  # type: ignore[method-assign]
             AutoScalingResponse.detach_instances = original_detach  # type: ignore[method-assign]
             FakeAutoScalingGroup.replace_autoscaling_group_instances = original  # type: ignore[method-assign]

@@ -50,6 +50,8 @@ class SimInstance:
     #: its last rebalance recommendation
     rebalance_at: float | None = None
     terminated: bool = False
+    #: when the clock saw EC2 end it (shutting-down or terminated), wall time
+    ended: float | None = None
     #: the Auto Scaling group's placement group, when it names one (a multi-node job)
     placement_group: str | None = None
     #: the region it runs in (one of :attr:`AwsSimulator.regions`)

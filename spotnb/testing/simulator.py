@@ -367,7 +367,7 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay, InstancesPlay,
                 self._boot(region, inst)
             elif state in ("shutting-down", "terminated") and known is not None \
                     and not known.terminated:
-                known.terminated = True
+                known.terminated, known.ended = True, time.time()
                 killer = threading.Thread(target=self._kill, args=(known, self.kill_grace),
                                           daemon=True)
                 self._killers.append(killer)

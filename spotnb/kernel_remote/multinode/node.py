@@ -154,23 +154,42 @@ class NodeRun:
         self.reform = threading.Event()
         self.ended = threading.Event()
         self._lock = threading.Lock()
+        # A round's workers are being started (start()); a notice found this node with
+        # none, and it leaves (on_notice): no round starts after that.
+        self._starting = False
+        self._gone_idle = False
 
     # -- called by the agent -----------------------------------------------------------
 
     def on_notice(self) -> None:
         """This instance got its interruption notice: if it hosts the rendezvous, vacate
         the generation now, before the runtime hears of the notice, so the staying
-        nodes find a new host when they re-form after the coordinated checkpoint."""
+        nodes find a new host when they re-form after the coordinated checkpoint. A
+        node that is not training (no round of its runs: fewer nodes than the job's
+        minimum, or a round re-forming) has nothing to save since the checkpoint its
+        workers restored from: it leaves now, its node slot given up at once (the job's
+        move to another region launches there once its nodes left here have gone)."""
         record = self.record
-        if record is None or record.host != self.me or record.vacant:
+        if record is not None and record.host == self.me and not record.vacant:
+            try:
+                self.agent.retry(lambda: rdzv.vacate(
+                    self.store, record, f"its host {self.me} got an interruption notice"),
+                    "vacating the rendezvous")
+            except Exception:
+                log.warning("could not vacate the rendezvous; the staying nodes elect a "
+                            "new host when they lose this one", exc_info=True)
+        with self._lock:
+            idle = not self.workers and not self._starting and not self.leaving.is_set()
+            self._gone_idle = self._gone_idle or idle  # start() refuses a round now
+        if not idle:
             return
-        try:
-            self.agent.retry(lambda: rdzv.vacate(
-                self.store, record, f"its host {self.me} got an interruption notice"),
-                "vacating the rendezvous")
-        except Exception:
-            log.warning("could not vacate the rendezvous; the staying nodes elect a new "
-                        "host when they lose this one", exc_info=True)
+        self.agent.emit("status", state="interrupted", detail=(
+            "this node is not training (no round of the world runs): nothing to save "
+            "since the last checkpoint; it gives up its node slot and goes"))
+        if self.agent.held is not None:
+            self.agent.done_with_lease()
+        self.leaving.set()
+        self.wake.set()
 
     def on_parked(self) -> None:
         """This node's final checkpoint is durable: it leaves the world."""
@@ -319,7 +338,19 @@ class NodeRun:
     # -- Workers (KernelElasticAgent's side) -------------------------------------------
 
     def start(self, group: WorkerGroup, envs: dict[int, dict[str, str]]) -> dict[int, Any]:
-        """A round formed: start the local workers with their ranks."""
+        """A round formed: start the local workers with their ranks (not once a notice
+        found this node idle: it leaves)."""
+        with self._lock:
+            if self._gone_idle:
+                raise _Leave()
+            self._starting = True
+        try:
+            return self._start(group, envs)
+        finally:
+            with self._lock:
+                self._starting = False
+
+    def _start(self, group: WorkerGroup, envs: dict[int, dict[str, str]]) -> dict[int, Any]:
         agent = self.agent
         assert agent.held is not None and self.record is not None
         self.stopping = False

@@ -407,7 +407,8 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
         except Exception as err:
             log.warning("could not delete job %s's queues (%s); `spotnb aws cleanup` will",
                         job_id, err)
-        for region in regions:
+        plan = self._plans.get(job_id)  # the regions a move may have left a network in
+        for region in dict.fromkeys([*regions, *(plan.regions if plan is not None else ())]):
             self._delete_network(job_id, region)
         log.info("deleted job %s's capacity group, template, role and queues", job_id)
 

@@ -22,8 +22,11 @@ launch rounds in a row failed for capacity (a *round*: as many capacity failures
 row, since the group's last successful launch, as the group has pools, types x
 subnets: Auto Scaling's try of each) while fewer than the job's minimum of nodes run,
 the job's capacity moves to the next region (:meth:`AwsProvider.move_region`), said in a
-``region`` event. Each poll of such a job costs one ``DescribeScalingActivities`` (free)
-and one read of the job's log (an S3 LIST, as a follower's).
+``region`` event; the nodes still running in the region it leaves (a multi-node job's,
+fewer than its minimum) get a ``region-move`` notice, said in the group's stream, and
+save and go before the new region launches. Each poll of such a job costs one
+``DescribeScalingActivities`` (free) and one read of the job's log (an S3 LIST, as a
+follower's).
 
 **Who watches.** The notebook that launched the job, and every notebook or process that
 follows it later (``%spot_attach``, ``spotnb.attach(...).wait()``, ``spotnb logs
@@ -33,6 +36,8 @@ dry from the job's ``region`` events (:meth:`RegionPlan.resume`), and follows a 
 another owner made the same way. Two owners never move a job twice for the same
 shortage: each move is claimed first in the job's store (``group/moves/<n>.json``, one
 conditional write; :func:`claim_move`), and only the watch that wrote the claim moves.
+A move whose notebook closed before it let the new region's group launch is finished by
+the next watch that takes over (:meth:`AwsProvider.finish_move`).
 
 Not needed for recovery: the group keeps trying by itself, and the instance agent
 (:mod:`.instance`) reports the capacity failures when an instance boots. (With no
@@ -52,7 +57,7 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from spotnb.protocol import layout
+from spotnb.protocol import billing, layout
 from spotnb.protocol.events import GROUP_STREAM, Event, EventReader, EventWriter, codec
 from spotnb.protocol.spec import JobSpec
 from spotnb.protocol.store import Store
@@ -252,6 +257,13 @@ class CapacityWatch(threading.Thread):
             plan = self.provider._plans[self.spec.job_id] = self.provider.region_plan(
                 self.spec)
             plan.resume(choices)
+            newest = choices[-1]
+            if newest.previous:  # a move whose notebook may have closed before its end
+                try:
+                    self.provider.finish_move(self.spec, newest.previous, newest.region)
+                except Exception:
+                    log.info("could not look whether job %s's move to %s is finished",
+                             self.spec.job_id, newest.region, exc_info=True)
         elif plan is not None and plan.region != choices[-1].region:
             plan.resume(choices)  # another owner moved it
 
@@ -276,7 +288,7 @@ class CapacityWatch(threading.Thread):
         subnets = [s for s in str(group.get("VPCZoneIdentifier", "")).split(",") if s]
         pools = max(1, len(region_types(self.spec, plan.region)) * max(1, len(subnets)))
         running = [i for i in group.get("Instances", ())
-                   if i.get("LifecycleState") not in ("Terminating", "Terminated")]
+                   if not str(i.get("LifecycleState", "")).startswith("Terminat")]
         plan.failed_rounds = failures // pools
         if len(running) >= self.spec.resources.min_nodes or not plan.failed_rounds or \
                 plan.failed_rounds < MOVE_AFTER_FAILED_ROUNDS:
@@ -288,20 +300,32 @@ class CapacityWatch(threading.Thread):
         choice = plan.move(state_bytes)
         if choice is None:
             return writer
+        writer = writer or EventWriter(self.store, GROUP_STREAM)
+        told = writer
+
+        def tell() -> None:
+            """The move, said before the nodes left in ``previous`` get their notice (as
+            the local cloud says it): the region event, then each node's notice."""
+            told.emit_event(Event(type="region", time=at, attempt=GROUP_STREAM,
+                                  instance=None, data=dataclasses.asdict(choice)))
+            told.emit("status", state="waiting_for_capacity", detail=(
+                f"moved to {choice.region}: {choice.reason}; it resumes there from its "
+                f"checkpoint in {choice.home}" + (
+                    f"; its {len(running)} node(s) left in {previous} save and go first"
+                    if running else "")))
+            for inst in running:
+                told.emit("instance", action="notice", reason=billing.REGION_MOVE,
+                          instance_id=inst["InstanceId"],
+                          instance_type=inst.get("InstanceType"), region=previous)
+            told.flush()
+
         try:
-            self.provider.move_region(self.spec, choice.region)
+            self.provider.move_region(self.spec, choice.region,
+                                      nodes=[i["InstanceId"] for i in running], tell=tell)
         except Exception as err:
             plan.resume_in(previous)  # it stays, and tries to move again later
             log.warning("job %s could not move from %s to %s: %s", self.spec.job_id,
                         previous, choice.region, err)
-            return writer
-        writer = writer or EventWriter(self.store, GROUP_STREAM)
-        writer.emit_event(Event(type="region", time=at, attempt=GROUP_STREAM, instance=None,
-                                data=dataclasses.asdict(choice)))
-        writer.emit("status", state="waiting_for_capacity", detail=(
-            f"moved to {choice.region}: {choice.reason}; it resumes there from its "
-            f"checkpoint in {choice.home}"))
-        writer.flush()
         return writer
 
     @staticmethod

@@ -25,9 +25,11 @@ region*, and deleted there. What differs on AWS:
   :data:`~spotnb.providers.aws.capacity.MOVE_AFTER_FAILED_ROUNDS` failed launch rounds
   in a row with fewer than the job's minimum of nodes running, moves it
   (:meth:`AwsProvider.move_region`: the group, template and network made in the new
-  region, then deleted in the old one; the next instance resumes from the checkpoint
-  in the home store). With no notebook following the job nothing moves it: the group
-  keeps trying in its region (nothing is billed meanwhile), as a one-region job's does.
+  region; the nodes still in the old one, a multi-node job's, get their notice through
+  their group's termination hook, save and go; then the new group launches and the old
+  one is deleted; the next instances resume from the checkpoint in the home store).
+  With no notebook following the job nothing moves it: the group keeps trying in its
+  region (nothing is billed meanwhile), as a one-region job's does.
 * **the crossings** of the checkpoint are billed by the instance outside home that
   makes them (:mod:`.transfers`).
 """

@@ -17,7 +17,9 @@ An instance's life, narrated::
     Step 3  run the job agent; every POLL_SECONDS look at IMDS for the interruption
             notice ("notice" event), for Auto Scaling ending the instance through
             its termination hook (``autoscaling/target-lifecycle-state`` Terminated:
-            the job moves to its warm standby; the job agent reads it as its notice)
+            the job moves to its warm standby, or, the instance marked so in the
+            store, to another region, ``region-move``; the job agent reads it as its
+            notice)
             and, in a standby group (resources.rebalancing), for a rebalance
             recommendation: an instance that runs the job (a node) then asks its
             group for a warm standby and moves the job to it once it is ready
@@ -163,8 +165,10 @@ class InstanceAgent:
         #: The watches failing now (each said once, when it starts and stops failing).
         self._failing: set[str] = set()
         self.notice: dict[str, Any] | None = None
-        #: Auto Scaling ends this instance through the group's termination hook.
+        #: Auto Scaling ends this instance through the group's termination hook; and
+        #: why, when the job's move to another region does (``region-move``).
         self.hook_ending = False
+        self.ending_reason: str | None = None
         #: The group's lifecycle hooks this instance has still to complete (a standby
         #: group: see resources.LAUNCH_HOOK_NAME and LIFECYCLE_HOOK_NAME).
         self.launch_hook_due = rebalancing(self.spec)
@@ -413,9 +417,9 @@ class InstanceAgent:
                     self.agent.send_signal(signal.SIGTERM)
             ident = self.identity
             reason = "spot-interruption" if self.notice else \
-                "terminated" if not self.hook_ending else \
-                "rebalanced" if self.standbys is not None and self.standbys.held_lease \
-                else "standby-given-back"
+                "terminated" if not self.hook_ending else self.ending_reason or (
+                    "rebalanced" if self.standbys is not None and self.standbys.held_lease
+                    else "standby-given-back")
             self.emit("instance", action="terminated", reason=reason,
                       instance_id=ident.get("instance_id"),
                       instance_type=ident.get("instance_type"), az=ident.get("az_id"),

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from spotnb.protocol import billing, layout
 from spotnb.protocol.spec import JobSpec, SpecError
+from spotnb.protocol.store import open_store
 from spotnb.providers.aws import _boto, cluster
 from spotnb.providers.aws.bootstrap import bundle, user_data
 from spotnb.providers.aws.leftovers import delete_role_named
@@ -39,8 +42,8 @@ from spotnb.providers.aws.resources import (
 from spotnb.providers.aws.settings import AwsSettings
 from spotnb.providers.imds import TERMINATION_HOOK_SECONDS
 
-__all__ = ["IAM_PROPAGATION_ATTEMPTS", "LIFECYCLE_HOOK_SECONDS", "LaunchSteps",
-           "lifecycle_hooks"]
+__all__ = ["IAM_PROPAGATION_ATTEMPTS", "LEAVE_SECONDS", "LIFECYCLE_HOOK_SECONDS",
+           "LaunchSteps", "lifecycle_hooks"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,11 @@ _IAM_NOT_YET = frozenset({"Invalid IamInstanceProfile", "Invalid IAM Instance Pr
 # instance the job moves off: EC2's notice period, for the agent's final save (the
 # instance agent completes the hook once the job agent is done, which ends the wait).
 LIFECYCLE_HOOK_SECONDS = int(TERMINATION_HOOK_SECONDS)
+#: A move to another region waits this long for the nodes it ends in the region it
+#: leaves to be gone, before the new region's group launches: the termination hook's
+#: wait (whose timeout ends a node that never completes it) and EC2's shutdown. A node
+#: still there then is ended by its group's deletion, without waiting more.
+LEAVE_SECONDS = LIFECYCLE_HOOK_SECONDS + 60.0
 
 
 def lifecycle_hooks() -> list[dict[str, Any]]:
@@ -61,15 +69,21 @@ def lifecycle_hooks() -> list[dict[str, Any]]:
     The job moves to a ready standby (whose agent completes the launch hook then) by
     ending the at-risk instance through the termination hook, whose wait (IMDS
     ``target-lifecycle-state`` ``Terminated``) is its agent's notice, as long as EC2's,
-    for its final save."""
+    for its final save. (A move to another region ends the nodes it leaves through the
+    same hook: :meth:`LaunchSteps.move_region`.)"""
     return [
         {"LifecycleHookName": LAUNCH_HOOK_NAME,
          "LifecycleTransition": "autoscaling:EC2_INSTANCE_LAUNCHING",
          "HeartbeatTimeout": LAUNCH_HOOK_SECONDS, "DefaultResult": "CONTINUE"},
-        {"LifecycleHookName": LIFECYCLE_HOOK_NAME,
-         "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING",
-         "HeartbeatTimeout": LIFECYCLE_HOOK_SECONDS, "DefaultResult": "CONTINUE"},
+        termination_hook(),
     ]
+
+
+def termination_hook() -> dict[str, Any]:
+    """The termination lifecycle hook: its wait is a node's notice (see above)."""
+    return {"LifecycleHookName": LIFECYCLE_HOOK_NAME,
+            "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING",
+            "HeartbeatTimeout": LIFECYCLE_HOOK_SECONDS, "DefaultResult": "CONTINUE"}
 
 
 class LaunchSteps:
@@ -95,11 +109,17 @@ class LaunchSteps:
     def _delete_template(self, job_id: str, region: str) -> bool:
         raise NotImplementedError
 
+    def _instances(self, region: str, job_id: str | None,
+                   states: tuple[str, ...]) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
     def _make_capacity(self, spec: JobSpec, region: str, profile_arn: str,
-                       tag_list: list[dict[str, str]], undo: list[tuple[str, Callable[[], Any]]]
+                       tag_list: list[dict[str, str]], undo: list[tuple[str, Callable[[], Any]]],
+                       hold: bool = False
                        ) -> tuple[list[tuple[str, str]], cluster.Zone | None]:
         """The job's capacity in ``region`` (launch Steps 1, 4 and 5; each made thing
-        added to ``undo``): its subnets there, and a multi-node job's AZ."""
+        added to ``undo``): its subnets there, and a multi-node job's AZ. ``hold``: its
+        group is made with no instance, until :meth:`_release_group`."""
         job_id = spec.job_id
         # Step 1: image (the region's own parameter) and network.
         ami = self._ami(region)
@@ -135,7 +155,8 @@ class LaunchSteps:
         undo.append(("Auto Scaling group", lambda: self._delete_group(job_id, region)))
         self._create_group(spec, region, template["LaunchTemplateId"], subnets, tag_list,
                            ondemand=self.settings.ondemand_after == 0,
-                           placement_group=network.placement_group if network else None)
+                           placement_group=network.placement_group if network else None,
+                           hold=hold)
         return subnets, zone
 
     def _delete_network(self, job_id: str, region: str) -> None:
@@ -147,13 +168,32 @@ class LaunchSteps:
                      "launch there or `spotnb aws cleanup` deletes them", job_id,
                      " and ".join(left), region)
 
-    def move_region(self, spec: JobSpec, target: str) -> None:
-        """Move the job's capacity to ``target`` (:mod:`.failover`): its group,
-        template and network made there first (its role, wheel, secrets and store stay),
-        then deleted in the region it leaves (a multi-node job's network there, which
-        AWS keeps while an instance is in it, is left to the next launch's sweep or
-        ``spotnb aws cleanup``). Raises, with nothing left in ``target``, when the
-        capacity cannot be made there; the job then stays where it was."""
+    def move_region(self, spec: JobSpec, target: str, nodes: Sequence[str] = (),
+                    tell: Callable[[], None] | None = None) -> None:
+        """Move the job's capacity to ``target`` (:mod:`.failover`), as the local cloud
+        moves its group (:mod:`spotnb.providers.local.failover`). ``nodes``: the job's
+        instances still in the region it leaves (a multi-node job's, fewer than its
+        minimum: they do not train)::
+
+            Step 1  its group, template and network made in ``target`` (its role,
+                    wheel, secrets and store stay); while ``nodes`` are still in the
+                    region it leaves, the new group is made with no instance. Raises,
+                    with nothing left in ``target``, when they cannot be made: the job
+                    then stays where it was
+            Step 2  ``tell()``: the caller says the move (its ``region`` event, each
+                    node's notice); from here on nothing raises
+            Step 3  each of ``nodes`` gets its notice (:meth:`_end_nodes`): marked in
+                    the store, then ended by Auto Scaling through its group's
+                    termination hook, whose wait its agents read as their notice (a
+                    node that trains saves; one that does not has nothing to save);
+                    each gives up its node slot and its instance agent ends the wait.
+                    Waited for up to LEAVE_SECONDS
+            Step 4  the new group launches the job's nodes: they are never in two
+                    regions at once
+            Step 5  the group and template deleted in the region it leaves (ending
+                    what is still there), and its network, which AWS keeps a while
+                    after an instance in it is gone (then the job's end deletes it)
+        """
         job_id = spec.job_id
         previous = self.region(job_id)
         iam = self.client("iam", spec.resources.region)
@@ -167,7 +207,8 @@ class LaunchSteps:
                 rows, _ = self._subnet_rows(target)
                 self._zones[job_id] = cluster.choose_zone(self.client("ec2", target), spec,
                                                           rows, region=target)
-            self._make_capacity(spec, target, profile_arn, tag_list, undo)
+            self._make_capacity(spec, target, profile_arn, tag_list, undo,
+                                hold=bool(nodes))
         except BaseException:
             for label, release in reversed(undo):
                 try:
@@ -179,14 +220,110 @@ class LaunchSteps:
                 self._zones[job_id] = old_zone
             raise
         self._job_regions[job_id] = target
-        self._delete_group(job_id, previous)
-        self._delete_template(job_id, previous)
+        if tell is not None:
+            try:
+                tell()
+            except Exception:
+                log.warning("could not say job %s's move to %s", job_id, target,
+                            exc_info=True)
+        if nodes:
+            self._end_nodes(spec, previous, target, nodes)
+            self._release_group(spec, target)
+        self._leave_region(job_id, previous)
+        log.info("moved job %s's capacity from %s to %s", job_id, previous, target)
+
+    def _end_nodes(self, spec: JobSpec, region: str, target: str,
+                   nodes: Sequence[str]) -> None:
+        """Step 3 of :meth:`move_region`: the job's ``nodes`` in ``region`` get their
+        notice and go. The group's termination hook (a group with warm standbys has
+        it; another gets it now) makes each node's end a wait that its agents read as
+        their notice (IMDS ``target-lifecycle-state``); the mark in the store
+        (:func:`spotnb.protocol.layout.leaving_region_key`) tells them why; the group's
+        minimum and desired capacity go to 0 so that it launches nobody more there.
+        Requests: a PutLifecycleHook (a group without standbys), an
+        UpdateAutoScalingGroup, a PUT and a TerminateInstanceInAutoScalingGroup per
+        node, a DescribeInstances per ``capacity_poll`` while they go (free)."""
+        job_id = spec.job_id
+        asg = self.client("autoscaling", region)
+        name = group_name(job_id)
+        store = open_store(spec.store_uri)
         try:
-            self._delete_network(job_id, previous)
+            if not rebalancing(spec):
+                asg.put_lifecycle_hook(AutoScalingGroupName=name, **termination_hook())
+            asg.update_auto_scaling_group(AutoScalingGroupName=name, MinSize=0,
+                                          DesiredCapacity=len(nodes))
+        except Exception as err:
+            log.warning("job %s's nodes in %s get no notice (%s): its group's deletion "
+                        "ends them", job_id, region, _boto.error_code(err) or err)
+            return
+        mark = json.dumps({"reason": billing.REGION_MOVE, "region": target,
+                           "previous": region, "time": time.time()}).encode()
+        ending = []
+        for instance_id in nodes:
+            try:
+                store.put(layout.leaving_region_key(instance_id), mark)
+                asg.terminate_instance_in_auto_scaling_group(
+                    InstanceId=instance_id, ShouldDecrementDesiredCapacity=True)
+                ending.append(instance_id)
+            except Exception as err:
+                log.warning("node %s of job %s gets no notice (%s): its group's deletion "
+                            "ends it", instance_id, job_id, _boto.error_code(err) or err)
+        deadline = time.monotonic() + LEAVE_SECONDS
+        while ending and time.monotonic() < deadline:
+            try:
+                live = {i["InstanceId"] for i in self._instances(
+                    region, job_id, ("pending", "running", "stopping", "stopped"))}
+            except Exception as err:
+                log.info("cannot tell whether job %s's nodes in %s are gone: %s", job_id,
+                         region, err)
+                live = set(ending)
+            ending = [i for i in ending if i in live]
+            if ending:
+                time.sleep(self.settings.capacity_poll)
+        if ending:
+            log.warning("job %s's nodes %s in %s are still there %g s after their notice: "
+                        "its group's deletion ends them", job_id, ", ".join(ending), region,
+                        LEAVE_SECONDS)
+
+    def _release_group(self, spec: JobSpec, region: str) -> None:
+        """Step 4 of :meth:`move_region`: the job's group in ``region``, made with no
+        instance, launches its nodes (one UpdateAutoScalingGroup)."""
+        nodes = spec.resources.max_nodes
+        asg = self.client("autoscaling", region)
+        try:
+            _boto.with_backoff(lambda: asg.update_auto_scaling_group(
+                AutoScalingGroupName=group_name(spec.job_id), MinSize=nodes,
+                DesiredCapacity=nodes), what="launching the job's nodes")
+        except Exception:
+            log.exception("job %s's group in %s could not be told to launch its nodes; a "
+                          "notebook that follows the job tells it (finish_move)",
+                          spec.job_id, region)
+
+    def _leave_region(self, job_id: str, region: str) -> None:
+        """Step 5 of :meth:`move_region`: the job's group, template and network in the
+        region it left."""
+        self._delete_group(job_id, region)
+        self._delete_template(job_id, region)
+        try:
+            self._delete_network(job_id, region)
         except Exception:
             log.warning("could not delete job %s's network in %s; `spotnb aws cleanup` "
-                        "will", job_id, previous, exc_info=True)
-        log.info("moved job %s's capacity from %s to %s", job_id, previous, target)
+                        "will", job_id, region, exc_info=True)
+
+    def finish_move(self, spec: JobSpec, previous: str, region: str) -> bool:
+        """A move whose notebook closed between its Steps 1 and 5 (:meth:`move_region`)
+        is finished by the next that follows the job: the group in ``region`` that holds
+        no instance launches the job's nodes, and what is left in ``previous`` is
+        deleted. One DescribeAutoScalingGroups; whether there was a move to finish."""
+        asg = self.client("autoscaling", region)
+        found = asg.describe_auto_scaling_groups(
+            AutoScalingGroupNames=[group_name(spec.job_id)])["AutoScalingGroups"]
+        if not found or found[0].get("MinSize") or found[0].get("DesiredCapacity"):
+            return False
+        log.info("finishing job %s's move from %s to %s", spec.job_id, previous, region)
+        self._leave_region(spec.job_id, previous)
+        self._release_group(spec, region)
+        return True
 
     # -- launch steps
 
@@ -282,10 +419,12 @@ class LaunchSteps:
 
     def _create_group(self, spec: JobSpec, region: str, template_id: str,
                       subnets: list[tuple[str, str]], tag_list: list[dict[str, str]],
-                      ondemand: bool, placement_group: str | None = None) -> None:
+                      ondemand: bool, placement_group: str | None = None,
+                      hold: bool = False) -> None:
         asg = self.client("autoscaling", region)
         name = group_name(spec.job_id)
         nodes = spec.resources.max_nodes  # a multi-node job's group keeps MAX instances
+        held = 0 if hold else nodes  # a move's new group: none until the old nodes went
         params: dict[str, Any] = dict(
             # A standby group has room for one warm standby (a multi-node job's: for
             # one node at a time), which the agent of the instance recommended asks
@@ -293,8 +432,8 @@ class LaunchSteps:
             # instance's first hour (providers/aws/standby.py); not Auto Scaling's
             # capacity rebalancing, which launches it at once and would forfeit that
             # hour's refund (protocol/billing.py).
-            AutoScalingGroupName=name, MinSize=nodes,
-            MaxSize=nodes + 1 if rebalancing(spec) else nodes, DesiredCapacity=nodes,
+            AutoScalingGroupName=name, MinSize=held,
+            MaxSize=nodes + 1 if rebalancing(spec) else nodes, DesiredCapacity=held,
             VPCZoneIdentifier=",".join(s for s, _ in subnets),
             MixedInstancesPolicy=mixed_instances_policy(
                 template_id=template_id, instance_types=region_types(spec, region),

@@ -223,6 +223,9 @@ def user_policy(region: str | Sequence[str], account: str, bucket: str) -> dict[
                     "ec2:CreatePlacementGroup", "ec2:DeletePlacementGroup",
                     "ec2:TerminateInstances", "autoscaling:CreateAutoScalingGroup",
                     "autoscaling:UpdateAutoScalingGroup", "autoscaling:PutLifecycleHook",
+                    # a move to another region ends the nodes it leaves through their
+                    # group's termination hook (their notice)
+                    "autoscaling:TerminateInstanceInAutoScalingGroup",
                     "autoscaling:DeleteAutoScalingGroup", "autoscaling:CreateOrUpdateTags",
                     "fis:CreateExperimentTemplate", "fis:StartExperiment",
                     "fis:DeleteExperimentTemplate", "fis:TagResource"],

@@ -77,11 +77,14 @@ def delete_job_resources(store: Store, spec: JobSpec, region: str,
 def _delete_network(spec: JobSpec, region: str) -> None:
     """A multi-node job's security and placement groups (:mod:`.cluster`): AWS keeps
     them while an instance (this one) is in them; the next multi-node launch or `spotnb
-    aws cleanup` deletes those."""
+    aws cleanup` deletes those. A job of several regions: in each of them (a move
+    leaves its old region's network to the job's end when AWS still keeps it then; two
+    Describe calls a region)."""
     from spotnb.providers.aws import cluster
 
     if spec.resources.max_nodes <= 1:
         return
-    left = cluster.delete_network(_boto.client("ec2", region), spec.job_id)
-    if left:
-        log.info("still in use, deleted later: %s", ", ".join(left))
+    for where in dict.fromkeys([region, *spec.resources.regions]):
+        left = cluster.delete_network(_boto.client("ec2", where), spec.job_id)
+        if left:
+            log.info("still in use in %s, deleted later: %s", where, ", ".join(left))

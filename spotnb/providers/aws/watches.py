@@ -18,7 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from spotnb.protocol import layout
+from spotnb.protocol import billing, layout
 from spotnb.protocol.events.live import request_stop
 from spotnb.protocol.limits import limit_reached
 from spotnb.providers.aws import _boto
@@ -53,6 +53,7 @@ class Agent(Protocol):
     standbys: StandbyDriver | None
     notice: dict[str, Any] | None
     hook_ending: bool
+    ending_reason: str | None
     launch_hook_due: bool
     end_hook_due: bool
     protect_due: bool
@@ -73,11 +74,20 @@ def watch_notice(agent: Agent) -> None:
         action = agent.imds.instance_action()
         if not action and not agent.hook_ending and \
                 agent.imds.target_lifecycle_state() == "Terminated":
-            # Not EC2 taking the instance back: no notice event, no interruption.
+            # Not EC2 taking the instance back: no notice event, no interruption. The
+            # job moves to its standby, or, the instance marked so in the store, to
+            # another region (read first: a failed read is tried again next turn).
+            moving = agent.store.exists(
+                layout.leaving_region_key(agent.identity["instance_id"]))
             agent.hook_ending = agent.end_hook_due = True
-            log.info("Auto Scaling is ending this instance through its termination "
-                     "hook: the job moves to its standby (or, a standby, it is given "
-                     "back)")
+            if moving:
+                agent.ending_reason = billing.REGION_MOVE
+                log.info("Auto Scaling is ending this instance through its termination "
+                         "hook: the job moves to another region")
+            else:
+                log.info("Auto Scaling is ending this instance through its termination "
+                         "hook: the job moves to its standby (or, a standby, it is "
+                         "given back)")
     except OSError:
         return
     if action:

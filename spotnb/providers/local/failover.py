@@ -71,7 +71,7 @@ MOVE_AFTER_FAILED_ROUNDS = 3
 #: the saves it would send there.
 UNKNOWN_STATE_BYTES = GB
 #: The notice (and the end) of the nodes a move to another region leaves behind.
-REGION_MOVE = "region-move"
+REGION_MOVE = billing.REGION_MOVE
 
 
 def notice_end(notice_reason: str | None) -> str:
