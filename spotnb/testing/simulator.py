@@ -238,6 +238,31 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay, InstancesPlay,
     def _patch_moto(self) -> None:
         self._patch_autoscaling()
         self._patch_ec2()
+        self._patch_iam()
+
+    def _patch_iam(self) -> None:
+        """RemoveRoleFromInstanceProfile of a role the profile no longer holds: IAM
+        answers ``NoSuchEntity`` (404), moto a 500 (``list.remove``), which made an
+        instance's teardown and a cleanup that both remove the job's role fail where
+        AWS lets the second go on to delete it."""
+        from moto.iam.exceptions import NotFoundException
+        from moto.iam.models import IAMBackend
+
+        original = IAMBackend.remove_role_from_instance_profile
+
+        def remove_role_from_instance_profile(backend: Any, profile_name: str,
+                                              role_name: str) -> None:
+            profile = backend.get_instance_profile(profile_name)
+            role = backend.get_role(role_name)
+            if role not in profile.roles:
+                raise NotFoundException(
+                    f"Role {role_name} in Instance Profile {profile_name} cannot be found.")
+            original(backend, profile_name, role_name)
+
+        patched: Any = remove_role_from_instance_profile
+        IAMBackend.remove_role_from_instance_profile = patched  # type: ignore[method-assign]
+        self._undo.append(lambda: setattr(IAMBackend, "remove_role_from_instance_profile",
+                                          original))
 
     def _publish_dlami(self) -> None:
         """Put the Deep Learning AMI's public parameter into moto in each region (AWS
