@@ -55,7 +55,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +92,36 @@ def _first_row(event: Any) -> float | None:
     return None
 
 
+def _timed(handle: Any, situation: str, submitted: float, timeout: float,
+           run_dry: Callable[[], None]) -> tuple[float, float | None]:
+    """Follow the job of a case: (from when, its first step's time), the one figure
+    both clouds measure. ``start``: from its submission to its first row. ``dry
+    mid-run``: at its first durable checkpoint ``run_dry()`` takes home's capacity away
+    and has EC2 take the instance back; from the notice to the next attempt's first
+    row. None for the first step when the job ended or ``timeout`` passed first."""
+    from spotnb.protocol.events import codec
+
+    start, dried = submitted, False
+    for event in handle.events(timeout=timeout):
+        body = codec.peek(event)
+        if situation == "start":
+            if (t := _first_row(event)) is not None:
+                return start, t
+            continue
+        if not dried and isinstance(body, codec.CheckpointEvent) and body.durable:
+            dried = True
+            run_dry()
+        elif isinstance(body, codec.Instance) and body.noticed and start == submitted:
+            start = event.time
+        elif event.attempt >= 2 and (t := _first_row(event)) is not None:
+            return start, t
+    return start, None
+
+
 def _case(situation: str, failover: bool, shortage: float, home: Path) -> dict[str, Any]:
     """One job: its time to the first step (``start``) or from the notice to the next
     attempt's first step (``dry mid-run``), where it ran, and its cost."""
     import spotnb
-    from spotnb.protocol.events import codec
     from spotnb.protocol.events.fold import fold
 
     regions = [HOME, OTHER] if failover else [HOME]
@@ -111,29 +136,16 @@ def _case(situation: str, failover: bool, shortage: float, home: Path) -> dict[s
     handle = spotnb.submit(CELL, instance_types=["g4dn.xlarge"], inputs={"STEP": STEP},
                            checkpoint_every="10 steps", region=regions,
                            name=f"{situation}-{'failover' if failover else 'home'}")
-    start = submitted
-    first: float | None = None
-    restored = None
     back = threading.Timer(shortage, _config, args=(home,))  # the capacity returns
+
+    def run_dry() -> None:
+        # Home runs dry, EC2 takes the instance back; the capacity returns later.
+        _config(home, no_capacity=[HOME])
+        back.start()
+        handle.interrupt()
+
     try:
-        for event in handle.events(timeout=shortage + 240):
-            body = codec.peek(event)
-            if situation == "start":
-                if (t := _first_row(event)) is not None:
-                    first = t
-                    break
-                continue
-            if restored is None and isinstance(body, codec.CheckpointEvent) and body.durable:
-                # Home runs dry, EC2 takes the instance back; the capacity returns later.
-                restored = body.step
-                _config(home, no_capacity=[HOME])
-                back.start()
-                handle.interrupt()
-            elif isinstance(body, codec.Instance) and body.noticed:
-                start = event.time
-            elif event.attempt >= 2 and (t := _first_row(event)) is not None:
-                first = t
-                break
+        start, first = _timed(handle, situation, submitted, shortage + 240, run_dry)
     finally:
         back.cancel()  # this case's shortage must not end the next one's
         handle.stop()
@@ -220,7 +232,6 @@ def _move_requests(sim: Any, windows: list[tuple[float, float]]) -> dict[str, An
 def _case_aws(sim: Any, situation: str, failover: bool, shortage: float) -> dict[str, Any]:
     """:func:`_case` on the AWS simulator (module docstring)."""
     import spotnb
-    from spotnb.protocol.events import codec
     from spotnb.protocol.events.fold import fold
 
     regions = [HOME, OTHER] if failover else [HOME]
@@ -233,29 +244,15 @@ def _case_aws(sim: Any, situation: str, failover: bool, shortage: float) -> dict
                                inputs={"STEP": STEP}, checkpoint_every="10 steps",
                                region=regions,
                                name=f"{situation}-{'failover' if failover else 'home'}")
-        start = submitted
-        first: float | None = None
-        interrupted = False
+
+        def run_dry() -> None:
+            # Home runs dry, EC2 takes the instance back (FIS); the capacity returns
+            # `shortage` seconds later.
+            sim.no_capacity(HOME, seconds=shortage)
+            handle.interrupt()
+
         try:
-            for event in handle.events(timeout=shortage + 300):
-                body = codec.peek(event)
-                if situation == "start":
-                    if (t := _first_row(event)) is not None:
-                        first = t
-                        break
-                    continue
-                if not interrupted and isinstance(body, codec.CheckpointEvent) and \
-                        body.durable:
-                    # Home runs dry, EC2 takes the instance back (FIS); the capacity
-                    # returns `shortage` seconds later.
-                    interrupted = True
-                    sim.no_capacity(HOME, seconds=shortage)
-                    handle.interrupt()
-                elif isinstance(body, codec.Instance) and body.noticed and start == submitted:
-                    start = event.time
-                elif event.attempt >= 2 and (t := _first_row(event)) is not None:
-                    first = t
-                    break
+            start, first = _timed(handle, situation, submitted, shortage + 300, run_dry)
         finally:
             handle.stop()
         result = handle.wait(timeout=180)
