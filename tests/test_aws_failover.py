@@ -366,6 +366,65 @@ def test_a_multi_node_job_moves_mid_run_once_its_node_left_at_home_saved_and_wen
                 or EMPTY_ROLE.fullmatch(line)) and job in line for line in left), left
 
 
+class NotebookClosed(BaseException):
+    """The notebook's process ends in the middle of a move."""
+
+
+def test_a_move_its_notebook_left_half_done_is_finished_by_the_next_that_attaches(
+        sim: AwsSimulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A move's notebook closes after the node it leaves went, before the new region's
+    group (made with no instance) was told to launch: the job has no instance
+    anywhere. The next notebook that attaches finishes the move: the new group
+    launches, the old one is deleted, and the job ends there."""
+    import dataclasses
+
+    from spotnb.protocol.events import GROUP_STREAM, EventWriter
+    from spotnb.providers.aws import stop_capacity_watches
+
+    gate = tmp_path / "gate"
+    handle = spotnb.submit(GATED.format(gate=str(gate)), provider="aws", outputs=["x"],
+                           instance_types=TYPES, region=[HOME, OTHER])
+    job = handle.job_id
+    first = sim.wait_for_instance(job)
+    assert first.region == HOME
+    home_asg = sim.admin_client("autoscaling", HOME)
+    wait_until(lambda: [i for g in home_asg.describe_auto_scaling_groups(
+        AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"]
+        for i in g["Instances"] if i["LifecycleState"] == "InService"], 60,
+        "its instance in service (its launch hook completed)")
+    stop_capacity_watches()  # the notebook moves it by hand below, its watch aside
+    provider = handle.provider
+    assert isinstance(provider, AwsProvider)
+    plan = provider._plans[job]
+    choice = plan.move(None)
+    assert choice is not None and choice.region == OTHER
+
+    def tell() -> None:
+        writer = EventWriter(handle.store, GROUP_STREAM)
+        writer.emit("region", **dataclasses.asdict(choice))
+        writer.close()
+
+    def closes(*_args: Any) -> None:
+        raise NotebookClosed()
+
+    with monkeypatch.context() as patched, pytest.raises(NotebookClosed):
+        patched.setattr(AwsProvider, "_release_group", closes)
+        provider.move_region(handle.spec, OTHER, nodes=[first.id], tell=tell)
+    wait_until(lambda: first.terminated, 60, "the node left at home to go")
+    asg = sim.admin_client("autoscaling", OTHER)
+    (held,) = asg.describe_auto_scaling_groups(
+        AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"]
+    assert (held["MinSize"], held["DesiredCapacity"], held["Instances"]) == (0, 0, [])
+    attached = spotnb.attach(job)
+    second = sim.wait_for_instance(job, timeout=120, exclude=(first.id,))
+    assert second.region == OTHER
+    gate.touch()
+    result = attached.wait(timeout=120)
+    assert result.status == "completed", (result.reason, result.error)
+    assert result.outputs == {"x": 42}
+    assert everything(sim)[HOME]["groups"] == []
+
+
 def test_a_move_is_claimed_by_one_owner_and_a_stale_claim_is_taken_over(
         tmp_path: Path) -> None:
     """Two notebooks watching one job: only the one whose conditional write made the

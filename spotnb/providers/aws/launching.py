@@ -188,11 +188,11 @@ class LaunchSteps:
                     node that trains saves; one that does not has nothing to save);
                     each gives up its node slot and its instance agent ends the wait.
                     Waited for up to LEAVE_SECONDS
-            Step 4  the new group launches the job's nodes: they are never in two
-                    regions at once
-            Step 5  the group and template deleted in the region it leaves (ending
+            Step 4  the group and template deleted in the region it leaves (ending
                     what is still there), and its network, which AWS keeps a while
                     after an instance in it is gone (then the job's end deletes it)
+            Step 5  the new group launches the job's nodes: they are never in two
+                    regions at once
         """
         job_id = spec.job_id
         previous = self.region(job_id)
@@ -228,8 +228,9 @@ class LaunchSteps:
                             exc_info=True)
         if nodes:
             self._end_nodes(spec, previous, target, nodes)
-            self._release_group(spec, target)
         self._leave_region(job_id, previous)
+        if nodes:
+            self._release_group(spec, target)
         log.info("moved job %s's capacity from %s to %s", job_id, previous, target)
 
     def _end_nodes(self, spec: JobSpec, region: str, target: str,
@@ -286,7 +287,7 @@ class LaunchSteps:
                         LEAVE_SECONDS)
 
     def _release_group(self, spec: JobSpec, region: str) -> None:
-        """Step 4 of :meth:`move_region`: the job's group in ``region``, made with no
+        """Step 5 of :meth:`move_region`: the job's group in ``region``, made with no
         instance, launches its nodes (one UpdateAutoScalingGroup)."""
         nodes = spec.resources.max_nodes
         asg = self.client("autoscaling", region)
@@ -300,8 +301,8 @@ class LaunchSteps:
                           spec.job_id, region)
 
     def _leave_region(self, job_id: str, region: str) -> None:
-        """Step 5 of :meth:`move_region`: the job's group, template and network in the
-        region it left."""
+        """Step 4 of :meth:`move_region`: the job's group, template and network in the
+        region it leaves."""
         self._delete_group(job_id, region)
         self._delete_template(job_id, region)
         try:
@@ -311,7 +312,7 @@ class LaunchSteps:
                         "will", job_id, region, exc_info=True)
 
     def finish_move(self, spec: JobSpec, previous: str, region: str) -> bool:
-        """A move whose notebook closed between its Steps 1 and 5 (:meth:`move_region`)
+        """A move whose notebook closed between its Steps 2 and 5 (:meth:`move_region`)
         is finished by the next that follows the job: the group in ``region`` that holds
         no instance launches the job's nodes, and what is left in ``previous`` is
         deleted. One DescribeAutoScalingGroups; whether there was a move to finish."""
