@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import pickle
 import signal
@@ -132,6 +134,32 @@ def run_uninterrupted(code: str, inputs: dict[str, Any], outputs: list[str],
     assert done.returncode == 0, done.stderr[-3000:]
     with out.open("rb") as f:
         return dict(pickle.load(f))
+
+
+def beside(fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+    """``fn(*args, **kwargs)`` on a thread of its own, started now; its future. For an
+    uninterrupted reference that needs nothing of the job it is compared with (a
+    notebook run without spotnb's instance): it runs while the job waits on boots and
+    notices, instead of after it. The asyncio loop that nbclient makes for the thread is
+    closed when ``fn`` returns (left to the garbage collector, its sockets raise
+    ResourceWarnings: errors under the suite's ``filterwarnings``)."""
+    def run() -> T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            try:
+                loop = asyncio.get_event_loop_policy().get_event_loop()
+            except RuntimeError:  # fn made none
+                pass
+            else:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+                asyncio.set_event_loop(None)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="beside")
+    future = pool.submit(run)
+    pool.shutdown(wait=False)  # the thread ends with fn
+    return future
 
 
 def shared_dir(tmp_path: Path) -> Path:

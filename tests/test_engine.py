@@ -263,11 +263,21 @@ def test_the_agent_logs_a_recommendation_when_it_came_before_any_notice(
     wait_no_processes(cloud)
 
 
-def test_hard_kill_redoes_at_most_the_steps_since_the_last_checkpoint(
-        cloud: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPOTNB_LOCAL_UPLOAD_MBPS", "0.05")
+def test_hard_kill_redoes_at_most_the_steps_since_the_last_checkpoint(cloud: Path) -> None:
+    # The first attempt's uploads take about a second each (its simulated link; the
+    # kernel's uploads read the setting as they start), and its steps 0.03 s: the kill
+    # finds an upload in flight. The replacement saves at disk speed and does not pause
+    # (the pauses and uploads were 4.5 s of its 120 steps).
+    slow_first = TORCH_TRAINING.replace("start = ckpt.restore()\n", (
+        "start = ckpt.restore()\n"
+        "if spot.attempt == 1:\n"
+        "    import os\n"
+        "    os.environ['SPOTNB_LOCAL_UPLOAD_MBPS'] = '0.05'\n"
+        "else:\n"
+        "    STEP_SECONDS = 0\n"))
+    assert slow_first != TORCH_TRAINING
     inputs = {"STEPS": 150, "STEP_SECONDS": 0.03}
-    handle = spotnb.submit(TORCH_TRAINING, inputs=inputs, outputs=["digest"],
+    handle = spotnb.submit(slow_first, inputs=inputs, outputs=["digest"],
                            checkpoint_every="30 steps")
     killed: list[int] = []
     sockets: list[Path] = []  # the killed agent's socket directory

@@ -41,6 +41,7 @@ import nbformat
 import numpy as np
 import pytest
 import torch
+from helpers import beside
 from nbformat.v4 import new_code_cell, new_notebook
 
 import spotnb
@@ -682,9 +683,9 @@ weights = digest(model.state_dict())
 
 
 def _run_both(tmp_path: Path, cells: list[str], train: str, plan: str, outputs: str) -> str:
-    """The notebook with ``train`` under %%spot_train, interrupted as ``plan`` says, then
-    in a plain kernel without spotnb's instance: the ``outputs`` it hands back are the
-    same (printed by the last cell)."""
+    """The notebook with ``train`` under %%spot_train, interrupted as ``plan`` says, and
+    beside it in a plain kernel without spotnb's instance: the ``outputs`` it hands back
+    are the same (printed by the last cell)."""
     result = f"print({outputs})"
 
     def write(folder: str, first: str, magic: str, plan: str) -> Path:
@@ -696,8 +697,12 @@ def _run_both(tmp_path: Path, cells: list[str], train: str, plan: str, outputs: 
         nbformat.write(nb, tmp_path / folder / "recipe.ipynb")
         return tmp_path / folder / "recipe.ipynb"
 
-    spot = run_notebook(write("spot", "%load_ext spotnb", "%%spot_train --checkpoint-every "
-                              f"4steps --out {outputs.replace(' ', '')}", plan), timeout=900)
+    local_nb = write("local", "pass", "from spotnb.train import runtime as spot", "{}")
+    spot_nb = write("spot", "%load_ext spotnb", "%%spot_train --checkpoint-every "
+                    f"4steps --out {outputs.replace(' ', '')}", plan)
+    local_run = beside(run_notebook, local_nb, timeout=900)
+    spot = run_notebook(spot_nb, timeout=900)
+    local = local_run.result(timeout=900)
     assert spot.ok, spot.failure
     executed = nbformat.read(spot.output, as_version=4)
     text = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
@@ -706,8 +711,6 @@ def _run_both(tmp_path: Path, cells: list[str], train: str, plan: str, outputs: 
     # A notice, then an instance lost without one: two interruptions (the fold's one
     # definition), three attempts.
     assert (job.status, job.interruptions, job.attempts) == ("completed", 2, 3), text
-    local = run_notebook(write("local", "pass", "from spotnb.train import runtime as spot",
-                               "{}"), timeout=900)
     assert local.ok, local.failure
     expected = nbformat.read(local.output, as_version=4).cells[-1].outputs[0]["text"]
     assert executed.cells[-1].outputs[0]["text"] == expected
