@@ -1554,15 +1554,18 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
     redone, no interruption counted, and no instance but the nodes and two standbys."""
     pytest.importorskip("torch")
     import torch
-    from test_multinode import GATED_TRAINING, Uninterrupted
+    from test_multinode import DDP_TRAINING, GATED_TRAINING, Uninterrupted
 
     from spotnb.protocol.events.fold import EndReason, fold
 
     monkeypatch.setenv("SPOTNB_AWS_CAPACITY_POLL", "0.5")
     go = tmp_path / "go"
     go.mkdir()
-    inputs = {"STEPS": 24, "PAUSES": [6, 12, 18], "PAUSE_AT": -1}
-    reference = Uninterrupted(GATED_TRAINING, {**inputs, "PAUSES": [], "GO": ""}, 2, tmp_path)
+    inputs = {"STEPS": 30, "PAUSES": [6, 12, 18], "PAUSE_AT": -1}
+    # GATED_TRAINING without pauses is DDP_TRAINING: its uninterrupted run of 30 steps on
+    # 2 ranks is test_multinode's too, made once for both.
+    reference = Uninterrupted(DDP_TRAINING, {"STEPS": 30, "PAUSE_AT": -1, "GO": ""}, 2,
+                              tmp_path)
     # A hook's wait (the notice period's scale) long enough that only its completion
     # can end it first; a standby's hold (the launch hook's wait, scaled alike) 345 s.
     with AwsSimulator(tmp_path / "sim", notice_seconds=60.0) as sim:
@@ -1655,7 +1658,7 @@ def test_two_recommended_nodes_move_to_standbys_one_at_a_time_with_no_step_redon
         assert state.instances[node].end_reason == "rebalanced"
     assert state.interruptions() == 0 and result.interruptions == 0
     assert state.redone_steps() == 0, state.breaks()
-    assert logged == list(range(24)), "every step once"
+    assert logged == list(range(inputs["STEPS"])), "every step once"
     assert {e.data["world_size"] for e in events if e.type == "world"} == {2}
     got, want = result.outputs["weights"], reference.weights()
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
