@@ -118,6 +118,20 @@ def _timed(handle: Any, situation: str, submitted: float, timeout: float,
     return start, None
 
 
+def _row(situation: str, failover: bool, start: float, first: float | None, result: Any,
+         state: Any) -> dict[str, Any]:
+    """A case's figures, on either cloud: its time to the first step, where its last
+    attempt ran, what it cost (the checkpoint's crossings from the job's fold), why it
+    moved; ``end``, the first step's time."""
+    if first is None:
+        raise RuntimeError(f"{situation}: no first step ({result.status}: {result.reason})")
+    last = max(state.attempts)
+    return {"situation": situation, "failover": failover, "seconds": first - start,
+            "end": first, "region": state.attempts[last].region,
+            "cost_usd": result.cost_usd, "transfer_usd": state.transfer_usd(),
+            "moved": next((r.reason for _t, r in state.regions if r.moved), None)}
+
+
 def _case(situation: str, failover: bool, shortage: float, home: Path) -> dict[str, Any]:
     """One job: its time to the first step (``start``) or from the notice to the next
     attempt's first step (``dry mid-run``), where it ran, and its cost."""
@@ -150,14 +164,7 @@ def _case(situation: str, failover: bool, shortage: float, home: Path) -> dict[s
         back.cancel()  # this case's shortage must not end the next one's
         handle.stop()
     result = handle.wait(timeout=120)
-    state = fold(handle.events(follow=False))
-    if first is None:
-        raise RuntimeError(f"{situation}: no first step ({result.status}: {result.reason})")
-    last = max(state.attempts)
-    return {"situation": situation, "failover": failover, "seconds": first - start,
-            "region": state.attempts[last].region, "cost_usd": result.cost_usd,
-            "transfer_usd": result.transfer_usd,
-            "moved": next((r.reason for _t, r in state.regions if r.moved), None)}
+    return _row(situation, failover, start, first, result, fold(handle.events(follow=False)))
 
 
 # -- on the AWS simulator -----------------------------------------------------------
@@ -259,15 +266,8 @@ def _case_aws(sim: Any, situation: str, failover: bool, shortage: float) -> dict
         sim.wait_until_idle(120)
     # Read once every instance is gone: an instance away from home bills its crossings
     # as its job agent exits, after the result.
-    state = fold(handle.events(follow=False))
-    if first is None:
-        raise RuntimeError(f"{situation}: no first step ({result.status}: {result.reason})")
-    last = max(state.attempts)
-    return {"situation": situation, "failover": failover, "seconds": first - start,
-            "region": state.attempts[last].region, "cost_usd": result.cost_usd,
-            "transfer_usd": state.transfer_usd(),
-            "moved": next((r.reason for _t, r in state.regions if r.moved), None),
-            **_requests(sim, start, first), "move": _move_requests(sim, moves)}
+    row = _row(situation, failover, start, first, result, fold(handle.events(follow=False)))
+    return {**row, **_requests(sim, start, row["end"]), "move": _move_requests(sim, moves)}
 
 
 def _run_aws(args: argparse.Namespace, home: Path) -> dict[tuple[str, bool], list[dict[str, Any]]]:
