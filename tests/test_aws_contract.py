@@ -273,7 +273,7 @@ def test_interrupting_a_job_of_six_instances_is_one_fis_template_that_aws_accept
     assert _selected(one) == [ids[3]]
 
 
-def test_a_fis_validation_error_is_not_taken_for_iam_propagation() -> None:
+def test_a_fis_validation_error_is_not_taken_for_iam_propagation(moto_endpoint: str) -> None:
     # With the FIS role already there, a ValidationException is a real refusal: said
     # at once, not retried for half a minute as if the role were still propagating.
     provider = AwsProvider(region=DEFAULT_REGION)

@@ -381,22 +381,34 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay, InstancesPlay,
                 continue
             self._fulfil(region, group, now)
         # EC2: boot new instances, shut down terminated ones.
-        states = {}
-        for reservation in ec2.describe_instances()["Reservations"]:
-            for inst in reservation["Instances"]:
-                states[inst["InstanceId"]] = inst
-        for instance_id, inst in states.items():
-            state = inst["State"]["Name"]
+        states = self._instance_states(region)
+        new = [i for i, state in states.items()
+               if state in ("pending", "running") and i not in self.instances]
+        if new:
+            for reservation in ec2.describe_instances(InstanceIds=new)["Reservations"]:
+                for inst in reservation["Instances"]:
+                    self._boot(region, inst)
+        for instance_id, state in states.items():
             known = self.instances.get(instance_id)
-            if state in ("pending", "running") and known is None:
-                self._boot(region, inst)
-            elif state in ("shutting-down", "terminated") and known is not None \
+            if state in ("shutting-down", "terminated") and known is not None \
                     and not known.terminated:
                 known.terminated, known.ended = True, time.time()
                 killer = threading.Thread(target=self._kill, args=(known, self.kill_grace),
                                           daemon=True)
                 self._killers.append(killer)
                 killer.start()
+
+    def _instance_states(self, region: str) -> dict[str, str]:
+        """Every instance of ``region`` and its state, read from moto's EC2 backend
+        in this process: the clock asks five times a second, and a DescribeInstances
+        of every instance the region ever had, made into XML by moto and parsed back
+        by botocore, was most of its CPU. What an instance boots with is still asked
+        of EC2 (:meth:`_tick_region`)."""
+        from moto.ec2.models import ec2_backends
+
+        backend = ec2_backends[DEFAULT_ACCOUNT][region]
+        return {inst.id: inst.state for reservation in backend.all_reservations()
+                for inst in reservation.instances}
 
     def _subnet(self, subnet: str) -> tuple[str, str]:
         """The AZ name and id of ``subnet`` (of any region)."""
