@@ -714,3 +714,34 @@ def test_a_cell_that_ends_in_an_error_after_a_stop_request_is_stopped(
     result = handle.wait(timeout=120)
     assert result.status == "stopped", (result.status, result.reason)
     assert "by the test" in result.reason
+
+
+def test_a_kernel_that_dies_starting_after_a_stop_request_is_stopped(
+        cloud: Path, tmp_path: Path) -> None:
+    # A stop's interrupt can reach a kernel still starting (before IPython's SIGINT
+    # handler: it dies of the signal), or the instance's end can take it: the job was
+    # stopped, not "failed: the kernel could not start" (a sweep stopped elsewhere read
+    # its trial failed so). The kernel is held at its start by the job's own
+    # sitecustomize until the stop request is in the store, then dies.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    started, gate = tmp_path / "kernel-starting", tmp_path / "gate"
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import os, signal, time
+        open({str(started)!r}, "w").close()
+        while not os.path.exists({str(gate)!r}):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # before IPython: KeyboardInterrupt ends it
+    """))
+    handle = spotnb.submit("print('never')", name="stopped-while-starting",
+                           env={"PYTHONPATH": str(hook)})
+    wait_until(started.exists, 120, "the job's kernel to start")
+    # The record only (no control message): as an agent finds it at its next look.
+    handle.store.put_if_absent(layout.STOP, json.dumps(
+        {"reason": "user", "detail": "by the test", "time": time.time(),
+         "by": "test"}).encode())
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "stopped", (result.status, result.reason)
+    assert "by the test" in result.reason
+    wait_no_processes(cloud)

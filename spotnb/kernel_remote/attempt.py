@@ -136,7 +136,7 @@ def run_attempt(agent: Agent) -> str:
                 channel.ENV_INSTANCE_ID: agent.identity["instance_id"],
                 channel.ENV_RESTORE_DIR: str(restore_dir),
             }), silent=True)
-        if agent.stop_requested:
+        if agent.stop_requested or (boot_error and _stop_seen(agent)):
             return agent.finish("stopped", agent.stops.reason())
         if boot_error:
             return agent.finish("failed", "the runtime could not start in the kernel",
@@ -147,13 +147,6 @@ def run_attempt(agent: Agent) -> str:
         error = agent.cells.execute(kc, agent.spec.code, silent=False, sent=sent)
         agent.warm = None
         agent.lease.check()
-        if error and agent.stop_requested is None:
-            # A stop can end the kernel before this agent's poll read the request
-            # (its group ending the instance): the cell's end is the stop's, not an
-            # error of the cell's.
-            request = agent.stops.read()
-            if request is not None:
-                agent.on_stop(request)
         if agent.stop_requested:
             return agent.finish("stopped", agent.stops.reason())
         if error:
@@ -177,9 +170,25 @@ def run_attempt(agent: Agent) -> str:
         sampler.stop()
 
 
+def _stop_seen(agent: Agent) -> bool:
+    """Whether the job was asked to stop, reading the store's request if this agent has
+    not seen it yet. A stop can end the kernel before the agent's look at the store
+    (its group ending the instance; or the stop's interrupt reaching a kernel still
+    starting, before its SIGINT handler: it dies of the signal): the attempt's end is
+    then the stop's, not an error of the cell's."""
+    if agent.stop_requested is None:
+        request = agent.stops.read()
+        if request is not None:
+            agent.on_stop(request)
+    return bool(agent.stop_requested)
+
+
 def _retry_or_fail(agent: Agent, kc: Any | None, error: dict[str, Any]) -> str:
     """The cell (or its kernel's start) failed with ``error``: record it, and "retry"
-    if the job's policy allows another try, else the failed result's status."""
+    if the job's policy allows another try, else the failed result's status; a stopped
+    job's, if the job was asked to stop (:func:`_stop_seen`)."""
+    if _stop_seen(agent):
+        return agent.finish("stopped", agent.stops.reason())
     agent.lease.check()
     # The rows the cell logged before it failed are still on their way.
     agent.sync_runtime(kc)
