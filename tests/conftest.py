@@ -26,7 +26,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
 
-# One compute thread per process: the suite runs two workers on a machine of a few
+# One compute thread per process: the suite runs three workers on a machine of a few
 # cores, and a test's notebook kernel, instances and reference run train beside each
 # other; torch's default (a thread per core, each spinning while it waits) then
 # oversubscribes the cores: the GPT example's step took 0.5 s instead of 0.03 s on two
