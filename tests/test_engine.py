@@ -688,6 +688,19 @@ def test_a_warm_standby_takes_the_job_over_once_ready_with_no_step_redone(
     wait_no_processes(cloud)
 
 
+def _stopped_by_the_record(handle: spotnb.JobHandle, gate: Path) -> None:
+    """Write the job's stop request, the record only (no control message: as its agent
+    finds it at its next look), open ``gate`` (the kernel's end follows) and check the
+    job ended stopped, for the request's reason."""
+    handle.store.put_if_absent(layout.STOP, json.dumps(
+        {"reason": "user", "detail": "by the test", "time": time.time(),
+         "by": "test"}).encode())
+    gate.touch()
+    result = handle.wait(timeout=120)
+    assert result.status == "stopped", (result.status, result.reason)
+    assert "by the test" in result.reason
+
+
 def test_a_cell_that_ends_in_an_error_after_a_stop_request_is_stopped(
         cloud: Path, tmp_path: Path) -> None:
     # A stop can end the cell before the agent read the request (the group ending the
@@ -706,14 +719,7 @@ def test_a_cell_that_ends_in_an_error_after_a_stop_request_is_stopped(
     threading.Thread(target=follow, daemon=True, args=(
         handle, lambda e: seen.set() if e.type == "stream" else None)).start()
     assert seen.wait(120), "the cell never started"
-    # The record only (no control message): as an agent finds it at its next look.
-    handle.store.put_if_absent(layout.STOP, json.dumps(
-        {"reason": "user", "detail": "by the test", "time": time.time(),
-         "by": "test"}).encode())
-    gate.touch()
-    result = handle.wait(timeout=120)
-    assert result.status == "stopped", (result.status, result.reason)
-    assert "by the test" in result.reason
+    _stopped_by_the_record(handle, gate)
 
 
 def test_a_kernel_that_dies_starting_after_a_stop_request_is_stopped(
@@ -736,12 +742,5 @@ def test_a_kernel_that_dies_starting_after_a_stop_request_is_stopped(
     handle = spotnb.submit("print('never')", name="stopped-while-starting",
                            env={"PYTHONPATH": str(hook)})
     wait_until(started.exists, 120, "the job's kernel to start")
-    # The record only (no control message): as an agent finds it at its next look.
-    handle.store.put_if_absent(layout.STOP, json.dumps(
-        {"reason": "user", "detail": "by the test", "time": time.time(),
-         "by": "test"}).encode())
-    gate.touch()
-    result = handle.wait(timeout=120)
-    assert result.status == "stopped", (result.status, result.reason)
-    assert "by the test" in result.reason
+    _stopped_by_the_record(handle, gate)
     wait_no_processes(cloud)
