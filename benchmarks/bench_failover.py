@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run_local(args: argparse.Namespace,
                home: Path) -> dict[tuple[str, bool], list[dict[str, Any]]]:
-    from spotnb.providers.local.failover import MOVE_AFTER_FAILED_ROUNDS
+    from spotnb.providers.failover import MOVE_AFTER_FAILED_ROUNDS
     from spotnb.providers.local.group import CAPACITY_RETRY_SECONDS
 
     print(f"local cloud: {HOME} without capacity for {args.shortage:g} s; failover after "

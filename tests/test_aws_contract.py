@@ -19,7 +19,13 @@ from aws_reference import floor, iam
 
 from spotnb.protocol.spec import SpecError
 from spotnb.providers.aws import AwsProvider, _boto, admin
-from spotnb.providers.aws.policies import fis_policy, instance_policy, trust_policy, user_policy
+from spotnb.providers.aws.policies import (
+    fis_policy,
+    instance_policy,
+    mover_policy,
+    trust_policy,
+    user_policy,
+)
 from spotnb.providers.aws.resources import (
     IAM_PATH,
     TAG_JOB,
@@ -119,6 +125,11 @@ def _policies() -> dict[str, tuple[dict[str, Any], bool]]:
             job_id="j", store_uri="s3://b/jobs/j", region="us-gov-west-1",
             account=ACCOUNT), False),
         "FIS role": (fis_policy(REGION, ACCOUNT), False),
+        "notebook user, several regions": (user_policy(
+            [REGION, "eu-west-1"], ACCOUNT, BUCKET), False),
+        "mover role": (mover_policy([REGION, "eu-west-1"], ACCOUNT, [BUCKET, "theirs"]),
+                       False),
+        "mover trust": (trust_policy("lambda.amazonaws.com"), True),
         "instance trust": (trust_policy("ec2.amazonaws.com"), True),
         "FIS trust": (trust_policy("fis.amazonaws.com"), True),
         "bucket policy (TLS only)": (tls_only_policy(BUCKET), True),

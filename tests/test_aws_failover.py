@@ -165,14 +165,19 @@ digest = state["h"]
 
 def test_a_job_whose_region_runs_dry_mid_run_moves_and_ends_bitwise(
         sim: AwsSimulator, tmp_path: Path) -> None:
-    """Home runs dry mid-run after the launching notebook closed: nothing moves the job
-    until notebooks attach; two watch it (two processes' watches, as two notebooks):
-    it moves once, resumes in the other region from the checkpoint at home, and ends
-    with the uninterrupted run's result, its crossings billed."""
+    """Home runs dry mid-run after the launching notebook closed: with no notebook open,
+    the account's mover (a Lambda function that EventBridge invokes on the group's
+    failed launches, run from its zip by the simulator) moves the job once its rounds
+    at home failed; it resumes in the other region from the checkpoint at home, and a
+    notebook that attaches later gets the uninterrupted run's result, its crossings
+    billed."""
+    import json
+
+    from spotnb.protocol import layout
     from spotnb.protocol.events.fold import fold
-    from spotnb.providers.aws import stop_capacity_watches
-    from spotnb.providers.aws.capacity import MOVE_AFTER_FAILED_ROUNDS, CapacityWatch, watching
-    from spotnb.providers.local import failover
+    from spotnb.providers import failover
+    from spotnb.providers.aws import mover, stop_capacity_watches
+    from spotnb.providers.aws.capacity import MOVE_AFTER_FAILED_ROUNDS, watching
 
     assert MOVE_AFTER_FAILED_ROUNDS == failover.MOVE_AFTER_FAILED_ROUNDS  # one rule
     open_gate = tmp_path / "open"
@@ -186,6 +191,9 @@ def test_a_job_whose_region_runs_dry_mid_run_moves_and_ends_bitwise(
     job = handle.job_id
     first = sim.wait_for_instance(job)
     assert first.region == HOME
+    # The launch deployed the mover in both regions (its code: this spotnb's).
+    for region in (HOME, OTHER):
+        assert mover.problem(handle.provider, region) is None
     # Held at step 30, its save of step 29 durable: the launching notebook closes, home
     # runs dry, and EC2 takes the instance back.
     for event in handle.events(timeout=120):
@@ -196,31 +204,19 @@ def test_a_job_whose_region_runs_dry_mid_run_moves_and_ends_bitwise(
     assert not watching(job)
     sim.no_capacity(HOME)
     sim.interrupt(first.id)
-    # Nobody follows the job: its group tries at home, round after round, and nothing
-    # moves it.
-    wait_until(lambda: first.terminated, 60, "the interrupted instance's end")
-    asg = sim.admin_client("autoscaling", HOME)
-    (group,) = asg.describe_auto_scaling_groups(
-        AutoScalingGroupNames=[f"spotnb-{job}"])["AutoScalingGroups"]
-    pools = len(TYPES) * len(group["VPCZoneIdentifier"].split(","))
-
-    def failed_launches() -> int:
-        return sum(a["StatusCode"] == "Failed" for a in asg.describe_scaling_activities(
-            AutoScalingGroupName=f"spotnb-{job}")["Activities"])
-    wait_until(lambda: failed_launches() >= (MOVE_AFTER_FAILED_ROUNDS + 1) * pools, 120,
-               "more launch rounds failing at home than a move waits for")
-    assert everything(sim)[OTHER]["groups"] == []
-    # Two notebooks attach (a provider of their own each, as in other processes).
-    attached = spotnb.attach(job)
-    assert watching(job)
-    other = CapacityWatch(AwsProvider(), attached.spec, attached.store)
-    other.start()
-    second = sim.wait_for_instance(job, timeout=120, exclude=(first.id,))
+    # Nobody follows the job: its group fails round after round at home, and the
+    # mover moves it.
+    second = sim.wait_for_instance(job, timeout=180, exclude=(first.id,))
     assert second.region == OTHER
+    assert not watching(job), "no notebook's watch moved it"
+    claims = [json.loads(handle.store.get(key)) for key in
+              handle.store.list(layout.REGION_MOVES)]
+    assert [c["owner"].startswith("mover-") for c in claims] == [True]
+    assert everything(sim)[HOME]["groups"] == []
+    # A notebook attaches, later.
+    attached = spotnb.attach(job)
     gate.touch()
     result = attached.wait(timeout=120)
-    other.stop()
-    other.join(timeout=30)
     assert result.status == "completed", (result.reason, result.error)
     assert result.outputs["digest"] == expected["digest"], "bitwise the uninterrupted run's"
     assert [a.region for a in result.attempts] == [HOME, OTHER]
@@ -290,7 +286,7 @@ def test_a_multi_node_job_moves_mid_run_once_its_node_left_at_home_saved_and_wen
 
     from spotnb.kernel_remote.multinode import rendezvous as rdzv
     from spotnb.protocol.events.fold import fold
-    from spotnb.providers.local.failover import REGION_MOVE
+    from spotnb.providers.failover import REGION_MOVE
 
     sim.notice_seconds = 20.0  # EC2's two minutes: time for the coordinated checkpoint
     go = tmp_path / "go"

@@ -28,7 +28,7 @@ from spotnb.protocol.events import Event, codec
 from spotnb.protocol.events.fold import fold
 from spotnb.protocol.spec import JobSpec, Policy, Resources, SpecError
 from spotnb.protocol.store import LocalStore
-from spotnb.providers.local.failover import MOVE_AFTER_FAILED_ROUNDS
+from spotnb.providers.failover import MOVE_AFTER_FAILED_ROUNDS
 from spotnb.providers.regions import transfer_price
 
 HOME, OTHER = "us-east-1", "us-west-2"
@@ -62,7 +62,7 @@ def config(cloud: Cloud, **settings: Any) -> None:
 def test_the_plan_ranks_moves_after_the_bound_and_cycles_through_dry_regions() -> None:
     """RegionPlan, scripted: capacity by region as a test sets it, no process."""
     from spotnb.providers import catalog
-    from spotnb.providers.local.failover import RegionPlan
+    from spotnb.providers.failover import RegionPlan
 
     short: set[str] = {HOME}
     store = "file:///nowhere"

@@ -31,8 +31,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 FLOOR = "1.35.69"
 #: The services spotnb calls (``grep -r 'client("' spotnb``).
-SERVICES = ("autoscaling", "ec2", "fis", "iam", "pricing", "s3", "service-quotas", "sqs",
-            "ssm", "sts")
+SERVICES = ("autoscaling", "ec2", "events", "fis", "iam", "lambda", "pricing", "s3",
+            "service-quotas", "sqs", "ssm", "sts")
 
 
 def models_dir(version: str = FLOOR) -> Path:

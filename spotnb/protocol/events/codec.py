@@ -292,7 +292,7 @@ class Instance:
 @dataclasses.dataclass(frozen=True)
 class Region:
     """``region``: the region the capacity group launches the job's instances in from
-    now on (``spotnb.providers.local.failover``), and why. ``previous``: where it
+    now on (``spotnb.providers.failover``), and why. ``previous``: where it
     launched before (None at the job's start); ``cause``: ``start`` (the launch's
     ranking chose it) or ``no-capacity`` (a move: ``tries`` launch rounds in a row found
     no capacity in ``previous``); ``reason`` says it in words; ``home``: the region of

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from spotnb.protocol.events import (
     EVENTS_PREFIX,
@@ -70,12 +70,16 @@ class EventReader:
     """Tails a job's event log: each :meth:`poll` returns the events not seen yet.
 
     ``batches``: deliver ``metrics`` events as they are (one per batch of rows) rather
-    than one ``metric`` event per row; for readers that handle both.
+    than one ``metric`` event per row; for readers that handle both. ``attempts``: read
+    only these streams (``GROUP_STREAM``'s: what the group said), not every attempt's;
+    the LIST is the same, the GETs are theirs only.
     """
 
-    def __init__(self, store: Store, batches: bool = False) -> None:
+    def __init__(self, store: Store, batches: bool = False,
+                 attempts: Collection[int] | None = None) -> None:
         self.store = store
         self.batches = batches
+        self._streams = None if attempts is None else {stream_name(a) for a in attempts}
         self._last_chunk: dict[str, int] = {}
         self._last_n: dict[str, int] = {}
         self._read_keys: dict[str, set[str]] = collections.defaultdict(set)
@@ -105,7 +109,8 @@ class EventReader:
         self.lists += 1
         listing = _objects(self.store)
         for stream in sorted(listing):
-            events += self._read_stream(stream, listing[stream])
+            if self._streams is None or stream in self._streams:
+                events += self._read_stream(stream, listing[stream])
         events.sort(key=lambda e: e.time)
         if self.batches:
             return events

@@ -86,7 +86,7 @@ from spotnb.protocol.secretstore import values_for
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import Store, StoreError, open_store
 from spotnb.providers import PoolPrice, Provider, ProviderError, catalog
-from spotnb.providers.aws import _boto, cluster, fis, parameters
+from spotnb.providers.aws import _boto, cluster, fis, mover, parameters
 from spotnb.providers.aws.bootstrap import bundle
 from spotnb.providers.aws.capacity import CapacityWatch, stop_capacity_watches, watching
 from spotnb.providers.aws.launching import (  # noqa: F401 (their names here before)
@@ -146,6 +146,8 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
         self._watches: dict[str, CapacityWatch] = {}
         self._zones: dict[str, cluster.Zone] = {}  # multi-node jobs, chosen at validation
         self._lock = threading.Lock()
+        #: the (regions, bucket) whose mover this provider deployed (mover.ensure)
+        self._movers: set[tuple[tuple[str, ...], str]] = set()
 
     def __repr__(self) -> str:
         return f"AwsProvider(region={self._region!r})"
@@ -264,6 +266,11 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
                                [t for t in tag_list if t["Key"] != "Name"])
             # Step 3: the job's role, limited to its prefix.
             profile_arn = self._create_role(spec, account, tag_list)
+            # Step 3b: a job of several regions, the mover in each (its owner while no
+            # notebook follows it: mover.py); a launch without one goes on.
+            no_mover = None
+            if len(spec.resources.regions) > 1:
+                no_mover = mover.ensure(self, spec, account)
             undo.append(("IAM role", lambda: self._delete_role(job_id, region)))
             subnets, zone = self._make_capacity(spec, region, profile_arn, tag_list, undo)
         except BaseException:
@@ -293,6 +300,8 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
             if start is not None:
                 events.emit("region", **dataclasses.asdict(start))
             events.emit("status", state="launching", detail=detail)
+            if no_mover is not None:
+                events.emit("status", state="launching", detail=no_mover)
             events.close()
         except StoreError:
             log.warning("could not record the launch of job %s", job_id, exc_info=True)

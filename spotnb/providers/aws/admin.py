@@ -5,15 +5,17 @@ Both return typed outcomes; :mod:`.cli` prints them.
 ``setup(region, dry_run)`` creates (or checks) what jobs share: the default bucket with
 its settings (in ``region``, the home), the no-inbound security group of the default
 VPC of ``region`` and of every other allowed region (``$SPOTNB_ALLOWED_REGIONS``: where
-jobs may run), and the FIS role used by ``spotnb interrupt``. Per-job resources (role,
-template, group) are made by each launch. It also returns the IAM policies spotnb
-uses, so they can be reviewed.
+jobs may run), the FIS role used by ``spotnb interrupt``, and with several allowed
+regions the mover in each (:mod:`.mover`: the owner of a job of several regions whose
+notebook is closed). Per-job resources (role, template, group) are made by each
+launch. It also returns the IAM policies spotnb uses, so they can be reviewed.
 
 ``doctor(region)`` checks, in order, what a launch needs: credentials, region, the
 bucket, the network, the image (the network, image and quotas in each allowed region
 too, each line naming its region) (it exists, is available, and is the PyTorch Deep
 Learning AMI by default), the spot vCPU quotas that count the GPU families it runs
-(named and numbered as Service Quotas has them), the FIS role, where secrets go (SSM
+(named and numbered as Service Quotas has them), the mover in each allowed region
+(with several), the FIS role, where secrets go (SSM
 Parameter Store) and the caller's permissions: whether IAM lets it do what the printed
 notebook-user policy grants (``iam:SimulatePrincipalPolicy``, which that policy grants).
 """
@@ -26,8 +28,13 @@ import re
 from typing import Any
 
 from spotnb.protocol.spec import SpecError
-from spotnb.providers.aws import _boto
-from spotnb.providers.aws.policies import fis_policy, instance_policy, user_policy
+from spotnb.providers.aws import _boto, mover
+from spotnb.providers.aws.policies import (
+    fis_policy,
+    instance_policy,
+    mover_policy,
+    user_policy,
+)
 from spotnb.providers.aws.resources import FIS_ROLE, SECURITY_GROUP
 from spotnb.providers.aws.settings import (
     DLAMI_FAMILIES,
@@ -129,6 +136,9 @@ def setup(region: str | None = None, dry_run: bool = False) -> SetupReport:
         else:
             provider._fis_role(region, account)
             actions.append(f"did create IAM role {FIS_ROLE} (for `spotnb interrupt`)")
+    if len(regions) > 1:  # a job of several regions: its owner with no notebook
+        actions += mover.deploy(provider, regions, home=region, account=account,
+                                buckets=[bucket], dry_run=dry_run).actions
     example_job = "<job-id>"
     policies = {
         "notebook user (attach to your IAM identity)": user_policy(regions, account, bucket),
@@ -137,6 +147,9 @@ def setup(region: str | None = None, dry_run: bool = False) -> SetupReport:
             region=region, account=account, regions=regions),
         f"{FIS_ROLE} (Fault Injection Service)": fis_policy(region, account),
     }
+    if len(regions) > 1:
+        policies[f"{mover.ROLE} (moves a job of several regions: Lambda)"] = mover_policy(
+            regions, account, [bucket])
     return SetupReport(region=region, account=account, bucket=bucket,
                        actions=tuple(actions), policies=policies)
 
@@ -187,6 +200,13 @@ def doctor(region: str | None = None) -> list[Check]:
         checks.append(dataclasses.replace(image, name=named(image.name)))
         checks += [dataclasses.replace(c, name=named(c.name)) for c in _quotas(
             _boto.client("service-quotas", where, attempts=1), DLAMI_FAMILIES)]
+        if len(regions) > 1:  # jobs of several regions: their owner with no notebook
+            try:
+                wrong = mover.problem(provider, where)
+                checks.append(Check(named("mover"), wrong is None, wrong or (
+                    f"{mover.FUNCTION} runs this spotnb's code, invoked by {mover.RULE}")))
+            except Exception as err:
+                checks.append(Check(named("mover"), None, f"could not look: {err}"))
     iam = provider.client("iam", region)
     try:
         iam.get_role(RoleName=FIS_ROLE)

@@ -17,7 +17,7 @@ seconds (default 300) and no instance has launched, the job fails with AWS's rea
 its group is deleted: a job never sits at "launching" with a launch that cannot work.
 
 A job of several regions (:mod:`.failover`) is also moved here: its watch goes on for
-the job's life, and when :data:`~spotnb.providers.local.failover.MOVE_AFTER_FAILED_ROUNDS`
+the job's life, and when :data:`~spotnb.providers.failover.MOVE_AFTER_FAILED_ROUNDS`
 launch rounds in a row failed for capacity (a *round*: as many capacity failures in a
 row, since the group's last successful launch, as the group has pools, types x
 subnets: Auto Scaling's try of each) while fewer than the job's minimum of nodes run,
@@ -67,10 +67,10 @@ from spotnb.providers.aws.resources import group_name, mixed_instances_policy, r
 if TYPE_CHECKING:
     from spotnb.providers.aws import AwsProvider
 
-__all__ = ["CapacityWatch", "claim_move", "stop_capacity_watches", "watching"]
+__all__ = ["CapacityWatch", "claim_move", "move_if_dry", "stop_capacity_watches", "watching"]
 
 #: Launch rounds in a row without capacity after which a job moves to its next region:
-#: the local cloud's bound (spotnb.providers.local.failover), one rule for both
+#: the local cloud's bound (spotnb.providers.failover), one rule for both
 #: (tests/test_aws_failover.py holds them equal).
 MOVE_AFTER_FAILED_ROUNDS = 3
 
@@ -230,7 +230,10 @@ class CapacityWatch(threading.Thread):
                         + "; Auto Scaling tries the other pools"))
                     writer.emit("instance", **failure)
                 if moving:
-                    writer = self._maybe_move(asg, activities, writer, state_bytes)
+                    writer = move_if_dry(self.provider, self.spec, self.store, asg=asg,
+                                         activities=activities, writer=writer,
+                                         state_bytes=state_bytes, choices=len(self._choices),
+                                         owner=self._owner)
                 waited = time.monotonic() - started
                 if (not launched and not ondemand and settings.ondemand_after is not None
                         and reported and waited > settings.ondemand_after):
@@ -266,67 +269,6 @@ class CapacityWatch(threading.Thread):
                              self.spec.job_id, newest.region, exc_info=True)
         elif plan is not None and plan.region != choices[-1].region:
             plan.resume(choices)  # another owner moved it
-
-    def _maybe_move(self, asg: Any, activities: list[dict[str, Any]],
-                    writer: EventWriter | None, state_bytes: int | None
-                    ) -> EventWriter | None:
-        """Move the job to its next region if its group failed enough rounds for
-        capacity with too few nodes running (module docstring); the writer, made if
-        the move was told."""
-        plan = self.provider._plans.get(self.spec.job_id)
-        if plan is None or plan.region is None:
-            return writer
-        failures = _failures_in_a_row(activities)
-        if not failures:
-            return writer
-        name = group_name(self.spec.job_id)
-        found = asg.describe_auto_scaling_groups(
-            AutoScalingGroupNames=[name])["AutoScalingGroups"]
-        if not found:
-            return writer
-        group = found[0]
-        subnets = [s for s in str(group.get("VPCZoneIdentifier", "")).split(",") if s]
-        pools = max(1, len(region_types(self.spec, plan.region)) * max(1, len(subnets)))
-        running = [i for i in group.get("Instances", ())
-                   if not str(i.get("LifecycleState", "")).startswith("Terminat")]
-        plan.failed_rounds = failures // pools
-        if len(running) >= self.spec.resources.min_nodes or not plan.failed_rounds or \
-                plan.failed_rounds < MOVE_AFTER_FAILED_ROUNDS:
-            return writer
-        if not claim_move(self.store, len(self._choices), self._owner):
-            return writer  # another owner moves it: its region event comes next
-        previous = plan.region
-        at = time.time()
-        choice = plan.move(state_bytes)
-        if choice is None:
-            return writer
-        writer = writer or EventWriter(self.store, GROUP_STREAM)
-        told = writer
-
-        def tell() -> None:
-            """The move, said before the nodes left in ``previous`` get their notice (as
-            the local cloud says it): the region event, then each node's notice."""
-            told.emit_event(Event(type="region", time=at, attempt=GROUP_STREAM,
-                                  instance=None, data=dataclasses.asdict(choice)))
-            told.emit("status", state="waiting_for_capacity", detail=(
-                f"moved to {choice.region}: {choice.reason}; it resumes there from its "
-                f"checkpoint in {choice.home}" + (
-                    f"; its {len(running)} node(s) left in {previous} save and go first"
-                    if running else "")))
-            for inst in running:
-                told.emit("instance", action="notice", reason=billing.REGION_MOVE,
-                          instance_id=inst["InstanceId"],
-                          instance_type=inst.get("InstanceType"), region=previous)
-            told.flush()
-
-        try:
-            self.provider.move_region(self.spec, choice.region,
-                                      nodes=[i["InstanceId"] for i in running], tell=tell)
-        except Exception as err:
-            plan.resume_in(previous)  # it stays, and tries to move again later
-            log.warning("job %s could not move from %s to %s: %s", self.spec.job_id,
-                        previous, choice.region, err)
-        return writer
 
     @staticmethod
     def _still_failing(activities: list[dict[str, Any]]) -> bool:
@@ -379,6 +321,72 @@ class CapacityWatch(threading.Thread):
             writer.emit("status", state="waiting_for_capacity", detail=(
                 f"no spot capacity for {waited:.0f} s: falling back to on-demand "
                 "(SPOTNB_AWS_ONDEMAND_AFTER)"))
+
+
+def move_if_dry(provider: AwsProvider, spec: JobSpec, store: Store, *, asg: Any,
+                activities: list[dict[str, Any]], writer: EventWriter | None,
+                state_bytes: int | None, choices: int, owner: str) -> EventWriter | None:
+    """Move the job to its next region if its group failed enough rounds for capacity
+    with too few nodes running (module docstring), as ``owner``: a notebook's watch, or
+    the mover function (:mod:`.mover`) when no notebook follows the job. ``activities``:
+    the group's scaling activities in its region (``asg``'s); ``choices``: the job's
+    region choices so far (its ``region`` events), whose next move is claimed in the
+    store; the provider's plan of the job (``provider._plans``) knows where it runs.
+    Returns the writer, made if the move was told."""
+    plan = provider._plans.get(spec.job_id)
+    if plan is None or plan.region is None:
+        return writer
+    failures = _failures_in_a_row(activities)
+    if not failures:
+        return writer
+    name = group_name(spec.job_id)
+    found = asg.describe_auto_scaling_groups(
+        AutoScalingGroupNames=[name])["AutoScalingGroups"]
+    if not found:
+        return writer
+    group = found[0]
+    subnets = [s for s in str(group.get("VPCZoneIdentifier", "")).split(",") if s]
+    pools = max(1, len(region_types(spec, plan.region)) * max(1, len(subnets)))
+    running = [i for i in group.get("Instances", ())
+               if not str(i.get("LifecycleState", "")).startswith("Terminat")]
+    plan.failed_rounds = failures // pools
+    if len(running) >= spec.resources.min_nodes or not plan.failed_rounds or \
+            plan.failed_rounds < MOVE_AFTER_FAILED_ROUNDS:
+        return writer
+    if not claim_move(store, choices, owner):
+        return writer  # another owner moves it: its region event comes next
+    previous = plan.region
+    at = time.time()
+    choice = plan.move(state_bytes)
+    if choice is None:
+        return writer
+    writer = writer or EventWriter(store, GROUP_STREAM)
+    told = writer
+
+    def tell() -> None:
+        """The move, said before the nodes left in ``previous`` get their notice (as
+        the local cloud says it): the region event, then each node's notice."""
+        told.emit_event(Event(type="region", time=at, attempt=GROUP_STREAM,
+                              instance=None, data=dataclasses.asdict(choice)))
+        told.emit("status", state="waiting_for_capacity", detail=(
+            f"moved to {choice.region}: {choice.reason}; it resumes there from its "
+            f"checkpoint in {choice.home}" + (
+                f"; its {len(running)} node(s) left in {previous} save and go first"
+                if running else "")))
+        for inst in running:
+            told.emit("instance", action="notice", reason=billing.REGION_MOVE,
+                      instance_id=inst["InstanceId"],
+                      instance_type=inst.get("InstanceType"), region=previous)
+        told.flush()
+
+    try:
+        provider.move_region(spec, choice.region,
+                             nodes=[i["InstanceId"] for i in running], tell=tell)
+    except Exception as err:
+        plan.resume_in(previous)  # it stays, and tries to move again later
+        log.warning("job %s could not move from %s to %s: %s", spec.job_id,
+                    previous, choice.region, err)
+    return writer
 
 
 def _failures_in_a_row(activities: list[dict[str, Any]]) -> int:

@@ -2,8 +2,8 @@
 with EC2's Spot placement scores, and the move to the next region when one has no
 capacity.
 
-The rules are the local cloud's (:mod:`spotnb.providers.local.failover`, whose
-:class:`~spotnb.providers.local.failover.RegionPlan` this module's plan is): a job names
+The rules are the local cloud's (:mod:`spotnb.providers.failover`, whose
+:class:`~spotnb.providers.failover.RegionPlan` this module's plan is): a job names
 its regions (``--region a,b``), the first is its *home*, where its store (bucket), its
 queues and its secrets stay; its group, launch template, security group (a multi-node
 job's placement group) and the image they run are made in one region at a time, *its
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from spotnb.protocol.events import codec
 from spotnb.protocol.spec import JobSpec
 from spotnb.providers.aws import _boto
-from spotnb.providers.local.failover import RegionPlan
+from spotnb.providers.failover import RegionPlan
 from spotnb.providers.placement import PlacementScores, fetch_placement_scores
 
 __all__ = ["AwsRegionPlan", "placement_scores", "start"]

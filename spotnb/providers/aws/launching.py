@@ -171,7 +171,7 @@ class LaunchSteps:
     def move_region(self, spec: JobSpec, target: str, nodes: Sequence[str] = (),
                     tell: Callable[[], None] | None = None) -> None:
         """Move the job's capacity to ``target`` (:mod:`.failover`), as the local cloud
-        moves its group (:mod:`spotnb.providers.local.failover`). ``nodes``: the job's
+        moves its group (:mod:`spotnb.providers.failover`). ``nodes``: the job's
         instances still in the region it leaves (a multi-node job's, fewer than its
         minimum: they do not train)::
 

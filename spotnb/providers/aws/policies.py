@@ -5,8 +5,10 @@ prefix only, listing only that prefix, deleting only its own group, template, ro
 profile (by ARN and by tag), a multi-node job's own security and placement groups (by
 tag), reading and deleting its own secrets (SSM parameters under
 ``/spotnb/<job_id>/``), plus read-only calls that AWS cannot scope to a resource. The
-shared FIS role interrupts spotnb's instances only (:func:`fis_policy`); the notebook
-user's identity needs :func:`user_policy` (``spotnb aws setup`` prints it).
+shared FIS role interrupts spotnb's instances only (:func:`fis_policy`); the mover
+(:mod:`.mover`) moves jobs of several regions and nothing else (:func:`mover_policy`);
+the notebook user's identity needs :func:`user_policy` (``spotnb aws setup`` prints
+it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 from spotnb.providers.aws import parameters
 from spotnb.providers.aws.resources import (
     IAM_PATH,
+    MOVER_FUNCTION,
+    MOVER_RULE,
     TAG_JOB,
     TAG_MANAGED,
     group_name,
@@ -164,6 +168,65 @@ def fis_policy(region: str, account: str) -> dict[str, Any]:
     ]}
 
 
+def mover_policy(regions: Sequence[str], account: str,
+                 buckets: Sequence[str]) -> dict[str, Any]:
+    """The mover's role (:mod:`.mover`): what a move of a job's capacity to another of
+    ``regions`` takes (its group, template and network made there and deleted where it
+    leaves, its nodes there ended through their group), the job's store in one of
+    ``buckets`` (its region events, its move claims, its checkpoint's size), and its own
+    logs. It makes no role and reads no secret: the job's role and instance profile are
+    made at its launch, for all its regions."""
+    partition = "aws-cn" if regions[0].startswith("cn-") else (
+        "aws-us-gov" if regions[0].startswith("us-gov-") else "aws")
+    where = list(dict.fromkeys(regions))
+    allowed: str | list[str] = where[0] if len(where) == 1 else where
+
+    def arns(template: str) -> str | list[str]:
+        found = [template.format(region=r) for r in where]
+        return found[0] if len(found) == 1 else found
+
+    buckets = list(dict.fromkeys(buckets))
+
+    return {"Version": "2012-10-17", "Statement": [
+        {"Sid": "JobStores", "Effect": "Allow",
+         "Action": ["s3:GetObject", "s3:PutObject"],
+         "Resource": [f"arn:{partition}:s3:::{b}/*" for b in buckets]},
+        {"Sid": "ListJobStores", "Effect": "Allow",
+         "Action": ["s3:ListBucket", "s3:GetBucketLocation"],
+         "Resource": [f"arn:{partition}:s3:::{b}" for b in buckets]},
+        {"Sid": "JobGroups", "Effect": "Allow",
+         "Action": ["autoscaling:CreateAutoScalingGroup", "autoscaling:UpdateAutoScalingGroup",
+                    "autoscaling:DeleteAutoScalingGroup", "autoscaling:PutLifecycleHook",
+                    "autoscaling:TerminateInstanceInAutoScalingGroup",
+                    "autoscaling:CreateOrUpdateTags"],
+         "Resource": arns(f"arn:{partition}:autoscaling:{{region}}:{account}:"
+                          "autoScalingGroup:*:autoScalingGroupName/spotnb-*")},
+        {"Sid": "JobCapacity", "Effect": "Allow",
+         "Action": ["ec2:CreateLaunchTemplate", "ec2:DeleteLaunchTemplate",
+                    "ec2:CreateSecurityGroup", "ec2:CreateTags", "ec2:RunInstances",
+                    "ec2:AuthorizeSecurityGroupIngress", "ec2:AuthorizeSecurityGroupEgress",
+                    "ec2:DeleteSecurityGroup", "ec2:CreatePlacementGroup",
+                    "ec2:DeletePlacementGroup"],
+         "Resource": "*",
+         "Condition": {"StringEquals": {"aws:RequestedRegion": allowed}}},
+        {"Sid": "PassJobRoles", "Effect": "Allow",
+         "Action": ["iam:PassRole", "iam:GetInstanceProfile", "iam:GetRole"],
+         "Resource": [f"arn:{partition}:iam::{account}:role{IAM_PATH}spotnb-job-*",
+                      f"arn:{partition}:iam::{account}:instance-profile{IAM_PATH}spotnb-job-*"]},
+        {"Sid": "OwnLogGroup", "Effect": "Allow", "Action": "logs:CreateLogGroup",
+         "Resource": arns(f"arn:{partition}:logs:{{region}}:{account}:log-group:"
+                          f"/aws/lambda/{MOVER_FUNCTION}")},
+        {"Sid": "OwnLogs", "Effect": "Allow",
+         "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
+         "Resource": arns(f"arn:{partition}:logs:{{region}}:{account}:log-group:"
+                          f"/aws/lambda/{MOVER_FUNCTION}:log-stream:*")},
+        {"Sid": "ReadOnly", "Effect": "Allow",
+         "Action": ["ec2:Describe*", "autoscaling:Describe*", "ec2:GetSpotPlacementScores",
+                    "ssm:GetParameter", "ssm:GetParameters", "sts:GetCallerIdentity"],
+         "Resource": "*"},
+    ]}
+
+
 #: The service-linked roles AWS creates in an account on a service's first use, by the
 #: caller's request: Auto Scaling's at the first group (Auto Scaling User Guide,
 #: "Service-linked roles for Amazon EC2 Auto Scaling"), FIS's at the first experiment
@@ -203,6 +266,7 @@ def user_policy(region: str | Sequence[str], account: str, bucket: str) -> dict[
          "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]},
         {"Sid": "JobRoles", "Effect": "Allow",
          "Action": ["iam:CreateRole", "iam:PutRolePolicy", "iam:TagRole", "iam:GetRole",
+                    "iam:GetRolePolicy",
                     "iam:DeleteRolePolicy", "iam:DeleteRole", "iam:CreateInstanceProfile",
                     "iam:TagInstanceProfile", "iam:AddRoleToInstanceProfile",
                     "iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile",
@@ -239,6 +303,18 @@ def user_policy(region: str | Sequence[str], account: str, bucket: str) -> dict[
          "Action": ["ssm:PutParameter", "ssm:AddTagsToResource", "ssm:ListTagsForResource",
                     "ssm:DeleteParameter", "ssm:DeleteParameters"],
          "Resource": arns(f"arn:aws:ssm:{{region}}:{account}:parameter{parameters.ROOT}/*")},
+        # The mover (mover.py): deployed by setup and by a launch of several regions.
+        {"Sid": "Mover", "Effect": "Allow",
+         "Action": ["lambda:CreateFunction", "lambda:GetFunction",
+                    "lambda:GetFunctionConfiguration", "lambda:UpdateFunctionCode",
+                    "lambda:UpdateFunctionConfiguration", "lambda:AddPermission",
+                    "lambda:DeleteFunction", "lambda:TagResource"],
+         "Resource": arns(f"arn:aws:lambda:{{region}}:{account}:function:{MOVER_FUNCTION}")},
+        {"Sid": "MoverRule", "Effect": "Allow",
+         "Action": ["events:PutRule", "events:PutTargets", "events:DescribeRule",
+                    "events:ListTargetsByRule", "events:RemoveTargets", "events:DeleteRule",
+                    "events:TagResource"],
+         "Resource": arns(f"arn:aws:events:{{region}}:{account}:rule/{MOVER_RULE}")},
         # `spotnb aws doctor` asks IAM whether this identity has the rest of this policy.
         {"Sid": "SelfCheck", "Effect": "Allow",
          "Action": "iam:SimulatePrincipalPolicy",

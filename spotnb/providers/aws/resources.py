@@ -55,6 +55,11 @@ TAG_MANAGED = "spotnb:managed"
 IAM_PATH = "/spotnb/"
 SECURITY_GROUP = "spotnb-no-inbound"
 FIS_ROLE = "spotnb-fis"
+#: The mover (mover.py): its function and IAM role in each region, and the EventBridge
+#: rule that invokes it.
+MOVER_FUNCTION = "spotnb-mover"
+MOVER_ROLE = "spotnb-mover"
+MOVER_RULE = "spotnb-launch-unsuccessful"
 BOOTSTRAP_PREFIX = "bootstrap"
 
 

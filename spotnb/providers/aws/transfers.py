@@ -8,7 +8,7 @@ says them; on AWS, which has no supervisor, the instance agent of an instance ou
 home does (:class:`AwayMeter`): it reads the job's log (the events it read at boot, then
 every :data:`POLL_SECONDS` and once more when its job agent exits) and writes a
 ``transfer`` event for each crossing of its own instance, with the measured bytes of the
-checkpoint events, as :class:`spotnb.providers.local.failover.TransferMeter` bills them;
+checkpoint events, as :class:`spotnb.providers.failover.TransferMeter` bills them;
 each crossing's key is written once (those already in the log, by an agent started
 again, are not). An instance at home makes no crossing and reads nothing more.
 """
@@ -37,7 +37,7 @@ class AwayMeter:
     def __init__(self, reader: EventReader, history: Iterable[Event], *, home: str,
                  region: str, instance_id: str, emit: Callable[[str, dict[str, object]], None]
                  ) -> None:
-        from spotnb.providers.local.failover import TransferMeter
+        from spotnb.providers.failover import TransferMeter
 
         self.reader = reader
         self.region_of = {instance_id: region}

@@ -78,9 +78,9 @@ from spotnb.protocol.layout import RESULT, SPEC, STOP
 from spotnb.protocol.limits import limit_reached
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import NotFound, Store, StoreError, open_store
+from spotnb.providers.failover import notice_end
 from spotnb.providers.local import control, lifecycle
 from spotnb.providers.local.adoption import take_over
-from spotnb.providers.local.failover import notice_end
 from spotnb.providers.local.groupfile import AGENT_EXIT_STORE, GroupFile
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.interruptions import Interruptions

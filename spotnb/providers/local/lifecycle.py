@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from spotnb.providers.local.failover import notice_end
+from spotnb.providers.failover import notice_end
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.interruptions import FORESEEN, Interruptions

@@ -32,7 +32,7 @@ from spotnb.protocol.events.fold import JobState
 from spotnb.protocol.spec import JobSpec, SpecError
 from spotnb.protocol.store import Store
 from spotnb.providers.catalog import Pool
-from spotnb.providers.local.failover import REGION_MOVE, RegionPlan, TransferMeter
+from spotnb.providers.failover import REGION_MOVE, RegionPlan, TransferMeter
 from spotnb.providers.local.imds import iso_utc
 from spotnb.providers.local.instance import LocalInstance
 from spotnb.providers.local.interruptions import Interruptions

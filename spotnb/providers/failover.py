@@ -1,6 +1,9 @@
-"""Where the local cloud's capacity group launches a job's instances: the job's regions
-ranked by expected cost, the move to the next region when one has no capacity, and the
-checkpoint's transfer between regions, billed as AWS bills it.
+"""Where a job's group launches its instances, the rules both clouds follow: the job's
+regions ranked by expected cost, the move to the next region when one has no capacity,
+and the checkpoint's transfer between regions, billed as AWS bills it. The local
+cloud's group (:mod:`spotnb.providers.local.group`) and the AWS provider
+(:mod:`spotnb.providers.aws.failover`, with EC2's placement scores) both use
+:class:`RegionPlan`; told here as the local cloud runs it.
 
 A job names its regions (``Resources.regions``); the first (``Resources.region``) is its
 *home*, where its store stays. The group launches in one region at a time, *its
