@@ -68,7 +68,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from spotnb.testing.contract import Call
-from spotnb.testing.iam_checks import SERVICE_LINKED_ROLES, Check, World, checks
+from spotnb.testing.iam_checks import SERVICE_LINKED_ROLES, Check, World
+from spotnb.testing.iam_checks_serverless import checks
 
 __all__ = ["RESOURCE_GONE", "ROLE_DELETED", "Check", "IamEnforcer", "Principal", "checks",
            "evaluate"]

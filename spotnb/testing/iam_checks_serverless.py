@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from spotnb.testing import iam_checks
+from spotnb.testing.contract import Call
 from spotnb.testing.iam_checks import (
     Check,
     World,
@@ -28,11 +30,20 @@ from spotnb.testing.iam_checks import (
     _tag_context,
 )
 
-__all__ = ["serverless_checks"]
+__all__ = ["checks", "serverless_checks"]
 
 # Lambda operations whose IAM action has another name.
 _LAMBDA_ACTIONS = {"Invoke": "InvokeFunction", "InvokeWithResponseStream":
                    "InvokeFunction", "GetFunctionConfiguration": "GetFunctionConfiguration"}
+
+
+def checks(call: Call, signing: str, world: World) -> list[Check]:
+    """What ``call`` needs (:func:`.iam_checks.checks`, and Lambda's and EventBridge's
+    requests here)."""
+    if signing in ("lambda", "events"):
+        return serverless_checks(call.params, call.operation, signing,
+                                 {"aws:RequestedRegion": (world.region,)}, world)
+    return iam_checks.checks(call, signing, world)
 
 
 def serverless_checks(p: dict[str, Any], op: str, prefix: str,
