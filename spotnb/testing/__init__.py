@@ -65,6 +65,14 @@ listed at the end. The parts:
   only what that role's policy allows: the rebalance recommendation when the
   experiment starts, the notice two minutes before the end of
   ``durationBeforeInterruption``;
+* **EventBridge and Lambda** (:mod:`spotnb.testing.events`, :mod:`spotnb.testing.lambdas`):
+  a failed launch activity of a group is Auto Scaling's "EC2 Instance Launch
+  Unsuccessful" event; the enabled rules of its region's default bus that match it
+  deliver it to their Lambda targets whose resource policy lets that rule invoke them,
+  and the function's own zip runs (``python -S``: the standard library and the zip)
+  with a session of its role, its timeout, one invocation at a time per function;
+  :meth:`AwsSimulator.invocations`, :meth:`AwsSimulator.wait_for_invocations`,
+  :meth:`AwsSimulator.lambda_log`, :attr:`AwsSimulator.undelivered`;
 * **faults** a test can turn on: capacity errors for chosen pools
   (:meth:`AwsSimulator.no_capacity`: a type, a type in an AZ, a type in a region, or a
   whole region; until restored or for a while); conditional S3 writes that commit and lose their
@@ -150,6 +158,9 @@ that reach into moto's in-process state; each is restored on exit):
   anything but conditional writes.
 * FIS: experiments' own lifecycle (they stay ``running``), actions other than spot
   interruptions, stop conditions.
+* EventBridge and Lambda: see :mod:`spotnb.testing.events` and
+  :mod:`spotnb.testing.lambdas` (Auto Scaling's other events, custom buses, targets
+  other than Lambda, concurrency, warm starts, synchronous ``Invoke``).
 
 By default an instance runs its user data with ``SPOTNB_PYTHON`` set to this Python,
 like an image with spotnb preinstalled (fast; its environment holds the simulator's

@@ -45,11 +45,13 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import logging
 import random
 import secrets
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -122,6 +124,9 @@ class AutoScalingPlay:
         raise NotImplementedError
 
     def _client(self, service: str, region: str | None = None) -> Any:
+        raise NotImplementedError
+
+    def _launch_failed(self, region: str, activity: dict[str, Any]) -> None:
         raise NotImplementedError
 
     def _patch_autoscaling(self) -> None:
@@ -380,7 +385,8 @@ class AutoScalingPlay:
         if placement is not None and placement not in self._placement_groups(region):
             self._activity(key, "Failed", (
                 f"Launching a new EC2 instance. Status Reason: The placement group "
-                f"'{placement}' is unknown. Launching EC2 instance failed."), types[0])
+                f"'{placement}' is unknown. Launching EC2 instance failed."), types[0],
+                subnets[0] if subnets else "")
             self._retry_at[key] = now + CAPACITY_RETRY_SECONDS
             return None
         distribution = policy.get("InstancesDistribution", {})
@@ -411,13 +417,13 @@ class AutoScalingPlay:
                     self._activity(key, "Failed", (
                         f"Launching a new EC2 instance. Status Reason: "
                         f"{_boto.error_message(err)}. Launching EC2 instance failed."),
-                        instance_type)
+                        instance_type, subnet)
                     self._retry_at[key] = now + CAPACITY_RETRY_SECONDS
                     return None
                 self._activity(key, "Failed", (
                     f"Could not launch {'Spot' if spot else 'On-Demand'} Instances. "
                     f"{_boto.error_code(err)} - {_boto.error_message(err)} "
-                    "Launching EC2 instance failed."), instance_type)
+                    "Launching EC2 instance failed."), instance_type, subnet)
                 continue
             with self._lock:
                 self._placed[launched["InstanceId"]] = placement
@@ -430,7 +436,7 @@ class AutoScalingPlay:
                                                DesiredCapacity=group["DesiredCapacity"])
             self._activity(key, "Successful", (
                 f"Launching a new EC2 instance: {launched['InstanceId']} "
-                f"({instance_type} in {az}, {az_id})"), instance_type)
+                f"({instance_type} in {az}, {az_id})"), instance_type, subnet)
             self._retry_at.pop(key, None)
             return str(launched["InstanceId"])
         self._retry_at[key] = now + CAPACITY_RETRY_SECONDS
@@ -566,19 +572,25 @@ class AutoScalingPlay:
             return (instance_id, hook) in self.hooks_completed
 
     def _activity(self, group: tuple[str, str], status: str, message: str,
-                  instance_type: str) -> None:
-        """Record a scaling activity of ``group`` ((region, name))."""
+                  instance_type: str, subnet: str) -> None:
+        """Record a scaling activity of ``group`` ((region, name)) in ``subnet``; a
+        failed one is also Auto Scaling's event (:mod:`spotnb.testing.events`)."""
         now = datetime.datetime.now(datetime.timezone.utc)
+        activity = {
+            "ActivityId": str(uuid.uuid4()), "AutoScalingGroupName": group[1],
+            "Description": f"Launching a new EC2 instance ({instance_type})",
+            "Cause": f"At {now.isoformat()} an instance was started in response to a "
+                     "difference between desired and actual capacity.",
+            "StartTime": now, "EndTime": now, "StatusCode": status,
+            "StatusMessage": message if status != "Successful" else "", "Progress": 100,
+            "Details": json.dumps({"Subnet ID": subnet,
+                                   "Availability Zone": self._subnet(subnet)[0]
+                                   if subnet else ""}),
+        }
         with self._lock:
-            self.activities.setdefault(group, []).append({
-                "ActivityId": secrets.token_hex(16), "AutoScalingGroupName": group[1],
-                "Description": f"Launching a new EC2 instance ({instance_type})",
-                "Cause": f"At {now.isoformat()} an instance was started in response to a "
-                         "difference between desired and actual capacity.",
-                "StartTime": now, "EndTime": now, "StatusCode": status,
-                "StatusMessage": message if status != "Successful" else "",
-                "Progress": 100, "Details": "{}",
-            })
+            self.activities.setdefault(group, []).append(activity)
+        if status == "Failed":
+            self._launch_failed(group[0], activity)
 
 
 def _member(backend: Any, instance_id: str) -> Any:

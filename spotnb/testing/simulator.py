@@ -3,7 +3,7 @@
 See :mod:`spotnb.testing`. :class:`AwsSimulator` starts moto and makes up for its gaps,
 takes capacity away when a test asks, and runs the world's clock; its parts play the
 rest (:mod:`.autoscaling`, :mod:`.ec2`, :mod:`.principals`, :mod:`.instances`,
-:mod:`.interruptions`, :mod:`.fis`)."""
+:mod:`.interruptions`, :mod:`.fis`, :mod:`.events` with :mod:`.lambdas`)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from spotnb.testing import contract
 from spotnb.testing.autoscaling import AutoScalingPlay
 from spotnb.testing.boot import PlainImage
 from spotnb.testing.ec2 import Ec2Play
+from spotnb.testing.events import EventsPlay
 from spotnb.testing.instances import InstancesPlay, SimInstance
 from spotnb.testing.interruptions import InterruptionsPlay
 from spotnb.testing.principals import PrincipalsPlay
@@ -52,7 +53,7 @@ DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
 SPOTNB_ORIGINS = ("job-agent", "instance-agent", "runtime", "notebook", "cli")
 
 
-class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay, InstancesPlay,
+class AwsSimulator(EventsPlay, AutoScalingPlay, Ec2Play, PrincipalsPlay, InstancesPlay,
                    InterruptionsPlay):
     """A fake AWS on loopback in which spotnb's instances really run. See the module
     docstring; use as a context manager."""
@@ -147,6 +148,7 @@ class AwsSimulator(AutoScalingPlay, Ec2Play, PrincipalsPlay, InstancesPlay,
             self._patch_moto()
             self._publish_dlami()
             self._install_fis()
+            self._install_events()
             if self.iam:
                 self._enforce_iam()
             for name in self.regions:
