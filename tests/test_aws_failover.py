@@ -210,7 +210,7 @@ def test_a_job_whose_region_runs_dry_mid_run_moves_and_ends_bitwise(
     assert second.region == OTHER
     assert not watching(job), "no notebook's watch moved it"
     claims = [json.loads(handle.store.get(key)) for key in
-              handle.store.list(layout.REGION_MOVES)]
+              handle.store.list_keys(layout.REGION_MOVES)]
     assert [c["owner"].startswith("mover-") for c in claims] == [True]
     assert everything(sim)[HOME]["groups"] == []
     # A notebook attaches, later.

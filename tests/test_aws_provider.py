@@ -84,7 +84,8 @@ def assert_no_request_refused(simulator: AwsSimulator) -> None:
     # spotnb's own: from its clients (their origin), or an instance's role (the boot
     # script's `aws s3 cp` and its failure report have spotnb's origin in no header).
     denied = [d for d in simulator.denied
-              if (d.origin in SPOTNB_ORIGINS or ":assumed-role/spotnb-job-" in d.principal)
+              if (d.origin in SPOTNB_ORIGINS or ":assumed-role/spotnb-job-" in d.principal
+                  or ":assumed-role/spotnb-mover/" in d.principal)
               and d.action not in simulator.expected_denials
               and d.reason not in (ROLE_DELETED, RESOURCE_GONE)]
     assert not denied, "IAM refused spotnb:\n" + "\n".join(map(str, denied))

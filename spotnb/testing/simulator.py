@@ -50,7 +50,7 @@ KILL_GRACE_SECONDS = 3.0
 DLAMI_IMAGE_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch (simulated)"
 #: The origins of spotnb's own requests (``spotnb-origin/<name>`` in the User-Agent):
 #: everything but the simulator's and a test's own clients.
-SPOTNB_ORIGINS = ("job-agent", "instance-agent", "runtime", "notebook", "cli")
+SPOTNB_ORIGINS = ("job-agent", "instance-agent", "runtime", "notebook", "cli", "mover")
 
 
 class AwsSimulator(EventsPlay, AutoScalingPlay, Ec2Play, PrincipalsPlay, InstancesPlay,
