@@ -30,9 +30,13 @@ with the models of the services a move calls, so that it runs spotnb's own botoc
 floor whatever the runtime's boto3 is), a few MB.
 
 A move left half-done (its owner, a notebook or the function, ended between the new
-group's making and the old one's deletion) is finished by the next invocation once its
-claim is :data:`STALE_MOVE_SECONDS` old (a live owner may still be waiting for the
-nodes it leaves to save and go).
+group's making and the old one's deletion) is finished by the next invocation for the
+old group once the move's claim is :data:`STALE_MOVE_SECONDS` old (a live owner may
+still be waiting for the nodes it leaves to save and go): the new group launches, the
+old one is deleted. (A move cut short after the old group's deletion, before the new
+one was let launch, leaves no group that fails: the next notebook that attaches
+finishes it.) A group whose job has ended is deleted at its next failed launch: it
+would launch a billed instance for nothing once capacity came back.
 """
 
 from __future__ import annotations
@@ -442,16 +446,21 @@ def _handle(name: str, region: str, owner: str) -> dict[str, Any]:
     store = S3Store.from_uri(store_uri, region=located.get("LocationConstraint")
                              or "us-east-1")
     spec = JobSpec.from_json(store.get(layout.SPEC))
+    provider = AwsProvider(region=spec.resources.region)
+    if store.exists(layout.RESULT):
+        # A group left after its job's end (its instance agent deletes it; a notebook's
+        # stop does; a move cut short may have left one): it would launch a billed
+        # instance for nothing once capacity comes back.
+        provider._leave_region(job_id, region)
+        return {"job": job_id, "moved": False, "why": "the job has ended: its group here "
+                "is deleted"}
     if len(spec.resources.regions) < 2:
         return {"job": job_id, "moved": False, "why": "a job of one region"}
-    if store.exists(layout.RESULT):
-        return {"job": job_id, "moved": False, "why": "the job has ended"}
     events = EventReader(store, attempts=(GROUP_STREAM,)).poll()
     choices = sorted(((e.time, e.body) for e in events
                       if isinstance(e.body, codec.Region) and e.body.region),
                      key=lambda item: item[0])
     regions = [choice for _t, choice in choices]
-    provider = AwsProvider(region=spec.resources.region)
     provider.runs_in(job_id, regions[-1].region if regions else region,
                      spec.resources.region)
     plan = provider._plans[job_id] = provider.region_plan(spec)
@@ -465,8 +474,11 @@ def _handle(name: str, region: str, owner: str) -> dict[str, Any]:
         claimed = _claim_age(store, len(regions) - 1)
         if newest.previous == region and (claimed is None or claimed > max(
                 STALE_MOVE_SECONDS, MOVE_CLAIM_SECONDS)):
-            finished = provider.finish_move(spec, region, newest.region)
-            return {"job": job_id, "moved": False, "finished_move": finished,
+            # Its new group holding no instance is let launch, and the group here
+            # deleted: the job runs there now.
+            if not provider.finish_move(spec, region, newest.region):
+                provider._leave_region(job_id, region)
+            return {"job": job_id, "moved": False, "finished_move": True,
                     "region": newest.region}
         return {"job": job_id, "moved": False, "why": f"the job runs in {plan.region}"}
     activities = asg.describe_scaling_activities(AutoScalingGroupName=name)["Activities"]
