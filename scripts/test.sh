@@ -4,6 +4,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 . .venv/bin/activate
+# Bytecode: setup installs with --no-compile, and an environment that sets
+# PYTHONDONTWRITEBYTECODE (this machine's image does) would have every process of the
+# run compile what it imports from source, each time: torch takes 5 CPU-s to import so
+# instead of 2, IPython and ipykernel 1.2 instead of 0.3. Each module's first import
+# writes its .pyc; the rest read it.
+unset PYTHONDONTWRITEBYTECODE
 echo "== ruff"; ruff check spotnb tests benchmarks || exit 1
 # mypy (one core for ~30 s) runs beside the tests, not before them; its verdict is
 # printed, and counts, once they end.

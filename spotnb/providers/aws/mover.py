@@ -100,9 +100,9 @@ RUNTIMES = ("python3.10", "python3.11", "python3.12", "python3.13")
 #: A move claimed this long ago whose old region still has the job's group is taken
 #: for left half-done: longer than a live owner waits for the nodes it leaves.
 STALE_MOVE_SECONDS = 600.0
-#: Settings the function takes from the environment of whoever deploys it.
-SETTINGS_ENV = ("SPOTNB_AWS_AMI_PARAMETER", "SPOTNB_AWS_SPOT_STRATEGY",
-                "SPOTNB_AWS_CAPACITY_POLL", "SPOTNB_AWS_ONDEMAND_AFTER")
+#: The settings of a move (the image's parameter in the new region, the group's
+#: strategy there) the function takes from the environment of whoever deploys it.
+SETTINGS_ENV = ("SPOTNB_AWS_AMI_PARAMETER", "SPOTNB_AWS_SPOT_STRATEGY")
 
 
 # -- the function's code
