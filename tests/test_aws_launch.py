@@ -67,6 +67,39 @@ def test_a_group_made_although_its_answer_failed_is_deleted_by_the_rollback(
     assert groups() == [], "no group survives the failed launch"
 
 
+def test_a_group_deleted_while_its_instance_launches_leaves_no_instance(
+        sim: AwsSimulator) -> None:
+    # A stop, or a launch's rollback, deletes the group while Auto Scaling launches its
+    # instance: the forced deletion ends the launch in flight too (the simulator once
+    # left that instance running, outside any group).
+    from helpers import wait_until
+
+    autoscaling, ec2 = sim.admin_client("autoscaling"), sim.admin_client("ec2")
+    deleted: list[str] = []
+
+    def delete_the_group(**kwargs: Any) -> None:
+        if not deleted:  # the group's first launch, between RunInstances and its attach
+            (group,) = autoscaling.describe_auto_scaling_groups()["AutoScalingGroups"]
+            deleted.append(group["AutoScalingGroupName"])
+            autoscaling.delete_auto_scaling_group(AutoScalingGroupName=deleted[0],
+                                                  ForceDelete=True)
+
+    remove = _boto.add_hook("after-call.ec2.RunInstances", delete_the_group)
+    try:
+        handle = spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+        wait_until(lambda: bool(deleted), 60, "the group's first launch")
+    finally:
+        remove()
+
+    def left() -> list[str]:  # not terminated (nor on its way)
+        return [i["InstanceId"] for r in ec2.describe_instances(Filters=[
+            {"Name": "instance-state-name",
+             "Values": ["pending", "running", "stopping", "stopped"]}])[
+            "Reservations"] for i in r["Instances"]]
+    wait_until(lambda: not left(), 30, "the instance launched for the deleted group")
+    handle.stop()
+
+
 def test_a_standby_group_is_made_with_its_hooks_and_a_lost_answer_is_no_failure(
         sim: AwsSimulator) -> None:
     # A lost answer (the connection closed after AWS made the group): the retry's

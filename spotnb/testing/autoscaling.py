@@ -427,8 +427,17 @@ class AutoScalingPlay:
                 continue
             with self._lock:
                 self._placed[launched["InstanceId"]] = placement
-            asg.attach_instances(AutoScalingGroupName=name,
-                                       InstanceIds=[launched["InstanceId"]])
+            try:
+                asg.attach_instances(AutoScalingGroupName=name,
+                                     InstanceIds=[launched["InstanceId"]])
+            except Exception:
+                if asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])[
+                        "AutoScalingGroups"]:
+                    raise
+                # Deleted while this launch ran (a rollback, a stop): a forced deletion
+                # ends the group's launches in flight too, as on AWS.
+                ec2.terminate_instances(InstanceIds=[launched["InstanceId"]])
+                return None
             if keep_desired:
                 # moto's AttachInstances sets the desired capacity to the instances
                 # it holds; the group's own launches leave it (a group of N).
