@@ -206,3 +206,33 @@ class Watch:
         """The steps of metric ``name`` seen so far, in the order they came."""
         return [int(e.data["step"]) for e in self.events
                 if e.type == "metric" and name in e.data.get("values", {})]
+
+
+def spot_group(sim: Any, name: str, instance_types: list[str], *, desired: int,
+               max_size: int = 1, min_size: int = 0, image: str | None = None,
+               subnets: int | None = 1, tags: dict[str, str] | None = None,
+               region: str | None = None) -> Any:
+    """A spot group made by hand on the AWS simulator ``sim`` (the administrator's
+    requests), as spotnb's launch makes one: a launch template of ``image`` (the
+    region's Deep Learning AMI by default) and a ``MixedInstancesPolicy`` of spot
+    ``instance_types`` over the first ``subnets`` subnets (None: all), tagged with
+    ``tags`` (default: the spotnb job tag ``name``). Its Auto Scaling client."""
+    from spotnb.providers.aws.resources import TAG_JOB, mixed_instances_policy
+
+    region = region or sim.region
+    ec2, asg = sim.admin_client("ec2", region), sim.admin_client("autoscaling", region)
+    tags = tags if tags is not None else {TAG_JOB: name}
+    template = ec2.create_launch_template(
+        LaunchTemplateName=name, LaunchTemplateData={"ImageId": image or sim.images[region]},
+        TagSpecifications=[{"ResourceType": "launch-template", "Tags": [
+            {"Key": k, "Value": v} for k, v in tags.items()]}])[
+        "LaunchTemplate"]["LaunchTemplateId"]
+    found = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"]]
+    asg.create_auto_scaling_group(
+        AutoScalingGroupName=name, MinSize=min_size, MaxSize=max_size,
+        DesiredCapacity=desired, VPCZoneIdentifier=",".join(found[:subnets]),
+        Tags=[{"Key": k, "Value": v, "PropagateAtLaunch": True} for k, v in tags.items()],
+        MixedInstancesPolicy=mixed_instances_policy(
+            template_id=template, instance_types=tuple(instance_types), max_price=None,
+            ondemand=False, strategy="price-capacity-optimized"))
+    return asg

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Watch, run_uninterrupted, wait_until
+from helpers import Watch, run_uninterrupted, spot_group, wait_until
 from test_aws_provider import EMPTY_ROLE, assert_no_request_refused, assert_nothing_left
 
 import spotnb
@@ -450,7 +450,7 @@ def test_a_group_left_after_its_jobs_end_is_deleted_by_the_mover_at_its_failed_l
     nothing once capacity comes back: its next failed launch invokes the mover, which
     deletes it with its template."""
     from spotnb.providers.aws import mover
-    from spotnb.providers.aws.resources import TAG_JOB, TAG_STORE, mixed_instances_policy
+    from spotnb.providers.aws.resources import TAG_JOB, TAG_STORE
 
     handle = spotnb.submit("x = 6 * 7", provider="aws", outputs=["x"],
                            instance_types=TYPES, region=[HOME, OTHER])
@@ -460,22 +460,8 @@ def test_a_group_left_after_its_jobs_end_is_deleted_by_the_mover_at_its_failed_l
     wait_until(lambda: not everything(sim)[HOME]["groups"], 60, "its instance's teardown")
     # The leftover, where there is no capacity: made as the launch makes it.
     sim.no_capacity(HOME)
-    ec2, asg = sim.admin_client("ec2", HOME), sim.admin_client("autoscaling", HOME)
-    tags = [{"Key": TAG_JOB, "Value": job}, {"Key": TAG_STORE, "Value": handle.spec.store_uri}]
-    template = ec2.create_launch_template(
-        LaunchTemplateName=f"spotnb-{job}",
-        LaunchTemplateData={"ImageId": sim.images[HOME], "InstanceType": TYPES[0]},
-        TagSpecifications=[{"ResourceType": "launch-template", "Tags": tags}])[
-        "LaunchTemplate"]["LaunchTemplateId"]
-    subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"]]
-    asg.create_auto_scaling_group(
-        AutoScalingGroupName=f"spotnb-{job}", MinSize=1, MaxSize=1, DesiredCapacity=1,
-        MixedInstancesPolicy=mixed_instances_policy(
-            template_id=template, instance_types=tuple(TYPES), max_price=None,
-            ondemand=False, strategy="price-capacity-optimized"),
-        VPCZoneIdentifier=",".join(subnets), Tags=[
-            {**t, "PropagateAtLaunch": False, "ResourceId": f"spotnb-{job}",
-             "ResourceType": "auto-scaling-group"} for t in tags])
+    spot_group(sim, f"spotnb-{job}", TYPES, desired=1, min_size=1, subnets=None,
+               tags={TAG_JOB: job, TAG_STORE: handle.spec.store_uri}, region=HOME)
     sim.wait_for_invocations(mover.FUNCTION, region=HOME, timeout=120, until=lambda done: any(
         i.ok and "the job has ended" in i.output for i in done))
     wait_until(lambda: everything(sim)[HOME] == NOTHING, 60, "the leftover's deletion")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import test_aws_provider as aws_tests
 from aws_reference import floor
-from helpers import wait_until
+from helpers import spot_group, wait_until
 
 import spotnb
 from spotnb.providers.aws import _boto
@@ -258,21 +258,9 @@ def _group_with_hooks(sim: AwsSimulator, name: str, default: str, timeout: int) 
     """A spotnb-tagged group of one (launched by the simulator) with a launch hook and a
     termination hook; its Auto Scaling client (the administrator's: Auto Scaling's
     rules are under test here, not spotnb's permissions)."""
-    ec2, asg = sim.admin_client("ec2"), sim.admin_client("autoscaling")
-    image = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"][0]["ImageId"]
-    template = ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={
-        "ImageId": image})["LaunchTemplate"]["LaunchTemplateId"]
-    subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
-    asg.create_auto_scaling_group(
-        AutoScalingGroupName=name, MinSize=0, MaxSize=2, DesiredCapacity=0,
-        VPCZoneIdentifier=subnet, Tags=[{"Key": TAG_JOB, "Value": name,
-                                         "PropagateAtLaunch": True}],
-        MixedInstancesPolicy={
-            "LaunchTemplate": {"LaunchTemplateSpecification": {
-                "LaunchTemplateId": template, "Version": "$Latest"},
-                "Overrides": [{"InstanceType": "g4dn.xlarge"}]},
-            "InstancesDistribution": {"OnDemandPercentageAboveBaseCapacity": 0,
-                                      "SpotAllocationStrategy": "price-capacity-optimized"}})
+    image = sim.admin_client("ec2").describe_images(Owners=["amazon"], MaxResults=5)[
+        "Images"][0]["ImageId"]
+    asg = spot_group(sim, name, ["g4dn.xlarge"], desired=0, max_size=2, image=image)
     asg.put_lifecycle_hook(LifecycleHookName="up", AutoScalingGroupName=name,
                            LifecycleTransition="autoscaling:EC2_INSTANCE_LAUNCHING",
                            HeartbeatTimeout=timeout, DefaultResult=default)

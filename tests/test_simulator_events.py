@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import spot_group
 
-from spotnb.providers.aws.resources import TAG_JOB
 from spotnb.testing import DEFAULT_ACCOUNT, AwsSimulator
 
 BUCKET = "spotnb-events-probe"
@@ -116,20 +116,7 @@ def deploy(sim: AwsSimulator, name: str, code: bytes, *, actions: tuple[str, ...
 def starve(sim: AwsSimulator, name: str) -> None:
     """A spotnb-tagged group of one whose only pool has no spot capacity."""
     sim.no_capacity(SHORT)
-    ec2, asg = sim.admin_client("ec2"), sim.admin_client("autoscaling")
-    template = ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={
-        "ImageId": sim.images[sim.region]})["LaunchTemplate"]["LaunchTemplateId"]
-    subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
-    asg.create_auto_scaling_group(
-        AutoScalingGroupName=name, MinSize=0, MaxSize=1, DesiredCapacity=1,
-        VPCZoneIdentifier=subnet, Tags=[{"Key": TAG_JOB, "Value": name,
-                                         "PropagateAtLaunch": True}],
-        MixedInstancesPolicy={
-            "LaunchTemplate": {"LaunchTemplateSpecification": {
-                "LaunchTemplateId": template, "Version": "$Latest"},
-                "Overrides": [{"InstanceType": SHORT}]},
-            "InstancesDistribution": {"OnDemandPercentageAboveBaseCapacity": 0,
-                                      "SpotAllocationStrategy": "price-capacity-optimized"}})
+    spot_group(sim, name, [SHORT], desired=1)
 
 
 def written(sim: AwsSimulator, activity_id: str) -> dict[str, Any]:
