@@ -35,7 +35,7 @@ from spotnb.testing import (
     aws_environment,
     contract,
 )
-from spotnb.testing.autoscaling import pool_order
+from spotnb.testing.allocation import pool_order
 from spotnb.testing.iam import RESOURCE_GONE, ROLE_DELETED
 from spotnb.testing.simulator import SPOTNB_ORIGINS
 

@@ -5,7 +5,7 @@ launches nothing of a mixed-instances policy and keeps no lifecycle).
 
 * **Fulfilment**: each missing instance is launched with ``ec2:RunInstances`` (real
   HTTP) and attached to its group. The pools (type x subnet) are tried in the order the
-  group's allocation strategy gives (:func:`pool_order`): by price under
+  group's allocation strategy gives (:func:`.allocation.pool_order`): by price under
   ``price-capacity-optimized`` and ``lowest-price`` (the bundled catalog's spot price of
   the pool, else the type's on-demand price), in a drawn order under
   ``capacity-optimized`` (capacity, which the simulator does not model beyond
@@ -55,6 +55,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from spotnb.testing.allocation import pool_order
+
 __all__ = ["AutoScalingPlay", "pool_order"]
 
 log = logging.getLogger(__name__)
@@ -65,39 +67,6 @@ CAPACITY_RETRY_SECONDS = 2.0
 PROTECTABLE = ("InService", "EnteringStandby", "Standby")
 #: Lifecycle states that count toward a group's size.
 IN_GROUP = ("Pending", "Pending:Wait", "Pending:Proceed", "InService")
-#: Allocation strategies that honour the overrides' order (priority).
-PRIORITIZED = ("capacity-optimized-prioritized", "prioritized")
-
-
-def pool_order(pools: list[tuple[str, str, str]], strategy: str, spot: bool, region: str,
-               rng: random.Random) -> list[tuple[str, str, str]]:
-    """The order in which Auto Scaling tries ``pools`` ((type, subnet, AZ id), in the
-    policy's order) under allocation ``strategy``: see the module docstring."""
-    from spotnb.providers import catalog
-
-    if strategy in PRIORITIZED:
-        return list(pools)
-    if strategy == "capacity-optimized":
-        drawn = list(pools)
-        rng.shuffle(drawn)
-        return drawn
-
-    def price(pool: tuple[str, str, str]) -> float:
-        instance_type, _, az_id = pool
-        if spot:
-            found = [p.spot for p in catalog.pools(instance_type, region)
-                     if p.az == az_id and p.spot is not None]
-            if not found:
-                found = [p.spot for p in catalog.pools(instance_type, region)
-                         if p.spot is not None]
-            if found:
-                return float(min(found))
-        ondemand = catalog.ondemand_price(instance_type, region)
-        return float(ondemand) if ondemand is not None else float("inf")
-
-    return sorted(pools, key=price)  # stable: equal prices keep the subnets' order
-
-
 class AutoScalingPlay:
     """Auto Scaling's fulfilment and lifecycle for :class:`~spotnb.testing.AwsSimulator`
     (a part of it: it shares the simulator's state)."""
