@@ -100,9 +100,17 @@ def test_setup_deploys_the_mover_in_every_allowed_region_and_doctor_checks_it(
                                                           f"mover ({OTHER})": True}
     # Once there, setup changes nothing.
     again = admin.setup(HOME)
-    assert f"function {mover.FUNCTION} exists in {OTHER}, with this spotnb's code" \
-        in again.actions
+    assert f"function {mover.FUNCTION} exists in {OTHER}, with this spotnb's code, " \
+           f"invoked by rule {mover.RULE}" in again.actions
     assert not [a for a in again.actions if mover.FUNCTION in a and "did " in a]
+    # A rule deleted by hand: doctor says so, and setup makes it again.
+    events = _boto.client("events", OTHER)
+    events.remove_targets(Rule=mover.RULE, Ids=[mover.FUNCTION])
+    events.delete_rule(Name=mover.RULE)
+    gone = _mover_checks()[f"mover ({OTHER})"]
+    assert gone.ok is False and f"no EventBridge rule {mover.RULE}" in gone.detail
+    admin.setup(HOME)
+    assert _mover_checks()[f"mover ({OTHER})"].ok is True
     # A launch whose store is in another bucket: the role's policy grows to it,
     # keeping the regions and buckets it covered.
     from spotnb.protocol.spec import JobSpec, Policy, Resources

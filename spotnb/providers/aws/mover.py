@@ -246,22 +246,25 @@ def _environment() -> dict[str, str]:
 
 
 def deploy(provider: Any, regions: Sequence[str], *, home: str, account: str,
-           buckets: Sequence[str], dry_run: bool = False) -> Deployment:
+           buckets: Sequence[str], dry_run: bool = False,
+           thorough: bool = True) -> Deployment:
     """The mover in each of ``regions``: its role (IAM, global: its policy covers
     ``regions`` and ``buckets``, the stores of the jobs it moves), and in each region
     the function (made, or its code and settings brought up to this spotnb's), the
-    rule and its target, and the permission for EventBridge to invoke it. Requests
-    when all is there already: a GetRole and a GetRolePolicy, then a GetFunction per
-    region."""
+    rule and its target, and the permission for EventBridge to invoke it (each put
+    again, in case one was removed, unless not ``thorough``: a launch's check, where
+    a function with this spotnb's code is taken to have them). Requests when all is
+    there already, not ``thorough``: a GetRole and a GetRolePolicy, then a GetFunction
+    per region."""
     code = package()
     arn, actions = _role(provider, home, regions, account, buckets, dry_run)
     for region in regions:
-        actions += _function(provider, region, arn, code, account, dry_run)
+        actions += _function(provider, region, arn, code, account, dry_run, thorough)
     return Deployment(tuple(actions))
 
 
 def _function(provider: Any, region: str, role: str, code: Package, account: str,
-              dry_run: bool) -> list[str]:
+              dry_run: bool, thorough: bool) -> list[str]:
     from spotnb.providers.aws.launching import IAM_PROPAGATION_ATTEMPTS
 
     lam = provider.client("lambda", region)
@@ -272,13 +275,16 @@ def _function(provider: Any, region: str, role: str, code: Package, account: str
         if _boto.error_code(err) != "ResourceNotFoundException":
             _boto.raise_for(err, f"looking up the function {FUNCTION} in {region}")
         found = None
-    if found is not None and found.get("CodeSha256") == code.sha256 and \
-            (found.get("Environment") or {}).get("Variables", {}) == env:
+    current = found is not None and found.get("CodeSha256") == code.sha256 and \
+        (found.get("Environment") or {}).get("Variables", {}) == env
+    if current and (dry_run or not thorough):
         return [f"function {FUNCTION} exists in {region}, with this spotnb's code"]
     if dry_run:
         return [f"would {'update' if found else 'create'} function {FUNCTION} in {region} "
                 "(moves a job of several regions when its region has no capacity)"]
-    if found is None:
+    if current:
+        done = f"function {FUNCTION} exists in {region}, with this spotnb's code"
+    elif found is None:
         def create() -> None:
             lam.create_function(
                 FunctionName=FUNCTION, Runtime=_runtime(), Role=role, Handler=HANDLER,
@@ -343,7 +349,7 @@ def ensure(provider: Any, spec: JobSpec, account: str) -> str | None:
         return None
     try:
         deploy(provider, spec.resources.regions, home=home, account=account,
-               buckets=[default_bucket(account, home), bucket])
+               buckets=[default_bucket(account, home), bucket], thorough=False)
     except Exception as err:
         log.warning("could not deploy the mover for job %s", spec.job_id, exc_info=True)
         return (f"no mover in its regions ({_boto.error_code(err) or err}): it moves to "
