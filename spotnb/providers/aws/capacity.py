@@ -41,9 +41,10 @@ the next watch that takes over (:meth:`AwsProvider.finish_move`).
 
 Not needed for recovery: the group keeps trying by itself, and the instance agent
 (:mod:`.instance`) reports the capacity failures when an instance boots. (With no
-notebook following the job, a launch that cannot work is left to the group's retries
-and a job of several regions stays in its region; nothing is billed while no instance
-runs, and ``spotnb aws cleanup`` deletes the group.)
+notebook following the job, a launch that cannot work is left to the group's retries,
+nothing is billed while no instance runs, and ``spotnb aws cleanup`` deletes the group;
+a job of several regions is moved by the mover, :mod:`.mover`, through
+:func:`move_if_dry`, the same decision.)
 """
 
 from __future__ import annotations

@@ -28,8 +28,10 @@ region*, and deleted there. What differs on AWS:
   region; the nodes still in the old one, a multi-node job's, get their notice through
   their group's termination hook, save and go; then the new group launches and the old
   one is deleted; the next instances resume from the checkpoint in the home store).
-  With no notebook following the job nothing moves it: the group keeps trying in its
-  region (nothing is billed meanwhile), as a one-region job's does.
+  With no notebook following the job the mover moves it (:mod:`.mover`: a Lambda
+  function that EventBridge invokes on the group's failed launches, making the same
+  decision); without the mover deployed the group keeps trying in its region (nothing
+  is billed meanwhile), as a one-region job's does.
 * **the crossings** of the checkpoint are billed by the instance outside home that
   makes them (:mod:`.transfers`).
 """
