@@ -150,6 +150,14 @@ def test_doctor_checks_the_image_is_the_pytorch_deep_learning_ami(
     monkeypatch.setenv("SPOTNB_AWS_AMI", "ami-0000000000000dead")
     (image,) = [c for c in admin.doctor() if c.name == "image"]
     assert image.ok is False and "does not exist in us-east-1" in image.detail, image
+    # A launch with it is refused before anything is made (its launches would fail
+    # one after the other for SPOTNB_AWS_LAUNCH_FAILURE).
+    from spotnb.protocol.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"SPOTNB_AWS_AMI=ami-0000000000000dead does not "
+                                        r"exist in us-east-1.*Nothing was started"):
+        spotnb.submit("x = 1", provider="aws", instance_types=["g4dn.xlarge"])
+    assert groups() == []
 
 
 # ------------------------------------------------------ a role that cannot delete itself

@@ -222,6 +222,8 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
             raise SpecError("simulate_signals works on the local cloud only; on AWS, EC2 "
                             "sends the rebalance recommendations")
         run = self._choose_region(spec)
+        if self.settings.ami:
+            self._check_image(self.settings.ami, run)
         if res.max_nodes > 1 and spec.job_id not in self._zones:
             # One AZ with capacity for all the nodes, or a refusal now, before the bucket is
             # made (cluster.py).
@@ -239,6 +241,23 @@ class AwsProvider(Leftovers, LaunchSteps, Provider):
             ensure_bucket(s3, bucket, region, account)
         elif problem is not None:
             raise SpecError(problem + " Nothing was started.")
+
+    def _check_image(self, ami: str, region: str) -> None:
+        """A SpecError before anything is made when the user's image (SPOTNB_AWS_AMI)
+        does not exist in the region (its launches would fail, one after the other,
+        until SPOTNB_AWS_LAUNCH_FAILURE). One DescribeImages; an answer that says
+        nothing either way lets the launch go on."""
+        try:
+            found = self.client("ec2", region).describe_images(ImageIds=[ami])["Images"]
+        except Exception as err:
+            if "InvalidAMIID" not in _boto.error_code(err):
+                log.info("could not look up image %s in %s: %s", ami, region, err)
+                return
+            found = []
+        if not found:
+            raise SpecError(f"SPOTNB_AWS_AMI={ami} does not exist in {region}: set it to an "
+                            f"image of {region} (`spotnb aws doctor` checks it). Nothing "
+                            "was started.")
 
     def launch(self, spec: JobSpec, secrets: Mapping[str, str] | None = None) -> None:
         self.validate(spec)
