@@ -82,6 +82,7 @@ class AutoScalingPlay:
     _undo: list[Callable[[], None]]
     _retry_at: dict[tuple[str, str], float]
     _placed: dict[str, str | None]
+    _attaching: set[str]
     #: instances waiting on their launch hook: id -> (group, hook, deadline, default)
     _launch_waits: dict[str, tuple[str, str, float, str]]
     _allocation_rng: random.Random
@@ -237,8 +238,18 @@ class AutoScalingPlay:
 
         def attach(backend: Any, group_name: str, instance_ids: list[str]) -> None:
             # With a launch hook, an instance joins in Pending:Wait (in the same call,
-            # so that nobody sees it InService first).
+            # so that nobody sees it InService first). moto's AttachInstances sets the
+            # desired capacity to the instances the group holds; the group's own
+            # launches leave it (a group of N): kept in the same call, so that nobody
+            # sees a desired capacity below the group's minimum meanwhile.
+            group = backend.autoscaling_groups.get(group_name)
+            desired = None if group is None else group.desired_capacity
             original_attach(backend, group_name, instance_ids)
+            with self._lock:
+                own = [i for i in instance_ids if i in self._attaching]
+                self._attaching.difference_update(own)
+            if own and group is not None and desired is not None:
+                group.desired_capacity = max(desired, group.min_size)
             hook = next((h for h in backend.describe_lifecycle_hooks(group_name)
                          if h.lifecycle_transition == "autoscaling:EC2_INSTANCE_LAUNCHING"),
                         None)
@@ -329,15 +340,13 @@ class AutoScalingPlay:
         if len(active) >= group["DesiredCapacity"] or \
                 now < self._retry_at.get((region, name), 0.0):
             return
-        self._launch(region, group, now,
-                     keep_desired=len(active) + 1 < group["DesiredCapacity"])
+        self._launch(region, group, now)
 
-    def _launch(self, region: str, group: dict[str, Any], now: float,
-                keep_desired: bool) -> str | None:
+    def _launch(self, region: str, group: dict[str, Any], now: float) -> str | None:
         """Launch one instance for ``group`` as Auto Scaling does (its pools in the order
         of its allocation strategy: :func:`pool_order`); its id, or None if no pool had
-        capacity. ``keep_desired``: set the desired capacity back after attaching it.
-        With a launch hook, the instance waits in ``Pending:Wait``."""
+        capacity. Attaching it leaves the group's desired capacity as it was. With a
+        launch hook, the instance waits in ``Pending:Wait``."""
         from spotnb.providers.aws import _boto
 
         name = group["AutoScalingGroupName"]
@@ -396,6 +405,7 @@ class AutoScalingPlay:
                 continue
             with self._lock:
                 self._placed[launched["InstanceId"]] = placement
+                self._attaching.add(launched["InstanceId"])
             try:
                 asg.attach_instances(AutoScalingGroupName=name,
                                      InstanceIds=[launched["InstanceId"]])
@@ -405,13 +415,10 @@ class AutoScalingPlay:
                     raise
                 # Deleted while this launch ran (a rollback, a stop): a forced deletion
                 # ends the group's launches in flight too, as on AWS.
+                with self._lock:
+                    self._attaching.discard(launched["InstanceId"])
                 ec2.terminate_instances(InstanceIds=[launched["InstanceId"]])
                 return None
-            if keep_desired:
-                # moto's AttachInstances sets the desired capacity to the instances
-                # it holds; the group's own launches leave it (a group of N).
-                asg.set_desired_capacity(AutoScalingGroupName=name,
-                                               DesiredCapacity=group["DesiredCapacity"])
             self._activity(key, "Successful", (
                 f"Launching a new EC2 instance: {launched['InstanceId']} "
                 f"({instance_type} in {az}, {az_id})"), instance_type, subnet)
@@ -481,7 +488,7 @@ class AutoScalingPlay:
                     # refuses to attach past MaxSize: raised meanwhile).
                     asg.update_auto_scaling_group(AutoScalingGroupName=name,
                                                   MaxSize=group["MaxSize"] + 1)
-                    inst.rebalanced_by = self._launch(region, group, now, keep_desired=False)
+                    inst.rebalanced_by = self._launch(region, group, now)
                     if inst.rebalanced_by is None:
                         asg.update_auto_scaling_group(AutoScalingGroupName=name,
                                                       MaxSize=group["MaxSize"])

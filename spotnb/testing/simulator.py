@@ -115,6 +115,7 @@ class AwsSimulator(EventsPlay, AutoScalingPlay, Ec2Play, PrincipalsPlay, Instanc
         self._subnet_az: dict[str, tuple[str, str, str]] = {}
         self._retry_at: dict[tuple[str, str], float] = {}
         self._placed: dict[str, str | None] = {}  # instance id -> its placement group
+        self._attaching: set[str] = set()  # instances its groups' launches attach now
         self._launch_waits: dict[str, tuple[str, str, float, str]] = {}
         #: draws the pools' order where capacity decides (``capacity-optimized``)
         self._allocation_rng = random.Random(self.signals.seed)
