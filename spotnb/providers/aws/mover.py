@@ -71,6 +71,7 @@ from spotnb.providers.aws.resources import (
     TAG_JOB,
     TAG_MANAGED,
     TAG_STORE,
+    partition,
 )
 
 __all__ = ["EVENT_PATTERN", "FUNCTION", "HANDLER", "ROLE", "RULE", "Deployment",
@@ -168,13 +169,8 @@ class Deployment:
     actions: tuple[str, ...]
 
 
-def _partition(region: str) -> str:
-    return "aws-cn" if region.startswith("cn-") else (
-        "aws-us-gov" if region.startswith("us-gov-") else "aws")
-
-
 def role_arn(account: str, region: str) -> str:
-    return f"arn:{_partition(region)}:iam::{account}:role{IAM_PATH}{ROLE}"
+    return f"arn:{partition(region)}:iam::{account}:role{IAM_PATH}{ROLE}"
 
 
 def _role(provider: Any, home: str, regions: Sequence[str], account: str,
@@ -306,7 +302,7 @@ def _function(provider: Any, region: str, role: str, code: Package, account: str
         lam.update_function_configuration(FunctionName=FUNCTION,
                                           Environment={"Variables": env})
         done = f"did update function {FUNCTION} in {region} to this spotnb's"
-    function_arn = f"arn:{_partition(region)}:lambda:{region}:{account}:function:{FUNCTION}"
+    function_arn = f"arn:{partition(region)}:lambda:{region}:{account}:function:{FUNCTION}"
     events = provider.client("events", region)
     rule_arn = events.put_rule(
         Name=RULE, EventPattern=json.dumps(EVENT_PATTERN), State="ENABLED",

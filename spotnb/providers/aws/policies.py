@@ -27,6 +27,9 @@ from spotnb.providers.aws.resources import (
     role_name,
     s3_location,
 )
+from spotnb.providers.aws.resources import (
+    partition as aws_partition,
+)
 
 # Actions AWS cannot restrict to a resource; all are read-only. The instance agent
 # (:mod:`.instance`) needs each of them; nothing else on the instance calls AWS.
@@ -58,8 +61,7 @@ def instance_policy(*, job_id: str, store_uri: str, region: str,
     network there), home by default. One role for the job's life: a move to another
     of its regions changes no policy."""
     bucket, prefix = s3_location(store_uri)
-    partition = "aws-cn" if region.startswith("cn-") else (
-        "aws-us-gov" if region.startswith("us-gov-") else "aws")
+    partition = aws_partition(region)
     role = role_name(job_id)
     where = list(dict.fromkeys(regions or (region,)))
 
@@ -153,8 +155,7 @@ def fis_policy(region: str, account: str) -> dict[str, Any]:
     """The FIS role: send interruption notices to spotnb's spot instances only, in any
     region (one role for the account, whose jobs run in several: ``region`` names the
     partition)."""
-    partition = "aws-cn" if region.startswith("cn-") else (
-        "aws-us-gov" if region.startswith("us-gov-") else "aws")
+    partition = aws_partition(region)
     return {"Version": "2012-10-17", "Statement": [
         {
             "Sid": "InterruptSpotnbInstances",
@@ -176,8 +177,7 @@ def mover_policy(regions: Sequence[str], account: str,
     ``buckets`` (its region events, its move claims, its checkpoint's size), and its own
     logs. It makes no role and reads no secret: the job's role and instance profile are
     made at its launch, for all its regions."""
-    partition = "aws-cn" if regions[0].startswith("cn-") else (
-        "aws-us-gov" if regions[0].startswith("us-gov-") else "aws")
+    partition = aws_partition(regions[0])
     where = list(dict.fromkeys(regions))
     allowed: str | list[str] = where[0] if len(where) == 1 else where
 

@@ -98,6 +98,12 @@ def template_name(job_id: str) -> str:
     return f"spotnb-{job_id}"
 
 
+def partition(region: str) -> str:
+    """The AWS partition of ``region`` (its ARNs' second field)."""
+    return "aws-cn" if region.startswith("cn-") else (
+        "aws-us-gov" if region.startswith("us-gov-") else "aws")
+
+
 def role_name(job_id: str) -> str:
     return f"spotnb-job-{job_id}"
 
