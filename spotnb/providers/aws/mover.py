@@ -431,7 +431,7 @@ def handler(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
 def _handle(name: str, region: str, owner: str) -> dict[str, Any]:
     from spotnb.providers.aws import AwsProvider
     from spotnb.providers.aws.capacity import MOVE_CLAIM_SECONDS, move_if_dry
-    from spotnb.providers.aws.resources import group_name
+    from spotnb.providers.aws.resources import group_name, s3_location
     from spotnb.providers.aws.store import S3Store
 
     asg = _boto.client("autoscaling", region)
@@ -443,7 +443,7 @@ def _handle(name: str, region: str, owner: str) -> dict[str, Any]:
     job_id, store_uri = str(tags.get(TAG_JOB) or ""), str(tags.get(TAG_STORE) or "")
     if not job_id or not store_uri or group_name(job_id) != name:
         return {"group": name, "moved": False, "why": "not a spotnb job's group"}
-    bucket = store_uri[len("s3://"):].partition("/")[0]
+    bucket = s3_location(store_uri)[0]
     located = _boto.client("s3", region).get_bucket_location(Bucket=bucket)
     store = S3Store.from_uri(store_uri, region=located.get("LocationConstraint")
                              or "us-east-1")
